@@ -1,0 +1,1 @@
+//! CUDA source generation from scheme specs (templates in `templates/`). Filled by the codegen issue.

@@ -1,0 +1,74 @@
+//! Turns attribute tokens back into scheme text while remembering which byte range each token
+//! occupies, so a parser error's byte span maps back to a source span.
+
+use proc_macro2::{Delimiter, Span, TokenStream, TokenTree};
+use std::ops::Range;
+
+pub struct TokenText {
+    pub text: String,
+    spans: Vec<(Range<usize>, Span)>,
+}
+
+impl TokenText {
+    pub fn new(tokens: TokenStream) -> Self {
+        let mut t = TokenText {
+            text: String::new(),
+            spans: Vec::new(),
+        };
+        t.push_stream(tokens);
+        t
+    }
+
+    fn push(&mut self, piece: &str, span: Span) {
+        // Words and numbers need a separator; punctuation does not (keeps `-0.5` one number).
+        let needs_space = self
+            .text
+            .chars()
+            .last()
+            .is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '.')
+            && piece.chars().next().is_some_and(|c| c.is_alphanumeric() || c == '_');
+        if needs_space {
+            self.text.push(' ');
+        }
+        let start = self.text.len();
+        self.text.push_str(piece);
+        self.spans.push((start..self.text.len(), span));
+    }
+
+    fn push_stream(&mut self, tokens: TokenStream) {
+        for tree in tokens {
+            match tree {
+                TokenTree::Group(g) => {
+                    let (open, close) = match g.delimiter() {
+                        Delimiter::Parenthesis => ("(", ")"),
+                        Delimiter::Bracket => ("[", "]"),
+                        Delimiter::Brace => ("{", "}"),
+                        Delimiter::None => ("", ""),
+                    };
+                    self.push(open, g.span_open());
+                    self.push_stream(g.stream());
+                    self.push(close, g.span_close());
+                }
+                TokenTree::Ident(i) => self.push(&i.to_string(), i.span()),
+                TokenTree::Punct(p) => self.push(&p.as_char().to_string(), p.span()),
+                TokenTree::Literal(l) => self.push(&l.to_string(), l.span()),
+            }
+        }
+    }
+
+    /// The span covering every token that overlaps `bytes` (joined where the compiler allows).
+    pub fn span_of(&self, bytes: Range<usize>) -> Span {
+        let hit = |r: &Range<usize>| {
+            if bytes.is_empty() {
+                r.start <= bytes.start && bytes.start < r.end.max(r.start + 1)
+            } else {
+                r.start < bytes.end && bytes.start < r.end
+            }
+        };
+        let mut found = self.spans.iter().filter(|(r, _)| hit(r)).map(|(_, s)| *s);
+        let Some(first) = found.next() else {
+            return self.spans.last().map_or(Span::call_site(), |(_, s)| *s);
+        };
+        found.fold(first, |acc, s| acc.join(s).unwrap_or(acc))
+    }
+}

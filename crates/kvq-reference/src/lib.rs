@@ -1,0 +1,18 @@
+//! kvq's CPU reference. It defines the exact byte layout and numerics every GPU kernel must reproduce,
+//! and is the oracle of all GPU tests.
+//!
+//! Data flow for every scheme: quantize + pack a sequence's K/V (or XQuant's activations) into the
+//! page layout of `docs/LAYOUT.md` → unpack and dequantize back to [`Dequantized`] K̂/V̂ → the one shared
+//! [`attention::decode`] (with CalibQuant's calibration where the scheme asks for it).
+//!
+//! Tensors are head-major `[kv_heads][tokens][head_dim]` `f32` ([`KvTensor`]).
+
+pub mod attention;
+mod error;
+pub mod regions;
+pub mod rope;
+pub mod synth;
+mod tensor;
+
+pub use error::RefError;
+pub use tensor::{Dequantized, KvTensor};

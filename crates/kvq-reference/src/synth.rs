@@ -1,0 +1,252 @@
+//! Seeded synthetic attention layers with the structure that makes KV quantization hard in real
+//! models: heavy-tailed activations, a few "massive" hidden dimensions, key outlier channels (in slowly
+//! rotating RoPE pairs, as observed in LLaMA-family models), attention-sink tokens, RoPE applied, and
+//! queries aligned with the keys so attention is peaky rather than uniform.
+//!
+//! K and V come from an explicit layer (`K = RoPE(X·W_k)`, `V = X·W_v`), so XQuant's rematerialisation
+//! can be checked on the same data; `x_prev` is the previous layer's input for XQuant-CL.
+
+use crate::attention::Queries;
+use crate::rope::Rope;
+use crate::KvTensor;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal, StudentT};
+
+/// Shape and structure of a synthetic layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SynthConfig {
+    pub tokens: usize,
+    pub kv_heads: usize,
+    /// Query heads per KV head (GQA group).
+    pub gqa: usize,
+    pub head_dim: usize,
+    /// Hidden size of the layer input X.
+    pub d_model: usize,
+    /// RoPE pairs per head whose key channels carry outliers.
+    pub outlier_pairs: usize,
+    /// Leading tokens with massive activations (attention sinks).
+    pub sink_tokens: usize,
+    pub seed: u64,
+}
+
+impl Default for SynthConfig {
+    fn default() -> Self {
+        Self {
+            tokens: 1024,
+            kv_heads: 2,
+            gqa: 4,
+            head_dim: 128,
+            d_model: 256,
+            outlier_pairs: 4,
+            sink_tokens: 4,
+            seed: 0x6b76_71,
+        }
+    }
+}
+
+/// The layer that produced the K/V: inputs and projection weights (row-major `[in][out]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SynthLayer {
+    /// `[tokens][d_model]` layer input.
+    pub x: Vec<f32>,
+    /// `[tokens][d_model]` previous layer's input (X differs from it by a residual update).
+    pub x_prev: Vec<f32>,
+    /// `[d_model][kv_heads·head_dim]`.
+    pub w_k: Vec<f32>,
+    /// `[d_model][kv_heads·head_dim]`.
+    pub w_v: Vec<f32>,
+    pub d_model: usize,
+}
+
+/// A synthetic decode step: cached K/V of `tokens` tokens and the next token's queries.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SynthKv {
+    pub config: SynthConfig,
+    /// Keys before RoPE (what CommVQ encodes).
+    pub k_pre_rope: KvTensor,
+    /// Keys after RoPE at positions `0..tokens` (what scalar schemes quantize).
+    pub k: KvTensor,
+    pub v: KvTensor,
+    /// Queries of the next token, RoPE at position `tokens`.
+    pub q: Queries,
+    pub rope: Rope,
+    pub layer: SynthLayer,
+}
+
+/// `[rows][inner] × [inner][cols]` row-major.
+pub fn matmul(a: &[f32], b: &[f32], rows: usize, inner: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; rows * cols];
+    for r in 0..rows {
+        let o = &mut out[r * cols..(r + 1) * cols];
+        for (i, &x) in a[r * inner..(r + 1) * inner].iter().enumerate() {
+            if x == 0.0 {
+                continue;
+            }
+            for (oc, w) in o.iter_mut().zip(&b[i * cols..(i + 1) * cols]) {
+                *oc += x * w;
+            }
+        }
+    }
+    out
+}
+
+/// Splits `[tokens][kv_heads·head_dim]` into head-major `[kv_heads][tokens][head_dim]`.
+pub fn to_head_major(flat: &[f32], tokens: usize, kv_heads: usize, head_dim: usize) -> KvTensor {
+    let mut t = KvTensor::zeros(kv_heads, tokens, head_dim);
+    for tok in 0..tokens {
+        for h in 0..kv_heads {
+            let src = &flat[(tok * kv_heads + h) * head_dim..(tok * kv_heads + h + 1) * head_dim];
+            t.row_mut(h, tok).copy_from_slice(src);
+        }
+    }
+    t
+}
+
+/// Generates a layer and its K/V/queries; the same config always gives the same data.
+pub fn generate(cfg: &SynthConfig) -> SynthKv {
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
+    let (l, dm, h, d) = (cfg.tokens, cfg.d_model, cfg.kv_heads, cfg.head_dim);
+    let kvd = h * d;
+    let tails = StudentT::new(5.0).expect("valid degrees of freedom");
+    let normal = Normal::new(0.0, 1.0).expect("valid normal");
+    let massive: Vec<usize> = (0..2).map(|_| rng.random_range(0..dm)).collect();
+
+    // X: heavy-tailed noise + a slowly drifting "topic" + massive dims, huge on sink tokens.
+    let mut topic = vec![0.0f32; dm];
+    let mut x_prev = vec![0.0f32; l * dm];
+    for t in 0..l {
+        for (j, tp) in topic.iter_mut().enumerate() {
+            *tp = 0.97 * *tp + 0.25 * normal.sample(&mut rng) as f32;
+            let mut val = tails.sample(&mut rng) as f32 * 0.6 + *tp;
+            if massive.contains(&j) {
+                val += if t < cfg.sink_tokens { 60.0 } else { 4.0 };
+            }
+            x_prev[t * dm + j] = val;
+        }
+    }
+    // The layer's residual update: X = X_prev + a smaller, correlated change.
+    let x: Vec<f32> = x_prev
+        .iter()
+        .map(|p| p + 0.2 * normal.sample(&mut rng) as f32 + 0.05 * p)
+        .collect();
+
+    let w_scale = 1.0 / (dm as f64).sqrt();
+    let mut w_k: Vec<f32> = (0..dm * kvd).map(|_| (normal.sample(&mut rng) * w_scale) as f32).collect();
+    let w_v: Vec<f32> = (0..dm * kvd).map(|_| (normal.sample(&mut rng) * w_scale) as f32).collect();
+    // Key outlier channels: both channels of a few low-frequency RoPE pairs, scaled up.
+    let half = d / 2;
+    for head in 0..h {
+        for _ in 0..cfg.outlier_pairs {
+            let pair = rng.random_range(half * 3 / 4..half);
+            let gain = rng.random_range(6.0..12.0f32);
+            for ch in [pair, pair + half] {
+                let col = head * d + ch;
+                for row in 0..dm {
+                    w_k[row * kvd + col] *= gain;
+                }
+            }
+        }
+    }
+
+    let rope = Rope::default();
+    let k_pre = to_head_major(&matmul(&x, &w_k, l, dm, kvd), l, h, d);
+    let v = to_head_major(&matmul(&x, &w_v, l, dm, kvd), l, h, d);
+    let mut k = k_pre.clone();
+    for head in 0..h {
+        for t in 0..l {
+            rope.apply(k.row_mut(head, t), t);
+        }
+    }
+
+    // Queries: the next token's input through W_k-like projections (plus per-head noise), so
+    // queries share the keys' outlier channels and favour the sink tokens, as in real models.
+    let x_next: Vec<f32> = (0..dm)
+        .map(|j| x[(l.max(1) - 1) * dm + j] * 0.5 + tails.sample(&mut rng) as f32 * 0.5)
+        .collect();
+    let q_heads = h * cfg.gqa;
+    let mut q = vec![0.0f32; q_heads * d];
+    for qh in 0..q_heads {
+        let kvh = qh / cfg.gqa;
+        let mut w_q = vec![0.0f32; dm * d];
+        for row in 0..dm {
+            for c in 0..d {
+                w_q[row * d + c] = w_k[row * kvd + kvh * d + c] + (normal.sample(&mut rng) * w_scale) as f32;
+            }
+        }
+        let mut qv = matmul(&x_next, &w_q, 1, dm, d);
+        rope.apply(&mut qv, l);
+        // Temper logits to a realistic spread: std of q·k/sqrt(d) over the cached tokens ≈ 2.
+        let logits: Vec<f64> = (0..l)
+            .map(|t| {
+                let kt = k.row(kvh, t);
+                qv.iter().zip(kt).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() / (d as f64).sqrt()
+            })
+            .collect();
+        let mean = logits.iter().sum::<f64>() / l.max(1) as f64;
+        let std = (logits.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / l.max(1) as f64).sqrt();
+        let s = if std > 0.0 { (2.0 / std) as f32 } else { 1.0 };
+        for (dst, src) in q[qh * d..(qh + 1) * d].iter_mut().zip(qv) {
+            *dst = src * s;
+        }
+    }
+
+    SynthKv {
+        config: *cfg,
+        k_pre_rope: k_pre,
+        k,
+        v,
+        q: Queries {
+            data: q,
+            q_heads,
+            head_dim: d,
+        },
+        rope,
+        layer: SynthLayer {
+            x,
+            x_prev,
+            w_k,
+            w_v,
+            d_model: dm,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention;
+
+    fn small() -> SynthConfig {
+        SynthConfig { tokens: 300, kv_heads: 2, gqa: 2, head_dim: 64, d_model: 96, ..Default::default() }
+    }
+
+    #[test]
+    fn same_seed_same_data_other_seed_other_data() {
+        let a = generate(&small());
+        assert_eq!(a, generate(&small()));
+        let b = generate(&SynthConfig { seed: 7, ..small() });
+        assert_ne!(a.k, b.k);
+    }
+
+    #[test]
+    fn keys_have_outlier_channels_and_sinks_draw_attention() {
+        let s = generate(&small());
+        let d = s.config.head_dim;
+        // Mean |k| per channel: the largest is far above the median.
+        let mut mags: Vec<f64> = (0..d)
+            .map(|c| (0..s.k.tokens).map(|t| s.k.row(0, t)[c].abs() as f64).sum::<f64>())
+            .collect();
+        mags.sort_by(f64::total_cmp);
+        assert!(mags[d - 1] > 4.0 * mags[d / 2], "no outlier channel: {mags:?}");
+        // Sink tokens take far more than their share of attention.
+        let p = attention::probabilities(&s.q, &s.k, &vec![false; s.k.tokens], None).unwrap();
+        let l = s.k.tokens;
+        let sink_mass: f64 = (0..s.q.q_heads)
+            .map(|h| p[h * l..h * l + s.config.sink_tokens].iter().sum::<f64>())
+            .sum::<f64>()
+            / s.q.q_heads as f64;
+        assert!(sink_mass > 10.0 * s.config.sink_tokens as f64 / l as f64, "sink mass {sink_mass}");
+        assert!(s.k.data.iter().all(|x| x.is_finite()));
+    }
+}
