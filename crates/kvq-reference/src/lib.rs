@@ -8,11 +8,16 @@
 //! Tensors are head-major `[kv_heads][tokens][head_dim]` `f32` ([`KvTensor`]).
 
 pub mod attention;
+pub mod commvq;
 mod error;
+pub mod footprint;
+pub mod int;
+pub mod pack;
 pub mod regions;
 pub mod rope;
 pub mod synth;
 mod tensor;
+pub mod xquant;
 
 pub use error::RefError;
 pub use tensor::{Dequantized, KvTensor};

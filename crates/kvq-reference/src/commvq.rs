@@ -1,0 +1,1 @@
+//! CommVQ: RoPE-commutative additive codebooks for keys, binary additive codebooks for values.

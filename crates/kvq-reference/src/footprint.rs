@@ -1,0 +1,1 @@
+//! Exact memory accounting: bytes per sequence and effective bits per element.

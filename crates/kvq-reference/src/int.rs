@@ -1,0 +1,1 @@
+//! Integer quantization (KIVI, Kitty, CalibQuant, INT8) and the FP16 regions.

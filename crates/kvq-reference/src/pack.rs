@@ -1,0 +1,1 @@
+//! Bit packing of integer codes.

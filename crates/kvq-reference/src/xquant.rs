@@ -1,0 +1,1 @@
+//! XQuant: cache quantized layer-input latents and rematerialise K and V.
