@@ -1,1 +1,25 @@
-//! CUDA source generation from scheme specs (templates in `templates/`). Filled by the codegen issue.
+//! Scheme + kernel shape + tuning parameters in, CUDA C++ source and launch metadata out.
+//!
+//! No I/O and no GPU: everything here runs (and is tested) on a CPU. Templates live in the
+//! workspace's `templates/` folder and are embedded at compile time. The generated source is
+//! header-free (its own half/bf16 conversions through PTX), so the driver and libnvrtc suffice.
+//!
+//! ```
+//! use kvq_codegen::{decode_kernels, Dtype, KernelShape, TuneParams};
+//! let spec = kvq_spec::SchemeSpec::parse("k = int(2, channel), v = int(2, token), local = 128").unwrap();
+//! let shape = KernelShape::new(128, 4, Dtype::F16);
+//! let kernels = decode_kernels(&spec, &shape, &TuneParams::default_for(&shape)).unwrap();
+//! assert!(kernels.source.contains(&kernels.decode.name));
+//! ```
+
+mod context;
+mod decode;
+mod error;
+mod shape;
+mod templates;
+mod tune;
+
+pub use decode::{decode_kernels, DecodeKernels, KernelEntry};
+pub use error::CodegenError;
+pub use shape::{Dtype, KernelShape};
+pub use tune::TuneParams;

@@ -1,0 +1,143 @@
+//! The typed context templates render from. Every field is always present (FP16 tensors fill the
+//! integer fields with zeros), because Tera treats a missing field in `{% if %}` as false instead of
+//! failing: a typo must not silently select the wrong code path.
+
+use crate::CodegenError;
+use kvq_reference::int::{fp16_block_bytes, IntLayout};
+use kvq_reference::pack;
+use kvq_spec::{Axis, SchemeSpec, TensorQuant};
+use serde::Serialize;
+
+/// One cached tensor (K or V) as the kernel sees it: its kind and its page layout in bytes.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct TensorCtx {
+    /// Name prefix of the emitted functions: "k" or "v".
+    pub prefix: &'static str,
+    /// "fp16" or "int".
+    pub kind: &'static str,
+    pub description: String,
+    pub block_bytes: usize,
+    pub local: u32,
+    pub tail_capacity: u32,
+    pub bits: u8,
+    pub per_word: u32,
+    pub mask: u32,
+    pub low_plane_words: usize,
+    /// "channel" or "token".
+    pub axis: &'static str,
+    pub symmetric: bool,
+    pub offset: u32,
+    pub group: usize,
+    pub groups_per_token: usize,
+    pub row_words: usize,
+    pub codes_offset: usize,
+    pub scales_offset: usize,
+    pub zeros_offset: usize,
+    pub boost: bool,
+    pub high_bits: u8,
+    pub high_per_word: u32,
+    pub high_mask: u32,
+    pub high_row_words: usize,
+    pub high_offset: usize,
+    pub map_offset: usize,
+}
+
+impl TensorCtx {
+    pub(crate) fn new(
+        prefix: &'static str,
+        spec: &SchemeSpec,
+        quant: &TensorQuant,
+        head_dim: usize,
+    ) -> Result<Self, CodegenError> {
+        let page = spec.page as usize;
+        let local = spec.local_of(quant);
+        let mut ctx = TensorCtx {
+            prefix,
+            kind: "fp16",
+            description: quant.to_string(),
+            block_bytes: fp16_block_bytes(head_dim, page),
+            local,
+            tail_capacity: local + spec.page,
+            bits: 16,
+            per_word: 0,
+            mask: 0,
+            low_plane_words: 0,
+            axis: "channel",
+            symmetric: false,
+            offset: 0,
+            group: head_dim,
+            groups_per_token: 1,
+            row_words: 0,
+            codes_offset: 0,
+            scales_offset: 0,
+            zeros_offset: 0,
+            boost: false,
+            high_bits: 0,
+            high_per_word: 0,
+            high_mask: 0,
+            high_row_words: 0,
+            high_offset: 0,
+            map_offset: 0,
+        };
+        match quant {
+            TensorQuant::Fp16 => Ok(ctx),
+            TensorQuant::Int(q) => {
+                let l = IntLayout::new(q, head_dim, page)?;
+                let plane = |bits: u8| 32 / u32::from(if bits == 3 { 2 } else { bits });
+                ctx.kind = "int";
+                ctx.block_bytes = l.block_bytes;
+                ctx.bits = q.bits;
+                ctx.per_word = plane(q.bits);
+                ctx.mask = (1u32 << q.bits) - 1;
+                ctx.low_plane_words = if q.bits == 3 { pack::plane_words(2, head_dim) } else { l.row_words };
+                ctx.axis = match q.axis {
+                    Axis::Channel => "channel",
+                    Axis::Token => "token",
+                };
+                ctx.symmetric = q.symmetric;
+                ctx.offset = l.quant.offset();
+                ctx.group = l.group;
+                ctx.groups_per_token = head_dim / l.group;
+                ctx.row_words = l.row_words;
+                ctx.codes_offset = l.codes.offset;
+                ctx.scales_offset = l.scales.offset;
+                ctx.zeros_offset = l.zeros.offset;
+                if let Some(b) = l.boost {
+                    ctx.boost = true;
+                    ctx.high_bits = b.high_bits;
+                    ctx.high_per_word = 32 / u32::from(b.high_bits);
+                    ctx.high_mask = (1u32 << b.high_bits) - 1;
+                    ctx.high_row_words = b.high_row_words;
+                    ctx.high_offset = l.high.offset;
+                    ctx.map_offset = l.map.offset;
+                }
+                Ok(ctx)
+            }
+            TensorQuant::Codebook(_) => Err(CodegenError::Unsupported {
+                family: "decode",
+                what: format!("codebook tensors ({quant}); the CPU reference covers them"),
+            }),
+        }
+    }
+}
+
+/// Everything `decode.cu.tera` renders from.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct DecodeCtx {
+    pub scheme_text: String,
+    pub head_dim: u32,
+    pub gqa: u32,
+    pub dtype: String,
+    pub page: u32,
+    pub sink: u32,
+    pub threads: u32,
+    pub tile: u32,
+    pub k: TensorCtx,
+    pub v: TensorCtx,
+    pub calibrate: bool,
+    pub tau1: f32,
+    pub tau2: f32,
+    pub decode_name: String,
+    pub range_name: String,
+    pub combine_name: String,
+}

@@ -1,0 +1,169 @@
+//! The fused split-K decode kernels of the integer and FP16 schemes, with their launch metadata.
+
+use crate::context::{DecodeCtx, TensorCtx};
+use crate::templates::render;
+use crate::{CodegenError, KernelShape, TuneParams};
+use kvq_spec::{CacheSource, SchemeSpec};
+use serde::Serialize;
+
+/// One `extern "C"` entry point of a generated module and how to launch it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct KernelEntry {
+    pub name: String,
+    /// Parameters in order, as `(C type, name)`.
+    pub params: Vec<(String, String)>,
+    /// Grid as formulas of the launch's values.
+    pub grid: [String; 3],
+    pub block: u32,
+    /// Dynamic shared memory (all of kvq's kernels use static shared memory today).
+    pub dynamic_shared_bytes: u32,
+}
+
+/// Generated source of one scheme × shape × tuning, and what it takes to run it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DecodeKernels {
+    pub scheme: String,
+    pub shape: KernelShape,
+    pub tune: TuneParams,
+    pub source: String,
+    /// Split-K decode: writes per-split partial results.
+    pub decode: KernelEntry,
+    /// Merges the splits into the output.
+    pub combine: KernelEntry,
+    /// CalibQuant's score-range pass (before `decode`), when the scheme calibrates.
+    pub range: Option<KernelEntry>,
+    /// Bytes of one K page block and one V page block of one KV head.
+    pub k_block_bytes: usize,
+    pub v_block_bytes: usize,
+    /// FP16 tail ring capacity (tokens) per KV head, for K and V (0 for FP16 tensors).
+    pub k_tail_capacity: u32,
+    pub v_tail_capacity: u32,
+}
+
+fn param(ty: &str, name: &str) -> (String, String) {
+    (ty.to_string(), name.to_string())
+}
+
+/// A stable identifier of scheme × shape × tuning, for kernel names and caches (FNV-1a).
+fn kernel_id(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> String {
+    let key = format!("{spec}|{shape:?}|{tune:?}");
+    let h = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    format!("{h:016x}")
+}
+
+/// Renders the decode kernels for a scheme, shape and tuning.
+pub fn decode_kernels(
+    spec: &SchemeSpec,
+    shape: &KernelShape,
+    tune: &TuneParams,
+) -> Result<DecodeKernels, CodegenError> {
+    tune.validate()?;
+    if shape.gqa == 0 || shape.gqa > 64 {
+        return Err(CodegenError::Shape(format!("gqa = {} (expected 1..=64)", shape.gqa)));
+    }
+    spec.check_shape(shape.head_dim, 1)?;
+    if shape.head_dim > 512 {
+        return Err(CodegenError::Shape(format!("head_dim = {} (at most 512)", shape.head_dim)));
+    }
+    if let CacheSource::X(_) = spec.source {
+        return Err(CodegenError::Unsupported {
+            family: "decode",
+            what: format!("`{spec}` (XQuant rematerialisation; the CPU reference covers it)"),
+        });
+    }
+    let d = shape.head_dim as usize;
+    let k = TensorCtx::new("k", spec, &spec.k, d)?;
+    let v = TensorCtx::new("v", spec, &spec.v, d)?;
+    let id = kernel_id(spec, shape, tune);
+    let calibrate = spec.calibrate;
+    let ctx = DecodeCtx {
+        scheme_text: spec.to_string(),
+        head_dim: shape.head_dim,
+        gqa: shape.gqa,
+        dtype: shape.dtype.to_string(),
+        page: spec.page,
+        sink: spec.sink,
+        threads: tune.threads,
+        tile: tune.tile_tokens,
+        k: k.clone(),
+        v: v.clone(),
+        calibrate: calibrate.is_some(),
+        tau1: calibrate.map_or(0.0, |c| c.tau1),
+        tau2: calibrate.map_or(0.0, |c| c.tau2),
+        decode_name: format!("kvq_decode_{id}"),
+        range_name: format!("kvq_score_range_{id}"),
+        combine_name: format!("kvq_combine_{id}"),
+    };
+    let source = render("decode.cu.tera", &ctx)?;
+    let split_grid = || {
+        [
+            "num_splits".to_string(),
+            "kv_heads".to_string(),
+            "batch".to_string(),
+        ]
+    };
+    let decode = KernelEntry {
+        name: ctx.decode_name.clone(),
+        params: vec![
+            param("const uint16_t*", "q"),
+            param("const uint8_t*", "k_pool"),
+            param("const uint8_t*", "v_pool"),
+            param("const int32_t*", "page_table"),
+            param("int32_t", "max_pages"),
+            param("const uint16_t*", "k_sink"),
+            param("const uint16_t*", "v_sink"),
+            param("const uint16_t*", "k_tail"),
+            param("const uint16_t*", "v_tail"),
+            param("const int32_t*", "seq_lens"),
+            param("const float*", "score_range"),
+            param("float*", "part_acc"),
+            param("float*", "part_ml"),
+        ],
+        grid: split_grid(),
+        block: tune.threads,
+        dynamic_shared_bytes: 0,
+    };
+    let combine = KernelEntry {
+        name: ctx.combine_name.clone(),
+        params: vec![
+            param("const float*", "part_acc"),
+            param("const float*", "part_ml"),
+            param("uint16_t*", "out"),
+            param("int32_t", "num_splits"),
+        ],
+        grid: ["q_heads".into(), "batch".into(), "1".into()],
+        block: shape.head_dim,
+        dynamic_shared_bytes: 0,
+    };
+    let range = calibrate.map(|_| KernelEntry {
+        name: ctx.range_name.clone(),
+        params: vec![
+            param("const uint16_t*", "q"),
+            param("const uint8_t*", "k_pool"),
+            param("const int32_t*", "page_table"),
+            param("int32_t", "max_pages"),
+            param("const uint16_t*", "k_sink"),
+            param("const uint16_t*", "k_tail"),
+            param("const int32_t*", "seq_lens"),
+            param("float*", "score_range"),
+        ],
+        grid: split_grid(),
+        block: tune.threads,
+        dynamic_shared_bytes: 0,
+    });
+    Ok(DecodeKernels {
+        scheme: spec.to_string(),
+        shape: *shape,
+        tune: *tune,
+        source,
+        decode,
+        combine,
+        range,
+        k_block_bytes: k.block_bytes,
+        v_block_bytes: v.block_bytes,
+        k_tail_capacity: if k.kind == "int" { k.tail_capacity } else { 0 },
+        v_tail_capacity: if v.kind == "int" { v.tail_capacity } else { 0 },
+    })
+}
