@@ -40,7 +40,7 @@ impl Default for SynthConfig {
             d_model: 256,
             outlier_pairs: 4,
             sink_tokens: 4,
-            seed: 0x6b76_71,
+            seed: 0x006b_7671,
         }
     }
 }

@@ -1,0 +1,211 @@
+//! Loading a scheme's decode kernels and launching them.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use kvq_codegen::{decode_kernels, DecodeKernels, KernelShape, TuneParams};
+use kvq_spec::SchemeSpec;
+
+use super::cache::GpuCache;
+use crate::error::{Result, RuntimeError};
+use crate::jit::Jit;
+use crate::nvrtc::{CompileOptions, Source};
+
+/// The compiled decode kernels of one scheme × shape × tuning.
+pub struct DecodeKernel {
+    spec: SchemeSpec,
+    generated: DecodeKernels,
+    decode: CudaFunction,
+    combine: CudaFunction,
+    range: Option<CudaFunction>,
+}
+
+/// Per-launch scratch (split partials, calibration ranges), reusable across steps of the same
+/// batch size, KV heads and split count.
+pub struct DecodeScratch {
+    splits: usize,
+    rows: usize,
+    part_acc: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+    score_range: CudaSlice<f32>,
+}
+
+fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
+    move |e| RuntimeError::launch(name, e)
+}
+
+impl DecodeScratch {
+    /// Scratch for `batch` sequences of `q_heads` query heads of `head_dim`, split `splits` ways.
+    /// Filled with NaN, so a partial result the kernel forgot to write cannot pass a check.
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        batch: usize,
+        q_heads: usize,
+        head_dim: usize,
+        splits: usize,
+    ) -> Result<DecodeScratch> {
+        let rows = batch * q_heads;
+        let nan = |n: usize, what: &str| {
+            stream
+                .clone_htod(&vec![f32::NAN; n.max(1)])
+                .map_err(|e| RuntimeError::driver(format!("allocate {what}"), e))
+        };
+        Ok(DecodeScratch {
+            splits,
+            rows,
+            part_acc: nan(rows * splits * head_dim, "split partial outputs")?,
+            part_ml: nan(rows * splits * 2, "split softmax statistics")?,
+            score_range: nan(rows * splits * 2, "calibration score ranges")?,
+        })
+    }
+
+    /// Split-K partitions this scratch was sized for.
+    pub fn splits(&self) -> usize {
+        self.splits
+    }
+}
+
+impl DecodeKernel {
+    /// Generates, compiles (through the JIT's caches) and loads the kernels.
+    pub fn load(
+        jit: &Jit,
+        spec: &SchemeSpec,
+        shape: &KernelShape,
+        tune: &TuneParams,
+    ) -> Result<DecodeKernel> {
+        let generated = decode_kernels(spec, shape, tune)?;
+        let source = Source::new(
+            format!("{}.cu", generated.decode.name),
+            generated.source.clone(),
+        );
+        let mut names = vec![
+            generated.decode.name.as_str(),
+            generated.combine.name.as_str(),
+        ];
+        if let Some(r) = &generated.range {
+            names.push(r.name.as_str());
+        }
+        let mut functions = jit
+            .functions(&source, &names, &CompileOptions::default())?
+            .into_iter();
+        let mut next = || {
+            functions.next().ok_or_else(|| {
+                RuntimeError::InvalidInput("kernel list shorter than requested".into())
+            })
+        };
+        let decode = next()?;
+        let combine = next()?;
+        let range = if generated.range.is_some() {
+            Some(next()?)
+        } else {
+            None
+        };
+        Ok(DecodeKernel {
+            spec: *spec,
+            generated,
+            decode,
+            combine,
+            range,
+        })
+    }
+
+    /// The generated source and launch metadata.
+    pub fn generated(&self) -> &DecodeKernels {
+        &self.generated
+    }
+
+    /// Enqueues decode attention for every sequence of `cache` on `stream` (no host
+    /// synchronisation): `q` is `[batch][kv_heads·gqa][head_dim]`, `out` the same shape, both in the
+    /// kernel's dtype (16-bit words).
+    pub fn attend(
+        &self,
+        stream: &Arc<CudaStream>,
+        cache: &GpuCache,
+        q: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+        scratch: &mut DecodeScratch,
+    ) -> Result<()> {
+        let shape = self.generated.shape;
+        let d = shape.head_dim as usize;
+        let q_heads = cache.kv_heads * shape.gqa as usize;
+        if cache.spec != self.spec {
+            return Err(RuntimeError::InvalidInput(format!(
+                "cache holds scheme `{}`, kernel is for `{}`",
+                cache.spec, self.spec
+            )));
+        }
+        if cache.head_dim != d {
+            return Err(RuntimeError::InvalidInput(format!(
+                "cache head_dim {} but kernel head_dim {d}",
+                cache.head_dim
+            )));
+        }
+        let need = cache.batch * q_heads * d;
+        if q.len() != need || out.len() != need {
+            return Err(RuntimeError::InvalidInput(format!(
+                "q and out must hold [batch {}][q_heads {q_heads}][head_dim {d}] = {need} values, got {} and {}",
+                cache.batch,
+                q.len(),
+                out.len()
+            )));
+        }
+        if scratch.rows != cache.batch * q_heads {
+            return Err(RuntimeError::InvalidInput(format!(
+                "scratch was made for {} query rows, this launch has {}",
+                scratch.rows,
+                cache.batch * q_heads
+            )));
+        }
+        let splits = scratch.splits as u32;
+        let max_pages = cache.max_pages as i32;
+        let split_cfg = LaunchConfig {
+            grid_dim: (splits, cache.kv_heads as u32, cache.batch as u32),
+            block_dim: (self.generated.decode.block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        if let (Some(range), Some(entry)) = (&self.range, &self.generated.range) {
+            let mut b = stream.launch_builder(range);
+            b.arg(q)
+                .arg(&cache.k_pool)
+                .arg(&cache.page_table)
+                .arg(&max_pages)
+                .arg(&cache.k_sink)
+                .arg(&cache.k_tail)
+                .arg(&cache.seq_lens)
+                .arg(&mut scratch.score_range);
+            // SAFETY: arguments match the kernel's parameter list (KernelEntry::params), and every
+            // buffer was sized above for this grid.
+            unsafe { b.launch(split_cfg) }.map_err(launch_err(&entry.name))?;
+        }
+        let mut b = stream.launch_builder(&self.decode);
+        b.arg(q)
+            .arg(&cache.k_pool)
+            .arg(&cache.v_pool)
+            .arg(&cache.page_table)
+            .arg(&max_pages)
+            .arg(&cache.k_sink)
+            .arg(&cache.v_sink)
+            .arg(&cache.k_tail)
+            .arg(&cache.v_tail)
+            .arg(&cache.seq_lens)
+            .arg(&scratch.score_range)
+            .arg(&mut scratch.part_acc)
+            .arg(&mut scratch.part_ml);
+        // SAFETY: as above.
+        unsafe { b.launch(split_cfg) }.map_err(launch_err(&self.generated.decode.name))?;
+        let splits_i32 = splits as i32;
+        let mut b = stream.launch_builder(&self.combine);
+        b.arg(&scratch.part_acc)
+            .arg(&scratch.part_ml)
+            .arg(out)
+            .arg(&splits_i32);
+        let cfg = LaunchConfig {
+            grid_dim: (q_heads as u32, cache.batch as u32, 1),
+            block_dim: (self.generated.combine.block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as above.
+        unsafe { b.launch(cfg) }.map_err(launch_err(&self.generated.combine.name))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,14 @@
+//! Fused decode attention on the GPU: load the generated kernels for a scheme and shape
+//! ([`DecodeKernel`]), hold a batch's paged cache in device memory ([`GpuCache`]), and run the
+//! split-K decode + combine on a stream ([`DecodeKernel::attend`]).
+//!
+//! The cache here is uploaded from the CPU reference's packed bytes (`kvq_reference::int`), so the
+//! GPU reads exactly the layout the reference defines (`docs/LAYOUT.md`).
+
+mod cache;
+mod kernel;
+mod splits;
+
+pub use cache::GpuCache;
+pub use kernel::{DecodeKernel, DecodeScratch};
+pub use splits::default_splits;

@@ -1,0 +1,245 @@
+//! GPU discovery and properties through the CUDA driver API.
+//!
+//! [`Device::open`] checks that `libcuda` loads, initialises the driver, checks the ordinal
+//! against the device count, retains the device's primary context (cudarc's [`CudaContext`])
+//! and reads the properties kvq's code generator, autotuner and benchmarks need
+//! ([`DeviceProps`]). Each failure is a typed [`RuntimeError`]: no driver library, no GPU,
+//! ordinal out of range, or the driver call that failed.
+
+use std::fmt;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUdevice_attribute};
+use cudarc::driver::{CudaContext, CudaStream};
+use serde::{Deserialize, Serialize};
+
+use crate::arch::Arch;
+use crate::error::{Result, RuntimeError};
+use crate::libs::ensure_driver;
+
+/// The CUDA version the driver supports (`cuDriverGetVersion`: 13000 → 13.0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct DriverVersion {
+    /// Major.
+    pub major: u32,
+    /// Minor.
+    pub minor: u32,
+}
+
+impl fmt::Display for DriverVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CUDA {}.{}", self.major, self.minor)
+    }
+}
+
+/// The CUDA version of the installed driver. Needs `libcuda`, not a GPU.
+pub fn driver_version() -> Result<DriverVersion> {
+    ensure_driver()?;
+    let mut v: std::ffi::c_int = 0;
+    // SAFETY: the library is present; `v` is valid for writes. Needs no cuInit.
+    let r = unsafe { sys::cuDriverGetVersion(&mut v) };
+    r.result()
+        .map_err(|e| RuntimeError::driver("cuDriverGetVersion", e))?;
+    let v = v.max(0) as u32;
+    Ok(DriverVersion {
+        major: v / 1000,
+        minor: (v % 1000) / 10,
+    })
+}
+
+/// Initialises the driver; `Ok(false)` when it reports no device at all.
+fn init_driver() -> Result<bool> {
+    ensure_driver()?;
+    match cudarc::driver::result::init() {
+        Ok(()) => Ok(true),
+        Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE => Ok(false),
+        Err(e) => Err(RuntimeError::driver("cuInit", e)),
+    }
+}
+
+/// How many GPUs the driver reports (0 when it loads but finds none).
+pub fn device_count() -> Result<usize> {
+    if !init_driver()? {
+        return Ok(0);
+    }
+    match cudarc::driver::result::device::get_count() {
+        Ok(n) => Ok(n.max(0) as usize),
+        Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE => Ok(0),
+        Err(e) => Err(RuntimeError::driver("cuDeviceGetCount", e)),
+    }
+}
+
+/// What kvq needs to know about a GPU. Serializable, so tuning results can record it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceProps {
+    /// Driver ordinal.
+    pub ordinal: usize,
+    /// Marketing name, e.g. `NVIDIA H100 80GB HBM3`.
+    pub name: String,
+    /// `(major, minor)`.
+    pub compute_capability: (u32, u32),
+    /// The architecture the JIT compiles for ([`Arch::for_compute_capability`]).
+    pub arch: Arch,
+    /// Streaming multiprocessors.
+    pub sm_count: u32,
+    /// L2 cache, bytes.
+    pub l2_bytes: u64,
+    /// Device memory, bytes.
+    pub total_memory_bytes: u64,
+    /// Largest dynamic shared memory a block can opt into, bytes.
+    pub max_shared_memory_per_block_optin: u32,
+    /// Memory bus width, bits.
+    pub memory_bus_width_bits: u32,
+    /// Peak memory clock, kHz.
+    pub memory_clock_khz: u32,
+    /// The driver's CUDA version.
+    pub driver: DriverVersion,
+}
+
+impl DeviceProps {
+    /// Theoretical peak DRAM bandwidth in GB/s (double data rate × bus width), a ceiling to
+    /// compare measured copy bandwidth against.
+    pub fn peak_memory_bandwidth_gbps(&self) -> f64 {
+        2.0 * self.memory_clock_khz as f64 * 1e3 * (self.memory_bus_width_bits as f64 / 8.0) / 1e9
+    }
+}
+
+impl fmt::Display for DeviceProps {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "GPU {}: {} (compute {}.{}, {}, {} SMs, {} MiB L2, {} MiB memory, {})",
+            self.ordinal,
+            self.name,
+            self.compute_capability.0,
+            self.compute_capability.1,
+            self.arch,
+            self.sm_count,
+            self.l2_bytes >> 20,
+            self.total_memory_bytes >> 20,
+            self.driver
+        )
+    }
+}
+
+/// An opened GPU: its primary context and its properties. Cheap to clone.
+#[derive(Clone)]
+pub struct Device {
+    ctx: Arc<CudaContext>,
+    props: Arc<DeviceProps>,
+}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Device")
+            .field("props", &self.props)
+            .finish()
+    }
+}
+
+impl Device {
+    /// Opens GPU `ordinal`.
+    pub fn open(ordinal: usize) -> Result<Device> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(RuntimeError::NoGpu { ordinal, count });
+        }
+        let driver = driver_version()?;
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| RuntimeError::driver(format!("create a context on GPU {ordinal}"), e))?;
+        let attr = |a: CUdevice_attribute, what: &str| -> Result<u32> {
+            ctx.attribute(a)
+                .map(|v| v.max(0) as u32)
+                .map_err(|e| RuntimeError::driver(format!("cuDeviceGetAttribute({what})"), e))
+        };
+        let name = ctx
+            .name()
+            .map_err(|e| RuntimeError::driver("cuDeviceGetName", e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| RuntimeError::driver("cuDeviceGetAttribute(compute capability)", e))?;
+        let (major, minor) = (major.max(0) as u32, minor.max(0) as u32);
+        let total_memory_bytes =
+            ctx.total_mem()
+                .map_err(|e| RuntimeError::driver("cuDeviceTotalMem", e))? as u64;
+        let props = DeviceProps {
+            ordinal,
+            name,
+            compute_capability: (major, minor),
+            arch: Arch::for_compute_capability(major, minor),
+            sm_count: attr(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                "multiprocessor count",
+            )?,
+            l2_bytes: attr(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE,
+                "L2 cache size",
+            )? as u64,
+            total_memory_bytes,
+            max_shared_memory_per_block_optin: attr(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                "max shared memory per block (opt-in)",
+            )?,
+            memory_bus_width_bits: attr(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH,
+                "memory bus width",
+            )?,
+            memory_clock_khz: attr(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE,
+                "memory clock rate",
+            )?,
+            driver,
+        };
+        Ok(Device {
+            ctx,
+            props: Arc::new(props),
+        })
+    }
+
+    /// The properties read at open.
+    pub fn props(&self) -> &DeviceProps {
+        &self.props
+    }
+
+    /// The architecture the JIT compiles for on this device.
+    pub fn arch(&self) -> Arch {
+        self.props.arch
+    }
+
+    /// The driver ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.props.ordinal
+    }
+
+    /// cudarc's context (allocate buffers, create streams and events through it).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The context's default stream.
+    pub fn default_stream(&self) -> Arc<CudaStream> {
+        self.ctx.default_stream()
+    }
+
+    /// A new stream.
+    pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
+        self.ctx
+            .new_stream()
+            .map_err(|e| RuntimeError::driver("cuStreamCreate", e))
+    }
+
+    /// Waits for all work on the device; a kernel fault shows up here as
+    /// [`RuntimeError::Launch`] naming `after` (what was launched before).
+    pub fn synchronize(&self, after: &str) -> Result<()> {
+        self.ctx
+            .synchronize()
+            .map_err(|e| RuntimeError::async_failure(after, e))
+    }
+}
+
+/// Waits for `stream`; errors are reported as failures of `after`.
+pub fn synchronize_stream(stream: &CudaStream, after: &str) -> Result<()> {
+    stream
+        .synchronize()
+        .map_err(|e| RuntimeError::async_failure(after, e))
+}

@@ -1,0 +1,144 @@
+//! A compiled image loaded into a device's context, and its kernels.
+//!
+//! [`Module::load`] hands a PTX or CUBIN image to `cuModuleLoadData` (through cudarc) and turns
+//! a refusal into [`RuntimeError::ModuleLoad`] with a hint (the usual cause: a driver older than
+//! the NVRTC that built the image). [`Module::function`] looks kernels up by their unmangled
+//! (`extern "C"`) names, once each.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::CUresult;
+use cudarc::driver::{CudaFunction, CudaModule};
+use cudarc::nvrtc::Ptx;
+
+use crate::arch::Arch;
+use crate::device::Device;
+use crate::disk_cache::{CacheKey, Origin};
+use crate::error::{describe_driver_error, Result, RuntimeError};
+use crate::nvrtc::Compiled;
+
+/// A loaded module.
+#[derive(Debug)]
+pub struct Module {
+    name: String,
+    key: CacheKey,
+    arch: Arch,
+    origin: Origin,
+    module: Arc<CudaModule>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+}
+
+impl Module {
+    /// Loads `compiled` (built from the source called `name`, cached under `key`) on `device`.
+    pub fn load(
+        device: &Device,
+        name: &str,
+        key: CacheKey,
+        compiled: &Compiled,
+        origin: Origin,
+    ) -> Result<Module> {
+        let module = device
+            .context()
+            .load_module(Ptx::from_binary(compiled.load_image()))
+            .map_err(|e| {
+                let (code, description) = describe_driver_error(e);
+                let hint = load_hint(e.0, compiled, device, origin);
+                RuntimeError::ModuleLoad {
+                    module: name.to_string(),
+                    arch: compiled.arch,
+                    code,
+                    description,
+                    hint,
+                }
+            })?;
+        Ok(Module {
+            name: name.to_string(),
+            key,
+            arch: compiled.arch,
+            origin,
+            module,
+            functions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The kernel `name` (declared `extern "C" __global__`).
+    pub fn function(&self, name: &str) -> Result<CudaFunction> {
+        if name.contains('\0') {
+            return Err(RuntimeError::InvalidInput(format!(
+                "kernel name {name:?} contains a NUL byte"
+            )));
+        }
+        let mut functions = self.functions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = functions.get(name) {
+            return Ok(f.clone());
+        }
+        let f = self.module.load_function(name).map_err(|e| {
+            if e.0 == CUresult::CUDA_ERROR_NOT_FOUND {
+                RuntimeError::FunctionNotFound {
+                    module: self.name.clone(),
+                    function: name.to_string(),
+                }
+            } else {
+                RuntimeError::driver(format!("cuModuleGetFunction({name})"), e)
+            }
+        })?;
+        functions.insert(name.to_string(), f.clone());
+        Ok(f)
+    }
+
+    /// The source's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The cache key it was compiled under.
+    pub fn key(&self) -> &CacheKey {
+        &self.key
+    }
+
+    /// The architecture it was compiled for.
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+
+    /// Whether NVRTC ran for it or it came from the disk cache.
+    pub fn origin(&self) -> Origin {
+        self.origin
+    }
+
+    /// cudarc's module (for globals and constants).
+    pub fn cuda_module(&self) -> &Arc<CudaModule> {
+        &self.module
+    }
+}
+
+fn load_hint(code: CUresult, compiled: &Compiled, device: &Device, origin: Origin) -> String {
+    let image_problem = matches!(
+        code,
+        CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION
+            | CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU
+            | CUresult::CUDA_ERROR_INVALID_PTX
+            | CUresult::CUDA_ERROR_INVALID_IMAGE
+            | CUresult::CUDA_ERROR_INVALID_SOURCE
+    );
+    if !image_problem {
+        return String::new();
+    }
+    let driver = device.props().driver;
+    let mut hint = format!(
+        ". The image was built by NVRTC {} for {}; this GPU is {} and the driver supports \
+         {driver}. A driver older than the NVRTC cannot load its output: update the driver, or \
+         put an NVRTC no newer than the driver first on LD_LIBRARY_PATH",
+        compiled.nvrtc,
+        compiled.arch,
+        device.arch()
+    );
+    if origin == Origin::DiskCache {
+        hint.push_str(
+            "; the image came from the disk cache: delete the cache folder (KVQ_CACHE_DIR, or \
+             ~/.cache/kvq/modules) if it is stale",
+        );
+    }
+    hint
+}

@@ -1,0 +1,175 @@
+//! With the CUDA libraries out of reach, every entry point returns a typed error — no panics.
+//!
+//! The dynamic loader reads LD_LIBRARY_PATH only at process start, so this test re-runs its own
+//! binary with LD_LIBRARY_PATH pointing nowhere and checks the errors there (the child skips
+//! what the system's default library path still provides).
+
+use std::process::Command;
+
+use kvq_runtime::nvrtc::{self, CompileOptions, IncludeDirs, Output, Source};
+use kvq_runtime::{Arch, Device, DiskCache, RuntimeError};
+
+const CHILD: &str = "KVQ_RUNTIME_TEST_CHILD";
+
+fn run_child(test: &str, envs: &[(&str, &str)], remove: &[&str]) -> String {
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = Command::new(exe);
+    cmd.args([test, "--exact", "--nocapture", "--test-threads=1"]);
+    cmd.env(CHILD, "1");
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    for k in remove {
+        cmd.env_remove(k);
+    }
+    let out = cmd.output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "child {test} failed:\n{text}");
+    assert!(
+        text.contains("1 passed"),
+        "child {test} ran nothing:\n{text}"
+    );
+    text
+}
+
+#[test]
+fn bogus_library_path_gives_typed_errors() {
+    if std::env::var_os(CHILD).is_some() {
+        return child_without_libraries();
+    }
+    let text = run_child(
+        "bogus_library_path_gives_typed_errors",
+        &[("LD_LIBRARY_PATH", "/nonexistent/kvq-bogus-lib")],
+        &["KVQ_REQUIRE_NVRTC", "KVQ_REQUIRE_GPU"],
+    );
+    print!("{text}");
+}
+
+fn child_without_libraries() {
+    let source = Source::new("k.cu", "extern \"C\" __global__ void k() {}");
+    let options = CompileOptions::default().include_dirs(IncludeDirs::None);
+
+    if nvrtc::is_available() {
+        kvq_runtime::testing::skip(
+            "bogus_library_path_gives_typed_errors (NVRTC part)",
+            &"libnvrtc is on the system's default library path",
+        );
+    } else {
+        let err = nvrtc::compile(&source, Arch::SM_90A, Output::Cubin, &options).unwrap_err();
+        assert!(matches!(err, RuntimeError::NvrtcNotFound { .. }), "{err:?}");
+        let message = err.to_string();
+        assert!(message.contains("libnvrtc.so.13"), "{message}");
+        assert!(message.contains("LD_LIBRARY_PATH"), "{message}");
+        assert!(message.contains("nvidia-cuda-nvrtc"), "{message}");
+        println!("NVRTC error: {message}");
+
+        assert!(matches!(
+            nvrtc::version(),
+            Err(RuntimeError::NvrtcNotFound { .. })
+        ));
+        assert!(matches!(
+            nvrtc::supported_archs(),
+            Err(RuntimeError::NvrtcNotFound { .. })
+        ));
+        let dir = std::env::temp_dir().join(format!("kvq-nolib-{}", std::process::id()));
+        let cache = DiskCache::open(&dir).unwrap();
+        let err = cache
+            .compile(&source, Arch::SM_80, Output::Ptx, &options)
+            .unwrap_err();
+        assert!(matches!(err, RuntimeError::NvrtcNotFound { .. }), "{err:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            kvq_runtime::testing::require_nvrtc("require_nvrtc without NVRTC (expected)").is_none()
+        );
+    }
+
+    if kvq_runtime::libs::driver_present() {
+        kvq_runtime::testing::skip(
+            "bogus_library_path_gives_typed_errors (driver part)",
+            &"libcuda is on the system's default library path",
+        );
+    } else {
+        let err = Device::open(0).unwrap_err();
+        assert!(
+            matches!(err, RuntimeError::DriverNotFound { .. }),
+            "{err:?}"
+        );
+        let message = err.to_string();
+        assert!(message.contains("libcuda.so.1"), "{message}");
+        println!("driver error: {message}");
+        assert!(matches!(
+            kvq_runtime::device_count(),
+            Err(RuntimeError::DriverNotFound { .. })
+        ));
+        assert!(matches!(
+            kvq_runtime::driver_version(),
+            Err(RuntimeError::DriverNotFound { .. })
+        ));
+        assert!(
+            kvq_runtime::testing::require_gpu("require_gpu without a driver (expected)").is_none()
+        );
+    }
+}
+
+#[test]
+fn missing_headers_name_every_searched_folder() {
+    if std::env::var_os(CHILD).is_some() {
+        return child_missing_headers();
+    }
+    if !nvrtc::is_available() {
+        kvq_runtime::testing::skip(
+            "missing_headers_name_every_searched_folder",
+            &"needs NVRTC (the error comes from a real compile)",
+        );
+        return;
+    }
+    let text = run_child(
+        "missing_headers_name_every_searched_folder",
+        &[
+            ("KVQ_CUDA_INCLUDE", "/nonexistent/kvq-a:/nonexistent/kvq-b"),
+            ("CUDA_HOME", "/nonexistent/kvq-cuda-home"),
+        ],
+        &[],
+    );
+    print!("{text}");
+}
+
+fn child_missing_headers() {
+    if std::path::Path::new(kvq_runtime::include::DEFAULT_CUDA_INCLUDE).is_dir() {
+        kvq_runtime::testing::skip(
+            "missing_headers_name_every_searched_folder",
+            &"/usr/local/cuda/include exists here",
+        );
+        return;
+    }
+    let source = Source::new(
+        "needs_headers.cu",
+        "// generated\n#include <cuda_bf16.h>\nextern \"C\" __global__ void k() {}\n",
+    );
+    let err = nvrtc::compile(
+        &source,
+        Arch::SM_80,
+        Output::Ptx,
+        &CompileOptions::default(),
+    )
+    .unwrap_err();
+    let message = err.to_string();
+    println!("missing header error: {message}");
+    assert!(matches!(err, RuntimeError::MissingHeader(_)), "{message}");
+    for expected in [
+        "CUDA header `cuda_bf16.h` not found (included from needs_headers.cu line 2)",
+        "KVQ_CUDA_INCLUDE: /nonexistent/kvq-a (does not exist)",
+        "KVQ_CUDA_INCLUDE: /nonexistent/kvq-b (does not exist)",
+        "$CUDA_HOME/include: /nonexistent/kvq-cuda-home/include (does not exist)",
+        "default location: /usr/local/cuda/include (does not exist)",
+    ] {
+        assert!(
+            message.contains(expected),
+            "missing {expected:?} in:\n{message}"
+        );
+    }
+}

@@ -1,0 +1,267 @@
+//! NVRTC compiles without a GPU. Each test skips with a printed reason when libnvrtc cannot be
+//! loaded, and fails instead under KVQ_REQUIRE_NVRTC=1 (CI).
+
+use kvq_runtime::nvrtc::{self, CompileOptions, IncludeDirs, Output, Source};
+use kvq_runtime::testing::require_nvrtc;
+use kvq_runtime::{Arch, RuntimeError};
+
+const AXPY: &str = r#"// header-free: no #include at all
+extern "C" __global__ void axpy(float a, const float* __restrict__ x, float* __restrict__ y,
+                                unsigned n) {
+    unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+"#;
+
+const BROKEN: &str = r#"extern "C" __global__ void broken(float* out) {
+    unsigned i = threadIdx.x;
+    float scale = 2.0f;
+    out[i] = undefined_value * scale;
+    out[i + 1] = 0.0f;
+}
+"#;
+
+fn header_free_options() -> CompileOptions {
+    CompileOptions::default().include_dirs(IncludeDirs::None)
+}
+
+#[test]
+fn compiles_header_free_kernel_to_ptx_and_cubin() {
+    let Some(version) = require_nvrtc("compiles_header_free_kernel_to_ptx_and_cubin") else {
+        return;
+    };
+    assert!(version.major >= 12, "NVRTC {version}");
+    let source = Source::new("axpy.cu", AXPY);
+    for arch in [Arch::SM_80, Arch::SM_90A] {
+        let ptx = nvrtc::compile(&source, arch, Output::Ptx, &header_free_options()).unwrap();
+        let text = ptx.ptx().expect("PTX is text");
+        assert!(text.contains(".visible .entry axpy("), "{text}");
+        assert!(text.contains(&format!(".target {arch}")), "{arch}: {text}");
+        assert!(!ptx.image.contains(&0), "PTX without the terminating NUL");
+        assert_eq!(ptx.load_image().last(), Some(&0));
+
+        let cubin = nvrtc::compile(&source, arch, Output::Cubin, &header_free_options()).unwrap();
+        assert_eq!(
+            &cubin.image[..4],
+            b"\x7fELF",
+            "{arch}: CUBIN is an ELF image"
+        );
+        assert!(cubin
+            .options
+            .contains(&format!("--gpu-architecture={arch}")));
+        assert_eq!(cubin.arch, arch);
+        assert_eq!(cubin.nvrtc, version);
+        assert!(cubin.ptx().is_none());
+    }
+}
+
+#[test]
+fn fast_math_and_line_info_reach_nvrtc() {
+    if require_nvrtc("fast_math_and_line_info_reach_nvrtc").is_none() {
+        return;
+    }
+    let source = Source::new(
+        "div.cu",
+        r#"extern "C" __global__ void div(float* y, const float* x) { y[threadIdx.x] = 1.0f / x[threadIdx.x]; }"#,
+    );
+    let precise =
+        nvrtc::compile(&source, Arch::SM_80, Output::Ptx, &header_free_options()).unwrap();
+    let fast = nvrtc::compile(
+        &source,
+        Arch::SM_80,
+        Output::Ptx,
+        &header_free_options().fast_math(true).line_info(true),
+    )
+    .unwrap();
+    let (p, f) = (precise.ptx().unwrap(), fast.ptx().unwrap());
+    assert!(p.contains("div.rn.f32") || p.contains("rcp.rn.f32"), "{p}");
+    assert!(
+        f.contains("approx"),
+        "fast math uses approximate division: {f}"
+    );
+    assert!(f.contains(".loc"), "line info present");
+}
+
+#[test]
+fn broken_kernel_error_quotes_the_numbered_source_line() {
+    if require_nvrtc("broken_kernel_error_quotes_the_numbered_source_line").is_none() {
+        return;
+    }
+    let source = Source::new("broken.cu", BROKEN);
+    let err =
+        nvrtc::compile(&source, Arch::SM_90A, Output::Cubin, &header_free_options()).unwrap_err();
+    let RuntimeError::Compile(failure) = &err else {
+        panic!("expected a compile error, got {err:?}");
+    };
+    assert_eq!(failure.code, "NVRTC_ERROR_COMPILATION");
+    assert_eq!(failure.source_name, "broken.cu");
+    assert_eq!(failure.arch, Arch::SM_90A);
+    let errors: Vec<_> = failure
+        .diagnostics
+        .iter()
+        .filter(|d| d.is_error())
+        .collect();
+    assert_eq!(errors.len(), 1, "{}", failure.log);
+    assert_eq!((errors[0].file.as_str(), errors[0].line), ("broken.cu", 4));
+    assert!(errors[0].message.contains("undefined_value"));
+
+    let message = err.to_string();
+    eprintln!("--- compile error as a user sees it ---\n{message}\n---");
+    assert!(
+        message.contains("could not compile `broken.cu` for sm_90a"),
+        "{message}"
+    );
+    assert!(message.contains("broken.cu(4): error"), "{message}");
+    assert!(
+        message.contains("  > 4 |     out[i] = undefined_value * scale;"),
+        "{message}"
+    );
+    assert!(
+        message.contains("    3 |     float scale = 2.0f;"),
+        "{message}"
+    );
+    assert!(
+        message.contains("    5 |     out[i + 1] = 0.0f;"),
+        "{message}"
+    );
+    assert!(
+        message.contains("options: --std=c++17 --gpu-architecture=sm_90a"),
+        "{message}"
+    );
+}
+
+#[test]
+fn errors_in_in_memory_headers_are_quoted_from_the_header() {
+    if require_nvrtc("errors_in_in_memory_headers_are_quoted_from_the_header").is_none() {
+        return;
+    }
+    let source = Source::new(
+        "main.cu",
+        "#include \"helpers.cuh\"\nextern \"C\" __global__ void k(float* o) { o[0] = twice(1.0f); }\n",
+    )
+    .with_header(
+        "helpers.cuh",
+        "#pragma once\n__device__ float twice(float x) {\n  return x * two;\n}\n",
+    );
+    let err =
+        nvrtc::compile(&source, Arch::SM_80, Output::Ptx, &header_free_options()).unwrap_err();
+    let message = err.to_string();
+    assert!(matches!(err, RuntimeError::Compile(_)), "{message}");
+    assert!(message.contains("helpers.cuh(3): error"), "{message}");
+    assert!(message.contains("  > 3 |   return x * two;"), "{message}");
+
+    // The same header, fixed, compiles: in-memory headers need no include folder.
+    let fixed = Source::new("main.cu", source.code.clone()).with_header(
+        "helpers.cuh",
+        "#pragma once\n__device__ float twice(float x) { return x * 2.0f; }\n",
+    );
+    nvrtc::compile(&fixed, Arch::SM_80, Output::Ptx, &header_free_options()).unwrap();
+}
+
+#[test]
+fn missing_cuda_header_names_the_searched_folders() {
+    if require_nvrtc("missing_cuda_header_names_the_searched_folders").is_none() {
+        return;
+    }
+    let source = Source::new(
+        "needs_fp16.cu",
+        "#include <cuda_fp16.h>\nextern \"C\" __global__ void k(__half* o) { o[0] = __float2half(1.0f); }\n",
+    );
+    let options = CompileOptions::default().include_dirs(IncludeDirs::Only(vec![
+        "/nonexistent/kvq-test/include".into(),
+    ]));
+    let err = nvrtc::compile(&source, Arch::SM_80, Output::Ptx, &options).unwrap_err();
+    let message = err.to_string();
+    eprintln!("--- missing header as a user sees it ---\n{message}\n---");
+    let RuntimeError::MissingHeader(missing) = &err else {
+        panic!("expected MissingHeader, got {message}");
+    };
+    assert_eq!(missing.header, "cuda_fp16.h");
+    assert_eq!(
+        missing.included_from,
+        Some(("needs_fp16.cu".to_string(), 1))
+    );
+    assert!(
+        message.contains("/nonexistent/kvq-test/include (does not exist)"),
+        "{message}"
+    );
+    assert!(message.contains("KVQ_CUDA_INCLUDE"), "{message}");
+    assert!(err.is_environment());
+}
+
+#[test]
+fn cuda_headers_from_the_environment_compile() {
+    if require_nvrtc("cuda_headers_from_the_environment_compile").is_none() {
+        return;
+    }
+    let search = kvq_runtime::include::IncludeSearch::from_env();
+    if search.dirs.is_empty() {
+        let reason = format!(
+            "no CUDA include folder (searched: {})",
+            search
+                .candidates
+                .iter()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+        if kvq_runtime::testing::env_flag("KVQ_REQUIRE_NVRTC") {
+            panic!("KVQ_REQUIRE_NVRTC=1 expects CUDA headers too: {reason}");
+        }
+        kvq_runtime::testing::skip("cuda_headers_from_the_environment_compile", &reason);
+        return;
+    }
+    let source = Source::new(
+        "fp16.cu",
+        "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n\
+         extern \"C\" __global__ void k(__half* o, __nv_bfloat16* b) {\n\
+           o[threadIdx.x] = __hadd(__float2half(1.0f), __float2half(2.0f));\n\
+           b[threadIdx.x] = __float2bfloat16(3.0f);\n}\n",
+    );
+    for arch in [Arch::SM_80, Arch::SM_90A] {
+        let cubin = nvrtc::compile(&source, arch, Output::Cubin, &CompileOptions::default())
+            .unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert_eq!(&cubin.image[..4], b"\x7fELF");
+    }
+}
+
+#[test]
+fn unsupported_architecture_is_a_typed_error() {
+    if require_nvrtc("unsupported_architecture_is_a_typed_error").is_none() {
+        return;
+    }
+    let supported = nvrtc::supported_archs().unwrap();
+    assert!(
+        supported.contains(&80) && supported.contains(&90),
+        "{supported:?}"
+    );
+    let err = nvrtc::compile(
+        &Source::new("axpy.cu", AXPY),
+        "sm_35".parse().unwrap(),
+        Output::Ptx,
+        &header_free_options(),
+    )
+    .unwrap_err();
+    assert!(matches!(err, RuntimeError::UnsupportedArch { .. }), "{err}");
+    assert!(
+        err.to_string().contains("cannot compile for sm_35"),
+        "{err}"
+    );
+}
+
+#[test]
+fn without_nvrtc_compile_is_a_typed_error() {
+    if nvrtc::is_available() {
+        return; // covered by tests/missing_libraries.rs in a child process
+    }
+    let err = nvrtc::compile(
+        &Source::new("axpy.cu", AXPY),
+        Arch::SM_80,
+        Output::Ptx,
+        &header_free_options(),
+    )
+    .unwrap_err();
+    assert!(matches!(err, RuntimeError::NvrtcNotFound { .. }), "{err}");
+    assert!(err.to_string().contains("libnvrtc.so.13"), "{err}");
+    assert!(err.is_environment());
+}
