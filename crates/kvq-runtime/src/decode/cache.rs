@@ -62,10 +62,10 @@ fn gather(
     let mut sink = Vec::new();
     let mut tail = Vec::new();
     for (store, slots) in stores.iter().zip(slots) {
-        for page in 0..store.pages() {
+        for (page, &slot) in slots.iter().enumerate().take(store.pages()) {
             for head in 0..kv_heads {
                 if let Some(block) = store.block(page, head) {
-                    let at = (slots[page] * kv_heads + head) * block_bytes;
+                    let at = (slot * kv_heads + head) * block_bytes;
                     pool[at..at + block_bytes].copy_from_slice(block);
                 }
             }
