@@ -72,7 +72,9 @@ pub fn spec(s: &SchemeSpec) -> TokenStream {
     let source = match s.source {
         CacheSource::Kv => quote!(::kvq::CacheSource::Kv),
         CacheSource::X(XSource::Latent) => quote!(::kvq::CacheSource::X(::kvq::XSource::Latent)),
-        CacheSource::X(XSource::CrossLayer) => quote!(::kvq::CacheSource::X(::kvq::XSource::CrossLayer)),
+        CacheSource::X(XSource::CrossLayer) => {
+            quote!(::kvq::CacheSource::X(::kvq::XSource::CrossLayer))
+        }
     };
     quote!(::kvq::SchemeSpec {
         k: #k, v: #v, page: #page, sink: #sink, local: #local, calibrate: #calibrate, source: #source,

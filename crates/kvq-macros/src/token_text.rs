@@ -4,6 +4,7 @@
 use proc_macro2::{Delimiter, Span, TokenStream, TokenTree};
 use std::ops::Range;
 
+/// Scheme text rebuilt from tokens, with the byte range each token occupies.
 pub struct TokenText {
     pub text: String,
     spans: Vec<(Range<usize>, Span)>,
@@ -26,7 +27,10 @@ impl TokenText {
             .chars()
             .last()
             .is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '.')
-            && piece.chars().next().is_some_and(|c| c.is_alphanumeric() || c == '_');
+            && piece
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_alphanumeric() || c == '_');
         if needs_space {
             self.text.push(' ');
         }
@@ -56,19 +60,19 @@ impl TokenText {
         }
     }
 
-    /// The span covering every token that overlaps `bytes` (joined where the compiler allows).
-    pub fn span_of(&self, bytes: Range<usize>) -> Span {
+    /// The first and last token overlapping `bytes`; an empty range (something missing at that
+    /// point) maps to the token it touches, or the last token at the end of the text.
+    pub fn spans_of(&self, bytes: Range<usize>) -> (Span, Span) {
         let hit = |r: &Range<usize>| {
             if bytes.is_empty() {
-                r.start <= bytes.start && bytes.start < r.end.max(r.start + 1)
+                r.start <= bytes.start && bytes.start < r.end
             } else {
                 r.start < bytes.end && bytes.start < r.end
             }
         };
         let mut found = self.spans.iter().filter(|(r, _)| hit(r)).map(|(_, s)| *s);
-        let Some(first) = found.next() else {
-            return self.spans.last().map_or(Span::call_site(), |(_, s)| *s);
-        };
-        found.fold(first, |acc, s| acc.join(s).unwrap_or(acc))
+        let fallback = self.spans.last().map_or(Span::call_site(), |(_, s)| *s);
+        let first = found.next().unwrap_or(fallback);
+        (first, found.next_back().unwrap_or(first))
     }
 }

@@ -7,7 +7,8 @@ use std::ops::Range;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
 pub struct SpecError {
-    /// Byte range in the scheme text that the message is about.
+    /// Byte range in the scheme text that the message is about (empty at the end of the text when
+    /// something is missing there).
     pub span: Range<usize>,
     pub message: String,
 }
@@ -20,19 +21,45 @@ impl SpecError {
         }
     }
 
-    /// The message followed by the text and a caret line under the span, for terminals.
+    /// The message, the line of `text` the span starts on, and carets under the span, for terminals:
+    ///
+    /// ```text
+    /// error: `bits` must be 1, 2, 3, 4 or 8, got `5` (column 9)
+    ///   k = int(5, channel), v = fp16
+    ///           ^
+    /// ```
+    ///
+    /// Multi-line text (a config file) shows only the offending line and names it.
     pub fn render(&self, text: &str) -> String {
-        let start = self.span.start.min(text.len());
-        let end = self.span.end.clamp(start, text.len());
-        let column = text[..start].chars().count();
+        let start = floor_char_boundary(text, self.span.start);
+        let line_start = text[..start].rfind('\n').map_or(0, |i| i + 1);
+        let line_end = text[start..].find('\n').map_or(text.len(), |i| start + i);
+        let line = text[line_start..line_end].trim_end_matches('\r');
+        let end = floor_char_boundary(text, self.span.end).clamp(start, line_start + line.len());
+        let column = text[line_start..start].chars().count();
         let width = text[start..end].chars().count().max(1);
+        let place = if line_end < text.len() || line_start > 0 {
+            let number = text[..line_start].matches('\n').count() + 1;
+            format!("line {number}, column {}", column + 1)
+        } else {
+            format!("column {}", column + 1)
+        };
+        // Tabs would shift the carets; one space per character keeps the columns aligned.
+        let line = line.replace('\t', " ");
         format!(
-            "error: {} (column {})\n  {}\n  {}{}",
+            "error: {} ({place})\n  {line}\n  {}{}",
             self.message,
-            column + 1,
-            text,
             " ".repeat(column),
             "^".repeat(width)
         )
     }
+}
+
+/// `at` clamped into `text` and moved back onto a character boundary, so slicing cannot panic.
+fn floor_char_boundary(text: &str, at: usize) -> usize {
+    let mut at = at.min(text.len());
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    at
 }

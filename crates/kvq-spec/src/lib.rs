@@ -12,10 +12,17 @@
 //! // The canonical text parses back to the same scheme.
 //! assert_eq!(SchemeSpec::parse(&kivi2.to_string()).unwrap(), kivi2);
 //!
-//! let err = SchemeSpec::parse("k = int(5, channel), v = fp16").unwrap_err();
-//! assert_eq!(err.message, "`bits` must be 1, 2, 3, 4 or 8, got 5");
+//! let text = "k = int(5, channel), v = fp16";
+//! let err = SchemeSpec::parse(text).unwrap_err();
+//! assert_eq!(err.message, "`bits` must be 1, 2, 3, 4 or 8, got `5`");
 //! assert_eq!(err.span, 8..9);
+//! assert_eq!(
+//!     err.render(text),
+//!     "error: `bits` must be 1, 2, 3, 4 or 8, got `5` (column 9)\n  k = int(5, channel), v = fp16\n          ^"
+//! );
 //! ```
+//!
+//! The grammar, every key and its range are in `docs/GRAMMAR.md`.
 
 mod error;
 mod grammar;
@@ -52,4 +59,7 @@ pub trait Scheme {
     const SPEC: SchemeSpec;
     /// The type's name, for tables and kernel names.
     const NAME: &'static str;
+    /// The canonical text of [`Self::SPEC`] (what `SPEC.to_string()` gives, and what the type's
+    /// documentation shows), available in `const` contexts.
+    const TEXT: &'static str;
 }

@@ -22,6 +22,13 @@ pub enum ShapeError {
         half: u32,
         head_dim: u32,
     },
+    #[error("{tensor}: boost `ratio = {ratio}` of head_dim {head_dim} selects {channels} channels; it must select at least 1 and fewer than all")]
+    Boost {
+        tensor: &'static str,
+        ratio: f32,
+        head_dim: u32,
+        channels: u32,
+    },
     #[error("{tensor}: an additive codebook of {rows} rows over {dim} scalars spends {bits:.2} bits per scalar: no compression over fp16")]
     NoCompression {
         tensor: &'static str,
@@ -29,6 +36,11 @@ pub enum ShapeError {
         dim: u32,
         bits: f64,
     },
+}
+
+/// Channels a boost of `ratio` selects per page: `ratio · head_dim`, rounded to nearest.
+fn boosted_channels(ratio: f32, head_dim: u32) -> u32 {
+    (f64::from(ratio) * f64::from(head_dim)).round() as u32
 }
 
 impl SchemeSpec {
@@ -52,6 +64,17 @@ impl SchemeSpec {
             match t {
                 TensorQuant::Fp16 => {}
                 TensorQuant::Int(q) => {
+                    if let Some(b) = q.boost {
+                        let channels = boosted_channels(b.ratio, head_dim);
+                        if channels == 0 || channels >= head_dim {
+                            return Err(ShapeError::Boost {
+                                tensor,
+                                ratio: b.ratio,
+                                head_dim,
+                                channels,
+                            });
+                        }
+                    }
                     if let (Axis::Token, Some(group)) = (q.axis, q.group) {
                         if head_dim % group != 0 {
                             return Err(ShapeError::Group {

@@ -62,8 +62,10 @@ pub enum CodebookSpan {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Codebook {
     /// Additive VQ whose entries are 2×2 matrices `[[x, y], [-y, x]]` acting on RoPE pairs, so they
-    /// commute with the rotation. `residuals` rounds, each choosing one of `levels` entries for a
-    /// group of `pairs_per_code` pairs: `residuals · log2(levels) / (2 · pairs_per_code)` bits/scalar.
+    /// commute with the rotation. `levels` (CommVQ's N') matrices per pair and round; each of the
+    /// `residuals` rounds picks two of them for a group of `pairs_per_code` pairs (one per basis
+    /// direction of a pair), so a code is `2 · log2(levels)` bits per `2 · pairs_per_code` scalars:
+    /// `residuals · log2(levels) / pairs_per_code` bits/scalar.
     RopeCommutative {
         levels: u32,
         residuals: u32,
@@ -173,7 +175,7 @@ impl Codebook {
                 levels,
                 residuals,
                 pairs_per_code,
-            } => residuals as f64 * (levels as f64).log2() / (2.0 * pairs_per_code as f64),
+            } => residuals as f64 * (levels as f64).log2() / pairs_per_code as f64,
             Codebook::Additive { rows } => rows as f64 / dim as f64,
         }
     }

@@ -27,5 +27,9 @@ pub use kvq_spec::*;
 
 /// The CPU reference: exact layouts, quantizers and decode attention for every scheme.
 pub use kvq_reference as reference;
+/// CUDA source generation (scheme + shape + tuning → kernels and launch metadata).
+pub use kvq_codegen as codegen;
+/// The GPU runtime: NVRTC JIT with disk cache, device discovery, fused decode launches.
+pub use kvq_runtime as runtime;
 
 pub mod schemes;

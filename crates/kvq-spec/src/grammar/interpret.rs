@@ -12,63 +12,86 @@ use std::ops::Range;
 /// Largest sink, local window or page we accept; larger values are almost surely typos.
 const MAX_TOKENS: u32 = 1 << 20;
 
-/// Keyed arguments of one call (or of the whole scheme), consumed one by one so that whatever is
-/// left at the end is reported as unknown.
+/// Largest calibration offset we accept; scores are O(10), so anything near this is a typo.
+const MAX_TAU: f32 = 1e4;
+
+/// Keyed and positional arguments of one call (or of the whole scheme), consumed one by one so that
+/// whatever is left at the end is reported.
 struct Args {
     what: &'static str,
     call_span: Range<usize>,
+    allowed: &'static [&'static str],
     items: Vec<Option<Arg>>,
 }
 
 impl Args {
-    fn new(what: &'static str, call_span: Range<usize>, args: Vec<Arg>) -> Result<Self, SpecError> {
-        // Duplicate keys are an error, not "last one wins".
+    /// Rejects unknown and duplicate keys up front, so a typo is reported as itself rather than as
+    /// whatever it was meant to provide being missing.
+    fn new(
+        what: &'static str,
+        call_span: Range<usize>,
+        args: Vec<Arg>,
+        allowed: &'static [&'static str],
+    ) -> Result<Self, SpecError> {
         for (i, a) in args.iter().enumerate() {
-            if let Some((k, span)) = &a.key {
-                if args[..i]
-                    .iter()
-                    .any(|b| b.key.as_ref().is_some_and(|(bk, _)| bk == k))
-                {
-                    return Err(SpecError::new(
-                        span.clone(),
-                        format!("`{k}` is given twice in {what}"),
-                    ));
-                }
+            let Some((k, span)) = &a.key else { continue };
+            if !allowed.contains(&k.as_str()) {
+                return Err(SpecError::new(
+                    span.clone(),
+                    format!(
+                        "unknown key `{k}` in {what}; expected one of: {}",
+                        allowed.join(", ")
+                    ),
+                ));
+            }
+            if args[..i]
+                .iter()
+                .any(|b| b.key.as_ref().is_some_and(|(bk, _)| bk == k))
+            {
+                return Err(SpecError::new(
+                    span.clone(),
+                    format!("`{k}` is given twice in {what}"),
+                ));
             }
         }
         Ok(Self {
             what,
             call_span,
+            allowed,
             items: args.into_iter().map(Some).collect(),
         })
     }
 
-    fn keyed(&mut self, key: &str) -> Option<Value> {
+    fn take(&mut self, pick: impl Fn(&Arg) -> bool) -> Option<Arg> {
         self.items
             .iter_mut()
-            .find(|a| {
-                a.as_ref()
-                    .is_some_and(|a| a.key.as_ref().is_some_and(|(k, _)| k == key))
-            })
-            .and_then(|a| a.take())
+            .find(|a| a.as_ref().is_some_and(&pick))
+            .and_then(Option::take)
+    }
+
+    fn keyed(&mut self, key: &str) -> Option<Value> {
+        self.take(|a| a.key.as_ref().is_some_and(|(k, _)| k == key))
             .map(|a| a.value)
     }
 
     /// The first positional argument accepted by `accept`.
     fn positional(&mut self, accept: impl Fn(&Value) -> bool) -> Option<Value> {
-        self.items
-            .iter_mut()
-            .find(|a| a.as_ref().is_some_and(|a| a.key.is_none() && accept(&a.value)))
-            .and_then(|a| a.take())
+        self.take(|a| a.key.is_none() && accept(&a.value))
             .map(|a| a.value)
     }
 
-    /// A bare flag word such as `symmetric`.
-    fn flag(&mut self, name: &str) -> Result<bool, SpecError> {
-        if let Some(v) = self.keyed(name) {
-            return match v {
-                Value::Word { name: w, .. } if w == "true" => Ok(true),
-                Value::Word { name: w, .. } if w == "false" => Ok(false),
+    /// `key = value`, else the first positional argument accepted by `accept`.
+    fn keyed_or(&mut self, key: &str, accept: impl Fn(&Value) -> bool) -> Option<Value> {
+        self.keyed(key).or_else(|| self.positional(accept))
+    }
+
+    /// A flag such as `symmetric` (alone, or `symmetric = true|false`); the span of the flag when set.
+    fn flag(&mut self, name: &str) -> Result<Option<Range<usize>>, SpecError> {
+        if let Some(arg) = self.take(|a| a.key.as_ref().is_some_and(|(k, _)| k == name)) {
+            let key_span = arg.key.map_or(0..0, |(_, s)| s);
+            return match arg.value {
+                Value::Word { name: w, span } if w == "true" => Ok(Some(key_span.start..span.end)),
+                Value::Word { name: w, .. } if w == "false" => Ok(None),
                 other => Err(SpecError::new(
                     other.span(),
                     format!("`{name}` is a flag: write `{name}` alone or `{name} = true|false`"),
@@ -77,32 +100,81 @@ impl Args {
         }
         Ok(self
             .positional(|v| matches!(v, Value::Word { name: w, .. } if w == name))
-            .is_some())
+            .map(|v| v.span()))
     }
 
-    fn finish(self, allowed: &[&str]) -> Result<(), SpecError> {
-        if let Some(arg) = self.items.into_iter().flatten().next() {
-            let (span, msg) = match &arg.key {
-                Some((k, span)) => (
+    /// The first positional word left over (a misspelt flag or kind, usually).
+    fn stray_word(&mut self) -> Option<Value> {
+        self.positional(|v| matches!(v, Value::Word { .. }))
+    }
+
+    /// Rejects keys that the chosen variant of a call (`codebook(additive, ...)`) does not take.
+    fn only(&self, keys: &[&str], variant: &str) -> Result<(), SpecError> {
+        for (k, span) in self.items.iter().flatten().filter_map(|a| a.key.as_ref()) {
+            if !keys.contains(&k.as_str()) {
+                return Err(SpecError::new(
                     span.clone(),
-                    format!("unknown key `{k}` in {}; expected one of: {}", self.what, allowed.join(", ")),
-                ),
-                None => (
-                    arg.value.span(),
-                    format!("unexpected value in {}; expected one of: {}", self.what, allowed.join(", ")),
-                ),
-            };
-            return Err(SpecError::new(span, msg));
+                    format!(
+                        "`{k}` does not apply to {variant}; its keys are: {}",
+                        keys.join(", ")
+                    ),
+                ));
+            }
         }
         Ok(())
+    }
+
+    /// `what needs key`, reported on the whole call.
+    fn missing(&self, key: &str, hint: &str) -> SpecError {
+        SpecError::new(
+            self.call_span.clone(),
+            format!("{} needs `{key}` ({hint})", self.what),
+        )
+    }
+
+    /// Reports the first argument nothing consumed.
+    fn finish(self) -> Result<(), SpecError> {
+        match self.items.into_iter().flatten().next() {
+            None => Ok(()),
+            Some(Arg {
+                key: None,
+                value: Value::Call { name, span, .. },
+            }) if self.allowed.contains(&name.as_str()) => Err(SpecError::new(
+                span,
+                format!("`{name}(...)` needs its key here: write `{name} = {name}(...)`"),
+            )),
+            Some(arg) => Err(SpecError::new(
+                arg.key.map_or(arg.value.span(), |(_, s)| s),
+                format!(
+                    "unexpected {} in {}; expected one of: {}",
+                    arg.value.quoted(),
+                    self.what,
+                    self.allowed.join(", ")
+                ),
+            )),
+        }
     }
 }
 
 fn number(v: &Value, what: &str) -> Result<f64, SpecError> {
     match v {
         Value::Number { value, .. } => Ok(*value),
-        other => Err(SpecError::new(other.span(), format!("`{what}` must be a number"))),
+        other => Err(SpecError::new(
+            other.span(),
+            format!("`{what}` must be a number, got {}", other.quoted()),
+        )),
     }
+}
+
+/// A number stored as `f32`, read from its digits so that printing and parsing round-trip exactly.
+fn number_f32(v: &Value, what: &str) -> Result<f32, SpecError> {
+    let Value::Number { text, .. } = v else {
+        return number(v, what).map(|x| x as f32);
+    };
+    text.parse::<f32>()
+        .ok()
+        .filter(|x| x.is_finite())
+        .ok_or_else(|| SpecError::new(v.span(), format!("`{what}` is out of range, got `{text}`")))
 }
 
 fn integer(v: &Value, what: &str, min: u32, max: u32) -> Result<u32, SpecError> {
@@ -110,146 +182,220 @@ fn integer(v: &Value, what: &str, min: u32, max: u32) -> Result<u32, SpecError> 
     if x.fract() != 0.0 || x < min as f64 || x > max as f64 {
         return Err(SpecError::new(
             v.span(),
-            format!("`{what}` must be a whole number in {min}..={max}, got {x}"),
+            format!(
+                "`{what}` must be a whole number in {min}..={max}, got {}",
+                v.quoted()
+            ),
         ));
     }
     Ok(x as u32)
 }
 
-fn word<'v>(v: &'v Value, what: &str, choices: &[&str]) -> Result<(&'v str, Range<usize>), SpecError> {
+/// The code width of `int(...)`: one message for every wrong value, whatever its kind.
+fn int_bits(v: &Value) -> Result<u8, SpecError> {
     match v {
-        Value::Word { name, span } if choices.contains(&name.as_str()) => Ok((name, span.clone())),
+        Value::Number { value, .. } if [1.0, 2.0, 3.0, 4.0, 8.0].contains(value) => {
+            Ok(*value as u8)
+        }
         other => Err(SpecError::new(
             other.span(),
-            format!("`{what}` must be one of: {}", choices.join(", ")),
+            format!("`bits` must be 1, 2, 3, 4 or 8, got {}", other.quoted()),
         )),
     }
 }
 
-fn call(v: Value, what: &str, names: &[&str]) -> Result<(String, Range<usize>, Vec<Arg>), SpecError> {
+fn word<'v>(v: &'v Value, what: &str, choices: &[&str]) -> Result<&'v str, SpecError> {
     match v {
-        Value::Call { name, span, args } if names.contains(&name.as_str()) => Ok((name, span, args)),
-        Value::Word { name, span } if names.contains(&name.as_str()) => Ok((name, span, Vec::new())),
+        Value::Word { name, .. } if choices.contains(&name.as_str()) => Ok(name),
         other => Err(SpecError::new(
             other.span(),
             format!(
-                "`{what}` must be {}",
-                names.iter().map(|n| format!("`{n}(...)`")).collect::<Vec<_>>().join(" or ")
+                "`{what}` must be one of: {}; got {}",
+                choices.join(", "),
+                other.quoted()
             ),
         )),
     }
 }
 
-fn required(v: Option<Value>, key: &str, args: &Args) -> Result<Value, SpecError> {
-    v.ok_or_else(|| {
-        SpecError::new(args.call_span.clone(), format!("{} needs `{key} = ...`", args.what))
-    })
+fn is_number(v: &Value) -> bool {
+    matches!(v, Value::Number { .. })
+}
+
+fn is_word(v: &Value, names: &[&str]) -> bool {
+    matches!(v, Value::Word { name, .. } if names.contains(&name.as_str()))
+}
+
+/// `name(...)` (or the bare word `name`, which is `name()`), one of `names`.
+fn call(
+    v: Value,
+    what: &str,
+    names: &[&str],
+) -> Result<(String, Range<usize>, Vec<Arg>), SpecError> {
+    match v {
+        Value::Call { name, span, args } if names.contains(&name.as_str()) => {
+            Ok((name, span, args))
+        }
+        Value::Word { name, span } if names.contains(&name.as_str()) => {
+            Ok((name, span, Vec::new()))
+        }
+        other => Err(SpecError::new(
+            other.span(),
+            format!(
+                "`{what}` must be {}, got {}",
+                names
+                    .iter()
+                    .map(|n| format!("`{n}(...)`"))
+                    .collect::<Vec<_>>()
+                    .join(" or "),
+                other.quoted()
+            ),
+        )),
+    }
 }
 
 /// Codes per 32-bit word for a bit width; 3-bit codes are stored as a 2-bit and a 1-bit plane, so
 /// they pack 32 to a group of words.
 pub(crate) fn packing_width(bits: u8) -> u32 {
     match bits {
-        3 => 32,
+        0 | 3 => 32,
         b => 32 / b as u32,
     }
 }
 
-fn tensor(v: Value, which: &'static str) -> Result<TensorQuant, SpecError> {
-    if let Value::Word { name, .. } = &v {
-        if name == "fp16" {
-            return Ok(TensorQuant::Fp16);
+/// Tokens a page must be a multiple of: the attention kernels tile a page 16 tokens at a time.
+const PAGE_TILE: u32 = 16;
+
+/// A parsed tensor, with the spans that scheme-wide checks point at.
+struct Tensor {
+    quant: TensorQuant,
+    span: Range<usize>,
+    /// The `group = N` value of a channel-axis `int(...)` (that group is the page).
+    group: Option<(u32, Range<usize>)>,
+    /// The `boost = ...` argument.
+    boost: Option<Range<usize>>,
+}
+
+fn tensor(v: Value, which: &'static str) -> Result<Tensor, SpecError> {
+    let span = v.span();
+    let plain = |quant| Tensor {
+        quant,
+        span: span.clone(),
+        group: None,
+        boost: None,
+    };
+    let (name, call_span, args) = match v {
+        Value::Word { name, .. } if name == "fp16" => return Ok(plain(TensorQuant::Fp16)),
+        Value::Call { name, span, args } if name == "int" || name == "codebook" => {
+            (name, span, args)
         }
-    }
-    let (name, span, args) = call(v, which, &["int", "codebook", "fp16"])?;
-    match name.as_str() {
-        "fp16" => {
-            Args::new("fp16(...)", span, args)?.finish(&[])?;
-            Ok(TensorQuant::Fp16)
+        Value::Word { name, span } if name == "int" || name == "codebook" => {
+            (name, span, Vec::new())
         }
-        "int" => int_quant(span, args).map(TensorQuant::Int),
-        _ => codebook(span, args, which).map(TensorQuant::Codebook),
+        other => {
+            return Err(SpecError::new(
+                other.span(),
+                format!(
+                    "`{which}` must be `fp16`, `int(...)` or `codebook(...)`, got {}",
+                    other.quoted()
+                ),
+            ))
+        }
+    };
+    if name == "int" {
+        int_quant(call_span, args)
+    } else {
+        codebook(call_span, args, which).map(|c| plain(TensorQuant::Codebook(c)))
     }
 }
 
-fn int_quant(span: Range<usize>, args: Vec<Arg>) -> Result<IntQuant, SpecError> {
-    let mut a = Args::new("int(...)", span, args)?;
-    let bits_v = match a.keyed("bits") {
-        Some(v) => v,
-        None => required(a.positional(|v| matches!(v, Value::Number { .. })), "bits", &a)?,
-    };
-    let bits = integer(&bits_v, "bits", 1, 8)?;
-    if ![1, 2, 3, 4, 8].contains(&bits) {
-        return Err(SpecError::new(
-            bits_v.span(),
-            format!("`bits` must be 1, 2, 3, 4 or 8, got {bits}"),
-        ));
-    }
-    let bits = bits as u8;
-    let axis_v = match a.keyed("axis") {
-        Some(v) => v,
-        None => required(
-            a.positional(|v| matches!(v, Value::Word { name, .. } if name == "channel" || name == "token")),
-            "axis",
-            &a,
-        )?,
-    };
-    let axis = match word(&axis_v, "axis", &["channel", "token"])?.0 {
+fn int_quant(span: Range<usize>, args: Vec<Arg>) -> Result<Tensor, SpecError> {
+    const KEYS: &[&str] = &["bits", "axis", "group", "symmetric", "boost", "local"];
+    let mut a = Args::new("int(...)", span.clone(), args, KEYS)?;
+    let bits_v = a
+        .keyed_or("bits", is_number)
+        .ok_or_else(|| a.missing("bits", "1, 2, 3, 4 or 8"))?;
+    let bits = int_bits(&bits_v)?;
+    let symmetric = a.flag("symmetric")?;
+    // Once the flags are taken, any positional word is meant as the axis: a misspelt axis is
+    // reported as a bad axis rather than as a missing one.
+    let axis_v = a
+        .keyed_or("axis", |v| is_word(v, &["channel", "token"]))
+        .or_else(|| a.stray_word())
+        .ok_or_else(|| a.missing("axis", "channel or token"))?;
+    let axis = match word(&axis_v, "axis", &["channel", "token"])? {
         "channel" => Axis::Channel,
         _ => Axis::Token,
     };
-    let symmetric = a.flag("symmetric")?;
     let group = match a.keyed("group") {
-        Some(v) => {
-            let g = integer(&v, "group", 1, MAX_TOKENS)?;
-            let width = match axis {
-                // A channel-axis group is a page of tokens; pages are tiled 16 tokens at a time.
-                Axis::Channel => 16,
-                Axis::Token => packing_width(bits),
-            };
-            if g % width != 0 {
-                let unit = if axis == Axis::Channel { "tokens (the page tile)" } else { "codes per packed word" };
-                return Err(SpecError::new(
-                    v.span(),
-                    format!("`group = {g}` is not a multiple of {width} {unit} for {bits}-bit codes"),
-                ));
-            }
-            Some(g)
+        Some(v) => Some((integer(&v, "group", 1, MAX_TOKENS)?, v.span())),
+        None => None,
+    };
+    if let Some((g, g_span)) = &group {
+        let (unit, why) = match axis {
+            Axis::Channel => (
+                PAGE_TILE,
+                "a channel-axis group is one page, and pages are tiled 16 tokens at a time"
+                    .to_string(),
+            ),
+            Axis::Token => (
+                packing_width(bits),
+                format!("the number of {bits}-bit codes packed together in 32-bit words"),
+            ),
+        };
+        if g % unit != 0 {
+            return Err(SpecError::new(
+                g_span.clone(),
+                format!("`group = {g}` is not a multiple of {unit}: {why}"),
+            ));
         }
+    }
+    let local = match a.keyed("local") {
+        Some(v) => Some(integer(&v, "local", 0, MAX_TOKENS)?),
         None => None,
     };
-    let local = a
-        .keyed("local")
-        .map(|v| integer(&v, "local", 0, MAX_TOKENS))
-        .transpose()?;
-    let boost = match a.keyed("boost") {
-        Some(v) => Some(boost(v, bits, axis)?),
-        None => None,
+    let (boost, boost_span) = match a.keyed("boost") {
+        Some(v) => {
+            let s = v.span();
+            (Some(boost(v, bits, axis)?), Some(s))
+        }
+        None => (None, None),
     };
-    if symmetric && bits == 1 {
+    if let (Some(flag), 1) = (&symmetric, bits) {
         return Err(SpecError::new(
-            a.call_span.clone(),
-            "1-bit codes cannot be symmetric (no zero level); drop `symmetric`",
+            flag.clone(),
+            "1-bit codes cannot be symmetric (a symmetric code has no level but zero); drop `symmetric`",
         ));
     }
-    a.finish(&["bits", "axis", "group", "symmetric", "boost", "local"])?;
-    Ok(IntQuant {
+    a.finish()?;
+    let quant = IntQuant {
         bits,
         axis,
-        group,
-        symmetric,
+        group: group.as_ref().map(|(g, _)| *g),
+        symmetric: symmetric.is_some(),
         boost,
         local,
+    };
+    Ok(Tensor {
+        quant: TensorQuant::Int(quant),
+        span,
+        group: group.filter(|_| axis == Axis::Channel),
+        boost: boost_span,
     })
 }
 
 fn boost(v: Value, base_bits: u8, axis: Axis) -> Result<Boost, SpecError> {
     let (_, span, args) = call(v, "boost", &["boost"])?;
-    let mut a = Args::new("boost(...)", span.clone(), args)?;
-    let bits_v = match a.keyed("bits") {
-        Some(v) => v,
-        None => required(a.positional(|v| matches!(v, Value::Number { .. })), "bits", &a)?,
-    };
+    let mut a = Args::new("boost(...)", span.clone(), args, &["bits", "ratio", "by"])?;
+    if axis != Axis::Channel {
+        return Err(SpecError::new(
+            span,
+            "channel boost needs `axis = channel` (per-channel scales); token-axis tensors have no channels to boost",
+        ));
+    }
+    let bits_v = a
+        .keyed_or("bits", is_number)
+        .ok_or_else(|| a.missing("bits", "the boosted channels' bit width"))?;
     let bits = integer(&bits_v, "bits", 1, 8)? as u8;
     if bits <= base_bits {
         return Err(SpecError::new(
@@ -267,52 +413,65 @@ fn boost(v: Value, base_bits: u8, axis: Axis) -> Result<Boost, SpecError> {
             ),
         ));
     }
-    let ratio_v = match a.keyed("ratio") {
-        Some(v) => v,
-        None => required(a.positional(|v| matches!(v, Value::Number { .. })), "ratio", &a)?,
-    };
-    let ratio = number(&ratio_v, "ratio")?;
+    let ratio_v = a
+        .keyed_or("ratio", is_number)
+        .ok_or_else(|| a.missing("ratio", "the fraction of channels boosted per page"))?;
+    let ratio = number_f32(&ratio_v, "ratio")?;
     if !(ratio > 0.0 && ratio < 1.0) {
         return Err(SpecError::new(
             ratio_v.span(),
-            format!("boost `ratio` must lie strictly between 0 and 1, got {ratio}"),
+            format!(
+                "boost `ratio` must lie strictly between 0 and 1, got {}",
+                ratio_v.quoted()
+            ),
         ));
     }
-    let by = match a.keyed("by") {
-        Some(v) => match word(&v, "by", &["magnitude", "variance"])?.0 {
+    let by = match a.keyed_or("by", |v| is_word(v, &["magnitude", "variance"])) {
+        Some(v) => match word(&v, "by", &["magnitude", "variance"])? {
             "magnitude" => BoostCriterion::Magnitude,
             _ => BoostCriterion::Variance,
         },
         None => BoostCriterion::Magnitude,
     };
-    a.finish(&["bits", "ratio", "by"])?;
-    if axis != Axis::Channel {
-        return Err(SpecError::new(
-            span,
-            "channel boost needs `axis = channel` (per-channel scales); token-axis tensors have none to boost",
-        ));
-    }
-    Ok(Boost {
-        bits,
-        ratio: ratio as f32,
-        by,
-    })
+    a.finish()?;
+    Ok(Boost { bits, ratio, by })
 }
 
 fn codebook(span: Range<usize>, args: Vec<Arg>, which: &str) -> Result<CodebookQuant, SpecError> {
-    let mut a = Args::new("codebook(...)", span.clone(), args)?;
+    const KEYS: &[&str] = &[
+        "rope_commutative",
+        "additive",
+        "levels",
+        "residuals",
+        "pairs_per_code",
+        "rows",
+        "span",
+    ];
+    let mut a = Args::new("codebook(...)", span.clone(), args, KEYS)?;
     let rope = a.flag("rope_commutative")?;
     let additive = a.flag("additive")?;
     let span_kind = match a.keyed("span") {
-        Some(v) => match word(&v, "span", &["head", "token"])?.0 {
+        Some(v) => match word(&v, "span", &["head", "token"])? {
             "head" => CodebookSpan::Head,
             _ => CodebookSpan::Token,
         },
         None => CodebookSpan::Head,
     };
     let codebook = match (rope, additive) {
-        (true, false) => {
-            let levels_v = required(a.keyed("levels"), "levels", &a)?;
+        (Some(flag), None) => {
+            if which == "v" {
+                return Err(SpecError::new(
+                    flag,
+                    "a RoPE-commutative codebook is for keys (values carry no RoPE); use `codebook(additive, ...)` for `v`",
+                ));
+            }
+            a.only(
+                &["levels", "residuals", "pairs_per_code", "span"],
+                "codebook(rope_commutative, ...)",
+            )?;
+            let levels_v = a
+                .keyed("levels")
+                .ok_or_else(|| a.missing("levels", "codebook entries per residual round"))?;
             let levels = integer(&levels_v, "levels", 2, 1 << 16)?;
             if !levels.is_power_of_two() {
                 return Err(SpecError::new(
@@ -320,9 +479,14 @@ fn codebook(span: Range<usize>, args: Vec<Arg>, which: &str) -> Result<CodebookQ
                     format!("`levels` must be a power of two (codes are whole bits), got {levels}"),
                 ));
             }
-            let residuals = integer(&required(a.keyed("residuals"), "residuals", &a)?, "residuals", 1, 64)?;
-            let g_v = required(a.keyed("pairs_per_code"), "pairs_per_code", &a)?;
-            let pairs_per_code = integer(&g_v, "pairs_per_code", 1, 1024)?;
+            let residuals_v = a
+                .keyed("residuals")
+                .ok_or_else(|| a.missing("residuals", "residual rounds"))?;
+            let residuals = integer(&residuals_v, "residuals", 1, 64)?;
+            let pairs_v = a
+                .keyed("pairs_per_code")
+                .ok_or_else(|| a.missing("pairs_per_code", "RoPE pairs sharing one code"))?;
+            let pairs_per_code = integer(&pairs_v, "pairs_per_code", 1, 1024)?;
             let cb = Codebook::RopeCommutative {
                 levels,
                 residuals,
@@ -332,19 +496,19 @@ fn codebook(span: Range<usize>, args: Vec<Arg>, which: &str) -> Result<CodebookQ
             if bits >= 16.0 {
                 return Err(SpecError::new(
                     span.clone(),
-                    format!("this codebook spends {bits} bits per scalar: no compression over fp16"),
-                ));
-            }
-            if which == "v" {
-                return Err(SpecError::new(
-                    span.clone(),
-                    "a RoPE-commutative codebook is for keys (values carry no RoPE); use `codebook(additive, ...)` for `v`",
+                    format!(
+                        "this codebook spends {residuals}·log2({levels})/{pairs_per_code} = {bits} bits \
+                         per scalar: no compression over fp16"
+                    ),
                 ));
             }
             cb
         }
-        (false, true) => {
-            let rows_v = required(a.keyed("rows"), "rows", &a)?;
+        (None, Some(_)) => {
+            a.only(&["rows", "span"], "codebook(additive, ...)")?;
+            let rows_v = a
+                .keyed("rows")
+                .ok_or_else(|| a.missing("rows", "binary code bits per vector"))?;
             let rows = integer(&rows_v, "rows", 1, 1 << 16)?;
             if rows % 32 != 0 {
                 return Err(SpecError::new(
@@ -354,14 +518,24 @@ fn codebook(span: Range<usize>, args: Vec<Arg>, which: &str) -> Result<CodebookQ
             }
             Codebook::Additive { rows }
         }
-        _ => {
+        (Some(_), Some(second)) => {
             return Err(SpecError::new(
-                span,
-                "a codebook is either `rope_commutative` or `additive`: name exactly one",
+                second,
+                "a codebook is either `rope_commutative` or `additive`, not both",
             ))
         }
+        (None, None) => {
+            let (at, got) = match a.stray_word() {
+                Some(w) => (w.span(), format!(", got {}", w.quoted())),
+                None => (span, String::new()),
+            };
+            return Err(SpecError::new(
+                at,
+                format!("name the codebook kind: `rope_commutative` or `additive`{got}"),
+            ));
+        }
     };
-    a.finish(&["rope_commutative", "additive", "levels", "residuals", "pairs_per_code", "rows", "span"])?;
+    a.finish()?;
     Ok(CodebookQuant {
         codebook,
         span: span_kind,
@@ -370,96 +544,124 @@ fn codebook(span: Range<usize>, args: Vec<Arg>, which: &str) -> Result<CodebookQ
 
 fn calibration(v: Value) -> Result<(Calibration, Range<usize>), SpecError> {
     let (_, span, args) = call(v, "calibrate", &["calibrate"])?;
-    let mut a = Args::new("calibrate(...)", span.clone(), args)?;
-    let tau = |a: &mut Args, key: &str| -> Result<f32, SpecError> {
-        let v = required(a.keyed(key), key, a)?;
-        let x = number(&v, key)?;
-        if !x.is_finite() || x.abs() > 1e4 {
-            return Err(SpecError::new(v.span(), format!("`{key}` must be a finite number")));
+    let mut a = Args::new("calibrate(...)", span.clone(), args, &["tau1", "tau2"])?;
+    let mut tau = |key: &str| -> Result<f32, SpecError> {
+        let v = a
+            .keyed(key)
+            .ok_or_else(|| a.missing(key, "a score offset, fixed per model"))?;
+        let x = number_f32(&v, key)?;
+        if x.abs() > MAX_TAU {
+            return Err(SpecError::new(
+                v.span(),
+                format!(
+                    "`{key}` must lie within ±{MAX_TAU} (it shifts pre-softmax scores), got {}",
+                    v.quoted()
+                ),
+            ));
         }
-        Ok(x as f32)
+        Ok(x)
     };
-    let tau1 = tau(&mut a, "tau1")?;
-    let tau2 = tau(&mut a, "tau2")?;
-    a.finish(&["tau1", "tau2"])?;
+    let tau1 = tau("tau1")?;
+    let tau2 = tau("tau2")?;
+    a.finish()?;
     Ok((Calibration { tau1, tau2 }, span))
 }
 
 fn source(v: Value) -> Result<CacheSource, SpecError> {
-    if let Value::Word { name, .. } = &v {
-        if name == "kv" {
-            return Ok(CacheSource::Kv);
+    let (span, args) = match v {
+        Value::Word { name, .. } if name == "kv" => return Ok(CacheSource::Kv),
+        Value::Word { name, span } if name == "x" => (span, Vec::new()),
+        Value::Call { name, span, args } if name == "x" => (span, args),
+        other => {
+            return Err(SpecError::new(
+                other.span(),
+                format!(
+                    "`source` must be `kv` or `x(latent|cross_layer)`, got {}",
+                    other.quoted()
+                ),
+            ))
         }
-    }
-    let (_, span, args) = call(v, "source", &["x"])?;
-    let mut a = Args::new("x(...)", span.clone(), args)?;
+    };
+    let mut a = Args::new("x(...)", span.clone(), args, &["latent", "cross_layer"])?;
     let latent = a.flag("latent")?;
     let cross = a.flag("cross_layer")?;
-    a.finish(&["latent", "cross_layer"])?;
-    match (latent, cross) {
-        (true, false) => Ok(CacheSource::X(XSource::Latent)),
-        (false, true) => Ok(CacheSource::X(XSource::CrossLayer)),
-        _ => Err(SpecError::new(
-            span,
-            "name one cached form: `source = x(latent)` or `source = x(cross_layer)`",
-        )),
-    }
+    let form = match (latent, cross) {
+        (Some(_), None) => XSource::Latent,
+        (None, Some(_)) => XSource::CrossLayer,
+        (Some(_), Some(second)) => {
+            return Err(SpecError::new(
+                second,
+                "name one cached form: `latent` or `cross_layer`, not both",
+            ))
+        }
+        (None, None) => {
+            let at = a.stray_word().map_or(span, |w| w.span());
+            return Err(SpecError::new(
+                at,
+                "name the cached form: `source = x(latent)` or `source = x(cross_layer)`",
+            ));
+        }
+    };
+    a.finish()?;
+    Ok(CacheSource::X(form))
 }
 
 /// Builds a scheme from the parsed items.
 pub(crate) fn scheme(items: Vec<Arg>, text_len: usize) -> Result<SchemeSpec, SpecError> {
-    let mut a = Args::new("the scheme", 0..text_len, items)?;
-    let k_v = required(a.keyed("k"), "k", &a)?;
-    let k_span = k_v.span();
-    let k = tensor(k_v, "k")?;
-    let v_v = required(a.keyed("v"), "v", &a)?;
-    let v_span = v_v.span();
-    let v = tensor(v_v, "v")?;
-    let tokens = |a: &mut Args, key: &str| -> Result<Option<(u32, Range<usize>)>, SpecError> {
-        a.keyed(key)
-            .map(|v| integer(&v, key, 0, MAX_TOKENS).map(|n| (n, v.span())))
-            .transpose()
+    const KEYS: &[&str] = &["k", "v", "page", "sink", "local", "calibrate", "source"];
+    let mut a = Args::new("the scheme", 0..text_len, items, KEYS)?;
+    let hint = "fp16, int(...) or codebook(...)";
+    let k = tensor(a.keyed("k").ok_or_else(|| a.missing("k = ...", hint))?, "k")?;
+    let v = tensor(a.keyed("v").ok_or_else(|| a.missing("v = ...", hint))?, "v")?;
+    let mut tokens = |key: &str| -> Result<Option<(u32, Range<usize>)>, SpecError> {
+        match a.keyed(key) {
+            Some(v) => Ok(Some((integer(&v, key, 0, MAX_TOKENS)?, v.span()))),
+            None => Ok(None),
+        }
     };
-    let page_given = tokens(&mut a, "page")?;
-    let sink = tokens(&mut a, "sink")?.map_or(0, |(n, _)| n);
-    let local = tokens(&mut a, "local")?.map_or(0, |(n, _)| n);
+    let page_given = tokens("page")?;
+    let sink = tokens("sink")?.map_or(0, |(n, _)| n);
+    let local = tokens("local")?.map_or(0, |(n, _)| n);
     let calibrate = match a.keyed("calibrate") {
         Some(v) => Some(calibration(v)?),
         None => None,
     };
-    let source_v = a.keyed("source");
-    let source_span = source_v.as_ref().map(Value::span);
-    let source = match source_v {
+    let source = match a.keyed("source") {
         Some(v) => source(v)?,
         None => CacheSource::Kv,
     };
-    a.finish(&["k", "v", "page", "sink", "local", "calibrate", "source"])?;
+    a.finish()?;
 
-    // The page: a channel-axis group is exactly one page.
-    let mut page = page_given.as_ref().map(|(p, _)| *p);
-    for (t, span) in [(&k, &k_span), (&v, &v_span)] {
-        if let TensorQuant::Int(IntQuant { axis: Axis::Channel, group: Some(g), .. }) = t {
-            match page {
-                Some(p) if p != *g => {
-                    return Err(SpecError::new(
-                        span.clone(),
-                        format!("a channel-axis group is one page: `group = {g}` but the page is {p} tokens"),
-                    ))
-                }
-                _ => page = Some(*g),
+    // A channel-axis group is exactly one page: every group given must agree with the page.
+    let mut page = page_given.clone();
+    for t in [&k, &v] {
+        let Some((g, g_span)) = &t.group else {
+            continue;
+        };
+        match &page {
+            Some((p, _)) if p != g => {
+                return Err(SpecError::new(
+                    g_span.clone(),
+                    format!(
+                    "a channel-axis group is one page: `group = {g}` but the page is {p} tokens"
+                ),
+                ))
             }
+            _ => page = Some((*g, g_span.clone())),
         }
     }
-    let page = page.unwrap_or(DEFAULT_PAGE);
-    if page < 16 || page % 16 != 0 {
-        let span = page_given.map_or(0..text_len, |(_, s)| s);
-        return Err(SpecError::new(
-            span,
-            format!("the page must be a positive multiple of 16 tokens, got {page}"),
-        ));
-    }
+    let page = match page {
+        Some((p, span)) if p == 0 || p % PAGE_TILE != 0 => {
+            return Err(SpecError::new(
+                span,
+                format!("the page must be a positive multiple of {PAGE_TILE} tokens, got {p}"),
+            ))
+        }
+        Some((p, _)) => p,
+        None => DEFAULT_PAGE,
+    };
     if let Some((_, span)) = &calibrate {
-        if !k.is_quantized() {
+        if !k.quant.is_quantized() {
             return Err(SpecError::new(
                 span.clone(),
                 "`calibrate` corrects the scores of quantized keys, but `k = fp16`",
@@ -467,24 +669,26 @@ pub(crate) fn scheme(items: Vec<Arg>, text_len: usize) -> Result<SchemeSpec, Spe
         }
     }
     if let CacheSource::X(_) = source {
-        for (t, span, name) in [(&k, &k_span, "k"), (&v, &v_span, "v")] {
-            if !matches!(t, TensorQuant::Int(_)) {
+        for (t, name) in [(&k, "k"), (&v, "v")] {
+            if !matches!(t.quant, TensorQuant::Int(_)) {
                 return Err(SpecError::new(
-                    span.clone(),
+                    t.span.clone(),
                     format!("`source = x(...)` caches integer-quantized activations: `{name}` must be `int(...)`"),
                 ));
             }
-        }
-        if k.as_int().is_some_and(|q| q.boost.is_some()) {
-            return Err(SpecError::new(
-                source_span.unwrap_or(0..text_len),
-                "channel boost is not defined for cached activations (`source = x(...)`)",
-            ));
+            if let Some(b) = &t.boost {
+                return Err(SpecError::new(
+                    b.clone(),
+                    "channel boost is not defined for cached activations (`source = x(...)`)",
+                ));
+            }
         }
     }
     // Normal form: a channel-axis group is the page, so only the page records it.
-    let normalise = |t: TensorQuant| match t {
-        TensorQuant::Int(q) if q.axis == Axis::Channel => TensorQuant::Int(IntQuant { group: None, ..q }),
+    let normalise = |t: Tensor| match t.quant {
+        TensorQuant::Int(q) if q.axis == Axis::Channel => {
+            TensorQuant::Int(IntQuant { group: None, ..q })
+        }
         other => other,
     };
     Ok(SchemeSpec {

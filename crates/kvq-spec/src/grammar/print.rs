@@ -25,7 +25,11 @@ impl Display for TensorQuant {
                         BoostCriterion::Magnitude => "magnitude",
                         BoostCriterion::Variance => "variance",
                     };
-                    write!(f, ", boost = boost(bits = {}, ratio = {}, by = {by})", b.bits, b.ratio)?;
+                    write!(
+                        f,
+                        ", boost = boost(bits = {}, ratio = {}, by = {by})",
+                        b.bits, b.ratio
+                    )?;
                 }
                 if let Some(l) = q.local {
                     write!(f, ", local = {l}")?;
@@ -63,7 +67,11 @@ impl Display for SchemeSpec {
             write!(f, ", local = {}", self.local)?;
         }
         if let Some(c) = self.calibrate {
-            write!(f, ", calibrate = calibrate(tau1 = {}, tau2 = {})", c.tau1, c.tau2)?;
+            write!(
+                f,
+                ", calibrate = calibrate(tau1 = {}, tau2 = {})",
+                c.tau1, c.tau2
+            )?;
         }
         match self.source {
             CacheSource::Kv => {}

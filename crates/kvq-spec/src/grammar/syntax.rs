@@ -6,9 +6,21 @@ use std::ops::Range;
 /// A value in the untyped tree.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Value {
-    Number { value: f64, span: Range<usize> },
-    Word { name: String, span: Range<usize> },
-    Call { name: String, span: Range<usize>, args: Vec<Arg> },
+    /// `text` is kept so that `f32` fields parse from the digits, not through `f64` (exact round trips).
+    Number {
+        value: f64,
+        text: String,
+        span: Range<usize>,
+    },
+    Word {
+        name: String,
+        span: Range<usize>,
+    },
+    Call {
+        name: String,
+        span: Range<usize>,
+        args: Vec<Arg>,
+    },
 }
 
 impl Value {
@@ -17,6 +29,15 @@ impl Value {
             Value::Number { span, .. } | Value::Word { span, .. } | Value::Call { span, .. } => {
                 span.clone()
             }
+        }
+    }
+
+    /// How messages quote this value: `4`, `chanel`, `boost(...)`.
+    pub(crate) fn quoted(&self) -> String {
+        match self {
+            Value::Number { text, .. } => format!("`{text}`"),
+            Value::Word { name, .. } => format!("`{name}`"),
+            Value::Call { name, .. } => format!("`{name}(...)`"),
         }
     }
 }
@@ -31,7 +52,7 @@ pub(crate) struct Arg {
 #[derive(Debug, Clone, PartialEq)]
 enum Tok {
     Word(String),
-    Number(f64),
+    Number(f64, String),
     Eq,
     Comma,
     Open,
@@ -41,11 +62,33 @@ enum Tok {
 fn describe(tok: &Tok) -> String {
     match tok {
         Tok::Word(w) => format!("`{w}`"),
-        Tok::Number(n) => format!("`{n}`"),
+        Tok::Number(_, text) => format!("`{text}`"),
         Tok::Eq => "`=`".into(),
         Tok::Comma => "`,`".into(),
         Tok::Open => "`(`".into(),
         Tok::Close => "`)`".into(),
+    }
+}
+
+/// A number: optional sign, digits with an optional fraction and exponent (`-0.5`, `.25`, `1e-3`,
+/// `1_000`). Anything glued to it (`4bit`, `0.5f32`) makes the whole run a bad number.
+fn number(text: &str, start: usize) -> Result<(Tok, usize), SpecError> {
+    let bytes = text.as_bytes();
+    let mut i = start + 1;
+    while i < bytes.len() && (bytes[i].is_ascii_alphanumeric() || matches!(bytes[i], b'.' | b'_')) {
+        if matches!(bytes[i], b'e' | b'E') && matches!(bytes.get(i + 1), Some(b'-' | b'+')) {
+            i += 1;
+        }
+        i += 1;
+    }
+    let raw = &text[start..i];
+    let digits = raw.replace('_', "");
+    let unsigned = digits.trim_start_matches(['-', '+']);
+    // `f64::from_str` also takes `inf` and `nan`; the grammar does not.
+    let starts_numeric = unsigned.starts_with(|c: char| c.is_ascii_digit() || c == '.');
+    match digits.parse::<f64>() {
+        Ok(value) if starts_numeric && value.is_finite() => Ok((Tok::Number(value, digits), i)),
+        _ => Err(SpecError::new(start..i, format!("`{raw}` is not a number"))),
     }
 }
 
@@ -54,17 +97,16 @@ fn tokenize(text: &str) -> Result<Vec<(Tok, Range<usize>)>, SpecError> {
     let mut out = Vec::new();
     let mut i = 0;
     while i < bytes.len() {
-        let c = bytes[i];
         let start = i;
-        match c {
-            b' ' | b'\t' | b'\n' | b'\r' => {
+        let tok = match bytes[i] {
+            c if c.is_ascii_whitespace() => {
                 i += 1;
                 continue;
             }
-            b'=' => out.push((Tok::Eq, start..start + 1)),
-            b',' => out.push((Tok::Comma, start..start + 1)),
-            b'(' => out.push((Tok::Open, start..start + 1)),
-            b')' => out.push((Tok::Close, start..start + 1)),
+            b'=' => Tok::Eq,
+            b',' => Tok::Comma,
+            b'(' => Tok::Open,
+            b')' => Tok::Close,
             b'a'..=b'z' | b'A'..=b'Z' | b'_' => {
                 while i < bytes.len() && (bytes[i].is_ascii_alphanumeric() || bytes[i] == b'_') {
                     i += 1;
@@ -73,24 +115,9 @@ fn tokenize(text: &str) -> Result<Vec<(Tok, Range<usize>)>, SpecError> {
                 continue;
             }
             b'0'..=b'9' | b'.' | b'-' | b'+' => {
-                i += 1;
-                while i < bytes.len()
-                    && (bytes[i].is_ascii_alphanumeric() || matches!(bytes[i], b'.' | b'_'))
-                {
-                    // An exponent sign: 1e-3.
-                    if matches!(bytes[i], b'e' | b'E')
-                        && i + 1 < bytes.len()
-                        && matches!(bytes[i + 1], b'-' | b'+')
-                    {
-                        i += 1;
-                    }
-                    i += 1;
-                }
-                let raw = text[start..i].replace('_', "");
-                let value: f64 = raw.parse().map_err(|_| {
-                    SpecError::new(start..i, format!("`{}` is not a number", &text[start..i]))
-                })?;
-                out.push((Tok::Number(value), start..i));
+                let (tok, end) = number(text, start)?;
+                i = end;
+                out.push((tok, start..end));
                 continue;
             }
             _ => {
@@ -100,26 +127,27 @@ fn tokenize(text: &str) -> Result<Vec<(Tok, Range<usize>)>, SpecError> {
                     format!("unexpected character `{ch}`"),
                 ));
             }
-        }
+        };
+        out.push((tok, start..start + 1));
         i += 1;
     }
     Ok(out)
 }
 
-struct Parser<'t> {
+struct Parser {
     toks: Vec<(Tok, Range<usize>)>,
     pos: usize,
-    text: &'t str,
 }
 
-impl Parser<'_> {
+impl Parser {
     fn peek(&self) -> Option<&(Tok, Range<usize>)> {
         self.toks.get(self.pos)
     }
 
+    /// An empty span just after the last token: where the missing piece should have been.
     fn end_span(&self) -> Range<usize> {
-        let n = self.text.len();
-        n.saturating_sub(1)..n.max(1)
+        let end = self.toks.last().map_or(0, |(_, s)| s.end);
+        end..end
     }
 
     fn next(&mut self, expected: &str) -> Result<(Tok, Range<usize>), SpecError> {
@@ -135,44 +163,32 @@ impl Parser<'_> {
         }
     }
 
-    fn expect(&mut self, want: Tok, expected: &str) -> Result<Range<usize>, SpecError> {
-        let (tok, span) = self.next(expected)?;
-        if tok == want {
-            Ok(span)
-        } else {
-            Err(SpecError::new(
-                span,
-                format!("expected {expected}, found {}", describe(&tok)),
-            ))
-        }
-    }
-
     fn key(&mut self) -> Result<(String, Range<usize>), SpecError> {
-        match self.next("a key such as `k`, `v` or `sink`")? {
+        const EXPECTED: &str = "a key such as `k`, `v` or `sink`";
+        match self.next(EXPECTED)? {
             (Tok::Word(w), span) => Ok((w, span)),
             (tok, span) => Err(SpecError::new(
                 span,
-                format!("expected a key such as `k`, `v` or `sink`, found {}", describe(&tok)),
+                format!("expected {EXPECTED}, found {}", describe(&tok)),
             )),
         }
     }
 
     fn value(&mut self) -> Result<Value, SpecError> {
         match self.next("a value")? {
-            (Tok::Number(value), span) => Ok(Value::Number { value, span }),
+            (Tok::Number(value, text), span) => Ok(Value::Number { value, text, span }),
             (Tok::Word(name), span) => {
-                if matches!(self.peek(), Some((Tok::Open, _))) {
-                    self.pos += 1;
-                    let args = self.args()?;
-                    let close = self.expect(Tok::Close, "`)`")?;
-                    Ok(Value::Call {
-                        name,
-                        span: span.start..close.end,
-                        args,
-                    })
-                } else {
-                    Ok(Value::Word { name, span })
+                if !matches!(self.peek(), Some((Tok::Open, _))) {
+                    return Ok(Value::Word { name, span });
                 }
+                self.pos += 1;
+                let opening = span.start..self.toks[self.pos - 1].1.end;
+                let args = self.args(&name, opening)?;
+                Ok(Value::Call {
+                    name,
+                    span: span.start..self.toks[self.pos - 1].1.end,
+                    args,
+                })
             }
             (tok, span) => Err(SpecError::new(
                 span,
@@ -181,11 +197,23 @@ impl Parser<'_> {
         }
     }
 
-    fn args(&mut self) -> Result<Vec<Arg>, SpecError> {
+    /// The arguments of `name(` up to and including its `)`.
+    fn args(&mut self, name: &str, opening: Range<usize>) -> Result<Vec<Arg>, SpecError> {
         let mut args = Vec::new();
         loop {
-            if matches!(self.peek(), Some((Tok::Close, _)) | None) {
-                return Ok(args);
+            match self.peek() {
+                Some((Tok::Close, _)) => {
+                    self.pos += 1;
+                    return Ok(args);
+                }
+                // An unclosed call is reported at its opening, which is what needs the `)`.
+                None => {
+                    return Err(SpecError::new(
+                        opening,
+                        format!("`{name}(` is never closed: expected `)`"),
+                    ))
+                }
+                _ => {}
             }
             let keyed = matches!(
                 (self.toks.get(self.pos), self.toks.get(self.pos + 1)),
@@ -204,7 +232,7 @@ impl Parser<'_> {
             });
             match self.peek() {
                 Some((Tok::Comma, _)) => self.pos += 1,
-                Some((Tok::Close, _)) | None => return Ok(args),
+                Some((Tok::Close, _)) | None => {}
                 Some((tok, span)) => {
                     return Err(SpecError::new(
                         span.clone(),
@@ -225,11 +253,17 @@ pub(crate) fn parse_items(text: &str) -> Result<Vec<Arg>, SpecError> {
             "empty scheme: declare at least `k = ...` and `v = ...`",
         ));
     }
-    let mut p = Parser { toks, pos: 0, text };
+    let mut p = Parser { toks, pos: 0 };
     let mut items = Vec::new();
     while p.peek().is_some() {
         let key = p.key()?;
-        p.expect(Tok::Eq, &format!("`=` after `{}`", key.0))?;
+        let (tok, span) = p.next(&format!("`=` after `{}`", key.0))?;
+        if tok != Tok::Eq {
+            return Err(SpecError::new(
+                span,
+                format!("expected `=` after `{}`, found {}", key.0, describe(&tok)),
+            ));
+        }
         items.push(Arg {
             key: Some(key),
             value: p.value()?,

@@ -1,0 +1,255 @@
+//! Fused GPU decode against the CPU reference on the same quantized cache, for every integer and
+//! FP16 built-in scheme × head_dim {64, 128, 256} × {f16, bf16} × GQA {1, 4, 8}, in one batch of
+//! odd, unequal lengths. Inputs are fresh random data each run (seed printed; `KVQ_SEED` repeats
+//! one), outputs are poisoned with NaN before every launch, and NaN never passes.
+//!
+//! Skips with a printed reason without a GPU; fails when `KVQ_REQUIRE_GPU=1`.
+
+use half::{bf16, f16};
+use kvq::codegen::{Dtype, KernelShape, TuneParams};
+use kvq::reference::attention::{self, Queries};
+use kvq::reference::int::IntCache;
+use kvq::reference::{Dequantized, KvTensor};
+use kvq::runtime::testing::require_gpu;
+use kvq::runtime::{default_splits, DecodeKernel, DecodeScratch, GpuCache, Jit};
+use kvq::schemes::BUILTIN;
+use kvq::{CacheSource, SchemeSpec, TensorQuant};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, StudentT};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+const LENGTHS: &[usize] = &[1, 127, 128, 129, 4097, 33000];
+const KV_HEADS: usize = 2;
+const HEAD_DIMS: &[u32] = &[64, 128, 256];
+const GQAS: &[u32] = &[1, 4, 8];
+const DTYPES: &[Dtype] = &[Dtype::F16, Dtype::Bf16];
+
+fn integer_schemes() -> Vec<(&'static str, SchemeSpec)> {
+    BUILTIN
+        .iter()
+        .filter(|b| b.spec.source == CacheSource::Kv)
+        .filter(|b| ![b.spec.k, b.spec.v].iter().any(|t| matches!(t, TensorQuant::Codebook(_))))
+        .map(|b| (b.name, b.spec))
+        .collect()
+}
+
+fn seed() -> u64 {
+    std::env::var("KVQ_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64))
+}
+
+/// Heavy-tailed K/V with a few outlier channels per head (the structure that makes quantization
+/// hard), never zeros.
+fn random_kv(rng: &mut ChaCha8Rng, tokens: usize, head_dim: usize) -> (KvTensor, KvTensor) {
+    let t = StudentT::new(4.0).unwrap();
+    let mut gen = |outliers: bool| {
+        let gains: Vec<f32> = (0..KV_HEADS * head_dim)
+            .map(|_| if outliers && rng.random_bool(0.05) { rng.random_range(4.0..10.0) } else { 1.0 })
+            .collect();
+        let mut x = KvTensor::zeros(KV_HEADS, tokens, head_dim);
+        for h in 0..KV_HEADS {
+            for tok in 0..tokens {
+                for (c, v) in x.row_mut(h, tok).iter_mut().enumerate() {
+                    *v = (t.sample(rng) as f32 * 0.7 + 0.3).clamp(-40.0, 40.0) * gains[h * head_dim + c];
+                }
+            }
+        }
+        x
+    };
+    let k = gen(true);
+    let v = gen(false);
+    (k, v)
+}
+
+/// Queries rounded to the kernel's dtype: returns the device words and the f32 values the
+/// reference sees.
+fn random_queries(rng: &mut ChaCha8Rng, n: usize, dtype: Dtype) -> (Vec<u16>, Vec<f32>) {
+    let t = StudentT::new(5.0).unwrap();
+    (0..n)
+        .map(|_| {
+            let x = t.sample(rng) as f32 * 0.8;
+            match dtype {
+                Dtype::F16 => {
+                    let h = f16::from_f32(x);
+                    (h.to_bits(), h.to_f32())
+                }
+                Dtype::Bf16 => {
+                    let h = bf16::from_f32(x);
+                    (h.to_bits(), h.to_f32())
+                }
+            }
+        })
+        .unzip()
+}
+
+fn to_f32(bits: u16, dtype: Dtype) -> f32 {
+    match dtype {
+        Dtype::F16 => f16::from_bits(bits).to_f32(),
+        Dtype::Bf16 => bf16::from_bits(bits).to_f32(),
+    }
+}
+
+#[test]
+fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
+    let Some(device) = require_gpu("gpu_decode_matches_the_reference_for_every_integer_scheme") else {
+        return;
+    };
+    let seed = seed();
+    println!("device {} ({}), seed {seed} (KVQ_SEED={seed} repeats this run)", device.props().name, device.arch());
+    let jit = Jit::new(&device).expect("JIT");
+    let stream = device.default_stream();
+    let schemes = integer_schemes();
+    assert!(schemes.len() >= 8, "expected the 8 integer/FP16 built-ins, got {schemes:?}");
+
+    // Compile every variant up front, in parallel (NVRTC is the slow part; the JIT is thread-safe).
+    let started = Instant::now();
+    let mut variants = Vec::new();
+    for (name, spec) in &schemes {
+        for &d in HEAD_DIMS {
+            for &dtype in DTYPES {
+                for &gqa in GQAS {
+                    variants.push((*name, *spec, KernelShape::new(d, gqa, dtype)));
+                }
+            }
+        }
+    }
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get()).min(16);
+    let chunk = variants.len().div_ceil(threads);
+    let kernels: Vec<DecodeKernel> = std::thread::scope(|s| {
+        let handles: Vec<_> = variants
+            .chunks(chunk)
+            .map(|part| {
+                let jit = &jit;
+                s.spawn(move || {
+                    part.iter()
+                        .map(|(name, spec, shape)| {
+                            DecodeKernel::load(jit, spec, shape, &TuneParams::default_for(shape))
+                                .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"))
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().expect("compile thread")).collect()
+    });
+    println!(
+        "loaded {} kernel variants in {:.1} s: {:?}",
+        kernels.len(),
+        started.elapsed().as_secs_f64(),
+        jit.stats()
+    );
+
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut failures = Vec::new();
+    let mut checked = 0usize;
+    let mut worst = Vec::new();
+    let mut kernel_iter = kernels.iter();
+    for (name, spec) in &schemes {
+        for &d in HEAD_DIMS {
+            let caches: Vec<IntCache> = LENGTHS
+                .iter()
+                .map(|&len| {
+                    let (k, v) = random_kv(&mut rng, len, d as usize);
+                    IntCache::build(spec, &k, &v).expect("reference cache")
+                })
+                .collect();
+            let dequantized: Vec<Dequantized> = caches.iter().map(IntCache::dequantize).collect();
+            let refs: Vec<&IntCache> = caches.iter().collect();
+            let gpu = GpuCache::upload(&stream, &refs).expect("upload");
+            for &dtype in DTYPES {
+                let tol = match dtype {
+                    Dtype::F16 => 2e-3,
+                    Dtype::Bf16 => 1e-2,
+                };
+                for &gqa in GQAS {
+                    let kernel = kernel_iter.next().expect("one kernel per variant");
+                    assert_eq!(kernel.generated().shape, KernelShape::new(d, gqa, dtype));
+                    let q_heads = KV_HEADS * gqa as usize;
+                    let n = LENGTHS.len() * q_heads * d as usize;
+                    let (q_bits, q_vals) = random_queries(&mut rng, n, dtype);
+                    let q = stream.clone_htod(&q_bits).expect("upload q");
+                    let sm = device.props().sm_count as usize;
+                    // The heuristic split count, and a single split: results must agree with both.
+                    let heuristic = default_splits(LENGTHS.len(), KV_HEADS, gpu.max_len(), sm);
+                    for splits in [heuristic, 1, 7] {
+                        let mut out = stream.clone_htod(&vec![0xFFFFu16; n]).expect("poisoned output");
+                        let mut scratch =
+                            DecodeScratch::new(&stream, LENGTHS.len(), q_heads, d as usize, splits).expect("scratch");
+                        kernel.attend(&stream, &gpu, &q, &mut out, &mut scratch).expect("launch");
+                        let got: Vec<u16> = stream.clone_dtoh(&out).expect("download");
+                        for (b, deq) in dequantized.iter().enumerate() {
+                            let per = q_heads * d as usize;
+                            let queries = Queries {
+                                data: q_vals[b * per..(b + 1) * per].to_vec(),
+                                q_heads,
+                                head_dim: d as usize,
+                            };
+                            let want = attention::decode(&queries, deq, spec.calibrate.as_ref()).expect("reference");
+                            let have: Vec<f32> = got[b * per..(b + 1) * per].iter().map(|&x| to_f32(x, dtype)).collect();
+                            let err = attention::relative_error(&have, &want);
+                            checked += 1;
+                            let nan = have.iter().any(|x| !x.is_finite());
+                            worst.push((err, format!("{name} d{d} {dtype} gqa{gqa} len{} splits{splits}", LENGTHS[b])));
+                            if nan || !(err <= tol) {
+                                failures.push(format!(
+                                    "{name} d{d} {dtype} gqa{gqa} len {} splits {splits}: rel err {err:.3e} (tol {tol:.0e}){}",
+                                    LENGTHS[b],
+                                    if nan { ", non-finite output" } else { "" }
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    worst.sort_by(|a, b| b.0.total_cmp(&a.0));
+    println!("checked {checked} (scheme, shape, sequence, split) outputs; largest errors:");
+    for (e, what) in worst.iter().take(8) {
+        println!("  {e:.3e}  {what}");
+    }
+    let mut by_scheme: Vec<(String, f64)> = Vec::new();
+    for (name, _) in &schemes {
+        let m = worst
+            .iter()
+            .filter(|(_, w)| w.starts_with(&format!("{name} ")))
+            .map(|(e, _)| *e)
+            .fold(0.0, f64::max);
+        by_scheme.push((name.to_string(), m));
+    }
+    println!("max relative error per scheme: {by_scheme:?}");
+    assert!(failures.is_empty(), "{} of {checked} outputs out of tolerance:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// Loads every variant through a fresh JIT on the same disk cache: run after the test above in a
+/// second process, it must compile nothing.
+#[test]
+fn gpu_jit_warm_start_report() {
+    let Some(device) = require_gpu("gpu_jit_warm_start_report") else {
+        return;
+    };
+    let jit = Jit::new(&device).expect("JIT");
+    let started = Instant::now();
+    let mut n = 0;
+    for (name, spec) in integer_schemes() {
+        for &d in HEAD_DIMS {
+            for &dtype in DTYPES {
+                for &gqa in GQAS {
+                    let shape = KernelShape::new(d, gqa, dtype);
+                    DecodeKernel::load(&jit, &spec, &shape, &TuneParams::default_for(&shape))
+                        .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"));
+                    n += 1;
+                }
+            }
+        }
+    }
+    let stats = jit.stats();
+    println!(
+        "warm start: {n} kernel modules in {:.1} ms: {stats:?}; disk cache {}",
+        started.elapsed().as_secs_f64() * 1e3,
+        jit.disk_cache().map_or("off".to_string(), |c| format!("{}", c.stats()))
+    );
+}

@@ -1,0 +1,7 @@
+#[kvq::scheme]
+struct Bare;
+
+#[kvq::scheme()]
+struct Empty;
+
+fn main() {}
