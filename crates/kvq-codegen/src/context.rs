@@ -89,7 +89,11 @@ impl TensorCtx {
                 ctx.bits = q.bits;
                 ctx.per_word = plane(q.bits);
                 ctx.mask = (1u32 << q.bits) - 1;
-                ctx.low_plane_words = if q.bits == 3 { pack::plane_words(2, head_dim) } else { l.row_words };
+                ctx.low_plane_words = if q.bits == 3 {
+                    pack::plane_words(2, head_dim)
+                } else {
+                    l.row_words
+                };
                 ctx.axis = match q.axis {
                     Axis::Channel => "channel",
                     Axis::Token => "token",

@@ -61,11 +61,17 @@ pub fn decode_kernels(
 ) -> Result<DecodeKernels, CodegenError> {
     tune.validate()?;
     if shape.gqa == 0 || shape.gqa > 64 {
-        return Err(CodegenError::Shape(format!("gqa = {} (expected 1..=64)", shape.gqa)));
+        return Err(CodegenError::Shape(format!(
+            "gqa = {} (expected 1..=64)",
+            shape.gqa
+        )));
     }
     spec.check_shape(shape.head_dim, 1)?;
     if shape.head_dim > 512 {
-        return Err(CodegenError::Shape(format!("head_dim = {} (at most 512)", shape.head_dim)));
+        return Err(CodegenError::Shape(format!(
+            "head_dim = {} (at most 512)",
+            shape.head_dim
+        )));
     }
     if let CacheSource::X(_) = spec.source {
         return Err(CodegenError::Unsupported {

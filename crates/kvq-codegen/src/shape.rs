@@ -43,6 +43,10 @@ pub struct KernelShape {
 
 impl KernelShape {
     pub fn new(head_dim: u32, gqa: u32, dtype: Dtype) -> Self {
-        Self { head_dim, gqa, dtype }
+        Self {
+            head_dim,
+            gqa,
+            dtype,
+        }
     }
 }

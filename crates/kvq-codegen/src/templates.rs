@@ -7,10 +7,22 @@ use tera::{Context, Tera};
 
 /// Every template, by name; embedded so nothing reads the source tree at run time.
 pub(crate) const TEMPLATES: &[(&str, &str)] = &[
-    ("common.cuh.tera", include_str!("../../../templates/common.cuh.tera")),
-    ("tensor.cuh.tera", include_str!("../../../templates/tensor.cuh.tera")),
-    ("combine.cu.tera", include_str!("../../../templates/combine.cu.tera")),
-    ("decode.cu.tera", include_str!("../../../templates/decode.cu.tera")),
+    (
+        "common.cuh.tera",
+        include_str!("../../../templates/common.cuh.tera"),
+    ),
+    (
+        "tensor.cuh.tera",
+        include_str!("../../../templates/tensor.cuh.tera"),
+    ),
+    (
+        "combine.cu.tera",
+        include_str!("../../../templates/combine.cu.tera"),
+    ),
+    (
+        "decode.cu.tera",
+        include_str!("../../../templates/decode.cu.tera"),
+    ),
 ];
 
 fn engine() -> Result<&'static Tera, CodegenError> {

@@ -30,7 +30,10 @@ impl TuneParams {
         Self::THREADS.iter().flat_map(|&threads| {
             Self::TILE_TOKENS
                 .iter()
-                .map(move |&tile_tokens| TuneParams { threads, tile_tokens })
+                .map(move |&tile_tokens| TuneParams {
+                    threads,
+                    tile_tokens,
+                })
         })
     }
 

@@ -22,14 +22,17 @@ fn every_variant_renders() {
         let spec = SchemeSpec::parse(text).unwrap();
         for head_dim in [64, 96, 128, 256] {
             for (gqa, dtype) in [(1, Dtype::F16), (4, Dtype::Bf16), (8, Dtype::F16)] {
-                for tune in TuneParams::candidates().filter(|t| t.threads == 128 || head_dim == 128) {
+                for tune in TuneParams::candidates().filter(|t| t.threads == 128 || head_dim == 128)
+                {
                     let shape = KernelShape::new(head_dim, gqa, dtype);
-                    let k = decode_kernels(&spec, &shape, &tune).unwrap_or_else(|e| panic!("{text}: {e}"));
+                    let k = decode_kernels(&spec, &shape, &tune)
+                        .unwrap_or_else(|e| panic!("{text}: {e}"));
                     assert!(k.source.contains(&k.decode.name));
                     assert_eq!(k.range.is_some(), spec.calibrate.is_some());
                     if let Some(dir) = &dump {
                         if tune == TuneParams::default_for(&shape) {
-                            let path = std::path::Path::new(dir).join(format!("s{i}_d{head_dim}_g{gqa}_{dtype}.cu"));
+                            let path = std::path::Path::new(dir)
+                                .join(format!("s{i}_d{head_dim}_g{gqa}_{dtype}.cu"));
                             std::fs::write(path, &k.source).unwrap();
                         }
                     }
