@@ -3,7 +3,7 @@
 use crate::context::{DecodeCtx, TensorCtx};
 use crate::templates::render;
 use crate::{CodegenError, KernelShape, TuneParams};
-use kvq_spec::{CacheSource, SchemeSpec};
+use kvq_spec::{CacheSource, SchemeSpec, TensorQuant};
 use serde::Serialize;
 
 /// One `extern "C"` entry point of a generated module and how to launch it.
@@ -60,6 +60,22 @@ pub fn decode_kernels(
     tune: &TuneParams,
 ) -> Result<DecodeKernels, CodegenError> {
     tune.validate()?;
+    // Families without a GPU kernel yet say so first, whatever the shape.
+    if let CacheSource::X(_) = spec.source {
+        return Err(CodegenError::Unsupported {
+            family: "decode",
+            what: format!("`{spec}` (XQuant rematerialisation; the CPU reference covers it)"),
+        });
+    }
+    if [spec.k, spec.v]
+        .iter()
+        .any(|t| matches!(t, TensorQuant::Codebook(_)))
+    {
+        return Err(CodegenError::Unsupported {
+            family: "decode",
+            what: format!("`{spec}` (codebook tensors; the CPU reference covers them)"),
+        });
+    }
     if shape.gqa == 0 || shape.gqa > 64 {
         return Err(CodegenError::Shape(format!(
             "gqa = {} (expected 1..=64)",
@@ -72,12 +88,6 @@ pub fn decode_kernels(
             "head_dim = {} (at most 512)",
             shape.head_dim
         )));
-    }
-    if let CacheSource::X(_) = spec.source {
-        return Err(CodegenError::Unsupported {
-            family: "decode",
-            what: format!("`{spec}` (XQuant rematerialisation; the CPU reference covers it)"),
-        });
     }
     let d = shape.head_dim as usize;
     let k = TensorCtx::new("k", spec, &spec.k, d)?;

@@ -29,7 +29,11 @@ fn integer_schemes() -> Vec<(&'static str, SchemeSpec)> {
     BUILTIN
         .iter()
         .filter(|b| b.spec.source == CacheSource::Kv)
-        .filter(|b| ![b.spec.k, b.spec.v].iter().any(|t| matches!(t, TensorQuant::Codebook(_))))
+        .filter(|b| {
+            ![b.spec.k, b.spec.v]
+                .iter()
+                .any(|t| matches!(t, TensorQuant::Codebook(_)))
+        })
         .map(|b| (b.name, b.spec))
         .collect()
 }
@@ -38,7 +42,11 @@ fn seed() -> u64 {
     std::env::var("KVQ_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64))
+        .unwrap_or_else(|| {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        })
 }
 
 /// Heavy-tailed K/V with a few outlier channels per head (the structure that makes quantization
@@ -47,13 +55,20 @@ fn random_kv(rng: &mut ChaCha8Rng, tokens: usize, head_dim: usize) -> (KvTensor,
     let t = StudentT::new(4.0).unwrap();
     let mut gen = |outliers: bool| {
         let gains: Vec<f32> = (0..KV_HEADS * head_dim)
-            .map(|_| if outliers && rng.random_bool(0.05) { rng.random_range(4.0..10.0) } else { 1.0 })
+            .map(|_| {
+                if outliers && rng.random_bool(0.05) {
+                    rng.random_range(4.0..10.0)
+                } else {
+                    1.0
+                }
+            })
             .collect();
         let mut x = KvTensor::zeros(KV_HEADS, tokens, head_dim);
         for h in 0..KV_HEADS {
             for tok in 0..tokens {
                 for (c, v) in x.row_mut(h, tok).iter_mut().enumerate() {
-                    *v = (t.sample(rng) as f32 * 0.7 + 0.3).clamp(-40.0, 40.0) * gains[h * head_dim + c];
+                    *v = (t.sample(rng) as f32 * 0.7 + 0.3).clamp(-40.0, 40.0)
+                        * gains[h * head_dim + c];
                 }
             }
         }
@@ -94,15 +109,23 @@ fn to_f32(bits: u16, dtype: Dtype) -> f32 {
 
 #[test]
 fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
-    let Some(device) = require_gpu("gpu_decode_matches_the_reference_for_every_integer_scheme") else {
+    let Some(device) = require_gpu("gpu_decode_matches_the_reference_for_every_integer_scheme")
+    else {
         return;
     };
     let seed = seed();
-    println!("device {} ({}), seed {seed} (KVQ_SEED={seed} repeats this run)", device.props().name, device.arch());
+    println!(
+        "device {} ({}), seed {seed} (KVQ_SEED={seed} repeats this run)",
+        device.props().name,
+        device.arch()
+    );
     let jit = Jit::new(&device).expect("JIT");
     let stream = device.default_stream();
     let schemes = integer_schemes();
-    assert!(schemes.len() >= 8, "expected the 8 integer/FP16 built-ins, got {schemes:?}");
+    assert!(
+        schemes.len() >= 8,
+        "expected the 8 integer/FP16 built-ins, got {schemes:?}"
+    );
 
     // Compile every variant up front, in parallel (NVRTC is the slow part; the JIT is thread-safe).
     let started = Instant::now();
@@ -116,7 +139,9 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
             }
         }
     }
-    let threads = std::thread::available_parallelism().map_or(4, |n| n.get()).min(16);
+    let threads = std::thread::available_parallelism()
+        .map_or(4, |n| n.get())
+        .min(16);
     let chunk = variants.len().div_ceil(threads);
     let kernels: Vec<DecodeKernel> = std::thread::scope(|s| {
         let handles: Vec<_> = variants
@@ -133,7 +158,10 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                 })
             })
             .collect();
-        handles.into_iter().flat_map(|h| h.join().expect("compile thread")).collect()
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("compile thread"))
+            .collect()
     });
     println!(
         "loaded {} kernel variants in {:.1} s: {:?}",
@@ -175,10 +203,15 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                     // The heuristic split count, and a single split: results must agree with both.
                     let heuristic = default_splits(LENGTHS.len(), KV_HEADS, gpu.max_len(), sm);
                     for splits in [heuristic, 1, 7] {
-                        let mut out = stream.clone_htod(&vec![0xFFFFu16; n]).expect("poisoned output");
+                        let mut out = stream
+                            .clone_htod(&vec![0xFFFFu16; n])
+                            .expect("poisoned output");
                         let mut scratch =
-                            DecodeScratch::new(&stream, LENGTHS.len(), q_heads, d as usize, splits).expect("scratch");
-                        kernel.attend(&stream, &gpu, &q, &mut out, &mut scratch).expect("launch");
+                            DecodeScratch::new(&stream, LENGTHS.len(), q_heads, d as usize, splits)
+                                .expect("scratch");
+                        kernel
+                            .attend(&stream, &gpu, &q, &mut out, &mut scratch)
+                            .expect("launch");
                         let got: Vec<u16> = stream.clone_dtoh(&out).expect("download");
                         for (b, deq) in dequantized.iter().enumerate() {
                             let per = q_heads * d as usize;
@@ -187,12 +220,22 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                                 q_heads,
                                 head_dim: d as usize,
                             };
-                            let want = attention::decode(&queries, deq, spec.calibrate.as_ref()).expect("reference");
-                            let have: Vec<f32> = got[b * per..(b + 1) * per].iter().map(|&x| to_f32(x, dtype)).collect();
+                            let want = attention::decode(&queries, deq, spec.calibrate.as_ref())
+                                .expect("reference");
+                            let have: Vec<f32> = got[b * per..(b + 1) * per]
+                                .iter()
+                                .map(|&x| to_f32(x, dtype))
+                                .collect();
                             let err = attention::relative_error(&have, &want);
                             checked += 1;
                             let nan = have.iter().any(|x| !x.is_finite());
-                            worst.push((err, format!("{name} d{d} {dtype} gqa{gqa} len{} splits{splits}", LENGTHS[b])));
+                            worst.push((
+                                err,
+                                format!(
+                                    "{name} d{d} {dtype} gqa{gqa} len{} splits{splits}",
+                                    LENGTHS[b]
+                                ),
+                            ));
                             if nan || !(err <= tol) {
                                 failures.push(format!(
                                     "{name} d{d} {dtype} gqa{gqa} len {} splits {splits}: rel err {err:.3e} (tol {tol:.0e}){}",
@@ -221,7 +264,12 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
         by_scheme.push((name.to_string(), m));
     }
     println!("max relative error per scheme: {by_scheme:?}");
-    assert!(failures.is_empty(), "{} of {checked} outputs out of tolerance:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} of {checked} outputs out of tolerance:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 /// Loads every variant through a fresh JIT on the same disk cache: run after the test above in a
@@ -250,6 +298,7 @@ fn gpu_jit_warm_start_report() {
     println!(
         "warm start: {n} kernel modules in {:.1} ms: {stats:?}; disk cache {}",
         started.elapsed().as_secs_f64() * 1e3,
-        jit.disk_cache().map_or("off".to_string(), |c| format!("{}", c.stats()))
+        jit.disk_cache()
+            .map_or("off".to_string(), |c| format!("{}", c.stats()))
     );
 }

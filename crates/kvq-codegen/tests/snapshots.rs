@@ -1,0 +1,104 @@
+//! Snapshots of rendered kernel source: a template change shows up as a reviewed diff.
+//! Regenerate with `INSTA_UPDATE=always cargo test -p kvq-codegen --test snapshots` and review.
+
+use kvq_codegen::{decode_kernels, CodegenError, Dtype, KernelShape, TuneParams};
+use kvq_spec::SchemeSpec;
+
+fn render(text: &str, head_dim: u32, gqa: u32, dtype: Dtype) -> String {
+    let spec = SchemeSpec::parse(text).unwrap();
+    let shape = KernelShape::new(head_dim, gqa, dtype);
+    decode_kernels(&spec, &shape, &TuneParams::default_for(&shape))
+        .unwrap()
+        .source
+}
+
+#[test]
+fn kivi2_d128_gqa4_f16() {
+    insta::assert_snapshot!(render(
+        "k = int(2, channel), v = int(2, token), local = 128",
+        128,
+        4,
+        Dtype::F16
+    ));
+}
+
+#[test]
+fn kitty_d128_gqa8_bf16() {
+    insta::assert_snapshot!(render(
+        "k = int(2, channel, boost = boost(4, ratio = 0.125)), v = int(2, token, local = 128), sink = 32",
+        128,
+        8,
+        Dtype::Bf16
+    ));
+}
+
+#[test]
+fn calibquant1_d64_gqa1_f16() {
+    insta::assert_snapshot!(render(
+        "k = int(1, channel), v = int(1, channel), local = 128, calibrate = calibrate(tau1 = 0.6, tau2 = 0.1)",
+        64,
+        1,
+        Dtype::F16
+    ));
+}
+
+#[test]
+fn fp16_d256_gqa4_f16() {
+    insta::assert_snapshot!(render("k = fp16, v = fp16", 256, 4, Dtype::F16));
+}
+
+#[test]
+fn the_kernel_header_names_scheme_shape_and_tuning() {
+    let src = render(
+        "k = int(8, channel, symmetric), v = int(8, channel, symmetric)",
+        128,
+        4,
+        Dtype::F16,
+    );
+    let head: Vec<&str> = src.lines().take(4).collect();
+    assert!(
+        head[1].contains("k = int(bits = 8, axis = channel, symmetric)"),
+        "{head:?}"
+    );
+    assert!(
+        head[2].contains("head_dim=128 gqa=4 dtype=f16 page=128"),
+        "{head:?}"
+    );
+    assert!(head[3].contains("threads=128 tile_tokens=32"), "{head:?}");
+}
+
+#[test]
+fn schemes_without_a_gpu_kernel_and_bad_shapes_are_typed_errors() {
+    let shape = KernelShape::new(128, 4, Dtype::F16);
+    let tune = TuneParams::default_for(&shape);
+    let xquant =
+        SchemeSpec::parse("k = int(2, channel), v = int(2, token), source = x(latent)").unwrap();
+    assert!(matches!(
+        decode_kernels(&xquant, &shape, &tune),
+        Err(CodegenError::Unsupported { .. })
+    ));
+    let commvq = SchemeSpec::parse("k = fp16, v = codebook(additive, rows = 256)").unwrap();
+    assert!(matches!(
+        decode_kernels(&commvq, &shape, &tune),
+        Err(CodegenError::Unsupported { .. })
+    ));
+    let kivi = SchemeSpec::parse("k = int(2, channel), v = int(2, token)").unwrap();
+    let bad_dim = KernelShape::new(100, 4, Dtype::F16);
+    assert!(matches!(
+        decode_kernels(&kivi, &bad_dim, &tune),
+        Err(CodegenError::SchemeShape(_))
+    ));
+    let bad_tune = TuneParams {
+        threads: 96,
+        tile_tokens: 32,
+    };
+    assert!(matches!(
+        decode_kernels(&kivi, &shape, &bad_tune),
+        Err(CodegenError::Shape(_))
+    ));
+    let no_gqa = KernelShape::new(128, 0, Dtype::F16);
+    assert!(matches!(
+        decode_kernels(&kivi, &no_gqa, &tune),
+        Err(CodegenError::Shape(_))
+    ));
+}
