@@ -25,10 +25,10 @@ extern crate self as kvq;
 pub use kvq_macros::scheme;
 pub use kvq_spec::*;
 
-/// The CPU reference: exact layouts, quantizers and decode attention for every scheme.
-pub use kvq_reference as reference;
 /// CUDA source generation (scheme + shape + tuning → kernels and launch metadata).
 pub use kvq_codegen as codegen;
+/// The CPU reference: exact layouts, quantizers and decode attention for every scheme.
+pub use kvq_reference as reference;
 /// The GPU runtime: NVRTC JIT with disk cache, device discovery, fused decode launches.
 pub use kvq_runtime as runtime;
 
