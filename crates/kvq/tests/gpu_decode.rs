@@ -210,7 +210,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                             DecodeScratch::new(&stream, LENGTHS.len(), q_heads, d as usize, splits)
                                 .expect("scratch");
                         kernel
-                            .attend(&stream, &gpu, &q, &mut out, &mut scratch)
+                            .attend(&stream, gpu.view(), &q, &mut out, &mut scratch)
                             .expect("launch");
                         let got: Vec<u16> = stream.clone_dtoh(&out).expect("download");
                         for (b, deq) in dequantized.iter().enumerate() {

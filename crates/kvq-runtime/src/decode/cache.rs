@@ -22,22 +22,54 @@ use crate::error::{Result, RuntimeError};
 /// Byte written into allocated but unused page blocks.
 const POISON_BYTE: u8 = 0xA5;
 
-/// One batch's cache on the device.
+/// Borrowed device buffers of a paged cache in the layout above: what the decode kernels read.
+/// Any cache manager that keeps this layout can be attended by [`DecodeKernel`](super::DecodeKernel).
+#[derive(Clone, Copy)]
+pub struct CacheView<'a> {
+    /// Scheme of every sequence.
+    pub spec: &'a SchemeSpec,
+    /// Sequences (grid z); `q`/`out` rows are `[batch][kv_heads·gqa]`.
+    pub batch: usize,
+    /// KV heads per sequence.
+    pub kv_heads: usize,
+    /// Channels per head.
+    pub head_dim: usize,
+    /// Columns of `page_table`.
+    pub max_pages: usize,
+    /// `[physical page][kv_head][block]` bytes.
+    pub k_pool: &'a CudaSlice<u8>,
+    /// `[physical page][kv_head][block]` bytes.
+    pub v_pool: &'a CudaSlice<u8>,
+    /// `[batch][max_pages]`.
+    pub page_table: &'a CudaSlice<i32>,
+    /// `[batch][kv_heads][sink][head_dim]` f16.
+    pub k_sink: &'a CudaSlice<u16>,
+    /// `[batch][kv_heads][sink][head_dim]` f16.
+    pub v_sink: &'a CudaSlice<u16>,
+    /// `[batch][kv_heads][local+page][head_dim]` f16 ring.
+    pub k_tail: &'a CudaSlice<u16>,
+    /// `[batch][kv_heads][local+page][head_dim]` f16 ring.
+    pub v_tail: &'a CudaSlice<u16>,
+    /// `[batch]` tokens per sequence.
+    pub seq_lens: &'a CudaSlice<i32>,
+}
+
+/// One batch's cache on the device, uploaded from the CPU reference.
 pub struct GpuCache {
-    pub(crate) spec: SchemeSpec,
-    pub(crate) batch: usize,
-    pub(crate) kv_heads: usize,
-    pub(crate) head_dim: usize,
-    pub(crate) max_pages: usize,
-    pub(crate) max_len: usize,
-    pub(crate) k_pool: CudaSlice<u8>,
-    pub(crate) v_pool: CudaSlice<u8>,
-    pub(crate) page_table: CudaSlice<i32>,
-    pub(crate) k_sink: CudaSlice<u16>,
-    pub(crate) v_sink: CudaSlice<u16>,
-    pub(crate) k_tail: CudaSlice<u16>,
-    pub(crate) v_tail: CudaSlice<u16>,
-    pub(crate) seq_lens: CudaSlice<i32>,
+    spec: SchemeSpec,
+    batch: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    max_pages: usize,
+    max_len: usize,
+    k_pool: CudaSlice<u8>,
+    v_pool: CudaSlice<u8>,
+    page_table: CudaSlice<i32>,
+    k_sink: CudaSlice<u16>,
+    v_sink: CudaSlice<u16>,
+    k_tail: CudaSlice<u16>,
+    v_tail: CudaSlice<u16>,
+    seq_lens: CudaSlice<i32>,
 }
 
 fn invalid(msg: String) -> RuntimeError {
@@ -151,6 +183,25 @@ impl GpuCache {
             v_tail: upload(stream, &v.tail, 0xFFFF, "V tail")?,
             seq_lens: upload(stream, &seq_lens, 0, "sequence lengths")?,
         })
+    }
+
+    /// The device buffers, for [`DecodeKernel::attend`](super::DecodeKernel::attend).
+    pub fn view(&self) -> CacheView<'_> {
+        CacheView {
+            spec: &self.spec,
+            batch: self.batch,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            max_pages: self.max_pages,
+            k_pool: &self.k_pool,
+            v_pool: &self.v_pool,
+            page_table: &self.page_table,
+            k_sink: &self.k_sink,
+            v_sink: &self.v_sink,
+            k_tail: &self.k_tail,
+            v_tail: &self.v_tail,
+            seq_lens: &self.seq_lens,
+        }
     }
 
     /// The scheme of every sequence in the batch.

@@ -6,7 +6,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKern
 use kvq_codegen::{decode_kernels, DecodeKernels, KernelShape, TuneParams};
 use kvq_spec::SchemeSpec;
 
-use super::cache::GpuCache;
+use super::cache::CacheView;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
 use crate::nvrtc::{CompileOptions, Source};
@@ -120,7 +120,7 @@ impl DecodeKernel {
     pub fn attend(
         &self,
         stream: &Arc<CudaStream>,
-        cache: &GpuCache,
+        cache: CacheView<'_>,
         q: &CudaSlice<u16>,
         out: &mut CudaSlice<u16>,
         scratch: &mut DecodeScratch,
@@ -128,7 +128,7 @@ impl DecodeKernel {
         let shape = self.generated.shape;
         let d = shape.head_dim as usize;
         let q_heads = cache.kv_heads * shape.gqa as usize;
-        if cache.spec != self.spec {
+        if *cache.spec != self.spec {
             return Err(RuntimeError::InvalidInput(format!(
                 "cache holds scheme `{}`, kernel is for `{}`",
                 cache.spec, self.spec
@@ -166,12 +166,12 @@ impl DecodeKernel {
         if let (Some(range), Some(entry)) = (&self.range, &self.generated.range) {
             let mut b = stream.launch_builder(range);
             b.arg(q)
-                .arg(&cache.k_pool)
-                .arg(&cache.page_table)
+                .arg(cache.k_pool)
+                .arg(cache.page_table)
                 .arg(&max_pages)
-                .arg(&cache.k_sink)
-                .arg(&cache.k_tail)
-                .arg(&cache.seq_lens)
+                .arg(cache.k_sink)
+                .arg(cache.k_tail)
+                .arg(cache.seq_lens)
                 .arg(&mut scratch.score_range);
             // SAFETY: arguments match the kernel's parameter list (KernelEntry::params), and every
             // buffer was sized above for this grid.
@@ -179,15 +179,15 @@ impl DecodeKernel {
         }
         let mut b = stream.launch_builder(&self.decode);
         b.arg(q)
-            .arg(&cache.k_pool)
-            .arg(&cache.v_pool)
-            .arg(&cache.page_table)
+            .arg(cache.k_pool)
+            .arg(cache.v_pool)
+            .arg(cache.page_table)
             .arg(&max_pages)
-            .arg(&cache.k_sink)
-            .arg(&cache.v_sink)
-            .arg(&cache.k_tail)
-            .arg(&cache.v_tail)
-            .arg(&cache.seq_lens)
+            .arg(cache.k_sink)
+            .arg(cache.v_sink)
+            .arg(cache.k_tail)
+            .arg(cache.v_tail)
+            .arg(cache.seq_lens)
             .arg(&scratch.score_range)
             .arg(&mut scratch.part_acc)
             .arg(&mut scratch.part_ml);

@@ -9,6 +9,6 @@ mod cache;
 mod kernel;
 mod splits;
 
-pub use cache::GpuCache;
+pub use cache::{CacheView, GpuCache};
 pub use kernel::{DecodeKernel, DecodeScratch};
 pub use splits::default_splits;
