@@ -41,7 +41,7 @@ pub struct KittyPro;
     k = int(1, channel),
     v = int(1, channel),
     local = 128,
-    calibrate = calibrate(tau1 = 0.6, tau2 = 0.1)
+    calibrate = calibrate(tau1 = -1.5, tau2 = 3.25)
 )]
 pub struct CalibQuant1;
 
@@ -50,7 +50,7 @@ pub struct CalibQuant1;
     k = int(2, channel),
     v = int(2, channel),
     local = 128,
-    calibrate = calibrate(tau1 = 0.3, tau2 = 0.05)
+    calibrate = calibrate(tau1 = 0.2, tau2 = 0.25)
 )]
 pub struct CalibQuant2;
 
@@ -58,34 +58,40 @@ pub struct CalibQuant2;
 #[scheme(k = int(8, channel, symmetric), v = int(8, channel, symmetric))]
 pub struct Int8;
 
-/// CommVQ 2-bit: RoPE-commutative additive codebook for keys, additive binary codebook for values.
+/// CommVQ 2-bit (the paper's LLaMA-3.1-8B setting): keys by a RoPE-commutative codebook of 64 entries
+/// per pair, one 12-bit code per head (64 pairs) and round, 21 rounds (1.97 bits/scalar), normalised by
+/// the token's norm over all KV heads; values by a binary additive code of 2 bits/scalar (256 rows per
+/// 128-channel head). Pages of 128 tokens; the unfinished page stays FP16. See `docs/CODEBOOKS.md`.
 #[scheme(
-    k = codebook(rope_commutative, levels = 16, residuals = 8, pairs_per_code = 8),
+    k = codebook(rope_commutative, levels = 64, residuals = 21, pairs_per_code = 64, span = token),
     v = codebook(additive, rows = 256)
 )]
 pub struct CommVq2;
 
-/// CommVQ 1-bit.
+/// CommVQ 1-bit: as [`CommVq2`] with 10 key rounds (0.94 bits/scalar) and 128-row value codes.
 #[scheme(
-    k = codebook(rope_commutative, levels = 16, residuals = 4, pairs_per_code = 8),
+    k = codebook(rope_commutative, levels = 64, residuals = 10, pairs_per_code = 64, span = token),
     v = codebook(additive, rows = 128)
 )]
 pub struct CommVq1;
 
-/// XQuant 2-bit: cache the layer input's K/V latents and rematerialise K and V.
-#[scheme(k = int(2, channel), v = int(2, token), source = x(latent))]
+/// XQuant 2-bit (GQA form): cache the layer input's SVD latents `X·U_k` (per-channel over pages of 128
+/// tokens) and `X·U_v` (per-token, groups of 128 latent channels) and rematerialise K and V from them.
+/// See `docs/CODEBOOKS.md`.
+#[scheme(k = int(2, channel), v = int(2, token, group = 128), source = x(latent))]
 pub struct XQuant2;
 
-/// XQuant 3-bit.
-#[scheme(k = int(3, channel), v = int(3, token), source = x(latent))]
+/// XQuant 3-bit: as [`XQuant2`].
+#[scheme(k = int(3, channel), v = int(3, token, group = 128), source = x(latent))]
 pub struct XQuant3;
 
-/// XQuant 4-bit.
-#[scheme(k = int(4, channel), v = int(4, token), source = x(latent))]
+/// XQuant 4-bit: as [`XQuant2`].
+#[scheme(k = int(4, channel), v = int(4, token, group = 128), source = x(latent))]
 pub struct XQuant4;
 
-/// XQuant-CL 2-bit: cross-layer deltas of the cached activations.
-#[scheme(k = int(2, channel), v = int(2, token), source = x(cross_layer))]
+/// XQuant-CL 2-bit: the latents of the cross-layer delta `X_i − X̂_{i−1}` against an accumulator of
+/// the previous layers' reconstructions, quantized as in [`XQuant2`].
+#[scheme(k = int(2, channel), v = int(2, token, group = 128), source = x(cross_layer))]
 pub struct XQuantCl2;
 
 /// A built-in scheme by name.

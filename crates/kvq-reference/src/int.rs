@@ -1,1 +1,0 @@
-//! Integer quantization (KIVI, Kitty, CalibQuant, INT8) and the FP16 regions.
