@@ -132,20 +132,44 @@ pub fn generate(cfg: &SynthConfig) -> SynthKv {
         .collect();
 
     let w_scale = 1.0 / (dm as f64).sqrt();
-    let mut w_k: Vec<f32> = (0..dm * kvd).map(|_| (normal.sample(&mut rng) * w_scale) as f32).collect();
-    let w_v: Vec<f32> = (0..dm * kvd).map(|_| (normal.sample(&mut rng) * w_scale) as f32).collect();
-    // Key outlier channels: both channels of a few low-frequency RoPE pairs, scaled up.
     let half = d / 2;
+    // Key channels: graded magnitudes (log-normal gains, as measured key channels are), a few
+    // low-frequency RoPE pairs with outlier gains, and the massive hidden dimensions projected
+    // onto those slow pairs, so sink tokens get keys that stay aligned with queries at any distance.
+    let gain_dist = rand_distr::LogNormal::new(0.0, 0.6).expect("valid log-normal");
+    let mut gains = vec![1.0f32; kvd];
     for head in 0..h {
+        let pair_gains: Vec<f32> = (0..half)
+            .map(|_| gain_dist.sample(&mut rng) as f32)
+            .collect();
+        for (i, g) in pair_gains.iter().enumerate() {
+            gains[head * d + i] = *g;
+            gains[head * d + i + half] = *g;
+        }
         for _ in 0..cfg.outlier_pairs {
             let pair = rng.random_range(half * 3 / 4..half);
-            let gain = rng.random_range(6.0..12.0f32);
-            for ch in [pair, pair + half] {
-                let col = head * d + ch;
-                for row in 0..dm {
-                    w_k[row * kvd + col] *= gain;
-                }
-            }
+            let g = rng.random_range(3.0..5.0f32);
+            gains[head * d + pair] *= g;
+            gains[head * d + pair + half] *= g;
+        }
+    }
+    let mut w_k: Vec<f32> = (0..dm * kvd)
+        .map(|i| (normal.sample(&mut rng) * w_scale) as f32 * gains[i % kvd])
+        .collect();
+    let w_v: Vec<f32> = (0..dm * kvd)
+        .map(|_| (normal.sample(&mut rng) * w_scale) as f32)
+        .collect();
+    // The massive dimensions write a fixed-sign offset into the slow channels: a consistent key bias
+    // for ordinary tokens (|x| ≈ 4) and a dominant key for the sink tokens (|x| ≈ 60).
+    for &m in &massive {
+        for col in 0..kvd {
+            let slow = col % d % half >= half * 3 / 4;
+            let sign = if rng.random_bool(0.5) { 1.0 } else { -1.0 };
+            w_k[m * kvd + col] = if slow {
+                sign * 0.15 * gains[col]
+            } else {
+                w_k[m * kvd + col] * 0.05
+            };
         }
     }
 
@@ -159,36 +183,83 @@ pub fn generate(cfg: &SynthConfig) -> SynthKv {
         }
     }
 
-    // Queries: the next token's input through W_k-like projections (plus per-head noise), so
-    // queries share the keys' outlier channels and favour the sink tokens, as in real models.
+    // Queries: the next token's input through W_k-like projections plus per-head noise, tempered to
+    // a realistic logit spread (std ≈ 2 over the cached tokens), then turned towards the sink keys
+    // until the sinks take a per-head share of the attention (20–70%), as in trained models.
     let x_next: Vec<f32> = (0..dm)
         .map(|j| x[(l.max(1) - 1) * dm + j] * 0.5 + tails.sample(&mut rng) as f32 * 0.5)
         .collect();
     let q_heads = h * cfg.gqa;
+    let sinks = cfg.sink_tokens.min(l);
     let mut q = vec![0.0f32; q_heads * d];
     for qh in 0..q_heads {
         let kvh = qh / cfg.gqa;
         let mut w_q = vec![0.0f32; dm * d];
         for row in 0..dm {
             for c in 0..d {
-                w_q[row * d + c] = w_k[row * kvd + kvh * d + c] + (normal.sample(&mut rng) * w_scale) as f32;
+                w_q[row * d + c] =
+                    w_k[row * kvd + kvh * d + c] + (normal.sample(&mut rng) * w_scale) as f32;
             }
         }
         let mut qv = matmul(&x_next, &w_q, 1, dm, d);
         rope.apply(&mut qv, l);
-        // Temper logits to a realistic spread: std of q·k/sqrt(d) over the cached tokens ≈ 2.
-        let logits: Vec<f64> = (0..l)
-            .map(|t| {
-                let kt = k.row(kvh, t);
-                qv.iter().zip(kt).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() / (d as f64).sqrt()
-            })
-            .collect();
-        let mean = logits.iter().sum::<f64>() / l.max(1) as f64;
-        let std = (logits.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / l.max(1) as f64).sqrt();
+        let logits = |qv: &[f32]| -> Vec<f64> {
+            (0..l)
+                .map(|t| {
+                    let kt = k.row(kvh, t);
+                    qv.iter()
+                        .zip(kt)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                        / (d as f64).sqrt()
+                })
+                .collect()
+        };
+        let z = logits(&qv);
+        let mean = z.iter().sum::<f64>() / l.max(1) as f64;
+        let std = (z.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / l.max(1) as f64).sqrt();
         let s = if std > 0.0 { (2.0 / std) as f32 } else { 1.0 };
-        for (dst, src) in q[qh * d..(qh + 1) * d].iter_mut().zip(qv) {
-            *dst = src * s;
+        qv.iter_mut().for_each(|x| *x *= s);
+        if sinks > 0 && l > sinks {
+            let target = rng.random_range(0.2..0.7f64);
+            // Unit direction of the mean sink key; bisection on how far the query moves along it.
+            let mut dir = vec![0.0f32; d];
+            for t in 0..sinks {
+                for (a, b) in dir.iter_mut().zip(k.row(kvh, t)) {
+                    *a += *b;
+                }
+            }
+            let norm = dir
+                .iter()
+                .map(|x| (*x as f64).powi(2))
+                .sum::<f64>()
+                .sqrt()
+                .max(1e-12);
+            dir.iter_mut().for_each(|x| *x /= norm as f32);
+            let mass = |beta: f64| -> f64 {
+                let shifted: Vec<f32> = qv
+                    .iter()
+                    .zip(&dir)
+                    .map(|(a, b)| a + (beta as f32) * b)
+                    .collect();
+                let z = logits(&shifted);
+                let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = z.iter().map(|x| (x - m).exp()).collect();
+                e[..sinks].iter().sum::<f64>() / e.iter().sum::<f64>()
+            };
+            let (mut lo, mut hi) = (-8.0f64, 8.0f64);
+            for _ in 0..40 {
+                let mid = 0.5 * (lo + hi);
+                if mass(mid) < target {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            let beta = 0.5 * (lo + hi) as f32;
+            qv.iter_mut().zip(&dir).for_each(|(a, b)| *a += beta * b);
         }
+        q[qh * d..(qh + 1) * d].copy_from_slice(&qv);
     }
 
     SynthKv {
@@ -218,7 +289,14 @@ mod tests {
     use crate::attention;
 
     fn small() -> SynthConfig {
-        SynthConfig { tokens: 300, kv_heads: 2, gqa: 2, head_dim: 64, d_model: 96, ..Default::default() }
+        SynthConfig {
+            tokens: 300,
+            kv_heads: 2,
+            gqa: 2,
+            head_dim: 64,
+            d_model: 96,
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -235,10 +313,17 @@ mod tests {
         let d = s.config.head_dim;
         // Mean |k| per channel: the largest is far above the median.
         let mut mags: Vec<f64> = (0..d)
-            .map(|c| (0..s.k.tokens).map(|t| s.k.row(0, t)[c].abs() as f64).sum::<f64>())
+            .map(|c| {
+                (0..s.k.tokens)
+                    .map(|t| s.k.row(0, t)[c].abs() as f64)
+                    .sum::<f64>()
+            })
             .collect();
         mags.sort_by(f64::total_cmp);
-        assert!(mags[d - 1] > 4.0 * mags[d / 2], "no outlier channel: {mags:?}");
+        assert!(
+            mags[d - 1] > 4.0 * mags[d / 2],
+            "no outlier channel: {mags:?}"
+        );
         // Sink tokens take far more than their share of attention.
         let p = attention::probabilities(&s.q, &s.k, &vec![false; s.k.tokens], None).unwrap();
         let l = s.k.tokens;
@@ -246,7 +331,10 @@ mod tests {
             .map(|h| p[h * l..h * l + s.config.sink_tokens].iter().sum::<f64>())
             .sum::<f64>()
             / s.q.q_heads as f64;
-        assert!(sink_mass > 10.0 * s.config.sink_tokens as f64 / l as f64, "sink mass {sink_mass}");
+        assert!(
+            sink_mass > 10.0 * s.config.sink_tokens as f64 / l as f64,
+            "sink mass {sink_mass}"
+        );
         assert!(s.k.data.iter().all(|x| x.is_finite()));
     }
 }

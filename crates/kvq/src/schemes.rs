@@ -37,20 +37,24 @@ pub struct Kitty;
 pub struct KittyPro;
 
 /// CalibQuant 1-bit: per-channel 1-bit keys and values, post-scaled, with score calibration.
+/// CalibQuant quantizes a multimodal model's visual tokens and keeps the text prefix in full
+/// precision; the 32 FP16 sink tokens stand for that prefix (docs/SCHEMES.md).
 #[scheme(
     k = int(1, channel),
     v = int(1, channel),
+    sink = 32,
     local = 128,
     calibrate = calibrate(tau1 = -1.5, tau2 = 3.25)
 )]
 pub struct CalibQuant1;
 
-/// CalibQuant 2-bit.
+/// CalibQuant 2-bit (FP16 prefix as CalibQuant 1-bit).
 #[scheme(
     k = int(2, channel),
     v = int(2, channel),
+    sink = 32,
     local = 128,
-    calibrate = calibrate(tau1 = 0.2, tau2 = 0.25)
+    calibrate = calibrate(tau1 = -1.25, tau2 = 0.75)
 )]
 pub struct CalibQuant2;
 
@@ -76,22 +80,22 @@ pub struct CommVq2;
 pub struct CommVq1;
 
 /// XQuant 2-bit (GQA form): cache the layer input's SVD latents `X·U_k` (per-channel over pages of 128
-/// tokens) and `X·U_v` (per-token, groups of 128 latent channels) and rematerialise K and V from them.
+/// tokens) and `X·U_v` (per-token over the whole latent) and rematerialise K and V from them.
 /// See `docs/CODEBOOKS.md`.
-#[scheme(k = int(2, channel), v = int(2, token, group = 128), source = x(latent))]
+#[scheme(k = int(2, channel), v = int(2, token), source = x(latent))]
 pub struct XQuant2;
 
 /// XQuant 3-bit: as [`XQuant2`].
-#[scheme(k = int(3, channel), v = int(3, token, group = 128), source = x(latent))]
+#[scheme(k = int(3, channel), v = int(3, token), source = x(latent))]
 pub struct XQuant3;
 
 /// XQuant 4-bit: as [`XQuant2`].
-#[scheme(k = int(4, channel), v = int(4, token, group = 128), source = x(latent))]
+#[scheme(k = int(4, channel), v = int(4, token), source = x(latent))]
 pub struct XQuant4;
 
 /// XQuant-CL 2-bit: the latents of the cross-layer delta `X_i − X̂_{i−1}` against an accumulator of
 /// the previous layers' reconstructions, quantized as in [`XQuant2`].
-#[scheme(k = int(2, channel), v = int(2, token, group = 128), source = x(cross_layer))]
+#[scheme(k = int(2, channel), v = int(2, token), source = x(cross_layer))]
 pub struct XQuantCl2;
 
 /// A built-in scheme by name.

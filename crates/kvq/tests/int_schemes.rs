@@ -111,9 +111,8 @@ fn sink_mass(s: &SynthKv) -> f64 {
         / s.q.q_heads as f64
 }
 
-/// FP16 sinks help where the sinks draw attention; the synthetic seeds range from none (seed 0) to
-/// 83% of the mass. Where they draw none, moving the page boundaries by 32 tokens changes the error
-/// by up to ±15% either way.
+/// The synthetic sinks draw 20–70% of every head's attention, as in trained models; keeping the first
+/// 32 tokens in FP16 then lowers KIVI-2's error on every seed.
 #[test]
 fn kivi2_with_sink_tokens_beats_kivi2() {
     let with_sink = SchemeSpec {
@@ -123,15 +122,18 @@ fn kivi2_with_sink_tokens_beats_kivi2() {
     let (mut a_sum, mut b_sum) = (0.0, 0.0);
     for seed in SEEDS {
         let s = data(seed);
+        assert!(
+            sink_mass(&s) > 0.15,
+            "seed {seed}: sink mass {:.3}",
+            sink_mass(&s)
+        );
         let (a, b) = (output_error(&with_sink, &s), output_error(&Kivi2::SPEC, &s));
-        if sink_mass(&s) >= 0.05 {
-            assert!(a < 0.5 * b, "seed {seed}: sink 32 {a:.4} vs KIVI-2 {b:.4}");
-        }
+        assert!(a < b, "seed {seed}: sink 32 {a:.4} vs KIVI-2 {b:.4}");
         a_sum += a;
         b_sum += b;
     }
     assert!(
-        a_sum < 0.6 * b_sum,
+        a_sum < 0.5 * b_sum,
         "sink 32 {a_sum:.4} vs KIVI-2 {b_sum:.4} summed"
     );
 }
@@ -148,14 +150,12 @@ fn kivi4_beats_kivi2() {
     }
 }
 
-/// Kitty-Pro boosts 25% of the key channels instead of 12.5%, so its keys are closer to the truth.
-/// Its attention output is too — but not measurably on the default synthetic layers: there the
-/// q-weighted key error sits almost entirely (93–100%) in the 8 channels of the 4 outlier RoPE pairs,
-/// which both schemes boost, so the channels only Kitty-Pro boosts move the output by less than its
-/// seed-to-seed noise (±1%; docs/SCHEMES.md §5). Without dominant outlier pairs those channels carry
-/// real error, and the output improves clearly.
+/// Kitty-Pro boosts 25% of the key channels instead of 12.5%: its keys are closer to the truth on every
+/// seed, and its attention output is never worse (equal where the extra channels carry little of the
+/// query-weighted error) and better on average.
 #[test]
 fn kitty_pro_is_at_least_as_good_as_kitty() {
+    let (mut pro_sum, mut kitty_sum) = (0.0, 0.0);
     for seed in SEEDS {
         let s = data(seed);
         let (pro, kitty) = (key_mse(&KittyPro::SPEC, &s), key_mse(&Kitty::SPEC, &s));
@@ -163,39 +163,32 @@ fn kitty_pro_is_at_least_as_good_as_kitty() {
             pro < kitty,
             "seed {seed}: key MSE Kitty-Pro {pro:.5} vs Kitty {kitty:.5}"
         );
-    }
-    let (mut pro, mut kitty) = (0.0, 0.0);
-    for seed in 0..6 {
-        let s = layers(SynthConfig {
-            seed,
-            outlier_pairs: 0,
-            ..Default::default()
-        });
-        pro += output_error(&KittyPro::SPEC, &s);
-        kitty += output_error(&Kitty::SPEC, &s);
+        let (pro, kitty) = (
+            output_error(&KittyPro::SPEC, &s),
+            output_error(&Kitty::SPEC, &s),
+        );
+        assert!(
+            pro <= kitty * 1.01,
+            "seed {seed}: Kitty-Pro {pro:.5} vs Kitty {kitty:.5}"
+        );
+        pro_sum += pro;
+        kitty_sum += kitty;
     }
     assert!(
-        pro < 0.95 * kitty,
-        "mean output error Kitty-Pro {pro:.4} vs Kitty {kitty:.4}"
+        pro_sum < kitty_sum,
+        "Kitty-Pro {pro_sum:.4} vs Kitty {kitty_sum:.4} summed"
     );
 }
 
-/// CalibQuant calibrates the scores of quantized keys with one affine map per query head. Its
-/// premise is that every quantized score is distorted alike: true if the attention sinks are not in
-/// quantized pages (CalibQuant quantizes an MLLM's visual tokens; the text prefix with the sink stays
-/// in full precision). The default synthetic layers put 4 massive-norm sink keys in the first
-/// quantized page: they set every channel's 1-bit range, so their scores stay right while all others
-/// spread ~3×, and no single affine map fixes both (docs/SCHEMES.md §5).
+/// CalibQuant calibrates the scores of quantized keys with one affine map per query head; its FP16
+/// prefix (the built-ins' 32 sink tokens) keeps the attention sinks out of the quantized pages, where
+/// their massive keys would set every channel's 1-bit range (docs/SCHEMES.md §4).
 #[test]
 fn calibration_lowers_calibquant1_softmax_error() {
     let plain = uncalibrated(CalibQuant1::SPEC);
     let mut ratios = Vec::new();
-    for seed in FEW_SEEDS {
-        let s = layers(SynthConfig {
-            seed,
-            sink_tokens: 0,
-            ..Default::default()
-        });
+    for seed in SEEDS {
+        let s = data(seed);
         let (cal, raw) = (softmax_mse(&CalibQuant1::SPEC, &s), softmax_mse(&plain, &s));
         assert!(
             cal < 0.97 * raw,
@@ -203,41 +196,20 @@ fn calibration_lowers_calibquant1_softmax_error() {
         );
         ratios.push(cal / raw);
     }
-    assert!(geo_mean(&ratios) < 0.8, "{ratios:?}");
-
-    // The same built-in τ with the sinks kept in FP16 on the default layers.
-    let (with_sink, plain_sink) = (
-        SchemeSpec {
-            sink: 32,
-            ..CalibQuant1::SPEC
-        },
-        SchemeSpec { sink: 32, ..plain },
-    );
-    let ratios: Vec<f64> = FEW_SEEDS
-        .iter()
-        .map(|&seed| {
-            let s = data(seed);
-            softmax_mse(&with_sink, &s) / softmax_mse(&plain_sink, &s)
-        })
-        .collect();
-    assert!(
-        ratios.iter().all(|&r| r < 0.9) && geo_mean(&ratios) < 0.5,
-        "{ratios:?}"
-    );
+    assert!(geo_mean(&ratios) < 0.5, "{ratios:?}");
 }
 
 #[test]
 fn calibration_lowers_calibquant2_softmax_error() {
     let plain = uncalibrated(CalibQuant2::SPEC);
-    for seed in FEW_SEEDS {
-        let s = layers(SynthConfig {
-            seed,
-            sink_tokens: 0,
-            ..Default::default()
-        });
+    let mut ratios = Vec::new();
+    for seed in SEEDS {
+        let s = data(seed);
         let (cal, raw) = (softmax_mse(&CalibQuant2::SPEC, &s), softmax_mse(&plain, &s));
         assert!(cal < raw, "seed {seed}: calibrated {cal:.3e} vs {raw:.3e}");
+        ratios.push(cal / raw);
     }
+    assert!(geo_mean(&ratios) < 0.6, "{ratios:?}");
 }
 
 fn scale_at(block: &[u8], offset: usize, i: usize) -> f32 {
