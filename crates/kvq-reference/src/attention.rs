@@ -39,7 +39,9 @@ fn check(q: &Queries, k: &KvTensor, v: &KvTensor) -> Result<usize, RefError> {
         )));
     }
     if k.tokens == 0 {
-        return Err(RefError::Mismatch("attention over an empty sequence".into()));
+        return Err(RefError::Mismatch(
+            "attention over an empty sequence".into(),
+        ));
     }
     Ok(q.q_heads / k.kv_heads)
 }
@@ -62,7 +64,9 @@ pub fn probabilities(
 ) -> Result<Vec<f64>, RefError> {
     let group = check(q, k, k)?;
     if k_quantized.len() != k.tokens {
-        return Err(RefError::Mismatch("k_quantized length differs from tokens".into()));
+        return Err(RefError::Mismatch(
+            "k_quantized length differs from tokens".into(),
+        ));
     }
     let scale = 1.0 / (k.head_dim as f64).sqrt();
     let mut probs = vec![0.0f64; q.q_heads * k.tokens];
@@ -72,10 +76,20 @@ pub fn probabilities(
         let row = &mut probs[h * k.tokens..(h + 1) * k.tokens];
         for (t, s) in row.iter_mut().enumerate() {
             let kt = k.row(kv, t);
-            *s = qh.iter().zip(kt).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale;
+            *s = qh
+                .iter()
+                .zip(kt)
+                .map(|(a, b)| *a as f64 * *b as f64)
+                .sum::<f64>()
+                * scale;
         }
         if let Some(c) = calibrate {
-            let quantized = || row.iter().zip(k_quantized).filter(|(_, q)| **q).map(|(s, _)| *s);
+            let quantized = || {
+                row.iter()
+                    .zip(k_quantized)
+                    .filter(|(_, q)| **q)
+                    .map(|(s, _)| *s)
+            };
             let lo = quantized().fold(f64::INFINITY, f64::min);
             let hi = quantized().fold(f64::NEG_INFINITY, f64::max);
             if lo.is_finite() {
@@ -85,10 +99,13 @@ pub fn probabilities(
             }
         }
         let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        let sum: f64 = row.iter_mut().map(|s| {
-            *s = (*s - m).exp();
-            *s
-        }).sum();
+        let sum: f64 = row
+            .iter_mut()
+            .map(|s| {
+                *s = (*s - m).exp();
+                *s
+            })
+            .sum();
         row.iter_mut().for_each(|s| *s /= sum);
     }
     Ok(probs)
@@ -106,7 +123,10 @@ pub fn weighted_values(probs: &[f64], q_heads: usize, v: &KvTensor) -> Vec<f32> 
                 *a += p * *x as f64;
             }
         }
-        for (o, a) in out[h * v.head_dim..(h + 1) * v.head_dim].iter_mut().zip(acc) {
+        for (o, a) in out[h * v.head_dim..(h + 1) * v.head_dim]
+            .iter_mut()
+            .zip(acc)
+        {
             *o = a as f32;
         }
     }
@@ -114,7 +134,11 @@ pub fn weighted_values(probs: &[f64], q_heads: usize, v: &KvTensor) -> Vec<f32> 
 }
 
 /// Decode attention over a dequantized cache.
-pub fn decode(q: &Queries, kv: &Dequantized, calibrate: Option<&Calibration>) -> Result<Vec<f32>, RefError> {
+pub fn decode(
+    q: &Queries,
+    kv: &Dequantized,
+    calibrate: Option<&Calibration>,
+) -> Result<Vec<f32>, RefError> {
     check(q, &kv.k, &kv.v)?;
     let probs = probabilities(q, &kv.k, &kv.k_quantized, calibrate)?;
     Ok(weighted_values(&probs, q.q_heads, &kv.v))
@@ -129,7 +153,11 @@ pub fn exact(q: &Queries, k: &KvTensor, v: &KvTensor) -> Result<Vec<f32>, RefErr
 
 /// ‖a − b‖ / ‖b‖ (f64).
 pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
     (num / den.max(f64::MIN_POSITIVE)).sqrt()
 }
@@ -137,7 +165,11 @@ pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
 /// Mean squared difference of two equally long sequences.
 pub fn mse<A: Copy + Into<f64>, B: Copy + Into<f64>>(a: &[A], b: &[B]) -> f64 {
     let n = a.len().max(1) as f64;
-    a.iter().zip(b).map(|(x, y)| ((*x).into() - (*y).into()).powi(2)).sum::<f64>() / n
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| ((*x).into() - (*y).into()).powi(2))
+        .sum::<f64>()
+        / n
 }
 
 #[cfg(test)]
@@ -146,14 +178,21 @@ mod tests {
 
     #[test]
     fn calibration_maps_range_ends() {
-        let c = Calibration { tau1: 0.5, tau2: 0.2 };
+        let c = Calibration {
+            tau1: 0.5,
+            tau2: 0.2,
+        };
         assert!((calibrate_score(&c, 1.0, 1.0, 3.0) - 0.5).abs() < 1e-12);
         assert!((calibrate_score(&c, 3.0, 1.0, 3.0) - 2.8).abs() < 1e-6);
     }
 
     #[test]
     fn single_token_attention_returns_its_value() {
-        let q = Queries { data: vec![1.0, 2.0, 0.5, -1.0], q_heads: 2, head_dim: 2 };
+        let q = Queries {
+            data: vec![1.0, 2.0, 0.5, -1.0],
+            q_heads: 2,
+            head_dim: 2,
+        };
         let k = KvTensor::new(vec![0.3, 0.1], 1, 1, 2).unwrap();
         let v = KvTensor::new(vec![4.0, -2.0], 1, 1, 2).unwrap();
         assert_eq!(exact(&q, &k, &v).unwrap(), vec![4.0, -2.0, 4.0, -2.0]);
@@ -161,7 +200,11 @@ mod tests {
 
     #[test]
     fn gqa_heads_share_kv_and_mismatch_is_an_error() {
-        let q = Queries { data: vec![1.0; 6], q_heads: 3, head_dim: 2 };
+        let q = Queries {
+            data: vec![1.0; 6],
+            q_heads: 3,
+            head_dim: 2,
+        };
         let k = KvTensor::new(vec![0.3, 0.1, 0.2, 0.2], 2, 1, 2).unwrap();
         assert!(matches!(exact(&q, &k, &k), Err(RefError::Mismatch(_))));
     }

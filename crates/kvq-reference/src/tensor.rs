@@ -13,7 +13,12 @@ pub struct KvTensor {
 
 impl KvTensor {
     /// Wraps `data`, checking its length against the shape.
-    pub fn new(data: Vec<f32>, kv_heads: usize, tokens: usize, head_dim: usize) -> Result<Self, RefError> {
+    pub fn new(
+        data: Vec<f32>,
+        kv_heads: usize,
+        tokens: usize,
+        head_dim: usize,
+    ) -> Result<Self, RefError> {
         if data.len() != kv_heads * tokens * head_dim {
             return Err(RefError::Mismatch(format!(
                 "{} values for [kv_heads {kv_heads}][tokens {tokens}][head_dim {head_dim}] = {}",

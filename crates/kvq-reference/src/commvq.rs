@@ -1,1 +1,0 @@
-//! CommVQ: RoPE-commutative additive codebooks for keys, binary additive codebooks for values.

@@ -1,1 +1,0 @@
-//! XQuant: cache quantized layer-input latents and rematerialise K and V.

@@ -1,0 +1,249 @@
+//! XQuant caches: quantized latents of the layer input, rematerialised to K̂/V̂.
+
+use super::lift::lift;
+use super::projection::{matmul64, Projections};
+use crate::int::IntCache;
+use crate::rope::Rope;
+use crate::synth::to_head_major;
+use crate::{Dequantized, KvTensor, RefError};
+use kvq_spec::{CacheSource, SchemeSpec, XSource};
+
+/// One sequence's XQuant cache of one layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct XQuantCache {
+    spec: SchemeSpec,
+    tokens: usize,
+    rope: Rope,
+    projections: Projections,
+    latents: IntCache,
+    base: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+fn check_x(
+    spec: &SchemeSpec,
+    want: XSource,
+    x: &[f32],
+    proj: &Projections,
+    what: &'static str,
+) -> Result<usize, RefError> {
+    if spec.source != CacheSource::X(want) {
+        let entry = match want {
+            XSource::Latent => "`XQuantCache::build` serves `source = x(latent)`",
+            XSource::CrossLayer => {
+                "`XQuantCache::build_cross_layer` serves `source = x(cross_layer)`"
+            }
+        };
+        return Err(RefError::WrongEntryPoint(format!(
+            "{entry}; this scheme is `{spec}`"
+        )));
+    }
+    let d = proj.d_model();
+    if d == 0 || x.len() % d != 0 {
+        return Err(RefError::Mismatch(format!(
+            "{what}: {} values are not rows of d_model = {d}",
+            x.len()
+        )));
+    }
+    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+        return Err(RefError::NonFinite {
+            tensor: what,
+            head: 0,
+            token: i / d,
+            channel: i % d,
+            value: x[i],
+        });
+    }
+    Ok(x.len() / d)
+}
+
+/// The scheme applied to latents: same quantizers and regions, K/V as the cached tensors.
+fn latent_spec(spec: &SchemeSpec) -> SchemeSpec {
+    SchemeSpec {
+        source: CacheSource::Kv,
+        ..*spec
+    }
+}
+
+fn latent_tensor(data: Vec<f32>, tokens: usize, rank: usize) -> Result<KvTensor, RefError> {
+    KvTensor::new(data, 1, tokens, rank)
+}
+
+impl XQuantCache {
+    /// `source = x(latent)`: caches `X·down_k` and `X·down_v` of the `[tokens][d_model]` layer input.
+    pub fn build(
+        spec: &SchemeSpec,
+        x: &[f32],
+        projections: &Projections,
+        rope: Rope,
+    ) -> Result<Self, RefError> {
+        let tokens = check_x(spec, XSource::Latent, x, projections, "x")?;
+        let (pk, pv) = (&projections.k, &projections.v);
+        let lk = latent_tensor(pk.project(x), tokens, pk.rank)?;
+        let lv = latent_tensor(pv.project(x), tokens, pv.rank)?;
+        Ok(Self {
+            spec: *spec,
+            tokens,
+            rope,
+            projections: projections.clone(),
+            latents: IntCache::build(&latent_spec(spec), &lk, &lv)?,
+            base: None,
+        })
+    }
+
+    /// `source = x(cross_layer)`: caches the latents of `X_i − X̂_{i−1}` (`x_hat_prev` is the accumulator
+    /// after the previous layer; zeros for the first layer) and returns this layer's accumulator
+    /// `X̂_i = X̂_{i−1} + δ̂` for the next one, `δ̂` the least-squares X-space delta whose latents are the
+    /// stored `Δ̂_k`, `Δ̂_v` (`docs/CODEBOOKS.md` §3).
+    pub fn build_cross_layer(
+        spec: &SchemeSpec,
+        x: &[f32],
+        x_hat_prev: &[f32],
+        projections: &Projections,
+        rope: Rope,
+    ) -> Result<(Self, Vec<f32>), RefError> {
+        let tokens = check_x(spec, XSource::CrossLayer, x, projections, "x")?;
+        if check_x(
+            spec,
+            XSource::CrossLayer,
+            x_hat_prev,
+            projections,
+            "x_hat_prev",
+        )? != tokens
+        {
+            return Err(RefError::Mismatch(
+                "x and x_hat_prev hold different token counts".into(),
+            ));
+        }
+        let delta: Vec<f32> = x.iter().zip(x_hat_prev).map(|(a, b)| a - b).collect();
+        let (pk, pv) = (&projections.k, &projections.v);
+        let dk = latent_tensor(pk.project(&delta), tokens, pk.rank)?;
+        let dv = latent_tensor(pv.project(&delta), tokens, pv.rank)?;
+        let latents = IntCache::build(&latent_spec(spec), &dk, &dv)?;
+        let stored = latents.dequantize();
+        let step = lift(projections, &stored.k.data, &stored.v.data, tokens)?;
+        let next: Vec<f32> = x_hat_prev.iter().zip(&step).map(|(a, b)| a + b).collect();
+        let cache = Self {
+            spec: *spec,
+            tokens,
+            rope,
+            projections: projections.clone(),
+            latents,
+            base: Some((pk.project(x_hat_prev), pv.project(x_hat_prev))),
+        };
+        Ok((cache, next))
+    }
+
+    pub fn spec(&self) -> &SchemeSpec {
+        &self.spec
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    pub fn projections(&self) -> &Projections {
+        &self.projections
+    }
+
+    /// What is stored: the K latent as tensor `k` (per-channel in the scheme's spec) and the V latent as
+    /// tensor `v` (per-token), each `[1][tokens][rank]`, in the integer layout of `docs/LAYOUT.md`.
+    /// For `x(cross_layer)` these are the latents of the delta `X_i − X̂_{i−1}`.
+    pub fn stored(&self) -> &IntCache {
+        &self.latents
+    }
+
+    /// `x(cross_layer)` only: the latents `X̂_{i−1}·down_k`, `X̂_{i−1}·down_v` of the accumulator, which
+    /// the decoder holds while walking the layers (not stored per layer).
+    pub fn accumulator_latents(&self) -> Option<(&[f32], &[f32])> {
+        self.base
+            .as_ref()
+            .map(|(k, v)| (k.as_slice(), v.as_slice()))
+    }
+
+    /// The latents as the kernel sees them (`[tokens][rank]` each): dequantized, plus the accumulator's
+    /// latents for `x(cross_layer)`.
+    pub fn latents(&self) -> (Vec<f32>, Vec<f32>, Vec<bool>) {
+        let d = self.latents.dequantize();
+        let (mut k, mut v) = (d.k.data, d.v.data);
+        if let Some((bk, bv)) = &self.base {
+            k.iter_mut().zip(bk).for_each(|(a, b)| *a += b);
+            v.iter_mut().zip(bv).for_each(|(a, b)| *a += b);
+        }
+        (k, v, d.k_quantized)
+    }
+
+    /// Rematerialised `K̂ = RoPE(L̂_k · up_k)` and `V̂ = L̂_v · up_v`.
+    pub fn dequantize(&self) -> Dequantized {
+        let (lk, lv, k_quantized) = self.latents();
+        let (h, d) = (self.projections.kv_heads, self.projections.head_dim);
+        let mut k = to_head_major(&self.projections.k.expand(&lk), self.tokens, h, d);
+        for head in 0..h {
+            for t in 0..self.tokens {
+                self.rope.apply(k.row_mut(head, t), t);
+            }
+        }
+        let v = to_head_major(&self.projections.v.expand(&lv), self.tokens, h, d);
+        Dequantized { k, v, k_quantized }
+    }
+
+    /// `Σ_t p_t v̂_t` `[q_heads][head_dim]` without rematerialising V: `(Σ_t p_t l̂_t) · up_v`.
+    pub fn weighted_values(&self, probs: &[f64], q_heads: usize) -> Result<Vec<f32>, RefError> {
+        let (h, d, len) = (
+            self.projections.kv_heads,
+            self.projections.head_dim,
+            self.tokens,
+        );
+        if h == 0 || q_heads % h != 0 || probs.len() != q_heads * len {
+            return Err(RefError::Mismatch(format!(
+                "{} probabilities for {q_heads} query heads over {len} tokens and {h} KV heads",
+                probs.len()
+            )));
+        }
+        let (_, lv, _) = self.latents();
+        let pv = &self.projections.v;
+        let mut out = vec![0.0f32; q_heads * d];
+        for qh in 0..q_heads {
+            let head = qh / (q_heads / h);
+            let mut mix = vec![0.0f64; pv.rank];
+            for (t, p) in probs[qh * len..(qh + 1) * len].iter().enumerate() {
+                for (m, l) in mix.iter_mut().zip(&lv[t * pv.rank..(t + 1) * pv.rank]) {
+                    *m += p * *l as f64;
+                }
+            }
+            let mix: Vec<f32> = mix.iter().map(|x| *x as f32).collect();
+            let head_up: Vec<f32> = (0..pv.rank)
+                .flat_map(|k| {
+                    pv.up[k * pv.out + head * d..k * pv.out + (head + 1) * d]
+                        .iter()
+                        .copied()
+                })
+                .collect();
+            out[qh * d..(qh + 1) * d].copy_from_slice(&matmul64(&mix, &head_up, pv.rank, d));
+        }
+        Ok(out)
+    }
+
+    /// Bytes this sequence stores (both latents: pools and FP16 buffers).
+    pub fn allocated_bytes(&self) -> usize {
+        self.latents.allocated_bytes()
+    }
+
+    /// Allocated bits (FP16 buffers at full capacity included) per element of the K and V it stands
+    /// for (`2 · tokens · kv_heads · head_dim`).
+    pub fn bits_per_kv_element(&self) -> f64 {
+        let elements = 2 * self.tokens * self.projections.kv_heads * self.projections.head_dim;
+        8.0 * self.allocated_bytes() as f64 / elements.max(1) as f64
+    }
+
+    /// Bits of the quantized pages (codes and their scales/zeros) per K/V element those pages stand for;
+    /// 0 when no page is full yet.
+    pub fn page_bits_per_kv_element(&self) -> f64 {
+        let (k, v) = (self.latents.k(), self.latents.v());
+        let tokens = k.pages() * k.page();
+        let elements = 2 * tokens * self.projections.kv_heads * self.projections.head_dim;
+        if elements == 0 {
+            return 0.0;
+        }
+        8.0 * (k.pool().len() + v.pool().len()) as f64 / elements as f64
+    }
+}
