@@ -3,9 +3,9 @@
 //! failing: a typo must not silently select the wrong code path.
 
 use crate::CodegenError;
-use kvq_reference::int::{fp16_block_bytes, IntLayout};
+use kvq_reference::int::{fp16_block_bytes, IntLayout, Quantizer};
 use kvq_reference::pack;
-use kvq_spec::{Axis, SchemeSpec, TensorQuant};
+use kvq_spec::{Axis, BoostCriterion, SchemeSpec, TensorQuant};
 use serde::Serialize;
 
 /// One cached tensor (K or V) as the kernel sees it: its kind and its page layout in bytes.
@@ -40,6 +40,20 @@ pub(crate) struct TensorCtx {
     pub high_row_words: usize,
     pub high_offset: usize,
     pub map_offset: usize,
+    /// Largest code magnitude of the base quantizer (`2^b − 1`, or `2^(b−1) − 1` when symmetric).
+    pub levels: u32,
+    pub boost_levels: u32,
+    pub boost_channels: usize,
+    /// "magnitude" or "variance".
+    pub boost_by: &'static str,
+    /// Scale (and zero) entries per page block.
+    pub scale_count: usize,
+    /// Byte ranges of a block that no section covers (alignment padding), as `[offset, len]`.
+    pub padding: Vec<[usize; 2]>,
+    /// Token-axis groups reduce min/max with warp shuffles: each lane holds `head_dim / 32`
+    /// channels and `lanes_per_group` lanes (a power of two) share a group.
+    pub token_warp_reduce: bool,
+    pub lanes_per_group: usize,
 }
 
 impl TensorCtx {
@@ -78,6 +92,14 @@ impl TensorCtx {
             high_row_words: 0,
             high_offset: 0,
             map_offset: 0,
+            levels: 0,
+            boost_levels: 0,
+            boost_channels: 0,
+            boost_by: "magnitude",
+            scale_count: 0,
+            padding: Vec::new(),
+            token_warp_reduce: false,
+            lanes_per_group: 0,
         };
         match quant {
             TensorQuant::Fp16 => Ok(ctx),
@@ -102,12 +124,38 @@ impl TensorCtx {
                 ctx.offset = l.quant.offset();
                 ctx.group = l.group;
                 ctx.groups_per_token = head_dim / l.group;
+                let per_lane = head_dim / 32;
+                if q.axis == Axis::Token && per_lane > 0 && l.group % per_lane == 0 {
+                    let lanes = l.group / per_lane;
+                    ctx.token_warp_reduce = lanes.is_power_of_two() && lanes <= 32;
+                    ctx.lanes_per_group = lanes;
+                }
                 ctx.row_words = l.row_words;
                 ctx.codes_offset = l.codes.offset;
                 ctx.scales_offset = l.scales.offset;
                 ctx.zeros_offset = l.zeros.offset;
+                ctx.levels = l.quant.levels();
+                ctx.scale_count = l.scale_count();
+                let mut sections = [l.codes, l.high, l.scales, l.zeros, l.map];
+                sections.sort_by_key(|s| s.offset);
+                let mut at = 0;
+                for s in sections.iter().filter(|s| s.bytes > 0) {
+                    if s.offset > at {
+                        ctx.padding.push([at, s.offset - at]);
+                    }
+                    at = s.offset + s.bytes;
+                }
+                if l.block_bytes > at {
+                    ctx.padding.push([at, l.block_bytes - at]);
+                }
                 if let Some(b) = l.boost {
                     ctx.boost = true;
+                    ctx.boost_levels = Quantizer::new(b.bits, q.symmetric)?.levels();
+                    ctx.boost_channels = b.channels;
+                    ctx.boost_by = match b.by {
+                        BoostCriterion::Magnitude => "magnitude",
+                        BoostCriterion::Variance => "variance",
+                    };
                     ctx.high_bits = b.high_bits;
                     ctx.high_per_word = 32 / u32::from(b.high_bits);
                     ctx.high_mask = (1u32 << b.high_bits) - 1;
@@ -144,4 +192,25 @@ pub(crate) struct DecodeCtx {
     pub decode_name: String,
     pub range_name: String,
     pub combine_name: String,
+}
+
+/// Everything `cache.cu.tera` renders from.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct CacheCtx {
+    pub scheme_text: String,
+    pub head_dim: u32,
+    /// Element type of the K/V the engine hands in (the cache's FP16 regions are always f16).
+    pub dtype: String,
+    pub input_dtype: String,
+    pub page: u32,
+    pub sink: u32,
+    pub k: TensorCtx,
+    pub v: TensorCtx,
+    pub append_name: String,
+    pub commit_name: String,
+    pub prefill_copy_name: String,
+    /// Suffix of the per-tensor quantizers: `k_<name>` / `v_<name>`.
+    pub quantize_input_name: String,
+    pub quantize_ring_name: String,
+    pub input_is_bf16: bool,
 }

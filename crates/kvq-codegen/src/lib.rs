@@ -12,6 +12,7 @@
 //! assert!(kernels.source.contains(&kernels.decode.name));
 //! ```
 
+mod cache;
 mod context;
 mod decode;
 mod error;
@@ -19,6 +20,7 @@ mod shape;
 mod templates;
 mod tune;
 
+pub use cache::{cache_kernels, CacheKernels, PageQuantizers};
 pub use decode::{decode_kernels, DecodeKernels, KernelEntry};
 pub use error::CodegenError;
 pub use shape::{Dtype, KernelShape};

@@ -16,12 +16,20 @@ pub(crate) const TEMPLATES: &[(&str, &str)] = &[
         include_str!("../../../templates/tensor.cuh.tera"),
     ),
     (
+        "quantize.cuh.tera",
+        include_str!("../../../templates/quantize.cuh.tera"),
+    ),
+    (
         "combine.cu.tera",
         include_str!("../../../templates/combine.cu.tera"),
     ),
     (
         "decode.cu.tera",
         include_str!("../../../templates/decode.cu.tera"),
+    ),
+    (
+        "cache.cu.tera",
+        include_str!("../../../templates/cache.cu.tera"),
     ),
 ];
 

@@ -13,6 +13,7 @@ pub const SCHEMES: &[&str] = &[
     "k = int(8, channel, symmetric), v = int(8, channel, symmetric)",
     "k = int(3, token, group = 32), v = int(3, channel), sink = 16, page = 64",
     "k = int(4, channel), v = fp16, sink = 4",
+    "k = int(4, channel, symmetric, boost = boost(8, ratio = 0.25, by = variance)), v = int(2, token, group = 32), local = 64",
 ];
 
 #[test]
@@ -36,6 +37,29 @@ fn every_variant_renders() {
                             std::fs::write(path, &k.source).unwrap();
                         }
                     }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_cache_variant_renders() {
+    use kvq_codegen::cache_kernels;
+    let dump = std::env::var_os("KVQ_DUMP_DIR");
+    for (i, text) in SCHEMES.iter().enumerate() {
+        let spec = SchemeSpec::parse(text).unwrap();
+        for head_dim in [64, 96, 128, 256] {
+            for dtype in [Dtype::F16, Dtype::Bf16] {
+                let k =
+                    cache_kernels(&spec, head_dim, dtype).unwrap_or_else(|e| panic!("{text}: {e}"));
+                assert!(k.source.contains(&k.append.name));
+                assert_eq!(k.k_quantizers.is_some(), spec.k.is_quantized());
+                assert_eq!(k.v_quantizers.is_some(), spec.v.is_quantized());
+                if let Some(dir) = &dump {
+                    let path = std::path::Path::new(dir)
+                        .join(format!("cache_s{i}_d{head_dim}_{dtype}.cu"));
+                    std::fs::write(path, &k.source).unwrap();
                 }
             }
         }

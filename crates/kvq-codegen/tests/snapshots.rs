@@ -102,3 +102,16 @@ fn schemes_without_a_gpu_kernel_and_bad_shapes_are_typed_errors() {
         Err(CodegenError::Shape(_))
     ));
 }
+
+#[test]
+fn kitty_cache_kernels_d128_f16() {
+    let spec = SchemeSpec::parse(
+        "k = int(2, channel, boost = boost(4, ratio = 0.125)), v = int(2, token, local = 128), sink = 32",
+    )
+    .unwrap();
+    insta::assert_snapshot!(
+        kvq_codegen::cache_kernels(&spec, 128, Dtype::F16)
+            .unwrap()
+            .source
+    );
+}

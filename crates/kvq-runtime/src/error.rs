@@ -193,6 +193,39 @@ pub enum RuntimeError {
     #[error("invalid input: {0}")]
     InvalidInput(String),
 
+    /// The page pool cannot hold what a step needs. Nothing was changed.
+    #[error(
+        "page pool exhausted: this step needs {needed} more page(s) but {free} of {total} are free; \
+         nothing was changed (remove finished sequences, or create the cache with more pages)"
+    )]
+    PoolExhausted {
+        /// Pages the step needs.
+        needed: usize,
+        /// Pages free.
+        free: usize,
+        /// Pages in the pool.
+        total: usize,
+    },
+
+    /// A sequence id that was never added or has been removed.
+    #[error("unknown sequence {0}: it was never added to this cache or has been removed")]
+    UnknownSequence(u32),
+
+    /// Every sequence slot is taken.
+    #[error("all {0} sequence slots of this cache are in use: remove a sequence first")]
+    NoFreeSlot(usize),
+
+    /// A sequence would grow past the capacity the cache was created with.
+    #[error("sequence {id} would grow to {len} tokens, past the cache's capacity of {max} tokens per sequence")]
+    CapacityExceeded {
+        /// The sequence.
+        id: u32,
+        /// Its length after the step.
+        len: usize,
+        /// Tokens per sequence the cache was created for.
+        max: usize,
+    },
+
     /// No kernel could be generated for this scheme and shape.
     #[error(transparent)]
     Codegen(#[from] kvq_codegen::CodegenError),

@@ -24,6 +24,7 @@
 //! * [`disk_cache`]: the compiled-module cache and its hit/miss counters.
 //! * [`jit`] / [`module`]: [`Jit`] (per device, thread-safe, in-process cache) and [`Module`].
 //! * [`timing`]: median of N runs timed with CUDA events.
+//! * [`tune`]: the autotuner ([`Tuner`], `KVQ_TUNE`) and its JSON store of results per GPU.
 //! * [`error`]: [`RuntimeError`]; messages name what is missing and how to provide it.
 //! * [`testing`]: `require_gpu` / `require_nvrtc` for tests that skip without CUDA.
 //!
@@ -102,9 +103,11 @@ pub mod jit;
 pub mod libs;
 pub mod module;
 pub mod nvrtc;
+pub mod paged;
 #[doc(hidden)]
 pub mod testing;
 pub mod timing;
+pub mod tune;
 
 /// The cudarc this crate is built on (launch kernels and move data with it).
 pub use cudarc;
@@ -117,4 +120,6 @@ pub use error::{CompileFailure, MissingHeader, Result, RuntimeError};
 pub use jit::{Jit, JitStats};
 pub use module::Module;
 pub use nvrtc::{CompileOptions, Compiled, NvrtcVersion, Output, Source};
+pub use paged::{CacheConfig, MemoryReport, PagedKvCache, QuantizeTiming, SeqId, SequenceSnapshot};
 pub use timing::{time_gpu, Timing};
+pub use tune::{TuneChoice, TunePolicy, TuneProblem, TuneStore, Tuner};

@@ -32,4 +32,5 @@ pub use kvq_reference as reference;
 /// The GPU runtime: NVRTC JIT with disk cache, device discovery, fused decode launches.
 pub use kvq_runtime as runtime;
 
+pub mod evaluate;
 pub mod schemes;

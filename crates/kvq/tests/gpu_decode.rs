@@ -236,7 +236,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                                     LENGTHS[b]
                                 ),
                             ));
-                            if nan || !(err <= tol) {
+                            if nan || err.is_nan() || err > tol {
                                 failures.push(format!(
                                     "{name} d{d} {dtype} gqa{gqa} len {} splits {splits}: rel err {err:.3e} (tol {tol:.0e}){}",
                                     LENGTHS[b],

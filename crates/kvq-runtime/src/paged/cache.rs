@@ -1,0 +1,724 @@
+//! [`PagedKvCache`]: device buffers, the host's page book, and the steps.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use kvq_codegen::{DecodeKernels, Dtype};
+use kvq_reference::footprint;
+use kvq_reference::regions::TokenRegions;
+use kvq_spec::{SchemeSpec, TensorQuant};
+
+use super::kernels::{CacheFunctions, Loaded, Quantizers};
+use super::pages::{PageBook, SeqId, TableChanges};
+use crate::decode::{CacheView, DecodeKernel, DecodeScratch};
+use crate::error::{Result, RuntimeError};
+use crate::jit::Jit;
+
+/// Sizes of a cache, fixed at creation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// KV heads per sequence.
+    pub kv_heads: usize,
+    /// Channels per head.
+    pub head_dim: usize,
+    /// Sequence slots.
+    pub max_seqs: usize,
+    /// Physical pages in the pool (each holds `page` tokens of K and V for every KV head).
+    pub pool_pages: usize,
+    /// Longest sequence a slot can hold.
+    pub max_tokens: usize,
+    /// Element type of the K/V handed to prefill and append (the FP16 regions are always f16).
+    pub input_dtype: Dtype,
+}
+
+/// What one sequence holds on the device, for checks against the CPU reference.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SequenceSnapshot {
+    /// Tokens held.
+    pub len: usize,
+    /// K page blocks in logical order, each `[kv_head][block]` bytes.
+    pub k_pages: Vec<Vec<u8>>,
+    /// V page blocks in logical order.
+    pub v_pages: Vec<Vec<u8>>,
+    /// `[kv_head][sink][head_dim]` f16 bits.
+    pub k_sink: Vec<u16>,
+    /// V sink, as K's.
+    pub v_sink: Vec<u16>,
+    /// `[kv_head][capacity][head_dim]` f16 bits (ring).
+    pub k_tail: Vec<u16>,
+    /// V tail ring, as K's.
+    pub v_tail: Vec<u16>,
+}
+
+/// Memory of the cache: allocated now, and what the sequences' tokens need.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MemoryReport {
+    /// Device bytes of pools, page table, FP16 buffers and lengths.
+    pub allocated_bytes: usize,
+    /// Pages in use / in the pool.
+    pub pages_used: usize,
+    /// Pages in the pool.
+    pub pages_total: usize,
+    /// Bytes the live sequences occupy (pages they hold + their FP16 buffers).
+    pub sequence_bytes: usize,
+    /// `sequence_bytes` in bits per cached K/V element.
+    pub bits_per_element: f64,
+}
+
+/// Timing of the prefill page quantizers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QuantizeTiming {
+    /// Median over the timed runs.
+    pub median_us: f64,
+    /// Input bytes the quantizers read.
+    pub bytes_read: usize,
+    /// Page-block bytes they wrote.
+    pub bytes_written: usize,
+}
+
+impl QuantizeTiming {
+    /// (read + written) / time, in GB/s.
+    pub fn gbps(&self) -> f64 {
+        (self.bytes_read + self.bytes_written) as f64 / (self.median_us * 1e3)
+    }
+}
+
+/// A paged quantized KV cache for one layer.
+pub struct PagedKvCache {
+    spec: SchemeSpec,
+    cfg: CacheConfig,
+    stream: Arc<CudaStream>,
+    kernels: CacheFunctions,
+    book: PageBook,
+    max_pages: usize,
+    k_pool: CudaSlice<u8>,
+    v_pool: CudaSlice<u8>,
+    page_table: CudaSlice<i32>,
+    k_sink: CudaSlice<u16>,
+    v_sink: CudaSlice<u16>,
+    k_tail: CudaSlice<u16>,
+    v_tail: CudaSlice<u16>,
+    seq_lens: CudaSlice<i32>,
+    /// Per-step slot list and prefill jobs (grown as needed).
+    slots: CudaSlice<i32>,
+}
+
+fn dev(what: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
+    move |e| RuntimeError::driver(what.to_string(), e)
+}
+
+fn launch_err(entry: &Loaded) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
+    move |e| RuntimeError::launch(entry.entry.name.clone(), e)
+}
+
+fn alloc_zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    n: usize,
+    what: &str,
+) -> Result<CudaSlice<T>> {
+    stream.alloc_zeros::<T>(n.max(1)).map_err(dev(what))
+}
+
+impl PagedKvCache {
+    /// Compiles (or loads from the caches) the scheme's kernels and allocates the cache.
+    pub fn new(
+        jit: &Jit,
+        stream: Arc<CudaStream>,
+        spec: &SchemeSpec,
+        cfg: CacheConfig,
+    ) -> Result<Self> {
+        if cfg.kv_heads == 0 || cfg.max_seqs == 0 || cfg.max_tokens == 0 {
+            return Err(RuntimeError::InvalidInput(format!(
+                "an empty cache: {cfg:?}"
+            )));
+        }
+        spec.check_shape(cfg.head_dim as u32, cfg.kv_heads as u32)
+            .map_err(|e| RuntimeError::InvalidInput(e.to_string()))?;
+        let kernels = CacheFunctions::load(jit, spec, cfg.head_dim as u32, cfg.input_dtype)?;
+        let book = PageBook::new(*spec, cfg.max_seqs, cfg.pool_pages, cfg.max_tokens);
+        let max_pages = book.max_pages_per_seq();
+        let (h, d) = (cfg.kv_heads, cfg.head_dim);
+        let g = &kernels.generated;
+        let (k_block, v_block) = (
+            block_bytes(spec, &spec.k, d)?,
+            block_bytes(spec, &spec.v, d)?,
+        );
+        let ring = |t: &TensorQuant| match t {
+            TensorQuant::Fp16 => 0,
+            _ => (spec.local_of(t) + spec.page) as usize,
+        };
+        let sink = |t: &TensorQuant| {
+            if t.is_quantized() {
+                spec.sink as usize
+            } else {
+                0
+            }
+        };
+        let _ = g;
+        let page_table = stream
+            .clone_htod(&vec![-1i32; cfg.max_seqs * max_pages])
+            .map_err(dev("allocate the page table"))?;
+        Ok(Self {
+            k_pool: alloc_zeros(
+                &stream,
+                cfg.pool_pages * h * k_block,
+                "allocate the K page pool",
+            )?,
+            v_pool: alloc_zeros(
+                &stream,
+                cfg.pool_pages * h * v_block,
+                "allocate the V page pool",
+            )?,
+            k_sink: alloc_zeros(
+                &stream,
+                cfg.max_seqs * h * sink(&spec.k) * d,
+                "allocate K sinks",
+            )?,
+            v_sink: alloc_zeros(
+                &stream,
+                cfg.max_seqs * h * sink(&spec.v) * d,
+                "allocate V sinks",
+            )?,
+            k_tail: alloc_zeros(
+                &stream,
+                cfg.max_seqs * h * ring(&spec.k) * d,
+                "allocate K tail rings",
+            )?,
+            v_tail: alloc_zeros(
+                &stream,
+                cfg.max_seqs * h * ring(&spec.v) * d,
+                "allocate V tail rings",
+            )?,
+            seq_lens: alloc_zeros(&stream, cfg.max_seqs, "allocate sequence lengths")?,
+            slots: alloc_zeros(
+                &stream,
+                cfg.max_seqs.max(2 * max_pages),
+                "allocate step lists",
+            )?,
+            page_table,
+            spec: *spec,
+            cfg,
+            stream,
+            kernels,
+            book,
+            max_pages,
+        })
+    }
+
+    /// The scheme every sequence is stored with.
+    pub fn spec(&self) -> &SchemeSpec {
+        &self.spec
+    }
+
+    /// The sizes the cache was created with.
+    pub fn config(&self) -> &CacheConfig {
+        &self.cfg
+    }
+
+    /// Tokens held for a sequence.
+    pub fn len(&self, id: SeqId) -> Result<usize> {
+        self.book.len(id)
+    }
+
+    /// A new, empty sequence.
+    pub fn add_sequence(&mut self) -> Result<SeqId> {
+        let id = self.book.add()?;
+        self.set_len(id, 0)?;
+        Ok(id)
+    }
+
+    /// Frees a sequence's slot and pages.
+    pub fn remove_sequence(&mut self, id: SeqId) -> Result<()> {
+        self.book.remove(id)?;
+        self.set_len(id, 0)?;
+        let row = id.0 as usize * self.max_pages;
+        let mut view = self.page_table.slice_mut(row..row + self.max_pages);
+        self.stream
+            .memcpy_htod(&vec![-1i32; self.max_pages], &mut view)
+            .map_err(dev("clear a page-table row"))
+    }
+
+    fn set_len(&mut self, id: SeqId, len: usize) -> Result<()> {
+        let at = id.0 as usize;
+        let mut view = self.seq_lens.slice_mut(at..at + 1);
+        self.stream
+            .memcpy_htod(&[len as i32], &mut view)
+            .map_err(dev("write a sequence length"))
+    }
+
+    fn write_table(&mut self, changes: &TableChanges) -> Result<()> {
+        for &(slot, logical, phys) in changes {
+            let at = slot * self.max_pages + logical;
+            let mut view = self.page_table.slice_mut(at..at + 1);
+            self.stream
+                .memcpy_htod(&[phys as i32], &mut view)
+                .map_err(dev("write the page table"))?;
+        }
+        Ok(())
+    }
+
+    fn check_tokens(&self, what: &str, x: &CudaSlice<u16>, tokens: usize) -> Result<()> {
+        let want = tokens * self.cfg.kv_heads * self.cfg.head_dim;
+        if x.len() != want {
+            return Err(RuntimeError::InvalidInput(format!(
+                "{what} holds {} values; [tokens {tokens}][kv_heads {}][head_dim {}] needs {want}",
+                x.len(),
+                self.cfg.kv_heads,
+                self.cfg.head_dim
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_dtype(&self, dtype: Dtype) -> Result<()> {
+        if dtype != self.cfg.input_dtype {
+            return Err(RuntimeError::InvalidInput(format!(
+                "K/V are {dtype} but this cache was created for {} inputs",
+                self.cfg.input_dtype
+            )));
+        }
+        Ok(())
+    }
+
+    fn upload_list(&mut self, values: &[i32]) -> Result<()> {
+        if values.len() > self.slots.len() {
+            self.slots = self
+                .stream
+                .clone_htod(values)
+                .map_err(dev("upload a step list"))?;
+            return Ok(());
+        }
+        let mut view = self.slots.slice_mut(0..values.len());
+        self.stream
+            .memcpy_htod(values, &mut view)
+            .map_err(dev("upload a step list"))
+    }
+
+    /// Bulk prefill of an empty sequence with a prompt's K and V (`[tokens][kv_heads][head_dim]`,
+    /// the cache's input dtype): sink copied, every whole page quantized and packed, the rest left in
+    /// the FP16 tail ring.
+    pub fn prefill(
+        &mut self,
+        id: SeqId,
+        k: &CudaSlice<u16>,
+        v: &CudaSlice<u16>,
+        tokens: usize,
+        dtype: Dtype,
+    ) -> Result<()> {
+        self.check_dtype(dtype)?;
+        if self.book.len(id)? != 0 {
+            return Err(RuntimeError::InvalidInput(format!(
+                "prefill needs an empty sequence; sequence {} holds {} tokens (append instead)",
+                id.0,
+                self.book.len(id)?
+            )));
+        }
+        self.check_tokens("prefill K", k, tokens)?;
+        self.check_tokens("prefill V", v, tokens)?;
+        if tokens == 0 {
+            return Ok(());
+        }
+        let changes = self.book.grow(&[(id, tokens)])?;
+        self.write_table(&changes)?;
+        let pages = self.book.pages(id)?.to_vec();
+        let slot = id.0 as i32;
+        let h = self.cfg.kv_heads as u32;
+        let max_pages = self.max_pages as i32;
+        let tokens_i = tokens as i32;
+        {
+            let e = &self.kernels.prefill_copy;
+            let mut b = self.stream.launch_builder(&e.f);
+            b.arg(k).arg(v).arg(&tokens_i).arg(&slot);
+            b.arg(&mut self.k_pool)
+                .arg(&mut self.v_pool)
+                .arg(&self.page_table)
+                .arg(&max_pages);
+            b.arg(&mut self.k_sink)
+                .arg(&mut self.v_sink)
+                .arg(&mut self.k_tail)
+                .arg(&mut self.v_tail);
+            let cfg = LaunchConfig {
+                grid_dim: (tokens as u32, h, 1),
+                block_dim: (e.entry.block, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: arguments follow KernelEntry::params; buffers were sized for this cache.
+            unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
+        }
+        for (which, tensor) in [("k", self.spec.k), ("v", self.spec.v)] {
+            if !tensor.is_quantized() {
+                continue;
+            }
+            let r = TokenRegions::new(
+                tokens,
+                self.spec.sink as usize,
+                self.spec.local_of(&tensor) as usize,
+                self.spec.page as usize,
+            );
+            if r.pages == 0 {
+                continue;
+            }
+            let jobs: Vec<i32> = (0..r.pages)
+                .flat_map(|j| [r.page_tokens(j).start as i32, pages[j] as i32])
+                .collect();
+            self.upload_list(&jobs)?;
+            let (q, pool, x) = if which == "k" {
+                (self.kernels.k.as_ref(), &mut self.k_pool, k)
+            } else {
+                (self.kernels.v.as_ref(), &mut self.v_pool, v)
+            };
+            let Some(Quantizers { from_input: e, .. }) = q else {
+                continue;
+            };
+            let mut b = self.stream.launch_builder(&e.f);
+            b.arg(x).arg(&self.slots).arg(pool);
+            let cfg = LaunchConfig {
+                grid_dim: (r.pages as u32, h, 1),
+                block_dim: (e.entry.block, 1, 1),
+                shared_mem_bytes: e.entry.dynamic_shared_bytes,
+            };
+            // SAFETY: as above; `jobs` holds r.pages (token, page) pairs.
+            unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
+        }
+        self.set_len(id, tokens)
+    }
+
+    /// Appends one token's K and V (`[n][kv_heads][head_dim]`, row i for `ids[i]`) to each listed
+    /// sequence; a sequence whose tail then holds `local + page` tokens quantizes its oldest page.
+    pub fn append(
+        &mut self,
+        ids: &[SeqId],
+        k: &CudaSlice<u16>,
+        v: &CudaSlice<u16>,
+        dtype: Dtype,
+    ) -> Result<()> {
+        self.check_dtype(dtype)?;
+        if ids.is_empty() {
+            return Ok(());
+        }
+        self.check_tokens("append K", k, ids.len())?;
+        self.check_tokens("append V", v, ids.len())?;
+        let growth = ids
+            .iter()
+            .map(|&id| Ok((id, self.book.len(id)? + 1)))
+            .collect::<Result<Vec<_>>>()?;
+        let changes = self.book.grow(&growth)?;
+        self.write_table(&changes)?;
+        let slots: Vec<i32> = ids.iter().map(|id| id.0 as i32).collect();
+        self.upload_list(&slots)?;
+        let n = ids.len() as u32;
+        let h = self.cfg.kv_heads as u32;
+        let max_pages = self.max_pages as i32;
+        {
+            let e = &self.kernels.append;
+            let mut b = self.stream.launch_builder(&e.f);
+            b.arg(k).arg(v).arg(&self.slots).arg(&self.seq_lens);
+            b.arg(&mut self.k_pool)
+                .arg(&mut self.v_pool)
+                .arg(&self.page_table)
+                .arg(&max_pages);
+            b.arg(&mut self.k_sink)
+                .arg(&mut self.v_sink)
+                .arg(&mut self.k_tail)
+                .arg(&mut self.v_tail);
+            let cfg = LaunchConfig {
+                grid_dim: (n, h, 1),
+                block_dim: (e.entry.block, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: as in prefill.
+            unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
+        }
+        for which in ["k", "v"] {
+            let (q, pool, tail) = if which == "k" {
+                (self.kernels.k.as_ref(), &mut self.k_pool, &self.k_tail)
+            } else {
+                (self.kernels.v.as_ref(), &mut self.v_pool, &self.v_tail)
+            };
+            let Some(Quantizers { from_ring: e, .. }) = q else {
+                continue;
+            };
+            let mut b = self.stream.launch_builder(&e.f);
+            b.arg(&self.slots)
+                .arg(&self.seq_lens)
+                .arg(pool)
+                .arg(&self.page_table)
+                .arg(&max_pages)
+                .arg(tail);
+            let cfg = LaunchConfig {
+                grid_dim: (n, h, 1),
+                block_dim: (e.entry.block, 1, 1),
+                shared_mem_bytes: e.entry.dynamic_shared_bytes,
+            };
+            // SAFETY: as in prefill.
+            unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
+        }
+        let e = &self.kernels.commit;
+        let n_i = n as i32;
+        let mut b = self.stream.launch_builder(&e.f);
+        b.arg(&self.slots).arg(&n_i).arg(&mut self.seq_lens);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(128), 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as in prefill.
+        unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
+        Ok(())
+    }
+
+    /// The device buffers for the decode kernels: every slot is a row of the batch (`q`/`out` are
+    /// `[max_seqs][kv_heads·gqa][head_dim]`; empty slots produce zeros).
+    pub fn view(&self) -> CacheView<'_> {
+        CacheView {
+            spec: &self.spec,
+            batch: self.cfg.max_seqs,
+            kv_heads: self.cfg.kv_heads,
+            head_dim: self.cfg.head_dim,
+            max_pages: self.max_pages,
+            k_pool: &self.k_pool,
+            v_pool: &self.v_pool,
+            page_table: &self.page_table,
+            k_sink: &self.k_sink,
+            v_sink: &self.v_sink,
+            k_tail: &self.k_tail,
+            v_tail: &self.v_tail,
+            seq_lens: &self.seq_lens,
+        }
+    }
+
+    /// Decode attention for every slot (see [`view`](Self::view)).
+    pub fn attend(
+        &self,
+        kernel: &DecodeKernel,
+        q: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+        scratch: &mut DecodeScratch,
+    ) -> Result<()> {
+        kernel.attend(&self.stream, self.view(), q, out, scratch)
+    }
+
+    /// Longest sequence held (for split heuristics).
+    pub fn max_len(&self) -> usize {
+        (0..self.cfg.max_seqs)
+            .filter_map(|s| self.book.len(SeqId(s as u32)).ok())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Copies one sequence's device state back (tests, debugging).
+    pub fn snapshot(&self, id: SeqId) -> Result<SequenceSnapshot> {
+        let len = self.book.len(id)?;
+        let (h, d) = (self.cfg.kv_heads, self.cfg.head_dim);
+        let slot = id.0 as usize;
+        let k_block = block_bytes(&self.spec, &self.spec.k, d)? * h;
+        let v_block = block_bytes(&self.spec, &self.spec.v, d)? * h;
+        let down_u8 = |pool: &CudaSlice<u8>, block: usize, page: u32| -> Result<Vec<u8>> {
+            let at = page as usize * block;
+            self.stream
+                .clone_dtoh(&pool.slice(at..at + block))
+                .map_err(dev("download a page"))
+        };
+        let pages = self.book.pages(id)?;
+        let mut k_pages = Vec::new();
+        let mut v_pages = Vec::new();
+        let regions = |t: &TensorQuant| match t {
+            TensorQuant::Fp16 => len.div_ceil(self.spec.page as usize),
+            _ => {
+                TokenRegions::new(
+                    len,
+                    self.spec.sink as usize,
+                    self.spec.local_of(t) as usize,
+                    self.spec.page as usize,
+                )
+                .pages
+            }
+        };
+        for &p in &pages[..regions(&self.spec.k)] {
+            k_pages.push(down_u8(&self.k_pool, k_block, p)?);
+        }
+        for &p in &pages[..regions(&self.spec.v)] {
+            v_pages.push(down_u8(&self.v_pool, v_block, p)?);
+        }
+        let down_u16 = |buf: &CudaSlice<u16>, per_slot: usize| -> Result<Vec<u16>> {
+            if per_slot == 0 {
+                return Ok(Vec::new());
+            }
+            let at = slot * per_slot;
+            self.stream
+                .clone_dtoh(&buf.slice(at..at + per_slot))
+                .map_err(dev("download FP16 buffers"))
+        };
+        let sink = |t: &TensorQuant| {
+            if t.is_quantized() {
+                self.spec.sink as usize * h * d
+            } else {
+                0
+            }
+        };
+        let ring = |t: &TensorQuant| {
+            if t.is_quantized() {
+                (self.spec.local_of(t) + self.spec.page) as usize * h * d
+            } else {
+                0
+            }
+        };
+        Ok(SequenceSnapshot {
+            len,
+            k_pages,
+            v_pages,
+            k_sink: down_u16(&self.k_sink, sink(&self.spec.k))?,
+            v_sink: down_u16(&self.v_sink, sink(&self.spec.v))?,
+            k_tail: down_u16(&self.k_tail, ring(&self.spec.k))?,
+            v_tail: down_u16(&self.v_tail, ring(&self.spec.v))?,
+        })
+    }
+
+    /// Allocated memory and what the live sequences occupy.
+    pub fn memory(&self) -> Result<MemoryReport> {
+        let (h, d) = (self.cfg.kv_heads, self.cfg.head_dim);
+        let page_bytes = (block_bytes(&self.spec, &self.spec.k, d)?
+            + block_bytes(&self.spec, &self.spec.v, d)?)
+            * h;
+        let fp16_per_seq = 2
+            * (self.k_sink.len() + self.v_sink.len() + self.k_tail.len() + self.v_tail.len())
+            / self.cfg.max_seqs.max(1);
+        let mut pages_used = 0;
+        let mut elements = 0usize;
+        let mut live = 0;
+        for s in 0..self.cfg.max_seqs {
+            if let Ok(len) = self.book.len(SeqId(s as u32)) {
+                pages_used += self.book.pages(SeqId(s as u32))?.len();
+                elements += 2 * len * h * d;
+                live += 1;
+            }
+        }
+        let sequence_bytes = pages_used * page_bytes + live * fp16_per_seq;
+        let allocated_bytes = self.k_pool.len()
+            + self.v_pool.len()
+            + 4 * self.page_table.len()
+            + 2 * (self.k_sink.len() + self.v_sink.len() + self.k_tail.len() + self.v_tail.len())
+            + 4 * self.seq_lens.len();
+        Ok(MemoryReport {
+            allocated_bytes,
+            pages_used,
+            pages_total: self.book.total_pages(),
+            sequence_bytes,
+            bits_per_element: if elements == 0 {
+                0.0
+            } else {
+                8.0 * sequence_bytes as f64 / elements as f64
+            },
+        })
+    }
+
+    /// The reference's exact footprint of one sequence of `len` tokens (same accounting).
+    pub fn footprint(&self, len: usize) -> Result<footprint::Footprint> {
+        footprint::scheme(
+            &self.spec,
+            self.cfg.head_dim as u32,
+            self.cfg.kv_heads as u32,
+            len as u64,
+        )
+        .map_err(|e| RuntimeError::InvalidInput(e.to_string()))
+    }
+
+    /// Times the prefill page quantizers alone: K and V, every whole page of each listed sequence,
+    /// each of which must have been prefilled from its `(k, v)` of `tokens` tokens. Median µs over
+    /// `runs` CUDA-event timed repetitions, with the bytes read and written. For benchmarks.
+    pub fn time_prefill_quantizers(
+        &mut self,
+        sequences: &[(SeqId, &CudaSlice<u16>, &CudaSlice<u16>)],
+        tokens: usize,
+        runs: usize,
+    ) -> Result<QuantizeTiming> {
+        let (h, d) = (self.cfg.kv_heads, self.cfg.head_dim);
+        let mut launches = Vec::new();
+        let (mut read, mut written) = (0usize, 0usize);
+        for (si, &(id, k, v)) in sequences.iter().enumerate() {
+            self.check_tokens("K", k, tokens)?;
+            self.check_tokens("V", v, tokens)?;
+            if self.book.len(id)? != tokens {
+                return Err(RuntimeError::InvalidInput(format!(
+                    "sequence {} was not prefilled with {tokens} tokens",
+                    id.0
+                )));
+            }
+            for which in [0usize, 1] {
+                let tensor = if which == 0 { self.spec.k } else { self.spec.v };
+                if !tensor.is_quantized() {
+                    continue;
+                }
+                let r = TokenRegions::new(
+                    tokens,
+                    self.spec.sink as usize,
+                    self.spec.local_of(&tensor) as usize,
+                    self.spec.page as usize,
+                );
+                if r.pages == 0 {
+                    continue;
+                }
+                let pages = self.book.pages(id)?;
+                let jobs: Vec<i32> = (0..r.pages)
+                    .flat_map(|j| [r.page_tokens(j).start as i32, pages[j] as i32])
+                    .collect();
+                read += r.pages * self.spec.page as usize * h * d * 2;
+                written += r.pages * h * block_bytes(&self.spec, &tensor, d)?;
+                let list = self
+                    .stream
+                    .clone_htod(&jobs)
+                    .map_err(dev("upload prefill jobs"))?;
+                launches.push((si, which, r.pages as u32, list));
+            }
+        }
+        let h32 = h as u32;
+        let stream = self.stream.clone();
+        let timing = crate::timing::time_gpu(&stream, 2, runs, |s| {
+            for (si, which, n, list) in &launches {
+                let (_, k, v) = sequences[*si];
+                let (q, pool, x) = if *which == 0 {
+                    (self.kernels.k.as_ref(), &mut self.k_pool, k)
+                } else {
+                    (self.kernels.v.as_ref(), &mut self.v_pool, v)
+                };
+                let Some(Quantizers { from_input: e, .. }) = q else {
+                    continue;
+                };
+                let mut b = s.launch_builder(&e.f);
+                b.arg(x).arg(list).arg(pool);
+                let cfg = LaunchConfig {
+                    grid_dim: (*n, h32, 1),
+                    block_dim: (e.entry.block, 1, 1),
+                    shared_mem_bytes: e.entry.dynamic_shared_bytes,
+                };
+                // SAFETY: as in prefill; the job list names pages this sequence holds.
+                unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
+            }
+            Ok(())
+        })?;
+        Ok(QuantizeTiming {
+            median_us: timing.median_us(),
+            bytes_read: read,
+            bytes_written: written,
+        })
+    }
+
+    /// The decode kernels' metadata this cache is laid out for.
+    pub fn matches(&self, kernels: &DecodeKernels) -> bool {
+        kernels.scheme == self.spec.to_string()
+            && kernels.shape.head_dim as usize == self.cfg.head_dim
+    }
+}
+
+/// Bytes of one page block of one KV head for a tensor (the reference's layout).
+fn block_bytes(spec: &SchemeSpec, t: &TensorQuant, head_dim: usize) -> Result<usize> {
+    match t {
+        TensorQuant::Int(q) => kvq_reference::int::IntLayout::new(q, head_dim, spec.page as usize)
+            .map(|l| l.block_bytes)
+            .map_err(|e| RuntimeError::InvalidInput(e.to_string())),
+        _ => Ok(kvq_reference::int::fp16_block_bytes(
+            head_dim,
+            spec.page as usize,
+        )),
+    }
+}

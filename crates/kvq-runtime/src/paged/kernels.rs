@@ -1,0 +1,82 @@
+//! The compiled cache kernels of one scheme × head_dim × input dtype.
+
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::CudaFunction;
+use kvq_codegen::{cache_kernels, CacheKernels, Dtype, KernelEntry};
+use kvq_spec::SchemeSpec;
+
+use crate::error::{Result, RuntimeError};
+use crate::jit::Jit;
+use crate::nvrtc::{CompileOptions, Source};
+
+/// A loaded kernel and its launch metadata.
+pub(crate) struct Loaded {
+    pub f: CudaFunction,
+    pub entry: KernelEntry,
+}
+
+/// The page quantizers of one tensor.
+pub(crate) struct Quantizers {
+    pub from_input: Loaded,
+    pub from_ring: Loaded,
+}
+
+pub(crate) struct CacheFunctions {
+    pub generated: CacheKernels,
+    pub append: Loaded,
+    pub commit: Loaded,
+    pub prefill_copy: Loaded,
+    pub k: Option<Quantizers>,
+    pub v: Option<Quantizers>,
+}
+
+impl CacheFunctions {
+    pub fn load(jit: &Jit, spec: &SchemeSpec, head_dim: u32, dtype: Dtype) -> Result<Self> {
+        let generated = cache_kernels(spec, head_dim, dtype)?;
+        let source = Source::new(
+            format!("{}.cu", generated.append.name),
+            generated.source.clone(),
+        );
+        let module = jit.module(&source, &CompileOptions::default())?;
+        let load = |entry: &KernelEntry| -> Result<Loaded> {
+            let f = module.function(&entry.name)?;
+            if entry.dynamic_shared_bytes > 48 * 1024 {
+                f.set_attribute(
+                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    entry.dynamic_shared_bytes as i32,
+                )
+                .map_err(|e| {
+                    RuntimeError::driver(
+                        format!(
+                            "allow {} bytes of shared memory for {}",
+                            entry.dynamic_shared_bytes, entry.name
+                        ),
+                        e,
+                    )
+                })?;
+            }
+            Ok(Loaded {
+                f,
+                entry: entry.clone(),
+            })
+        };
+        let quantizers = |q: &Option<kvq_codegen::PageQuantizers>| -> Result<Option<Quantizers>> {
+            q.as_ref()
+                .map(|q| {
+                    Ok(Quantizers {
+                        from_input: load(&q.from_input)?,
+                        from_ring: load(&q.from_ring)?,
+                    })
+                })
+                .transpose()
+        };
+        Ok(Self {
+            append: load(&generated.append)?,
+            commit: load(&generated.commit)?,
+            prefill_copy: load(&generated.prefill_copy)?,
+            k: quantizers(&generated.k_quantizers)?,
+            v: quantizers(&generated.v_quantizers)?,
+            generated,
+        })
+    }
+}
