@@ -54,6 +54,9 @@ pub(crate) struct TensorCtx {
     /// channels and `lanes_per_group` lanes (a power of two) share a group.
     pub token_warp_reduce: bool,
     pub lanes_per_group: usize,
+    /// The page quantizer packs with a warp per row (each lane's `head_dim / 32` codes form a
+    /// bit field that never straddles a word, and lies in one token group).
+    pub fast_pack: bool,
 }
 
 impl TensorCtx {
@@ -100,6 +103,7 @@ impl TensorCtx {
             padding: Vec::new(),
             token_warp_reduce: false,
             lanes_per_group: 0,
+            fast_pack: false,
         };
         match quant {
             TensorQuant::Fp16 => Ok(ctx),
@@ -125,6 +129,18 @@ impl TensorCtx {
                 ctx.group = l.group;
                 ctx.groups_per_token = head_dim / l.group;
                 let per_lane = head_dim / 32;
+                let field_fits = |width: usize| {
+                    let f = per_lane * width;
+                    (f <= 32 && 32 % f == 0) || (f % 32 == 0 && f <= 64)
+                };
+                let widths: &[usize] = if q.bits == 3 {
+                    &[2, 1]
+                } else {
+                    &[q.bits as usize]
+                };
+                ctx.fast_pack = per_lane > 0
+                    && widths.iter().all(|&w| field_fits(w))
+                    && (q.axis == Axis::Channel || l.group % per_lane == 0);
                 if q.axis == Axis::Token && per_lane > 0 && l.group % per_lane == 0 {
                     let lanes = l.group / per_lane;
                     ctx.token_warp_reduce = lanes.is_power_of_two() && lanes <= 32;
