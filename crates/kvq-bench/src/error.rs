@@ -1,0 +1,34 @@
+//! The bench's error type: the runtime's errors plus usage and output problems.
+
+use std::path::PathBuf;
+
+use kvq::runtime::RuntimeError;
+
+/// Everything that can stop a benchmark run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// A GPU, JIT or tuner failure.
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    /// A flag value that does not parse or select anything.
+    #[error("{0}")]
+    Usage(String),
+    /// The CPU reference refused an input.
+    #[error("CPU reference: {0}")]
+    Reference(String),
+    /// A result file could not be written.
+    #[error("could not write {}: {source}", path.display())]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The plot could not be drawn.
+    #[error("plot: {0}")]
+    Plot(String),
+}
+
+/// `Result` with [`BenchError`].
+pub type Result<T, E = BenchError> = std::result::Result<T, E>;

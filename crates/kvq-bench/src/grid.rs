@@ -1,0 +1,258 @@
+//! Which shapes and schemes a run covers, parsed from flags.
+
+use kvq::codegen::Dtype;
+use kvq::schemes::{by_name, BUILTIN};
+use kvq::{CacheSource, SchemeSpec, TensorQuant};
+
+use crate::error::{BenchError, Result};
+
+/// One scheme under test.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scheme {
+    /// The built-in's name (`fp16`, `kivi2`, …).
+    pub name: String,
+    /// Its spec.
+    pub spec: SchemeSpec,
+}
+
+/// Everything a run measures and how.
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    /// Schemes, in table order.
+    pub schemes: Vec<Scheme>,
+    /// Batch sizes.
+    pub batches: Vec<usize>,
+    /// Context lengths (tokens per sequence).
+    pub contexts: Vec<usize>,
+    /// Query heads per sequence.
+    pub q_heads: usize,
+    /// KV heads per sequence.
+    pub kv_heads: usize,
+    /// Channels per head.
+    pub head_dim: u32,
+    /// Query/output dtype.
+    pub dtype: Dtype,
+    /// Untimed runs before each timing.
+    pub warmup: usize,
+    /// Timed runs per configuration.
+    pub runs: usize,
+    /// Also tune every shape and time tuned against default.
+    pub tune: bool,
+    /// Check rows of every output against the CPU reference.
+    pub check: bool,
+    /// Most device bytes a shape's buffers may take.
+    pub memory_budget: u64,
+    /// Bytes of the device-to-device copy that measures bandwidth.
+    pub copy_bytes: u64,
+    /// Seed of the random K/V and queries.
+    pub seed: u64,
+}
+
+impl BenchConfig {
+    /// The issue's grid: every GPU scheme × B {1, 16} × L {4K, 32K, 128K}, 32 query heads, 8 KV
+    /// heads, head_dim 128, f16.
+    pub fn standard() -> BenchConfig {
+        BenchConfig {
+            schemes: gpu_schemes(),
+            batches: vec![1, 16],
+            contexts: vec![4096, 32_768, 131_072],
+            q_heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            dtype: Dtype::F16,
+            warmup: 5,
+            runs: 30,
+            tune: false,
+            check: true,
+            memory_budget: 60 << 30,
+            copy_bytes: 4 << 30,
+            seed: 2024,
+        }
+    }
+
+    /// Query heads per KV head; `Err` unless it divides evenly.
+    pub fn gqa(&self) -> Result<u32> {
+        if self.kv_heads == 0 || self.q_heads == 0 || self.q_heads % self.kv_heads != 0 {
+            return Err(BenchError::Usage(format!(
+                "{} query heads are not a positive multiple of {} KV heads",
+                self.q_heads, self.kv_heads
+            )));
+        }
+        Ok((self.q_heads / self.kv_heads) as u32)
+    }
+}
+
+/// The built-in schemes that have GPU kernels: integer and FP16 K/V caches (not codebooks, not
+/// layer-input caches).
+pub fn gpu_schemes() -> Vec<Scheme> {
+    BUILTIN
+        .iter()
+        .filter(|b| b.spec.source == CacheSource::Kv)
+        .filter(|b| {
+            ![b.spec.k, b.spec.v]
+                .iter()
+                .any(|t| matches!(t, TensorQuant::Codebook(_)))
+        })
+        .map(|b| Scheme {
+            name: b.name.to_string(),
+            spec: b.spec,
+        })
+        .collect()
+}
+
+/// `all`, or a comma-separated list of GPU built-in names. FP16 is added when missing, because
+/// every row's speedup is measured against it.
+pub fn parse_schemes(text: &str) -> Result<Vec<Scheme>> {
+    let available = gpu_schemes();
+    if text.trim().eq_ignore_ascii_case("all") {
+        return Ok(available);
+    }
+    let mut out: Vec<Scheme> = Vec::new();
+    for name in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let builtin = by_name(name).ok_or_else(|| {
+            BenchError::Usage(format!(
+                "unknown scheme `{name}`; GPU schemes: {}",
+                names(&available)
+            ))
+        })?;
+        let scheme = available
+            .iter()
+            .find(|s| s.name == builtin.name)
+            .ok_or_else(|| {
+                BenchError::Usage(format!(
+                    "`{name}` runs in the CPU reference only; GPU schemes: {}",
+                    names(&available)
+                ))
+            })?;
+        if !out.contains(scheme) {
+            out.push(scheme.clone());
+        }
+    }
+    if out.is_empty() {
+        return Err(BenchError::Usage("no scheme selected".into()));
+    }
+    if !out.iter().any(|s| s.name == "fp16") {
+        if let Some(fp16) = available.iter().find(|s| s.name == "fp16") {
+            out.insert(0, fp16.clone());
+        }
+    }
+    Ok(out)
+}
+
+fn names(schemes: &[Scheme]) -> String {
+    schemes
+        .iter()
+        .map(|s| s.name.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A token count: `4096`, `4K`/`4k` (×1024), `1M` (×1024²).
+pub fn parse_tokens(text: &str) -> Result<usize> {
+    let t = text.trim();
+    let (digits, scale) = match t.chars().last() {
+        Some('k' | 'K') => (&t[..t.len() - 1], 1024),
+        Some('m' | 'M') => (&t[..t.len() - 1], 1024 * 1024),
+        _ => (t, 1),
+    };
+    let n: usize = digits.parse().map_err(|_| {
+        BenchError::Usage(format!("`{text}` is not a token count (e.g. 4096 or 4K)"))
+    })?;
+    if n == 0 {
+        return Err(BenchError::Usage("a context of 0 tokens".into()));
+    }
+    Ok(n * scale)
+}
+
+/// A comma-separated list of token counts.
+pub fn parse_token_list(text: &str) -> Result<Vec<usize>> {
+    text.split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(parse_tokens)
+        .collect()
+}
+
+/// A comma-separated list of positive integers.
+pub fn parse_usize_list(text: &str) -> Result<Vec<usize>> {
+    text.split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| match s.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(BenchError::Usage(format!(
+                "`{s}` is not a positive integer"
+            ))),
+        })
+        .collect()
+}
+
+/// `4096` → `4K`, `131072` → `128K`, other values as they are.
+pub fn format_tokens(n: usize) -> String {
+    if n >= 1024 && n % 1024 == 0 {
+        format!("{}K", n / 1024)
+    } else {
+        n.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gpu_schemes_are_the_eight_integer_and_fp16_builtins() {
+        let names: Vec<String> = gpu_schemes().into_iter().map(|s| s.name).collect();
+        assert_eq!(
+            names,
+            [
+                "fp16",
+                "kivi2",
+                "kivi4",
+                "kitty",
+                "kitty-pro",
+                "calibquant1",
+                "calibquant2",
+                "int8"
+            ]
+        );
+    }
+
+    #[test]
+    fn scheme_lists_parse_and_always_include_fp16() {
+        let s = parse_schemes("kivi2, int8").unwrap();
+        let names: Vec<&str> = s.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["fp16", "kivi2", "int8"]);
+        assert_eq!(parse_schemes("ALL").unwrap().len(), 8);
+        assert_eq!(parse_schemes("fp16,kivi2,kivi2").unwrap().len(), 2);
+        assert!(parse_schemes("nope").is_err());
+        assert!(parse_schemes("commvq2")
+            .unwrap_err()
+            .to_string()
+            .contains("CPU reference"));
+        assert!(parse_schemes(" , ").is_err());
+    }
+
+    #[test]
+    fn token_counts_parse_with_suffixes() {
+        assert_eq!(
+            parse_token_list("4K,32k,128K").unwrap(),
+            [4096, 32_768, 131_072]
+        );
+        assert_eq!(parse_tokens("1000").unwrap(), 1000);
+        assert_eq!(parse_tokens("1M").unwrap(), 1 << 20);
+        assert!(parse_tokens("0").is_err() && parse_tokens("4X").is_err());
+        assert_eq!(parse_usize_list("1,16").unwrap(), [1, 16]);
+        assert!(parse_usize_list("1,0").is_err());
+        assert_eq!(format_tokens(131_072), "128K");
+        assert_eq!(format_tokens(1000), "1000");
+    }
+
+    #[test]
+    fn the_standard_grid_is_the_issue_shape() {
+        let c = BenchConfig::standard();
+        assert_eq!(c.gqa().unwrap(), 4);
+        assert_eq!(c.contexts, [4096, 32_768, 131_072]);
+        let mut bad = c.clone();
+        bad.q_heads = 30;
+        assert!(bad.gqa().is_err());
+    }
+}

@@ -1,0 +1,30 @@
+//! kvq's decode benchmarks.
+//!
+//! The `kvq-bench` binary measures every GPU scheme over a grid of batch sizes and context
+//! lengths and writes a table (markdown + JSON) and a latency plot (SVG); `benches/decode.rs` is a
+//! criterion bench of a few shapes. Both time with CUDA events on rotating copies of the batch
+//! (bigger than L2 together) with the runs queued behind a spin kernel, exactly as the autotuner
+//! does ([`kvq::runtime::tune`]), so a table and a tuning result measure the same thing.
+//!
+//! * [`grid`]: schemes and shapes, parsed from flags;
+//! * [`workload`]: random K/V once per context length, every scheme's reference cache in parallel;
+//! * [`bytes`]: the bytes a decode step must move (the effective-bandwidth numerator);
+//! * [`copy`]: the device-to-device copy bandwidth of the same run;
+//! * [`runner`]: the measurement loop; [`report`] and [`plot`]: its outputs.
+
+#![warn(missing_docs)]
+
+pub mod bytes;
+pub mod copy;
+pub mod date;
+pub mod error;
+pub mod grid;
+pub mod plot;
+pub mod report;
+pub mod runner;
+pub mod workload;
+
+pub use error::{BenchError, Result};
+pub use grid::BenchConfig;
+pub use report::BenchResults;
+pub use runner::run;

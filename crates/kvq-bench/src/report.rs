@@ -1,0 +1,314 @@
+//! The results of a run and their markdown and JSON forms.
+
+use kvq::runtime::tune::TuneChoice;
+use kvq::runtime::DeviceProps;
+use serde::{Deserialize, Serialize};
+
+use crate::copy::CopyResult;
+use crate::grid::format_tokens;
+
+/// A tuned configuration measured beside the default.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TunedResult {
+    /// The tuner's choice.
+    pub choice: TuneChoice,
+    /// Its median in this run, µs (same rounds as the default's).
+    pub median_us: f64,
+    /// Default median over tuned median.
+    pub gain: f64,
+    /// Wall-clock seconds the tuning session took.
+    pub tune_seconds: f64,
+    /// Configurations the tuner timed.
+    pub candidates: usize,
+    /// Configurations its correctness check (or build) discarded.
+    pub rejected: usize,
+}
+
+/// One (scheme, batch, context) measurement.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Row {
+    /// Scheme name.
+    pub scheme: String,
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub context: usize,
+    /// The default configuration timed.
+    pub choice: TuneChoice,
+    /// Median, µs.
+    pub median_us: f64,
+    /// Fastest run, µs.
+    pub min_us: f64,
+    /// Bytes the step must move (see `bytes`).
+    pub bytes: u64,
+    /// `bytes / median`, GB/s.
+    pub gbps: f64,
+    /// `gbps` over the copy bandwidth of this run, %.
+    pub pct_of_copy: f64,
+    /// kvq FP16's median at this shape over this row's median.
+    pub speedup_vs_fp16: Option<f64>,
+    /// Largest relative error of the checked rows (`None`: not checked).
+    pub max_rel_error: Option<f64>,
+    /// Copies rotated through while timing.
+    pub copies: usize,
+    /// With `--tune`.
+    pub tuned: Option<TunedResult>,
+}
+
+/// A shape that was not measured, and why.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Skipped {
+    /// Scheme name.
+    pub scheme: String,
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub context: usize,
+    /// Why.
+    pub reason: String,
+}
+
+/// Everything a run produced.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BenchResults {
+    /// The GPU.
+    pub gpu: DeviceProps,
+    /// `YYYY-MM-DD`, UTC.
+    pub date: String,
+    /// Seconds since the Unix epoch.
+    pub unix_time: u64,
+    /// Free text from `--label` (e.g. the commit).
+    pub label: Option<String>,
+    /// Query heads, KV heads, head_dim, dtype.
+    pub shape: String,
+    /// The bandwidth ceiling of this run.
+    pub copy: CopyResult,
+    /// Measured shapes, in run order.
+    pub rows: Vec<Row>,
+    /// Shapes not measured.
+    pub skipped: Vec<Skipped>,
+}
+
+fn opt(x: Option<f64>, digits: usize) -> String {
+    x.map_or_else(|| "–".into(), |v| format!("{v:.digits$}"))
+}
+
+impl BenchResults {
+    /// Fills every row's speedup over the `fp16` row of the same batch and context.
+    pub fn fill_speedups(&mut self) {
+        let fp16: Vec<(usize, usize, f64)> = self
+            .rows
+            .iter()
+            .filter(|r| r.scheme == "fp16")
+            .map(|r| (r.batch, r.context, r.median_us))
+            .collect();
+        for r in &mut self.rows {
+            r.speedup_vs_fp16 = fp16
+                .iter()
+                .find(|(b, l, _)| *b == r.batch && *l == r.context)
+                .map(|(_, _, us)| us / r.median_us);
+        }
+    }
+
+    /// The table as GitHub markdown, with a header naming the GPU, date and copy bandwidth.
+    pub fn markdown(&self) -> String {
+        let tuned = self.rows.iter().any(|r| r.tuned.is_some());
+        let mut s = format!(
+            "GPU: {} (compute {}.{}, {} SMs, {} MiB L2, {}), {} UTC{}\n\n\
+             Shape: {}. Copy bandwidth (device-to-device, {:.1} GiB, read + write): **{:.0} GB/s**.\n\n",
+            self.gpu.name,
+            self.gpu.compute_capability.0,
+            self.gpu.compute_capability.1,
+            self.gpu.sm_count,
+            self.gpu.l2_bytes >> 20,
+            self.gpu.driver,
+            self.date,
+            self.label
+                .as_ref()
+                .map_or_else(String::new, |l| format!(", {l}")),
+            self.shape,
+            self.copy.bytes as f64 / (1u64 << 30) as f64,
+            self.copy.gbps,
+        );
+        s.push_str(
+            "| scheme | B | L | median µs | GB/s | % of copy | × FP16 | config | max rel err |",
+        );
+        if tuned {
+            s.push_str(" tuned µs | tuned gain | tuned config | tune s |");
+        }
+        s.push('\n');
+        s.push_str("|---|---:|---:|---:|---:|---:|---:|---|---:|");
+        if tuned {
+            s.push_str("---:|---:|---|---:|");
+        }
+        s.push('\n');
+        for r in &self.rows {
+            s.push_str(&format!(
+                "| {} | {} | {} | {:.1} | {:.0} | {:.1} | {} | {} | {} |",
+                r.scheme,
+                r.batch,
+                format_tokens(r.context),
+                r.median_us,
+                r.gbps,
+                r.pct_of_copy,
+                opt(r.speedup_vs_fp16, 2),
+                r.choice,
+                r.max_rel_error
+                    .map_or_else(|| "–".into(), |e| format!("{e:.1e}")),
+            ));
+            if tuned {
+                match &r.tuned {
+                    Some(t) => s.push_str(&format!(
+                        " {:.1} | {:.3} | {} | {:.1} |",
+                        t.median_us, t.gain, t.choice, t.tune_seconds
+                    )),
+                    None => s.push_str(" – | – | – | – |"),
+                }
+            }
+            s.push('\n');
+        }
+        if !self.skipped.is_empty() {
+            s.push_str("\nNot measured:\n");
+            for k in &self.skipped {
+                s.push_str(&format!(
+                    "- {} B={} L={}: {}\n",
+                    k.scheme,
+                    k.batch,
+                    format_tokens(k.context),
+                    k.reason
+                ));
+            }
+        }
+        s
+    }
+
+    /// Reads results written by [`BenchResults::json`] (to redraw or re-tabulate them without a
+    /// GPU).
+    pub fn from_json(text: &str) -> Result<BenchResults, String> {
+        serde_json::from_str(text).map_err(|e| e.to_string())
+    }
+
+    /// Pretty JSON of everything.
+    pub fn json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use kvq::codegen::TuneParams;
+    use kvq::runtime::{Arch, DriverVersion};
+
+    pub(crate) fn sample() -> BenchResults {
+        let choice = TuneChoice {
+            params: TuneParams {
+                threads: 128,
+                tile_tokens: 32,
+            },
+            splits: 3,
+        };
+        let row = |scheme: &str, batch, context, us: f64| Row {
+            scheme: scheme.into(),
+            batch,
+            context,
+            choice,
+            median_us: us,
+            min_us: us * 0.98,
+            bytes: 1 << 30,
+            gbps: (1u64 << 30) as f64 / us / 1e3,
+            pct_of_copy: 50.0,
+            speedup_vs_fp16: None,
+            max_rel_error: Some(3e-4),
+            copies: 1,
+            tuned: None,
+        };
+        let mut rows = vec![
+            row("fp16", 1, 4096, 20.0),
+            row("kivi2", 1, 4096, 8.0),
+            row("fp16", 16, 4096, 200.0),
+            row("kivi2", 16, 4096, 40.0),
+            row("kivi2", 1, 32_768, 30.0),
+        ];
+        rows[3].tuned = Some(TunedResult {
+            choice,
+            median_us: 36.0,
+            gain: 40.0 / 36.0,
+            tune_seconds: 4.2,
+            candidates: 45,
+            rejected: 0,
+        });
+        BenchResults {
+            gpu: DeviceProps {
+                ordinal: 0,
+                name: "NVIDIA H100 80GB HBM3".into(),
+                compute_capability: (9, 0),
+                arch: Arch::SM_90A,
+                sm_count: 132,
+                l2_bytes: 50 << 20,
+                total_memory_bytes: 80 << 30,
+                max_shared_memory_per_block_optin: 232_448,
+                memory_bus_width_bits: 5120,
+                memory_clock_khz: 2_619_000,
+                driver: DriverVersion {
+                    major: 13,
+                    minor: 0,
+                },
+            },
+            date: "2026-11-22".into(),
+            unix_time: 0,
+            label: Some("abc1234".into()),
+            shape: "32 query heads, 8 KV heads, head_dim 128, f16".into(),
+            copy: CopyResult {
+                bytes: 4 << 30,
+                median_us: 2900.0,
+                gbps: 2962.0,
+            },
+            rows,
+            skipped: vec![Skipped {
+                scheme: "fp16".into(),
+                batch: 16,
+                context: 131_072,
+                reason: "does not fit".into(),
+            }],
+        }
+    }
+
+    #[test]
+    fn speedups_compare_with_fp16_at_the_same_shape_only() {
+        let mut r = sample();
+        r.fill_speedups();
+        let get = |s: &str, b, l| {
+            r.rows
+                .iter()
+                .find(|x| x.scheme == s && x.batch == b && x.context == l)
+                .unwrap()
+                .speedup_vs_fp16
+        };
+        assert_eq!(get("fp16", 1, 4096), Some(1.0));
+        assert_eq!(get("kivi2", 1, 4096), Some(2.5));
+        assert_eq!(get("kivi2", 16, 4096), Some(5.0));
+        assert_eq!(get("kivi2", 1, 32_768), None);
+    }
+
+    #[test]
+    fn markdown_and_json_carry_every_row() {
+        let mut r = sample();
+        r.fill_speedups();
+        let md = r.markdown();
+        assert!(md.contains("NVIDIA H100 80GB HBM3"));
+        assert!(md.contains("2962 GB/s"));
+        assert!(md.contains("| kivi2 | 16 | 4K | 40.0 |"), "{md}");
+        assert!(md.contains("tuned gain"));
+        assert!(md.contains("1.111"));
+        assert!(md.contains("fp16 B=16 L=128K: does not fit"));
+        assert_eq!(md.lines().filter(|l| l.starts_with("| kivi2")).count(), 3);
+        let json: serde_json::Value = serde_json::from_str(&r.json()).unwrap();
+        assert_eq!(json["rows"].as_array().unwrap().len(), 5);
+        assert_eq!(json["rows"][3]["tuned"]["choice"]["splits"], 3);
+        assert_eq!(json["copy"]["gbps"], 2962.0);
+        let back = BenchResults::from_json(&r.json()).unwrap();
+        assert_eq!(back.rows, r.rows);
+        assert_eq!(back.markdown(), md);
+    }
+}

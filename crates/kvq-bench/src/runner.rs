@@ -1,0 +1,335 @@
+//! The measurement loop: copy bandwidth, then every context length × batch × scheme, each timed
+//! on rotating copies with queued CUDA-event timing, checked against the CPU reference, and
+//! optionally tuned and re-timed against its default.
+
+use std::sync::Arc;
+
+use kvq::codegen::{KernelShape, TuneParams};
+use kvq::runtime::cudarc::driver::CudaStream;
+use kvq::runtime::tune::{
+    batch_device_bytes, plan_copies, QueuedTimer, ReferenceCheck, RotatingBatch, TuneChoice,
+    TunePolicy, TuneProblem, TuneStore, Tuner,
+};
+use kvq::runtime::{DecodeKernel, DecodeScratch, Jit, RuntimeError};
+
+use crate::bytes::decode_bytes;
+use crate::copy::copy_bandwidth;
+use crate::date::utc_date;
+use crate::error::{BenchError, Result};
+use crate::grid::{format_tokens, BenchConfig, Scheme};
+use crate::report::{BenchResults, Row, Skipped, TunedResult};
+use crate::workload::{checked_rows, prepare, Prepared, QueryRows};
+
+/// Device memory left free for the driver, the scratch and the tuner's own buffers.
+const RESERVE: u64 = 2 << 30;
+
+/// Interleaved rounds when a default and a tuned configuration are compared (drift hits both).
+const ROUNDS: usize = 3;
+
+/// What one shape produced.
+enum Outcome {
+    Measured(Box<Row>),
+    Skipped(String),
+}
+
+/// Shared state of a run.
+struct Context<'a> {
+    config: &'a BenchConfig,
+    jit: &'a Jit,
+    stream: Arc<CudaStream>,
+    shape: KernelShape,
+    timer: QueuedTimer,
+    queries: QueryRows,
+    copy_gbps: f64,
+    tuner: Option<Tuner<'a>>,
+}
+
+/// Runs the whole grid of `config` on `jit`'s GPU; `log` receives one line per step.
+pub fn run(
+    config: &BenchConfig,
+    jit: &Jit,
+    label: Option<String>,
+    log: &mut dyn FnMut(&str),
+) -> Result<BenchResults> {
+    let device = jit.device();
+    let props = device.props().clone();
+    let gqa = config.gqa()?;
+    let shape = KernelShape::new(config.head_dim, gqa, config.dtype);
+    for s in &config.schemes {
+        TuneProblem::new(s.spec, shape, config.kv_heads, 1, 1).check()?;
+    }
+    if config.batches.is_empty() || config.contexts.is_empty() {
+        return Err(BenchError::Usage("no batch size or context length".into()));
+    }
+    let stream = device.default_stream();
+    log(&format!("{props}"));
+
+    let copy = copy_bandwidth(&stream, config.copy_bytes, 10)?;
+    log(&format!(
+        "copy bandwidth: {:.0} GB/s ({:.1} GiB device-to-device, median {:.0} µs)",
+        copy.gbps,
+        copy.bytes as f64 / (1u64 << 30) as f64,
+        copy.median_us
+    ));
+
+    let kernels = compile_defaults(jit, &config.schemes, shape)?;
+    log(&format!("kernels ready: {}", jit.stats()));
+    let tuner = if config.tune {
+        let store = TuneStore::open(TuneStore::default_path()?);
+        log(&format!("tuning results go to {}", store.path().display()));
+        Some(Tuner::with_store(jit, TunePolicy::Full, store))
+    } else {
+        None
+    };
+    let max_batch = config.batches.iter().copied().max().unwrap_or(1);
+    let mut ctx = Context {
+        config,
+        jit,
+        stream,
+        shape,
+        timer: QueuedTimer::new(jit)?,
+        queries: QueryRows::new(
+            max_batch,
+            config.q_heads,
+            config.head_dim as usize,
+            config.dtype,
+            config.seed,
+        ),
+        copy_gbps: copy.gbps,
+        tuner,
+    };
+    let rows_to_check = checked_rows(&config.batches);
+    let unix_time = kvq::runtime::tune::store::unix_now();
+    let mut results = BenchResults {
+        gpu: props,
+        date: utc_date(unix_time),
+        unix_time,
+        label,
+        shape: format!(
+            "{} query heads, {} KV heads, head_dim {}, {}",
+            config.q_heads, config.kv_heads, config.head_dim, config.dtype
+        ),
+        copy,
+        rows: Vec::new(),
+        skipped: Vec::new(),
+    };
+    for &len in &config.contexts {
+        let started = std::time::Instant::now();
+        let prepared = prepare(config, len, &ctx.queries, &rows_to_check)?;
+        log(&format!(
+            "L={}: {} reference caches built in {:.1} s",
+            format_tokens(len),
+            prepared.len(),
+            started.elapsed().as_secs_f64()
+        ));
+        for &batch in &config.batches {
+            for (prep, kernel) in prepared.iter().zip(&kernels) {
+                let outcome = ctx
+                    .measure(prep, kernel, batch, len)
+                    .unwrap_or_else(|e| Outcome::Skipped(format!("error: {e}")));
+                match outcome {
+                    Outcome::Measured(row) => {
+                        log(&describe(&row));
+                        results.rows.push(*row);
+                    }
+                    Outcome::Skipped(reason) => {
+                        log(&format!(
+                            "{} B={batch} L={}: not measured: {reason}",
+                            prep.scheme.name,
+                            format_tokens(len)
+                        ));
+                        results.skipped.push(Skipped {
+                            scheme: prep.scheme.name.clone(),
+                            batch,
+                            context: len,
+                            reason,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    results.fill_speedups();
+    Ok(results)
+}
+
+fn describe(r: &Row) -> String {
+    let mut s = format!(
+        "{} B={} L={}: {:.1} µs, {:.0} GB/s ({:.1}% of copy), {}, {} copies",
+        r.scheme,
+        r.batch,
+        format_tokens(r.context),
+        r.median_us,
+        r.gbps,
+        r.pct_of_copy,
+        r.choice,
+        r.copies
+    );
+    if let Some(e) = r.max_rel_error {
+        s.push_str(&format!(", rel err {e:.1e}"));
+    }
+    if let Some(t) = &r.tuned {
+        s.push_str(&format!(
+            "; tuned {} {:.1} µs (×{:.3}) in {:.1} s",
+            t.choice, t.median_us, t.gain, t.tune_seconds
+        ));
+    }
+    s
+}
+
+/// Every scheme's kernel with the default block parameters, compiled on all cores.
+fn compile_defaults(
+    jit: &Jit,
+    schemes: &[Scheme],
+    shape: KernelShape,
+) -> Result<Vec<DecodeKernel>> {
+    let params = TuneParams::default_for(&shape);
+    let results: Vec<std::result::Result<DecodeKernel, RuntimeError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = schemes
+            .iter()
+            .map(|sc| s.spawn(move || DecodeKernel::load(jit, &sc.spec, &shape, &params)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(RuntimeError::InvalidInput(
+                        "a compile thread panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    });
+    results
+        .into_iter()
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(BenchError::from)
+}
+
+impl Context<'_> {
+    /// Measures one scheme at one batch size and context length.
+    fn measure(
+        &mut self,
+        prep: &Prepared,
+        kernel: &DecodeKernel,
+        batch: usize,
+        len: usize,
+    ) -> Result<Outcome> {
+        let config = self.config;
+        let device = self.jit.device();
+        let props = device.props();
+        let stream = self.stream.clone();
+        let (q_heads, d) = (config.q_heads, config.head_dim as usize);
+        let sequences = vec![&prep.cache; batch];
+        let per_copy = batch_device_bytes(&sequences, q_heads);
+        let (free, _) = device
+            .context()
+            .mem_get_info()
+            .map_err(|e| RuntimeError::driver("cuMemGetInfo", e))?;
+        let budget = config
+            .memory_budget
+            .min((free as u64).saturating_sub(RESERVE));
+        if per_copy > budget {
+            return Ok(Outcome::Skipped(format!(
+                "needs {:.1} GiB of device memory, the budget is {:.1} GiB",
+                per_copy as f64 / (1u64 << 30) as f64,
+                budget as f64 / (1u64 << 30) as f64
+            )));
+        }
+        let copies = plan_copies(per_copy, props.l2_bytes, budget)?;
+        let mut rotation =
+            RotatingBatch::upload(&stream, &sequences, self.queries.bits_for(batch), copies)?;
+        let problem = TuneProblem::new(prep.scheme.spec, self.shape, config.kv_heads, batch, len);
+        let default = TuneChoice::heuristic(&problem, props.sm_count as usize);
+        let mut scratch = DecodeScratch::new(&stream, batch, q_heads, d, default.splits)?;
+        let reference = ReferenceCheck::from_rows(
+            prep.reference
+                .iter()
+                .filter(|(row, _)| *row < batch)
+                .cloned()
+                .collect(),
+            q_heads * d,
+            config.dtype,
+        );
+        let max_rel_error = if config.check {
+            let out = rotation.run_checked(0, &stream, kernel, &mut scratch)?;
+            match reference.verify(&out) {
+                Ok(e) => Some(e),
+                Err(why) => {
+                    return Ok(Outcome::Skipped(format!("WRONG OUTPUT ({default}): {why}")))
+                }
+            }
+        } else {
+            None
+        };
+
+        // The tuner's choice, checked like the default.
+        let mut tuned = None;
+        if let Some(tuner) = self.tuner.as_mut() {
+            let report = tuner.tune_on(self.shape, &sequences)?;
+            let tk = DecodeKernel::load(
+                self.jit,
+                &prep.scheme.spec,
+                &self.shape,
+                &report.chosen.params,
+            )?;
+            let mut ts = DecodeScratch::new(&stream, batch, q_heads, d, report.chosen.splits)?;
+            if config.check {
+                let out = rotation.run_checked(0, &stream, &tk, &mut ts)?;
+                if let Err(why) = reference.verify(&out) {
+                    return Ok(Outcome::Skipped(format!(
+                        "WRONG OUTPUT from the tuned {}: {why}",
+                        report.chosen
+                    )));
+                }
+            }
+            tuned = Some((report, tk, ts));
+        }
+
+        let rounds = if tuned.is_some() { ROUNDS } else { 1 };
+        let per_round = config.runs.max(rounds).div_ceil(rounds);
+        let (mut base, mut fast) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            let t = self.timer.time(&stream, config.warmup, per_round, |s| {
+                rotation.attend_next(s, kernel, &mut scratch)
+            })?;
+            base.extend(t.samples_us);
+            if let Some((_, tk, ts)) = tuned.as_mut() {
+                let t = self.timer.time(&stream, config.warmup, per_round, |s| {
+                    rotation.attend_next(s, tk, ts)
+                })?;
+                fast.extend(t.samples_us);
+            }
+        }
+        let stats = kvq::runtime::Timing { samples_us: base };
+        let median_us = stats.median_us();
+        let bytes = decode_bytes(&sequences, q_heads);
+        let gbps = bytes as f64 / (median_us * 1e-6) / 1e9;
+        let tuned = tuned.map(|(report, _, _)| {
+            let t = kvq::runtime::Timing { samples_us: fast }.median_us();
+            TunedResult {
+                choice: report.chosen,
+                median_us: t,
+                gain: median_us / t,
+                tune_seconds: report.elapsed.as_secs_f64(),
+                candidates: report.candidates.len(),
+                rejected: report.rejected(),
+            }
+        });
+        Ok(Outcome::Measured(Box::new(Row {
+            scheme: prep.scheme.name.clone(),
+            batch,
+            context: len,
+            choice: default,
+            median_us,
+            min_us: stats.min_us(),
+            bytes,
+            gbps,
+            pct_of_copy: 100.0 * gbps / self.copy_gbps,
+            speedup_vs_fp16: None,
+            max_rel_error,
+            copies: rotation.copies(),
+            tuned,
+        })))
+    }
+}

@@ -1,0 +1,170 @@
+//! A launch configuration ([`TuneChoice`]: kernel block parameters plus the split-K count), the
+//! heuristic default, and the candidates the tuner searches.
+
+use kvq_codegen::TuneParams;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+use super::key::TuneProblem;
+use crate::decode::default_splits;
+use crate::error::{Result, RuntimeError};
+
+/// Most split-K partitions any configuration may use (the scratch grows with it).
+pub const MAX_SPLITS: usize = 1024;
+
+/// Everything the tuner chooses for one launch: the kernel's compile-time block parameters, and
+/// how many ways each sequence's tokens are split (a launch-time value, so it costs no compile).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TuneChoice {
+    /// Threads per CTA and tokens per tile.
+    #[serde(flatten)]
+    pub params: TuneParams,
+    /// Split-K partitions per (sequence, KV head).
+    pub splits: usize,
+}
+
+impl TuneChoice {
+    /// The untuned default: the codegen heuristic for the block and [`default_splits`] for the
+    /// grid.
+    pub fn heuristic(problem: &TuneProblem, sm_count: usize) -> TuneChoice {
+        TuneChoice {
+            params: TuneParams::default_for(&problem.shape),
+            splits: default_splits(problem.batch, problem.kv_heads, problem.max_len, sm_count),
+        }
+    }
+
+    /// Checks the block parameters against the ranges the templates declare and the split count
+    /// against [`MAX_SPLITS`] (stored results may come from another kvq version).
+    pub fn check(&self) -> Result<()> {
+        self.params.validate()?;
+        if self.splits == 0 || self.splits > MAX_SPLITS {
+            return Err(RuntimeError::InvalidInput(format!(
+                "{} splits (expected 1..={MAX_SPLITS})",
+                self.splits
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for TuneChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "threads {} tile {} splits {}",
+            self.params.threads, self.params.tile_tokens, self.splits
+        )
+    }
+}
+
+/// Split counts to try around the heuristic `default`: ½, ¾, 1, 1½, 2, 3 and 4 times it, within
+/// `1..=max`, ascending, without repeats. The default is always included (clamped), so the tuner
+/// can only match or beat it. The range reaches 4× because on an H200 the winners of the first
+/// sessions sat at the old 2× edge.
+pub fn split_candidates(default: usize, max: usize) -> Vec<usize> {
+    let max = max.clamp(1, MAX_SPLITS);
+    let d = default.max(1);
+    let mut out: Vec<usize> = [
+        d / 2,
+        (3 * d) / 4,
+        d,
+        (3 * d).div_ceil(2),
+        2 * d,
+        3 * d,
+        4 * d,
+    ]
+    .into_iter()
+    .map(|s| s.clamp(1, max))
+    .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// Every configuration the tuner times for `problem`: each block-parameter combination the
+/// templates declare × [`split_candidates`] around the heuristic split count (never more splits
+/// than the longest sequence has tiles). The heuristic default comes first.
+pub fn candidates(problem: &TuneProblem, sm_count: usize) -> Vec<TuneChoice> {
+    let default = TuneChoice::heuristic(problem, sm_count);
+    let mut out = vec![default];
+    for params in TuneParams::candidates() {
+        let tiles = problem.max_len.div_ceil(params.tile_tokens.max(1) as usize);
+        for splits in split_candidates(default.splits, tiles.max(default.splits)) {
+            let c = TuneChoice { params, splits };
+            if c != default {
+                out.push(c);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvq_codegen::{Dtype, KernelShape};
+
+    fn problem(batch: usize, max_len: usize) -> TuneProblem {
+        TuneProblem::new(
+            "k = int(2, channel), v = int(2, token)".parse().unwrap(),
+            KernelShape::new(128, 4, Dtype::F16),
+            8,
+            batch,
+            max_len,
+        )
+    }
+
+    #[test]
+    fn split_candidates_surround_the_default() {
+        assert_eq!(split_candidates(16, 1024), vec![8, 12, 16, 24, 32, 48, 64]);
+        assert_eq!(split_candidates(3, 1024), vec![1, 2, 3, 5, 6, 9, 12]);
+        assert_eq!(split_candidates(1, 1024), vec![1, 2, 3, 4]);
+        assert_eq!(split_candidates(33, 40), vec![16, 24, 33, 40]);
+        assert_eq!(split_candidates(0, 0), vec![1]);
+        assert!(split_candidates(4000, 100_000)
+            .iter()
+            .all(|&s| s <= MAX_SPLITS));
+    }
+
+    #[test]
+    fn candidates_cover_every_block_shape_and_start_with_the_default() {
+        let p = problem(16, 32_768);
+        let all = candidates(&p, 132);
+        assert_eq!(all[0], TuneChoice::heuristic(&p, 132));
+        assert_eq!(all[0].splits, 3);
+        let mut seen = std::collections::HashSet::new();
+        for c in &all {
+            c.check().unwrap();
+            assert!(seen.insert(*c), "duplicate {c}");
+        }
+        for params in TuneParams::candidates() {
+            assert!(all.iter().any(|c| c.params == params), "{params:?} missing");
+        }
+        assert_eq!(all.len(), TuneParams::candidates().count() * 7);
+    }
+
+    #[test]
+    fn short_contexts_never_get_more_splits_than_tiles() {
+        let p = problem(1, 100);
+        let all = candidates(&p, 132);
+        assert_eq!(all[0].splits, 1);
+        for c in &all {
+            let tiles = 100usize.div_ceil(c.params.tile_tokens as usize);
+            assert!(c.splits <= tiles.max(1), "{c}");
+        }
+    }
+
+    #[test]
+    fn invalid_choices_are_rejected() {
+        let ok = TuneChoice::heuristic(&problem(1, 4096), 132);
+        assert!(ok.check().is_ok());
+        let mut bad = ok;
+        bad.splits = 0;
+        assert!(bad.check().is_err());
+        bad.splits = MAX_SPLITS + 1;
+        assert!(bad.check().is_err());
+        let mut bad = ok;
+        bad.params.threads = 96;
+        assert!(bad.check().is_err());
+    }
+}

@@ -1,0 +1,451 @@
+//! The persistent tuning results: one JSON file (`<cache dir>/tune.json`) of entries keyed by GPU
+//! and problem.
+//!
+//! The file is a cache of measurements, so nothing about it may stop a program: a missing file is
+//! empty, a damaged or foreign one is ignored with a warning (and replaced at the next save), and
+//! an entry whose configuration no longer validates is skipped. Saves re-read the file and merge,
+//! so processes tuning different shapes at once lose nothing but a simultaneous result for the
+//! same key; the write is atomic (temporary file in the same folder, then rename).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use super::choice::TuneChoice;
+use super::key::{GpuKey, ProblemKey};
+use crate::disk_cache::cache_root;
+use crate::error::{Result, RuntimeError};
+
+/// Name of the file under the cache root.
+pub const TUNE_FILE: &str = "tune.json";
+/// Marker in the file, so an unrelated `tune.json` is recognised as such.
+pub const FORMAT: &str = "kvq-tune";
+/// Layout version of the file; other versions are ignored (and replaced at the next save).
+pub const VERSION: u32 = 1;
+
+/// One measured result.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TuneEntry {
+    /// Where it was measured.
+    pub gpu: GpuKey,
+    /// What it was measured for.
+    pub problem: ProblemKey,
+    /// The scheme's canonical text (for people reading the file; matching uses the hash).
+    pub scheme: String,
+    /// The fastest configuration that passed the correctness check.
+    pub choice: TuneChoice,
+    /// Median time of `choice`, µs.
+    pub tuned_us: f64,
+    /// Median time of the heuristic default in the same session, µs.
+    pub default_us: f64,
+    /// Batch size and longest sequence actually timed (inside the key's buckets).
+    pub measured_batch: usize,
+    /// See `measured_batch`.
+    pub measured_len: usize,
+    /// Configurations timed.
+    pub candidates: usize,
+    /// Configurations discarded by the correctness check.
+    pub rejected: usize,
+    /// When, in seconds since the Unix epoch.
+    pub tuned_at_unix: u64,
+    /// The kvq-runtime version that measured it.
+    pub kvq_version: String,
+}
+
+impl TuneEntry {
+    /// Whether this entry answers for `gpu` and `problem`.
+    pub fn matches(&self, gpu: &GpuKey, problem: &ProblemKey) -> bool {
+        self.gpu == *gpu && self.problem == *problem
+    }
+}
+
+/// The on-disk document.
+#[derive(Debug, Serialize, Deserialize)]
+struct TuneFile {
+    format: String,
+    version: u32,
+    entries: Vec<TuneEntry>,
+}
+
+/// Tuning results in memory, backed by a JSON file.
+#[derive(Clone, Debug)]
+pub struct TuneStore {
+    path: PathBuf,
+    entries: Vec<TuneEntry>,
+    warning: Option<String>,
+}
+
+/// The seconds since the Unix epoch (0 if the clock is before it).
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Parses a file's text; `Err` says why it is not usable.
+fn parse(text: &str) -> std::result::Result<Vec<TuneEntry>, String> {
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("not valid JSON ({e})"))?;
+    let format = value.get("format").and_then(|f| f.as_str());
+    if format != Some(FORMAT) {
+        return Err(format!("not a kvq tuning file (format {format:?})"));
+    }
+    let version = value.get("version").and_then(|v| v.as_u64());
+    if version != Some(VERSION as u64) {
+        return Err(format!(
+            "tuning file version {version:?}, this kvq reads version {VERSION}"
+        ));
+    }
+    let file: TuneFile =
+        serde_json::from_value(value).map_err(|e| format!("malformed entries ({e})"))?;
+    Ok(file.entries)
+}
+
+/// Reads `path`: `Ok(entries)` (empty when absent) or `Err(warning)` when it cannot be used.
+fn read(path: &Path) -> std::result::Result<Vec<TuneEntry>, String> {
+    match fs::read_to_string(path) {
+        Ok(text) => parse(&text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(format!("cannot be read ({e})")),
+    }
+}
+
+fn warn(message: &str) {
+    eprintln!("kvq: warning: {message}");
+}
+
+impl TuneStore {
+    /// `<cache root>/tune.json` (`KVQ_CACHE_DIR`, else the user cache folder + `kvq`).
+    pub fn default_path() -> Result<PathBuf> {
+        Ok(cache_root()?.join(TUNE_FILE))
+    }
+
+    /// Loads `path`. Never fails: an unusable file gives an empty store, and a warning that is
+    /// printed to stderr and kept ([`TuneStore::warning`]).
+    pub fn open(path: impl Into<PathBuf>) -> TuneStore {
+        let store = Self::load_quietly(path);
+        if let Some(w) = &store.warning {
+            warn(w);
+        }
+        store
+    }
+
+    /// As [`TuneStore::open`], without printing the warning.
+    pub fn load_quietly(path: impl Into<PathBuf>) -> TuneStore {
+        let path = path.into();
+        let (entries, warning) = match read(&path) {
+            Ok(entries) => (entries, None),
+            Err(why) => (
+                Vec::new(),
+                Some(format!(
+                    "ignoring tuning results in {}: {why}; it will be replaced when a new result is saved",
+                    path.display()
+                )),
+            ),
+        };
+        TuneStore {
+            path,
+            entries,
+            warning,
+        }
+    }
+
+    /// A store that is not backed by a file until [`TuneStore::save`] is called.
+    pub fn empty(path: impl Into<PathBuf>) -> TuneStore {
+        TuneStore {
+            path: path.into(),
+            entries: Vec::new(),
+            warning: None,
+        }
+    }
+
+    /// The backing file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Why the file was ignored at load, if it was.
+    pub fn warning(&self) -> Option<&str> {
+        self.warning.as_deref()
+    }
+
+    /// Every entry, in file order.
+    pub fn entries(&self) -> &[TuneEntry] {
+        &self.entries
+    }
+
+    /// The entry for `gpu` and `problem` whose configuration still validates (entries written by
+    /// another kvq version may name parameters this one no longer declares).
+    pub fn lookup(&self, gpu: &GpuKey, problem: &ProblemKey) -> Option<&TuneEntry> {
+        let entry = self.entries.iter().find(|e| e.matches(gpu, problem))?;
+        match entry.choice.check() {
+            Ok(()) => Some(entry),
+            Err(e) => {
+                warn(&format!(
+                    "ignoring the stored tuning result for {problem} in {}: {e}",
+                    self.path.display()
+                ));
+                None
+            }
+        }
+    }
+
+    /// Adds `entry`, replacing any entry with the same GPU and problem.
+    pub fn insert(&mut self, entry: TuneEntry) {
+        self.entries
+            .retain(|e| !e.matches(&entry.gpu, &entry.problem));
+        self.entries.push(entry);
+    }
+
+    /// Writes the store: re-reads the file, keeps its entries for keys this store lacks, adds all
+    /// of this store's entries, and replaces the file atomically.
+    pub fn save(&mut self) -> Result<()> {
+        let mut merged = read(&self.path).unwrap_or_default();
+        merged.retain(|old| {
+            !self
+                .entries
+                .iter()
+                .any(|e| e.matches(&old.gpu, &old.problem))
+        });
+        merged.extend(self.entries.iter().cloned());
+        let file = TuneFile {
+            format: FORMAT.into(),
+            version: VERSION,
+            entries: merged,
+        };
+        let json = serde_json::to_string_pretty(&file).map_err(|e| RuntimeError::CacheIo {
+            action: "encode tuning results for",
+            path: self.path.clone(),
+            source: std::io::Error::other(e),
+        })?;
+        write_atomically(&self.path, json.as_bytes())?;
+        self.entries = file.entries;
+        self.warning = None;
+        Ok(())
+    }
+}
+
+/// Writes `bytes` to a unique temporary file beside `path`, then renames it over `path`, so a
+/// reader sees the old file or the new one, never a part.
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+    if let Some(dir) = dir {
+        fs::create_dir_all(dir).map_err(|source| RuntimeError::CacheIo {
+            action: "create directory",
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    }
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let name = path
+        .file_name()
+        .map_or_else(|| TUNE_FILE.into(), |n| n.to_string_lossy().into_owned());
+    let tmp = path.with_file_name(format!(".{name}.{}.{nanos}.tmp", std::process::id()));
+    let result = fs::write(&tmp, bytes)
+        .map_err(|source| RuntimeError::CacheIo {
+            action: "write",
+            path: tmp.clone(),
+            source,
+        })
+        .and_then(|()| {
+            fs::rename(&tmp, path).map_err(|source| RuntimeError::CacheIo {
+                action: "replace",
+                path: path.to_path_buf(),
+                source,
+            })
+        });
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::DriverVersion;
+    use kvq_codegen::{Dtype, TuneParams};
+
+    fn temp_dir(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "kvq-tune-store-{tag}-{}-{}",
+            std::process::id(),
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos())
+        ));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    fn gpu(sms: u32) -> GpuKey {
+        GpuKey {
+            name: "NVIDIA H100 80GB HBM3".into(),
+            compute_capability: (9, 0),
+            sm_count: sms,
+            driver: DriverVersion {
+                major: 13,
+                minor: 0,
+            },
+        }
+    }
+
+    fn problem(batch_bucket: usize) -> ProblemKey {
+        ProblemKey {
+            scheme_hash: "0123456789abcdef".into(),
+            head_dim: 128,
+            gqa: 4,
+            dtype: Dtype::F16,
+            kv_heads: 8,
+            batch_bucket,
+            context_bucket: 32_768,
+        }
+    }
+
+    fn entry(gpu: GpuKey, problem: ProblemKey, splits: usize) -> TuneEntry {
+        TuneEntry {
+            gpu,
+            problem,
+            scheme: "k = int(2, channel), v = int(2, token)".into(),
+            choice: TuneChoice {
+                params: TuneParams {
+                    threads: 256,
+                    tile_tokens: 64,
+                },
+                splits,
+            },
+            tuned_us: 90.5,
+            default_us: 100.25,
+            measured_batch: 16,
+            measured_len: 32_768,
+            candidates: 45,
+            rejected: 0,
+            tuned_at_unix: 1_700_000_000,
+            kvq_version: "0.1.0".into(),
+        }
+    }
+
+    #[test]
+    fn round_trip_through_the_file() {
+        let dir = temp_dir("roundtrip");
+        let path = dir.join("nested").join(TUNE_FILE);
+        let mut store = TuneStore::open(&path);
+        assert!(store.entries().is_empty() && store.warning().is_none());
+        store.insert(entry(gpu(132), problem(16), 3));
+        store.insert(entry(gpu(132), problem(1), 33));
+        store.save().unwrap();
+        let text = fs::read_to_string(&path).unwrap();
+        assert!(text.contains("\"format\": \"kvq-tune\""), "{text}");
+        assert!(text.contains("\"threads\": 256"), "{text}");
+        let back = TuneStore::open(&path);
+        assert!(back.warning().is_none());
+        assert_eq!(back.entries(), store.entries());
+        let hit = back.lookup(&gpu(132), &problem(16)).unwrap();
+        assert_eq!(hit.choice.splits, 3);
+        assert!(back.lookup(&gpu(114), &problem(16)).is_none());
+        assert!(back.lookup(&gpu(132), &problem(4)).is_none());
+        // No temporary files left behind.
+        let names: Vec<_> = fs::read_dir(path.parent().unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from(TUNE_FILE)]);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn insert_replaces_and_save_merges_with_other_writers() {
+        let dir = temp_dir("merge");
+        let path = dir.join(TUNE_FILE);
+        let mut a = TuneStore::open(&path);
+        let mut b = TuneStore::open(&path);
+        a.insert(entry(gpu(132), problem(16), 3));
+        a.insert(entry(gpu(132), problem(16), 4));
+        assert_eq!(a.entries().len(), 1);
+        a.save().unwrap();
+        b.insert(entry(gpu(132), problem(1), 33));
+        b.save().unwrap();
+        let both = TuneStore::open(&path);
+        assert_eq!(both.entries().len(), 2);
+        assert_eq!(
+            both.lookup(&gpu(132), &problem(16)).unwrap().choice.splits,
+            4
+        );
+        assert_eq!(
+            both.lookup(&gpu(132), &problem(1)).unwrap().choice.splits,
+            33
+        );
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn damaged_or_foreign_files_are_ignored_and_replaced() {
+        let dir = temp_dir("corrupt");
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(TUNE_FILE);
+        for (text, why) in [
+            (
+                "{\"format\": \"kvq-tune\", \"version\": 1, \"entries\": [",
+                "not valid JSON",
+            ),
+            ("[1, 2, 3]", "not a kvq tuning file"),
+            ("{\"format\": \"other\"}", "not a kvq tuning file"),
+            (
+                "{\"format\": \"kvq-tune\", \"version\": 99, \"entries\": []}",
+                "version",
+            ),
+            (
+                "{\"format\": \"kvq-tune\", \"version\": 1, \"entries\": [{\"gpu\": 1}]}",
+                "malformed entries",
+            ),
+            ("\u{0}\u{1}binary", "not valid JSON"),
+        ] {
+            fs::write(&path, text).unwrap();
+            let mut store = TuneStore::load_quietly(&path);
+            assert!(store.entries().is_empty());
+            let warning = store.warning().unwrap_or_default().to_string();
+            assert!(warning.contains(why), "{text}: {warning}");
+            assert!(warning.contains(&path.display().to_string()));
+            store.insert(entry(gpu(132), problem(16), 3));
+            store.save().unwrap();
+            let back = TuneStore::load_quietly(&path);
+            assert!(back.warning().is_none());
+            assert_eq!(back.entries().len(), 1);
+        }
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn entries_that_no_longer_validate_are_skipped() {
+        let dir = temp_dir("invalid");
+        let path = dir.join(TUNE_FILE);
+        let mut store = TuneStore::empty(&path);
+        let mut bad = entry(gpu(132), problem(16), 3);
+        bad.choice.params.threads = 96;
+        store.insert(bad);
+        store.insert(entry(gpu(132), problem(2), 0));
+        store.save().unwrap();
+        let back = TuneStore::load_quietly(&path);
+        assert_eq!(back.entries().len(), 2);
+        assert!(back.lookup(&gpu(132), &problem(16)).is_none());
+        assert!(back.lookup(&gpu(132), &problem(2)).is_none());
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_unwritable_location_is_a_typed_error() {
+        let dir = temp_dir("unwritable");
+        fs::create_dir_all(&dir).unwrap();
+        // A file where the folder should be.
+        let blocker = dir.join("blocker");
+        fs::write(&blocker, "x").unwrap();
+        let mut store = TuneStore::empty(blocker.join(TUNE_FILE));
+        store.insert(entry(gpu(132), problem(16), 3));
+        assert!(matches!(store.save(), Err(RuntimeError::CacheIo { .. })));
+        let _ = fs::remove_dir_all(&dir);
+    }
+}

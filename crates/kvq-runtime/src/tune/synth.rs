@@ -1,0 +1,132 @@
+//! Synthetic decode inputs for timing and the correctness check: fast, seeded, never zero, with a
+//! few large-magnitude key channels (the structure that makes quantization schemes differ, and
+//! that makes Kitty boost real channels).
+//!
+//! Speed matters more than statistical quality here (a 128K-token cache is 268M values), so this
+//! is SplitMix64, not a cryptographic or crate-provided generator.
+
+use half::{bf16, f16};
+use kvq_codegen::Dtype;
+use kvq_reference::KvTensor;
+
+/// SplitMix64: one multiply-xorshift chain per value.
+#[derive(Clone, Debug)]
+pub struct SynthRng(u64);
+
+impl SynthRng {
+    /// A generator for `seed`.
+    pub fn new(seed: u64) -> SynthRng {
+        SynthRng(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[-1, 1)`.
+    pub fn symmetric(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// Random K and V of one sequence, `[kv_heads][tokens][head_dim]`: uniform values with a per-token
+/// offset; one K channel in 16 is amplified eightfold.
+pub fn random_kv(
+    kv_heads: usize,
+    tokens: usize,
+    head_dim: usize,
+    seed: u64,
+) -> (KvTensor, KvTensor) {
+    let mut rng = SynthRng::new(seed);
+    let mut fill = |outliers: bool| {
+        let gains: Vec<f32> = (0..kv_heads * head_dim)
+            .map(|_| {
+                if outliers && rng.next_u64() % 16 == 0 {
+                    8.0
+                } else {
+                    1.0
+                }
+            })
+            .collect();
+        let mut data = Vec::with_capacity(kv_heads * tokens * head_dim);
+        for h in 0..kv_heads {
+            let gains = &gains[h * head_dim..(h + 1) * head_dim];
+            for _ in 0..tokens {
+                let offset = 0.25 * rng.symmetric();
+                data.extend(gains.iter().map(|g| (rng.symmetric() + offset) * g));
+            }
+        }
+        KvTensor {
+            data,
+            kv_heads,
+            tokens,
+            head_dim,
+        }
+    };
+    let k = fill(true);
+    let v = fill(false);
+    (k, v)
+}
+
+/// `n` random query values rounded to `dtype`: the device words and the values the reference sees.
+pub fn random_queries(n: usize, dtype: Dtype, seed: u64) -> (Vec<u16>, Vec<f32>) {
+    let mut rng = SynthRng::new(seed ^ 0x5155_4552_5951); // distinct stream from K/V's
+    (0..n)
+        .map(|_| {
+            let x = 1.5 * rng.symmetric();
+            match dtype {
+                Dtype::F16 => {
+                    let h = f16::from_f32(x);
+                    (h.to_bits(), h.to_f32())
+                }
+                Dtype::Bf16 => {
+                    let h = bf16::from_f32(x);
+                    (h.to_bits(), h.to_f32())
+                }
+            }
+        })
+        .unzip()
+}
+
+/// A device word of `dtype` as f32.
+pub fn word_to_f32(bits: u16, dtype: Dtype) -> f32 {
+    match dtype {
+        Dtype::F16 => f16::from_bits(bits).to_f32(),
+        Dtype::Bf16 => bf16::from_bits(bits).to_f32(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seeded_nonzero_and_bounded() {
+        let (k, v) = random_kv(2, 50, 64, 7);
+        let (k2, _) = random_kv(2, 50, 64, 7);
+        assert_eq!(k, k2);
+        assert_eq!(k.data.len(), 2 * 50 * 64);
+        assert!(k
+            .data
+            .iter()
+            .chain(&v.data)
+            .all(|x| x.is_finite() && x.abs() <= 10.1));
+        assert!(k.data.iter().filter(|x| **x == 0.0).count() < 5);
+        assert!(
+            k.data.iter().any(|x| x.abs() > 2.0),
+            "outlier channels present"
+        );
+        assert!(v.data.iter().all(|x| x.abs() <= 1.26));
+        let (bits, vals) = random_queries(100, Dtype::Bf16, 3);
+        for (b, v) in bits.iter().zip(&vals) {
+            assert_eq!(word_to_f32(*b, Dtype::Bf16), *v);
+        }
+        let (b16, _) = random_queries(100, Dtype::F16, 3);
+        assert_ne!(b16, bits);
+    }
+}

@@ -1,0 +1,816 @@
+//! The autotuner: chooses a [`TuneChoice`] for a decode problem by policy, times candidates on the
+//! GPU, gates them on correctness, and remembers the winner per GPU and problem.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use kvq_codegen::{KernelShape, TuneParams};
+use kvq_reference::int::IntCache;
+
+use super::check::{default_rows, ReferenceCheck};
+use super::choice::{candidates, TuneChoice};
+use super::key::{GpuKey, ProblemKey, TuneProblem};
+use super::policy::TunePolicy;
+use super::progress::Progress;
+use super::rotate::{batch_device_bytes, plan_copies, RotatingBatch};
+use super::store::{unix_now, TuneEntry, TuneStore};
+use super::synth::{random_kv, random_queries};
+use super::timer::QueuedTimer;
+use crate::decode::{DecodeKernel, DecodeScratch};
+use crate::error::{Result, RuntimeError};
+use crate::jit::Jit;
+
+/// Knobs of a tuning session. The defaults keep one shape under ~30 s on an H100.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TuneOptions {
+    /// Untimed runs before each timing.
+    pub warmup: usize,
+    /// Timed runs per candidate in the first pass over all candidates.
+    pub coarse_runs: usize,
+    /// Timed runs per finalist in the second pass (split over interleaved rounds, so drift hits
+    /// every finalist alike).
+    pub fine_runs: usize,
+    /// Fastest correct candidates re-timed in the second pass (the default is always re-timed).
+    pub finalists: usize,
+    /// A candidate replaces the default only if its median is at least this fraction faster:
+    /// smaller differences are noise, and the default is the stable choice.
+    pub min_gain: f64,
+    /// Stop timing further candidates once this much time has passed (the default and the
+    /// candidates timed so far still compete).
+    pub time_budget: Duration,
+    /// Device bytes the tuner may allocate for its copies of the batch; `None`: 70% of free.
+    pub memory_budget: Option<u64>,
+    /// Seed of the synthetic inputs.
+    pub seed: u64,
+    /// Show a progress bar (only ever drawn on a terminal).
+    pub progress: bool,
+}
+
+impl Default for TuneOptions {
+    fn default() -> Self {
+        TuneOptions {
+            warmup: 3,
+            coarse_runs: 10,
+            fine_runs: 30,
+            finalists: 4,
+            min_gain: 0.01,
+            time_budget: Duration::from_secs(20),
+            memory_budget: None,
+            seed: 0x6b76_7120_7475_6e65,
+            progress: true,
+        }
+    }
+}
+
+/// Where a [`Selection`] came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChoiceSource {
+    /// The heuristic default (policy `off`, or nothing stored under `cached`).
+    Heuristic,
+    /// A stored result.
+    Stored,
+    /// Tuned just now (policy `full`) and stored.
+    Tuned,
+}
+
+/// A configuration and where it came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Selection {
+    /// What to launch with.
+    pub choice: TuneChoice,
+    /// How it was found.
+    pub source: ChoiceSource,
+}
+
+/// One candidate's fate in a tuning session.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CandidateResult {
+    /// The configuration.
+    pub choice: TuneChoice,
+    /// Median of the first pass, µs (`None`: not timed, see `rejected`).
+    pub coarse_us: Option<f64>,
+    /// Median of the second pass, µs (finalists only).
+    pub fine_us: Option<f64>,
+    /// Largest relative error against the reference (checked candidates only).
+    pub error: Option<f64>,
+    /// Why it was discarded (failed to compile or launch, or wrong output).
+    pub rejected: Option<String>,
+}
+
+/// What a tuning session measured and chose.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TuneReport {
+    /// The GPU.
+    pub gpu: GpuKey,
+    /// The problem's key.
+    pub problem: ProblemKey,
+    /// The scheme's text.
+    pub scheme: String,
+    /// Batch and longest sequence timed.
+    pub measured_batch: usize,
+    /// See `measured_batch`.
+    pub measured_len: usize,
+    /// The winner.
+    pub chosen: TuneChoice,
+    /// Its median, µs.
+    pub chosen_us: f64,
+    /// The heuristic default.
+    pub default: TuneChoice,
+    /// Its median in the same pass as `chosen_us`, µs.
+    pub default_us: f64,
+    /// Every candidate.
+    pub candidates: Vec<CandidateResult>,
+    /// Copies of the batch rotated through while timing.
+    pub copies: usize,
+    /// The time budget ran out before every candidate was timed.
+    pub truncated: bool,
+    /// Wall-clock time of the session.
+    pub elapsed: Duration,
+    /// Where the result was stored (`None`: not persisted, see the printed warning).
+    pub saved_to: Option<PathBuf>,
+}
+
+impl TuneReport {
+    /// Default time over tuned time (≥ 1 by construction).
+    pub fn speedup(&self) -> f64 {
+        if self.chosen_us > 0.0 {
+            self.default_us / self.chosen_us
+        } else {
+            1.0
+        }
+    }
+
+    /// Candidates discarded.
+    pub fn rejected(&self) -> usize {
+        self.candidates
+            .iter()
+            .filter(|c| c.rejected.is_some())
+            .count()
+    }
+
+    /// The store entry for this result.
+    pub fn entry(&self) -> TuneEntry {
+        TuneEntry {
+            gpu: self.gpu.clone(),
+            problem: self.problem.clone(),
+            scheme: self.scheme.clone(),
+            choice: self.chosen,
+            tuned_us: self.chosen_us,
+            default_us: self.default_us,
+            measured_batch: self.measured_batch,
+            measured_len: self.measured_len,
+            candidates: self.candidates.len(),
+            rejected: self.rejected(),
+            tuned_at_unix: unix_now(),
+            kvq_version: env!("CARGO_PKG_VERSION").into(),
+        }
+    }
+}
+
+/// Chooses launch configurations for decode problems on one GPU; see the module docs of
+/// [`tune`](super).
+pub struct Tuner<'j> {
+    jit: &'j Jit,
+    policy: TunePolicy,
+    store: TuneStore,
+    options: TuneOptions,
+    gpu: GpuKey,
+}
+
+fn warn(message: &str) {
+    eprintln!("kvq: warning: {message}");
+}
+
+impl<'j> Tuner<'j> {
+    /// A tuner for `jit`'s device with the policy in `KVQ_TUNE` and the store at
+    /// `<cache dir>/tune.json`. Fails only on an invalid `KVQ_TUNE`; without a cache folder the
+    /// results live in memory (with a warning).
+    pub fn new(jit: &'j Jit) -> Result<Tuner<'j>> {
+        let policy = TunePolicy::from_env()?;
+        let store = match TuneStore::default_path() {
+            Ok(path) => TuneStore::open(path),
+            Err(e) => {
+                warn(&format!("tuning results will not be saved: {e}"));
+                TuneStore::empty(PathBuf::new())
+            }
+        };
+        Ok(Self::with_store(jit, policy, store))
+    }
+
+    /// A tuner with an explicit policy and store.
+    pub fn with_store(jit: &'j Jit, policy: TunePolicy, store: TuneStore) -> Tuner<'j> {
+        Tuner {
+            jit,
+            policy,
+            store,
+            options: TuneOptions::default(),
+            gpu: GpuKey::of(jit.device().props()),
+        }
+    }
+
+    /// Replaces the policy.
+    pub fn set_policy(&mut self, policy: TunePolicy) {
+        self.policy = policy;
+    }
+
+    /// Replaces the session options.
+    pub fn set_options(&mut self, options: TuneOptions) {
+        self.options = options;
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> TunePolicy {
+        self.policy
+    }
+
+    /// The session options.
+    pub fn options(&self) -> &TuneOptions {
+        &self.options
+    }
+
+    /// The results known to this tuner.
+    pub fn store(&self) -> &TuneStore {
+        &self.store
+    }
+
+    /// The GPU results are recorded for.
+    pub fn gpu(&self) -> &GpuKey {
+        &self.gpu
+    }
+
+    /// The untuned default for `problem` on this GPU.
+    pub fn heuristic(&self, problem: &TuneProblem) -> TuneChoice {
+        TuneChoice::heuristic(problem, self.gpu.sm_count as usize)
+    }
+
+    /// The stored result for `problem` on this GPU, whatever the policy.
+    pub fn lookup(&self, problem: &TuneProblem) -> Option<TuneChoice> {
+        self.store
+            .lookup(&self.gpu, &problem.key())
+            .map(|e| e.choice)
+    }
+
+    /// The configuration to launch `problem` with, by policy: `off` → heuristic; `cached` →
+    /// stored, else heuristic; `full` → stored, else tuned now (synthetic inputs of the
+    /// problem's size) and stored.
+    pub fn choose(&mut self, problem: &TuneProblem) -> Result<Selection> {
+        problem.check()?;
+        if self.policy == TunePolicy::Off {
+            return Ok(Selection {
+                choice: self.heuristic(problem),
+                source: ChoiceSource::Heuristic,
+            });
+        }
+        if let Some(choice) = self.lookup(problem) {
+            return Ok(Selection {
+                choice,
+                source: ChoiceSource::Stored,
+            });
+        }
+        if self.policy == TunePolicy::Cached {
+            return Ok(Selection {
+                choice: self.heuristic(problem),
+                source: ChoiceSource::Heuristic,
+            });
+        }
+        let report = self.tune(problem)?;
+        Ok(Selection {
+            choice: report.chosen,
+            source: ChoiceSource::Tuned,
+        })
+    }
+
+    /// Tunes `problem` on synthetic inputs of its size (one random sequence of `max_len` tokens,
+    /// repeated `batch` times) and stores the result, whatever the policy.
+    pub fn tune(&mut self, problem: &TuneProblem) -> Result<TuneReport> {
+        let started = Instant::now();
+        problem.check()?;
+        let (k, v) = random_kv(
+            problem.kv_heads,
+            problem.max_len,
+            problem.shape.head_dim as usize,
+            self.options.seed,
+        );
+        let cache = IntCache::build(&problem.spec, &k, &v)
+            .map_err(|e| RuntimeError::InvalidInput(format!("reference cache for tuning: {e}")))?;
+        drop((k, v));
+        let batch = vec![&cache; problem.batch];
+        self.tune_batch(problem.shape, &batch, started)
+    }
+
+    /// Tunes the decode of the caller's batch `sequences` (all of one scheme, KV heads and head
+    /// size; a sequence may appear several times) with kernel shape `shape`, and stores the
+    /// result under the batch's key.
+    pub fn tune_on(&mut self, shape: KernelShape, sequences: &[&IntCache]) -> Result<TuneReport> {
+        self.tune_batch(shape, sequences, Instant::now())
+    }
+
+    /// [`Tuner::tune_on`], with the session clock started at `started`.
+    fn tune_batch(
+        &mut self,
+        shape: KernelShape,
+        sequences: &[&IntCache],
+        started: Instant,
+    ) -> Result<TuneReport> {
+        let first = sequences
+            .first()
+            .ok_or_else(|| RuntimeError::InvalidInput("tuning an empty batch".into()))?;
+        let problem = TuneProblem::new(
+            *first.spec(),
+            shape,
+            first.k().kv_heads(),
+            sequences.len(),
+            sequences.iter().map(|s| s.tokens()).max().unwrap_or(0),
+        );
+        problem.check()?;
+        if first.k().head_dim() != shape.head_dim as usize {
+            return Err(RuntimeError::InvalidInput(format!(
+                "the caches have head_dim {}, the kernel shape {}",
+                first.k().head_dim(),
+                shape.head_dim
+            )));
+        }
+        let mut session = Session::new(self.jit, &self.options, &problem, started);
+        let mut report = session.run(sequences, &self.gpu)?;
+        self.store.insert(report.entry());
+        match self.store.save() {
+            Ok(()) => report.saved_to = Some(self.store.path().to_path_buf()),
+            Err(e) => warn(&format!("tuning result kept in memory only: {e}")),
+        }
+        Ok(report)
+    }
+}
+
+/// One tuning session's state.
+struct Session<'a> {
+    jit: &'a Jit,
+    options: &'a TuneOptions,
+    problem: &'a TuneProblem,
+    started: Instant,
+    progress: Progress,
+}
+
+/// A candidate under evaluation.
+struct Entry {
+    result: CandidateResult,
+    samples: Vec<f64>,
+}
+
+fn median(samples: &[f64]) -> f64 {
+    crate::timing::Timing {
+        samples_us: samples.to_vec(),
+    }
+    .median_us()
+}
+
+impl<'a> Session<'a> {
+    fn new(
+        jit: &'a Jit,
+        options: &'a TuneOptions,
+        problem: &'a TuneProblem,
+        started: Instant,
+    ) -> Self {
+        let label = format!(
+            "tuning {} B={} L={}",
+            problem.spec, problem.batch, problem.max_len
+        );
+        Session {
+            jit,
+            options,
+            problem,
+            started,
+            progress: Progress::new(1, label, options.progress),
+        }
+    }
+
+    fn run(&mut self, sequences: &[&IntCache], gpu: &GpuKey) -> Result<TuneReport> {
+        let device = self.jit.device();
+        let props = device.props();
+        let stream = device.default_stream();
+        let p = self.problem;
+        let d = p.shape.head_dim as usize;
+        let q_heads = p.q_heads();
+        let all = candidates(p, props.sm_count as usize);
+        let default = all[0];
+        let mut params: Vec<TuneParams> = Vec::new();
+        for c in &all {
+            if !params.contains(&c.params) {
+                params.push(c.params);
+            }
+        }
+        let finalists = self.options.finalists.max(1);
+        self.progress
+            .set_total((params.len() + all.len() + 2 * (finalists + 1)) as u64);
+
+        // 1. Compile every block shape, in parallel (NVRTC is the slow part).
+        self.progress.phase("compiling");
+        let kernels = self.compile(&params)?;
+        let mut entries: Vec<Entry> = all
+            .iter()
+            .map(|&choice| Entry {
+                result: CandidateResult {
+                    choice,
+                    coarse_us: None,
+                    fine_us: None,
+                    error: None,
+                    rejected: kernels
+                        .get(&choice.params)
+                        .and_then(|k| k.as_ref().err().cloned()),
+                },
+                samples: Vec::new(),
+            })
+            .collect();
+        if let Some(why) = &entries[0].result.rejected {
+            return Err(RuntimeError::InvalidInput(format!(
+                "the default configuration ({default}) does not compile: {why}"
+            )));
+        }
+
+        // 2. The batch, in enough copies to defeat L2, within the memory budget.
+        self.progress.phase("uploading");
+        let n = p.batch * q_heads * d;
+        let (q_bits, q_vals) = random_queries(n, p.shape.dtype, self.options.seed);
+        let per_copy = batch_device_bytes(sequences, q_heads);
+        let budget = match self.options.memory_budget {
+            Some(b) => b,
+            None => {
+                let (free, _) = device
+                    .context()
+                    .mem_get_info()
+                    .map_err(|e| RuntimeError::driver("cuMemGetInfo", e))?;
+                (free as u64 / 10) * 7
+            }
+        };
+        let copies = plan_copies(per_copy, props.l2_bytes, budget)?;
+        let mut batch = RotatingBatch::upload(&stream, sequences, &q_bits, copies)?;
+        let timer = QueuedTimer::new(self.jit)?;
+        let mut scratches: HashMap<usize, DecodeScratch> = HashMap::new();
+
+        // 3. First pass: every candidate, default first, with run counts fitted to 60% of the
+        // time budget; the CPU reference (seconds at long contexts) is computed meanwhile.
+        self.progress.phase("timing candidates");
+        let pass1_end = self.options.time_budget.mul_f64(0.6);
+        let rows = default_rows(p.batch);
+        let (truncated, reference) = std::thread::scope(|s| -> Result<_> {
+            let reference =
+                s.spawn(|| ReferenceCheck::new(sequences, &q_vals, q_heads, p.shape.dtype, &rows));
+            let mut truncated = false;
+            let (mut warmup, mut runs) = (self.options.warmup, self.options.coarse_runs.max(1));
+            let total = entries.len();
+            for (i, entry) in entries.iter_mut().enumerate() {
+                self.progress.advance(1);
+                if entry.result.rejected.is_some() {
+                    continue;
+                }
+                if i > 0 && self.started.elapsed() > pass1_end {
+                    truncated = true;
+                    break;
+                }
+                let kernel = match kernels.get(&entry.result.choice.params) {
+                    Some(Ok(k)) => k,
+                    _ => continue,
+                };
+                let splits = entry.result.choice.splits;
+                let scratch = scratch_for(&mut scratches, &stream, p, q_heads, d, splits)?;
+                let timed = timer.time(&stream, warmup, runs, |s| {
+                    batch.attend_next(s, kernel, scratch)
+                });
+                match timed {
+                    Ok(t) => entry.result.coarse_us = Some(t.median_us()),
+                    Err(e) if i == 0 => return Err(e),
+                    Err(e) => entry.result.rejected = Some(format!("launch failed: {e}")),
+                }
+                if i == 0 {
+                    let left = pass1_end.saturating_sub(self.started.elapsed());
+                    let fitted = coarse_runs_within(
+                        left,
+                        total - 1,
+                        entry.result.coarse_us.unwrap_or(0.0),
+                        warmup,
+                        runs,
+                    );
+                    if fitted < runs {
+                        warmup = warmup.min(1);
+                    }
+                    runs = fitted;
+                }
+            }
+            let reference = reference.join().unwrap_or_else(|_| {
+                Err(RuntimeError::InvalidInput(
+                    "the reference thread panicked".into(),
+                ))
+            });
+            Ok((truncated, reference))
+        })?;
+        let reference = reference?;
+
+        // 4. Correctness gate: the fastest candidates (and the default) against the reference,
+        // until `finalists` have passed.
+        self.progress.phase("checking against the CPU reference");
+        let mut order: Vec<usize> = (0..entries.len())
+            .filter(|&i| entries[i].result.coarse_us.is_some())
+            .collect();
+        order.sort_by(|&a, &b| {
+            let (x, y) = (entries[a].result.coarse_us, entries[b].result.coarse_us);
+            x.unwrap_or(f64::INFINITY)
+                .total_cmp(&y.unwrap_or(f64::INFINITY))
+        });
+        let mut chosen_set: Vec<usize> = Vec::new();
+        for &i in order.iter() {
+            let passed = chosen_set.iter().filter(|&&j| j != 0).count();
+            if passed >= finalists && i != 0 {
+                continue;
+            }
+            let choice = entries[i].result.choice;
+            let Some(Ok(kernel)) = kernels.get(&choice.params) else {
+                continue;
+            };
+            let scratch = scratch_for(&mut scratches, &stream, p, q_heads, d, choice.splits)?;
+            self.progress.advance(1);
+            let out = match batch.run_checked(0, &stream, kernel, scratch) {
+                Ok(out) => out,
+                Err(e) => {
+                    entries[i].result.rejected = Some(format!("checked run failed: {e}"));
+                    continue;
+                }
+            };
+            match reference.verify(&out) {
+                Ok(err) => {
+                    entries[i].result.error = Some(err);
+                    chosen_set.push(i);
+                }
+                Err(why) => entries[i].result.rejected = Some(format!("wrong output: {why}")),
+            }
+        }
+        if chosen_set.is_empty() {
+            let why = entries[0]
+                .result
+                .rejected
+                .clone()
+                .unwrap_or_else(|| "not timed".into());
+            return Err(RuntimeError::InvalidInput(format!(
+                "autotune of `{}`: no configuration produced a correct result (default: {why})",
+                p.spec
+            )));
+        }
+
+        // 5. Second pass: finalists re-timed in interleaved rounds.
+        self.progress.phase("re-timing finalists");
+        let rounds = 3usize;
+        let slowest = chosen_set
+            .iter()
+            .filter_map(|&i| entries[i].result.coarse_us)
+            .fold(0.0, f64::max);
+        let per_round = fine_runs_within(
+            self.options
+                .time_budget
+                .saturating_sub(self.started.elapsed()),
+            rounds,
+            chosen_set.len(),
+            slowest,
+            self.options.fine_runs.max(rounds).div_ceil(rounds),
+        );
+        for _ in 0..rounds {
+            for &i in &chosen_set {
+                let choice = entries[i].result.choice;
+                let Some(Ok(kernel)) = kernels.get(&choice.params) else {
+                    continue;
+                };
+                let scratch = scratch_for(&mut scratches, &stream, p, q_heads, d, choice.splits)?;
+                let t = timer.time(&stream, 1, per_round, |s| {
+                    batch.attend_next(s, kernel, scratch)
+                })?;
+                entries[i].samples.extend(t.samples_us);
+            }
+        }
+        for &i in &chosen_set {
+            entries[i].result.fine_us = Some(median(&entries[i].samples));
+            self.progress.advance(1);
+        }
+
+        // 6. The fastest correct finalist, unless the (correct) default is within noise of it.
+        let results: Vec<CandidateResult> = entries.into_iter().map(|e| e.result).collect();
+        let best = select_winner(&results, self.options.min_gain).ok_or_else(|| {
+            RuntimeError::InvalidInput(format!("autotune of `{}`: no finalist was timed", p.spec))
+        })?;
+        let default_us = results[0]
+            .fine_us
+            .or(results[0].coarse_us)
+            .unwrap_or(f64::NAN);
+        self.progress.finish();
+        Ok(TuneReport {
+            gpu: gpu.clone(),
+            problem: p.key(),
+            scheme: p.spec.to_string(),
+            measured_batch: p.batch,
+            measured_len: p.max_len,
+            chosen: results[best].choice,
+            chosen_us: results[best].fine_us.unwrap_or(f64::NAN),
+            default,
+            default_us,
+            candidates: results,
+            copies: batch.copies(),
+            truncated,
+            elapsed: self.started.elapsed(),
+            saved_to: None,
+        })
+    }
+
+    /// Loads the kernels of every block shape on all cores; a shape that fails to build is
+    /// recorded (its candidates are discarded), not fatal.
+    fn compile(
+        &self,
+        params: &[TuneParams],
+    ) -> Result<HashMap<TuneParams, std::result::Result<DecodeKernel, String>>> {
+        let threads = std::thread::available_parallelism()
+            .map_or(4, |n| n.get())
+            .clamp(1, params.len().max(1));
+        let chunk = params.len().div_ceil(threads).max(1);
+        let (jit, p) = (self.jit, self.problem);
+        let results: Vec<(TuneParams, std::result::Result<DecodeKernel, String>)> =
+            std::thread::scope(|s| {
+                let handles: Vec<_> = params
+                    .chunks(chunk)
+                    .map(|part| {
+                        s.spawn(move || {
+                            part.iter()
+                                .map(|t| {
+                                    let k = DecodeKernel::load(jit, &p.spec, &p.shape, t)
+                                        .map_err(|e| format!("does not build: {e}"));
+                                    (*t, k)
+                                })
+                                .collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .flat_map(|h| h.join().unwrap_or_default())
+                    .collect()
+            });
+        self.progress.advance(params.len() as u64);
+        let mut map: HashMap<_, _> = results.into_iter().collect();
+        for t in params {
+            map.entry(*t)
+                .or_insert_with(|| Err("the compile thread panicked".into()));
+        }
+        Ok(map)
+    }
+}
+
+/// Fewest timed runs per measurement: a median of fewer says little.
+pub const MIN_RUNS: usize = 3;
+
+/// Timed runs per candidate so that `candidates` more candidates of about `per_run_us` each (plus
+/// `warmup` untimed runs) fit in `budget`: at most `max_runs`, at least [`MIN_RUNS`].
+pub fn coarse_runs_within(
+    budget: Duration,
+    candidates: usize,
+    per_run_us: f64,
+    warmup: usize,
+    max_runs: usize,
+) -> usize {
+    if candidates == 0 || per_run_us.is_nan() || per_run_us <= 0.0 {
+        return max_runs.max(MIN_RUNS);
+    }
+    let per_candidate = budget.as_secs_f64() * 1e6 / candidates as f64;
+    let fit = (per_candidate / per_run_us).floor() as usize;
+    fit.saturating_sub(warmup)
+        .clamp(MIN_RUNS, max_runs.max(MIN_RUNS))
+}
+
+/// Timed runs per finalist and round so that `rounds` rounds over `finalists` finalists of at most
+/// `slowest_us` per run (plus one warm-up each) fit in `remaining`: at most `want`, at least
+/// [`MIN_RUNS`].
+pub fn fine_runs_within(
+    remaining: Duration,
+    rounds: usize,
+    finalists: usize,
+    slowest_us: f64,
+    want: usize,
+) -> usize {
+    let slots = (rounds * finalists).max(1) as f64;
+    if slowest_us.is_nan() || slowest_us <= 0.0 {
+        return want.max(MIN_RUNS);
+    }
+    let fit = (remaining.as_secs_f64() * 1e6 / slots / slowest_us).floor() as usize;
+    fit.saturating_sub(1).clamp(MIN_RUNS, want.max(MIN_RUNS))
+}
+
+/// The index of the winner among `results` (index 0 is the default): the fastest second-pass
+/// median among candidates that passed the check and were not rejected; the default instead when
+/// it passed too and the fastest is not at least `min_gain` faster. `None` when nothing qualifies.
+pub fn select_winner(results: &[CandidateResult], min_gain: f64) -> Option<usize> {
+    let eligible = |r: &CandidateResult| r.rejected.is_none() && r.error.is_some();
+    let best = results
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| eligible(r))
+        .filter_map(|(i, r)| r.fine_us.map(|t| (i, t)))
+        .min_by(|a, b| a.1.total_cmp(&b.1))?;
+    match results.first() {
+        Some(d) if eligible(d) => match d.fine_us {
+            Some(default_us) if best.1 > default_us * (1.0 - min_gain) => Some(0),
+            _ => Some(best.0),
+        },
+        _ => Some(best.0),
+    }
+}
+
+/// The scratch for `splits` partitions, made on first use.
+fn scratch_for<'s>(
+    scratches: &'s mut HashMap<usize, DecodeScratch>,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    p: &TuneProblem,
+    q_heads: usize,
+    head_dim: usize,
+    splits: usize,
+) -> Result<&'s mut DecodeScratch> {
+    match scratches.entry(splits) {
+        std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
+        std::collections::hash_map::Entry::Vacant(e) => Ok(e.insert(DecodeScratch::new(
+            stream, p.batch, q_heads, head_dim, splits,
+        )?)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(
+        splits: usize,
+        fine: Option<f64>,
+        error: Option<f64>,
+        rejected: bool,
+    ) -> CandidateResult {
+        CandidateResult {
+            choice: TuneChoice {
+                params: TuneParams {
+                    threads: 128,
+                    tile_tokens: 32,
+                },
+                splits,
+            },
+            coarse_us: fine,
+            fine_us: fine,
+            error,
+            rejected: rejected.then(|| "wrong output".to_string()),
+        }
+    }
+
+    #[test]
+    fn run_counts_shrink_to_fit_the_budget_but_not_below_three() {
+        let s = Duration::from_secs;
+        // Fast kernels: the configured counts.
+        assert_eq!(coarse_runs_within(s(12), 62, 100.0, 3, 10), 10);
+        // 28 ms kernels, 62 candidates in 12 s: 6 runs each (3 timed + 3 warm-up).
+        assert_eq!(coarse_runs_within(s(12), 62, 28_000.0, 3, 10), 3);
+        assert_eq!(coarse_runs_within(s(12), 62, 15_000.0, 1, 20), 11);
+        assert_eq!(coarse_runs_within(s(0), 62, 1000.0, 3, 10), 3);
+        assert_eq!(coarse_runs_within(s(5), 0, 1000.0, 3, 10), 10);
+        assert_eq!(coarse_runs_within(s(5), 10, f64::NAN, 3, 10), 10);
+        assert_eq!(fine_runs_within(s(10), 3, 5, 100.0, 10), 10);
+        assert_eq!(fine_runs_within(s(3), 3, 5, 20_000.0, 10), 9);
+        assert_eq!(fine_runs_within(s(0), 3, 5, 20_000.0, 10), 3);
+    }
+
+    #[test]
+    fn a_wrong_candidate_is_never_chosen() {
+        let results = vec![
+            result(3, Some(100.0), Some(1e-4), false),
+            result(6, Some(50.0), None, true),
+            result(2, Some(90.0), Some(1e-4), false),
+        ];
+        assert_eq!(select_winner(&results, 0.01), Some(2));
+    }
+
+    #[test]
+    fn the_default_stays_unless_clearly_beaten() {
+        let results = vec![
+            result(3, Some(100.0), Some(1e-4), false),
+            result(4, Some(99.5), Some(1e-4), false),
+        ];
+        assert_eq!(select_winner(&results, 0.01), Some(0));
+        let results = vec![
+            result(3, Some(100.0), Some(1e-4), false),
+            result(4, Some(98.0), Some(1e-4), false),
+        ];
+        assert_eq!(select_winner(&results, 0.01), Some(1));
+    }
+
+    #[test]
+    fn a_wrong_default_loses_to_any_correct_candidate() {
+        let results = vec![
+            result(3, Some(10.0), Some(0.5), true),
+            result(4, Some(120.0), Some(1e-4), false),
+        ];
+        assert_eq!(select_winner(&results, 0.01), Some(1));
+        let none = vec![result(3, Some(10.0), None, true)];
+        assert_eq!(select_winner(&none, 0.01), None);
+        // Unchecked candidates (no error recorded) do not qualify either.
+        let unchecked = vec![result(3, Some(10.0), None, false)];
+        assert_eq!(select_winner(&unchecked, 0.01), None);
+    }
+}

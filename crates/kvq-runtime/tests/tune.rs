@@ -1,0 +1,158 @@
+//! The autotuner's CPU-side contract through the public API: `KVQ_TUNE` parsing, the store's
+//! location and JSON round trip, damaged files, and the candidate set of the issue's shape. The
+//! GPU half is in `tune_gpu.rs`.
+
+use std::fs;
+use std::path::PathBuf;
+
+use kvq_codegen::{Dtype, KernelShape, TuneParams};
+use kvq_runtime::tune::{
+    candidates, GpuKey, TuneChoice, TuneEntry, TunePolicy, TuneProblem, TuneStore, KVQ_TUNE,
+    TUNE_FILE,
+};
+use kvq_runtime::{DriverVersion, RuntimeError};
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvq-tune-it-{tag}-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    dir
+}
+
+fn problem(batch: usize, len: usize) -> TuneProblem {
+    TuneProblem::new(
+        "k = int(2, channel), v = int(2, token)".parse().unwrap(),
+        KernelShape::new(128, 4, Dtype::F16),
+        8,
+        batch,
+        len,
+    )
+}
+
+fn h100() -> GpuKey {
+    GpuKey {
+        name: "NVIDIA H100 80GB HBM3".into(),
+        compute_capability: (9, 0),
+        sm_count: 132,
+        driver: DriverVersion {
+            major: 13,
+            minor: 0,
+        },
+    }
+}
+
+fn entry(p: &TuneProblem, splits: usize) -> TuneEntry {
+    TuneEntry {
+        gpu: h100(),
+        problem: p.key(),
+        scheme: p.spec.to_string(),
+        choice: TuneChoice {
+            params: TuneParams {
+                threads: 128,
+                tile_tokens: 64,
+            },
+            splits,
+        },
+        tuned_us: 100.0,
+        default_us: 110.0,
+        measured_batch: p.batch,
+        measured_len: p.max_len,
+        candidates: 45,
+        rejected: 1,
+        tuned_at_unix: 1_800_000_000,
+        kvq_version: "0.1.0".into(),
+    }
+}
+
+/// The only test here that touches the environment (tests in one binary share it).
+#[test]
+fn environment_selects_the_policy_and_the_store_location() {
+    std::env::remove_var(KVQ_TUNE);
+    assert_eq!(TunePolicy::from_env().unwrap(), TunePolicy::Cached);
+    for (text, want) in [
+        ("off", TunePolicy::Off),
+        ("cached", TunePolicy::Cached),
+        ("Full", TunePolicy::Full),
+    ] {
+        std::env::set_var(KVQ_TUNE, text);
+        assert_eq!(TunePolicy::from_env().unwrap(), want);
+    }
+    std::env::set_var(KVQ_TUNE, "always");
+    assert!(matches!(
+        TunePolicy::from_env(),
+        Err(RuntimeError::InvalidInput(m)) if m.contains("always")
+    ));
+    std::env::remove_var(KVQ_TUNE);
+
+    let dir = temp_dir("env");
+    std::env::set_var("KVQ_CACHE_DIR", &dir);
+    assert_eq!(TuneStore::default_path().unwrap(), dir.join(TUNE_FILE));
+    std::env::remove_var("KVQ_CACHE_DIR");
+}
+
+#[test]
+fn results_survive_a_round_trip_keyed_by_gpu_and_bucket() {
+    let dir = temp_dir("roundtrip");
+    let path = dir.join(TUNE_FILE);
+    let mut store = TuneStore::open(&path);
+    let p = problem(16, 32_768);
+    store.insert(entry(&p, 4));
+    store.save().unwrap();
+
+    let back = TuneStore::open(&path);
+    assert!(back.warning().is_none());
+    // Same buckets: found. Other batch bucket, other GPU: not found.
+    assert_eq!(
+        back.lookup(&h100(), &problem(9, 20_000).key())
+            .unwrap()
+            .choice
+            .splits,
+        4
+    );
+    assert!(back.lookup(&h100(), &problem(17, 32_768).key()).is_none());
+    let mut h200 = h100();
+    h200.name = "NVIDIA H200".into();
+    assert!(back.lookup(&h200, &p.key()).is_none());
+    let mut new_driver = h100();
+    new_driver.driver.minor = 1;
+    assert!(back.lookup(&new_driver, &p.key()).is_none());
+
+    let text = fs::read_to_string(&path).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(json["format"], "kvq-tune");
+    assert_eq!(json["version"], 1);
+    let e = &json["entries"][0];
+    assert_eq!(e["problem"]["batch_bucket"], 16);
+    assert_eq!(e["problem"]["context_bucket"], 32_768);
+    assert_eq!(e["problem"]["dtype"], "f16");
+    assert_eq!(e["choice"]["tile_tokens"], 64);
+    assert_eq!(e["gpu"]["compute_capability"], serde_json::json!([9, 0]));
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_corrupt_file_is_a_warning_never_an_error() {
+    let dir = temp_dir("corrupt");
+    fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(TUNE_FILE);
+    fs::write(&path, "{ this is not json").unwrap();
+    let mut store = TuneStore::open(&path);
+    assert!(store.entries().is_empty());
+    assert!(store.warning().unwrap().contains("not valid JSON"));
+    store.insert(entry(&problem(1, 4096), 16));
+    store.save().unwrap();
+    assert_eq!(TuneStore::open(&path).entries().len(), 1);
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_issue_shape_searches_every_block_shape_around_the_heuristic_splits() {
+    for (batch, len, default_splits) in [(1, 32_768, 33), (16, 32_768, 3), (1, 4096, 16)] {
+        let p = problem(batch, len);
+        let all = candidates(&p, 132);
+        assert_eq!(all[0].splits, default_splits, "B={batch} L={len}");
+        assert_eq!(all[0].params, TuneParams::default_for(&p.shape));
+        assert!(all.len() >= TuneParams::candidates().count() * 4);
+        assert!(all.iter().any(|c| c.splits < default_splits));
+        assert!(all.iter().any(|c| c.splits > default_splits));
+    }
+}
