@@ -17,11 +17,12 @@ impl TuneParams {
     pub const THREADS: &'static [u32] = &[64, 128, 256];
     pub const TILE_TOKENS: &'static [u32] = &[16, 32, 64];
 
-    /// The heuristic default for shapes nobody tuned.
+    /// The heuristic default for shapes nobody tuned: 64-token tiles, which every tuned winner
+    /// on an H200 chose (docs/BENCHMARKS.md), with 128 threads.
     pub fn default_for(_shape: &KernelShape) -> Self {
         TuneParams {
             threads: 128,
-            tile_tokens: 32,
+            tile_tokens: 64,
         }
     }
 

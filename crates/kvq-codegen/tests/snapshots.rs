@@ -64,7 +64,7 @@ fn the_kernel_header_names_scheme_shape_and_tuning() {
         head[2].contains("head_dim=128 gqa=4 dtype=f16 page=128"),
         "{head:?}"
     );
-    assert!(head[3].contains("threads=128 tile_tokens=32"), "{head:?}");
+    assert!(head[3].contains("threads=128 tile_tokens=64"), "{head:?}");
 }
 
 #[test]

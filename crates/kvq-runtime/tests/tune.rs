@@ -146,7 +146,7 @@ fn a_corrupt_file_is_a_warning_never_an_error() {
 
 #[test]
 fn the_issue_shape_searches_every_block_shape_around_the_heuristic_splits() {
-    for (batch, len, default_splits) in [(1, 32_768, 33), (16, 32_768, 3), (1, 4096, 16)] {
+    for (batch, len, default_splits) in [(1, 32_768, 66), (16, 32_768, 5), (1, 4096, 16)] {
         let p = problem(batch, len);
         let all = candidates(&p, 132);
         assert_eq!(all[0].splits, default_splits, "B={batch} L={len}");

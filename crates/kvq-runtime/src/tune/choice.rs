@@ -131,7 +131,7 @@ mod tests {
         let p = problem(16, 32_768);
         let all = candidates(&p, 132);
         assert_eq!(all[0], TuneChoice::heuristic(&p, 132));
-        assert_eq!(all[0].splits, 3);
+        assert_eq!(all[0].splits, 5);
         let mut seen = std::collections::HashSet::new();
         for c in &all {
             c.check().unwrap();
