@@ -5,6 +5,8 @@
 //!
 //! Skips with a printed reason without a GPU; fails when `KVQ_REQUIRE_GPU=1`.
 
+mod common;
+use common::{integer_schemes, seed};
 use half::{bf16, f16};
 use kvq::codegen::{Dtype, KernelShape, TuneParams};
 use kvq::reference::attention::{self, Queries};
@@ -12,42 +14,16 @@ use kvq::reference::int::IntCache;
 use kvq::reference::{Dequantized, KvTensor};
 use kvq::runtime::testing::require_gpu;
 use kvq::runtime::{default_splits, DecodeKernel, DecodeScratch, GpuCache, Jit};
-use kvq::schemes::BUILTIN;
-use kvq::{CacheSource, SchemeSpec, TensorQuant};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StudentT};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 const LENGTHS: &[usize] = &[1, 127, 128, 129, 4097, 33000];
 const KV_HEADS: usize = 2;
 const HEAD_DIMS: &[u32] = &[64, 128, 256];
 const GQAS: &[u32] = &[1, 4, 8];
 const DTYPES: &[Dtype] = &[Dtype::F16, Dtype::Bf16];
-
-fn integer_schemes() -> Vec<(&'static str, SchemeSpec)> {
-    BUILTIN
-        .iter()
-        .filter(|b| b.spec.source == CacheSource::Kv)
-        .filter(|b| {
-            ![b.spec.k, b.spec.v]
-                .iter()
-                .any(|t| matches!(t, TensorQuant::Codebook(_)))
-        })
-        .map(|b| (b.name, b.spec))
-        .collect()
-}
-
-fn seed() -> u64 {
-    std::env::var("KVQ_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64)
-        })
-}
 
 /// Heavy-tailed K/V with a few outlier channels per head (the structure that makes quantization
 /// hard), never zeros.

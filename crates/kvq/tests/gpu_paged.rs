@@ -4,6 +4,8 @@
 //! must match the reference. Plus the cache's error paths. Fresh random inputs each run (seed printed,
 //! `KVQ_SEED` repeats one); skips without a GPU, fails with `KVQ_REQUIRE_GPU=1`.
 
+mod common;
+use common::{integer_schemes, seed};
 use half::{bf16, f16};
 use kvq::codegen::{Dtype, KernelShape, TuneParams};
 use kvq::reference::attention::{self, Queries};
@@ -14,12 +16,10 @@ use kvq::runtime::{
     default_splits, CacheConfig, DecodeKernel, DecodeScratch, Jit, PagedKvCache, RuntimeError,
     SeqId,
 };
-use kvq::schemes::BUILTIN;
-use kvq::{CacheSource, SchemeSpec, TensorQuant};
+use kvq::SchemeSpec;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StudentT};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 const KV_HEADS: usize = 2;
 const GQA: usize = 4;
@@ -27,19 +27,6 @@ const GQA: usize = 4;
 /// and several 128-token pages from each starting point.
 const PROMPTS: &[usize] = &[0, 31, 200, 1100];
 const APPENDS: usize = 420;
-
-fn integer_schemes() -> Vec<(&'static str, SchemeSpec)> {
-    BUILTIN
-        .iter()
-        .filter(|b| b.spec.source == CacheSource::Kv)
-        .filter(|b| {
-            ![b.spec.k, b.spec.v]
-                .iter()
-                .any(|t| matches!(t, TensorQuant::Codebook(_)))
-        })
-        .map(|b| (b.name, b.spec))
-        .collect()
-}
 
 /// Built-ins plus schemes that reach the quantizer's other paths: 3-bit planes, token-axis keys with
 /// several groups per token, symmetric boosted codes ranked by variance, a 64-token page.
@@ -55,17 +42,6 @@ fn all_paths() -> Vec<(&'static str, SchemeSpec)> {
         schemes.push((name, SchemeSpec::parse(text).expect("test scheme")));
     }
     schemes
-}
-
-fn seed() -> u64 {
-    std::env::var("KVQ_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64)
-        })
 }
 
 /// A token stream `[tokens][kv_heads][head_dim]` as device words and as the f32 values they encode.

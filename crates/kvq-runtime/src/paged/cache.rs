@@ -294,6 +294,29 @@ impl PagedKvCache {
             .map_err(dev("upload a step list"))
     }
 
+    /// The token split of a quantized tensor at `len` tokens (as the reference's).
+    fn regions(&self, tensor: &TensorQuant, len: usize) -> TokenRegions {
+        TokenRegions::new(
+            len,
+            self.spec.sink as usize,
+            self.spec.local_of(tensor) as usize,
+            self.spec.page as usize,
+        )
+    }
+
+    /// `(first input token, physical page)` of every whole page of a prefill of `tokens` tokens
+    /// into sequence `id` (which holds its pages already); empty when nothing is quantized.
+    fn prefill_jobs(&self, id: SeqId, tensor: &TensorQuant, tokens: usize) -> Result<Vec<i32>> {
+        if !tensor.is_quantized() {
+            return Ok(Vec::new());
+        }
+        let r = self.regions(tensor, tokens);
+        let pages = self.book.pages(id)?;
+        Ok((0..r.pages)
+            .flat_map(|j| [r.page_tokens(j).start as i32, pages[j] as i32])
+            .collect())
+    }
+
     /// Bulk prefill of an empty sequence with a prompt's K and V (`[tokens][kv_heads][head_dim]`,
     /// the cache's input dtype): sink copied, every whole page quantized and packed, the rest left in
     /// the FP16 tail ring.
@@ -320,7 +343,6 @@ impl PagedKvCache {
         }
         let changes = self.book.grow(&[(id, tokens)])?;
         self.write_table(&changes)?;
-        let pages = self.book.pages(id)?.to_vec();
         let slot = id.0 as i32;
         let h = self.cfg.kv_heads as u32;
         let max_pages = self.max_pages as i32;
@@ -345,40 +367,18 @@ impl PagedKvCache {
             // SAFETY: arguments follow KernelEntry::params; buffers were sized for this cache.
             unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
         }
-        for (which, tensor) in [("k", self.spec.k), ("v", self.spec.v)] {
-            if !tensor.is_quantized() {
+        for (which, tensor) in [(Tensor::K, self.spec.k), (Tensor::V, self.spec.v)] {
+            let jobs = self.prefill_jobs(id, &tensor, tokens)?;
+            if jobs.is_empty() {
                 continue;
             }
-            let r = TokenRegions::new(
-                tokens,
-                self.spec.sink as usize,
-                self.spec.local_of(&tensor) as usize,
-                self.spec.page as usize,
-            );
-            if r.pages == 0 {
-                continue;
-            }
-            let jobs: Vec<i32> = (0..r.pages)
-                .flat_map(|j| [r.page_tokens(j).start as i32, pages[j] as i32])
-                .collect();
             self.upload_list(&jobs)?;
-            let (q, pool, x) = if which == "k" {
-                (self.kernels.k.as_ref(), &mut self.k_pool, k)
-            } else {
-                (self.kernels.v.as_ref(), &mut self.v_pool, v)
+            let (x, list) = (if which == Tensor::K { k } else { v }, &self.slots);
+            let (q, pool) = match which {
+                Tensor::K => (self.kernels.k.as_ref(), &mut self.k_pool),
+                Tensor::V => (self.kernels.v.as_ref(), &mut self.v_pool),
             };
-            let Some(Quantizers { from_input: e, .. }) = q else {
-                continue;
-            };
-            let mut b = self.stream.launch_builder(&e.f);
-            b.arg(x).arg(&self.slots).arg(pool);
-            let cfg = LaunchConfig {
-                grid_dim: (r.pages as u32, h, 1),
-                block_dim: (e.entry.block, 1, 1),
-                shared_mem_bytes: e.entry.dynamic_shared_bytes,
-            };
-            // SAFETY: as above; `jobs` holds r.pages (token, page) pairs.
-            unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
+            launch_from_input(&self.stream, q, pool, x, list, jobs.len() / 2, h)?;
         }
         self.set_len(id, tokens)
     }
@@ -524,15 +524,7 @@ impl PagedKvCache {
         let mut v_pages = Vec::new();
         let regions = |t: &TensorQuant| match t {
             TensorQuant::Fp16 => len.div_ceil(self.spec.page as usize),
-            _ => {
-                TokenRegions::new(
-                    len,
-                    self.spec.sink as usize,
-                    self.spec.local_of(t) as usize,
-                    self.spec.page as usize,
-                )
-                .pages
-            }
+            _ => self.regions(t, len).pages,
         };
         for &p in &pages[..regions(&self.spec.k)] {
             k_pages.push(down_u8(&self.k_pool, k_block, p)?);
@@ -644,55 +636,31 @@ impl PagedKvCache {
                     id.0
                 )));
             }
-            for which in [0usize, 1] {
-                let tensor = if which == 0 { self.spec.k } else { self.spec.v };
-                if !tensor.is_quantized() {
+            for (which, tensor) in [(Tensor::K, self.spec.k), (Tensor::V, self.spec.v)] {
+                let jobs = self.prefill_jobs(id, &tensor, tokens)?;
+                if jobs.is_empty() {
                     continue;
                 }
-                let r = TokenRegions::new(
-                    tokens,
-                    self.spec.sink as usize,
-                    self.spec.local_of(&tensor) as usize,
-                    self.spec.page as usize,
-                );
-                if r.pages == 0 {
-                    continue;
-                }
-                let pages = self.book.pages(id)?;
-                let jobs: Vec<i32> = (0..r.pages)
-                    .flat_map(|j| [r.page_tokens(j).start as i32, pages[j] as i32])
-                    .collect();
-                read += r.pages * self.spec.page as usize * h * d * 2;
-                written += r.pages * h * block_bytes(&self.spec, &tensor, d)?;
+                let pages = jobs.len() / 2;
+                read += pages * self.spec.page as usize * h * d * 2;
+                written += pages * h * block_bytes(&self.spec, &tensor, d)?;
                 let list = self
                     .stream
                     .clone_htod(&jobs)
                     .map_err(dev("upload prefill jobs"))?;
-                launches.push((si, which, r.pages as u32, list));
+                launches.push((si, which, pages, list));
             }
         }
         let h32 = h as u32;
         let stream = self.stream.clone();
         let timing = crate::timing::time_gpu(&stream, 2, runs, |s| {
-            for (si, which, n, list) in &launches {
+            for (si, which, pages, list) in &launches {
                 let (_, k, v) = sequences[*si];
-                let (q, pool, x) = if *which == 0 {
-                    (self.kernels.k.as_ref(), &mut self.k_pool, k)
-                } else {
-                    (self.kernels.v.as_ref(), &mut self.v_pool, v)
+                let (q, pool, x) = match which {
+                    Tensor::K => (self.kernels.k.as_ref(), &mut self.k_pool, k),
+                    Tensor::V => (self.kernels.v.as_ref(), &mut self.v_pool, v),
                 };
-                let Some(Quantizers { from_input: e, .. }) = q else {
-                    continue;
-                };
-                let mut b = s.launch_builder(&e.f);
-                b.arg(x).arg(list).arg(pool);
-                let cfg = LaunchConfig {
-                    grid_dim: (*n, h32, 1),
-                    block_dim: (e.entry.block, 1, 1),
-                    shared_mem_bytes: e.entry.dynamic_shared_bytes,
-                };
-                // SAFETY: as in prefill; the job list names pages this sequence holds.
-                unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
+                launch_from_input(s, q, pool, x, list, *pages, h32)?;
             }
             Ok(())
         })?;
@@ -708,6 +676,39 @@ impl PagedKvCache {
         kernels.scheme == self.spec.to_string()
             && kernels.shape.head_dim as usize == self.cfg.head_dim
     }
+}
+
+/// Which of the two cached tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tensor {
+    K,
+    V,
+}
+
+/// Launches a tensor's prefill page quantizer over `pages` jobs of `jobs` (no-op for FP16 tensors).
+fn launch_from_input(
+    stream: &Arc<CudaStream>,
+    quantizers: Option<&Quantizers>,
+    pool: &mut CudaSlice<u8>,
+    x: &CudaSlice<u16>,
+    jobs: &CudaSlice<i32>,
+    pages: usize,
+    kv_heads: u32,
+) -> Result<()> {
+    let Some(Quantizers { from_input: e, .. }) = quantizers else {
+        return Ok(());
+    };
+    let mut b = stream.launch_builder(&e.f);
+    b.arg(x).arg(jobs).arg(pool);
+    let cfg = LaunchConfig {
+        grid_dim: (pages as u32, kv_heads, 1),
+        block_dim: (e.entry.block, 1, 1),
+        shared_mem_bytes: e.entry.dynamic_shared_bytes,
+    };
+    // SAFETY: arguments follow KernelEntry::params; `jobs` holds `pages` (token, page) pairs naming
+    // pages of the pool, and `x` the input rows they start at.
+    unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
+    Ok(())
 }
 
 /// Bytes of one page block of one KV head for a tensor (the reference's layout).
