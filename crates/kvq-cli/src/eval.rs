@@ -1,0 +1,586 @@
+//! `kvq eval`: a scheme's error on the user's own captured K/V (a safetensors file), per layer and
+//! per KV head, on the CPU reference — and on the GPU kernel too when a GPU is usable.
+//!
+//! Tensor names and shapes (docs/CLI.md):
+//! - `layer.{i}.k`, `layer.{i}.v`: `[tokens, kv_heads, head_dim]` (or `[kv_heads, tokens, head_dim]`
+//!   with `--layout heads-first`), f16, bf16, f32 or f64; keys after RoPE, as the cache sees them;
+//! - `layer.{i}.q` (optional): the next token's queries `[q_heads, head_dim]` (a leading 1 is
+//!   accepted), `q_heads` a multiple of `kv_heads`. Without it, each KV head's query is its own key
+//!   at the last token and the cache holds the tokens before it (a proxy: in trained models a
+//!   head's queries and keys point the same way; capture real queries for real numbers).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use kvq::codegen::{Dtype, KernelShape, TuneParams};
+use kvq::evaluate;
+use kvq::reference::attention::{self, Queries};
+use kvq::reference::int::IntCache;
+use kvq::reference::synth::to_head_major;
+use kvq::reference::KvTensor;
+use kvq::runtime::default_splits;
+use safetensors::{Dtype as StDtype, SafeTensors};
+
+use crate::error::{CliError, Result};
+use crate::gpu::{self, Gpu};
+use crate::scheme::Resolved;
+use crate::table::{Align, Table};
+
+/// Axis order of the K/V tensors in the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvLayout {
+    /// `[tokens, kv_heads, head_dim]` (a decode engine's per-layer K/V).
+    TokensFirst,
+    /// `[kv_heads, tokens, head_dim]` (Hugging Face's `past_key_values` without the batch axis).
+    HeadsFirst,
+}
+
+/// What to evaluate.
+#[derive(Debug, Clone)]
+pub struct EvalOptions {
+    pub scheme: Resolved,
+    pub file: PathBuf,
+    pub layout: KvLayout,
+    /// Only these layers (all found when empty).
+    pub layers: Vec<usize>,
+    /// Skip the GPU even when one is usable.
+    pub cpu_only: bool,
+    pub device: usize,
+}
+
+/// One layer's data as the reference takes it.
+pub struct Layer {
+    pub index: usize,
+    pub k: KvTensor,
+    pub v: KvTensor,
+    pub q: Queries,
+    /// Whether `q` came from the file (else the last-key proxy).
+    pub captured_queries: bool,
+}
+
+/// Per-head results of one layer.
+#[derive(Debug, Clone)]
+pub struct HeadResult {
+    pub head: usize,
+    pub k_rel_mse: f64,
+    pub v_rel_mse: f64,
+    pub attn_error: f64,
+    pub gpu_error: Option<f64>,
+}
+
+/// One layer's results.
+#[derive(Debug, Clone)]
+pub struct LayerResult {
+    pub index: usize,
+    pub tokens: usize,
+    pub quantized_tokens: usize,
+    pub kv_heads: usize,
+    pub q_heads: usize,
+    pub head_dim: usize,
+    pub captured_queries: bool,
+    pub attn_error: f64,
+    pub gpu_error: Option<f64>,
+    pub heads: Vec<HeadResult>,
+    pub bits_per_element: f64,
+    /// Why the GPU column is empty, when a GPU was there but could not run this layer.
+    pub gpu_note: Option<String>,
+}
+
+fn input(path: &Path, why: impl Into<String>) -> CliError {
+    CliError::Input {
+        path: path.to_path_buf(),
+        why: why.into(),
+    }
+}
+
+fn expected_names(i: &str) -> String {
+    format!(
+        "`layer.{i}.k` and `layer.{i}.v` of shape [tokens, kv_heads, head_dim] (f16, bf16, f32 or \
+         f64), optional `layer.{i}.q` of shape [q_heads, head_dim]"
+    )
+}
+
+/// Values of a tensor as f32.
+fn to_f32(path: &Path, name: &str, dtype: StDtype, data: &[u8]) -> Result<Vec<f32>> {
+    let chunks = |n: usize| data.chunks_exact(n);
+    Ok(match dtype {
+        StDtype::F16 => chunks(2)
+            .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+            .collect(),
+        StDtype::BF16 => chunks(2)
+            .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+            .collect(),
+        StDtype::F32 => chunks(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        StDtype::F64 => chunks(8)
+            .map(|b| {
+                let mut a = [0u8; 8];
+                a.copy_from_slice(b);
+                f64::from_le_bytes(a) as f32
+            })
+            .collect(),
+        other => {
+            return Err(input(
+                path,
+                format!("tensor `{name}` has dtype {other:?}; expected f16, bf16, f32 or f64"),
+            ))
+        }
+    })
+}
+
+/// Reads the layers of the file (all, or `only`).
+pub fn read_layers(path: &Path, layout: KvLayout, only: &[usize]) -> Result<Vec<Layer>> {
+    let bytes = std::fs::read(path).map_err(|e| {
+        input(
+            path,
+            format!(
+                "cannot read the K/V file ({e}); expected a safetensors file with {}",
+                expected_names("{i}")
+            ),
+        )
+    })?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| input(path, format!("not a safetensors file: {e}")))?;
+    let names: BTreeSet<String> = st.names().into_iter().cloned().collect();
+    let mut indices = BTreeSet::new();
+    for n in &names {
+        let mut parts = n.split('.');
+        if let (Some("layer"), Some(i), Some("k" | "v" | "q"), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        {
+            if let Ok(i) = i.parse::<usize>() {
+                indices.insert(i);
+            }
+        }
+    }
+    if indices.is_empty() {
+        let found: Vec<&str> = names.iter().take(8).map(String::as_str).collect();
+        return Err(input(
+            path,
+            format!(
+                "no tensor named `layer.{{i}}.k`/`layer.{{i}}.v` (found {}{}); expected {}",
+                if found.is_empty() {
+                    "no tensors".to_string()
+                } else {
+                    found.join(", ")
+                },
+                if names.len() > 8 { ", …" } else { "" },
+                expected_names("{i}")
+            ),
+        ));
+    }
+    for i in only {
+        if !indices.contains(i) {
+            return Err(input(
+                path,
+                format!(
+                    "no layer {i} (layers in the file: {}); expected {}",
+                    indices
+                        .iter()
+                        .map(|i| i.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    expected_names(&i.to_string())
+                ),
+            ));
+        }
+    }
+    let mut layers = Vec::new();
+    for i in indices
+        .into_iter()
+        .filter(|i| only.is_empty() || only.contains(i))
+    {
+        let get = |t: &str| -> Result<Option<(Vec<usize>, Vec<f32>)>> {
+            let name = format!("layer.{i}.{t}");
+            if !names.contains(&name) {
+                return Ok(None);
+            }
+            let view = st
+                .tensor(&name)
+                .map_err(|e| input(path, format!("tensor `{name}`: {e}")))?;
+            let shape = view.shape().to_vec();
+            let values = to_f32(path, &name, view.dtype(), view.data())?;
+            Ok(Some((shape, values)))
+        };
+        let missing = |t: &str| {
+            input(
+                path,
+                format!(
+                    "layer {i}: no tensor `layer.{i}.{t}`; expected {}",
+                    expected_names(&i.to_string())
+                ),
+            )
+        };
+        let (k_shape, k) = get("k")?.ok_or_else(|| missing("k"))?;
+        let (v_shape, v) = get("v")?.ok_or_else(|| missing("v"))?;
+        if k_shape.len() != 3 || k_shape != v_shape {
+            return Err(input(
+                path,
+                format!(
+                    "layer {i}: K has shape {k_shape:?} and V {v_shape:?}; expected both \
+                     [tokens, kv_heads, head_dim] (or [kv_heads, tokens, head_dim] with \
+                     --layout heads-first)"
+                ),
+            ));
+        }
+        let (tokens, kv_heads, head_dim) = match layout {
+            KvLayout::TokensFirst => (k_shape[0], k_shape[1], k_shape[2]),
+            KvLayout::HeadsFirst => (k_shape[1], k_shape[0], k_shape[2]),
+        };
+        if tokens == 0 || kv_heads == 0 || head_dim == 0 {
+            return Err(input(path, format!("layer {i}: empty K/V {k_shape:?}")));
+        }
+        let to_tensor = |flat: Vec<f32>| match layout {
+            KvLayout::TokensFirst => to_head_major(&flat, tokens, kv_heads, head_dim),
+            KvLayout::HeadsFirst => KvTensor {
+                data: flat,
+                kv_heads,
+                tokens,
+                head_dim,
+            },
+        };
+        let (mut k, mut v) = (to_tensor(k), to_tensor(v));
+        let (q, captured) = match get("q")? {
+            Some((shape, values)) => {
+                let dims: Vec<usize> = if shape.len() == 3 && shape[0] == 1 {
+                    shape[1..].to_vec()
+                } else {
+                    shape.clone()
+                };
+                if dims.len() != 2 || dims[1] != head_dim || dims[0] == 0 || dims[0] % kv_heads != 0
+                {
+                    return Err(input(
+                        path,
+                        format!(
+                            "layer {i}: `layer.{i}.q` has shape {shape:?}; expected [q_heads, \
+                             {head_dim}] with q_heads a multiple of {kv_heads} KV heads"
+                        ),
+                    ));
+                }
+                (
+                    Queries {
+                        data: values,
+                        q_heads: dims[0],
+                        head_dim,
+                    },
+                    true,
+                )
+            }
+            None => {
+                if tokens < 2 {
+                    return Err(input(
+                        path,
+                        format!(
+                            "layer {i}: one token and no `layer.{i}.q`: the last-key proxy needs \
+                             at least 2 tokens (or add the queries)"
+                        ),
+                    ));
+                }
+                let mut data = Vec::with_capacity(kv_heads * head_dim);
+                for h in 0..kv_heads {
+                    data.extend_from_slice(k.row(h, tokens - 1));
+                }
+                k = k.prefix(tokens - 1);
+                v = v.prefix(tokens - 1);
+                (
+                    Queries {
+                        data,
+                        q_heads: kv_heads,
+                        head_dim,
+                    },
+                    false,
+                )
+            }
+        };
+        layers.push(Layer {
+            index: i,
+            k,
+            v,
+            q,
+            captured_queries: captured,
+        });
+    }
+    Ok(layers)
+}
+
+fn rel_mse(a: &[f32], b: &[f32]) -> f64 {
+    let power = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / b.len().max(1) as f64;
+    attention::mse(a, b) / power.max(f64::MIN_POSITIVE)
+}
+
+/// Evaluates one layer: CPU reference always, the GPU kernel when `gpu` is given.
+pub fn evaluate_layer(
+    scheme: &Resolved,
+    layer: &Layer,
+    gpu: Option<&Gpu>,
+    path: &Path,
+) -> Result<LayerResult> {
+    let spec = &scheme.spec;
+    let (h, n, d) = (layer.k.kv_heads, layer.k.tokens, layer.k.head_dim);
+    let gqa = layer.q.q_heads / h;
+    spec.check_shape(d as u32, h as u32).map_err(|e| {
+        CliError::Unsupported(format!(
+            "layer {}: `{}` cannot cache {h} KV heads × head_dim {d}: {e}",
+            layer.index,
+            scheme.label()
+        ))
+    })?;
+    let cache = IntCache::build(spec, &layer.k, &layer.v)
+        .map_err(|e| input(path, format!("layer {}: {e}", layer.index)))?;
+    let deq = cache.dequantize();
+    let exact = attention::exact(&layer.q, &layer.k, &layer.v)
+        .map_err(|e| input(path, format!("layer {}: {e}", layer.index)))?;
+    let out = attention::decode(&layer.q, &deq, spec.calibrate.as_ref())
+        .map_err(|e| input(path, format!("layer {}: {e}", layer.index)))?;
+    // The GPU column is extra: a shape the kernels do not cover leaves it empty, with a note.
+    let mut gpu_note = None;
+    let gpu_out = match gpu {
+        Some(dev) => {
+            let shape = KernelShape::new(d as u32, gqa as u32, Dtype::F16);
+            let (q_bits, _) = gpu::to_device_words(&layer.q.data, Dtype::F16);
+            let splits = default_splits(1, h, n, dev.device.props().sm_count as usize);
+            match gpu::decode_once(
+                dev,
+                &shape,
+                &TuneParams::default_for(&shape),
+                splits,
+                &[&cache],
+                &q_bits,
+            ) {
+                Ok(o) => Some(o),
+                Err(e) => {
+                    gpu_note = Some(format!("layer {}: no GPU result: {e}", layer.index));
+                    None
+                }
+            }
+        }
+        None => None,
+    };
+    let rows = gqa * d;
+    let heads = (0..h)
+        .map(|head| HeadResult {
+            head,
+            k_rel_mse: rel_mse(deq.k.head(head), layer.k.head(head)),
+            v_rel_mse: rel_mse(deq.v.head(head), layer.v.head(head)),
+            attn_error: attention::relative_error(
+                &out[head * rows..(head + 1) * rows],
+                &exact[head * rows..(head + 1) * rows],
+            ),
+            gpu_error: gpu_out.as_ref().map(|o| {
+                attention::relative_error(
+                    &o[head * rows..(head + 1) * rows],
+                    &exact[head * rows..(head + 1) * rows],
+                )
+            }),
+        })
+        .collect();
+    let memory = evaluate::memory(spec, d as u32, h as u32, n as u64)?;
+    Ok(LayerResult {
+        index: layer.index,
+        tokens: n,
+        quantized_tokens: deq.k_quantized.iter().filter(|q| **q).count(),
+        kv_heads: h,
+        q_heads: layer.q.q_heads,
+        head_dim: d,
+        captured_queries: layer.captured_queries,
+        attn_error: attention::relative_error(&out, &exact),
+        gpu_error: gpu_out
+            .as_ref()
+            .map(|o| attention::relative_error(o, &exact)),
+        heads,
+        bits_per_element: memory.bits_per_element(),
+        gpu_note,
+    })
+}
+
+/// Renders the per-layer/per-head table.
+pub fn render(results: &[LayerResult]) -> String {
+    let gpu = results.iter().any(|r| r.gpu_error.is_some());
+    let mut columns = vec![
+        ("layer", Align::Right),
+        ("kv head", Align::Left),
+        ("tokens", Align::Right),
+        ("quantized", Align::Right),
+        ("bits/elem", Align::Right),
+        ("K rel MSE", Align::Right),
+        ("V rel MSE", Align::Right),
+        ("attn err", Align::Right),
+    ];
+    if gpu {
+        columns.push(("attn err (GPU)", Align::Right));
+    }
+    let mut t = Table::new(&columns);
+    let sci = |x: f64| format!("{x:.3e}");
+    for r in results {
+        for hr in &r.heads {
+            let mut cells = vec![
+                r.index.to_string(),
+                hr.head.to_string(),
+                r.tokens.to_string(),
+                r.quantized_tokens.to_string(),
+                String::new(),
+                sci(hr.k_rel_mse),
+                sci(hr.v_rel_mse),
+                format!("{:.4}", hr.attn_error),
+            ];
+            if gpu {
+                cells.push(hr.gpu_error.map_or("–".into(), |e| format!("{e:.4}")));
+            }
+            t.row(cells);
+        }
+        let mean = |f: fn(&HeadResult) -> f64| {
+            r.heads.iter().map(f).sum::<f64>() / r.heads.len().max(1) as f64
+        };
+        let mut cells = vec![
+            r.index.to_string(),
+            "all".into(),
+            r.tokens.to_string(),
+            r.quantized_tokens.to_string(),
+            format!("{:.3}", r.bits_per_element),
+            sci(mean(|h| h.k_rel_mse)),
+            sci(mean(|h| h.v_rel_mse)),
+            format!("{:.4}", r.attn_error),
+        ];
+        if gpu {
+            cells.push(r.gpu_error.map_or("–".into(), |e| format!("{e:.4}")));
+        }
+        t.row(cells);
+    }
+    t.render()
+}
+
+/// Runs `kvq eval`: the header lines and the table.
+pub fn run(opts: &EvalOptions) -> Result<String> {
+    if !opts.scheme.has_gpu_kernel() {
+        return Err(CliError::Unsupported(format!(
+            "`kvq eval` covers integer and FP16 schemes; `{}` needs more than K/V (CommVQ: \
+             pre-RoPE keys and calibration data, XQuant: the layer input and its projections) — \
+             `kvq demo` evaluates it on synthetic layers",
+            opts.scheme.label()
+        )));
+    }
+    let layers = read_layers(&opts.file, opts.layout, &opts.layers)?;
+    let mut lines = vec![format!(
+        "{} ({}) on {}: {} layer(s)",
+        opts.scheme.label(),
+        opts.scheme.spec,
+        opts.file.display(),
+        layers.len()
+    )];
+    let gpu = if opts.cpu_only {
+        lines.push("GPU: not used (--cpu)".into());
+        None
+    } else {
+        match gpu::open(opts.device) {
+            Ok(g) => {
+                lines.push(format!("GPU: {}", g.device.props()));
+                Some(g)
+            }
+            Err(e) => {
+                lines.push(format!("GPU: not used ({e})"));
+                None
+            }
+        }
+    };
+    let mut results = Vec::new();
+    for l in &layers {
+        results.push(evaluate_layer(&opts.scheme, l, gpu.as_ref(), &opts.file)?);
+    }
+    if results.iter().any(|r| !r.captured_queries) {
+        lines.push(
+            "queries: no `layer.{i}.q` for some layers; there each KV head's query is its key at \
+             the last token, and the cache holds the tokens before it (a proxy; capture the \
+             queries for real numbers)"
+                .into(),
+        );
+    }
+    lines.push(
+        "K/V rel MSE: ‖x̂ − x‖² / ‖x‖² per head; attn err: ‖o − o*‖/‖o*‖ of the head's query \
+         heads against exact attention over the unquantized K/V; bits/elem: this layer's cache \
+         (payload + metadata + FP16 windows)."
+            .into(),
+    );
+    let mean = results.iter().map(|r| r.attn_error).sum::<f64>() / results.len().max(1) as f64;
+    let mut s = lines.join("\n");
+    s.push_str("\n\n");
+    s.push_str(&render(&results));
+    s.push_str(&format!(
+        "\nmean attention error over {} layer(s): {mean:.4}\n",
+        results.len()
+    ));
+    for note in results.iter().filter_map(|r| r.gpu_note.as_ref()) {
+        s.push_str(&format!("note: {note}\n"));
+    }
+    Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    fn write_file(path: &Path, tensors: &[(&str, Vec<usize>, Vec<f32>)]) {
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+            .iter()
+            .map(|(n, s, v)| {
+                let b = v
+                    .iter()
+                    .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
+                    .collect();
+                (n.to_string(), s.clone(), b)
+            })
+            .collect();
+        let views: Vec<(String, TensorView<'_>)> = bytes
+            .iter()
+            .map(|(n, s, b)| {
+                (
+                    n.clone(),
+                    TensorView::new(StDtype::F16, s.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        std::fs::write(path, safetensors::serialize(views, &None).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn layers_read_in_both_layouts_and_missing_tensors_are_named() {
+        let dir = std::env::temp_dir().join(format!("kvq-eval-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("kv.safetensors");
+        // [tokens 3, heads 2, dim 2]: value = 100·token + 10·head + channel.
+        let vals: Vec<f32> = (0..3)
+            .flat_map(|t| {
+                (0..2).flat_map(move |h| (0..2).map(move |c| (100 * t + 10 * h + c) as f32))
+            })
+            .collect();
+        write_file(
+            &path,
+            &[
+                ("layer.0.k", vec![3, 2, 2], vals.clone()),
+                ("layer.0.v", vec![3, 2, 2], vals.clone()),
+                ("layer.1.k", vec![3, 2, 2], vals.clone()),
+            ],
+        );
+        let err = read_layers(&path, KvLayout::TokensFirst, &[])
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("no tensor `layer.1.v`"), "{err}");
+        let layers = read_layers(&path, KvLayout::TokensFirst, &[0]).unwrap();
+        let l = &layers[0];
+        // Last-key proxy: two cached tokens, query of head 1 = key of token 2, head 1.
+        assert_eq!((l.k.tokens, l.k.kv_heads, l.k.head_dim), (2, 2, 2));
+        assert_eq!(l.k.row(1, 1), &[110.0, 111.0]);
+        assert_eq!(l.q.head(1), &[210.0, 211.0]);
+        assert!(!l.captured_queries);
+        let layers = read_layers(&path, KvLayout::HeadsFirst, &[0]).unwrap();
+        // Heads-first: [3 heads][2 tokens][2]: head 1 token 0 = flat row 2.
+        assert_eq!(layers[0].k.kv_heads, 3);
+        assert_eq!(layers[0].k.row(1, 0), &[100.0, 101.0]);
+        let err = read_layers(&path, KvLayout::TokensFirst, &[5])
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("no layer 5"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,165 @@
+//! The GPU work shared by `kvq demo` and `kvq eval`: open the device, run one decode of a batch of
+//! reference caches, and time a scheme's decode the way the tuner and the benchmarks do (rotating
+//! copies bigger than L2, runs queued behind a spin kernel, output checked against the reference
+//! first).
+
+use kvq::codegen::{KernelShape, TuneParams};
+use kvq::reference::int::IntCache;
+use kvq::runtime::device::synchronize_stream;
+use kvq::runtime::tune::check::default_rows;
+use kvq::runtime::tune::synth::{random_queries, word_to_f32};
+use kvq::runtime::tune::{
+    batch_device_bytes, plan_copies, ChoiceSource, QueuedTimer, ReferenceCheck, RotatingBatch,
+    TuneChoice, TuneProblem, Tuner,
+};
+use kvq::runtime::{nvrtc, DecodeKernel, DecodeScratch, Device, GpuCache, Jit, RuntimeError};
+
+/// An opened GPU with its JIT.
+pub struct Gpu {
+    pub device: Device,
+    pub jit: Jit,
+}
+
+/// Opens GPU `ordinal` and checks that NVRTC loads (every kernel is compiled at run time).
+pub fn open(ordinal: usize) -> Result<Gpu, RuntimeError> {
+    let device = Device::open(ordinal)?;
+    nvrtc::version()?;
+    let jit = Jit::new(&device)?;
+    Ok(Gpu { device, jit })
+}
+
+/// Runs one decode of `caches` (a batch of one scheme) with queries `q_bits` (device words,
+/// `[batch][q_heads][head_dim]`) and returns the output as f32. The output starts poisoned (NaN),
+/// so an unwritten value cannot pass for a result.
+pub fn decode_once(
+    gpu: &Gpu,
+    shape: &KernelShape,
+    params: &TuneParams,
+    splits: usize,
+    caches: &[&IntCache],
+    q_bits: &[u16],
+) -> Result<Vec<f32>, RuntimeError> {
+    let first = caches
+        .first()
+        .ok_or_else(|| RuntimeError::InvalidInput("an empty batch".into()))?;
+    let kernel = DecodeKernel::load(&gpu.jit, first.spec(), shape, params)?;
+    let stream = gpu.device.default_stream();
+    let cache = GpuCache::upload(&stream, caches)?;
+    let q_heads = cache.kv_heads() * shape.gqa as usize;
+    let q = stream
+        .clone_htod(q_bits)
+        .map_err(|e| RuntimeError::driver("upload queries", e))?;
+    let mut out = stream
+        .clone_htod(&vec![0xFFFFu16; q_bits.len()])
+        .map_err(|e| RuntimeError::driver("allocate outputs", e))?;
+    let mut scratch = DecodeScratch::new(
+        &stream,
+        caches.len(),
+        q_heads,
+        shape.head_dim as usize,
+        splits.max(1),
+    )?;
+    kernel.attend(&stream, cache.view(), &q, &mut out, &mut scratch)?;
+    let host = stream
+        .clone_dtoh(&out)
+        .map_err(|e| RuntimeError::async_failure("decode", e))?;
+    synchronize_stream(&stream, "decode")?;
+    Ok(host
+        .into_iter()
+        .map(|w| word_to_f32(w, shape.dtype))
+        .collect())
+}
+
+/// A timed, checked decode configuration.
+#[derive(Debug, Clone)]
+pub struct Latency {
+    pub median_us: f64,
+    pub choice: TuneChoice,
+    pub source: ChoiceSource,
+    /// Largest relative error of the checked rows against the CPU reference.
+    pub max_rel_error: f64,
+    /// Copies of the batch rotated through.
+    pub copies: usize,
+}
+
+/// Chooses the launch (stored tuning result, else the heuristic, or tuning now under policy
+/// `full`), checks one output against the CPU reference, then times `runs` decodes.
+pub fn measure(
+    gpu: &Gpu,
+    tuner: &mut Tuner<'_>,
+    shape: &KernelShape,
+    caches: &[&IntCache],
+    warmup: usize,
+    runs: usize,
+    seed: u64,
+) -> Result<Latency, RuntimeError> {
+    let first = caches
+        .first()
+        .ok_or_else(|| RuntimeError::InvalidInput("an empty batch".into()))?;
+    let spec = *first.spec();
+    let kv_heads = first.k().kv_heads();
+    let max_len = caches.iter().map(|c| c.tokens()).max().unwrap_or(1);
+    let problem = TuneProblem::new(spec, *shape, kv_heads, caches.len(), max_len);
+    let selection = tuner.choose(&problem)?;
+    let choice = selection.choice;
+    let kernel = DecodeKernel::load(&gpu.jit, &spec, shape, &choice.params)?;
+    let stream = gpu.device.default_stream();
+    let q_heads = problem.q_heads();
+    let d = shape.head_dim as usize;
+    let (q_bits, q_vals) = random_queries(caches.len() * q_heads * d, shape.dtype, seed);
+    let check = ReferenceCheck::new(
+        caches,
+        &q_vals,
+        q_heads,
+        shape.dtype,
+        &default_rows(caches.len()),
+    )?;
+    let (free, _) = gpu
+        .device
+        .context()
+        .mem_get_info()
+        .map_err(|e| RuntimeError::driver("cuMemGetInfo", e))?;
+    let budget = (free as u64 / 2).min(16 << 30);
+    let copies = plan_copies(
+        batch_device_bytes(caches, q_heads),
+        gpu.device.props().l2_bytes,
+        budget,
+    )?;
+    let mut batch = RotatingBatch::upload(&stream, caches, &q_bits, copies)?;
+    let mut scratch = DecodeScratch::new(&stream, caches.len(), q_heads, d, choice.splits)?;
+    let out = batch.run_checked(0, &stream, &kernel, &mut scratch)?;
+    let max_rel_error = check.verify(&out).map_err(|why| {
+        RuntimeError::InvalidInput(format!(
+            "`{spec}`: the GPU output disagrees with the CPU reference ({why}); not timed"
+        ))
+    })?;
+    let timer = QueuedTimer::new(&gpu.jit)?;
+    let timing = timer.time(&stream, warmup, runs.max(1), |s| {
+        batch.attend_next(s, &kernel, &mut scratch)
+    })?;
+    Ok(Latency {
+        median_us: timing.median_us(),
+        choice,
+        source: selection.source,
+        max_rel_error,
+        copies: batch.copies(),
+    })
+}
+
+/// `(bits, f32 values)` of `values` rounded to the kernel's dtype.
+pub fn to_device_words(values: &[f32], dtype: kvq::codegen::Dtype) -> (Vec<u16>, Vec<f32>) {
+    use half::{bf16, f16};
+    values
+        .iter()
+        .map(|&x| match dtype {
+            kvq::codegen::Dtype::F16 => {
+                let h = f16::from_f32(x);
+                (h.to_bits(), h.to_f32())
+            }
+            kvq::codegen::Dtype::Bf16 => {
+                let h = bf16::from_f32(x);
+                (h.to_bits(), h.to_f32())
+            }
+        })
+        .unzip()
+}

@@ -1,0 +1,140 @@
+//! `kvq info`: what this machine offers kvq — GPU, driver, NVRTC, cache folders, tuned entries.
+//! Every missing piece is one line saying what is missing and why; nothing here fails.
+
+use std::path::Path;
+
+use kvq::runtime::tune::{GpuKey, TuneStore, TUNE_FILE};
+use kvq::runtime::{cache_root, device_count, driver_version, nvrtc, Device};
+
+/// Files and bytes directly inside `dir` whose name ends with one of `exts`.
+fn count_files(dir: &Path, exts: &[&str]) -> Option<(usize, u64)> {
+    let entries = std::fs::read_dir(dir).ok()?;
+    let mut n = 0;
+    let mut bytes = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if exts.iter().any(|x| name.ends_with(x)) {
+            n += 1;
+            bytes += e.metadata().map_or(0, |m| m.len());
+        }
+    }
+    Some((n, bytes))
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+/// The report, one `key: value` line each.
+pub fn report(ordinal: usize) -> String {
+    let mut lines: Vec<String> = vec![format!("kvq {}", env!("CARGO_PKG_VERSION"))];
+    let mut gpu_key = None;
+    let driver = driver_version();
+    match &driver {
+        Ok(v) => lines.push(format!("driver:       {v}")),
+        Err(e) => lines.push(format!("driver:       not available: {e}")),
+    }
+    match device_count() {
+        // Said once, on the driver line.
+        Err(_) if driver.is_err() => lines.push("GPUs:         none usable (no driver)".into()),
+        Ok(0) => lines.push("GPUs:         none (the driver reports 0 devices)".into()),
+        Ok(n) => {
+            lines.push(format!("GPUs:         {n}"));
+            match Device::open(ordinal) {
+                Ok(d) => {
+                    let p = d.props();
+                    lines.push(format!(
+                        "GPU {}:        {} (compute {}.{}, kernels for {}, {} SMs, {:.1} GiB memory, {} MiB L2, \
+                         {:.0} GB/s peak DRAM)",
+                        p.ordinal,
+                        p.name,
+                        p.compute_capability.0,
+                        p.compute_capability.1,
+                        p.arch,
+                        p.sm_count,
+                        p.total_memory_bytes as f64 / (1u64 << 30) as f64,
+                        p.l2_bytes >> 20,
+                        p.peak_memory_bandwidth_gbps()
+                    ));
+                    gpu_key = Some(GpuKey::of(p));
+                }
+                Err(e) => lines.push(format!("GPU {ordinal}:        not usable: {e}")),
+            }
+        }
+        Err(e) => lines.push(format!("GPUs:         unknown: {e}")),
+    }
+    match nvrtc::version() {
+        Ok(v) => {
+            let archs = nvrtc::supported_archs()
+                .map(|a| {
+                    let first = a.first().map_or(String::new(), |x| format!("sm_{x}"));
+                    let last = a.last().map_or(String::new(), |x| format!("sm_{x}"));
+                    format!(" (targets {first} … {last})")
+                })
+                .unwrap_or_default();
+            lines.push(format!("NVRTC:        {v}{archs}"));
+        }
+        Err(e) => lines.push(format!("NVRTC:        not available: {e}")),
+    }
+    match cache_root() {
+        Ok(root) => {
+            let from = match std::env::var_os("KVQ_CACHE_DIR") {
+                Some(v) if !v.is_empty() => "KVQ_CACHE_DIR",
+                _ => "user cache folder; set KVQ_CACHE_DIR to move it",
+            };
+            lines.push(format!("cache dir:    {} ({from})", root.display()));
+            let modules = root.join("modules");
+            match count_files(&modules, &[".cubin", ".ptx"]) {
+                Some((n, bytes)) => lines.push(format!(
+                    "module cache: {} ({n} compiled modules, {})",
+                    modules.display(),
+                    mib(bytes)
+                )),
+                None => lines.push(format!(
+                    "module cache: {} (not created yet)",
+                    modules.display()
+                )),
+            }
+            let tune = root.join(TUNE_FILE);
+            if tune.exists() {
+                let store = TuneStore::load_quietly(&tune);
+                match store.warning() {
+                    Some(w) => {
+                        lines.push(format!("tune file:    {} (unusable: {w})", tune.display()))
+                    }
+                    None => {
+                        let here = gpu_key.as_ref().map(|g| {
+                            let n = store.entries().iter().filter(|e| &e.gpu == g).count();
+                            format!(", {n} for this GPU")
+                        });
+                        lines.push(format!(
+                            "tune file:    {} ({} tuned entries{})",
+                            tune.display(),
+                            store.entries().len(),
+                            here.unwrap_or_default()
+                        ));
+                    }
+                }
+            } else {
+                lines.push(format!(
+                    "tune file:    {} (absent: 0 tuned entries; `kvq tune` writes it)",
+                    tune.display()
+                ));
+            }
+        }
+        Err(e) => lines.push(format!("cache dir:    not available: {e}")),
+    }
+    let policy = std::env::var("KVQ_TUNE").unwrap_or_default();
+    lines.push(format!(
+        "KVQ_TUNE:     {}",
+        if policy.trim().is_empty() {
+            "unset (cached: stored results, else the heuristic)".to_string()
+        } else {
+            policy
+        }
+    ));
+    let mut s = lines.join("\n");
+    s.push('\n');
+    s
+}

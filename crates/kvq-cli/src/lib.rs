@@ -1,0 +1,16 @@
+//! The `kvq` command line (binary in `main.rs`): the subcommands as library functions, so tests can
+//! call them directly as well as through the built binary.
+
+pub mod cli;
+pub mod demo;
+pub mod error;
+pub mod eval;
+pub mod gen;
+pub mod gpu;
+pub mod info;
+pub mod run;
+pub mod sample;
+pub mod scheme;
+pub mod table;
+
+pub use error::{CliError, Result};

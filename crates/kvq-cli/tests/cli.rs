@@ -1,0 +1,797 @@
+//! The `kvq` binary as a user runs it: argument parsing, `schemes`, `gen` (files, manifest,
+//! header, NVRTC check, sample), `demo` without a GPU, `eval` on a generated safetensors file,
+//! `info`, and the messages and exit codes of mistakes.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use kvq::runtime::testing::require_nvrtc;
+use kvq::runtime::tune::{GpuKey, ProblemKey, TuneChoice, TuneEntry, TuneStore};
+use kvq::runtime::DriverVersion;
+use kvq::schemes::BUILTIN;
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use serde_json::Value;
+
+/// A fresh folder under the system temp dir, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        let p = std::env::temp_dir().join(format!("kvq-cli-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs `kvq args…` with its cache folder in `cache` (so no user state leaks in).
+fn kvq(args: &[&str], cache: &Path) -> Output {
+    // KVQ_BIN runs a staged binary elsewhere (the GPU machine has no cargo).
+    Command::new(std::env::var("KVQ_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvq").to_string()))
+        .args(args)
+        .env("KVQ_CACHE_DIR", cache)
+        .env_remove("KVQ_TUNE")
+        .output()
+        .expect("run kvq")
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+fn gpu_present() -> bool {
+    kvq::runtime::Device::open(0).is_ok()
+}
+
+fn gpu_builtins() -> Vec<&'static str> {
+    BUILTIN
+        .iter()
+        .filter(|b| kvq_cli::scheme::has_gpu_kernel(&b.spec))
+        .map(|b| b.name)
+        .collect()
+}
+
+#[test]
+fn help_lists_every_subcommand_and_bad_flags_exit_2() {
+    let tmp = TempDir::new("help");
+    let o = kvq(&["--help"], tmp.path());
+    let (out, _) = text(&o);
+    assert!(o.status.success());
+    for c in ["demo", "schemes", "gen", "tune", "bench", "info", "eval"] {
+        assert!(out.contains(c), "{c} missing from help:\n{out}");
+    }
+    let o = kvq(&["gen", "--head-dim", "128"], tmp.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).1.contains("--scheme"), "{}", text(&o).1);
+    let o = kvq(
+        &[
+            "gen",
+            "--scheme",
+            "kivi2",
+            "--head-dim",
+            "128",
+            "--dtype",
+            "f32",
+            "--out",
+            "x",
+        ],
+        tmp.path(),
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).1.contains("unknown dtype `f32`"), "{}", text(&o).1);
+    let o = kvq(&["demo", "--context", "4X"], tmp.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).1.contains("token count"), "{}", text(&o).1);
+    let o = kvq(&["nonsense"], tmp.path());
+    assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn schemes_lists_every_builtin_with_text_and_bits() {
+    let tmp = TempDir::new("schemes");
+    let o = kvq(&["schemes"], tmp.path());
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    for b in BUILTIN {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("{} ", b.name)))
+            .unwrap_or_else(|| panic!("no row for {}:\n{out}", b.name));
+        assert!(line.contains(&b.spec.to_string()), "{line}");
+    }
+    assert!(out.contains("2.366"), "KIVI-2 at 32K:\n{out}");
+    assert!(out.contains("CPU only") && out.contains("GPU + CPU"));
+}
+
+#[test]
+fn unknown_names_list_the_builtins_and_grammar_errors_point_at_the_column() {
+    let tmp = TempDir::new("errors");
+    let dir = tmp.path().join("out");
+    let dir = dir.to_str().unwrap();
+    let o = kvq(
+        &[
+            "gen",
+            "--scheme",
+            "kivi3",
+            "--head-dim",
+            "128",
+            "--out",
+            dir,
+        ],
+        tmp.path(),
+    );
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("unknown scheme `kivi3`"), "{err}");
+    for b in BUILTIN {
+        assert!(err.contains(b.name), "{} not listed: {err}", b.name);
+    }
+    let bad = "k = int(2, channel), v = int(2, tokn)";
+    let o = kvq(
+        &["gen", "--scheme", bad, "--head-dim", "128", "--out", dir],
+        tmp.path(),
+    );
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    let lines: Vec<&str> = err.lines().collect();
+    assert!(
+        lines[0].starts_with("error: `axis` must be one of") && lines[0].contains("column 33"),
+        "{err}"
+    );
+    assert_eq!(lines[1], format!("  {bad}"));
+    assert_eq!(lines[2], format!("  {}^^^^", " ".repeat(32)));
+    // A valid scheme without a GPU kernel.
+    let o = kvq(
+        &[
+            "gen",
+            "--scheme",
+            "commvq2",
+            "--head-dim",
+            "128",
+            "--out",
+            dir,
+        ],
+        tmp.path(),
+    );
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("no GPU kernel"), "{err}");
+    // A shape the scheme cannot hold.
+    let o = kvq(
+        &[
+            "gen",
+            "--scheme",
+            "kivi2",
+            "--head-dim",
+            "100",
+            "--out",
+            dir,
+        ],
+        tmp.path(),
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
+    assert!(!Path::new(dir).join("decode.cu").exists());
+}
+
+/// Generates into a fresh folder and checks the files, manifest and header against each other.
+fn gen_and_check(scheme: &str, args: &[&str], tmp: &TempDir) -> (Value, String, PathBuf) {
+    let dir = tmp
+        .path()
+        .join(scheme.replace(|c: char| !c.is_alphanumeric(), "_"));
+    let d = dir.to_str().unwrap();
+    let mut all = vec!["gen", "--scheme", scheme, "--out", d];
+    all.extend_from_slice(args);
+    let o = kvq(&all, tmp.path());
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{scheme}: {out}\n{err}");
+    for f in ["decode.cu", "kvq_kernels.h", "manifest.json"] {
+        assert!(dir.join(f).is_file(), "{scheme}: {f} missing");
+        assert!(out.contains(&format!("wrote {f}")), "{out}");
+    }
+    let manifest: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap())
+            .expect("manifest parses");
+    let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
+    assert!(header.is_ascii());
+    let decode = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
+    let cache = std::fs::read_to_string(dir.join("cache.cu")).unwrap_or_default();
+    assert_eq!(manifest["format"], "kvq-gen");
+    assert_eq!(manifest["layout_version"], "kvq-layout-1");
+    let kernels = manifest["kernels"].as_array().unwrap();
+    assert!(kernels.len() >= 2);
+    for k in kernels {
+        let name = k["name"].as_str().unwrap();
+        let params = k["params"].as_array().unwrap();
+        assert!(
+            header.contains(&format!("typedef struct {name}_params {{")),
+            "{name} has no parameter struct"
+        );
+        let signature: Vec<String> = params
+            .iter()
+            .map(|p| {
+                format!(
+                    "{} {}",
+                    p["c_type"].as_str().unwrap(),
+                    p["name"].as_str().unwrap()
+                )
+            })
+            .collect();
+        assert!(
+            header.contains(&format!(
+                "__global__ void {name}({});",
+                signature.join(", ")
+            )),
+            "{name} not declared with its parameters"
+        );
+        assert!(header.contains(&format!("_NUM_PARAMS {}", params.len())));
+        let source = if k["file"] == "decode.cu" {
+            &decode
+        } else {
+            &cache
+        };
+        assert!(
+            source.contains(&format!("{name}(")),
+            "{name} not in {}",
+            k["file"]
+        );
+        // The source's parameters, in order, have the manifest's names.
+        let at = source.find(&format!("{name}(")).unwrap();
+        let body = &source[at..at + source[at..].find(')').unwrap()];
+        let mut last = 0;
+        for p in params {
+            let n = p["name"].as_str().unwrap();
+            let pos = body[last..]
+                .find(&format!(" {n}"))
+                .unwrap_or_else(|| panic!("{name}: parameter {n} out of order in the source"));
+            last += pos + n.len();
+        }
+        assert_eq!(k["block"][1], 1);
+    }
+    (manifest, out, dir)
+}
+
+#[test]
+fn gen_writes_sources_header_and_manifest_for_every_gpu_builtin() {
+    let tmp = TempDir::new("gen");
+    for name in gpu_builtins() {
+        let (m, _, dir) = gen_and_check(
+            name,
+            &["--head-dim", "128", "--gqa", "4", "--dtype", "bf16"],
+            &tmp,
+        );
+        assert!(dir.join("cache.cu").is_file());
+        assert_eq!(m["scheme"]["name"], name);
+        assert_eq!(m["shape"]["gqa"], 4);
+        assert_eq!(m["shape"]["dtype"], "bf16");
+        assert_eq!(m["tune"]["source"], "default");
+        // Layout numbers are the reference's.
+        let spec = kvq::schemes::by_name(name).unwrap().spec;
+        for (t, q) in [("k", spec.k), ("v", spec.v)] {
+            let want = match q.as_int() {
+                Some(iq) => {
+                    kvq::reference::int::IntLayout::new(iq, 128, 128)
+                        .unwrap()
+                        .block_bytes
+                }
+                None => kvq::reference::int::fp16_block_bytes(128, 128),
+            };
+            assert_eq!(m["layout"][t]["block_bytes"], want, "{name} {t}");
+        }
+        let steps: Vec<&str> = m["launch"]["decode_steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_str().unwrap())
+            .collect();
+        if spec.calibrate.is_some() {
+            assert_eq!(steps, ["score_range", "decode", "combine"]);
+        } else {
+            assert_eq!(steps, ["decode", "combine"]);
+        }
+    }
+    // Scheme text works too, and head_dim 512 has decode kernels only.
+    let (m, out, dir) = gen_and_check(
+        "k = int(3, channel), v = int(4, token, group = 32), sink = 16",
+        &["--head-dim", "512"],
+        &tmp,
+    );
+    assert!(m["scheme"]["name"].is_null());
+    assert!(!dir.join("cache.cu").exists());
+    assert!(out.contains("no cache kernels written"), "{out}");
+}
+
+#[test]
+fn gen_uses_tuned_block_parameters_from_the_tune_file() {
+    let tmp = TempDir::new("tuned");
+    let spec = kvq::schemes::by_name("kivi2").unwrap().spec;
+    let file = tmp.path().join("tune.json");
+    let mut store = TuneStore::empty(&file);
+    store.insert(TuneEntry {
+        gpu: GpuKey {
+            name: "NVIDIA H100 80GB HBM3".into(),
+            compute_capability: (9, 0),
+            sm_count: 132,
+            driver: DriverVersion {
+                major: 13,
+                minor: 0,
+            },
+        },
+        problem: ProblemKey {
+            scheme_hash: format!("{:016x}", spec.stable_hash()),
+            head_dim: 128,
+            gqa: 4,
+            dtype: kvq::codegen::Dtype::F16,
+            kv_heads: 8,
+            batch_bucket: 16,
+            context_bucket: 32768,
+        },
+        scheme: spec.to_string(),
+        choice: TuneChoice {
+            params: kvq::codegen::TuneParams {
+                threads: 256,
+                tile_tokens: 16,
+            },
+            splits: 3,
+        },
+        tuned_us: 190.0,
+        default_us: 200.0,
+        measured_batch: 16,
+        measured_len: 32768,
+        candidates: 45,
+        rejected: 0,
+        tuned_at_unix: 1,
+        kvq_version: "0.1.0".into(),
+    });
+    store.save().unwrap();
+    let (m, _, dir) = gen_and_check(
+        "kivi2",
+        &["--head-dim", "128", "--gqa", "4"],
+        &tmp, // tune.json sits in KVQ_CACHE_DIR
+    );
+    assert_eq!(m["tune"]["source"], "tuned");
+    assert_eq!(m["tune"]["threads"], 256);
+    let tuned = &m["tune"]["tuned"][0];
+    assert_eq!(tuned["splits"], 3);
+    assert_eq!(tuned["matches_source"], true);
+    let decode = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
+    assert!(decode.contains("threads=256 tile_tokens=16"));
+    // Flags win; another shape has no tuned entry.
+    let (m, _, _) = gen_and_check(
+        "kivi2",
+        &["--head-dim", "128", "--gqa", "4", "--threads", "64"],
+        &tmp,
+    );
+    assert_eq!(m["tune"]["source"], "flags");
+    assert_eq!(m["tune"]["threads"], 64);
+    assert_eq!(m["tune"]["tuned"][0]["matches_source"], false);
+    let (m, _, _) = gen_and_check("kivi2", &["--head-dim", "64"], &tmp);
+    assert_eq!(m["tune"]["source"], "default");
+    assert!(m["tune"]["tuned"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn gen_output_compiles_with_nvrtc_for_every_gpu_builtin() {
+    if require_nvrtc("gen_output_compiles_with_nvrtc_for_every_gpu_builtin").is_none() {
+        return;
+    }
+    let tmp = TempDir::new("nvrtc");
+    for name in gpu_builtins() {
+        let (m, out, dir) = gen_and_check(
+            name,
+            &["--head-dim", "128", "--gqa", "4", "--arch", "sm_90a"],
+            &tmp,
+        );
+        for f in ["decode", "cache"] {
+            assert!(
+                out.contains(&format!("compiled {f}.cu for sm_90a with NVRTC")),
+                "{name}: {out}"
+            );
+            assert!(dir.join(format!("{f}.sm_90a.cubin")).is_file());
+        }
+        assert_eq!(m["compiled"].as_array().unwrap().len(), 2);
+    }
+    let o = kvq(
+        &[
+            "gen",
+            "--scheme",
+            "kivi2",
+            "--head-dim",
+            "128",
+            "--out",
+            tmp.path().join("x").to_str().unwrap(),
+            "--arch",
+            "sm_1x",
+        ],
+        tmp.path(),
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).1.contains("--arch"), "{}", text(&o).1);
+}
+
+#[test]
+fn gen_sample_matches_the_manifest_layout() {
+    let tmp = TempDir::new("sample");
+    let (m, _, dir) = gen_and_check(
+        "kitty",
+        &[
+            "--head-dim",
+            "64",
+            "--gqa",
+            "2",
+            "--sample",
+            "--sample-lengths",
+            "5,200,700",
+        ],
+        &tmp,
+    );
+    assert_eq!(m["sample"], "sample");
+    let s: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("sample/sample.json")).unwrap())
+            .unwrap();
+    assert_eq!(s["batch"], 3);
+    assert_eq!(s["q_heads"], 4);
+    let size = |e: &str| match e {
+        "u8" => 1,
+        "i32" | "f32" => 4,
+        _ => 2,
+    };
+    for f in s["files"].as_array().unwrap() {
+        let bytes = std::fs::metadata(dir.join("sample").join(f["file"].as_str().unwrap()))
+            .unwrap()
+            .len() as usize;
+        let n: usize = f["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as usize)
+            .product();
+        let want = (n * size(f["element"].as_str().unwrap())).max(1);
+        assert!(
+            bytes == want || (n == 0 && bytes <= 2),
+            "{}: {bytes} bytes, shape gives {want}",
+            f["name"]
+        );
+    }
+    let block = m["layout"]["k"]["block_bytes"].as_u64().unwrap() as usize;
+    let pool = &s["files"][0];
+    assert_eq!(pool["name"], "k_pool");
+    assert_eq!(pool["shape"][2].as_u64().unwrap() as usize, block);
+    // A later run into the same folder without --sample leaves no stale sample behind.
+    let o = kvq(
+        &[
+            "gen",
+            "--scheme",
+            "kivi2",
+            "--head-dim",
+            "64",
+            "--out",
+            dir.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    assert!(o.status.success());
+    let expected = std::fs::read(dir.join("sample/expected.bin"));
+    assert!(expected.is_err(), "stale sample left behind");
+    let (_, _, dir) = gen_and_check(
+        "kitty",
+        &[
+            "--head-dim",
+            "64",
+            "--gqa",
+            "2",
+            "--sample",
+            "--sample-lengths",
+            "5,200,700",
+        ],
+        &tmp,
+    );
+    let expected = std::fs::read(dir.join("sample/expected.bin")).unwrap();
+    assert_eq!(expected.len(), 3 * 4 * 64 * 4);
+    assert!(expected
+        .chunks_exact(4)
+        .all(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()));
+}
+
+#[test]
+fn demo_without_a_gpu_prints_the_cpu_table_and_exits_0() {
+    let tmp = TempDir::new("demo");
+    let mut args = vec![
+        "demo",
+        "--tokens",
+        "384",
+        "--calibration",
+        "256",
+        "--context",
+        "4K",
+    ];
+    if gpu_present() {
+        args.push("--cpu");
+    }
+    let o = kvq(&args, tmp.path());
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let first = out.lines().next().unwrap();
+    assert!(
+        first.starts_with("No usable GPU") || first.starts_with("GPU not used (--cpu)"),
+        "{first}"
+    );
+    assert!(first.contains("CPU reference"));
+    let header = out
+        .lines()
+        .find(|l| l.starts_with("scheme "))
+        .expect("table header");
+    assert!(header.contains("bits/elem @4K") && header.contains("attn err"));
+    assert!(!header.contains("latency"), "{header}");
+    for b in BUILTIN {
+        let row = out
+            .lines()
+            .find(|l| l.starts_with(&format!("{} ", b.name)))
+            .unwrap_or_else(|| panic!("no row for {}:\n{out}", b.name));
+        let gpu = kvq_cli::scheme::has_gpu_kernel(&b.spec);
+        assert_eq!(row.contains("CPU reference only"), !gpu, "{row}");
+        // attn err is a number for every scheme.
+        let cells: Vec<&str> = row.split_whitespace().collect();
+        assert!(cells[3].parse::<f64>().is_ok(), "{row}");
+    }
+}
+
+fn f16_bytes(values: &[f32]) -> Vec<u8> {
+    values
+        .iter()
+        .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
+        .collect()
+}
+
+/// Writes a two-layer capture: layer 0 with queries, layer 1 without (the last-key proxy).
+fn write_capture(path: &Path, tokens: usize, kv_heads: usize, head_dim: usize) {
+    let (k0, v0) = kvq_cli::demo::heavy_tailed_kv(kv_heads, tokens, head_dim, 1);
+    let (k1, v1) = kvq_cli::demo::heavy_tailed_kv(kv_heads, tokens, head_dim, 2);
+    // [kv_heads][tokens][head_dim] → [tokens][kv_heads][head_dim].
+    let tokens_first = |t: &kvq::reference::KvTensor| {
+        let mut out = Vec::with_capacity(t.data.len());
+        for tok in 0..t.tokens {
+            for h in 0..t.kv_heads {
+                out.extend_from_slice(t.row(h, tok));
+            }
+        }
+        out
+    };
+    let q: Vec<f32> = (0..2 * kv_heads * head_dim)
+        .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+        .collect();
+    let shape = vec![tokens, kv_heads, head_dim];
+    let data: Vec<(String, Vec<usize>, Vec<u8>)> = vec![
+        (
+            "layer.0.k".into(),
+            shape.clone(),
+            f16_bytes(&tokens_first(&k0)),
+        ),
+        (
+            "layer.0.v".into(),
+            shape.clone(),
+            f16_bytes(&tokens_first(&v0)),
+        ),
+        (
+            "layer.0.q".into(),
+            vec![2 * kv_heads, head_dim],
+            f16_bytes(&q),
+        ),
+        (
+            "layer.1.k".into(),
+            shape.clone(),
+            f16_bytes(&tokens_first(&k1)),
+        ),
+        ("layer.1.v".into(), shape, f16_bytes(&tokens_first(&v1))),
+    ];
+    let views: Vec<(String, TensorView<'_>)> = data
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::F16, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    std::fs::write(path, safetensors::serialize(views, &None).unwrap()).unwrap();
+}
+
+fn attn_err_of_layer(out: &str, layer: usize) -> f64 {
+    let row = out
+        .lines()
+        .find(|l| {
+            let c: Vec<&str> = l.split_whitespace().collect();
+            c.len() >= 8 && c[0] == layer.to_string() && c[1] == "all"
+        })
+        .unwrap_or_else(|| panic!("no summary row for layer {layer}:\n{out}"));
+    row.split_whitespace().nth(7).unwrap().parse().unwrap()
+}
+
+#[test]
+fn eval_reads_a_safetensors_capture_and_reports_every_layer_and_head() {
+    let tmp = TempDir::new("eval");
+    let file = tmp.path().join("kv.safetensors");
+    write_capture(&file, 600, 2, 64);
+    let f = file.to_str().unwrap();
+    let run = |scheme: &str| {
+        let o = kvq(
+            &["eval", "--scheme", scheme, "--kv", f, "--cpu"],
+            tmp.path(),
+        );
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{out}\n{err}");
+        out
+    };
+    let out = run("kivi2");
+    assert!(out.contains("2 layer(s)"), "{out}");
+    assert!(
+        out.contains("key at the last token"),
+        "layer 1 uses the proxy:\n{out}"
+    );
+    for layer in 0..2 {
+        for head in 0..2 {
+            assert!(
+                out.lines().any(|l| {
+                    let c: Vec<&str> = l.split_whitespace().collect();
+                    c.len() >= 7 && c[0] == layer.to_string() && c[1] == head.to_string()
+                }),
+                "no row for layer {layer} head {head}:\n{out}"
+            );
+        }
+    }
+    // Layer 1 caches one token fewer (its last key is the query).
+    assert!(out.contains(" 599 "), "{out}");
+    let kivi2 = attn_err_of_layer(&out, 0);
+    let int8 = attn_err_of_layer(&run("int8"), 0);
+    let fp16 = attn_err_of_layer(&run("fp16"), 0);
+    assert!(
+        fp16 < int8 && int8 < kivi2 && kivi2 < 1.0,
+        "{fp16} {int8} {kivi2}"
+    );
+    // Scheme text and a layer filter.
+    let o = kvq(
+        &[
+            "eval",
+            "--scheme",
+            "k = int(4, channel), v = int(4, token)",
+            "--kv",
+            f,
+            "--layers",
+            "1",
+            "--cpu",
+        ],
+        tmp.path(),
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains("1 layer(s)"), "{out}");
+}
+
+#[test]
+fn eval_names_what_is_missing() {
+    let tmp = TempDir::new("eval-missing");
+    let missing = tmp.path().join("nope.safetensors");
+    let o = kvq(
+        &[
+            "eval",
+            "--scheme",
+            "kivi2",
+            "--kv",
+            missing.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("nope.safetensors") && err.contains("layer.{i}.k"),
+        "{err}"
+    );
+    // A file whose layer has K but no V.
+    let file = tmp.path().join("half.safetensors");
+    let k = f16_bytes(&vec![0.5; 4 * 2 * 32]);
+    let views = vec![(
+        "layer.3.k".to_string(),
+        TensorView::new(Dtype::F16, vec![4, 2, 32], &k).unwrap(),
+    )];
+    std::fs::write(&file, safetensors::serialize(views, &None).unwrap()).unwrap();
+    let o = kvq(
+        &[
+            "eval",
+            "--scheme",
+            "kivi2",
+            "--kv",
+            file.to_str().unwrap(),
+            "--cpu",
+        ],
+        tmp.path(),
+    );
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("no tensor `layer.3.v`"), "{err}");
+    // Not a safetensors file at all.
+    std::fs::write(&file, b"hello").unwrap();
+    let o = kvq(
+        &["eval", "--scheme", "kivi2", "--kv", file.to_str().unwrap()],
+        tmp.path(),
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).1.contains("not a safetensors file"));
+    // CPU-only schemes are refused with the reason.
+    let o = kvq(
+        &[
+            "eval",
+            "--scheme",
+            "xquant2",
+            "--kv",
+            file.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).1.contains("layer input"), "{}", text(&o).1);
+}
+
+#[test]
+fn info_reports_every_piece_and_never_fails() {
+    let tmp = TempDir::new("info");
+    let o = kvq(&["info"], tmp.path());
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    for key in [
+        "driver:",
+        "GPUs:",
+        "NVRTC:",
+        "cache dir:",
+        "module cache:",
+        "tune file:",
+    ] {
+        assert!(out.contains(key), "{key} missing:\n{out}");
+    }
+    assert!(out.contains(tmp.path().to_str().unwrap()), "{out}");
+    assert!(out.contains("0 tuned entries"), "{out}");
+}
+
+#[test]
+fn tune_and_bench_need_a_gpu_and_say_so() {
+    if gpu_present() {
+        return;
+    }
+    let tmp = TempDir::new("nogpu");
+    for args in [
+        &["tune", "--scheme", "kivi2", "--context", "4K"][..],
+        &[
+            "bench",
+            "--schemes",
+            "kivi2",
+            "--context",
+            "4K",
+            "--batch",
+            "1",
+        ][..],
+    ] {
+        let o = kvq(args, tmp.path());
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(3), "{args:?}: {err}");
+        assert!(err.contains("needs a GPU"), "{err}");
+    }
+    // Usage errors come first, GPU or not.
+    let o = kvq(&["tune", "--scheme", "commvq2"], tmp.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).1.contains("CPU reference only"), "{}", text(&o).1);
+    let o = kvq(&["bench", "--q-heads", "30"], tmp.path());
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
+}

@@ -1,0 +1,495 @@
+#!/usr/bin/env python3
+"""An engine embedding kvq's generated decode kernels without kvq.
+
+Reads the output of `kvq gen ... --sample --out DIR`, compiles DIR/decode.cu with NVRTC, loads it
+with the CUDA driver API, puts the sample batch (page pools, page table, FP16 sink and tail rings,
+lengths, queries) in device buffers it allocates itself, launches the decode kernels on its own
+stream exactly as manifest.json describes them, and checks the output against the CPU reference's
+(DIR/sample/expected.bin), for several split counts.
+
+Only the Python standard library is used (ctypes, struct, json): the machine needs libcuda (the
+NVIDIA driver) and libnvrtc. With --check-only it stops before the driver: it validates the sample's
+buffers against the layout in the manifest and compiles the source, which needs no GPU.
+
+    python3 examples/embed/embed.py DIR [--check-only] [--arch sm_90a] [--splits 3,1,7]
+
+Exit status: 0 every check passed, 1 a check failed, 2 bad input or missing library.
+"""
+
+import argparse
+import ctypes
+import glob
+import json
+import math
+import os
+import struct
+import sys
+
+LAYOUT_VERSION = "kvq-layout-1"
+
+
+class EmbedError(Exception):
+    """A failure with a message for the user."""
+
+
+# --------------------------------------------------------------------------------------------
+# Input: manifest.json and sample/
+# --------------------------------------------------------------------------------------------
+
+
+def load_json(path):
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise EmbedError(f"cannot read {path}: {e}") from e
+    except json.JSONDecodeError as e:
+        raise EmbedError(f"{path} is not valid JSON: {e}") from e
+
+
+def load_sample(gen_dir):
+    """The manifest, the sample description and each sample buffer's bytes."""
+    manifest = load_json(os.path.join(gen_dir, "manifest.json"))
+    if manifest.get("format") != "kvq-gen" or manifest.get("version") != 1:
+        raise EmbedError(f"{gen_dir}/manifest.json is not a kvq-gen version 1 manifest")
+    if manifest.get("layout_version") != LAYOUT_VERSION:
+        raise EmbedError(
+            f"layout {manifest.get('layout_version')!r}, this engine reads {LAYOUT_VERSION!r}"
+        )
+    if not manifest.get("sample"):
+        raise EmbedError(f"{gen_dir} has no sample: run `kvq gen ... --sample`")
+    sample_dir = os.path.join(gen_dir, manifest["sample"])
+    sample = load_json(os.path.join(sample_dir, "sample.json"))
+    buffers = {}
+    for f in sample["files"]:
+        path = os.path.join(sample_dir, f["file"])
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except OSError as e:
+            raise EmbedError(f"cannot read {path}: {e}") from e
+        if len(data) != f["bytes"]:
+            raise EmbedError(f"{path}: {len(data)} bytes, sample.json says {f['bytes']}")
+        buffers[f["name"]] = data
+    return manifest, sample, buffers
+
+
+def element_bytes(element):
+    return {"u8": 1, "i32": 4, "f16": 2, "bf16": 2, "f32": 4}[element]
+
+
+def check_layout(manifest, sample, buffers):
+    """Checks every sample buffer against the documented shapes; returns a list of problems."""
+    layout = manifest["layout"]
+    shape = manifest["shape"]
+    d = shape["head_dim"]
+    batch, h, q_heads = sample["batch"], sample["kv_heads"], sample["q_heads"]
+    pages, max_pages = sample["physical_pages"], sample["max_pages"]
+    want = {
+        "k_pool": pages * h * layout["k"]["block_bytes"],
+        "v_pool": pages * h * layout["v"]["block_bytes"],
+        "page_table": batch * max_pages * 4,
+        "k_sink": batch * h * (layout["sink"] if layout["k"]["kind"] == "int" else 0) * d * 2,
+        "v_sink": batch * h * (layout["sink"] if layout["v"]["kind"] == "int" else 0) * d * 2,
+        "k_tail": batch * h * layout["k"]["tail_capacity"] * d * 2,
+        "v_tail": batch * h * layout["v"]["tail_capacity"] * d * 2,
+        "seq_lens": batch * 4,
+        "q": batch * q_heads * d * 2,
+        "expected": batch * q_heads * d * 4,
+    }
+    problems = []
+    for name, n in want.items():
+        have = len(buffers.get(name, b""))
+        # An empty buffer is stored as one poison element.
+        if have != n and not (n == 0 and have in (1, 2)):
+            problems.append(f"{name}: {have} bytes, the layout gives {n}")
+    if q_heads != h * shape["gqa"]:
+        problems.append(f"q_heads {q_heads} != kv_heads {h} * gqa {shape['gqa']}")
+    seq_lens = struct.unpack(f"<{batch}i", buffers["seq_lens"])
+    table = struct.unpack(f"<{batch * max_pages}i", buffers["page_table"])
+    for b, n in enumerate(seq_lens):
+        # Pages each tensor of this sequence needs (docs/LAYOUT.md section 5).
+        need = 0
+        for t in ("k", "v"):
+            tl = layout[t]
+            if tl["kind"] == "fp16":
+                need = max(need, -(-n // layout["page_tokens"]))
+            else:
+                sink_end = min(layout["sink"], n)
+                need = max(need, max(n - sink_end - tl["local"], 0) // layout["page_tokens"])
+        row = table[b * max_pages:(b + 1) * max_pages]
+        for p in range(need):
+            if not 0 <= row[p] < pages:
+                problems.append(f"sequence {b}: page slot {p} maps to {row[p]}, outside the pool")
+    return problems
+
+
+# --------------------------------------------------------------------------------------------
+# NVRTC
+# --------------------------------------------------------------------------------------------
+
+
+def find_library(stem, env, sonames):
+    """Loads a CUDA library: $env, the sonames through the loader, then pip wheels' folders."""
+    tried = []
+    candidates = []
+    if os.environ.get(env):
+        candidates.append(os.environ[env])
+    candidates += sonames
+    for base in sys.path + [os.environ.get("CUDA_HOME", "/usr/local/cuda")]:
+        if base and os.path.isdir(base):
+            candidates += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", f"lib{stem}.so*")))
+            candidates += sorted(glob.glob(os.path.join(base, "lib64", f"lib{stem}.so*")))
+    for c in candidates:
+        try:
+            return ctypes.CDLL(c), c
+        except OSError:
+            tried.append(c)
+    raise EmbedError(f"lib{stem} not found (tried {', '.join(tried) or 'nothing'}); set {env}")
+
+
+class Nvrtc:
+    def __init__(self):
+        self.lib, self.path = find_library(
+            "nvrtc", "KVQ_NVRTC", ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+        )
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+        self.version = f"{major.value}.{minor.value}"
+
+    def compile(self, source, name, arch):
+        """CUDA C++ → CUBIN for `arch` (e.g. sm_90a)."""
+        lib = self.lib
+        prog = ctypes.c_void_p()
+        status = lib.nvrtcCreateProgram(
+            ctypes.byref(prog), source.encode(), name.encode(), 0, None, None
+        )
+        if status != 0:
+            raise EmbedError(f"nvrtcCreateProgram failed ({status})")
+        try:
+            opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
+            status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+            if status != 0:
+                size = ctypes.c_size_t()
+                lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+                log = ctypes.create_string_buffer(size.value)
+                lib.nvrtcGetProgramLog(prog, log)
+                raise EmbedError(f"NVRTC could not compile {name} for {arch}:\n{log.value.decode()}")
+            size = ctypes.c_size_t()
+            if lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)) != 0:
+                raise EmbedError(f"nvrtcGetCUBINSize failed for {arch} (a real sm_XY is needed)")
+            image = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetCUBIN(prog, image)
+            return image.raw
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def decode_image(gen_dir, arch, log):
+    """CUBIN of decode.cu for `arch`: compiled with NVRTC, else the one `kvq gen --arch` wrote."""
+    with open(os.path.join(gen_dir, "decode.cu"), "r", encoding="utf-8") as f:
+        source = f.read()
+    try:
+        nvrtc = Nvrtc()
+    except EmbedError as e:
+        prebuilt = os.path.join(gen_dir, f"decode.{arch}.cubin")
+        if os.path.exists(prebuilt):
+            log(f"no NVRTC ({e}); using {prebuilt} from `kvq gen --arch {arch}`")
+            with open(prebuilt, "rb") as f:
+                return f.read()
+        raise
+    image = nvrtc.compile(source, "decode.cu", arch)
+    log(f"compiled decode.cu for {arch} with NVRTC {nvrtc.version} ({nvrtc.path}): "
+        f"{len(image)} bytes of CUBIN")
+    return image
+
+
+# --------------------------------------------------------------------------------------------
+# The CUDA driver API
+# --------------------------------------------------------------------------------------------
+
+CUdeviceptr = ctypes.c_uint64
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+CU_STREAM_NON_BLOCKING = 1
+
+
+class Driver:
+    """The few driver calls an engine needs, with argument types declared (64-bit pointers and
+    sizes must not be truncated to C int)."""
+
+    SIGNATURES = {
+        "cuInit": [ctypes.c_uint],
+        "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+        "cuDeviceGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int],
+        "cuDeviceGetName": [ctypes.c_char_p, ctypes.c_int, ctypes.c_int],
+        "cuDevicePrimaryCtxRetain": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
+        "cuDevicePrimaryCtxRelease_v2": [ctypes.c_int],
+        "cuCtxSetCurrent": [ctypes.c_void_p],
+        "cuModuleLoadData": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p],
+        "cuModuleUnload": [ctypes.c_void_p],
+        "cuModuleGetFunction": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p],
+        "cuStreamCreate": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint],
+        "cuStreamDestroy_v2": [ctypes.c_void_p],
+        "cuStreamSynchronize": [ctypes.c_void_p],
+        "cuMemAlloc_v2": [ctypes.POINTER(CUdeviceptr), ctypes.c_size_t],
+        "cuMemFree_v2": [CUdeviceptr],
+        "cuMemcpyHtoDAsync_v2": [CUdeviceptr, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
+        "cuMemcpyDtoHAsync_v2": [ctypes.c_void_p, CUdeviceptr, ctypes.c_size_t, ctypes.c_void_p],
+        "cuMemsetD16Async": [CUdeviceptr, ctypes.c_ushort, ctypes.c_size_t, ctypes.c_void_p],
+        "cuMemsetD32Async": [CUdeviceptr, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p],
+        "cuLaunchKernel": [
+            ctypes.c_void_p,
+            ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+            ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+            ctypes.c_uint, ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
+        ],
+        "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+    }
+
+    def __init__(self):
+        self.lib, self.path = find_library("cuda", "KVQ_LIBCUDA", ["libcuda.so.1", "libcuda.so"])
+        for name, args in self.SIGNATURES.items():
+            fn = getattr(self.lib, name)
+            fn.argtypes = args
+            fn.restype = ctypes.c_int
+
+    def __call__(self, name, *args):
+        status = getattr(self.lib, name)(*args)
+        if status != 0:
+            text = ctypes.c_char_p()
+            self.lib.cuGetErrorName(status, ctypes.byref(text))
+            raise EmbedError(f"{name} failed: {status} ({(text.value or b'?').decode()})")
+
+
+def f16_to_float(word):
+    return struct.unpack("<e", struct.pack("<H", word))[0]
+
+
+def bf16_to_float(word):
+    return struct.unpack("<f", struct.pack("<I", word << 16))[0]
+
+
+def grid_dim(formula, env):
+    """A grid entry of the manifest: a launch value's name or an integer."""
+    formula = formula.strip()
+    if formula.isdigit():
+        return int(formula)
+    if formula in env:
+        return int(env[formula])
+    raise EmbedError(f"grid formula {formula!r} is not one this engine evaluates")
+
+
+class Engine:
+    """Owns a context, a stream, a module and device buffers — as an inference engine would."""
+
+    def __init__(self, device_ordinal, log):
+        self.cu = Driver()
+        self.log = log
+        cu = self.cu
+        cu("cuInit", 0)
+        self.device = ctypes.c_int()
+        cu("cuDeviceGet", ctypes.byref(self.device), device_ordinal)
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        cu("cuDeviceGetAttribute", ctypes.byref(major), CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+           self.device)
+        cu("cuDeviceGetAttribute", ctypes.byref(minor), CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+           self.device)
+        name = ctypes.create_string_buffer(256)
+        cu("cuDeviceGetName", name, 256, self.device)
+        # The architecture-specific variant from Hopper on, as kvq's JIT compiles.
+        self.arch = f"sm_{major.value}{minor.value}" + ("a" if major.value >= 9 else "")
+        self.ctx = ctypes.c_void_p()
+        cu("cuDevicePrimaryCtxRetain", ctypes.byref(self.ctx), self.device)
+        cu("cuCtxSetCurrent", self.ctx)
+        self.stream = ctypes.c_void_p()
+        cu("cuStreamCreate", ctypes.byref(self.stream), CU_STREAM_NON_BLOCKING)
+        self.allocations = []
+        self.module = None
+        log(f"GPU {device_ordinal}: {name.value.decode()} ({self.arch}), driver {self.cu.path}")
+
+    def load(self, image, names):
+        self.module = ctypes.c_void_p()
+        self.cu("cuModuleLoadData", ctypes.byref(self.module), image)
+        functions = {}
+        for n in names:
+            f = ctypes.c_void_p()
+            self.cu("cuModuleGetFunction", ctypes.byref(f), self.module, n.encode())
+            functions[n] = f
+        return functions
+
+    def alloc(self, nbytes):
+        ptr = CUdeviceptr()
+        self.cu("cuMemAlloc_v2", ctypes.byref(ptr), max(nbytes, 4))
+        self.allocations.append(ptr)
+        return ptr
+
+    def upload(self, data):
+        ptr = self.alloc(len(data))
+        host = ctypes.create_string_buffer(data, len(data))
+        self.cu("cuMemcpyHtoDAsync_v2", ptr, host, len(data), self.stream)
+        self.cu("cuStreamSynchronize", self.stream)  # `host` must outlive the copy
+        return ptr
+
+    def download(self, ptr, nbytes):
+        host = ctypes.create_string_buffer(nbytes)
+        self.cu("cuMemcpyDtoHAsync_v2", host, ptr, nbytes, self.stream)
+        self.cu("cuStreamSynchronize", self.stream)
+        return host.raw
+
+    def launch(self, function, kernel, values, env):
+        """Launches `kernel` (a manifest entry) with `values` by parameter name."""
+        params = kernel["params"]
+        holders = []
+        for p in params:
+            if p["name"] not in values:
+                raise EmbedError(f"{kernel['name']}: no value for parameter {p['name']!r}")
+            v = values[p["name"]]
+            if p["c_type"].endswith("*"):
+                holders.append(CUdeviceptr(v.value if isinstance(v, CUdeviceptr) else v))
+            elif p["c_type"] == "int32_t":
+                holders.append(ctypes.c_int32(v))
+            else:
+                raise EmbedError(f"{kernel['name']}: parameter type {p['c_type']!r} not handled")
+        args = (ctypes.c_void_p * len(holders))(
+            *[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders]
+        )
+        grid = [grid_dim(g, env) for g in kernel["grid"]]
+        block = kernel["block"]
+        self.cu("cuLaunchKernel", function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                kernel["dynamic_shared_bytes"], self.stream, args, None)
+
+    def close(self):
+        for p in self.allocations:
+            self.cu("cuMemFree_v2", p)
+        if self.module:
+            self.cu("cuModuleUnload", self.module)
+        self.cu("cuStreamDestroy_v2", self.stream)
+        self.cu("cuDevicePrimaryCtxRelease_v2", self.device)
+
+
+# --------------------------------------------------------------------------------------------
+# The decode step
+# --------------------------------------------------------------------------------------------
+
+
+def relative_error(have, want):
+    num = sum((a - b) ** 2 for a, b in zip(have, want))
+    den = sum(b * b for b in want)
+    return math.sqrt(num / max(den, sys.float_info.min))
+
+
+def run_decode(engine, functions, manifest, sample, buffers, splits):
+    """One decode step with `splits` split-K partitions; returns the output as floats."""
+    batch, h, q_heads = sample["batch"], sample["kv_heads"], sample["q_heads"]
+    d = manifest["shape"]["head_dim"]
+    rows = batch * q_heads
+    ptr = {name: engine.upload(buffers[name]) for name in
+           ("k_pool", "v_pool", "page_table", "k_sink", "v_sink", "k_tail", "v_tail",
+            "seq_lens", "q")}
+    out = engine.alloc(rows * d * 2)
+    part_acc = engine.alloc(rows * splits * d * 4)
+    part_ml = engine.alloc(rows * splits * 2 * 4)
+    score_range = engine.alloc(rows * splits * 2 * 4)
+    cu = engine.cu
+    # Poison: an output or partial the kernels forget to write shows as NaN.
+    cu("cuMemsetD16Async", out, 0xFFFF, rows * d, engine.stream)
+    for p, n in ((part_acc, rows * splits * d), (part_ml, rows * splits * 2),
+                 (score_range, rows * splits * 2)):
+        cu("cuMemsetD32Async", p, 0x7FC00000, n, engine.stream)
+    values = dict(ptr)
+    values.update(out=out, part_acc=part_acc, part_ml=part_ml, score_range=score_range,
+                  max_pages=sample["max_pages"], num_splits=splits)
+    env = {"num_splits": splits, "kv_heads": h, "batch": batch, "q_heads": q_heads}
+    kernels = {k["role"]: k for k in manifest["kernels"]}
+    for role in manifest["launch"]["decode_steps"]:
+        k = kernels[role]
+        engine.launch(functions[k["name"]], k, values, env)
+    words = struct.unpack(f"<{rows * d}H", engine.download(out, rows * d * 2))
+    convert = f16_to_float if manifest["shape"]["dtype"] == "f16" else bf16_to_float
+    return [convert(w) for w in words]
+
+
+def verify(output, sample, buffers, d):
+    """Per-sequence relative error against the reference; (worst, failures)."""
+    batch, q_heads = sample["batch"], sample["q_heads"]
+    expected = struct.unpack(f"<{batch * q_heads * d}f", buffers["expected"])
+    per = q_heads * d
+    worst, failures = 0.0, []
+    for b in range(batch):
+        have = output[b * per:(b + 1) * per]
+        want = expected[b * per:(b + 1) * per]
+        if not all(math.isfinite(x) for x in have):
+            failures.append(f"sequence {b} ({sample['seq_lens'][b]} tokens): non-finite output")
+            continue
+        err = relative_error(have, want)
+        worst = max(worst, err)
+        if err > sample["tolerance"]:
+            failures.append(f"sequence {b} ({sample['seq_lens'][b]} tokens): relative error "
+                            f"{err:.3e} > {sample['tolerance']:.0e}")
+    return worst, failures
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("gen_dir", help="output folder of `kvq gen ... --sample`")
+    ap.add_argument("--check-only", action="store_true",
+                    help="validate the sample and compile the source; no GPU needed")
+    ap.add_argument("--arch", default=None,
+                    help="architecture to compile for (default: the GPU's, or sm_90a with --check-only)")
+    ap.add_argument("--splits", default=None,
+                    help="comma list of split-K counts to run (default: the sample's, 1 and 7)")
+    ap.add_argument("--device", type=int, default=0)
+    args = ap.parse_args()
+    name = os.path.basename(os.path.normpath(args.gen_dir))
+
+    def log(line):
+        print(f"[{name}] {line}", flush=True)
+
+    try:
+        manifest, sample, buffers = load_sample(args.gen_dir)
+        log(f"scheme {manifest['scheme']['text']}; head_dim {manifest['shape']['head_dim']}, "
+            f"gqa {manifest['shape']['gqa']}, {manifest['shape']['dtype']}; batch of "
+            f"{sample['batch']} sequences {sample['seq_lens']}, {sample['kv_heads']} KV heads")
+        problems = check_layout(manifest, sample, buffers)
+        if problems:
+            for p in problems:
+                log(f"layout mismatch: {p}")
+            return 1
+        log("sample buffers match the documented layout")
+        if args.check_only:
+            decode_image(args.gen_dir, args.arch or "sm_90a", log)
+            log("check-only: stopping before the driver")
+            return 0
+        engine = Engine(args.device, log)
+        try:
+            image = decode_image(args.gen_dir, args.arch or engine.arch, log)
+            steps = manifest["launch"]["decode_steps"]
+            kernels = {k["role"]: k for k in manifest["kernels"]}
+            functions = engine.load(image, [kernels[r]["name"] for r in steps])
+            if args.splits:
+                split_counts = [int(s) for s in args.splits.split(",") if s.strip()]
+            else:
+                split_counts = sorted({sample["num_splits"], 1, 7})
+            d = manifest["shape"]["head_dim"]
+            failed = False
+            for splits in split_counts:
+                output = run_decode(engine, functions, manifest, sample, buffers, splits)
+                worst, failures = verify(output, sample, buffers, d)
+                status = "FAIL" if failures else "ok"
+                log(f"{' -> '.join(steps)} with {splits} split(s) on the engine's stream: {status}, "
+                    f"largest relative error {worst:.2e} (tolerance {sample['tolerance']:.0e})")
+                for f in failures:
+                    log(f"  {f}")
+                failed = failed or bool(failures)
+        finally:
+            engine.close()
+        return 1 if failed else 0
+    except EmbedError as e:
+        print(f"[{name}] error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The embedding example in one command: build `kvq`, generate kernels and a sample batch for a few
+# schemes and shapes (including scheme text, a calibrated scheme and bf16), then let
+# examples/embed/embed.py — plain Python with ctypes, the CUDA driver API and NVRTC, no kvq — launch
+# them on its own buffers and stream and check the outputs against the CPU reference.
+#
+#   bash examples/embed/run.sh                 # on a GPU machine: everything
+#   bash examples/embed/run.sh --check-only    # anywhere with libnvrtc: layout checks + compile
+#
+# Outputs go to target/embed/<name>/. Exit status 0 only if every case passes.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+mode=()
+if [ "${1:-}" = "--check-only" ]; then
+    mode=(--check-only)
+fi
+
+cargo build --release -p kvq-cli --bin kvq
+kvq=target/release/kvq
+out=target/embed
+rm -rf "$out"
+
+# name | scheme | head_dim | gqa | dtype
+cases=(
+    "kivi2|kivi2|128|4|f16"
+    "kitty-bf16|kitty|128|4|bf16"
+    "calibquant2-d64|calibquant2|64|8|f16"
+    "int8-mha|int8|128|1|f16"
+    "fp16-d256|fp16|256|2|bf16"
+    "custom|k = int(3, channel), v = int(4, token, group = 32), sink = 16, local = 64|128|4|f16"
+)
+
+failed=0
+for c in "${cases[@]}"; do
+    IFS='|' read -r name scheme head_dim gqa dtype <<<"$c"
+    "$kvq" gen --scheme "$scheme" --head-dim "$head_dim" --gqa "$gqa" --dtype "$dtype" \
+        --out "$out/$name" --sample --arch sm_90a >/dev/null
+    if ! python3 examples/embed/embed.py "$out/$name" "${mode[@]}"; then
+        failed=$((failed + 1))
+    fi
+done
+
+if [ "$failed" -ne 0 ]; then
+    echo "embed: $failed of ${#cases[@]} cases FAILED" >&2
+    exit 1
+fi
+echo "embed: all ${#cases[@]} cases passed${mode:+ (check-only: no GPU launches)}"
