@@ -52,7 +52,13 @@ const QUANTIZER_THREADS: usize = 256;
 /// scores, f16 scales and zeros, f32 (scale, reciprocal, zero) per group, boost flags and map.
 fn quantizer_smem(t: &TensorCtx, head_dim: usize, page: usize) -> u32 {
     let partials = t.scale_count.max(QUANTIZER_THREADS);
-    (page * head_dim * 3
+    let codes = if t.needs_code_buffer {
+        page * head_dim
+    } else {
+        0
+    };
+    (page * head_dim * 2
+        + codes
         + 2 * partials * 4
         + head_dim * 4
         + 4 * t.scale_count

@@ -57,6 +57,8 @@ pub(crate) struct TensorCtx {
     /// The page quantizer packs with a warp per row (each lane's `head_dim / 32` codes form a
     /// bit field that never straddles a word, and lies in one token group).
     pub fast_pack: bool,
+    /// The page quantizer keeps every code in shared memory (generic packer, or boost high plane).
+    pub needs_code_buffer: bool,
 }
 
 impl TensorCtx {
@@ -104,6 +106,7 @@ impl TensorCtx {
             token_warp_reduce: false,
             lanes_per_group: 0,
             fast_pack: false,
+            needs_code_buffer: true,
         };
         match quant {
             TensorQuant::Fp16 => Ok(ctx),
@@ -141,6 +144,7 @@ impl TensorCtx {
                 ctx.fast_pack = per_lane > 0
                     && widths.iter().all(|&w| field_fits(w))
                     && (q.axis == Axis::Channel || l.group % per_lane == 0);
+                ctx.needs_code_buffer = !ctx.fast_pack || q.boost.is_some();
                 if q.axis == Axis::Token && per_lane > 0 && l.group % per_lane == 0 {
                     let lanes = l.group / per_lane;
                     ctx.token_warp_reduce = lanes.is_power_of_two() && lanes <= 32;
