@@ -19,10 +19,8 @@ use crate::error::{CliError, Result};
 use crate::sample::{self, SampleSpec};
 use crate::scheme::Resolved;
 
-/// Version of the page-block and buffer layout the generated kernels read (docs/LAYOUT.md,
-/// docs/KERNELS.md). Raised whenever a byte moves, so an engine that stored caches can refuse a
-/// kernel that would misread them.
-pub const LAYOUT_VERSION: &str = "kvq-layout-1";
+/// The layout version lives with the layout it names (kvq-reference), so it moves with any byte.
+pub use kvq::reference::int::LAYOUT_VERSION;
 
 /// Identifies the manifest's format; `MANIFEST_VERSION` changes when a field changes meaning.
 pub const MANIFEST_FORMAT: &str = "kvq-gen";

@@ -8,6 +8,10 @@ use crate::RefError;
 use kvq_spec::{Axis, BoostCriterion, IntQuant};
 use std::ops::Range;
 
+/// Version of the cache layout this module defines (page blocks, FP16 sink and tail ring); bumped on
+/// any change a kernel or an embedding engine would notice. Emitted in `kvq gen` manifests.
+pub const LAYOUT_VERSION: &str = "kvq-layout-1";
+
 /// Alignment of every section and of every page block.
 pub const ALIGN: usize = 16;
 

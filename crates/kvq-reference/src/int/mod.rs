@@ -24,7 +24,8 @@ pub use half::f16;
 
 pub use boost::{scores as boost_scores, select as select_boosted};
 pub use layout::{
-    align, boosted_channels, fp16_block_bytes, BoostLayout, IntLayout, Section, ALIGN, NOT_BOOSTED,
+    align, boosted_channels, fp16_block_bytes, BoostLayout, IntLayout, Section, ALIGN,
+    LAYOUT_VERSION, NOT_BOOSTED,
 };
 pub use page::{decode_fp16, decode_page, encode_fp16, encode_page};
 pub use quantize::{f16_down, f16_next_down, f16_next_up, f16_up, GroupParams, Quantizer, F16_MAX};
