@@ -2,8 +2,10 @@
 //! header, NVRTC check, sample), `demo` without a GPU, `eval` on a generated safetensors file,
 //! `info`, and the messages and exit codes of mistakes.
 
+mod common;
+use common::{kvq, TempDir};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use kvq::runtime::testing::require_nvrtc;
 use kvq::runtime::tune::{GpuKey, ProblemKey, TuneChoice, TuneEntry, TuneStore};
@@ -12,39 +14,6 @@ use kvq::schemes::BUILTIN;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::Value;
-
-/// A fresh folder under the system temp dir, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!("kvq-cli-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Runs `kvq args…` with its cache folder in `cache` (so no user state leaks in).
-fn kvq(args: &[&str], cache: &Path) -> Output {
-    // KVQ_BIN runs a staged binary elsewhere (the GPU machine has no cargo).
-    Command::new(std::env::var("KVQ_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvq").to_string()))
-        .args(args)
-        .env("KVQ_CACHE_DIR", cache)
-        .env_remove("KVQ_TUNE")
-        .output()
-        .expect("run kvq")
-}
 
 fn text(o: &Output) -> (String, String) {
     (

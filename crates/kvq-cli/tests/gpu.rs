@@ -3,45 +3,11 @@
 //! `info` pick up, `bench` prints its table. Each test skips without a GPU (and fails under
 //! `KVQ_REQUIRE_GPU=1`).
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
+use common::{kvq, ok, TempDir};
 
 use kvq::runtime::testing::require_gpu;
 use serde_json::Value;
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!("kvq-cli-gpu-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn kvq(args: &[&str], cache: &Path) -> Output {
-    // KVQ_BIN runs a staged binary elsewhere (the GPU machine has no cargo).
-    Command::new(std::env::var("KVQ_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvq").to_string()))
-        .args(args)
-        .env("KVQ_CACHE_DIR", cache)
-        .env_remove("KVQ_TUNE")
-        .output()
-        .expect("run kvq")
-}
-
-fn ok(o: &Output) -> String {
-    let out = String::from_utf8_lossy(&o.stdout).into_owned();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "exit {:?}\n{out}\n{err}", o.status);
-    out
-}
 
 /// The cells of the row starting with `name`.
 fn row<'a>(out: &'a str, name: &str) -> Vec<&'a str> {
