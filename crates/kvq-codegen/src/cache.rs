@@ -1,12 +1,82 @@
 //! The cache-maintenance kernels of the integer and FP16 schemes: append, commit, prefill copy, and
 //! the page quantizers (from a prefill's input, or from the tail ring when an append fills a page).
 
-use crate::context::{CacheCtx, TensorCtx};
+use crate::context::TensorCtx;
 use crate::decode::KernelEntry;
+use crate::quantizer::{fold_shape, register_shape, QuantizerForm, QuantizerForms};
 use crate::templates::render;
 use crate::{CodegenError, Dtype};
 use kvq_spec::{CacheSource, SchemeSpec, TensorQuant};
 use serde::Serialize;
+
+/// A cached tensor as the cache templates see it: its layout and its page quantizer's form.
+#[derive(Debug, Clone, Serialize)]
+struct CacheTensorCtx {
+    #[serde(flatten)]
+    tensor: TensorCtx,
+    /// "naive", "tiled", "coarsened" or "vectorized" (FP16 tensors: "tiled", unused).
+    form: &'static str,
+    /// Register forms: one 16-byte load per row chunk.
+    vector_loads: bool,
+    /// Register forms: threads per CTA and rows per thread.
+    reg_threads: u32,
+    reg_iter: u32,
+    /// Register forms: CTAs per SM the compiler must leave room for (caps registers per thread).
+    min_blocks: u32,
+    /// Naive/tiled forms: row classes and rows per class of Kitty's score fold.
+    fold_rows: u32,
+    fold_iter: u32,
+}
+
+impl CacheTensorCtx {
+    fn new(tensor: TensorCtx, form: QuantizerForm, head_dim: u32, page: u32) -> Self {
+        let (reg_threads, reg_iter) = register_shape(head_dim, page).unwrap_or((0, 0));
+        let (fold_rows, fold_iter) = fold_shape(page);
+        // Registers per thread the register forms fit in without spilling (page data 32, the rest
+        // parameters and packing), measured with ptxas: more CTAs per SM hide more load latency.
+        let budget = match (tensor.axis, tensor.boost) {
+            ("token", _) => 48,
+            (_, false) => 80,
+            (_, true) => 84,
+        };
+        let min_blocks = if reg_threads == 0 {
+            1
+        } else {
+            (65_536 / (reg_threads * budget)).clamp(1, 2048 / reg_threads)
+        };
+        CacheTensorCtx {
+            tensor,
+            form: form.as_str(),
+            vector_loads: form == QuantizerForm::Vectorized,
+            reg_threads,
+            reg_iter,
+            min_blocks,
+            fold_rows,
+            fold_iter,
+        }
+    }
+}
+
+/// Everything `cache.cu.tera` renders from.
+#[derive(Debug, Clone, Serialize)]
+struct CacheCtx {
+    scheme_text: String,
+    head_dim: u32,
+    /// Element type of the K/V the engine hands in (the cache's FP16 regions are always f16).
+    dtype: String,
+    input_dtype: String,
+    page: u32,
+    sink: u32,
+    k: CacheTensorCtx,
+    v: CacheTensorCtx,
+    append_name: String,
+    commit_name: String,
+    prefill_copy_name: String,
+    /// Suffix of the per-tensor quantizers: `k_<name>` / `v_<name>`.
+    quantize_input_name: String,
+    quantize_ring_name: String,
+    input_is_bf16: bool,
+}
 
 /// A page quantizer of one tensor and the dynamic shared memory it needs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -23,6 +93,8 @@ pub struct CacheKernels {
     pub scheme: String,
     pub head_dim: u32,
     pub input_dtype: Dtype,
+    /// The page quantizers' forms this source was rendered with.
+    pub quantizer_forms: QuantizerForms,
     pub source: String,
     pub append: KernelEntry,
     pub commit: KernelEntry,
@@ -36,41 +108,76 @@ fn param(ty: &str, name: &str) -> (String, String) {
     (ty.to_string(), name.to_string())
 }
 
-fn kernel_id(spec: &SchemeSpec, head_dim: u32, dtype: Dtype) -> String {
-    let key = format!("cache|{spec}|{head_dim}|{dtype}");
+fn kernel_id(spec: &SchemeSpec, head_dim: u32, dtype: Dtype, forms: QuantizerForms) -> String {
+    let key = format!("cache|{spec}|{head_dim}|{dtype}|{}|{}", forms.k, forms.v);
     let h = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
     });
     format!("{h:016x}")
 }
 
-/// Threads of a page quantizer (the template's `*_QTHREADS`).
+/// Threads of a naive or tiled page quantizer (the template's `*_QTHREADS`).
 const QUANTIZER_THREADS: usize = 256;
 
-/// Bytes of dynamic shared memory a page quantizer of this tensor takes (mirrors the template's
-/// carving in `*_quantize_staged`): raw values and codes of the page, min/max partials, boost
-/// scores, f16 scales and zeros, f32 (scale, reciprocal, zero) per group, boost flags and map.
-fn quantizer_smem(t: &TensorCtx, head_dim: usize, page: usize) -> u32 {
-    let partials = t.scale_count.max(QUANTIZER_THREADS);
-    let codes = if t.needs_code_buffer {
+/// Threads and dynamic shared memory of a page quantizer of this tensor. Register forms use a
+/// few KB of static shared memory only. The others mirror the template's carving in
+/// `*_quantize_with`: the staged page (tiled), the code buffer, min/max partials, boost scores,
+/// f16 scales and zeros, f32 (scale, reciprocal, zero) per group, and the boost map.
+fn quantizer_launch(t: &CacheTensorCtx, head_dim: usize, page: usize) -> (u32, u32) {
+    if t.reg_threads > 0 && t.form != "naive" && t.form != "tiled" {
+        return (t.reg_threads, 0);
+    }
+    let c = &t.tensor;
+    let partials = c.scale_count.max(QUANTIZER_THREADS);
+    let staged = if t.form == "tiled" {
+        page * head_dim * 2
+    } else {
+        0
+    };
+    let codes = if c.needs_code_buffer {
         page * head_dim
     } else {
         0
     };
-    (page * head_dim * 2
+    // Boost ranks: max(head_dim, 256) ints, and head_dim / 32 flag words.
+    let ranks = if c.boost {
+        4 * head_dim.max(256) + head_dim / 8
+    } else {
+        0
+    };
+    let smem = staged
         + codes
         + 2 * partials * 4
         + head_dim * 4
-        + 4 * t.scale_count
-        + 12 * t.scale_count
-        + 2 * head_dim) as u32
+        + 4 * c.scale_count
+        + 12 * c.scale_count
+        + ranks
+        + head_dim;
+    (QUANTIZER_THREADS as u32, smem as u32)
 }
 
-/// Renders the cache kernels for a scheme, head_dim and input dtype.
+/// Renders the cache kernels for a scheme, head_dim and input dtype, with each tensor's default
+/// page quantizer form ([`QuantizerForms::default_for`]).
 pub fn cache_kernels(
     spec: &SchemeSpec,
     head_dim: u32,
     input_dtype: Dtype,
+) -> Result<CacheKernels, CodegenError> {
+    cache_kernels_with(
+        spec,
+        head_dim,
+        input_dtype,
+        QuantizerForms::default_for(spec, head_dim),
+    )
+}
+
+/// Renders the cache kernels with the given page quantizer forms (the tuner's choice); a form a
+/// tensor's layout does not support is an [`CodegenError::Unsupported`].
+pub fn cache_kernels_with(
+    spec: &SchemeSpec,
+    head_dim: u32,
+    input_dtype: Dtype,
+    forms: QuantizerForms,
 ) -> Result<CacheKernels, CodegenError> {
     if let CacheSource::X(_) = spec.source {
         return Err(CodegenError::Unsupported {
@@ -94,9 +201,30 @@ pub fn cache_kernels(
         )));
     }
     let d = head_dim as usize;
-    let k = TensorCtx::new("k", spec, &spec.k, d)?;
-    let v = TensorCtx::new("v", spec, &spec.v, d)?;
-    let id = kernel_id(spec, head_dim, input_dtype);
+    for (name, t, form) in [("k", &spec.k, forms.k), ("v", &spec.v, forms.v)] {
+        if t.is_quantized() && !form.supports(t, head_dim, spec.page) {
+            return Err(CodegenError::Unsupported {
+                family: "page quantizer",
+                what: format!(
+                    "the {form} form of {name} = {t} at head_dim {head_dim}, page {}",
+                    spec.page
+                ),
+            });
+        }
+    }
+    let k = CacheTensorCtx::new(
+        TensorCtx::new("k", spec, &spec.k, d)?,
+        forms.k,
+        head_dim,
+        spec.page,
+    );
+    let v = CacheTensorCtx::new(
+        TensorCtx::new("v", spec, &spec.v, d)?,
+        forms.v,
+        head_dim,
+        spec.page,
+    );
+    let id = kernel_id(spec, head_dim, input_dtype, forms);
     let ctx = CacheCtx {
         scheme_text: spec.to_string(),
         head_dim,
@@ -140,23 +268,23 @@ pub fn cache_kernels(
         param("int32_t", "slot"),
     ];
     copy_params.extend(store_params());
-    let quantizers = |t: &TensorCtx| {
-        (t.kind == "int").then(|| {
-            let smem = quantizer_smem(t, d, spec.page as usize);
+    let quantizers = |t: &CacheTensorCtx| {
+        (t.tensor.kind == "int").then(|| {
+            let (threads, smem) = quantizer_launch(t, d, spec.page as usize);
             PageQuantizers {
                 from_input: KernelEntry {
-                    name: format!("{}_{}", t.prefix, ctx.quantize_input_name),
+                    name: format!("{}_{}", t.tensor.prefix, ctx.quantize_input_name),
                     params: vec![
                         param("const uint16_t*", "x"),
                         param("const int32_t*", "jobs"),
                         param("uint8_t*", "pool"),
                     ],
                     grid: ["jobs".into(), "kv_heads".into(), "1".into()],
-                    block: QUANTIZER_THREADS as u32,
+                    block: threads,
                     dynamic_shared_bytes: smem,
                 },
                 from_ring: KernelEntry {
-                    name: format!("{}_{}", t.prefix, ctx.quantize_ring_name),
+                    name: format!("{}_{}", t.tensor.prefix, ctx.quantize_ring_name),
                     params: vec![
                         param("const int32_t*", "slots"),
                         param("const int32_t*", "seq_lens"),
@@ -166,7 +294,7 @@ pub fn cache_kernels(
                         param("const uint16_t*", "tail"),
                     ],
                     grid: ["n".into(), "kv_heads".into(), "1".into()],
-                    block: QUANTIZER_THREADS as u32,
+                    block: threads,
                     dynamic_shared_bytes: smem,
                 },
             }
@@ -176,6 +304,7 @@ pub fn cache_kernels(
         scheme: spec.to_string(),
         head_dim,
         input_dtype,
+        quantizer_forms: forms,
         append: KernelEntry {
             name: ctx.append_name.clone(),
             params: append_params,

@@ -213,24 +213,3 @@ pub(crate) struct DecodeCtx {
     pub range_name: String,
     pub combine_name: String,
 }
-
-/// Everything `cache.cu.tera` renders from.
-#[derive(Debug, Clone, Serialize)]
-pub(crate) struct CacheCtx {
-    pub scheme_text: String,
-    pub head_dim: u32,
-    /// Element type of the K/V the engine hands in (the cache's FP16 regions are always f16).
-    pub dtype: String,
-    pub input_dtype: String,
-    pub page: u32,
-    pub sink: u32,
-    pub k: TensorCtx,
-    pub v: TensorCtx,
-    pub append_name: String,
-    pub commit_name: String,
-    pub prefill_copy_name: String,
-    /// Suffix of the per-tensor quantizers: `k_<name>` / `v_<name>`.
-    pub quantize_input_name: String,
-    pub quantize_ring_name: String,
-    pub input_is_bf16: bool,
-}

@@ -16,12 +16,14 @@ mod cache;
 mod context;
 mod decode;
 mod error;
+mod quantizer;
 mod shape;
 mod templates;
 mod tune;
 
-pub use cache::{cache_kernels, CacheKernels, PageQuantizers};
+pub use cache::{cache_kernels, cache_kernels_with, CacheKernels, PageQuantizers};
 pub use decode::{decode_kernels, DecodeKernels, KernelEntry};
 pub use error::CodegenError;
+pub use quantizer::{QuantizerForm, QuantizerForms};
 pub use shape::{Dtype, KernelShape};
 pub use tune::TuneParams;

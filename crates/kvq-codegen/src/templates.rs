@@ -20,6 +20,10 @@ pub(crate) const TEMPLATES: &[(&str, &str)] = &[
         include_str!("../../../templates/quantize.cuh.tera"),
     ),
     (
+        "quantize_regs.cuh.tera",
+        include_str!("../../../templates/quantize_regs.cuh.tera"),
+    ),
+    (
         "combine.cu.tera",
         include_str!("../../../templates/combine.cu.tera"),
     ),

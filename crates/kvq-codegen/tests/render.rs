@@ -43,25 +43,82 @@ fn every_variant_renders() {
     }
 }
 
+/// Every quantizer form where the tensor's layout supports it (tiled where not).
+fn forms_of(spec: &SchemeSpec, head_dim: u32) -> Vec<kvq_codegen::QuantizerForms> {
+    use kvq_codegen::{QuantizerForm, QuantizerForms};
+    let pick = |t: &kvq_spec::TensorQuant, f: QuantizerForm| {
+        if f.supports(t, head_dim, spec.page) {
+            f
+        } else {
+            QuantizerForm::Tiled
+        }
+    };
+    QuantizerForm::ALL
+        .into_iter()
+        .map(|f| QuantizerForms {
+            k: pick(&spec.k, f),
+            v: pick(&spec.v, f),
+        })
+        .collect()
+}
+
 #[test]
 fn every_cache_variant_renders() {
-    use kvq_codegen::cache_kernels;
+    use kvq_codegen::cache_kernels_with;
     let dump = std::env::var_os("KVQ_DUMP_DIR");
     for (i, text) in SCHEMES.iter().enumerate() {
         let spec = SchemeSpec::parse(text).unwrap();
         for head_dim in [64, 96, 128, 256] {
             for dtype in [Dtype::F16, Dtype::Bf16] {
-                let k =
-                    cache_kernels(&spec, head_dim, dtype).unwrap_or_else(|e| panic!("{text}: {e}"));
-                assert!(k.source.contains(&k.append.name));
-                assert_eq!(k.k_quantizers.is_some(), spec.k.is_quantized());
-                assert_eq!(k.v_quantizers.is_some(), spec.v.is_quantized());
-                if let Some(dir) = &dump {
-                    let path = std::path::Path::new(dir)
-                        .join(format!("cache_s{i}_d{head_dim}_{dtype}.cu"));
-                    std::fs::write(path, &k.source).unwrap();
+                for forms in forms_of(&spec, head_dim) {
+                    let k = cache_kernels_with(&spec, head_dim, dtype, forms)
+                        .unwrap_or_else(|e| panic!("{text} {forms}: {e}"));
+                    assert!(k.source.contains(&k.append.name));
+                    assert_eq!(k.k_quantizers.is_some(), spec.k.is_quantized());
+                    assert_eq!(k.v_quantizers.is_some(), spec.v.is_quantized());
+                    assert_eq!(k.quantizer_forms, forms);
+                    if let Some(dir) = &dump {
+                        let path = std::path::Path::new(dir).join(format!(
+                            "cache_s{i}_d{head_dim}_{dtype}_{}_{}.cu",
+                            forms.k, forms.v
+                        ));
+                        std::fs::write(path, &k.source).unwrap();
+                    }
                 }
             }
         }
     }
+}
+
+#[test]
+fn unsupported_quantizer_forms_are_typed_errors() {
+    use kvq_codegen::{cache_kernels_with, CodegenError, QuantizerForm, QuantizerForms};
+    // Token groups of 4 channels cannot give a lane 8 channels of one group.
+    let spec = SchemeSpec::parse("k = int(8, token, group = 4), v = fp16").unwrap();
+    let err = cache_kernels_with(
+        &spec,
+        128,
+        Dtype::F16,
+        QuantizerForms::both(QuantizerForm::Vectorized),
+    )
+    .unwrap_err();
+    assert!(matches!(err, CodegenError::Unsupported { .. }), "{err}");
+    assert!(err.to_string().contains("vectorized"), "{err}");
+    // head_dim 96 does not split over lanes 8 channels at a time.
+    let spec = SchemeSpec::parse("k = int(2, channel), v = int(2, token)").unwrap();
+    assert!(cache_kernels_with(
+        &spec,
+        96,
+        Dtype::F16,
+        QuantizerForms::both(QuantizerForm::Coarsened)
+    )
+    .is_err());
+    assert_eq!(
+        QuantizerForms::default_for(&spec, 96),
+        QuantizerForms::both(QuantizerForm::Tiled)
+    );
+    assert_eq!(
+        QuantizerForms::default_for(&spec, 128),
+        QuantizerForms::both(QuantizerForm::Vectorized)
+    );
 }

@@ -7,10 +7,11 @@
 mod common;
 use common::{integer_schemes, seed};
 use half::{bf16, f16};
-use kvq::codegen::{Dtype, KernelShape, TuneParams};
+use kvq::codegen::{Dtype, KernelShape, QuantizerForm, QuantizerForms, TuneParams};
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
 use kvq::reference::KvTensor;
+use kvq::runtime::paged::{forms_or_tiled, tune_forms};
 use kvq::runtime::testing::require_gpu;
 use kvq::runtime::{
     default_splits, CacheConfig, DecodeKernel, DecodeScratch, Jit, PagedKvCache, RuntimeError,
@@ -182,7 +183,17 @@ fn gpu_paged_cache_matches_the_reference_for_every_integer_scheme() {
     let mut failures = Vec::new();
     let mut report = Vec::new();
     for (name, spec) in all_paths() {
-        for (d, dtype) in [(128usize, Dtype::F16), (64, Dtype::Bf16)] {
+        for (d, dtype, form) in [(128usize, Dtype::F16), (64, Dtype::Bf16)]
+            .into_iter()
+            .flat_map(|(d, t)| QuantizerForm::ALL.map(|f| (d, t, f)))
+        {
+            // Every page quantizer form (tiled where a tensor's layout has no register form); the
+            // attention check runs once per shape, on the default forms.
+            let forms = forms_or_tiled(&spec, d as u32, form);
+            if forms != QuantizerForms::both(form) && form != QuantizerForm::Tiled {
+                continue;
+            }
+            let default_forms = forms == QuantizerForms::default_for(&spec, d as u32);
             let cfg = CacheConfig {
                 kv_heads: KV_HEADS,
                 head_dim: d,
@@ -191,7 +202,8 @@ fn gpu_paged_cache_matches_the_reference_for_every_integer_scheme() {
                 max_tokens: 4096,
                 input_dtype: dtype,
             };
-            let mut cache = PagedKvCache::new(&jit, stream_.clone(), &spec, cfg).expect("cache");
+            let mut cache =
+                PagedKvCache::with_forms(&jit, stream_.clone(), &spec, cfg, forms).expect("cache");
             let total: Vec<usize> = PROMPTS.iter().map(|p| p + APPENDS).collect();
             let ks: Vec<Stream> = total
                 .iter()
@@ -232,9 +244,15 @@ fn gpu_paged_cache_matches_the_reference_for_every_integer_scheme() {
                 )
                 .expect("reference");
                 for diff in compare_state(&cache, ids[i], &r, d) {
-                    failures.push(format!("{name} d{d} {dtype} seq {i} (len {n}): {diff}"));
+                    failures.push(format!(
+                        "{name} d{d} {dtype} {forms} seq {i} (len {n}): {diff}"
+                    ));
                 }
                 refs.push(r);
+            }
+            if !default_forms {
+                report.push(format!("{name:12} d{d} {dtype} {forms}: bit-exact checked"));
+                continue;
             }
             // Attention over the cache the appends built.
             let shape = KernelShape::new(d as u32, GQA as u32, Dtype::F16);
@@ -284,7 +302,7 @@ fn gpu_paged_cache_matches_the_reference_for_every_integer_scheme() {
             }
             let mem = cache.memory().expect("memory");
             report.push(format!(
-                "{name:12} d{d} {dtype}: pages {}/{}, {:.3} bits/element held, attention max rel err {worst:.2e}",
+                "{name:12} d{d} {dtype} {forms}: pages {}/{}, {:.3} bits/element held, attention max rel err {worst:.2e}",
                 mem.pages_used, mem.pages_total, mem.bits_per_element
             ));
         }
@@ -398,22 +416,22 @@ fn gpu_prefill_quantize_bandwidth() {
         "copy: 4 GiB (read + write) in {:.0} us median = {copy_gbps:.0} GB/s",
         copy.median_us()
     );
+    // The prompts packed back to back, as an engine's batched prefill holds them (1 GiB each for
+    // K and V, so nothing is served from L2).
     let mut rng = ChaCha8Rng::seed_from_u64(seed());
-    let inputs: Vec<(Vec<u16>, Vec<u16>)> = (0..seqs)
-        .map(|_| {
-            let k: Vec<u16> = (0..tokens * heads * d)
-                .map(|_| f16::from_f32(rng.random_range(-3.0..3.0f32)).to_bits())
-                .collect();
-            let v: Vec<u16> = k.iter().rev().copied().collect();
-            (k, v)
-        })
+    let k_words: Vec<u16> = (0..seqs * tokens * heads * d)
+        .map(|_| f16::from_f32(rng.random_range(-3.0..3.0f32)).to_bits())
         .collect();
-    let device_inputs: Vec<_> = inputs
-        .iter()
-        .map(|(k, v)| (s.clone_htod(k).expect("k"), s.clone_htod(v).expect("v")))
-        .collect();
-    println!("| scheme | bytes read + written (MiB) | median µs | GB/s | % of copy |");
-    println!("|---|---|---|---|---|");
+    let v_words: Vec<u16> = k_words.iter().rev().copied().collect();
+    let (k_packed, v_packed) = (
+        s.clone_htod(&k_words).expect("k"),
+        s.clone_htod(&v_words).expect("v"),
+    );
+    drop((k_words, v_words));
+    println!(
+        "| scheme | quantizer form (k, v) | MiB read + written | median µs | GB/s | % of copy |"
+    );
+    println!("|---|---|---|---|---|---|");
     for (name, spec) in integer_schemes().into_iter().filter(|(n, _)| *n != "fp16") {
         let cfg = CacheConfig {
             kv_heads: heads,
@@ -423,36 +441,140 @@ fn gpu_prefill_quantize_bandwidth() {
             max_tokens: tokens,
             input_dtype: Dtype::F16,
         };
-        let mut cache = PagedKvCache::new(&jit, s.clone(), &spec, cfg).expect("cache");
-        let ids: Vec<SeqId> = (0..seqs).map(|_| cache.add_sequence().unwrap()).collect();
-        for (id, (k, v)) in ids.iter().zip(&device_inputs) {
+        let mut seen = Vec::new();
+        for form in QuantizerForm::ALL {
+            let forms = forms_or_tiled(&spec, d as u32, form);
+            if seen.contains(&forms) {
+                continue;
+            }
+            seen.push(forms);
+            let mut cache =
+                PagedKvCache::with_forms(&jit, s.clone(), &spec, cfg, forms).expect("cache");
+            let prompts: Vec<(SeqId, usize)> = (0..seqs)
+                .map(|_| (cache.add_sequence().unwrap(), tokens))
+                .collect();
             cache
-                .prefill(*id, k, v, tokens, Dtype::F16)
+                .prefill_packed(&prompts, &k_packed, &v_packed, Dtype::F16)
                 .expect("prefill");
-        }
-        let list: Vec<_> = ids
-            .iter()
-            .zip(&device_inputs)
-            .map(|(id, (k, v))| (*id, k, v))
-            .collect();
-        let t = cache
-            .time_prefill_quantizers(&list, tokens, 10)
-            .expect("timing");
-        let gbps = t.gbps();
-        println!(
-            "| {name} | {:.0} | {:.0} | {gbps:.0} | {:.0}% |",
-            (t.bytes_read + t.bytes_written) as f64 / (1 << 20) as f64,
-            t.median_us,
-            100.0 * gbps / copy_gbps
-        );
-        if name == "int8" {
-            let elements = 2 * seqs * tokens * heads * d;
+            let t = cache
+                .time_packed_prefill_quantizers(&prompts, &k_packed, &v_packed, 10)
+                .expect("timing");
+            let gbps = t.gbps();
             println!(
-                "INT8: {elements} elements ({:.2e}) quantized and packed in {:.2} ms",
-                elements as f64,
-                t.median_us / 1e3
+                "| {name} | {forms} | {:.0} | {:.0} | {gbps:.0} | {:.0}% |",
+                (t.bytes_read + t.bytes_written) as f64 / (1 << 20) as f64,
+                t.median_us,
+                100.0 * gbps / copy_gbps
+            );
+            if name == "int8" {
+                let elements = 2 * seqs * tokens * heads * d;
+                println!(
+                    "INT8 {form}: {elements} elements ({:.2e}) quantized and packed in {:.2} ms",
+                    elements as f64,
+                    t.median_us / 1e3
+                );
+            }
+            assert!(gbps.is_finite() && gbps > 0.0);
+        }
+    }
+}
+
+#[test]
+fn gpu_packed_prefill_equals_separate_prefills() {
+    let Some(device) = require_gpu("gpu_packed_prefill_equals_separate_prefills") else {
+        return;
+    };
+    let jit = Jit::new(&device).expect("JIT");
+    let s = device.default_stream();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed());
+    let lens = [300usize, 0, 1000, 129];
+    let d = 128;
+    for (name, spec) in integer_schemes() {
+        let cfg = CacheConfig {
+            kv_heads: KV_HEADS,
+            head_dim: d,
+            max_seqs: lens.len(),
+            pool_pages: 32,
+            max_tokens: 2048,
+            input_dtype: Dtype::F16,
+        };
+        let total: usize = lens.iter().sum();
+        let k = stream(&mut rng, total, d, Dtype::F16, true);
+        let v = stream(&mut rng, total, d, Dtype::F16, false);
+        let mut packed = PagedKvCache::new(&jit, s.clone(), &spec, cfg).expect("cache");
+        let mut separate = PagedKvCache::new(&jit, s.clone(), &spec, cfg).expect("cache");
+        let prompts: Vec<(SeqId, usize)> = lens
+            .iter()
+            .map(|&n| (packed.add_sequence().unwrap(), n))
+            .collect();
+        let (kd, vd) = (
+            s.clone_htod(&k.bits).expect("k"),
+            s.clone_htod(&v.bits).expect("v"),
+        );
+        packed
+            .prefill_packed(&prompts, &kd, &vd, Dtype::F16)
+            .expect("packed prefill");
+        let mut first = 0;
+        for &n in &lens {
+            let id = separate.add_sequence().unwrap();
+            let kk = s.clone_htod(&rows(&k, first, first + n, d)).expect("k");
+            let vv = s.clone_htod(&rows(&v, first, first + n, d)).expect("v");
+            separate
+                .prefill(id, &kk, &vv, n, Dtype::F16)
+                .expect("prefill");
+            assert_eq!(
+                packed
+                    .snapshot(prompts[separate_index(&prompts, id)].0)
+                    .unwrap(),
+                separate.snapshot(id).unwrap(),
+                "{name}: sequence of {n} tokens"
+            );
+            first += n;
+        }
+    }
+    println!("packed prefill of {lens:?} tokens equals separate prefills for every integer scheme");
+}
+
+/// Sequences are added to both caches in the same order, so slot ids coincide.
+fn separate_index(prompts: &[(SeqId, usize)], id: SeqId) -> usize {
+    prompts
+        .iter()
+        .position(|p| p.0 == id)
+        .expect("same slot order")
+}
+
+#[test]
+fn gpu_quantizer_form_tuning_picks_a_bit_exact_winner() {
+    let Some(device) = require_gpu("gpu_quantizer_form_tuning_picks_a_bit_exact_winner") else {
+        return;
+    };
+    let jit = Jit::new(&device).expect("JIT");
+    let s = device.default_stream();
+    for name in ["int8", "kivi2", "kitty"] {
+        let spec = kvq::schemes::by_name(name).expect("built-in").spec;
+        let started = std::time::Instant::now();
+        let entry = tune_forms(&jit, &s, &spec, 128, Dtype::F16).expect("tuning");
+        let seconds = started.elapsed().as_secs_f64();
+        println!("{name}: winner {} in {seconds:.1} s", entry.forms);
+        for c in &entry.candidates {
+            println!(
+                "  {}: {:.1} us, {:.0} GB/s, bit-exact {}",
+                c.forms, c.median_us, c.gbps, c.bit_exact
             );
         }
-        assert!(gbps.is_finite() && gbps > 0.0);
+        assert_eq!(
+            entry.candidates.len(),
+            4,
+            "every form is a candidate at d128"
+        );
+        assert!(entry.candidates.iter().all(|c| c.bit_exact));
+        let best = entry
+            .candidates
+            .iter()
+            .map(|c| c.median_us)
+            .fold(f64::INFINITY, f64::min);
+        let winner = entry.candidates.iter().find(|c| c.forms == entry.forms);
+        assert_eq!(winner.map(|c| c.median_us), Some(best));
+        assert!(seconds < 30.0, "tuning took {seconds:.1} s");
     }
 }

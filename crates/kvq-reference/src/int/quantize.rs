@@ -160,6 +160,31 @@ impl Quantizer {
         }
     }
 
+    /// [`Quantizer::encode`] computed as the GPU page quantizers do, without a division per value:
+    /// with `inv = 1/scale` correctly rounded (0 for a zero scale), `q0 = d·inv`, the exact residual
+    /// `r = fma(−q0, scale, d)` and `q = fma(r, inv, q0)` is the correctly rounded `d / scale`
+    /// (Markstein's theorem), so its round-half-even is the reference's code. Clamping before the
+    /// rounding equals clamping after (the bounds are integers). Kept here so the identity is
+    /// tested on every f16 scale (see the tests), not only where a GPU is.
+    pub fn encode_by_reciprocal(&self, x: f32, p: GroupParams) -> u8 {
+        let l = self.levels() as f32;
+        let s = p.scale.to_f32();
+        let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
+        let d = if self.symmetric {
+            x
+        } else {
+            x - p.zero.to_f32()
+        };
+        let q0 = d * inv;
+        let r = (-q0).mul_add(s, d);
+        let q = r.mul_add(inv, q0);
+        let lo = if self.symmetric { -l } else { 0.0 };
+        // Adding 1.5·2^23 rounds to an integer, half to even, like `rintf`.
+        const ROUND: f32 = 12_582_912.0;
+        let rounded = (q.clamp(lo, l) + ROUND) - ROUND;
+        (rounded as i32 + self.offset() as i32) as u8
+    }
+
     /// The value a code stands for: `fma(scale, code, zero)` or `scale · (code − 2^(b−1))` in f32.
     pub fn decode(&self, code: u8, p: GroupParams) -> f32 {
         let s = p.scale.to_f32();
@@ -188,6 +213,52 @@ mod tests {
         assert_eq!(f16_down(1.0), f16::ONE);
         assert!(f16_up(70000.0).is_infinite());
         assert_eq!(f16_up(1e-12).to_bits(), 1);
+    }
+
+    #[test]
+    fn reciprocal_encoding_equals_division_on_every_f16_scale() {
+        // Every positive finite f16 scale; values on and next to every half-way point of every
+        // level (where a plain `d · (1/s)` would round the wrong way), asymmetric and symmetric.
+        let mut checked = 0u64;
+        for bits in 1u16..0x7c00 {
+            let scale = f16::from_bits(bits);
+            let s = scale.to_f32();
+            for (q, zero) in [
+                (Quantizer::new(2, false).unwrap(), f16::from_f32(-1.5)),
+                (Quantizer::new(8, false).unwrap(), f16::from_f32(0.25)),
+                (Quantizer::new(8, true).unwrap(), f16::ZERO),
+            ] {
+                let p = GroupParams { scale, zero };
+                let z = zero.to_f32();
+                for k in (-(q.levels() as i32) - 1..=q.levels() as i32 + 1).step_by(7) {
+                    let mid = z + (k as f32 + 0.5) * s;
+                    for x in [mid, mid.next_up(), mid.next_down(), z + k as f32 * s] {
+                        if x.is_finite() && (x - z).abs() / s < 1e6 {
+                            assert_eq!(
+                                q.encode_by_reciprocal(x, p),
+                                q.encode(x, p),
+                                "{q:?} s={s:e} x={x:e}"
+                            );
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(checked > 1_000_000, "{checked}");
+        // The group parameters divide a span by the level count the same way on the GPU.
+        let mut x = 1.0e-20f32;
+        while x < 1.0e20 {
+            for levels in [1.0f32, 3.0, 7.0, 15.0, 127.0, 255.0] {
+                for span in [x, x.next_up(), x.next_down(), x * 1.5, x * levels] {
+                    let inv = 1.0 / levels;
+                    let q0 = span * inv;
+                    let q = (-q0).mul_add(levels, span).mul_add(inv, q0);
+                    assert_eq!(q, span / levels, "{span:e} / {levels}");
+                }
+            }
+            x *= 1.000_37;
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
-use kvq_codegen::{DecodeKernels, Dtype};
+use kvq_codegen::{DecodeKernels, Dtype, QuantizerForms};
 use kvq_reference::footprint;
 use kvq_reference::regions::TokenRegions;
 use kvq_spec::{SchemeSpec, TensorQuant};
@@ -120,12 +120,36 @@ fn alloc_zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
 }
 
 impl PagedKvCache {
-    /// Compiles (or loads from the caches) the scheme's kernels and allocates the cache.
+    /// Compiles (or loads from the caches) the scheme's kernels and allocates the cache. The page
+    /// quantizers take the form `KVQ_TUNE` selects (see [`choose_forms`](super::choose_forms)):
+    /// the heuristic default, a stored tuning result, or one tuned now.
     pub fn new(
         jit: &Jit,
         stream: Arc<CudaStream>,
         spec: &SchemeSpec,
         cfg: CacheConfig,
+    ) -> Result<Self> {
+        spec.check_shape(cfg.head_dim as u32, cfg.kv_heads.max(1) as u32)
+            .map_err(|e| RuntimeError::InvalidInput(e.to_string()))?;
+        let forms = super::forms::choose_forms(
+            jit,
+            &stream,
+            spec,
+            cfg.head_dim as u32,
+            cfg.input_dtype,
+            crate::tune::TunePolicy::from_env()?,
+        )?;
+        Self::with_forms(jit, stream, spec, cfg, forms)
+    }
+
+    /// As [`PagedKvCache::new`], with the page quantizers in the given forms (every form writes the
+    /// same bytes; a form the layout does not support is an error).
+    pub fn with_forms(
+        jit: &Jit,
+        stream: Arc<CudaStream>,
+        spec: &SchemeSpec,
+        cfg: CacheConfig,
+        forms: QuantizerForms,
     ) -> Result<Self> {
         if cfg.kv_heads == 0 || cfg.max_seqs == 0 || cfg.max_tokens == 0 {
             return Err(RuntimeError::InvalidInput(format!(
@@ -134,7 +158,7 @@ impl PagedKvCache {
         }
         spec.check_shape(cfg.head_dim as u32, cfg.kv_heads as u32)
             .map_err(|e| RuntimeError::InvalidInput(e.to_string()))?;
-        let kernels = CacheFunctions::load(jit, spec, cfg.head_dim as u32, cfg.input_dtype)?;
+        let kernels = CacheFunctions::load(jit, spec, cfg.head_dim as u32, cfg.input_dtype, forms)?;
         let book = PageBook::new(*spec, cfg.max_seqs, cfg.pool_pages, cfg.max_tokens);
         let max_pages = book.max_pages_per_seq();
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
@@ -203,6 +227,11 @@ impl PagedKvCache {
             book,
             max_pages,
         })
+    }
+
+    /// The forms of the page quantizers in use.
+    pub fn quantizer_forms(&self) -> QuantizerForms {
+        self.kernels.generated.quantizer_forms
     }
 
     /// The scheme every sequence is stored with.
@@ -328,29 +357,48 @@ impl PagedKvCache {
         tokens: usize,
         dtype: Dtype,
     ) -> Result<()> {
+        self.prefill_packed(&[(id, tokens)], k, v, dtype)
+    }
+
+    /// Bulk prefill of several empty sequences from prompts packed back to back (`k` and `v`:
+    /// `[Σ tokens][kv_heads][head_dim]`, sequence `i`'s rows after those of sequences `< i`, the
+    /// layout of a batched prefill's K/V). Each tensor's pages of every sequence are quantized in
+    /// one launch, so a batch keeps the whole GPU busy. All or nothing on the page pool: if the
+    /// batch does not fit, no sequence changes.
+    pub fn prefill_packed(
+        &mut self,
+        prompts: &[(SeqId, usize)],
+        k: &CudaSlice<u16>,
+        v: &CudaSlice<u16>,
+        dtype: Dtype,
+    ) -> Result<()> {
         self.check_dtype(dtype)?;
-        if self.book.len(id)? != 0 {
-            return Err(RuntimeError::InvalidInput(format!(
-                "prefill needs an empty sequence; sequence {} holds {} tokens (append instead)",
-                id.0,
-                self.book.len(id)?
-            )));
+        let total: usize = prompts.iter().map(|p| p.1).sum();
+        self.check_tokens("packed prefill K", k, total)?;
+        self.check_tokens("packed prefill V", v, total)?;
+        for &(id, _) in prompts {
+            if self.book.len(id)? != 0 {
+                return Err(RuntimeError::InvalidInput(format!(
+                    "prefill needs an empty sequence; sequence {} holds {} tokens (append instead)",
+                    id.0,
+                    self.book.len(id)?
+                )));
+            }
         }
-        self.check_tokens("prefill K", k, tokens)?;
-        self.check_tokens("prefill V", v, tokens)?;
-        if tokens == 0 {
-            return Ok(());
-        }
-        let changes = self.book.grow(&[(id, tokens)])?;
+        let growth: Vec<(SeqId, usize)> = prompts.iter().copied().filter(|p| p.1 > 0).collect();
+        let changes = self.book.grow(&growth)?;
         self.write_table(&changes)?;
-        let slot = id.0 as i32;
-        let h = self.cfg.kv_heads as u32;
-        let max_pages = self.max_pages as i32;
-        let tokens_i = tokens as i32;
-        {
+        let row = self.cfg.kv_heads * self.cfg.head_dim;
+        let (h, max_pages) = (self.cfg.kv_heads as u32, self.max_pages as i32);
+        let mut first = 0usize;
+        let mut jobs = [Vec::new(), Vec::new()];
+        for &(id, tokens) in &growth {
+            let rows = first * row..(first + tokens) * row;
+            let (kv, vv) = (k.slice(rows.clone()), v.slice(rows));
+            let (slot, tokens_i) = (id.0 as i32, tokens as i32);
             let e = &self.kernels.prefill_copy;
             let mut b = self.stream.launch_builder(&e.f);
-            b.arg(k).arg(v).arg(&tokens_i).arg(&slot);
+            b.arg(&kv).arg(&vv).arg(&tokens_i).arg(&slot);
             b.arg(&mut self.k_pool)
                 .arg(&mut self.v_pool)
                 .arg(&self.page_table)
@@ -364,23 +412,93 @@ impl PagedKvCache {
                 block_dim: (e.entry.block, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: arguments follow KernelEntry::params; buffers were sized for this cache.
+            // SAFETY: arguments follow KernelEntry::params; the views hold this prompt's rows.
             unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
+            for (list, tensor) in jobs.iter_mut().zip([self.spec.k, self.spec.v]) {
+                let pairs = self.prefill_jobs(id, &tensor, tokens)?;
+                list.extend(
+                    pairs
+                        .chunks_exact(2)
+                        .flat_map(|j| [j[0] + first as i32, j[1]]),
+                );
+            }
+            first += tokens;
         }
-        for (which, tensor) in [(Tensor::K, self.spec.k), (Tensor::V, self.spec.v)] {
-            let jobs = self.prefill_jobs(id, &tensor, tokens)?;
-            if jobs.is_empty() {
+        for (which, list) in [Tensor::K, Tensor::V].into_iter().zip(&jobs) {
+            if list.is_empty() {
                 continue;
             }
-            self.upload_list(&jobs)?;
-            let (x, list) = (if which == Tensor::K { k } else { v }, &self.slots);
-            let (q, pool) = match which {
-                Tensor::K => (self.kernels.k.as_ref(), &mut self.k_pool),
-                Tensor::V => (self.kernels.v.as_ref(), &mut self.v_pool),
+            self.upload_list(list)?;
+            let (q, pool, x) = match which {
+                Tensor::K => (self.kernels.k.as_ref(), &mut self.k_pool, k),
+                Tensor::V => (self.kernels.v.as_ref(), &mut self.v_pool, v),
             };
-            launch_from_input(&self.stream, q, pool, x, list, jobs.len() / 2, h)?;
+            launch_from_input(&self.stream, q, pool, x, &self.slots, list.len() / 2, h)?;
         }
-        self.set_len(id, tokens)
+        for &(id, tokens) in &growth {
+            self.set_len(id, tokens)?;
+        }
+        Ok(())
+    }
+
+    /// Times the page quantizers of a packed prefill (as [`PagedKvCache::prefill_packed`] launches
+    /// them: one launch per tensor for the whole batch) on sequences already prefilled from the same
+    /// `k`/`v`. Median µs over `runs` CUDA-event timed repetitions, with bytes read and written.
+    pub fn time_packed_prefill_quantizers(
+        &mut self,
+        prompts: &[(SeqId, usize)],
+        k: &CudaSlice<u16>,
+        v: &CudaSlice<u16>,
+        runs: usize,
+    ) -> Result<QuantizeTiming> {
+        let total: usize = prompts.iter().map(|p| p.1).sum();
+        self.check_tokens("packed prefill K", k, total)?;
+        self.check_tokens("packed prefill V", v, total)?;
+        let (h, d) = (self.cfg.kv_heads, self.cfg.head_dim);
+        let (mut read, mut written) = (0usize, 0usize);
+        let mut launches = Vec::new();
+        for (which, tensor) in [(Tensor::K, self.spec.k), (Tensor::V, self.spec.v)] {
+            let mut list = Vec::new();
+            let mut first = 0i32;
+            for &(id, tokens) in prompts {
+                if self.book.len(id)? != tokens {
+                    return Err(RuntimeError::InvalidInput(format!(
+                        "sequence {} was not prefilled with {tokens} tokens",
+                        id.0
+                    )));
+                }
+                let pairs = self.prefill_jobs(id, &tensor, tokens)?;
+                list.extend(pairs.chunks_exact(2).flat_map(|j| [j[0] + first, j[1]]));
+                first += tokens as i32;
+            }
+            if list.is_empty() {
+                continue;
+            }
+            let pages = list.len() / 2;
+            read += pages * self.spec.page as usize * h * d * 2;
+            written += pages * h * block_bytes(&self.spec, &tensor, d)?;
+            let dev_list = self
+                .stream
+                .clone_htod(&list)
+                .map_err(dev("upload prefill jobs"))?;
+            launches.push((which, pages, dev_list));
+        }
+        let stream = self.stream.clone();
+        let timing = crate::timing::time_gpu(&stream, 2, runs, |s| {
+            for (which, pages, list) in &launches {
+                let (q, pool, x) = match which {
+                    Tensor::K => (self.kernels.k.as_ref(), &mut self.k_pool, k),
+                    Tensor::V => (self.kernels.v.as_ref(), &mut self.v_pool, v),
+                };
+                launch_from_input(s, q, pool, x, list, *pages, h as u32)?;
+            }
+            Ok(())
+        })?;
+        Ok(QuantizeTiming {
+            median_us: timing.median_us(),
+            bytes_read: read,
+            bytes_written: written,
+        })
     }
 
     /// Appends one token's K and V (`[n][kv_heads][head_dim]`, row i for `ids[i]`) to each listed

@@ -2,7 +2,7 @@
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::CudaFunction;
-use kvq_codegen::{cache_kernels, CacheKernels, Dtype, KernelEntry};
+use kvq_codegen::{cache_kernels_with, CacheKernels, Dtype, KernelEntry, QuantizerForms};
 use kvq_spec::SchemeSpec;
 
 use crate::error::{Result, RuntimeError};
@@ -31,8 +31,14 @@ pub(crate) struct CacheFunctions {
 }
 
 impl CacheFunctions {
-    pub fn load(jit: &Jit, spec: &SchemeSpec, head_dim: u32, dtype: Dtype) -> Result<Self> {
-        let generated = cache_kernels(spec, head_dim, dtype)?;
+    pub fn load(
+        jit: &Jit,
+        spec: &SchemeSpec,
+        head_dim: u32,
+        dtype: Dtype,
+        forms: QuantizerForms,
+    ) -> Result<Self> {
+        let generated = cache_kernels_with(spec, head_dim, dtype, forms)?;
         let source = Source::new(
             format!("{}.cu", generated.append.name),
             generated.source.clone(),

@@ -6,8 +6,12 @@
 //! Layout and steps: docs/LAYOUT.md and docs/CACHE.md.
 
 mod cache;
+mod forms;
 mod kernels;
 mod pages;
 
 pub use cache::{CacheConfig, MemoryReport, PagedKvCache, QuantizeTiming, SequenceSnapshot};
+pub use forms::{
+    choose_forms, forms_or_tiled, stored_forms, tune_forms, FormTiming, FormsEntry, FORMS_FILE,
+};
 pub use pages::{PageBook, SeqId};

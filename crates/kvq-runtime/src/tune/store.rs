@@ -229,7 +229,7 @@ impl TuneStore {
 
 /// Writes `bytes` to a unique temporary file beside `path`, then renames it over `path`, so a
 /// reader sees the old file or the new one, never a part.
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
     if let Some(dir) = dir {
         fs::create_dir_all(dir).map_err(|source| RuntimeError::CacheIo {
