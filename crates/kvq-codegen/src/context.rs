@@ -206,10 +206,30 @@ pub(crate) struct DecodeCtx {
     pub tile: u32,
     pub k: TensorCtx,
     pub v: TensorCtx,
+    /// The tensor-core kernel's plan (or why the generic kernel renders instead).
+    pub mma: MmaCtx,
     pub calibrate: bool,
     pub tau1: f32,
     pub tau2: f32,
     pub decode_name: String,
     pub range_name: String,
     pub combine_name: String,
+}
+
+/// What the tensor-core decode kernel (`decode_mma.cuh.tera`) needs beyond the tensors' layouts.
+/// `enabled == false` renders the generic CUDA-core kernel; `reason` says why (in the source header).
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct MmaCtx {
+    pub enabled: bool,
+    pub reason: String,
+    /// Bits of a K / V code in pages (16 for an FP16 tensor).
+    pub k_bits: u32,
+    pub v_bits: u32,
+    /// Offset removed from symmetric (offset-binary) codes while converting them; 0 if asymmetric.
+    pub k_offset: u32,
+    pub v_offset: u32,
+    pub k_quant: bool,
+    pub v_quant: bool,
+    /// Token-axis V with one group per token: its scale folds into the probabilities.
+    pub v_token_fold: bool,
 }

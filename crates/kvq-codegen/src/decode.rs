@@ -1,6 +1,6 @@
 //! The fused split-K decode kernels of the integer and FP16 schemes, with their launch metadata.
 
-use crate::context::{DecodeCtx, TensorCtx};
+use crate::context::{DecodeCtx, MmaCtx, TensorCtx};
 use crate::templates::render;
 use crate::{CodegenError, KernelShape, TuneParams};
 use kvq_spec::{CacheSource, SchemeSpec, TensorQuant};
@@ -53,6 +53,74 @@ fn kernel_id(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> Strin
     format!("{h:016x}")
 }
 
+/// Why one tensor cannot use the tensor-core kernel, if it cannot: the kernel reads whole 32-bit
+/// words of 1/2/4/8-bit codes (a thread's share of a row is `head_dim·bits/4` bits for K and
+/// `head_dim·bits/8` for V, so `head_dim·bits >= 128`), folds channel-axis K scales into the query,
+/// and folds token-axis V scales into the probabilities only when one group spans the whole row.
+fn mma_unsupported(t: &TensorCtx, is_k: bool, head_dim: usize) -> Option<String> {
+    if t.kind == "fp16" {
+        return None;
+    }
+    let name = t.prefix;
+    if ![1, 2, 4, 8].contains(&t.bits) {
+        return Some(format!("{name}: {}-bit codes", t.bits));
+    }
+    if head_dim * (t.bits as usize) < 128 {
+        return Some(format!("{name}: head_dim·bits < 128"));
+    }
+    if is_k && t.axis != "channel" {
+        return Some(format!("{name}: token-axis keys"));
+    }
+    if !is_k && t.axis == "token" && t.group != head_dim {
+        return Some(format!("{name}: token groups smaller than a row"));
+    }
+    if t.boost && (!is_k || t.symmetric || t.high_bits != 2 || t.high_row_words > 4) {
+        return Some(format!("{name}: this boost layout"));
+    }
+    None
+}
+
+/// Chooses between the tensor-core kernel and the generic one for a shape and the tensors' layouts.
+fn mma_plan(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> MmaCtx {
+    let d = shape.head_dim as usize;
+    let bits = |t: &TensorCtx| {
+        if t.kind == "fp16" {
+            16
+        } else {
+            u32::from(t.bits)
+        }
+    };
+    // Symmetric codes subtract their offset. Token-axis V (its scale folded into the weights, its
+    // zero summed beside) also centres asymmetric codes on 2^(b−1): the code sum Σ p·s·(c − o)
+    // then stays small instead of nearly cancelling Σ p·z over long spans (measured: relative
+    // errors 2.5e-3–5.7e-3 at 26K tokens per split with codes from 0, 4e-4 at 6K).
+    let offset = |t: &TensorCtx, token_fold: bool| {
+        if t.kind == "int" && (t.symmetric || token_fold) {
+            1u32 << (t.bits - 1)
+        } else {
+            0
+        }
+    };
+    let reason = if !matches!(d, 64 | 128 | 256) {
+        Some(format!("head_dim {d}"))
+    } else if shape.gqa > 8 {
+        Some(format!("gqa {} > 8", shape.gqa))
+    } else {
+        mma_unsupported(k, true, d).or_else(|| mma_unsupported(v, false, d))
+    };
+    MmaCtx {
+        enabled: reason.is_none(),
+        reason: reason.unwrap_or_default(),
+        k_bits: bits(k),
+        v_bits: bits(v),
+        k_offset: offset(k, false),
+        v_offset: offset(v, v.kind == "int" && v.axis == "token"),
+        k_quant: k.kind == "int",
+        v_quant: v.kind == "int",
+        v_token_fold: v.kind == "int" && v.axis == "token",
+    }
+}
+
 /// Renders the decode kernels for a scheme, shape and tuning.
 pub fn decode_kernels(
     spec: &SchemeSpec,
@@ -103,6 +171,7 @@ pub fn decode_kernels(
         sink: spec.sink,
         threads: tune.threads,
         tile: tune.tile_tokens,
+        mma: mma_plan(shape, &k, &v),
         k: k.clone(),
         v: v.clone(),
         calibrate: calibrate.is_some(),

@@ -32,6 +32,10 @@ pub(crate) const TEMPLATES: &[(&str, &str)] = &[
         include_str!("../../../templates/decode.cu.tera"),
     ),
     (
+        "decode_mma.cuh.tera",
+        include_str!("../../../templates/decode_mma.cuh.tera"),
+    ),
+    (
         "cache.cu.tera",
         include_str!("../../../templates/cache.cu.tera"),
     ),
