@@ -733,62 +733,6 @@ impl PagedKvCache {
         .map_err(|e| RuntimeError::InvalidInput(e.to_string()))
     }
 
-    /// Times the prefill page quantizers alone: K and V, every whole page of each listed sequence,
-    /// each of which must have been prefilled from its `(k, v)` of `tokens` tokens. Median µs over
-    /// `runs` CUDA-event timed repetitions, with the bytes read and written. For benchmarks.
-    pub fn time_prefill_quantizers(
-        &mut self,
-        sequences: &[(SeqId, &CudaSlice<u16>, &CudaSlice<u16>)],
-        tokens: usize,
-        runs: usize,
-    ) -> Result<QuantizeTiming> {
-        let (h, d) = (self.cfg.kv_heads, self.cfg.head_dim);
-        let mut launches = Vec::new();
-        let (mut read, mut written) = (0usize, 0usize);
-        for (si, &(id, k, v)) in sequences.iter().enumerate() {
-            self.check_tokens("K", k, tokens)?;
-            self.check_tokens("V", v, tokens)?;
-            if self.book.len(id)? != tokens {
-                return Err(RuntimeError::InvalidInput(format!(
-                    "sequence {} was not prefilled with {tokens} tokens",
-                    id.0
-                )));
-            }
-            for (which, tensor) in [(Tensor::K, self.spec.k), (Tensor::V, self.spec.v)] {
-                let jobs = self.prefill_jobs(id, &tensor, tokens)?;
-                if jobs.is_empty() {
-                    continue;
-                }
-                let pages = jobs.len() / 2;
-                read += pages * self.spec.page as usize * h * d * 2;
-                written += pages * h * block_bytes(&self.spec, &tensor, d)?;
-                let list = self
-                    .stream
-                    .clone_htod(&jobs)
-                    .map_err(dev("upload prefill jobs"))?;
-                launches.push((si, which, pages, list));
-            }
-        }
-        let h32 = h as u32;
-        let stream = self.stream.clone();
-        let timing = crate::timing::time_gpu(&stream, 2, runs, |s| {
-            for (si, which, pages, list) in &launches {
-                let (_, k, v) = sequences[*si];
-                let (q, pool, x) = match which {
-                    Tensor::K => (self.kernels.k.as_ref(), &mut self.k_pool, k),
-                    Tensor::V => (self.kernels.v.as_ref(), &mut self.v_pool, v),
-                };
-                launch_from_input(s, q, pool, x, list, *pages, h32)?;
-            }
-            Ok(())
-        })?;
-        Ok(QuantizeTiming {
-            median_us: timing.median_us(),
-            bytes_read: read,
-            bytes_written: written,
-        })
-    }
-
     /// The decode kernels' metadata this cache is laid out for.
     pub fn matches(&self, kernels: &DecodeKernels) -> bool {
         kernels.scheme == self.spec.to_string()

@@ -213,6 +213,37 @@ fn synthetic(
     (bits, tensor)
 }
 
+fn upload(stream: &Arc<CudaStream>, words: &[u16]) -> Result<CudaSlice<u16>> {
+    stream
+        .clone_htod(words)
+        .map_err(|e| RuntimeError::driver("upload tuning input", e))
+}
+
+/// A cache with room for one sequence of `tokens` tokens, and that sequence (empty).
+#[allow(clippy::too_many_arguments)]
+fn one_sequence(
+    jit: &Jit,
+    stream: &Arc<CudaStream>,
+    spec: &SchemeSpec,
+    kv_heads: usize,
+    head_dim: usize,
+    tokens: usize,
+    dtype: Dtype,
+    forms: QuantizerForms,
+) -> Result<(PagedKvCache, super::SeqId)> {
+    let cfg = CacheConfig {
+        kv_heads,
+        head_dim,
+        max_seqs: 1,
+        pool_pages: tokens / spec.page as usize + 1,
+        max_tokens: tokens,
+        input_dtype: dtype,
+    };
+    let mut cache = PagedKvCache::with_forms(jit, stream.clone(), spec, cfg, forms)?;
+    let id = cache.add_sequence()?;
+    Ok((cache, id))
+}
+
 /// Whether a prefill of a few pages with `forms` gives exactly the reference's page bytes.
 fn bit_exact(
     jit: &Jit,
@@ -226,22 +257,14 @@ fn bit_exact(
     let tokens = spec.sink as usize + 256 + 6 * spec.page as usize;
     let (kb, kt) = synthetic(tokens, heads, d, dtype, 0x6b65_7973);
     let (vb, vt) = synthetic(tokens, heads, d, dtype, 0x7661_6c73);
-    let cfg = CacheConfig {
-        kv_heads: heads,
-        head_dim: d,
-        max_seqs: 1,
-        pool_pages: tokens / spec.page as usize + 1,
-        max_tokens: tokens,
-        input_dtype: dtype,
-    };
-    let mut cache = PagedKvCache::with_forms(jit, stream.clone(), spec, cfg, forms)?;
-    let id = cache.add_sequence()?;
-    let up = |w: &[u16]| -> Result<CudaSlice<u16>> {
-        stream
-            .clone_htod(w)
-            .map_err(|e| RuntimeError::driver("upload tuning input", e))
-    };
-    cache.prefill(id, &up(&kb)?, &up(&vb)?, tokens, dtype)?;
+    let (mut cache, id) = one_sequence(jit, stream, spec, heads, d, tokens, dtype, forms)?;
+    cache.prefill(
+        id,
+        &upload(stream, &kb)?,
+        &upload(stream, &vb)?,
+        tokens,
+        dtype,
+    )?;
     let snap = cache.snapshot(id)?;
     let reference =
         IntCache::build(spec, &kt, &vt).map_err(|e| RuntimeError::InvalidInput(e.to_string()))?;
@@ -281,12 +304,7 @@ pub fn tune_forms(
     let tokens = spec.sink as usize + pages * spec.page as usize + 256;
     let kb = synthetic_words(tokens, d, dtype, 1);
     let vb = synthetic_words(tokens, d, dtype, 2);
-    let up = |w: &[u16]| -> Result<CudaSlice<u16>> {
-        stream
-            .clone_htod(w)
-            .map_err(|e| RuntimeError::driver("upload tuning input", e))
-    };
-    let (k, v) = (up(&kb)?, up(&vb)?);
+    let (k, v) = (upload(stream, &kb)?, upload(stream, &vb)?);
     let mut candidates: Vec<QuantizerForms> = QuantizerForm::ALL
         .into_iter()
         .map(|f| forms_or_tiled(spec, head_dim, f))
@@ -295,18 +313,10 @@ pub fn tune_forms(
     let mut timings = Vec::new();
     for forms in candidates {
         let exact = bit_exact(jit, stream, spec, head_dim, dtype, forms)?;
-        let cfg = CacheConfig {
-            kv_heads: TUNE_KV_HEADS,
-            head_dim: d,
-            max_seqs: 1,
-            pool_pages: tokens / spec.page as usize + 1,
-            max_tokens: tokens,
-            input_dtype: dtype,
-        };
-        let mut cache = PagedKvCache::with_forms(jit, stream.clone(), spec, cfg, forms)?;
-        let id = cache.add_sequence()?;
+        let (mut cache, id) =
+            one_sequence(jit, stream, spec, TUNE_KV_HEADS, d, tokens, dtype, forms)?;
         cache.prefill(id, &k, &v, tokens, dtype)?;
-        let t = cache.time_prefill_quantizers(&[(id, &k, &v)], tokens, TUNE_RUNS)?;
+        let t = cache.time_packed_prefill_quantizers(&[(id, tokens)], &k, &v, TUNE_RUNS)?;
         timings.push(FormTiming {
             forms,
             median_us: t.median_us,
