@@ -16,8 +16,8 @@ struct CacheTensorCtx {
     tensor: TensorCtx,
     /// "naive", "tiled", "coarsened" or "vectorized" (FP16 tensors: "tiled", unused).
     form: &'static str,
-    /// Register forms: one 16-byte load per row chunk.
-    vector_loads: bool,
+    #[serde(skip)]
+    typed_form: QuantizerForm,
     /// Register forms: threads per CTA and rows per thread.
     reg_threads: u32,
     reg_iter: u32,
@@ -47,7 +47,7 @@ impl CacheTensorCtx {
         CacheTensorCtx {
             tensor,
             form: form.as_str(),
-            vector_loads: form == QuantizerForm::Vectorized,
+            typed_form: form,
             reg_threads,
             reg_iter,
             min_blocks,
@@ -124,12 +124,12 @@ const QUANTIZER_THREADS: usize = 256;
 /// `*_quantize_with`: the staged page (tiled), the code buffer, min/max partials, boost scores,
 /// f16 scales and zeros, f32 (scale, reciprocal, zero) per group, and the boost map.
 fn quantizer_launch(t: &CacheTensorCtx, head_dim: usize, page: usize) -> (u32, u32) {
-    if t.reg_threads > 0 && t.form != "naive" && t.form != "tiled" {
+    if t.typed_form.in_registers() {
         return (t.reg_threads, 0);
     }
     let c = &t.tensor;
     let partials = c.scale_count.max(QUANTIZER_THREADS);
-    let staged = if t.form == "tiled" {
+    let staged = if t.typed_form == QuantizerForm::Tiled {
         page * head_dim * 2
     } else {
         0

@@ -515,17 +515,16 @@ fn gpu_packed_prefill_equals_separate_prefills() {
             .prefill_packed(&prompts, &kd, &vd, Dtype::F16)
             .expect("packed prefill");
         let mut first = 0;
-        for &n in &lens {
-            let id = separate.add_sequence().unwrap();
+        for &(id, n) in &prompts {
+            // Slots are handed out in the same order in both caches, so the ids coincide.
+            assert_eq!(separate.add_sequence().unwrap(), id);
             let kk = s.clone_htod(&rows(&k, first, first + n, d)).expect("k");
             let vv = s.clone_htod(&rows(&v, first, first + n, d)).expect("v");
             separate
                 .prefill(id, &kk, &vv, n, Dtype::F16)
                 .expect("prefill");
             assert_eq!(
-                packed
-                    .snapshot(prompts[separate_index(&prompts, id)].0)
-                    .unwrap(),
+                packed.snapshot(id).unwrap(),
                 separate.snapshot(id).unwrap(),
                 "{name}: sequence of {n} tokens"
             );
@@ -533,14 +532,6 @@ fn gpu_packed_prefill_equals_separate_prefills() {
         }
     }
     println!("packed prefill of {lens:?} tokens equals separate prefills for every integer scheme");
-}
-
-/// Sequences are added to both caches in the same order, so slot ids coincide.
-fn separate_index(prompts: &[(SeqId, usize)], id: SeqId) -> usize {
-    prompts
-        .iter()
-        .position(|p| p.0 == id)
-        .expect("same slot order")
 }
 
 #[test]

@@ -129,8 +129,6 @@ impl PagedKvCache {
         spec: &SchemeSpec,
         cfg: CacheConfig,
     ) -> Result<Self> {
-        spec.check_shape(cfg.head_dim as u32, cfg.kv_heads.max(1) as u32)
-            .map_err(|e| RuntimeError::InvalidInput(e.to_string()))?;
         let forms = super::forms::choose_forms(
             jit,
             &stream,
@@ -333,17 +331,23 @@ impl PagedKvCache {
         )
     }
 
-    /// `(first input token, physical page)` of every whole page of a prefill of `tokens` tokens
-    /// into sequence `id` (which holds its pages already); empty when nothing is quantized.
-    fn prefill_jobs(&self, id: SeqId, tensor: &TensorQuant, tokens: usize) -> Result<Vec<i32>> {
+    /// `(row in the packed input, physical page)` of every whole page of a packed prefill of
+    /// `prompts` (each sequence holds its pages already); empty when the tensor is not quantized.
+    fn packed_jobs(&self, prompts: &[(SeqId, usize)], tensor: &TensorQuant) -> Result<Vec<i32>> {
+        let mut jobs = Vec::new();
         if !tensor.is_quantized() {
-            return Ok(Vec::new());
+            return Ok(jobs);
         }
-        let r = self.regions(tensor, tokens);
-        let pages = self.book.pages(id)?;
-        Ok((0..r.pages)
-            .flat_map(|j| [r.page_tokens(j).start as i32, pages[j] as i32])
-            .collect())
+        let mut first = 0usize;
+        for &(id, tokens) in prompts {
+            let r = self.regions(tensor, tokens);
+            let pages = self.book.pages(id)?;
+            for (j, &phys) in pages.iter().enumerate().take(r.pages) {
+                jobs.extend([(first + r.page_tokens(j).start) as i32, phys as i32]);
+            }
+            first += tokens;
+        }
+        Ok(jobs)
     }
 
     /// Bulk prefill of an empty sequence with a prompt's K and V (`[tokens][kv_heads][head_dim]`,
@@ -391,7 +395,6 @@ impl PagedKvCache {
         let row = self.cfg.kv_heads * self.cfg.head_dim;
         let (h, max_pages) = (self.cfg.kv_heads as u32, self.max_pages as i32);
         let mut first = 0usize;
-        let mut jobs = [Vec::new(), Vec::new()];
         for &(id, tokens) in &growth {
             let rows = first * row..(first + tokens) * row;
             let (kv, vv) = (k.slice(rows.clone()), v.slice(rows));
@@ -414,21 +417,14 @@ impl PagedKvCache {
             };
             // SAFETY: arguments follow KernelEntry::params; the views hold this prompt's rows.
             unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
-            for (list, tensor) in jobs.iter_mut().zip([self.spec.k, self.spec.v]) {
-                let pairs = self.prefill_jobs(id, &tensor, tokens)?;
-                list.extend(
-                    pairs
-                        .chunks_exact(2)
-                        .flat_map(|j| [j[0] + first as i32, j[1]]),
-                );
-            }
             first += tokens;
         }
-        for (which, list) in [Tensor::K, Tensor::V].into_iter().zip(&jobs) {
+        for (which, tensor) in [(Tensor::K, self.spec.k), (Tensor::V, self.spec.v)] {
+            let list = self.packed_jobs(&growth, &tensor)?;
             if list.is_empty() {
                 continue;
             }
-            self.upload_list(list)?;
+            self.upload_list(&list)?;
             let (q, pool, x) = match which {
                 Tensor::K => (self.kernels.k.as_ref(), &mut self.k_pool, k),
                 Tensor::V => (self.kernels.v.as_ref(), &mut self.v_pool, v),
@@ -457,20 +453,16 @@ impl PagedKvCache {
         let (h, d) = (self.cfg.kv_heads, self.cfg.head_dim);
         let (mut read, mut written) = (0usize, 0usize);
         let mut launches = Vec::new();
-        for (which, tensor) in [(Tensor::K, self.spec.k), (Tensor::V, self.spec.v)] {
-            let mut list = Vec::new();
-            let mut first = 0i32;
-            for &(id, tokens) in prompts {
-                if self.book.len(id)? != tokens {
-                    return Err(RuntimeError::InvalidInput(format!(
-                        "sequence {} was not prefilled with {tokens} tokens",
-                        id.0
-                    )));
-                }
-                let pairs = self.prefill_jobs(id, &tensor, tokens)?;
-                list.extend(pairs.chunks_exact(2).flat_map(|j| [j[0] + first, j[1]]));
-                first += tokens as i32;
+        for &(id, tokens) in prompts {
+            if self.book.len(id)? != tokens {
+                return Err(RuntimeError::InvalidInput(format!(
+                    "sequence {} was not prefilled with {tokens} tokens",
+                    id.0
+                )));
             }
+        }
+        for (which, tensor) in [(Tensor::K, self.spec.k), (Tensor::V, self.spec.v)] {
+            let list = self.packed_jobs(prompts, &tensor)?;
             if list.is_empty() {
                 continue;
             }

@@ -26,7 +26,7 @@ use crate::disk_cache::cache_root;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
 use crate::tune::store::{unix_now, write_atomically};
-use crate::tune::synth::SynthRng;
+use crate::tune::synth::{word_to_f32, SynthRng};
 use crate::tune::{GpuKey, TunePolicy};
 
 /// Name of the file under the cache root.
@@ -173,44 +173,34 @@ pub fn forms_or_tiled(spec: &SchemeSpec, head_dim: u32, form: QuantizerForm) -> 
     }
 }
 
-/// Random `[tokens][kv_heads][head_dim]` words of `dtype` and the same values head-major for the
-/// reference.
-fn synthetic(
-    tokens: usize,
-    kv_heads: usize,
-    d: usize,
-    dtype: Dtype,
-    seed: u64,
-) -> (Vec<u16>, KvTensor) {
+/// Random `[tokens][kv_heads][head_dim]` words of `dtype` (uniform in ±3, one channel in 16 eight
+/// times larger, so boost and outlier paths are taken).
+fn synthetic_words(tokens: usize, kv_heads: usize, d: usize, dtype: Dtype, seed: u64) -> Vec<u16> {
     let mut rng = SynthRng::new(seed);
-    let mut bits = Vec::with_capacity(tokens * kv_heads * d);
-    let mut data = vec![0.0f32; tokens * kv_heads * d];
-    for t in 0..tokens {
-        for h in 0..kv_heads {
-            for c in 0..d {
-                let x = 3.0 * rng.symmetric() * if c % 16 == 3 { 8.0 } else { 1.0 };
-                let (word, value) = match dtype {
-                    Dtype::F16 => {
-                        let h = half::f16::from_f32(x);
-                        (h.to_bits(), h.to_f32())
-                    }
-                    Dtype::Bf16 => {
-                        let h = half::bf16::from_f32(x);
-                        (h.to_bits(), h.to_f32())
-                    }
-                };
-                bits.push(word);
-                data[(h * tokens + t) * d + c] = value;
+    (0..tokens * kv_heads * d)
+        .map(|i| {
+            let x = 3.0 * rng.symmetric() * if i % d % 16 == 3 { 8.0 } else { 1.0 };
+            match dtype {
+                Dtype::F16 => half::f16::from_f32(x).to_bits(),
+                Dtype::Bf16 => half::bf16::from_f32(x).to_bits(),
             }
-        }
+        })
+        .collect()
+}
+
+/// The values of `[tokens][kv_heads][head_dim]` words, head-major as the reference takes them.
+fn head_major(words: &[u16], tokens: usize, kv_heads: usize, d: usize, dtype: Dtype) -> KvTensor {
+    let mut data = vec![0.0f32; words.len()];
+    for (i, &w) in words.iter().enumerate() {
+        let (t, h, c) = (i / (kv_heads * d), i / d % kv_heads, i % d);
+        data[(h * tokens + t) * d + c] = word_to_f32(w, dtype);
     }
-    let tensor = KvTensor {
+    KvTensor {
         data,
         kv_heads,
         tokens,
         head_dim: d,
-    };
-    (bits, tensor)
+    }
 }
 
 fn upload(stream: &Arc<CudaStream>, words: &[u16]) -> Result<CudaSlice<u16>> {
@@ -255,8 +245,8 @@ fn bit_exact(
 ) -> Result<bool> {
     let (heads, d) = (2usize, head_dim as usize);
     let tokens = spec.sink as usize + 256 + 6 * spec.page as usize;
-    let (kb, kt) = synthetic(tokens, heads, d, dtype, 0x6b65_7973);
-    let (vb, vt) = synthetic(tokens, heads, d, dtype, 0x7661_6c73);
+    let kb = synthetic_words(tokens, heads, d, dtype, 0x6b65_7973);
+    let vb = synthetic_words(tokens, heads, d, dtype, 0x7661_6c73);
     let (mut cache, id) = one_sequence(jit, stream, spec, heads, d, tokens, dtype, forms)?;
     cache.prefill(
         id,
@@ -266,6 +256,10 @@ fn bit_exact(
         dtype,
     )?;
     let snap = cache.snapshot(id)?;
+    let (kt, vt) = (
+        head_major(&kb, tokens, heads, d, dtype),
+        head_major(&vb, tokens, heads, d, dtype),
+    );
     let reference =
         IntCache::build(spec, &kt, &vt).map_err(|e| RuntimeError::InvalidInput(e.to_string()))?;
     for (pages, store) in [
@@ -302,8 +296,8 @@ pub fn tune_forms(
     let page_bytes = spec.page as usize * TUNE_KV_HEADS * d * 2 * 2;
     let pages = (4 * props.l2_bytes as usize).div_ceil(page_bytes).max(8);
     let tokens = spec.sink as usize + pages * spec.page as usize + 256;
-    let kb = synthetic_words(tokens, d, dtype, 1);
-    let vb = synthetic_words(tokens, d, dtype, 2);
+    let kb = synthetic_words(tokens, TUNE_KV_HEADS, d, dtype, 1);
+    let vb = synthetic_words(tokens, TUNE_KV_HEADS, d, dtype, 2);
     let (k, v) = (upload(stream, &kb)?, upload(stream, &vb)?);
     let mut candidates: Vec<QuantizerForms> = QuantizerForm::ALL
         .into_iter()
@@ -344,18 +338,4 @@ pub fn tune_forms(
         tuned_at_unix: unix_now(),
         kvq_version: env!("CARGO_PKG_VERSION").to_string(),
     })
-}
-
-/// Words only (the timing workload needs no reference values).
-fn synthetic_words(tokens: usize, d: usize, dtype: Dtype, seed: u64) -> Vec<u16> {
-    let mut rng = SynthRng::new(seed);
-    (0..tokens * TUNE_KV_HEADS * d)
-        .map(|i| {
-            let x = 3.0 * rng.symmetric() * if i % 16 == 3 { 8.0 } else { 1.0 };
-            match dtype {
-                Dtype::F16 => half::f16::from_f32(x).to_bits(),
-                Dtype::Bf16 => half::bf16::from_f32(x).to_bits(),
-            }
-        })
-        .collect()
 }
