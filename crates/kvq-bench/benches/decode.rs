@@ -65,13 +65,16 @@ fn bench_all(c: &mut Criterion) -> Result<(), RuntimeError> {
         let mut rotation =
             RotatingBatch::upload(&stream, &sequences, queries.bits_for(batch), copies)?;
         let problem = TuneProblem::new(prep.scheme.spec, shape, config.kv_heads, batch, len);
-        let choice = TuneChoice::heuristic(&problem, device.props().sm_count as usize);
         let kernel = DecodeKernel::load(
             &jit,
             &prep.scheme.spec,
             &shape,
             &TuneParams::default_for(&shape),
         )?;
+        let choice = TuneChoice::heuristic(
+            &problem,
+            kernel.resident_ctas(device.props().sm_count as usize)?,
+        );
         let mut scratch = DecodeScratch::new(
             &stream,
             batch,

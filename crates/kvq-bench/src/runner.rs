@@ -240,7 +240,8 @@ impl Context<'_> {
         let mut rotation =
             RotatingBatch::upload(&stream, &sequences, self.queries.bits_for(batch), copies)?;
         let problem = TuneProblem::new(prep.scheme.spec, self.shape, config.kv_heads, batch, len);
-        let default = TuneChoice::heuristic(&problem, props.sm_count as usize);
+        let default =
+            TuneChoice::heuristic(&problem, kernel.resident_ctas(props.sm_count as usize)?);
         let mut scratch = DecodeScratch::new(&stream, batch, q_heads, d, default.splits)?;
         let reference = ReferenceCheck::from_rows(
             prep.reference

@@ -19,7 +19,7 @@ use kvq::reference::synth::SynthConfig;
 use kvq::reference::KvTensor;
 use kvq::runtime::tune::synth::SynthRng;
 use kvq::runtime::tune::{ChoiceSource, TunePolicy, Tuner};
-use kvq::runtime::{default_splits, RuntimeError};
+use kvq::runtime::RuntimeError;
 
 use crate::error::{CliError, Result};
 use crate::gpu::{self, Gpu, Latency};
@@ -206,7 +206,6 @@ fn gpu_columns(
     cfg: &SynthConfig,
     rows: &mut [Row],
 ) -> Result<()> {
-    let sm = g.device.props().sm_count as usize;
     let data = w.data();
     let err_shape = KernelShape::new(cfg.head_dim as u32, cfg.gqa as u32, opts.dtype);
     let (q_bits, _) = gpu::to_device_words(&data.q.data, opts.dtype);
@@ -214,9 +213,8 @@ fn gpu_columns(
         let result = IntCache::build(&r.scheme.spec, &data.k, &data.v)
             .map_err(|e| e.to_string())
             .and_then(|cache| {
-                let splits = default_splits(1, cfg.kv_heads, cfg.tokens, sm);
                 let params = TuneParams::default_for(&err_shape);
-                gpu::decode_once(g, &err_shape, &params, splits, &[&cache], &q_bits)
+                gpu::decode_once(g, &err_shape, &params, &[&cache], &q_bits)
                     .map(|o| attention::relative_error(&o, w.exact_output()))
                     .map_err(|e| e.to_string())
             });

@@ -18,7 +18,6 @@ use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
 use kvq::reference::synth::to_head_major;
 use kvq::reference::KvTensor;
-use kvq::runtime::default_splits;
 use safetensors::{Dtype as StDtype, SafeTensors};
 
 use crate::error::{CliError, Result};
@@ -339,12 +338,10 @@ pub fn evaluate_layer(
         Some(dev) => {
             let shape = KernelShape::new(d as u32, gqa as u32, Dtype::F16);
             let (q_bits, _) = gpu::to_device_words(&layer.q.data, Dtype::F16);
-            let splits = default_splits(1, h, n, dev.device.props().sm_count as usize);
             match gpu::decode_once(
                 dev,
                 &shape,
                 &TuneParams::default_for(&shape),
-                splits,
                 &[&cache],
                 &q_bits,
             ) {

@@ -946,9 +946,13 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             tile_tokens: params.tile_tokens,
             source: params_source.into(),
             tune_file: tune_file.map(|p| p.display().to_string()),
-            default_splits: "clamp(ceil(2·sm_count / (batch·kv_heads)), 1, max(bucket / 256, 1)) \
-                             capped at 256, bucket = next power of two ≥ longest sequence"
-                .into(),
+            default_splits:
+                "slots = sm_count × cuOccupancyMaxActiveBlocksPerMultiprocessor(decode, \
+                             block); ctas = batch·kv_heads; most = clamp(bucket / 256, 1, 256), \
+                             bucket = next power of two ≥ longest sequence; lo = \
+                             clamp(ceil(0.9·slots / ctas), 1, most); the s in lo..=min(2·lo, most) \
+                             maximising ctas·s / (ceil(ctas·s / slots)·slots), ties to the smaller"
+                    .into(),
             tuned: tuned
                 .iter()
                 .map(|e| TunedInfo {

@@ -29,13 +29,12 @@ pub fn open(ordinal: usize) -> Result<Gpu, RuntimeError> {
 }
 
 /// Runs one decode of `caches` (a batch of one scheme) with queries `q_bits` (device words,
-/// `[batch][q_heads][head_dim]`) and returns the output as f32. The output starts poisoned (NaN),
+/// `[batch][q_heads][head_dim]`) with the heuristic split count and returns the output as f32. The output starts poisoned (NaN),
 /// so an unwritten value cannot pass for a result.
 pub fn decode_once(
     gpu: &Gpu,
     shape: &KernelShape,
     params: &TuneParams,
-    splits: usize,
     caches: &[&IntCache],
     q_bits: &[u16],
 ) -> Result<Vec<f32>, RuntimeError> {
@@ -46,6 +45,12 @@ pub fn decode_once(
     let stream = gpu.device.default_stream();
     let cache = GpuCache::upload(&stream, caches)?;
     let q_heads = cache.kv_heads() * shape.gqa as usize;
+    let splits = kernel.default_splits(
+        caches.len(),
+        cache.kv_heads(),
+        caches.iter().map(|c| c.tokens()).max().unwrap_or(1),
+        gpu.device.props().sm_count as usize,
+    )?;
     let q = stream
         .clone_htod(q_bits)
         .map_err(|e| RuntimeError::driver("upload queries", e))?;
@@ -57,7 +62,7 @@ pub fn decode_once(
         caches.len(),
         q_heads,
         shape.head_dim as usize,
-        splits.max(1),
+        splits,
     )?;
     kernel.attend(&stream, cache.view(), &q, &mut out, &mut scratch)?;
     let host = stream

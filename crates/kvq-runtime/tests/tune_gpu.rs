@@ -46,7 +46,7 @@ fn gpu_tuning_picks_a_correct_configuration_no_slower_than_the_default() {
     ];
     for (spec, dtype, batch, len) in cases {
         let problem = TuneProblem::new(spec, KernelShape::new(128, 4, dtype), 8, batch, len);
-        let heuristic = tuner.heuristic(&problem);
+        let heuristic = tuner.heuristic(&problem).expect("heuristic");
         let selection = tuner.choose(&problem).expect("tune");
         assert_eq!(selection.source, ChoiceSource::Tuned);
         let entry = tuner
@@ -110,7 +110,7 @@ fn gpu_tuning_picks_a_correct_configuration_no_slower_than_the_default() {
     cached.set_policy(TunePolicy::Off);
     let s = cached.choose(&problem).unwrap();
     assert_eq!(s.source, ChoiceSource::Heuristic);
-    assert_eq!(s.choice, cached.heuristic(&problem));
+    assert_eq!(s.choice, cached.heuristic(&problem).unwrap());
     let unknown = TuneProblem::new(kivi2, KernelShape::new(64, 4, Dtype::F16), 8, 12, 30_000);
     cached.set_policy(TunePolicy::Cached);
     assert_eq!(

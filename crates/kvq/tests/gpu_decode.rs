@@ -13,7 +13,7 @@ use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
 use kvq::reference::{Dequantized, KvTensor};
 use kvq::runtime::testing::require_gpu;
-use kvq::runtime::{default_splits, DecodeKernel, DecodeScratch, GpuCache, Jit};
+use kvq::runtime::{DecodeKernel, DecodeScratch, GpuCache, Jit};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StudentT};
@@ -177,7 +177,9 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                     let q = stream.clone_htod(&q_bits).expect("upload q");
                     let sm = device.props().sm_count as usize;
                     // The heuristic split count, and a single split: results must agree with both.
-                    let heuristic = default_splits(LENGTHS.len(), KV_HEADS, gpu.max_len(), sm);
+                    let heuristic = kernel
+                        .default_splits(LENGTHS.len(), KV_HEADS, gpu.max_len(), sm)
+                        .expect("occupancy");
                     for splits in [heuristic, 1, 7] {
                         let mut out = stream
                             .clone_htod(&vec![0xFFFFu16; n])

@@ -14,8 +14,7 @@ use kvq::reference::KvTensor;
 use kvq::runtime::paged::{forms_or_tiled, tune_forms};
 use kvq::runtime::testing::require_gpu;
 use kvq::runtime::{
-    default_splits, CacheConfig, DecodeKernel, DecodeScratch, Jit, PagedKvCache, RuntimeError,
-    SeqId,
+    CacheConfig, DecodeKernel, DecodeScratch, Jit, PagedKvCache, RuntimeError, SeqId,
 };
 use kvq::SchemeSpec;
 use rand::{Rng, SeedableRng};
@@ -266,12 +265,14 @@ fn gpu_paged_cache_matches_the_reference_for_every_integer_scheme() {
             let q_bits: Vec<u16> = q_vals.iter().map(|x| f16::from_f32(*x).to_bits()).collect();
             let q = stream_.clone_htod(&q_bits).expect("q");
             let mut out = stream_.clone_htod(&vec![0xFFFFu16; n]).expect("out");
-            let splits = default_splits(
-                PROMPTS.len(),
-                KV_HEADS,
-                cache.max_len(),
-                device.props().sm_count as usize,
-            );
+            let splits = kernel
+                .default_splits(
+                    PROMPTS.len(),
+                    KV_HEADS,
+                    cache.max_len(),
+                    device.props().sm_count as usize,
+                )
+                .expect("occupancy");
             let mut scratch =
                 DecodeScratch::new(&stream_, PROMPTS.len(), q_heads, d, splits).expect("scratch");
             cache

@@ -114,6 +114,34 @@ impl DecodeKernel {
         &self.generated
     }
 
+    /// How many decode CTAs a GPU of `sm_count` SMs holds at once (the driver's occupancy for
+    /// this kernel's registers and shared memory): what [`default_splits`](super::default_splits)
+    /// fills whole waves of.
+    pub fn resident_ctas(&self, sm_count: usize) -> Result<usize> {
+        let per_sm = self
+            .decode
+            .occupancy_max_active_blocks_per_multiprocessor(self.generated.decode.block, 0, None)
+            .map_err(|e| RuntimeError::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?;
+        Ok(per_sm.max(1) as usize * sm_count.max(1))
+    }
+
+    /// The heuristic split count for a batch of `batch` sequences of at most `max_len` tokens
+    /// with `kv_heads` KV heads on a GPU of `sm_count` SMs.
+    pub fn default_splits(
+        &self,
+        batch: usize,
+        kv_heads: usize,
+        max_len: usize,
+        sm_count: usize,
+    ) -> Result<usize> {
+        Ok(super::default_splits(
+            batch,
+            kv_heads,
+            max_len,
+            self.resident_ctas(sm_count)?,
+        ))
+    }
+
     /// Enqueues decode attention for every sequence of `cache` on `stream` (no host
     /// synchronisation): `q` is `[batch][kv_heads·gqa][head_dim]`, `out` the same shape, both in the
     /// kernel's dtype (16-bit words).

@@ -1,15 +1,35 @@
 //! How many split-K partitions a decode launch uses.
 
-/// Splits per (sequence, KV head) so the grid has about four CTAs per SM (the autotuner's winners
-/// on an H200 used 2–4× the earlier two per SM), never more splits than 256-token chunks of the
-/// longest context. It depends only on the batch shape and a context bucket
-/// (the longest sequence rounded up to a power of two), so a captured CUDA graph stays valid
-/// while sequences grow within their bucket.
-pub fn default_splits(batch: usize, kv_heads: usize, max_len: usize, sm_count: usize) -> usize {
+use std::cmp::Reverse;
+
+/// Splits per (sequence, KV head) for a grid that fills whole waves of the GPU.
+///
+/// `resident_ctas` is how many decode CTAs the GPU holds at once (SMs × CTAs per SM, from
+/// [`DecodeKernel::resident_ctas`](super::DecodeKernel::resident_ctas)). A grid of 1.6 waves runs
+/// as long as two, which an H100 measured as 20% of a latency-bound kernel's time; so the split
+/// count is the one, between the fewest that fill 90% of a wave and twice that, whose last wave is
+/// the fullest (ties: fewer splits, so less merging). Never more splits than 256-token chunks of
+/// the context bucket (the longest sequence rounded up to a power of two), nor than 256. It
+/// depends only on the batch shape and that bucket, so a captured CUDA graph stays valid while
+/// sequences grow within their bucket.
+pub fn default_splits(
+    batch: usize,
+    kv_heads: usize,
+    max_len: usize,
+    resident_ctas: usize,
+) -> usize {
     let bucket = max_len.max(1).next_power_of_two();
+    let most = (bucket / 256).clamp(1, 256);
     let ctas = (batch * kv_heads).max(1);
-    let want = (4 * sm_count).div_ceil(ctas);
-    want.clamp(1, (bucket / 256).max(1)).min(256)
+    let slots = resident_ctas.max(1);
+    let fewest = (9 * slots).div_ceil(10 * ctas).clamp(1, most);
+    (fewest..=(2 * fewest).min(most))
+        .max_by_key(|&s| {
+            let grid = ctas * s;
+            let waves = grid.div_ceil(slots);
+            (1000 * grid / (waves * slots), Reverse(s))
+        })
+        .unwrap_or(1)
 }
 
 #[cfg(test)]
@@ -17,16 +37,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn fills_the_gpu_for_small_batches_and_not_beyond() {
-        assert_eq!(default_splits(1, 8, 32768, 132), 66);
-        assert_eq!(default_splits(16, 8, 32768, 132), 5);
-        assert_eq!(default_splits(64, 8, 32768, 132), 2);
-        assert_eq!(default_splits(256, 8, 32768, 132), 1);
-        assert_eq!(default_splits(1, 8, 100, 132), 1);
-        // Same bucket, same splits.
+    fn fills_whole_waves() {
+        // H100, 3 CTAs per SM: 396 slots.
+        assert_eq!(default_splits(1, 8, 32768, 396), 49); // 392 CTAs, one wave
+        assert_eq!(default_splits(16, 8, 32768, 396), 3); // 384 CTAs, not 640 (1.6 waves)
+        assert_eq!(default_splits(64, 8, 32768, 396), 2); // 1024 CTAs in 3 waves (86%)
+        assert_eq!(default_splits(256, 8, 32768, 396), 2); // 94% of 11 waves, not 86% of 6
+        assert_eq!(default_splits(99, 4, 32768, 396), 1); // exactly one wave
+                                                          // 2 CTAs per SM: 264 slots.
+        assert_eq!(default_splits(1, 8, 32768, 264), 33);
+    }
+
+    #[test]
+    fn never_more_splits_than_chunks_and_stable_within_a_bucket() {
+        assert_eq!(default_splits(1, 8, 100, 396), 1);
+        assert_eq!(default_splits(1, 8, 4096, 396), 16);
         assert_eq!(
-            default_splits(2, 8, 5000, 132),
-            default_splits(2, 8, 8000, 132)
+            default_splits(2, 8, 5000, 396),
+            default_splits(2, 8, 8000, 396)
         );
+        assert_eq!(default_splits(0, 0, 0, 0), 1);
     }
 }

@@ -25,11 +25,17 @@ pub struct TuneChoice {
 
 impl TuneChoice {
     /// The untuned default: the codegen heuristic for the block and [`default_splits`] for the
-    /// grid.
-    pub fn heuristic(problem: &TuneProblem, sm_count: usize) -> TuneChoice {
+    /// grid, which fills whole waves of `resident_ctas` (from
+    /// [`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas) of the default block).
+    pub fn heuristic(problem: &TuneProblem, resident_ctas: usize) -> TuneChoice {
         TuneChoice {
             params: TuneParams::default_for(&problem.shape),
-            splits: default_splits(problem.batch, problem.kv_heads, problem.max_len, sm_count),
+            splits: default_splits(
+                problem.batch,
+                problem.kv_heads,
+                problem.max_len,
+                resident_ctas,
+            ),
         }
     }
 
@@ -84,8 +90,8 @@ pub fn split_candidates(default: usize, max: usize) -> Vec<usize> {
 /// Every configuration the tuner times for `problem`: each block-parameter combination the
 /// templates declare × [`split_candidates`] around the heuristic split count (never more splits
 /// than the longest sequence has tiles). The heuristic default comes first.
-pub fn candidates(problem: &TuneProblem, sm_count: usize) -> Vec<TuneChoice> {
-    let default = TuneChoice::heuristic(problem, sm_count);
+pub fn candidates(problem: &TuneProblem, resident_ctas: usize) -> Vec<TuneChoice> {
+    let default = TuneChoice::heuristic(problem, resident_ctas);
     let mut out = vec![default];
     for params in TuneParams::candidates() {
         let tiles = problem.max_len.div_ceil(params.tile_tokens.max(1) as usize);
@@ -129,9 +135,9 @@ mod tests {
     #[test]
     fn candidates_cover_every_block_shape_and_start_with_the_default() {
         let p = problem(16, 32_768);
-        let all = candidates(&p, 132);
-        assert_eq!(all[0], TuneChoice::heuristic(&p, 132));
-        assert_eq!(all[0].splits, 5);
+        let all = candidates(&p, 396);
+        assert_eq!(all[0], TuneChoice::heuristic(&p, 396));
+        assert_eq!(all[0].splits, 3);
         let mut seen = std::collections::HashSet::new();
         for c in &all {
             c.check().unwrap();
@@ -146,7 +152,7 @@ mod tests {
     #[test]
     fn short_contexts_never_get_more_splits_than_tiles() {
         let p = problem(1, 100);
-        let all = candidates(&p, 132);
+        let all = candidates(&p, 396);
         assert_eq!(all[0].splits, 1);
         for c in &all {
             let tiles = 100usize.div_ceil(c.params.tile_tokens as usize);
@@ -156,7 +162,7 @@ mod tests {
 
     #[test]
     fn invalid_choices_are_rejected() {
-        let ok = TuneChoice::heuristic(&problem(1, 4096), 132);
+        let ok = TuneChoice::heuristic(&problem(1, 4096), 396);
         assert!(ok.check().is_ok());
         let mut bad = ok;
         bad.splits = 0;

@@ -239,9 +239,19 @@ impl<'j> Tuner<'j> {
         &self.gpu
     }
 
-    /// The untuned default for `problem` on this GPU.
-    pub fn heuristic(&self, problem: &TuneProblem) -> TuneChoice {
-        TuneChoice::heuristic(problem, self.gpu.sm_count as usize)
+    /// The untuned default for `problem` on this GPU (loads the default block's kernel, through
+    /// the JIT's caches, for its occupancy).
+    pub fn heuristic(&self, problem: &TuneProblem) -> Result<TuneChoice> {
+        let kernel = DecodeKernel::load(
+            self.jit,
+            &problem.spec,
+            &problem.shape,
+            &TuneParams::default_for(&problem.shape),
+        )?;
+        Ok(TuneChoice::heuristic(
+            problem,
+            kernel.resident_ctas(self.gpu.sm_count as usize)?,
+        ))
     }
 
     /// The stored result for `problem` on this GPU, whatever the policy.
@@ -258,7 +268,7 @@ impl<'j> Tuner<'j> {
         problem.check()?;
         if self.policy == TunePolicy::Off {
             return Ok(Selection {
-                choice: self.heuristic(problem),
+                choice: self.heuristic(problem)?,
                 source: ChoiceSource::Heuristic,
             });
         }
@@ -270,7 +280,7 @@ impl<'j> Tuner<'j> {
         }
         if self.policy == TunePolicy::Cached {
             return Ok(Selection {
-                choice: self.heuristic(problem),
+                choice: self.heuristic(problem)?,
                 source: ChoiceSource::Heuristic,
             });
         }
@@ -391,7 +401,14 @@ impl<'a> Session<'a> {
         let p = self.problem;
         let d = p.shape.head_dim as usize;
         let q_heads = p.q_heads();
-        let all = candidates(p, props.sm_count as usize);
+        let default_kernel = DecodeKernel::load(
+            self.jit,
+            &p.spec,
+            &p.shape,
+            &TuneParams::default_for(&p.shape),
+        )?;
+        let all = candidates(p, default_kernel.resident_ctas(props.sm_count as usize)?);
+        drop(default_kernel);
         let default = all[0];
         let mut params: Vec<TuneParams> = Vec::new();
         for c in &all {
