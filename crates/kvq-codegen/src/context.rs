@@ -232,4 +232,23 @@ pub(crate) struct MmaCtx {
     pub v_quant: bool,
     /// Token-axis V with one group per token: its scale folds into the probabilities.
     pub v_token_fold: bool,
+    /// The per-warp `cp.async` ring that quantized-page chunks load through (see [`StagePlan`]).
+    pub stage: StagePlan,
+}
+
+/// Where one chunk's page bytes sit in a warp's shared-memory stage, and how many stages a warp
+/// has (0: chunks load straight from global memory). Each section holds a chunk's bytes plus 16
+/// of slack, since copies start at the 16-byte boundary below their source.
+#[derive(Debug, Clone, Default, Serialize)]
+pub(crate) struct StagePlan {
+    pub stages: u32,
+    pub k_rows: usize,
+    pub k_high: usize,
+    pub v_rows: usize,
+    pub v_scales: usize,
+    pub v_zeros: usize,
+    /// Bytes of one stage (a multiple of 16).
+    pub bytes: usize,
+    /// Dynamic shared memory of one CTA: warps × stages × bytes.
+    pub cta_bytes: usize,
 }

@@ -1,6 +1,6 @@
 //! The fused split-K decode kernels of the integer and FP16 schemes, with their launch metadata.
 
-use crate::context::{DecodeCtx, MmaCtx, TensorCtx};
+use crate::context::{DecodeCtx, MmaCtx, StagePlan, TensorCtx};
 use crate::templates::render;
 use crate::{CodegenError, KernelShape, TuneParams};
 use kvq_spec::{CacheSource, SchemeSpec, TensorQuant};
@@ -15,7 +15,8 @@ pub struct KernelEntry {
     /// Grid as formulas of the launch's values.
     pub grid: [String; 3],
     pub block: u32,
-    /// Dynamic shared memory (all of kvq's kernels use static shared memory today).
+    /// Dynamic shared memory bytes; above 48 KiB a launcher raises the function's
+    /// `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` first.
     pub dynamic_shared_bytes: u32,
 }
 
@@ -81,7 +82,7 @@ fn mma_unsupported(t: &TensorCtx, is_k: bool, head_dim: usize) -> Option<String>
 }
 
 /// Chooses between the tensor-core kernel and the generic one for a shape and the tensors' layouts.
-fn mma_plan(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> MmaCtx {
+fn mma_plan(shape: &KernelShape, tune: &TuneParams, k: &TensorCtx, v: &TensorCtx) -> MmaCtx {
     let d = shape.head_dim as usize;
     let bits = |t: &TensorCtx| {
         if t.kind == "fp16" {
@@ -108,8 +109,15 @@ fn mma_plan(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> MmaCtx {
     } else {
         mma_unsupported(k, true, d).or_else(|| mma_unsupported(v, false, d))
     };
+    let enabled = reason.is_none();
+    let v_token_fold = v.kind == "int" && v.axis == "token";
     MmaCtx {
-        enabled: reason.is_none(),
+        stage: if enabled {
+            stage_plan(tune, k, v, v_token_fold)
+        } else {
+            StagePlan::default()
+        },
+        enabled,
         reason: reason.unwrap_or_default(),
         k_bits: bits(k),
         v_bits: bits(v),
@@ -117,8 +125,49 @@ fn mma_plan(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> MmaCtx {
         v_offset: offset(v, v.kind == "int" && v.axis == "token"),
         k_quant: k.kind == "int",
         v_quant: v.kind == "int",
-        v_token_fold: v.kind == "int" && v.axis == "token",
+        v_token_fold,
     }
+}
+
+/// Most dynamic shared memory a CTA's stages may take: three CTAs still fit an SM of 228 KiB
+/// (the register-capped low-bit kernels run three).
+const MAX_STAGE_CTA_BYTES: usize = 72 * 1024;
+
+/// The `cp.async` ring of the tensor-core kernel: two stages per warp (the next chunk copies while
+/// the current one computes), for schemes whose K and V are both quantized and whose page blocks
+/// are 16-byte multiples (copies round out to 16 bytes and must stay inside the block), when the
+/// ring fits [`MAX_STAGE_CTA_BYTES`]; otherwise none (chunks load from global memory, as FP16
+/// rows do, whose per-warp latency hiding is enough: measured at the copy bandwidth).
+fn stage_plan(tune: &TuneParams, k: &TensorCtx, v: &TensorCtx, v_token_fold: bool) -> StagePlan {
+    let tile = tune.tile_tokens as usize;
+    let section = |bytes: usize| (bytes + 16).div_ceil(16) * 16;
+    let quantized = k.kind == "int" && v.kind == "int";
+    if !quantized || k.block_bytes % 16 != 0 || v.block_bytes % 16 != 0 {
+        return StagePlan::default();
+    }
+    let mut plan = StagePlan {
+        stages: 2,
+        k_rows: section(tile * k.row_words * 4),
+        k_high: if k.boost {
+            section(tile * k.high_row_words * 4)
+        } else {
+            0
+        },
+        v_rows: section(tile * v.row_words * 4),
+        v_scales: if v_token_fold { section(tile * 2) } else { 0 },
+        v_zeros: if v_token_fold && !v.symmetric {
+            section(tile * 2)
+        } else {
+            0
+        },
+        ..StagePlan::default()
+    };
+    plan.bytes = plan.k_rows + plan.k_high + plan.v_rows + plan.v_scales + plan.v_zeros;
+    plan.cta_bytes = (tune.threads as usize / 32) * plan.stages as usize * plan.bytes;
+    if plan.cta_bytes > MAX_STAGE_CTA_BYTES {
+        return StagePlan::default();
+    }
+    plan
 }
 
 /// Renders the decode kernels for a scheme, shape and tuning.
@@ -171,7 +220,7 @@ pub fn decode_kernels(
         sink: spec.sink,
         threads: tune.threads,
         tile: tune.tile_tokens,
-        mma: mma_plan(shape, &k, &v),
+        mma: mma_plan(shape, tune, &k, &v),
         k: k.clone(),
         v: v.clone(),
         calibrate: calibrate.is_some(),
@@ -208,7 +257,7 @@ pub fn decode_kernels(
         ],
         grid: split_grid(),
         block: tune.threads,
-        dynamic_shared_bytes: 0,
+        dynamic_shared_bytes: ctx.mma.stage.cta_bytes as u32,
     };
     let combine = KernelEntry {
         name: ctx.combine_name.clone(),

@@ -43,6 +43,39 @@ fn every_variant_renders() {
     }
 }
 
+#[test]
+fn the_cp_async_ring_is_declared_exactly_where_it_is_used() {
+    let shape = KernelShape::new(128, 4, Dtype::F16);
+    let render_with = |text: &str, tune: &TuneParams| {
+        decode_kernels(&SchemeSpec::parse(text).unwrap(), &shape, tune).unwrap()
+    };
+    let render = |text: &str, tile: u32| {
+        let tune = TuneParams {
+            tile_tokens: tile,
+            ..TuneParams::default_for(&shape)
+        };
+        render_with(text, &tune)
+    };
+    for text in SCHEMES {
+        for tune in TuneParams::candidates() {
+            let k = render_with(text, &tune);
+            let bytes = k.decode.dynamic_shared_bytes;
+            assert_eq!(
+                bytes > 0,
+                k.source.contains("cp.async.commit_group"),
+                "{text}"
+            );
+            assert!(bytes % 16 == 0 && bytes <= 72 * 1024, "{text}: {bytes}");
+        }
+    }
+    // Quantized K and V stage; FP16 never does; INT8 at 64-token tiles would need 129 KiB.
+    let kivi2 = SCHEMES[1];
+    assert!(render(kivi2, 64).decode.dynamic_shared_bytes > 0);
+    assert_eq!(render(SCHEMES[0], 64).decode.dynamic_shared_bytes, 0);
+    assert_eq!(render(SCHEMES[5], 64).decode.dynamic_shared_bytes, 0);
+    assert!(render(SCHEMES[5], 32).decode.dynamic_shared_bytes > 0);
+}
+
 /// Every quantizer form where the tensor's layout supports it (tiled where not).
 fn forms_of(spec: &SchemeSpec, head_dim: u32) -> Vec<kvq_codegen::QuantizerForms> {
     use kvq_codegen::{QuantizerForm, QuantizerForms};

@@ -142,3 +142,27 @@ fn load_hint(code: CUresult, compiled: &Compiled, device: &Device, origin: Origi
     }
     hint
 }
+
+/// Lets `f` take the dynamic shared memory its `entry` declares: the driver refuses launches
+/// above 48 KiB until the function's limit is raised.
+pub(crate) fn allow_dynamic_shared(
+    f: &CudaFunction,
+    entry: &kvq_codegen::KernelEntry,
+) -> Result<()> {
+    if entry.dynamic_shared_bytes > 48 * 1024 {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            entry.dynamic_shared_bytes as i32,
+        )
+        .map_err(|e| {
+            RuntimeError::driver(
+                format!(
+                    "allow {} bytes of shared memory for {}",
+                    entry.dynamic_shared_bytes, entry.name
+                ),
+                e,
+            )
+        })?;
+    }
+    Ok(())
+}

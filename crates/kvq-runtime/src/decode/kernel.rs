@@ -9,6 +9,7 @@ use kvq_spec::SchemeSpec;
 use super::cache::CacheView;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
+use crate::module::allow_dynamic_shared;
 use crate::nvrtc::{CompileOptions, Source};
 
 /// The compiled decode kernels of one scheme × shape × tuning.
@@ -94,6 +95,7 @@ impl DecodeKernel {
             })
         };
         let decode = next()?;
+        allow_dynamic_shared(&decode, &generated.decode)?;
         let combine = next()?;
         let range = if generated.range.is_some() {
             Some(next()?)
@@ -120,7 +122,11 @@ impl DecodeKernel {
     pub fn resident_ctas(&self, sm_count: usize) -> Result<usize> {
         let per_sm = self
             .decode
-            .occupancy_max_active_blocks_per_multiprocessor(self.generated.decode.block, 0, None)
+            .occupancy_max_active_blocks_per_multiprocessor(
+                self.generated.decode.block,
+                self.generated.decode.dynamic_shared_bytes as usize,
+                None,
+            )
             .map_err(|e| RuntimeError::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?;
         Ok(per_sm.max(1) as usize * sm_count.max(1))
     }
@@ -191,6 +197,10 @@ impl DecodeKernel {
             block_dim: (self.generated.decode.block, 1, 1),
             shared_mem_bytes: 0,
         };
+        let decode_cfg = LaunchConfig {
+            shared_mem_bytes: self.generated.decode.dynamic_shared_bytes,
+            ..split_cfg
+        };
         if let (Some(range), Some(entry)) = (&self.range, &self.generated.range) {
             let mut b = stream.launch_builder(range);
             b.arg(q)
@@ -220,7 +230,7 @@ impl DecodeKernel {
             .arg(&mut scratch.part_acc)
             .arg(&mut scratch.part_ml);
         // SAFETY: as above.
-        unsafe { b.launch(split_cfg) }.map_err(launch_err(&self.generated.decode.name))?;
+        unsafe { b.launch(decode_cfg) }.map_err(launch_err(&self.generated.decode.name))?;
         let splits_i32 = splits as i32;
         let mut b = stream.launch_builder(&self.combine);
         b.arg(&scratch.part_acc)
