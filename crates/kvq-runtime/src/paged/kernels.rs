@@ -1,12 +1,12 @@
 //! The compiled cache kernels of one scheme × head_dim × input dtype.
 
-use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::CudaFunction;
 use kvq_codegen::{cache_kernels_with, CacheKernels, Dtype, KernelEntry, QuantizerForms};
 use kvq_spec::SchemeSpec;
 
-use crate::error::{Result, RuntimeError};
+use crate::error::Result;
 use crate::jit::Jit;
+use crate::module::allow_dynamic_shared;
 use crate::nvrtc::{CompileOptions, Source};
 
 /// A loaded kernel and its launch metadata.
@@ -46,21 +46,7 @@ impl CacheFunctions {
         let module = jit.module(&source, &CompileOptions::default())?;
         let load = |entry: &KernelEntry| -> Result<Loaded> {
             let f = module.function(&entry.name)?;
-            if entry.dynamic_shared_bytes > 48 * 1024 {
-                f.set_attribute(
-                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    entry.dynamic_shared_bytes as i32,
-                )
-                .map_err(|e| {
-                    RuntimeError::driver(
-                        format!(
-                            "allow {} bytes of shared memory for {}",
-                            entry.dynamic_shared_bytes, entry.name
-                        ),
-                        e,
-                    )
-                })?;
-            }
+            allow_dynamic_shared(&f, entry)?;
             Ok(Loaded {
                 f,
                 entry: entry.clone(),
