@@ -27,7 +27,8 @@ pub enum QuantizerForm {
 
 /// Register forms keep at most this many rows per thread (8 channels each: 32 registers).
 const MAX_ROWS_PER_THREAD: u32 = 8;
-/// Register forms address a boosted channel's high bits as 32·word + bit in one byte (0xFF: none).
+/// Register forms gather a row's high plane with per-slot shuffle sources and masks held in
+/// registers (three per pass of `head_dim / 8` slots); high rows of at most 7 words keep them few.
 const MAX_HIGH_ROW_WORDS: usize = 7;
 /// Register forms fold Kitty's scores over at most this many row classes in shared memory.
 const MAX_ROW_CLASSES: u32 = 32;
@@ -70,7 +71,6 @@ impl QuantizerForm {
             Axis::Channel => true,
             Axis::Token => q.group.unwrap_or(head_dim) % 8 == 0,
         };
-        // A lane keeps each boosted channel's high-plane place as 32·word + bit in one byte.
         let high_ok = IntLayout::new(q, head_dim as usize, page as usize)
             .map(|l| {
                 l.boost

@@ -44,6 +44,19 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
         8 * 4 * 2 * 3,
         "every integer/FP16 built-in renders"
     );
+    // Every block shape the tuner may pick, for schemes whose staging ring changes with it (tile
+    // and warps size the cp.async stages; INT8 stages only at 32- and 16-token tiles).
+    for b in BUILTIN
+        .iter()
+        .filter(|b| ["kivi2", "kitty", "int8"].contains(&b.name))
+    {
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        for tune in TuneParams::candidates().filter(|t| *t != TuneParams::default_for(&shape)) {
+            let k = decode_kernels(&b.spec, &shape, &tune)
+                .unwrap_or_else(|e| panic!("{} {tune:?}: {e}", b.name));
+            jobs.push((b.name, shape, k.source));
+        }
+    }
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let chunk = jobs.len().div_ceil(threads);
     std::thread::scope(|s| {
