@@ -946,13 +946,12 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             tile_tokens: params.tile_tokens,
             source: params_source.into(),
             tune_file: tune_file.map(|p| p.display().to_string()),
-            default_splits:
-                "slots = sm_count × cuOccupancyMaxActiveBlocksPerMultiprocessor(decode, \
-                             block); ctas = batch·kv_heads; most = clamp(bucket / 256, 1, 256), \
-                             bucket = next power of two ≥ longest sequence; lo = \
-                             clamp(ceil(0.9·slots / ctas), 1, most); the s in lo..=min(2·lo, most) \
-                             maximising ctas·s / (ceil(ctas·s / slots)·slots), ties to the smaller"
-                    .into(),
+            default_splits: "slots = sm_count × cuOccupancyMaxActiveBlocksPerMultiprocessor(decode, \
+                block, its dynamic_shared_bytes); ctas = batch·kv_heads; bucket = next power of two \
+                ≥ longest sequence; most = clamp(bucket / 256, 1, 256); lo = clamp(ceil(0.9·slots / \
+                ctas), 1, most); the s in lo..=min(2·lo, most) maximising ctas·s / (ceil(ctas·s / \
+                slots)·slots), ties to the smaller"
+                .into(),
             tuned: tuned
                 .iter()
                 .map(|e| TunedInfo {

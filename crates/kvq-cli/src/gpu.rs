@@ -29,8 +29,8 @@ pub fn open(ordinal: usize) -> Result<Gpu, RuntimeError> {
 }
 
 /// Runs one decode of `caches` (a batch of one scheme) with queries `q_bits` (device words,
-/// `[batch][q_heads][head_dim]`) with the heuristic split count and returns the output as f32. The output starts poisoned (NaN),
-/// so an unwritten value cannot pass for a result.
+/// `[batch][q_heads][head_dim]`) and the heuristic split count, and returns the output as f32. The
+/// output starts poisoned (NaN), so an unwritten value cannot pass for a result.
 pub fn decode_once(
     gpu: &Gpu,
     shape: &KernelShape,
@@ -153,18 +153,8 @@ pub fn measure(
 
 /// `(bits, f32 values)` of `values` rounded to the kernel's dtype.
 pub fn to_device_words(values: &[f32], dtype: kvq::codegen::Dtype) -> (Vec<u16>, Vec<f32>) {
-    use half::{bf16, f16};
     values
         .iter()
-        .map(|&x| match dtype {
-            kvq::codegen::Dtype::F16 => {
-                let h = f16::from_f32(x);
-                (h.to_bits(), h.to_f32())
-            }
-            kvq::codegen::Dtype::Bf16 => {
-                let h = bf16::from_f32(x);
-                (h.to_bits(), h.to_f32())
-            }
-        })
+        .map(|&x| kvq::runtime::tune::synth::round_to_word(x, dtype))
         .unzip()
 }

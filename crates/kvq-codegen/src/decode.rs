@@ -134,17 +134,18 @@ fn mma_plan(shape: &KernelShape, tune: &TuneParams, k: &TensorCtx, v: &TensorCtx
 const MAX_STAGE_CTA_BYTES: usize = 72 * 1024;
 
 /// The `cp.async` ring of the tensor-core kernel: two stages per warp (the next chunk copies while
-/// the current one computes), for schemes whose K and V are both quantized and whose page blocks
-/// are 16-byte multiples (copies round out to 16 bytes and must stay inside the block), when the
-/// ring fits [`MAX_STAGE_CTA_BYTES`]; otherwise none (chunks load from global memory, as FP16
-/// rows do, whose per-warp latency hiding is enough: measured at the copy bandwidth).
+/// the current one computes), for schemes whose K and V are both quantized, when the ring fits
+/// [`MAX_STAGE_CTA_BYTES`]; otherwise none (chunks load from global memory, as FP16 rows do, whose
+/// per-warp latency hiding is enough: measured at the copy bandwidth). Copies round out to 16
+/// bytes, which stays inside a page block since blocks and their sections are 16-byte aligned
+/// multiples (docs/LAYOUT.md §1).
 fn stage_plan(tune: &TuneParams, k: &TensorCtx, v: &TensorCtx, v_token_fold: bool) -> StagePlan {
     let tile = tune.tile_tokens as usize;
     let section = |bytes: usize| (bytes + 16).div_ceil(16) * 16;
-    let quantized = k.kind == "int" && v.kind == "int";
-    if !quantized || k.block_bytes % 16 != 0 || v.block_bytes % 16 != 0 {
+    if k.kind != "int" || v.kind != "int" {
         return StagePlan::default();
     }
+    debug_assert!(k.block_bytes % 16 == 0 && v.block_bytes % 16 == 0);
     let mut plan = StagePlan {
         stages: 2,
         k_rows: section(tile * k.row_words * 4),

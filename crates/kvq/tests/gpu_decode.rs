@@ -7,12 +7,12 @@
 
 mod common;
 use common::{integer_schemes, seed};
-use half::{bf16, f16};
 use kvq::codegen::{Dtype, KernelShape, TuneParams};
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
 use kvq::reference::{Dequantized, KvTensor};
 use kvq::runtime::testing::require_gpu;
+use kvq::runtime::tune::synth::{round_to_word, word_to_f32};
 use kvq::runtime::{DecodeKernel, DecodeScratch, GpuCache, Jit};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -60,27 +60,8 @@ fn random_kv(rng: &mut ChaCha8Rng, tokens: usize, head_dim: usize) -> (KvTensor,
 fn random_queries(rng: &mut ChaCha8Rng, n: usize, dtype: Dtype) -> (Vec<u16>, Vec<f32>) {
     let t = StudentT::new(5.0).unwrap();
     (0..n)
-        .map(|_| {
-            let x = t.sample(rng) as f32 * 0.8;
-            match dtype {
-                Dtype::F16 => {
-                    let h = f16::from_f32(x);
-                    (h.to_bits(), h.to_f32())
-                }
-                Dtype::Bf16 => {
-                    let h = bf16::from_f32(x);
-                    (h.to_bits(), h.to_f32())
-                }
-            }
-        })
+        .map(|_| round_to_word(t.sample(rng) as f32 * 0.8, dtype))
         .unzip()
-}
-
-fn to_f32(bits: u16, dtype: Dtype) -> f32 {
-    match dtype {
-        Dtype::F16 => f16::from_bits(bits).to_f32(),
-        Dtype::Bf16 => bf16::from_bits(bits).to_f32(),
-    }
 }
 
 #[test]
@@ -202,7 +183,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                                 .expect("reference");
                             let have: Vec<f32> = got[b * per..(b + 1) * per]
                                 .iter()
-                                .map(|&x| to_f32(x, dtype))
+                                .map(|&x| word_to_f32(x, dtype))
                                 .collect();
                             let err = attention::relative_error(&have, &want);
                             checked += 1;

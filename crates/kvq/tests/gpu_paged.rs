@@ -6,13 +6,14 @@
 
 mod common;
 use common::{integer_schemes, seed};
-use half::{bf16, f16};
+use half::f16;
 use kvq::codegen::{Dtype, KernelShape, QuantizerForm, QuantizerForms, TuneParams};
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
 use kvq::reference::KvTensor;
 use kvq::runtime::paged::{forms_or_tiled, tune_forms};
 use kvq::runtime::testing::require_gpu;
+use kvq::runtime::tune::synth::round_to_word;
 use kvq::runtime::{
     CacheConfig, DecodeKernel, DecodeScratch, Jit, PagedKvCache, RuntimeError, SeqId,
 };
@@ -71,16 +72,7 @@ fn stream(
         .map(|i| {
             let x = (t.sample(rng) as f32 * 0.7 + 0.2).clamp(-30.0, 30.0)
                 * gains[i % (KV_HEADS * head_dim)];
-            match dtype {
-                Dtype::F16 => {
-                    let h = f16::from_f32(x);
-                    (h.to_bits(), h.to_f32())
-                }
-                Dtype::Bf16 => {
-                    let h = bf16::from_f32(x);
-                    (h.to_bits(), h.to_f32())
-                }
-            }
+            round_to_word(x, dtype)
         })
         .unzip();
     Stream { bits, values }

@@ -5,10 +5,11 @@ use std::cmp::Reverse;
 /// Splits per (sequence, KV head) for a grid that fills whole waves of the GPU.
 ///
 /// `resident_ctas` is how many decode CTAs the GPU holds at once (SMs × CTAs per SM, from
-/// [`DecodeKernel::resident_ctas`](super::DecodeKernel::resident_ctas)). A grid of 1.6 waves runs
-/// as long as two, which an H100 measured as 20% of a latency-bound kernel's time; so the split
-/// count is the one, between the fewest that fill 90% of a wave and twice that, whose last wave is
-/// the fullest (ties: fewer splits, so less merging). Never more splits than 256-token chunks of
+/// [`DecodeKernel::resident_ctas`](super::DecodeKernel::resident_ctas)). CTAs of one launch take
+/// about equal time, so a grid of 1.6 waves (ncu: the earlier four-per-SM rule at B=16 on an H100)
+/// runs about as long as two; the split count is therefore the one, between the fewest that fill
+/// 90% of a wave and twice that, whose last wave is the fullest (ties: fewer splits, so less
+/// merging). Never more splits than 256-token chunks of
 /// the context bucket (the longest sequence rounded up to a power of two), nor than 256. It
 /// depends only on the batch shape and that bucket, so a captured CUDA graph stays valid while
 /// sequences grow within their bucket.

@@ -26,7 +26,7 @@ use crate::disk_cache::cache_root;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
 use crate::tune::store::{unix_now, write_atomically};
-use crate::tune::synth::{word_to_f32, SynthRng};
+use crate::tune::synth::{round_to_word, word_to_f32, SynthRng};
 use crate::tune::{GpuKey, TunePolicy};
 
 /// Name of the file under the cache root.
@@ -180,10 +180,7 @@ fn synthetic_words(tokens: usize, kv_heads: usize, d: usize, dtype: Dtype, seed:
     (0..tokens * kv_heads * d)
         .map(|i| {
             let x = 3.0 * rng.symmetric() * if i % d % 16 == 3 { 8.0 } else { 1.0 };
-            match dtype {
-                Dtype::F16 => half::f16::from_f32(x).to_bits(),
-                Dtype::Bf16 => half::bf16::from_f32(x).to_bits(),
-            }
+            round_to_word(x, dtype).0
         })
         .collect()
 }

@@ -77,20 +77,23 @@ pub fn random_kv(
 pub fn random_queries(n: usize, dtype: Dtype, seed: u64) -> (Vec<u16>, Vec<f32>) {
     let mut rng = SynthRng::new(seed ^ 0x5155_4552_5951); // distinct stream from K/V's
     (0..n)
-        .map(|_| {
-            let x = 1.5 * rng.symmetric();
-            match dtype {
-                Dtype::F16 => {
-                    let h = f16::from_f32(x);
-                    (h.to_bits(), h.to_f32())
-                }
-                Dtype::Bf16 => {
-                    let h = bf16::from_f32(x);
-                    (h.to_bits(), h.to_f32())
-                }
-            }
-        })
+        .map(|_| round_to_word(1.5 * rng.symmetric(), dtype))
         .unzip()
+}
+
+/// `x` rounded to `dtype` (nearest even): the device word and the value it holds, which is what
+/// a reference computing on the same inputs must see.
+pub fn round_to_word(x: f32, dtype: Dtype) -> (u16, f32) {
+    match dtype {
+        Dtype::F16 => {
+            let h = f16::from_f32(x);
+            (h.to_bits(), h.to_f32())
+        }
+        Dtype::Bf16 => {
+            let h = bf16::from_f32(x);
+            (h.to_bits(), h.to_f32())
+        }
+    }
 }
 
 /// A device word of `dtype` as f32.

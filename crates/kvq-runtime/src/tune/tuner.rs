@@ -408,7 +408,6 @@ impl<'a> Session<'a> {
             &TuneParams::default_for(&p.shape),
         )?;
         let all = candidates(p, default_kernel.resident_ctas(props.sm_count as usize)?);
-        drop(default_kernel);
         let default = all[0];
         let mut params: Vec<TuneParams> = Vec::new();
         for c in &all {
