@@ -242,6 +242,8 @@ pub(crate) struct MmaCtx {
 #[derive(Debug, Clone, Default, Serialize)]
 pub(crate) struct StagePlan {
     pub stages: u32,
+    /// The staged chunk's descriptor (`KvqChunk`: where its rows are, its pages, its length).
+    pub header: usize,
     pub k_rows: usize,
     pub k_high: usize,
     pub v_rows: usize,

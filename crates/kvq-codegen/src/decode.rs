@@ -129,6 +129,10 @@ fn mma_plan(shape: &KernelShape, tune: &TuneParams, k: &TensorCtx, v: &TensorCtx
     }
 }
 
+/// Bytes of a stage's chunk descriptor (`KvqChunk` in decode_mma.cuh.tera: two pointers, three
+/// ints, five skews; a multiple of 16 so the sections after it stay aligned).
+const STAGE_HEADER_BYTES: usize = 48;
+
 /// Most dynamic shared memory a CTA's stages may take: three CTAs still fit an SM of 228 KiB
 /// (the register-capped low-bit kernels run three).
 const MAX_STAGE_CTA_BYTES: usize = 72 * 1024;
@@ -148,6 +152,7 @@ fn stage_plan(tune: &TuneParams, k: &TensorCtx, v: &TensorCtx, v_token_fold: boo
     debug_assert!(k.block_bytes % 16 == 0 && v.block_bytes % 16 == 0);
     let mut plan = StagePlan {
         stages: 2,
+        header: STAGE_HEADER_BYTES,
         k_rows: section(tile * k.row_words * 4),
         k_high: if k.boost {
             section(tile * k.high_row_words * 4)
@@ -163,7 +168,8 @@ fn stage_plan(tune: &TuneParams, k: &TensorCtx, v: &TensorCtx, v_token_fold: boo
         },
         ..StagePlan::default()
     };
-    plan.bytes = plan.k_rows + plan.k_high + plan.v_rows + plan.v_scales + plan.v_zeros;
+    plan.bytes =
+        plan.header + plan.k_rows + plan.k_high + plan.v_rows + plan.v_scales + plan.v_zeros;
     plan.cta_bytes = (tune.threads as usize / 32) * plan.stages as usize * plan.bytes;
     if plan.cta_bytes > MAX_STAGE_CTA_BYTES {
         return StagePlan::default();

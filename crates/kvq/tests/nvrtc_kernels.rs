@@ -1,9 +1,13 @@
-//! Every built-in integer/FP16 scheme's decode kernels compile with real NVRTC to CUBIN for sm_80
-//! and sm_90a, at every supported head_dim, both dtypes and GQA 1/4/8. Needs no GPU: CI installs
-//! libnvrtc from pip and sets `KVQ_REQUIRE_NVRTC=1`, so this fails there rather than skip.
+//! Every built-in integer/FP16 scheme's decode kernels and cache kernels compile with real NVRTC
+//! to CUBIN for sm_80 and sm_90a: decode at every supported head_dim, both dtypes and GQA 1/4/8;
+//! cache kernels in every page quantizer form. Needs no GPU: CI installs libnvrtc from pip and sets
+//! `KVQ_REQUIRE_NVRTC=1`, so these fail there rather than skip.
 
-use kvq::codegen::{decode_kernels, CodegenError, Dtype, KernelShape, TuneParams};
+use kvq::codegen::{
+    cache_kernels_with, decode_kernels, CodegenError, Dtype, KernelShape, QuantizerForm, TuneParams,
+};
 use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
+use kvq::runtime::paged::forms_or_tiled;
 use kvq::runtime::testing::require_nvrtc;
 use kvq::runtime::Arch;
 use kvq::schemes::BUILTIN;
@@ -57,23 +61,68 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
             jobs.push((b.name, shape, k.source));
         }
     }
+    compile_all(&jobs);
+    println!(
+        "compiled {} decode modules × 2 architectures with NVRTC {version:?}",
+        jobs.len()
+    );
+}
+
+#[test]
+fn every_builtin_cache_kernel_compiles_in_every_quantizer_form() {
+    let Some(version) =
+        require_nvrtc("every_builtin_cache_kernel_compiles_in_every_quantizer_form")
+    else {
+        return;
+    };
+    let mut jobs = Vec::new();
+    for b in BUILTIN.iter().filter(|b| {
+        b.spec.source == CacheSource::Kv
+            && ![b.spec.k, b.spec.v]
+                .iter()
+                .any(|t| matches!(t, TensorQuant::Codebook(_)))
+    }) {
+        // Every form at the benchmarked shape; the default forms at the other head_dims and bf16
+        // (96: a head_dim only the naive and tiled forms cover).
+        let mut seen = Vec::new();
+        for form in QuantizerForm::ALL {
+            let forms = forms_or_tiled(&b.spec, 128, form);
+            if !seen.contains(&forms) {
+                seen.push(forms);
+                let k = cache_kernels_with(&b.spec, 128, Dtype::F16, forms)
+                    .unwrap_or_else(|e| panic!("{} {forms}: {e}", b.name));
+                jobs.push((b.name, format!("d128 f16 {forms}"), k.source));
+            }
+        }
+        for (head_dim, dtype) in [(64, Dtype::Bf16), (96, Dtype::F16), (256, Dtype::Bf16)] {
+            let k = kvq::codegen::cache_kernels(&b.spec, head_dim, dtype)
+                .unwrap_or_else(|e| panic!("{} d{head_dim}: {e}", b.name));
+            jobs.push((b.name, format!("d{head_dim} {dtype:?}"), k.source));
+        }
+    }
+    compile_all(&jobs);
+    println!(
+        "compiled {} cache modules × 2 architectures with NVRTC {version:?}",
+        jobs.len()
+    );
+}
+
+/// Compiles every (name, what, source) for sm_80 and sm_90a on all cores; panics naming the first
+/// that fails.
+fn compile_all<W: std::fmt::Debug + Sync>(jobs: &[(&str, W, String)]) {
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let chunk = jobs.len().div_ceil(threads);
     std::thread::scope(|s| {
         for part in jobs.chunks(chunk) {
             s.spawn(move || {
-                for (name, shape, source) in part {
+                for (name, what, source) in part {
                     for arch in [Arch::SM_80, Arch::SM_90A] {
                         let src = Source::new(format!("{name}.cu"), source.clone());
                         nvrtc::compile(&src, arch, Output::Cubin, &CompileOptions::default())
-                            .unwrap_or_else(|e| panic!("{name} {shape:?} {arch}: {e}"));
+                            .unwrap_or_else(|e| panic!("{name} {what:?} {arch}: {e}"));
                     }
                 }
             });
         }
     });
-    println!(
-        "compiled {} decode modules × 2 architectures with NVRTC {version:?}",
-        jobs.len()
-    );
 }

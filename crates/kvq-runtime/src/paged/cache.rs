@@ -752,10 +752,18 @@ fn launch_from_input(
     let Some(Quantizers { from_input: e, .. }) = quantizers else {
         return Ok(());
     };
+    // A grid's x extent stops at 2^31 − 1.
+    let ctas = i32::try_from(pages * kv_heads as usize).map_err(|_| {
+        RuntimeError::InvalidInput(format!(
+            "{pages} prefill pages × {kv_heads} KV heads in one launch"
+        ))
+    })?;
+    // Both fit an i32 since their product does.
+    let (num_jobs, heads) = (pages as i32, kv_heads as i32);
     let mut b = stream.launch_builder(&e.f);
-    b.arg(x).arg(jobs).arg(pool);
+    b.arg(x).arg(jobs).arg(&num_jobs).arg(&heads).arg(pool);
     let cfg = LaunchConfig {
-        grid_dim: (pages as u32, kv_heads, 1),
+        grid_dim: (ctas as u32, 1, 1),
         block_dim: (e.entry.block, 1, 1),
         shared_mem_bytes: e.entry.dynamic_shared_bytes,
     };
