@@ -273,10 +273,8 @@ fn about_param(name: &str, dtype: Dtype) -> String {
         "k_in" | "v_in" | "x" => format!("prefill input [tokens][kv_heads][head_dim] {io}"),
         "tokens" => "prompt tokens".into(),
         "slot" => "the sequence's slot".into(),
-        "jobs" => "[num_jobs][2] i32 (first input token, physical page)".into(),
+        "jobs" => "[jobs][2] i32 (first input token, physical page)".into(),
         "n" => "entries of slots".into(),
-        "kv_heads" => "KV heads of the input rows".into(),
-        "num_jobs" => "entries of jobs (gridDim.x = num_jobs · kv_heads)".into(),
         _ => String::new(),
     }
 }

@@ -23,12 +23,6 @@ struct CacheTensorCtx {
     reg_iter: u32,
     /// Register forms: CTAs per SM the compiler must leave room for (caps registers per thread).
     min_blocks: u32,
-    /// Prefill quantizer's CTA order: the KV heads of one page next to each other (whole input rows
-    /// read together), or the pages of one head. Boosted keys run the pages of one head together:
-    /// on an H100 (16 × 32K f16 prefill) Kitty-Pro's K and V quantizers took 1.17–1.19 ms with
-    /// heads together and 1.02 ms with pages together, while every unboosted scheme was 1–4%
-    /// faster with heads together.
-    heads_fastest: bool,
     /// Naive/tiled forms: row classes and rows per class of Kitty's score fold.
     fold_rows: u32,
     fold_iter: u32,
@@ -51,7 +45,6 @@ impl CacheTensorCtx {
             (65_536 / (reg_threads * budget)).clamp(1, 2048 / reg_threads)
         };
         CacheTensorCtx {
-            heads_fastest: !tensor.boost,
             tensor,
             form: form.as_str(),
             typed_form: form,
@@ -284,11 +277,13 @@ pub fn cache_kernels_with(
                     params: vec![
                         param("const uint16_t*", "x"),
                         param("const int32_t*", "jobs"),
-                        param("int32_t", "num_jobs"),
-                        param("int32_t", "kv_heads"),
                         param("uint8_t*", "pool"),
                     ],
-                    grid: ["num_jobs·kv_heads".into(), "1".into(), "1".into()],
+                    grid: [
+                        "kv_heads".into(),
+                        "jobs (at most 65535 a launch)".into(),
+                        "1".into(),
+                    ],
                     block: threads,
                     dynamic_shared_bytes: smem,
                 },

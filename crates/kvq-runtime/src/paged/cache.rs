@@ -739,7 +739,8 @@ enum Tensor {
     V,
 }
 
-/// Launches a tensor's prefill page quantizer over `pages` jobs of `jobs` (no-op for FP16 tensors).
+/// Launches a tensor's prefill page quantizer over `pages` jobs of `jobs` (no-op for FP16 tensors):
+/// grid (kv_heads, jobs), in as many launches as the grid's y extent (65535) needs.
 fn launch_from_input(
     stream: &Arc<CudaStream>,
     quantizers: Option<&Quantizers>,
@@ -749,27 +750,30 @@ fn launch_from_input(
     pages: usize,
     kv_heads: u32,
 ) -> Result<()> {
+    const MAX_GRID_Y: usize = 65_535;
     let Some(Quantizers { from_input: e, .. }) = quantizers else {
         return Ok(());
     };
-    // A grid's x extent stops at 2^31 − 1.
-    let ctas = i32::try_from(pages * kv_heads as usize).map_err(|_| {
-        RuntimeError::InvalidInput(format!(
-            "{pages} prefill pages × {kv_heads} KV heads in one launch"
-        ))
-    })?;
-    // Both fit an i32 since their product does.
-    let (num_jobs, heads) = (pages as i32, kv_heads as i32);
-    let mut b = stream.launch_builder(&e.f);
-    b.arg(x).arg(jobs).arg(&num_jobs).arg(&heads).arg(pool);
-    let cfg = LaunchConfig {
-        grid_dim: (ctas as u32, 1, 1),
-        block_dim: (e.entry.block, 1, 1),
-        shared_mem_bytes: e.entry.dynamic_shared_bytes,
-    };
-    // SAFETY: arguments follow KernelEntry::params; `jobs` holds `pages` (token, page) pairs naming
-    // pages of the pool, and `x` the input rows they start at.
-    unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
+    if jobs.len() < 2 * pages {
+        return Err(RuntimeError::InvalidInput(format!(
+            "{pages} prefill jobs but a list of {} values",
+            jobs.len()
+        )));
+    }
+    for first in (0..pages).step_by(MAX_GRID_Y) {
+        let count = (pages - first).min(MAX_GRID_Y);
+        let part = jobs.slice(2 * first..2 * (first + count));
+        let mut b = stream.launch_builder(&e.f);
+        b.arg(x).arg(&part).arg(&mut *pool);
+        let cfg = LaunchConfig {
+            grid_dim: (kv_heads, count as u32, 1),
+            block_dim: (e.entry.block, 1, 1),
+            shared_mem_bytes: e.entry.dynamic_shared_bytes,
+        };
+        // SAFETY: arguments follow KernelEntry::params; `part` holds `count` (token, page) pairs
+        // naming pages of the pool, and `x` the input rows they start at.
+        unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
+    }
     Ok(())
 }
 
