@@ -166,16 +166,3 @@ pub(crate) fn allow_dynamic_shared(
     }
     Ok(())
 }
-
-/// How many CTAs of `f` (launched as its `entry` declares) one SM holds at once: the driver's
-/// occupancy for the function's registers and shared memory (at least 1).
-pub(crate) fn ctas_per_sm(f: &CudaFunction, entry: &kvq_codegen::KernelEntry) -> Result<usize> {
-    let per_sm = f
-        .occupancy_max_active_blocks_per_multiprocessor(
-            entry.block,
-            entry.dynamic_shared_bytes as usize,
-            None,
-        )
-        .map_err(|e| RuntimeError::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?;
-    Ok(per_sm.max(1) as usize)
-}

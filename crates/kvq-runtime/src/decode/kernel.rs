@@ -9,7 +9,7 @@ use kvq_spec::SchemeSpec;
 use super::cache::CacheView;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
-use crate::module::{allow_dynamic_shared, ctas_per_sm};
+use crate::module::allow_dynamic_shared;
 use crate::nvrtc::{CompileOptions, Source};
 
 /// The compiled decode kernels of one scheme × shape × tuning.
@@ -120,7 +120,15 @@ impl DecodeKernel {
     /// this kernel's registers and shared memory): what [`default_splits`](super::default_splits)
     /// fills whole waves of.
     pub fn resident_ctas(&self, sm_count: usize) -> Result<usize> {
-        Ok(ctas_per_sm(&self.decode, &self.generated.decode)? * sm_count.max(1))
+        let per_sm = self
+            .decode
+            .occupancy_max_active_blocks_per_multiprocessor(
+                self.generated.decode.block,
+                self.generated.decode.dynamic_shared_bytes as usize,
+                None,
+            )
+            .map_err(|e| RuntimeError::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?;
+        Ok(per_sm.max(1) as usize * sm_count.max(1))
     }
 
     /// The heuristic split count for a batch of `batch` sequences of at most `max_len` tokens

@@ -242,12 +242,7 @@ impl<'j> Tuner<'j> {
     /// The untuned default for `problem` on this GPU (loads the default block's kernel, through
     /// the JIT's caches, for its occupancy).
     pub fn heuristic(&self, problem: &TuneProblem) -> Result<TuneChoice> {
-        let kernel = DecodeKernel::load(
-            self.jit,
-            &problem.spec,
-            &problem.shape,
-            &TuneParams::default_for(&problem.shape),
-        )?;
+        let kernel = default_kernel(self.jit, problem)?;
         Ok(TuneChoice::heuristic(
             problem,
             kernel.resident_ctas(self.gpu.sm_count as usize)?,
@@ -401,12 +396,7 @@ impl<'a> Session<'a> {
         let p = self.problem;
         let d = p.shape.head_dim as usize;
         let q_heads = p.q_heads();
-        let default_kernel = DecodeKernel::load(
-            self.jit,
-            &p.spec,
-            &p.shape,
-            &TuneParams::default_for(&p.shape),
-        )?;
+        let default_kernel = default_kernel(self.jit, p)?;
         let all = candidates(p, default_kernel.resident_ctas(props.sm_count as usize)?);
         let default = all[0];
         let mut params: Vec<TuneParams> = Vec::new();
@@ -749,6 +739,17 @@ fn scratch_for<'s>(
             stream, p.batch, q_heads, head_dim, splits,
         )?)),
     }
+}
+
+/// The decode kernel of `problem` at the heuristic block shape (through the JIT's caches): its
+/// occupancy sizes the default split count.
+fn default_kernel(jit: &Jit, problem: &TuneProblem) -> Result<DecodeKernel> {
+    DecodeKernel::load(
+        jit,
+        &problem.spec,
+        &problem.shape,
+        &TuneParams::default_for(&problem.shape),
+    )
 }
 
 #[cfg(test)]
