@@ -69,7 +69,7 @@ fn bench_all(c: &mut Criterion) -> Result<(), RuntimeError> {
             &jit,
             &prep.scheme.spec,
             &shape,
-            &TuneParams::default_for(&shape),
+            &TuneParams::default_for(&prep.scheme.spec, &shape),
         )?;
         let choice = TuneChoice::heuristic(
             &problem,

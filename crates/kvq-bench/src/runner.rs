@@ -183,11 +183,15 @@ fn compile_defaults(
     schemes: &[Scheme],
     shape: KernelShape,
 ) -> Result<Vec<DecodeKernel>> {
-    let params = TuneParams::default_for(&shape);
     let results: Vec<std::result::Result<DecodeKernel, RuntimeError>> = std::thread::scope(|s| {
         let handles: Vec<_> = schemes
             .iter()
-            .map(|sc| s.spawn(move || DecodeKernel::load(jit, &sc.spec, &shape, &params)))
+            .map(|sc| {
+                s.spawn(move || {
+                    let params = TuneParams::default_for(&sc.spec, &shape);
+                    DecodeKernel::load(jit, &sc.spec, &shape, &params)
+                })
+            })
             .collect();
         handles
             .into_iter()

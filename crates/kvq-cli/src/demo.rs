@@ -213,7 +213,7 @@ fn gpu_columns(
         let result = IntCache::build(&r.scheme.spec, &data.k, &data.v)
             .map_err(|e| e.to_string())
             .and_then(|cache| {
-                let params = TuneParams::default_for(&err_shape);
+                let params = TuneParams::default_for(&r.scheme.spec, &err_shape);
                 gpu::decode_once(g, &err_shape, &params, &[&cache], &q_bits)
                     .map(|o| attention::relative_error(&o, w.exact_output()))
                     .map_err(|e| e.to_string())

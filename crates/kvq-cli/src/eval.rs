@@ -341,7 +341,7 @@ pub fn evaluate_layer(
             match gpu::decode_once(
                 dev,
                 &shape,
-                &TuneParams::default_for(&shape),
+                &TuneParams::default_for(spec, &shape),
                 &[&cache],
                 &q_bits,
             ) {

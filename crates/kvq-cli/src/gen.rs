@@ -502,7 +502,7 @@ fn choose_params(
     shape: &KernelShape,
     tuned: &[TuneEntry],
 ) -> Result<(TuneParams, &'static str)> {
-    let default = TuneParams::default_for(shape);
+    let default = TuneParams::default_for(&req.scheme.spec, shape);
     if req.threads.is_some() || req.tile_tokens.is_some() {
         let p = TuneParams {
             threads: req.threads.unwrap_or(default.threads),

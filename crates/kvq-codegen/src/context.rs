@@ -249,6 +249,9 @@ pub(crate) struct StagePlan {
     pub v_rows: usize,
     pub v_scales: usize,
     pub v_zeros: usize,
+    /// The K page's parameter section (scales, zeros, map), staged with a page's first chunk so
+    /// the query fold reads shared memory: from global memory, each fold waited out a load.
+    pub k_params: usize,
     /// Bytes of one stage (a multiple of 16).
     pub bytes: usize,
     /// Dynamic shared memory of one CTA: warps × stages × bytes.

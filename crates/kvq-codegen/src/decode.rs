@@ -166,15 +166,37 @@ fn stage_plan(tune: &TuneParams, k: &TensorCtx, v: &TensorCtx, v_token_fold: boo
         } else {
             0
         },
+        k_params: k.block_bytes - k.scales_offset,
         ..StagePlan::default()
     };
-    plan.bytes =
-        plan.header + plan.k_rows + plan.k_high + plan.v_rows + plan.v_scales + plan.v_zeros;
+    plan.bytes = plan.header
+        + plan.k_rows
+        + plan.k_high
+        + plan.v_rows
+        + plan.v_scales
+        + plan.v_zeros
+        + plan.k_params;
     plan.cta_bytes = (tune.threads as usize / 32) * plan.stages as usize * plan.bytes;
     if plan.cta_bytes > MAX_STAGE_CTA_BYTES {
         return StagePlan::default();
     }
     plan
+}
+
+/// Whether the tensor-core kernel for these parameters stages its chunks through the `cp.async`
+/// ring (false for schemes or shapes the generic kernel serves).
+pub(crate) fn uses_stage_ring(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> bool {
+    let d = shape.head_dim as usize;
+    match (
+        TensorCtx::new("k", spec, &spec.k, d),
+        TensorCtx::new("v", spec, &spec.v, d),
+    ) {
+        (Ok(k), Ok(v)) => {
+            let plan = mma_plan(shape, tune, &k, &v);
+            plan.enabled && plan.stage.stages > 0
+        }
+        _ => false,
+    }
 }
 
 /// Renders the decode kernels for a scheme, shape and tuning.

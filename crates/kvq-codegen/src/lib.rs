@@ -8,7 +8,7 @@
 //! use kvq_codegen::{decode_kernels, Dtype, KernelShape, TuneParams};
 //! let spec = kvq_spec::SchemeSpec::parse("k = int(2, channel), v = int(2, token), local = 128").unwrap();
 //! let shape = KernelShape::new(128, 4, Dtype::F16);
-//! let kernels = decode_kernels(&spec, &shape, &TuneParams::default_for(&shape)).unwrap();
+//! let kernels = decode_kernels(&spec, &shape, &TuneParams::default_for(&spec, &shape)).unwrap();
 //! assert!(kernels.source.contains(&kernels.decode.name));
 //! ```
 

@@ -1,6 +1,8 @@
 //! The tunable parameters of the decode kernel, their valid ranges, and the untuned default.
 
+use crate::decode::uses_stage_ring;
 use crate::{CodegenError, KernelShape};
+use kvq_spec::SchemeSpec;
 use serde::{Deserialize, Serialize};
 
 /// Block-level choices that change speed, never results (beyond float reassociation).
@@ -17,12 +19,33 @@ impl TuneParams {
     pub const THREADS: &'static [u32] = &[64, 128, 256];
     pub const TILE_TOKENS: &'static [u32] = &[16, 32, 64];
 
-    /// The heuristic default for shapes nobody tuned: 64-token tiles, which every tuned winner
-    /// on an H200 chose (docs/BENCHMARKS.md), with 128 threads.
-    pub fn default_for(_shape: &KernelShape) -> Self {
-        TuneParams {
+    /// The heuristic default for shapes nobody tuned: 128 threads and 64-token tiles, which every
+    /// tuned winner on an H200 chose (docs/BENCHMARKS.md), except where only 32-token tiles let
+    /// the tensor-core kernel's `cp.async` ring fit in shared memory (8-bit codes): staged chunks
+    /// beat direct loads there (INT8 at B=16 L=32K on an H100: 75% of copy unstaged, 84% tuned
+    /// to 32-token tiles).
+    ///
+    /// ```
+    /// use kvq_codegen::{Dtype, KernelShape, TuneParams};
+    /// let shape = KernelShape::new(128, 4, Dtype::F16);
+    /// let int8 = kvq_spec::SchemeSpec::parse("k = int(8, channel), v = int(8, token)").unwrap();
+    /// let kivi2 = kvq_spec::SchemeSpec::parse("k = int(2, channel), v = int(2, token)").unwrap();
+    /// assert_eq!(TuneParams::default_for(&int8, &shape).tile_tokens, 32);
+    /// assert_eq!(TuneParams::default_for(&kivi2, &shape).tile_tokens, 64);
+    /// ```
+    pub fn default_for(spec: &SchemeSpec, shape: &KernelShape) -> Self {
+        let wide = TuneParams {
             threads: 128,
             tile_tokens: 64,
+        };
+        let narrow = TuneParams {
+            tile_tokens: 32,
+            ..wide
+        };
+        if !uses_stage_ring(spec, shape, &wide) && uses_stage_ring(spec, shape, &narrow) {
+            narrow
+        } else {
+            wide
         }
     }
 

@@ -31,7 +31,7 @@ fn every_variant_renders() {
                     assert!(k.source.contains(&k.decode.name));
                     assert_eq!(k.range.is_some(), spec.calibrate.is_some());
                     if let Some(dir) = &dump {
-                        if tune == TuneParams::default_for(&shape) {
+                        if tune == TuneParams::default_for(&spec, &shape) {
                             let path = std::path::Path::new(dir)
                                 .join(format!("s{i}_d{head_dim}_g{gqa}_{dtype}.cu"));
                             std::fs::write(path, &k.source).unwrap();
@@ -52,7 +52,7 @@ fn the_cp_async_ring_is_declared_exactly_where_it_is_used() {
     let render = |text: &str, tile: u32| {
         let tune = TuneParams {
             tile_tokens: tile,
-            ..TuneParams::default_for(&shape)
+            ..TuneParams::default_for(&SchemeSpec::parse(text).unwrap(), &shape)
         };
         render_with(text, &tune)
     };

@@ -7,7 +7,7 @@ use kvq_spec::SchemeSpec;
 fn render(text: &str, head_dim: u32, gqa: u32, dtype: Dtype) -> String {
     let spec = SchemeSpec::parse(text).unwrap();
     let shape = KernelShape::new(head_dim, gqa, dtype);
-    decode_kernels(&spec, &shape, &TuneParams::default_for(&shape))
+    decode_kernels(&spec, &shape, &TuneParams::default_for(&spec, &shape))
         .unwrap()
         .source
 }
@@ -64,13 +64,17 @@ fn the_kernel_header_names_scheme_shape_and_tuning() {
         head[2].contains("head_dim=128 gqa=4 dtype=f16 page=128"),
         "{head:?}"
     );
-    assert!(head[3].contains("threads=128 tile_tokens=64"), "{head:?}");
+    // 8-bit codes default to 32-token tiles: only those let the cp.async ring fit.
+    assert!(head[3].contains("threads=128 tile_tokens=32"), "{head:?}");
 }
 
 #[test]
 fn schemes_without_a_gpu_kernel_and_bad_shapes_are_typed_errors() {
     let shape = KernelShape::new(128, 4, Dtype::F16);
-    let tune = TuneParams::default_for(&shape);
+    let tune = TuneParams {
+        threads: 128,
+        tile_tokens: 64,
+    };
     let xquant =
         SchemeSpec::parse("k = int(2, channel), v = int(2, token), source = x(latent)").unwrap();
     assert!(matches!(

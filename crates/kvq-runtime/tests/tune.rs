@@ -151,7 +151,7 @@ fn the_issue_shape_searches_every_block_shape_around_the_heuristic_splits() {
         let p = problem(batch, len);
         let all = candidates(&p, 396);
         assert_eq!(all[0].splits, default_splits, "B={batch} L={len}");
-        assert_eq!(all[0].params, TuneParams::default_for(&p.shape));
+        assert_eq!(all[0].params, TuneParams::default_for(&p.spec, &p.shape));
         assert!(all.len() >= TuneParams::candidates().count() * 4);
         assert!(all.iter().any(|c| c.splits < default_splits));
         assert!(all.iter().any(|c| c.splits > default_splits));

@@ -108,8 +108,13 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                 s.spawn(move || {
                     part.iter()
                         .map(|(name, spec, shape)| {
-                            DecodeKernel::load(jit, spec, shape, &TuneParams::default_for(shape))
-                                .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"))
+                            DecodeKernel::load(
+                                jit,
+                                spec,
+                                shape,
+                                &TuneParams::default_for(spec, shape),
+                            )
+                            .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"))
                         })
                         .collect::<Vec<_>>()
                 })
@@ -246,8 +251,13 @@ fn gpu_jit_warm_start_report() {
             for &dtype in DTYPES {
                 for &gqa in GQAS {
                     let shape = KernelShape::new(d, gqa, dtype);
-                    DecodeKernel::load(&jit, &spec, &shape, &TuneParams::default_for(&shape))
-                        .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"));
+                    DecodeKernel::load(
+                        &jit,
+                        &spec,
+                        &shape,
+                        &TuneParams::default_for(&spec, &shape),
+                    )
+                    .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"));
                     n += 1;
                 }
             }

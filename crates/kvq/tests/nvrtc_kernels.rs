@@ -29,7 +29,8 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
             for dtype in [Dtype::F16, Dtype::Bf16] {
                 for gqa in [1, 4, 8] {
                     let shape = KernelShape::new(head_dim, gqa, dtype);
-                    match decode_kernels(&b.spec, &shape, &TuneParams::default_for(&shape)) {
+                    match decode_kernels(&b.spec, &shape, &TuneParams::default_for(&b.spec, &shape))
+                    {
                         Ok(k) => {
                             assert!(gpu_scheme, "{} should have no decode kernel yet", b.name);
                             jobs.push((b.name, shape, k.source));
@@ -55,7 +56,9 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
         .filter(|b| ["kivi2", "kitty", "int8"].contains(&b.name))
     {
         let shape = KernelShape::new(128, 4, Dtype::F16);
-        for tune in TuneParams::candidates().filter(|t| *t != TuneParams::default_for(&shape)) {
+        for tune in
+            TuneParams::candidates().filter(|t| *t != TuneParams::default_for(&b.spec, &shape))
+        {
             let k = decode_kernels(&b.spec, &shape, &tune)
                 .unwrap_or_else(|e| panic!("{} {tune:?}: {e}", b.name));
             jobs.push((b.name, shape, k.source));

@@ -29,7 +29,7 @@ impl TuneChoice {
     /// [`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas) of the default block).
     pub fn heuristic(problem: &TuneProblem, resident_ctas: usize) -> TuneChoice {
         TuneChoice {
-            params: TuneParams::default_for(&problem.shape),
+            params: TuneParams::default_for(&problem.spec, &problem.shape),
             splits: default_splits(
                 problem.batch,
                 problem.kv_heads,

@@ -748,7 +748,7 @@ fn default_kernel(jit: &Jit, problem: &TuneProblem) -> Result<DecodeKernel> {
         jit,
         &problem.spec,
         &problem.shape,
-        &TuneParams::default_for(&problem.shape),
+        &TuneParams::default_for(&problem.spec, &problem.shape),
     )
 }
 
