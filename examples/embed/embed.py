@@ -212,6 +212,7 @@ CUdeviceptr = ctypes.c_uint64
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
 CU_STREAM_NON_BLOCKING = 1
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
 class Driver:
@@ -229,6 +230,7 @@ class Driver:
         "cuModuleLoadData": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p],
         "cuModuleUnload": [ctypes.c_void_p],
         "cuModuleGetFunction": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p],
+        "cuFuncSetAttribute": [ctypes.c_void_p, ctypes.c_int, ctypes.c_int],
         "cuStreamCreate": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint],
         "cuStreamDestroy_v2": [ctypes.c_void_p],
         "cuStreamSynchronize": [ctypes.c_void_p],
@@ -357,8 +359,14 @@ class Engine:
         )
         grid = [grid_dim(g, env) for g in kernel["grid"]]
         block = kernel["block"]
+        dynamic = kernel["dynamic_shared_bytes"]
+        if dynamic > 0:
+            # The driver refuses static + dynamic shared memory above 48 KiB until the function's
+            # limit is raised, so raise it to what the kernel declares whenever it declares any.
+            self.cu("cuFuncSetAttribute", function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    dynamic)
         self.cu("cuLaunchKernel", function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                kernel["dynamic_shared_bytes"], self.stream, args, None)
+                dynamic, self.stream, args, None)
 
     def close(self):
         for p in self.allocations:

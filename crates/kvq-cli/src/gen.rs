@@ -931,7 +931,8 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             ],
             notes: vec![
                 "every kernel uses static shared memory only unless dynamic_shared_bytes > 0; \
-                 above 48 KiB set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first"
+                 then set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first (static \
+                 plus dynamic shared memory above 48 KiB is refused without it)"
                     .into(),
                 "the grid depends only on batch, kv_heads and num_splits: a launch can be \
                  captured in a CUDA graph while sequences grow"

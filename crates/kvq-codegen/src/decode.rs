@@ -15,8 +15,9 @@ pub struct KernelEntry {
     /// Grid as formulas of the launch's values.
     pub grid: [String; 3],
     pub block: u32,
-    /// Dynamic shared memory bytes; above 48 KiB a launcher raises the function's
-    /// `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` first.
+    /// Dynamic shared memory bytes; when non-zero a launcher sets the function's
+    /// `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` to it first (the driver refuses launches
+    /// whose static plus dynamic shared memory passes 48 KiB without it).
     pub dynamic_shared_bytes: u32,
 }
 
