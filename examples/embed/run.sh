@@ -25,7 +25,7 @@ rm -rf "$out"
 cases=(
     "kivi2|kivi2|128|4|f16"
     "kitty-bf16|kitty|128|4|bf16"
-    "kitty-gqa8|kitty|128|8|f16"
+    "kitty-pro-gqa8|kitty-pro|128|8|f16"
     "calibquant2-d64|calibquant2|64|8|f16"
     "int8-mha|int8|128|1|f16"
     "fp16-d256|fp16|256|2|bf16"

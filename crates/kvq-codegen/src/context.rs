@@ -237,8 +237,8 @@ pub(crate) struct MmaCtx {
 }
 
 /// Where one chunk's page bytes sit in a warp's shared-memory stage, and how many stages a warp
-/// has (0: chunks load straight from global memory). Each section holds a chunk's bytes plus 16
-/// of slack, since copies start at the 16-byte boundary below their source.
+/// has (0: chunks load straight from global memory). Each row section holds a chunk's bytes plus
+/// 16 of slack, since copies start at the 16-byte boundary below their source.
 #[derive(Debug, Clone, Default, Serialize)]
 pub(crate) struct StagePlan {
     pub stages: u32,
@@ -250,7 +250,8 @@ pub(crate) struct StagePlan {
     pub v_scales: usize,
     pub v_zeros: usize,
     /// The K page's parameter section (scales, zeros, map), staged with a page's first chunk so
-    /// the query fold reads shared memory: from global memory, each fold waited out a load.
+    /// the query fold reads shared memory: from global memory, each fold waited out a load. It
+    /// starts 16-byte aligned in the block, so it needs no slack.
     pub k_params: usize,
     /// Bytes of one stage (a multiple of 16).
     pub bytes: usize,

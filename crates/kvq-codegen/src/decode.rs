@@ -123,7 +123,7 @@ fn mma_plan(shape: &KernelShape, tune: &TuneParams, k: &TensorCtx, v: &TensorCtx
         k_bits: bits(k),
         v_bits: bits(v),
         k_offset: offset(k, false),
-        v_offset: offset(v, v.kind == "int" && v.axis == "token"),
+        v_offset: offset(v, v_token_fold),
         k_quant: k.kind == "int",
         v_quant: v.kind == "int",
         v_token_fold,
@@ -150,7 +150,7 @@ fn stage_plan(tune: &TuneParams, k: &TensorCtx, v: &TensorCtx, v_token_fold: boo
     if k.kind != "int" || v.kind != "int" {
         return StagePlan::default();
     }
-    debug_assert!(k.block_bytes % 16 == 0 && v.block_bytes % 16 == 0);
+    debug_assert!(k.block_bytes % 16 == 0 && v.block_bytes % 16 == 0 && k.scales_offset % 16 == 0);
     let mut plan = StagePlan {
         stages: 2,
         header: STAGE_HEADER_BYTES,

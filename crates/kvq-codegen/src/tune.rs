@@ -22,8 +22,8 @@ impl TuneParams {
     /// The heuristic default for shapes nobody tuned: 128 threads and 64-token tiles, which every
     /// tuned winner on an H200 chose (docs/BENCHMARKS.md), except where only 32-token tiles let
     /// the tensor-core kernel's `cp.async` ring fit in shared memory (8-bit codes): staged chunks
-    /// beat direct loads there (INT8 at B=16 L=32K on an H100: 75% of copy unstaged, 84% tuned
-    /// to 32-token tiles).
+    /// beat direct loads there (INT8 at B=16 L=32K on an H100: 75.5% of copy at 64-token tiles,
+    /// 89% at 32, docs/BENCHMARKS.md).
     ///
     /// ```
     /// use kvq_codegen::{Dtype, KernelShape, TuneParams};

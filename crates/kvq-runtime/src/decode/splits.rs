@@ -45,7 +45,8 @@ mod tests {
         assert_eq!(default_splits(64, 8, 32768, 396), 2); // 1024 CTAs in 3 waves (86%)
         assert_eq!(default_splits(256, 8, 32768, 396), 2); // 94% of 11 waves, not 86% of 6
         assert_eq!(default_splits(99, 4, 32768, 396), 1); // exactly one wave
-                                                          // 2 CTAs per SM: 264 slots.
+
+        // 2 CTAs per SM: 264 slots.
         assert_eq!(default_splits(1, 8, 32768, 264), 33);
     }
 
