@@ -230,6 +230,11 @@ pub(crate) struct MmaCtx {
     pub v_offset: u32,
     pub k_quant: bool,
     pub v_quant: bool,
+    /// Quantized keys of at most 2 bits meet the query on the integer tensor cores (codes to
+    /// bytes, mma u8 × s8). Measured on an H100: 3–6% faster for 1- and 2-bit keys, slower for 4-
+    /// and 8-bit ones, whose f16 conversion costs less per byte and whose kernels lost occupancy
+    /// to the larger per-page query fold.
+    pub k_int: bool,
     /// Token-axis V with one group per token: its scale folds into the probabilities.
     pub v_token_fold: bool,
     /// The per-warp `cp.async` ring that quantized-page chunks load through (see [`StagePlan`]).

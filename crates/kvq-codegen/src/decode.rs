@@ -125,6 +125,7 @@ fn mma_plan(shape: &KernelShape, tune: &TuneParams, k: &TensorCtx, v: &TensorCtx
         k_offset: offset(k, false),
         v_offset: offset(v, v_token_fold),
         k_quant: k.kind == "int",
+        k_int: k.kind == "int" && k.bits <= 2,
         v_quant: v.kind == "int",
         v_token_fold,
     }

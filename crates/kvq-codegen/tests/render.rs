@@ -76,6 +76,26 @@ fn the_cp_async_ring_is_declared_exactly_where_it_is_used() {
     assert!(render(SCHEMES[5], 32).decode.dynamic_shared_bytes > 0);
 }
 
+#[test]
+fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores() {
+    const INTEGER_MMA: &str = "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32";
+    let shape = KernelShape::new(128, 4, Dtype::F16);
+    for text in SCHEMES {
+        let spec = SchemeSpec::parse(text).unwrap();
+        let k = decode_kernels(&spec, &shape, &TuneParams::default_for(&spec, &shape)).unwrap();
+        let tensor_core_kernel = k.source.contains("mma.sync.aligned.m16n8k16");
+        let low_bit_channel_keys = matches!(
+            spec.k,
+            kvq_spec::TensorQuant::Int(q) if q.bits <= 2 && q.axis == kvq_spec::Axis::Channel
+        );
+        assert_eq!(
+            k.source.contains(INTEGER_MMA),
+            tensor_core_kernel && low_bit_channel_keys,
+            "{text}"
+        );
+    }
+}
+
 /// Every quantizer form where the tensor's layout supports it (tiled where not).
 fn forms_of(spec: &SchemeSpec, head_dim: u32) -> Vec<kvq_codegen::QuantizerForms> {
     use kvq_codegen::{QuantizerForm, QuantizerForms};
