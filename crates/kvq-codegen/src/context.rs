@@ -226,6 +226,7 @@ pub(crate) struct MmaCtx {
     pub k_bits: u32,
     pub v_bits: u32,
     /// Offset removed from symmetric (offset-binary) codes while converting them; 0 if asymmetric.
+    /// Integer keys (`k_int`) centre on it instead, or on 2^(b−1) where it is 0.
     pub k_offset: u32,
     pub v_offset: u32,
     pub k_quant: bool,
