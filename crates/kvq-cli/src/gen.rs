@@ -749,7 +749,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             "score_range",
             DECODE_FILE,
             "CalibQuant's per-split score ranges over quantized keys; launch before decode with \
-             decode's grid and block",
+             decode's grid, block and dynamic shared memory",
             r,
             dtype,
         ));

@@ -77,7 +77,40 @@ fn the_cp_async_ring_is_declared_exactly_where_it_is_used() {
 }
 
 #[test]
-fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores() {
+fn the_score_range_pass_stages_keys_through_the_decode_ring() {
+    let shape = KernelShape::new(128, 4, Dtype::F16);
+    let calibrated = [
+        SCHEMES[4],
+        // V in FP16: no ring, so the range pass loads K from global memory too.
+        "k = int(2, channel), v = fp16, sink = 8, calibrate = calibrate(tau1 = 0.5, tau2 = 0.2)",
+    ];
+    let mut staged = 0;
+    for text in calibrated {
+        let spec = SchemeSpec::parse(text).unwrap();
+        for tune in TuneParams::candidates() {
+            let k = decode_kernels(&spec, &shape, &tune).unwrap();
+            let range = k
+                .range
+                .as_ref()
+                .expect("a calibrated scheme has a range pass");
+            assert_eq!(range.block, k.decode.block, "{text}");
+            assert_eq!(
+                range.dynamic_shared_bytes, k.decode.dynamic_shared_bytes,
+                "{text}"
+            );
+            assert_eq!(
+                range.dynamic_shared_bytes > 0,
+                k.source.contains("kvq_stage_next<false>"),
+                "{text}"
+            );
+            staged += usize::from(range.dynamic_shared_bytes > 0);
+        }
+    }
+    assert!(staged > 0, "no calibrated variant staged its keys");
+}
+
+#[test]
+fn only_uncalibrated_keys_of_at_most_two_bits_take_the_integer_tensor_cores() {
     const INTEGER_MMA: &str = "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32";
     let shape = KernelShape::new(128, 4, Dtype::F16);
     for text in SCHEMES {
@@ -90,7 +123,7 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores() {
         );
         assert_eq!(
             k.source.contains(INTEGER_MMA),
-            tensor_core_kernel && low_bit_channel_keys,
+            tensor_core_kernel && low_bit_channel_keys && spec.calibrate.is_none(),
             "{text}"
         );
     }

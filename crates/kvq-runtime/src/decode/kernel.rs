@@ -97,10 +97,13 @@ impl DecodeKernel {
         let decode = next()?;
         allow_dynamic_shared(&decode, &generated.decode)?;
         let combine = next()?;
-        let range = if generated.range.is_some() {
-            Some(next()?)
-        } else {
-            None
+        let range = match &generated.range {
+            Some(entry) => {
+                let f = next()?;
+                allow_dynamic_shared(&f, entry)?;
+                Some(f)
+            }
+            None => None,
         };
         Ok(DecodeKernel {
             spec: *spec,
@@ -213,7 +216,12 @@ impl DecodeKernel {
                 .arg(&mut scratch.score_range);
             // SAFETY: arguments match the kernel's parameter list (KernelEntry::params), and every
             // buffer was sized above for this grid.
-            unsafe { b.launch(split_cfg) }.map_err(launch_err(&entry.name))?;
+            let range_cfg = LaunchConfig {
+                block_dim: (entry.block, 1, 1),
+                shared_mem_bytes: entry.dynamic_shared_bytes,
+                ..split_cfg
+            };
+            unsafe { b.launch(range_cfg) }.map_err(launch_err(&entry.name))?;
         }
         let mut b = stream.launch_builder(&self.decode);
         b.arg(q)
