@@ -232,10 +232,11 @@ pub(crate) struct MmaCtx {
     pub k_quant: bool,
     pub v_quant: bool,
     /// Quantized keys of at most 2 bits meet the query on the integer tensor cores (codes to
-    /// bytes, mma u8 × s8). Measured on an H100 at B=16: 2–8% faster for 1- and 2-bit keys; 4-
-    /// and 8-bit keys ran slower on that path (kivi4 248 against 226–239 µs, int8 409 against
-    /// 396–406 at L=32K), so they keep the f16 path (docs/BENCHMARKS.md, sixth round), and so do
-    /// calibrated schemes, whose calibration can magnify score errors (seventh round).
+    /// bytes, mma u8 × s8). Measured on an H100 at B=16: 2–6% faster for kivi2, Kitty and
+    /// Kitty-Pro. 4- and 8-bit keys ran slower on that path (kivi4 248 against 226–239 µs, int8
+    /// 409 against 396–406 at L=32K), so they keep the f16 path (docs/BENCHMARKS.md, sixth
+    /// round), and so do calibrated schemes, whose calibration can magnify score errors (seventh
+    /// round).
     pub k_int: bool,
     /// Token-axis V with one group per token: its scale folds into the probabilities.
     pub v_token_fold: bool,
