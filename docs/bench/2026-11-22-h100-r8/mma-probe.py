@@ -28,7 +28,7 @@ for cs in range(CASES):
                 A.append((c << pos) & 0xFFFF)
     for k in range(16):
         for n in range(8):
-            B.append(h(random.uniform(0.5, 1.0) * 2.0 ** -E[n] * (1 if n < 8 else 1)))
+            B.append(h(random.uniform(0.5, 1.0) * 2.0 ** -E[n]))
 def dev_buf(data, fmt):
     raw = struct.pack("<%d%s" % (len(data), fmt), *data)
     p = ctypes.c_uint64(); ck(cu.cuMemAlloc_v2(ctypes.byref(p), len(raw)), "alloc"); ck(cu.cuMemcpyHtoD_v2(p, raw, len(raw)), "h2d"); return p, len(raw)
