@@ -214,6 +214,8 @@ pub(crate) struct DecodeCtx {
     pub decode_name: String,
     pub range_name: String,
     pub combine_name: String,
+    /// Threads of the combine kernel (whole warps; each merges a share of the splits).
+    pub combine_threads: u32,
 }
 
 /// What the tensor-core decode kernel (`decode_mma.cuh.tera`) needs beyond the tensors' layouts.

@@ -141,6 +141,9 @@ fn mma_plan(
     }
 }
 
+/// Eight warps per combine CTA: at B = 1 a head's 50-odd splits take one batch of loads per warp.
+const COMBINE_THREADS: u32 = 256;
+
 /// Bytes of a stage's chunk descriptor (`KvqChunk` in decode_mma.cuh.tera: two pointers, three
 /// ints, five skews; a multiple of 16 so the sections after it stay aligned).
 const STAGE_HEADER_BYTES: usize = 48;
@@ -270,6 +273,7 @@ pub fn decode_kernels(
         decode_name: format!("kvq_decode_{id}"),
         range_name: format!("kvq_score_range_{id}"),
         combine_name: format!("kvq_combine_{id}"),
+        combine_threads: COMBINE_THREADS,
     };
     let source = render("decode.cu.tera", &ctx)?;
     let split_grid = || {
@@ -309,7 +313,7 @@ pub fn decode_kernels(
             param("int32_t", "num_splits"),
         ],
         grid: ["q_heads".into(), "batch".into(), "1".into()],
-        block: shape.head_dim,
+        block: COMBINE_THREADS,
         dynamic_shared_bytes: 0,
     };
     let range = calibrate.map(|_| KernelEntry {

@@ -166,7 +166,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                     let heuristic = kernel
                         .default_splits(LENGTHS.len(), KV_HEADS, gpu.max_len(), sm)
                         .expect("occupancy");
-                    for splits in [heuristic, 1, 7] {
+                    for splits in [heuristic, 1, 7, 67] {
                         let mut out = stream
                             .clone_htod(&vec![0xFFFFu16; n])
                             .expect("poisoned output");
