@@ -19,23 +19,33 @@ impl TuneParams {
     pub const THREADS: &'static [u32] = &[64, 128, 256];
     pub const TILE_TOKENS: &'static [u32] = &[16, 32, 64];
 
-    /// The heuristic default for shapes nobody tuned: 128 threads and 64-token tiles, which every
-    /// tuned winner on an H200 chose (docs/BENCHMARKS.md), except where only 32-token tiles let
-    /// the tensor-core kernel's `cp.async` ring fit in shared memory (8-bit codes): staged chunks
-    /// beat direct loads there (INT8 at B=16 L=32K on an H100: 75.5% of copy at 64-token tiles,
-    /// 89% at 32, docs/BENCHMARKS.md).
+    /// The heuristic default for shapes nobody tuned: 64-thread CTAs with 64-token tiles, except
+    /// for schemes with 8-bit codes, which keep 128 threads with 32-token tiles.
+    ///
+    /// Measured on an H100 with the ninth-round kernels (docs/BENCHMARKS.md), 64-thread CTAs
+    /// (twice the split count at the same warps per SM) beat 128 for the 1-, 2- and 4-bit schemes
+    /// at every batch from 1 to 16 at L = 32K and 128K (kivi2 ×1.16 at B=1 and ×1.04 at B=16
+    /// L=32K), and for FP16 at B=1 L=32K (×1.07, even elsewhere); CalibQuant at B=1 L ≤ 32K is
+    /// the exception (×0.92). INT8 ran 2–5% slower at 64 threads, and keeps 32-token tiles:
+    /// only those let the tensor-core kernel's `cp.async` ring fit in shared memory at 128
+    /// threads (75.5% of copy at 64-token tiles, 89% at 32, B=16 L=32K).
     ///
     /// ```
     /// use kvq_codegen::{Dtype, KernelShape, TuneParams};
     /// let shape = KernelShape::new(128, 4, Dtype::F16);
     /// let int8 = kvq_spec::SchemeSpec::parse("k = int(8, channel), v = int(8, token)").unwrap();
     /// let kivi2 = kvq_spec::SchemeSpec::parse("k = int(2, channel), v = int(2, token)").unwrap();
-    /// assert_eq!(TuneParams::default_for(&int8, &shape).tile_tokens, 32);
-    /// assert_eq!(TuneParams::default_for(&kivi2, &shape).tile_tokens, 64);
+    /// let int8_default = TuneParams::default_for(&int8, &shape);
+    /// assert_eq!((int8_default.threads, int8_default.tile_tokens), (128, 32));
+    /// let kivi2_default = TuneParams::default_for(&kivi2, &shape);
+    /// assert_eq!((kivi2_default.threads, kivi2_default.tile_tokens), (64, 64));
     /// ```
     pub fn default_for(spec: &SchemeSpec, shape: &KernelShape) -> Self {
+        let eight_bit = [&spec.k, &spec.v]
+            .iter()
+            .any(|t| t.as_int().is_some_and(|q| q.bits >= 8));
         let wide = TuneParams {
-            threads: 128,
+            threads: if eight_bit { 128 } else { 64 },
             tile_tokens: 64,
         };
         let narrow = TuneParams {

@@ -28,13 +28,15 @@ impl TuneChoice {
     /// grid, which fills whole waves of `resident_ctas` (from
     /// [`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas) of the default block).
     pub fn heuristic(problem: &TuneProblem, resident_ctas: usize) -> TuneChoice {
+        let params = TuneParams::default_for(&problem.spec, &problem.shape);
         TuneChoice {
-            params: TuneParams::default_for(&problem.spec, &problem.shape),
+            params,
             splits: default_splits(
                 problem.batch,
                 problem.kv_heads,
                 problem.max_len,
                 resident_ctas,
+                params.threads as usize / 32,
             ),
         }
     }
