@@ -22,13 +22,13 @@ impl TuneParams {
     /// The heuristic default for shapes nobody tuned: 64-thread CTAs with 64-token tiles, except
     /// for schemes with 8-bit codes, which keep 128 threads with 32-token tiles.
     ///
-    /// Measured on an H100 with the ninth-round kernels (docs/BENCHMARKS.md), 64-thread CTAs
-    /// (twice the split count at the same warps per SM) beat 128 for the 1-, 2- and 4-bit schemes
-    /// at every batch from 1 to 16 at L = 32K and 128K (kivi2 ×1.16 at B=1 and ×1.04 at B=16
-    /// L=32K), and for FP16 at B=1 L=32K (×1.07, even elsewhere); CalibQuant at B=1 L ≤ 32K is
-    /// the exception (×0.92). INT8 ran 2–5% slower at 64 threads, and keeps 32-token tiles:
-    /// only those let the tensor-core kernel's `cp.async` ring fit in shared memory at 128
-    /// threads (75.5% of copy at 64-token tiles, 89% at 32, B=16 L=32K).
+    /// Measured on an H100 against 128-thread CTAs in the same run (docs/BENCHMARKS.md, ninth
+    /// round; 64-thread CTAs run about twice the splits with as many warps per SM or more):
+    /// ×1.00–×1.17 for FP16 and the 1-, 2- and 4-bit schemes over B ∈ {1, 4, 16} and
+    /// L ∈ {4K, 32K, 128K}, except CalibQuant at B=1 L=32K (×0.98) and Kitty-Pro at B=16 L=128K
+    /// (×0.99). INT8 ran up to 5% slower at 64 threads, and keeps 32-token tiles: only those let
+    /// the tensor-core kernel's `cp.async` ring fit in shared memory at 128 threads (75.5% of
+    /// copy at 64-token tiles, 89% at 32, B=16 L=32K).
     ///
     /// ```
     /// use kvq_codegen::{Dtype, KernelShape, TuneParams};
