@@ -949,7 +949,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             tune_file: tune_file.map(|p| p.display().to_string()),
             default_splits: "slots = sm_count × cuOccupancyMaxActiveBlocksPerMultiprocessor(decode, \
                 block, its dynamic_shared_bytes); ctas = batch·kv_heads; bucket = next power of two \
-                ≥ longest sequence; most = clamp(bucket / 256, 1, 256); lo = clamp(ceil(0.9·slots / \
+                ≥ longest sequence; most = clamp(bucket / (2·block), 1, 256) (64 tokens per warp); lo = clamp(ceil(0.9·slots / \
                 ctas), 1, most); the s in lo..=min(2·lo, most) maximising ctas·s / (ceil(ctas·s / \
                 slots)·slots), ties to the smaller"
                 .into(),

@@ -59,6 +59,11 @@ impl TuneParams {
         }
     }
 
+    /// Warps per CTA (`default_splits` keeps at least 64 tokens per warp of a split).
+    pub fn warps(&self) -> usize {
+        self.threads as usize / 32
+    }
+
     /// Every valid combination.
     pub fn candidates() -> impl Iterator<Item = TuneParams> {
         Self::THREADS.iter().flat_map(|&threads| {

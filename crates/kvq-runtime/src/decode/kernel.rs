@@ -148,7 +148,7 @@ impl DecodeKernel {
             kv_heads,
             max_len,
             self.resident_ctas(sm_count)?,
-            self.generated.tune.threads as usize / 32,
+            self.generated.tune.warps(),
         ))
     }
 

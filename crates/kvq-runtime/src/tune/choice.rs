@@ -36,7 +36,7 @@ impl TuneChoice {
                 problem.kv_heads,
                 problem.max_len,
                 resident_ctas,
-                params.threads as usize / 32,
+                params.warps(),
             ),
         }
     }
