@@ -938,6 +938,11 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                  captured in a CUDA graph while sequences grow"
                     .into(),
                 "kernels enqueue on the caller's stream and never synchronise".into(),
+                "on compute capability 9.0 and later, combine may be launched with \
+                 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuLaunchKernelEx) so it \
+                 is scheduled while decode finishes: decode allows it early and combine waits for \
+                 decode's writes (griddepcontrol); a plain launch is also correct"
+                    .into(),
             ],
         },
         kernels,

@@ -100,6 +100,7 @@ pub mod disk_cache;
 pub mod error;
 pub mod include;
 pub mod jit;
+mod launch;
 pub mod libs;
 pub mod module;
 pub mod nvrtc;

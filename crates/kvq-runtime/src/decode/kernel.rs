@@ -2,13 +2,18 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use std::ffi::c_void;
+
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 use kvq_codegen::{decode_kernels, DecodeKernels, KernelShape, TuneParams};
 use kvq_spec::SchemeSpec;
 
 use super::cache::CacheView;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
+use crate::launch::launch_overlapping_previous;
 use crate::module::allow_dynamic_shared;
 use crate::nvrtc::{CompileOptions, Source};
 
@@ -19,6 +24,15 @@ pub struct DecodeKernel {
     decode: CudaFunction,
     combine: CudaFunction,
     range: Option<CudaFunction>,
+    /// Launch the combine kernel overlapping the decode kernel (programmatic dependent launch).
+    overlap_combine: bool,
+}
+
+/// Whether decode steps launch their combine kernel overlapping the decode kernel: from compute
+/// capability 9.0 on, unless `KVQ_PDL=off` (a switch for measuring the difference, or for a
+/// driver that misbehaves).
+fn overlap_combine(arch: crate::arch::Arch) -> bool {
+    arch.sm() >= 90 && std::env::var("KVQ_PDL").map_or(true, |v| v != "off")
 }
 
 /// Per-launch scratch (split partials, calibration ranges), reusable across steps of the same
@@ -111,6 +125,7 @@ impl DecodeKernel {
             decode,
             combine,
             range,
+            overlap_combine: overlap_combine(jit.arch()),
         })
     }
 
@@ -240,19 +255,48 @@ impl DecodeKernel {
             .arg(&mut scratch.part_ml);
         // SAFETY: as above.
         unsafe { b.launch(decode_cfg) }.map_err(launch_err(&self.generated.decode.name))?;
-        let splits_i32 = splits as i32;
-        let mut b = stream.launch_builder(&self.combine);
-        b.arg(&scratch.part_acc)
-            .arg(&scratch.part_ml)
-            .arg(out)
-            .arg(&splits_i32);
         let cfg = LaunchConfig {
             grid_dim: (q_heads as u32, cache.batch as u32, 1),
             block_dim: (self.generated.combine.block, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: as above.
-        unsafe { b.launch(cfg) }.map_err(launch_err(&self.generated.combine.name))?;
-        Ok(())
+        self.launch_combine(stream, scratch, out, splits as i32, cfg)
+            .map_err(launch_err(&self.generated.combine.name))
+    }
+
+    /// The combine launch: overlapping the decode kernel where the GPU allows
+    /// ([`launch_overlapping_previous`]), otherwise a plain launch.
+    fn launch_combine(
+        &self,
+        stream: &Arc<CudaStream>,
+        scratch: &DecodeScratch,
+        out: &mut CudaSlice<u16>,
+        mut splits: i32,
+        cfg: LaunchConfig,
+    ) -> std::result::Result<(), cudarc::driver::DriverError> {
+        if !self.overlap_combine {
+            let mut b = stream.launch_builder(&self.combine);
+            b.arg(&scratch.part_acc)
+                .arg(&scratch.part_ml)
+                .arg(out)
+                .arg(&splits);
+            // SAFETY: arguments match the kernel's parameter list, sized by `attend`.
+            return unsafe { b.launch(cfg) }.map(|_| ());
+        }
+        // The guards record the buffers' uses on the stream when dropped, after the launch (what
+        // the launch builder does for its arguments).
+        let (mut part_acc, _acc_read) = scratch.part_acc.device_ptr(stream);
+        let (mut part_ml, _ml_read) = scratch.part_ml.device_ptr(stream);
+        let (mut out_ptr, _out_write) = out.device_ptr_mut(stream);
+        let mut params = [
+            (&mut part_acc as *mut u64).cast::<c_void>(),
+            (&mut part_ml as *mut u64).cast::<c_void>(),
+            (&mut out_ptr as *mut u64).cast::<c_void>(),
+            (&mut splits as *mut i32).cast::<c_void>(),
+        ];
+        // SAFETY: one pointer per parameter of the combine kernel (part_acc, part_ml, out,
+        // num_splits), each to a live value of its type; the kernel waits for the decode grid
+        // (`kvq_wait_for_previous_grid`) before its first read of the partials.
+        unsafe { launch_overlapping_previous(stream, &self.combine, cfg, &mut params) }
     }
 }
