@@ -1,7 +1,9 @@
 //! Fused GPU decode against the CPU reference on the same quantized cache, for every integer and
 //! FP16 built-in scheme × head_dim {64, 128, 256} × {f16, bf16} × GQA {1, 4, 8}, in one batch of
 //! odd, unequal lengths. Inputs are fresh random data each run (seed printed; `KVQ_SEED` repeats
-//! one), outputs are poisoned with NaN before every launch, and NaN never passes.
+//! one), outputs are poisoned with NaN before every launch, and NaN never passes. Where the
+//! combine kernel overlaps the decode kernel (compute capability 9.0 on), each launch is repeated
+//! with plain launches and must give the same bits.
 //!
 //! Skips with a printed reason without a GPU; fails when `KVQ_REQUIRE_GPU=1`.
 
@@ -100,7 +102,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
         .map_or(4, |n| n.get())
         .min(16);
     let chunk = variants.len().div_ceil(threads);
-    let kernels: Vec<DecodeKernel> = std::thread::scope(|s| {
+    let mut kernels: Vec<DecodeKernel> = std::thread::scope(|s| {
         let handles: Vec<_> = variants
             .chunks(chunk)
             .map(|part| {
@@ -135,8 +137,9 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut failures = Vec::new();
     let mut checked = 0usize;
+    let mut overlapped = 0usize; // launches also repeated without the overlapped combine
     let mut worst = Vec::new();
-    let mut kernel_iter = kernels.iter();
+    let mut kernel_iter = kernels.iter_mut();
     for (name, spec) in &schemes {
         for &d in HEAD_DIMS {
             let caches: Vec<IntCache> = LENGTHS
@@ -177,6 +180,25 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                             .attend(&stream, gpu.view(), &q, &mut out, &mut scratch)
                             .expect("launch");
                         let got: Vec<u16> = stream.clone_dtoh(&out).expect("download");
+                        if kernel.overlaps_combine() {
+                            // Plain launches (what an engine embedding the kernels makes) must
+                            // give the same bits as the overlapped combine.
+                            overlapped += 1;
+                            kernel.set_overlap_combine(false);
+                            let mut plain_out = stream
+                                .clone_htod(&vec![0xFFFFu16; n])
+                                .expect("poisoned output");
+                            kernel
+                                .attend(&stream, gpu.view(), &q, &mut plain_out, &mut scratch)
+                                .expect("plain launch");
+                            kernel.set_overlap_combine(true);
+                            let plain: Vec<u16> = stream.clone_dtoh(&plain_out).expect("download");
+                            if plain != got {
+                                failures.push(format!(
+                                    "{name} d{d} {dtype} gqa{gqa} splits {splits}: overlapped and plain launches differ"
+                                ));
+                            }
+                        }
                         for (b, deq) in dequantized.iter().enumerate() {
                             let per = q_heads * d as usize;
                             let queries = Queries {
@@ -214,6 +236,9 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
         }
     }
     worst.sort_by(|a, b| b.0.total_cmp(&a.0));
+    println!(
+        "{overlapped} overlapped launches (decode + combine by programmatic dependent launch) gave the bits of plain ones"
+    );
     println!("checked {checked} (scheme, shape, sequence, split) outputs; largest errors:");
     for (e, what) in worst.iter().take(8) {
         println!("  {e:.3e}  {what}");

@@ -24,15 +24,17 @@ pub struct DecodeKernel {
     decode: CudaFunction,
     combine: CudaFunction,
     range: Option<CudaFunction>,
-    /// Launch the combine kernel overlapping the decode kernel (programmatic dependent launch).
+    /// The GPU can launch the combine kernel overlapping the decode kernel (compute capability
+    /// 9.0 on: programmatic dependent launch).
+    can_overlap_combine: bool,
+    /// `attend` does so.
     overlap_combine: bool,
 }
 
-/// Whether decode steps launch their combine kernel overlapping the decode kernel: from compute
-/// capability 9.0 on, unless `KVQ_PDL=off` (a switch for measuring the difference, or for a
-/// driver that misbehaves).
-fn overlap_combine(arch: crate::arch::Arch) -> bool {
-    arch.sm() >= 90 && std::env::var("KVQ_PDL").map_or(true, |v| v != "off")
+/// Whether decode steps overlap by default: wherever the GPU can, unless `KVQ_PDL=off` (a switch
+/// for measuring the difference, or for a driver that misbehaves).
+fn overlap_by_default() -> bool {
+    std::env::var("KVQ_PDL").map_or(true, |v| v != "off")
 }
 
 /// Per-launch scratch (split partials, calibration ranges), reusable across steps of the same
@@ -125,8 +127,24 @@ impl DecodeKernel {
             decode,
             combine,
             range,
-            overlap_combine: overlap_combine(jit.arch()),
+            can_overlap_combine: jit.arch().sm() >= 90,
+            overlap_combine: jit.arch().sm() >= 90 && overlap_by_default(),
         })
+    }
+
+    /// Whether [`attend`](Self::attend) launches the combine kernel overlapping the decode
+    /// kernel (programmatic dependent launch): on by default from compute capability 9.0, off
+    /// with `KVQ_PDL=off`.
+    pub fn overlaps_combine(&self) -> bool {
+        self.overlap_combine
+    }
+
+    /// Turns the overlap on (where the GPU can) or off, and returns whether it is now on. The
+    /// results are the same bits either way; off, the launches are the plain ones an engine
+    /// embedding the generated kernels would make.
+    pub fn set_overlap_combine(&mut self, on: bool) -> bool {
+        self.overlap_combine = on && self.can_overlap_combine;
+        self.overlap_combine
     }
 
     /// The generated source and launch metadata.
