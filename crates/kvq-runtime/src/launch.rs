@@ -7,8 +7,25 @@
 
 use std::ffi::c_void;
 use std::ptr;
+use std::sync::OnceLock;
 
 use cudarc::driver::{sys, CudaFunction, CudaStream, DriverError, LaunchConfig};
+
+/// Whether the loaded driver has `cuLaunchKernelEx` (CUDA 12.0 on). cudarc resolves driver
+/// functions when first called and panics on a missing one, so callers ask first.
+pub(crate) fn driver_has_launch_ex() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    *PRESENT.get_or_init(|| {
+        // SAFETY: only looks the symbol up; the driver library is loaded (a kernel was loaded
+        // through it before anything asks this).
+        unsafe {
+            sys::is_culib_present()
+                && sys::culib()
+                    .get::<unsafe extern "C" fn()>(b"cuLaunchKernelEx\0")
+                    .is_ok()
+        }
+    })
+}
 
 /// Launches `func` on `stream` allowed to overlap the previous kernel of the stream.
 ///
@@ -55,4 +72,20 @@ pub(crate) unsafe fn launch_overlapping_previous(
         )
     }
     .result()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn asking_for_launch_ex_never_panics() {
+        // Without a driver library (CI) the answer is no; with one, whatever it has.
+        // SAFETY: only checks whether the library loads.
+        if !unsafe { sys::is_culib_present() } {
+            assert!(!driver_has_launch_ex());
+        } else {
+            let _ = driver_has_launch_ex();
+        }
+    }
 }

@@ -13,7 +13,7 @@ use kvq_spec::SchemeSpec;
 use super::cache::CacheView;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
-use crate::launch::launch_overlapping_previous;
+use crate::launch::{driver_has_launch_ex, launch_overlapping_previous};
 use crate::module::allow_dynamic_shared;
 use crate::nvrtc::{CompileOptions, Source};
 
@@ -24,8 +24,8 @@ pub struct DecodeKernel {
     decode: CudaFunction,
     combine: CudaFunction,
     range: Option<CudaFunction>,
-    /// The GPU can launch the combine kernel overlapping the decode kernel (compute capability
-    /// 9.0 on: programmatic dependent launch).
+    /// The GPU and driver can launch the combine kernel overlapping the decode kernel
+    /// (programmatic dependent launch: compute capability 9.0 on, `cuLaunchKernelEx`).
     can_overlap_combine: bool,
     /// `attend` does so.
     overlap_combine: bool,
@@ -121,20 +121,21 @@ impl DecodeKernel {
             }
             None => None,
         };
+        let can_overlap = jit.arch().sm() >= 90 && driver_has_launch_ex();
         Ok(DecodeKernel {
             spec: *spec,
             generated,
             decode,
             combine,
             range,
-            can_overlap_combine: jit.arch().sm() >= 90,
-            overlap_combine: jit.arch().sm() >= 90 && overlap_by_default(),
+            can_overlap_combine: can_overlap,
+            overlap_combine: can_overlap && overlap_by_default(),
         })
     }
 
     /// Whether [`attend`](Self::attend) launches the combine kernel overlapping the decode
-    /// kernel (programmatic dependent launch): on by default from compute capability 9.0, off
-    /// with `KVQ_PDL=off`.
+    /// kernel (programmatic dependent launch): on by default from compute capability 9.0 with a
+    /// driver that has `cuLaunchKernelEx` (CUDA 12.0 on), off with `KVQ_PDL=off`.
     pub fn overlaps_combine(&self) -> bool {
         self.overlap_combine
     }
