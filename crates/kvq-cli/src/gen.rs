@@ -938,10 +938,12 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                  captured in a CUDA graph while sequences grow"
                     .into(),
                 "kernels enqueue on the caller's stream and never synchronise".into(),
-                "on compute capability 9.0 and later, combine may be launched with \
+                "on compute capability 9.0 and later, combine (and, for a calibrated scheme, \
+                 decode) may be launched with \
                  CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuLaunchKernelEx) so it \
-                 is scheduled while decode finishes: decode allows it early and combine waits for \
-                 decode's writes (griddepcontrol); a plain launch is also correct"
+                 is scheduled while the kernel before it finishes: score_range and decode allow \
+                 it early, and decode and combine wait for their predecessor's writes \
+                 (griddepcontrol) before reading them; plain launches are also correct"
                     .into(),
             ],
         },

@@ -1,23 +1,29 @@
-//! Programmatic dependent launch (compute capability 9.0 on): a kernel launched this way may be
-//! scheduled while the kernel before it in the stream is still running, and waits for that
-//! kernel's results in its own code (`griddepcontrol.wait`). The decode step uses it for the
-//! combine kernel, whose launch and prologue then hide behind the decode grid's last CTAs.
+//! Kernel launches that may overlap the kernel before them in the stream (programmatic dependent
+//! launch, compute capability 9.0 on). A kernel launched that way may be scheduled while its
+//! predecessor still runs, and waits for the predecessor's results in its own code
+//! (`griddepcontrol.wait`). A decode step uses it twice: the decode grid of a calibrated scheme
+//! overlaps the score-range grid, and the combine grid overlaps the decode grid, so each one's
+//! launch and prologue hide behind the previous grid's last CTAs.
 //!
-//! cudarc's launch builder takes no launch attributes, so this goes through `cuLaunchKernelEx`.
+//! cudarc's launch builder takes no launch attributes, so these launches go through
+//! `cuLaunchKernelEx` (or `cuLaunchKernel` when not overlapping) with an argument list of their
+//! own, [`Args`].
 
 use std::ffi::c_void;
 use std::ptr;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{sys, CudaFunction, CudaStream, DriverError, LaunchConfig};
+use cudarc::driver::{
+    sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError, LaunchConfig,
+    SyncOnDrop,
+};
 
 /// Whether the loaded driver has `cuLaunchKernelEx` (CUDA 12.0 on). cudarc resolves driver
 /// functions when first called and panics on a missing one, so callers ask first.
 pub(crate) fn driver_has_launch_ex() -> bool {
     static PRESENT: OnceLock<bool> = OnceLock::new();
     *PRESENT.get_or_init(|| {
-        // SAFETY: only looks the symbol up; the driver library is loaded (a kernel was loaded
-        // through it before anything asks this).
+        // SAFETY: only looks the symbol up, in a library that is loaded when present.
         unsafe {
             sys::is_culib_present()
                 && sys::culib()
@@ -27,20 +33,109 @@ pub(crate) fn driver_has_launch_ex() -> bool {
     })
 }
 
-/// Launches `func` on `stream` allowed to overlap the previous kernel of the stream.
+/// A kernel's arguments in parameter order: device pointers and 32-bit scalars, each in an
+/// 8-byte slot, with the buffers' stream-order guards (dropped after the launch, which records
+/// the buffers' use on the stream as cudarc's launch builder does).
+pub(crate) struct Args<'a> {
+    stream: &'a Arc<CudaStream>,
+    slots: Vec<u64>,
+    guards: Vec<SyncOnDrop<'a>>,
+}
+
+impl<'a> Args<'a> {
+    pub(crate) fn new(stream: &'a Arc<CudaStream>) -> Self {
+        Args {
+            stream,
+            slots: Vec::with_capacity(16),
+            guards: Vec::with_capacity(16),
+        }
+    }
+
+    /// A buffer the kernel reads.
+    pub(crate) fn buffer<T>(&mut self, buffer: &'a CudaSlice<T>) -> &mut Self {
+        let (ptr, guard) = buffer.device_ptr(self.stream);
+        self.slots.push(ptr);
+        self.guards.push(guard);
+        self
+    }
+
+    /// A buffer the kernel writes.
+    pub(crate) fn buffer_mut<T>(&mut self, buffer: &'a mut CudaSlice<T>) -> &mut Self {
+        let (ptr, guard) = buffer.device_ptr_mut(self.stream);
+        self.slots.push(ptr);
+        self.guards.push(guard);
+        self
+    }
+
+    /// An `int` parameter.
+    pub(crate) fn int(&mut self, value: i32) -> &mut Self {
+        self.slots.push(int_slot(value));
+        self
+    }
+
+    /// Launches `func` on the stream; with `overlap`, allowed to overlap the stream's previous
+    /// kernel (needs [`driver_has_launch_ex`]).
+    ///
+    /// # Safety
+    /// The arguments match `func`'s parameters in number, order and type, and every buffer is
+    /// large enough for the grid. With `overlap`, every CTA of `func` executes
+    /// `griddepcontrol.wait` (which returns once the previous kernel has finished and its writes
+    /// are visible) before it reads anything that kernel writes.
+    pub(crate) unsafe fn launch(
+        mut self,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        overlap: bool,
+    ) -> Result<(), DriverError> {
+        let mut params: Vec<*mut c_void> = self
+            .slots
+            .iter_mut()
+            .map(|slot| (slot as *mut u64).cast::<c_void>())
+            .collect();
+        self.stream.context().bind_to_thread()?;
+        // SAFETY: the parameter pointers point into `self.slots`, alive through the calls; the
+        // caller vouches for the arguments and, with `overlap`, for the kernel's wait.
+        let status = unsafe {
+            if overlap {
+                launch_ex_overlapping(self.stream, func, cfg, &mut params)
+            } else {
+                sys::cuLaunchKernel(
+                    func.cu_function(),
+                    cfg.grid_dim.0,
+                    cfg.grid_dim.1,
+                    cfg.grid_dim.2,
+                    cfg.block_dim.0,
+                    cfg.block_dim.1,
+                    cfg.block_dim.2,
+                    cfg.shared_mem_bytes,
+                    self.stream.cu_stream(),
+                    params.as_mut_ptr(),
+                    ptr::null_mut(),
+                )
+            }
+        };
+        drop(self.guards);
+        status.result()
+    }
+}
+
+/// An `int` argument's slot: the driver copies the parameter's 4 bytes from the slot's start.
+fn int_slot(value: i32) -> u64 {
+    let mut slot = [0u8; 8];
+    slot[..4].copy_from_slice(&value.to_ne_bytes());
+    u64::from_ne_bytes(slot)
+}
+
+/// `cuLaunchKernelEx` with programmatic stream serialization allowed.
 ///
 /// # Safety
-/// `params` holds one pointer per kernel parameter, in order, each to a value of that parameter's
-/// type that lives through the call. Before reading anything the previous kernel writes, every
-/// CTA of `func` must execute `griddepcontrol.wait` (which returns once that kernel has finished
-/// and its writes are visible).
-pub(crate) unsafe fn launch_overlapping_previous(
+/// As [`Args::launch`] with `overlap`; `params` holds one valid pointer per parameter.
+unsafe fn launch_ex_overlapping(
     stream: &CudaStream,
     func: &CudaFunction,
     cfg: LaunchConfig,
     params: &mut [*mut c_void],
-) -> Result<(), DriverError> {
-    stream.context().bind_to_thread()?;
+) -> sys::CUresult {
     // SAFETY: an all-zero attribute value is valid (a union of plain integers and structs of them).
     let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
     value.programmaticStreamSerializationAllowed = 1;
@@ -71,7 +166,6 @@ pub(crate) unsafe fn launch_overlapping_previous(
             ptr::null_mut(),
         )
     }
-    .result()
 }
 
 #[cfg(test)]
@@ -86,6 +180,15 @@ mod tests {
             assert!(!driver_has_launch_ex());
         } else {
             let _ = driver_has_launch_ex();
+        }
+    }
+
+    #[test]
+    fn int_arguments_occupy_the_first_four_bytes_of_their_slot() {
+        for value in [-7, 0, 1, i32::MAX, i32::MIN] {
+            let bytes = int_slot(value).to_ne_bytes();
+            assert_eq!(i32::from_ne_bytes(bytes[..4].try_into().unwrap()), value);
+            assert_eq!(bytes[4..], [0; 4]);
         }
     }
 }

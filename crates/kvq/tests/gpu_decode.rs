@@ -1,9 +1,9 @@
 //! Fused GPU decode against the CPU reference on the same quantized cache, for every integer and
 //! FP16 built-in scheme × head_dim {64, 128, 256} × {f16, bf16} × GQA {1, 4, 8}, in one batch of
 //! odd, unequal lengths. Inputs are fresh random data each run (seed printed; `KVQ_SEED` repeats
-//! one), outputs are poisoned with NaN before every launch, and NaN never passes. Where the
-//! combine kernel overlaps the decode kernel (compute capability 9.0 on), each launch is repeated
-//! with plain launches and must give the same bits.
+//! one), outputs are poisoned with NaN before every launch, and NaN never passes. Where a step's
+//! kernels overlap each other (compute capability 9.0 on), each step is repeated with plain
+//! launches and must give the same bits.
 //!
 //! Skips with a printed reason without a GPU; fails when `KVQ_REQUIRE_GPU=1`.
 
@@ -180,18 +180,18 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                             .attend(&stream, gpu.view(), &q, &mut out, &mut scratch)
                             .expect("launch");
                         let got: Vec<u16> = stream.clone_dtoh(&out).expect("download");
-                        if kernel.overlaps_combine() {
+                        if kernel.overlaps_launches() {
                             // Plain launches (what an engine embedding the kernels makes) must
-                            // give the same bits as the overlapped combine.
+                            // give the same bits as the overlapped ones.
                             overlapped += 1;
-                            kernel.set_overlap_combine(false);
+                            kernel.set_overlap_launches(false);
                             let mut plain_out = stream
                                 .clone_htod(&vec![0xFFFFu16; n])
                                 .expect("poisoned output");
                             kernel
                                 .attend(&stream, gpu.view(), &q, &mut plain_out, &mut scratch)
                                 .expect("plain launch");
-                            kernel.set_overlap_combine(true);
+                            kernel.set_overlap_launches(true);
                             let plain: Vec<u16> = stream.clone_dtoh(&plain_out).expect("download");
                             if plain != got {
                                 failures.push(format!(
@@ -237,7 +237,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
     }
     worst.sort_by(|a, b| b.0.total_cmp(&a.0));
     println!(
-        "{overlapped} overlapped launches (decode + combine by programmatic dependent launch) gave the bits of plain ones"
+        "{overlapped} steps with overlapped launches (programmatic dependent launch) gave the bits of plain ones"
     );
     println!("checked {checked} (scheme, shape, sequence, split) outputs; largest errors:");
     for (e, what) in worst.iter().take(8) {

@@ -2,18 +2,14 @@
 
 use std::sync::Arc;
 
-use std::ffi::c_void;
-
-use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use kvq_codegen::{decode_kernels, DecodeKernels, KernelShape, TuneParams};
 use kvq_spec::SchemeSpec;
 
 use super::cache::CacheView;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
-use crate::launch::{driver_has_launch_ex, launch_overlapping_previous};
+use crate::launch::{driver_has_launch_ex, Args};
 use crate::module::allow_dynamic_shared;
 use crate::nvrtc::{CompileOptions, Source};
 
@@ -24,11 +20,11 @@ pub struct DecodeKernel {
     decode: CudaFunction,
     combine: CudaFunction,
     range: Option<CudaFunction>,
-    /// The GPU and driver can launch the combine kernel overlapping the decode kernel
-    /// (programmatic dependent launch: compute capability 9.0 on, `cuLaunchKernelEx`).
-    can_overlap_combine: bool,
-    /// `attend` does so.
-    overlap_combine: bool,
+    /// The GPU and driver can launch a kernel overlapping the one before it (programmatic
+    /// dependent launch: compute capability 9.0 on, `cuLaunchKernelEx`).
+    can_overlap: bool,
+    /// `attend` does so (see [`DecodeKernel::overlaps_launches`]).
+    overlap: bool,
 }
 
 /// Whether decode steps overlap by default: wherever the GPU can, unless `KVQ_PDL=off` (a switch
@@ -128,24 +124,26 @@ impl DecodeKernel {
             decode,
             combine,
             range,
-            can_overlap_combine: can_overlap,
-            overlap_combine: can_overlap && overlap_by_default(),
+            can_overlap,
+            overlap: can_overlap && overlap_by_default(),
         })
     }
 
-    /// Whether [`attend`](Self::attend) launches the combine kernel overlapping the decode
-    /// kernel (programmatic dependent launch): on by default from compute capability 9.0 with a
-    /// driver that has `cuLaunchKernelEx` (CUDA 12.0 on), off with `KVQ_PDL=off`.
-    pub fn overlaps_combine(&self) -> bool {
-        self.overlap_combine
+    /// Whether [`attend`](Self::attend) launches each kernel of a step overlapping the one
+    /// before it (programmatic dependent launch): the combine grid the decode grid, and for
+    /// calibrated schemes the decode grid the score-range grid; each waits for its predecessor's
+    /// results in its own code. On by default from compute capability 9.0 with a driver that has
+    /// `cuLaunchKernelEx` (CUDA 12.0 on); off with `KVQ_PDL=off`.
+    pub fn overlaps_launches(&self) -> bool {
+        self.overlap
     }
 
-    /// Turns the overlap on (where the GPU can) or off, and returns whether it is now on. The
-    /// results are the same bits either way; off, the launches are the plain ones an engine
-    /// embedding the generated kernels would make.
-    pub fn set_overlap_combine(&mut self, on: bool) -> bool {
-        self.overlap_combine = on && self.can_overlap_combine;
-        self.overlap_combine
+    /// Turns the overlapped launches on (where the GPU can) or off, and returns whether they are
+    /// now on. The results are the same bits either way; off, the launches are the plain ones an
+    /// engine embedding the generated kernels would make.
+    pub fn set_overlap_launches(&mut self, on: bool) -> bool {
+        self.overlap = on && self.can_overlap;
+        self.overlap
     }
 
     /// The generated source and launch metadata.
@@ -239,83 +237,59 @@ impl DecodeKernel {
             shared_mem_bytes: self.generated.decode.dynamic_shared_bytes,
             ..split_cfg
         };
+        // Each launch may overlap the kernel before it (launch.rs): the decode grid a calibrated
+        // scheme's range grid, the combine grid the decode grid.
+        let overlap = self.overlap;
         if let (Some(range), Some(entry)) = (&self.range, &self.generated.range) {
-            let mut b = stream.launch_builder(range);
-            b.arg(q)
-                .arg(cache.k_pool)
-                .arg(cache.page_table)
-                .arg(&max_pages)
-                .arg(cache.k_sink)
-                .arg(cache.k_tail)
-                .arg(cache.seq_lens)
-                .arg(&mut scratch.score_range);
-            // SAFETY: arguments match the kernel's parameter list (KernelEntry::params), and every
-            // buffer was sized above for this grid.
+            let mut args = Args::new(stream);
+            args.buffer(q)
+                .buffer(cache.k_pool)
+                .buffer(cache.page_table)
+                .int(max_pages)
+                .buffer(cache.k_sink)
+                .buffer(cache.k_tail)
+                .buffer(cache.seq_lens)
+                .buffer_mut(&mut scratch.score_range);
             let range_cfg = LaunchConfig {
                 block_dim: (entry.block, 1, 1),
                 shared_mem_bytes: entry.dynamic_shared_bytes,
                 ..split_cfg
             };
-            unsafe { b.launch(range_cfg) }.map_err(launch_err(&entry.name))?;
+            // SAFETY: arguments match the kernel's parameter list (KernelEntry::params), and every
+            // buffer was sized above for this grid. A plain launch: it follows the engine's work.
+            unsafe { args.launch(range, range_cfg, false) }.map_err(launch_err(&entry.name))?;
         }
-        let mut b = stream.launch_builder(&self.decode);
-        b.arg(q)
-            .arg(cache.k_pool)
-            .arg(cache.v_pool)
-            .arg(cache.page_table)
-            .arg(&max_pages)
-            .arg(cache.k_sink)
-            .arg(cache.v_sink)
-            .arg(cache.k_tail)
-            .arg(cache.v_tail)
-            .arg(cache.seq_lens)
-            .arg(&scratch.score_range)
-            .arg(&mut scratch.part_acc)
-            .arg(&mut scratch.part_ml);
-        // SAFETY: as above.
-        unsafe { b.launch(decode_cfg) }.map_err(launch_err(&self.generated.decode.name))?;
-        let cfg = LaunchConfig {
+        let mut args = Args::new(stream);
+        args.buffer(q)
+            .buffer(cache.k_pool)
+            .buffer(cache.v_pool)
+            .buffer(cache.page_table)
+            .int(max_pages)
+            .buffer(cache.k_sink)
+            .buffer(cache.v_sink)
+            .buffer(cache.k_tail)
+            .buffer(cache.v_tail)
+            .buffer(cache.seq_lens)
+            .buffer(&scratch.score_range)
+            .buffer_mut(&mut scratch.part_acc)
+            .buffer_mut(&mut scratch.part_ml);
+        // SAFETY: as above. Overlapping only the range grid: the decode kernel waits for it
+        // (`kvq_calibration_after_range_grid`) before reading the ranges.
+        unsafe { args.launch(&self.decode, decode_cfg, overlap && self.range.is_some()) }
+            .map_err(launch_err(&self.generated.decode.name))?;
+        let combine_cfg = LaunchConfig {
             grid_dim: (q_heads as u32, cache.batch as u32, 1),
             block_dim: (self.generated.combine.block, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch_combine(stream, scratch, out, splits as i32, cfg)
-            .map_err(launch_err(&self.generated.combine.name))
-    }
-
-    /// The combine launch: overlapping the decode kernel where the GPU allows
-    /// ([`launch_overlapping_previous`]), otherwise a plain launch.
-    fn launch_combine(
-        &self,
-        stream: &Arc<CudaStream>,
-        scratch: &DecodeScratch,
-        out: &mut CudaSlice<u16>,
-        mut splits: i32,
-        cfg: LaunchConfig,
-    ) -> std::result::Result<(), cudarc::driver::DriverError> {
-        if !self.overlap_combine {
-            let mut b = stream.launch_builder(&self.combine);
-            b.arg(&scratch.part_acc)
-                .arg(&scratch.part_ml)
-                .arg(out)
-                .arg(&splits);
-            // SAFETY: arguments match the kernel's parameter list, sized by `attend`.
-            return unsafe { b.launch(cfg) }.map(|_| ());
-        }
-        // The guards record the buffers' uses on the stream when dropped, after the launch (what
-        // the launch builder does for its arguments).
-        let (mut part_acc, _acc_read) = scratch.part_acc.device_ptr(stream);
-        let (mut part_ml, _ml_read) = scratch.part_ml.device_ptr(stream);
-        let (mut out_ptr, _out_write) = out.device_ptr_mut(stream);
-        let mut params = [
-            (&mut part_acc as *mut u64).cast::<c_void>(),
-            (&mut part_ml as *mut u64).cast::<c_void>(),
-            (&mut out_ptr as *mut u64).cast::<c_void>(),
-            (&mut splits as *mut i32).cast::<c_void>(),
-        ];
-        // SAFETY: one pointer per parameter of the combine kernel (part_acc, part_ml, out,
-        // num_splits), each to a live value of its type; the kernel waits for the decode grid
+        let mut args = Args::new(stream);
+        args.buffer(&scratch.part_acc)
+            .buffer(&scratch.part_ml)
+            .buffer_mut(out)
+            .int(splits as i32);
+        // SAFETY: as above; the combine kernel waits for the decode grid
         // (`kvq_wait_for_previous_grid`) before its first read of the partials.
-        unsafe { launch_overlapping_previous(stream, &self.combine, cfg, &mut params) }
+        unsafe { args.launch(&self.combine, combine_cfg, overlap) }
+            .map_err(launch_err(&self.generated.combine.name))
     }
 }
