@@ -137,7 +137,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut failures = Vec::new();
     let mut checked = 0usize;
-    let mut overlapped = 0usize; // launches also repeated without the overlapped combine
+    let mut overlapped = 0usize; // steps also repeated with plain launches
     let mut worst = Vec::new();
     let mut kernel_iter = kernels.iter_mut();
     for (name, spec) in &schemes {
