@@ -267,4 +267,7 @@ pub(crate) struct StagePlan {
     pub bytes: usize,
     /// Dynamic shared memory of one CTA: warps × stages × bytes.
     pub cta_bytes: usize,
+    /// Whether chunks inside quantized pages take `kvq_stage_quant`, the staging path that skips
+    /// the sink/tail bookkeeping (see `stage_plan` in decode.rs for when).
+    pub quant_fast_path: bool,
 }
