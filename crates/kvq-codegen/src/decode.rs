@@ -153,8 +153,7 @@ const STAGE_HEADER_BYTES: usize = 48;
 const MAX_STAGE_CTA_BYTES: usize = 72 * 1024;
 
 /// The `cp.async` ring of the tensor-core kernel: two stages per warp (the next chunk copies while
-/// the current one computes; a third measured ×0.98 for KIVI-4 and INT8 on the H100, fewer CTAs
-/// fitting an SM), for schemes whose K and V are both quantized, when the ring fits
+/// the current one computes; a third measured ×0.98 for KIVI-4 and INT8 on the H100), for schemes whose K and V are both quantized, when the ring fits
 /// [`MAX_STAGE_CTA_BYTES`]; otherwise none (chunks load from global memory, as FP16 rows do, whose
 /// per-warp latency hiding is enough: measured at the copy bandwidth). Copies round out to 16
 /// bytes, which stays inside a page block since blocks and their sections are 16-byte aligned
@@ -183,9 +182,9 @@ fn stage_plan(tune: &TuneParams, k: &TensorCtx, v: &TensorCtx, v_token_fold: boo
             0
         },
         k_params: k.block_bytes - k.scales_offset,
-        // Measured on the H100 (docs/BENCHMARKS.md, eleventh round): ×1.06 for kivi2, ×1.07
-        // for Kitty, ×1.01 for INT8, but ×0.98 for KIVI-4, whose kernel is not held back by
-        // its staging instructions and lost to the longer code.
+        // Measured on the H100 over the bench grid (docs/BENCHMARKS.md, eleventh round):
+        // ×1.035–×1.063 for the 1- and 2-bit schemes, ×1.004 for INT8, but ×0.983 for KIVI-4
+        // (why is not known; without the short path it stays at ×0.999).
         quant_fast_path: !(k.bits == 4 && v.bits == 4),
         ..StagePlan::default()
     };
