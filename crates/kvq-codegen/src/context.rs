@@ -244,6 +244,20 @@ pub(crate) struct MmaCtx {
     pub v_token_fold: bool,
     /// The per-warp `cp.async` ring that quantized-page chunks load through (see [`StagePlan`]).
     pub stage: StagePlan,
+    /// Dynamic shared memory where a CTA's warps leave their accumulators for the merge at the
+    /// end (the ring's bytes, no longer in use by then, when they are more).
+    pub merge_bytes: usize,
+}
+
+impl MmaCtx {
+    /// Dynamic shared memory of the decode kernel: the ring while it runs, the merge after.
+    pub fn decode_shared_bytes(&self) -> usize {
+        if self.enabled {
+            self.stage.cta_bytes.max(self.merge_bytes)
+        } else {
+            0
+        }
+    }
 }
 
 /// Where one chunk's page bytes sit in a warp's shared-memory stage, and how many stages a warp
