@@ -244,11 +244,6 @@ pub(crate) struct MmaCtx {
     pub v_token_fold: bool,
     /// The per-warp `cp.async` ring that quantized-page chunks load through (see [`StagePlan`]).
     pub stage: StagePlan,
-    /// Scores of quantized chunks take their page bias and scale in one `fma`, and whole chunks
-    /// skip the mask: for 1- and 2-bit K and V, where the instruction stream limits the kernel
-    /// (H100, twelfth round: Kitty-Pro ×1.024, CalibQuant-1 ×1.019, kivi2 ×1.009, Kitty ×1.007,
-    /// CalibQuant-2 ×0.995 from 16 bytes of spills; INT8 took 4 more registers and ×0.997).
-    pub score_fma: bool,
     /// Dynamic shared memory where a CTA's warps leave their accumulators for the merge at the
     /// end (the ring's bytes, no longer in use by then, when they are more).
     pub merge_bytes: usize,

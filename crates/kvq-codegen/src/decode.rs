@@ -139,7 +139,6 @@ fn mma_plan(
         v_quant: v.kind == "int",
         v_token_fold,
         merge_bytes: merge_bytes(tune, d),
-        score_fma: k.kind == "int" && k.bits <= 2 && v.kind == "int" && v.bits <= 2,
     }
 }
 
