@@ -5,13 +5,16 @@ Reads the output of `kvq gen ... --sample --out DIR`, compiles DIR/decode.cu wit
 with the CUDA driver API, puts the sample batch (page pools, page table, FP16 sink and tail rings,
 lengths, queries) in device buffers it allocates itself, launches the decode kernels on its own
 stream exactly as manifest.json describes them, and checks the output against the CPU reference's
-(DIR/sample/expected.bin), for several split counts.
+(DIR/sample/expected.bin), for several split counts: each without pieces, then with piece CTAs
+after the splits' (`num_pieces`; a kernel with `runs_pieces` false takes them and leaves them
+empty), launched twice on the same scratch, the second output bit for bit the first's.
 
 Only the Python standard library is used (ctypes, struct, json): the machine needs libcuda (the
 NVIDIA driver) and libnvrtc. With --check-only it stops before the driver: it validates the sample's
 buffers against the layout in the manifest and compiles the source, which needs no GPU.
 
     python3 examples/embed/embed.py DIR [--check-only] [--arch sm_90a] [--splits 3,1,7]
+        [--pieces-per-split 2] [--permille 300]
 
 Exit status: 0 every check passed, 1 a check failed, 2 bad input or missing library.
 """
@@ -50,8 +53,8 @@ def load_json(path):
 def load_sample(gen_dir):
     """The manifest, the sample description and each sample buffer's bytes."""
     manifest = load_json(os.path.join(gen_dir, "manifest.json"))
-    if manifest.get("format") != "kvq-gen" or manifest.get("version") != 1:
-        raise EmbedError(f"{gen_dir}/manifest.json is not a kvq-gen version 1 manifest")
+    if manifest.get("format") != "kvq-gen" or manifest.get("version") != 2:
+        raise EmbedError(f"{gen_dir}/manifest.json is not a kvq-gen version 2 manifest")
     if manifest.get("layout_version") != LAYOUT_VERSION:
         raise EmbedError(
             f"layout {manifest.get('layout_version')!r}, this engine reads {LAYOUT_VERSION!r}"
@@ -72,6 +75,37 @@ def load_sample(gen_dir):
             raise EmbedError(f"{path}: {len(data)} bytes, sample.json says {f['bytes']}")
         buffers[f["name"]] = data
     return manifest, sample, buffers
+
+
+# The values run_decode passes, by parameter name: the sample's buffers, then what the engine
+# allocates or chooses.
+SAMPLE_INPUTS = ("k_pool", "v_pool", "page_table", "k_sink", "v_sink", "k_tail", "v_tail",
+                 "seq_lens", "q")
+ENGINE_VALUES = ("out", "part_acc", "part_ml", "score_range", "max_pages", "num_splits",
+                 "num_pieces", "piece_permille", "num_parts")
+# The names grid formulas may use (run_decode's `env`).
+GRID_NAMES = ("num_splits", "num_pieces", "kv_heads", "batch", "q_heads")
+
+
+def check_launch(manifest):
+    """Checks that this engine has a value for every parameter and grid formula of the decode
+    step's kernels; returns a list of problems."""
+    kernels = {k["role"]: k for k in manifest["kernels"]}
+    problems = []
+    for role in manifest["launch"]["decode_steps"]:
+        k = kernels.get(role)
+        if k is None:
+            problems.append(f"decode step {role!r} has no kernel entry")
+            continue
+        for p in k["params"]:
+            if p["name"] not in SAMPLE_INPUTS + ENGINE_VALUES:
+                problems.append(f"{role}: no value for parameter {p['name']!r}")
+        for g in k["grid"]:
+            try:
+                grid_dim(g, {n: 1 for n in GRID_NAMES})
+            except EmbedError as e:
+                problems.append(f"{role}: {e}")
+    return problems
 
 
 def element_bytes(element):
@@ -274,13 +308,18 @@ def bf16_to_float(word):
 
 
 def grid_dim(formula, env):
-    """A grid entry of the manifest: a launch value's name or an integer."""
-    formula = formula.strip()
-    if formula.isdigit():
-        return int(formula)
-    if formula in env:
-        return int(env[formula])
-    raise EmbedError(f"grid formula {formula!r} is not one this engine evaluates")
+    """A grid entry of the manifest: a sum of launch values' names and integers
+    (`num_splits + num_pieces`)."""
+    total = 0
+    for term in formula.split("+"):
+        term = term.strip()
+        if term.isdigit():
+            total += int(term)
+        elif term in env:
+            total += int(env[term])
+        else:
+            raise EmbedError(f"grid formula {formula!r} is not one this engine evaluates")
+    return total
 
 
 class Engine:
@@ -388,35 +427,41 @@ def relative_error(have, want):
     return math.sqrt(num / max(den, sys.float_info.min))
 
 
-def run_decode(engine, functions, manifest, sample, buffers, splits):
-    """One decode step with `splits` split-K partitions; returns the output as floats."""
+def run_decode(engine, functions, manifest, sample, buffers, splits, pieces=0, permille=0,
+               launches=1):
+    """Decode steps with `splits` split-K partitions and `pieces` piece CTAs per (sequence, KV
+    head) covering the last `permille`/1000 of its cost (0: none), launched `launches` times on
+    the same scratch. Returns each launch's output as raw 16-bit words."""
     batch, h, q_heads = sample["batch"], sample["kv_heads"], sample["q_heads"]
     d = manifest["shape"]["head_dim"]
     rows = batch * q_heads
-    ptr = {name: engine.upload(buffers[name]) for name in
-           ("k_pool", "v_pool", "page_table", "k_sink", "v_sink", "k_tail", "v_tail",
-            "seq_lens", "q")}
+    parts = splits + pieces  # partials per query head: the splits', then the pieces'
+    ptr = {name: engine.upload(buffers[name]) for name in SAMPLE_INPUTS}
     out = engine.alloc(rows * d * 2)
-    part_acc = engine.alloc(rows * splits * d * 4)
-    part_ml = engine.alloc(rows * splits * 2 * 4)
+    part_acc = engine.alloc(rows * parts * d * 4)
+    part_ml = engine.alloc(rows * parts * 2 * 4)
     score_range = engine.alloc(rows * splits * 2 * 4)
     cu = engine.cu
-    # Poison: an output or partial the kernels forget to write shows as NaN.
-    cu("cuMemsetD16Async", out, 0xFFFF, rows * d, engine.stream)
-    for p, n in ((part_acc, rows * splits * d), (part_ml, rows * splits * 2),
-                 (score_range, rows * splits * 2)):
-        cu("cuMemsetD32Async", p, 0x7FC00000, n, engine.stream)
     values = dict(ptr)
     values.update(out=out, part_acc=part_acc, part_ml=part_ml, score_range=score_range,
-                  max_pages=sample["max_pages"], num_splits=splits)
-    env = {"num_splits": splits, "kv_heads": h, "batch": batch, "q_heads": q_heads}
+                  max_pages=sample["max_pages"], num_splits=splits, num_pieces=pieces,
+                  piece_permille=permille, num_parts=parts)
+    env = {"num_splits": splits, "num_pieces": pieces, "kv_heads": h, "batch": batch,
+           "q_heads": q_heads}
     kernels = {k["role"]: k for k in manifest["kernels"]}
-    for role in manifest["launch"]["decode_steps"]:
-        k = kernels[role]
-        engine.launch(functions[k["name"]], k, values, env)
-    words = struct.unpack(f"<{rows * d}H", engine.download(out, rows * d * 2))
-    convert = f16_to_float if manifest["shape"]["dtype"] == "f16" else bf16_to_float
-    return [convert(w) for w in words]
+    outputs = []
+    for _ in range(launches):
+        # Poison (before every launch, for this check only): an output or partial the kernels
+        # forget to write shows as NaN.
+        cu("cuMemsetD16Async", out, 0xFFFF, rows * d, engine.stream)
+        for p, n in ((part_acc, rows * parts * d), (part_ml, rows * parts * 2),
+                     (score_range, rows * splits * 2)):
+            cu("cuMemsetD32Async", p, 0x7FC00000, n, engine.stream)
+        for role in manifest["launch"]["decode_steps"]:
+            k = kernels[role]
+            engine.launch(functions[k["name"]], k, values, env)
+        outputs.append(struct.unpack(f"<{rows * d}H", engine.download(out, rows * d * 2)))
+    return outputs
 
 
 def verify(output, sample, buffers, d):
@@ -448,6 +493,11 @@ def main():
                     help="architecture to compile for (default: the GPU's, or sm_90a with --check-only)")
     ap.add_argument("--splits", default=None,
                     help="comma list of split-K counts to run (default: the sample's, 1 and 7)")
+    ap.add_argument("--pieces-per-split", type=int, default=2,
+                    help="num_pieces = this × splits for the runs with pieces (0: no such runs)")
+    ap.add_argument("--permille", type=int, default=300,
+                    help="piece_permille of the runs with pieces: thousandths of each (sequence, "
+                         "KV head)'s cost they cover, 1..999")
     ap.add_argument("--device", type=int, default=0)
     args = ap.parse_args()
     name = os.path.basename(os.path.normpath(args.gen_dir))
@@ -466,6 +516,20 @@ def main():
                 log(f"layout mismatch: {p}")
             return 1
         log("sample buffers match the documented layout")
+        problems = check_launch(manifest)
+        if problems:
+            for p in problems:
+                log(f"launch mismatch: {p}")
+            return 1
+        decode_kernel = next((k for k in manifest["kernels"] if k["role"] == "decode"), {})
+        runs_pieces = bool(decode_kernel.get("runs_pieces", False))
+        if not 1 <= args.permille <= 999:
+            raise EmbedError(f"--permille {args.permille}: expected 1..999")
+        pieces_per_split = max(args.pieces_per_split, 0)
+        log("the engine has a value for every parameter and grid of "
+            f"{' -> '.join(manifest['launch']['decode_steps'])}; the decode kernel "
+            + ("runs pieces" if runs_pieces
+               else "runs no pieces (its splits do all the work, its piece CTAs stay empty)"))
         if args.check_only:
             decode_image(args.gen_dir, args.arch or "sm_90a", log)
             log("check-only: stopping before the driver")
@@ -482,15 +546,34 @@ def main():
                 split_counts = sorted({sample["num_splits"], 1, 7})
             d = manifest["shape"]["head_dim"]
             failed = False
+            convert = f16_to_float if manifest["shape"]["dtype"] == "f16" else bf16_to_float
             for splits in split_counts:
-                output = run_decode(engine, functions, manifest, sample, buffers, splits)
-                worst, failures = verify(output, sample, buffers, d)
-                status = "FAIL" if failures else "ok"
-                log(f"{' -> '.join(steps)} with {splits} split(s) on the engine's stream: {status}, "
-                    f"largest relative error {worst:.2e} (tolerance {sample['tolerance']:.0e})")
-                for f in failures:
-                    log(f"  {f}")
-                failed = failed or bool(failures)
+                # Without pieces, then with pieces launched twice on the same scratch: which SM
+                # ran which piece must not change a bit of the output.
+                runs = [(0, 0, 1)]
+                if pieces_per_split > 0:
+                    runs.append((pieces_per_split * splits, args.permille, 2))
+                for pieces, permille, launches in runs:
+                    outputs = run_decode(engine, functions, manifest, sample, buffers, splits,
+                                         pieces, permille, launches)
+                    for i, words in enumerate(outputs):
+                        worst, failures = verify([convert(w) for w in words], sample, buffers, d)
+                        if i > 0 and words != outputs[0]:
+                            diff = sum(a != b for a, b in zip(words, outputs[0]))
+                            failures.append(f"{diff} output values differ from launch 1's")
+                        status = "FAIL" if failures else "ok"
+                        how = f"{splits} split(s)"
+                        if pieces:
+                            how += (f" + {pieces} piece(s) over the last {permille}/1000 of each "
+                                    f"sequence's cost"
+                                    + ("" if runs_pieces else " (left empty by this kernel)")
+                                    + f", launch {i + 1} of {launches} on the same scratch")
+                        log(f"{' -> '.join(steps)} with {how} on the engine's stream: {status}, "
+                            f"largest relative error {worst:.2e} "
+                            f"(tolerance {sample['tolerance']:.0e})")
+                        for f in failures:
+                            log(f"  {f}")
+                        failed = failed or bool(failures)
         finally:
             engine.close()
         return 1 if failed else 0

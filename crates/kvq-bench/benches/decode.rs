@@ -75,12 +75,13 @@ fn bench_all(c: &mut Criterion) -> Result<(), RuntimeError> {
             &problem,
             kernel.resident_ctas(device.props().sm_count as usize)?,
         );
-        let mut scratch = DecodeScratch::new(
+        let mut scratch = DecodeScratch::with_pieces(
             &stream,
             batch,
             config.q_heads,
             config.head_dim as usize,
             choice.splits,
+            choice.pieces,
         )?;
         let id = format!("{name}/B{batch}/L{}K", len / 1024);
         let mut failure = None;

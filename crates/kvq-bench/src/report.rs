@@ -207,6 +207,7 @@ pub(crate) mod tests {
                 tile_tokens: 32,
             },
             splits: 3,
+            pieces: kvq::runtime::Pieces::NONE,
         };
         let row = |scheme: &str, batch, context, us: f64| Row {
             scheme: scheme.into(),

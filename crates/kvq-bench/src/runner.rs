@@ -246,7 +246,8 @@ impl Context<'_> {
         let problem = TuneProblem::new(prep.scheme.spec, self.shape, config.kv_heads, batch, len);
         let default =
             TuneChoice::heuristic(&problem, kernel.resident_ctas(props.sm_count as usize)?);
-        let mut scratch = DecodeScratch::new(&stream, batch, q_heads, d, default.splits)?;
+        let mut scratch =
+            DecodeScratch::with_pieces(&stream, batch, q_heads, d, default.splits, default.pieces)?;
         let reference = ReferenceCheck::from_rows(
             prep.reference
                 .iter()
@@ -278,7 +279,14 @@ impl Context<'_> {
                 &self.shape,
                 &report.chosen.params,
             )?;
-            let mut ts = DecodeScratch::new(&stream, batch, q_heads, d, report.chosen.splits)?;
+            let mut ts = DecodeScratch::with_pieces(
+                &stream,
+                batch,
+                q_heads,
+                d,
+                report.chosen.splits,
+                report.chosen.pieces,
+            )?;
             if config.check {
                 let out = rotation.run_checked(0, &stream, &tk, &mut ts)?;
                 if let Err(why) = reference.verify(&out) {

@@ -25,7 +25,7 @@ pub use kvq::reference::int::LAYOUT_VERSION;
 /// Identifies the manifest's format; `MANIFEST_VERSION` changes when a field changes meaning.
 pub const MANIFEST_FORMAT: &str = "kvq-gen";
 /// See [`MANIFEST_FORMAT`].
-pub const MANIFEST_VERSION: u32 = 1;
+pub const MANIFEST_VERSION: u32 = 2;
 
 /// File names inside the output folder.
 pub const DECODE_FILE: &str = "decode.cu";
@@ -93,6 +93,10 @@ struct KernelInfo {
     grid: [String; 3],
     block: [u32; 3],
     dynamic_shared_bytes: u32,
+    /// Decode only: whether its piece CTAs do work when `num_pieces > 0`; without, the splits do
+    /// all the work and the piece CTAs only mark their partials empty.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    runs_pieces: Option<bool>,
 }
 
 #[derive(Serialize)]
@@ -175,6 +179,9 @@ struct TunedInfo {
     threads: u32,
     tile_tokens: u32,
     splits: usize,
+    /// The tuned launch's `num_pieces` and `piece_permille` (0 and 0: none).
+    num_pieces: usize,
+    piece_permille: u32,
     tuned_us: f64,
     default_us: f64,
     /// Whether the sources in this folder were generated with this entry's block parameters.
@@ -198,6 +205,8 @@ struct LaunchInfo {
     /// Kernels of one decode step, in stream order.
     decode_steps: Vec<String>,
     num_splits: String,
+    /// What decode's `num_pieces` and `piece_permille` do.
+    num_pieces: String,
     scratch: Vec<BufferInfo>,
     notes: Vec<String>,
 }
@@ -265,9 +274,27 @@ fn about_param(name: &str, dtype: Dtype) -> String {
             "f32 [batch][kv_heads][gqa][num_splits][2] (CalibQuant score ranges; unused otherwise)"
                 .into()
         }
-        "part_acc" => "f32 [batch·q_heads][num_splits][head_dim] split partial outputs".into(),
-        "part_ml" => "f32 [batch·q_heads][num_splits][2] split (max, denominator)".into(),
-        "num_splits" => "split-K partitions (= gridDim.x of the decode launch)".into(),
+        "part_acc" => {
+            "f32 [batch·q_heads][num_splits + num_pieces][head_dim] partial outputs (splits, then \
+             pieces)"
+                .into()
+        }
+        "part_ml" => {
+            "f32 [batch·q_heads][num_splits + num_pieces][2] partials' (max, denominator)".into()
+        }
+        "num_pieces" => {
+            "piece CTAs per (sequence, KV head), after the splits' (gridDim.x = num_splits + \
+             num_pieces); 0: none (launch.num_pieces)"
+                .into()
+        }
+        "piece_permille" => {
+            "thousandths of each (sequence, KV head)'s cost the pieces cover, 1..=999 (ignored \
+             when num_pieces = 0)"
+                .into()
+        }
+        "num_parts" => {
+            "partials per query head: num_splits + num_pieces of the decode launch".into()
+        }
         "k_new" | "v_new" => format!("new tokens [n][kv_heads][head_dim] {io}"),
         "slots" => "[n] i32 sequence slots (rows of page_table/seq_lens)".into(),
         "k_in" | "v_in" | "x" => format!("prefill input [tokens][kv_heads][head_dim] {io}"),
@@ -310,6 +337,7 @@ fn kernel_info(role: &str, file: &str, about: &str, e: &KernelEntry, dtype: Dtyp
         grid: e.grid.clone(),
         block: [e.block, 1, 1],
         dynamic_shared_bytes: e.dynamic_shared_bytes,
+        runs_pieces: None,
     }
 }
 
@@ -622,6 +650,9 @@ fn header_text(
         let _ = writeln!(h, "#define {upper}_BLOCK {}", k.block[0]);
         let _ = writeln!(h, "#define {upper}_DYNAMIC_SMEM {}", k.dynamic_shared_bytes);
         let _ = writeln!(h, "#define {upper}_NUM_PARAMS {}", k.params.len());
+        if let Some(runs) = k.runs_pieces {
+            let _ = writeln!(h, "#define {upper}_RUNS_PIECES {}", u8::from(runs));
+        }
         let _ = writeln!(h, "typedef struct {}_params {{", k.name);
         for p in &k.params {
             let about = if p.about.is_empty() {
@@ -754,18 +785,21 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             dtype,
         ));
     }
-    kernels.push(kernel_info(
-        "decode",
-        DECODE_FILE,
-        "split-K fused decode attention: per (split, KV head, sequence), all query heads of the \
-         KV head; writes split partials",
-        &decode.decode,
-        dtype,
-    ));
+    kernels.push(KernelInfo {
+        runs_pieces: Some(decode.runs_pieces),
+        ..kernel_info(
+            "decode",
+            DECODE_FILE,
+            "split-K fused decode attention: per (split or piece, KV head, sequence), all query \
+             heads of the KV head; writes one partial per split and per piece",
+            &decode.decode,
+            dtype,
+        )
+    });
     kernels.push(kernel_info(
         "combine",
         DECODE_FILE,
-        "merges the splits of each query head into out",
+        "merges the num_parts partials (splits, then pieces) of each query head into out",
         &decode.combine,
         dtype,
     ));
@@ -905,22 +939,32 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                 .filter(|k| k.file == DECODE_FILE)
                 .map(|k| k.role.clone())
                 .collect(),
-            num_splits: "any value ≥ 1 (gridDim.x of score_range and decode, and combine's \
-                         num_splits); tune.tuned gives measured values, tune.default_splits the \
-                         heuristic"
+            num_splits: "any value ≥ 1 (gridDim.x of score_range; decode's is num_splits + \
+                         num_pieces, combine's num_parts too); tune.tuned gives measured values, \
+                         tune.default_splits the heuristic"
+                .into(),
+            num_pieces: "the split CTAs take fixed shares of each (sequence, KV head); with \
+                         num_pieces > 0 the last piece_permille/1000 of its cost is cut into \
+                         num_pieces piece CTAs per (sequence, KV head), launched after every \
+                         split's, which the GPU starts as SMs free up, so faster SMs take more of \
+                         the work. Each piece writes its own partial after the splits', merged in \
+                         a fixed order: the output does not depend on where a piece ran. \
+                         num_pieces = 0 cuts none (piece_permille ignored). A decode kernel with \
+                         runs_pieces = false accepts any num_pieces: its piece CTAs only mark \
+                         their partials empty (l = 0)"
                 .into(),
             scratch: vec![
                 buffer(
                     "part_acc",
-                    &format!("[batch·{q_heads}][num_splits][head_dim]"),
+                    &format!("[batch·{q_heads}][num_splits + num_pieces][head_dim]"),
                     "f32",
                     "written by decode, read by combine",
                 ),
                 buffer(
                     "part_ml",
-                    &format!("[batch·{q_heads}][num_splits][2]"),
+                    &format!("[batch·{q_heads}][num_splits + num_pieces][2]"),
                     "f32",
-                    "(running max, denominator) per split",
+                    "(running max, denominator) per split, then per piece",
                 ),
                 buffer(
                     "score_range",
@@ -934,8 +978,8 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                  then set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first (static \
                  plus dynamic shared memory above 48 KiB is refused without it)"
                     .into(),
-                "the grid depends only on batch, kv_heads and num_splits: a launch can be \
-                 captured in a CUDA graph while sequences grow"
+                "the grid depends only on batch, kv_heads, num_splits and num_pieces: a launch \
+                 can be captured in a CUDA graph while sequences grow"
                     .into(),
                 "kernels enqueue on the caller's stream and never synchronise".into(),
                 "on compute capability 9.0 and later, combine (and, for a calibrated scheme, \
@@ -972,6 +1016,8 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                     threads: e.choice.params.threads,
                     tile_tokens: e.choice.params.tile_tokens,
                     splits: e.choice.splits,
+                    num_pieces: e.choice.pieces.count,
+                    piece_permille: e.choice.pieces.permille,
                     tuned_us: e.tuned_us,
                     default_us: e.default_us,
                     matches_source: e.choice.params == params,

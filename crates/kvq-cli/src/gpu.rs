@@ -57,12 +57,14 @@ pub fn decode_once(
     let mut out = stream
         .clone_htod(&vec![0xFFFFu16; q_bits.len()])
         .map_err(|e| RuntimeError::driver("allocate outputs", e))?;
-    let mut scratch = DecodeScratch::new(
+    let max_len = caches.iter().map(|c| c.tokens()).max().unwrap_or(1);
+    let mut scratch = DecodeScratch::with_pieces(
         &stream,
         caches.len(),
         q_heads,
         shape.head_dim as usize,
         splits,
+        kernel.default_pieces(max_len, splits),
     )?;
     kernel.attend(&stream, cache.view(), &q, &mut out, &mut scratch)?;
     let host = stream
@@ -131,7 +133,14 @@ pub fn measure(
         budget,
     )?;
     let mut batch = RotatingBatch::upload(&stream, caches, &q_bits, copies)?;
-    let mut scratch = DecodeScratch::new(&stream, caches.len(), q_heads, d, choice.splits)?;
+    let mut scratch = DecodeScratch::with_pieces(
+        &stream,
+        caches.len(),
+        q_heads,
+        d,
+        choice.splits,
+        choice.pieces,
+    )?;
     let out = batch.run_checked(0, &stream, &kernel, &mut scratch)?;
     let max_rel_error = check.verify(&out).map_err(|why| {
         RuntimeError::InvalidInput(format!(

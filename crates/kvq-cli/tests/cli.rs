@@ -233,6 +233,62 @@ fn gen_and_check(scheme: &str, args: &[&str], tmp: &TempDir) -> (Value, String, 
     (manifest, out, dir)
 }
 
+/// The decode kernel's pieces as the manifest and header describe them: its last parameters, its
+/// grid, the scratch shapes, combine's `num_parts`, and `runs_pieces` on the decode kernel only,
+/// matching the header's define.
+fn check_pieces(m: &Value, dir: &Path) {
+    let kernels = m["kernels"].as_array().unwrap();
+    let role = |r: &str| kernels.iter().find(|k| k["role"] == r).unwrap();
+    let names = |k: &Value| -> Vec<String> {
+        k["params"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let decode = role("decode");
+    assert!(
+        names(decode).ends_with(&["num_pieces".to_string(), "piece_permille".to_string()]),
+        "{:?}",
+        names(decode)
+    );
+    assert_eq!(decode["grid"][0], "num_splits + num_pieces");
+    assert_eq!(names(role("combine")).last().unwrap(), "num_parts");
+    for k in kernels {
+        if k["file"] == "decode.cu" {
+            for p in k["params"].as_array().unwrap() {
+                assert_ne!(
+                    p["about"], "",
+                    "{} {}: no description",
+                    k["role"], p["name"]
+                );
+            }
+        }
+        if k["role"] != "decode" {
+            assert!(k.get("runs_pieces").is_none(), "{}", k["role"]);
+        }
+    }
+    let runs = decode["runs_pieces"]
+        .as_bool()
+        .expect("decode has runs_pieces");
+    let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
+    assert!(
+        header.contains(&format!("_DECODE_RUNS_PIECES {}\n", u8::from(runs))),
+        "header lacks the decode kernel's _RUNS_PIECES"
+    );
+    let scratch = m["launch"]["scratch"].as_array().unwrap();
+    for n in ["part_acc", "part_ml"] {
+        let b = scratch.iter().find(|b| b["name"] == n).unwrap();
+        let shape = b["shape"].as_str().unwrap();
+        assert!(shape.contains("[num_splits + num_pieces]"), "{n}: {shape}");
+    }
+    assert!(m["launch"]["num_pieces"]
+        .as_str()
+        .unwrap()
+        .contains("num_pieces = 0"));
+}
+
 #[test]
 fn gen_writes_sources_header_and_manifest_for_every_gpu_builtin() {
     let tmp = TempDir::new("gen");
@@ -271,6 +327,7 @@ fn gen_writes_sources_header_and_manifest_for_every_gpu_builtin() {
         } else {
             assert_eq!(steps, ["decode", "combine"]);
         }
+        check_pieces(&m, &dir);
     }
     // Scheme text works too, and head_dim 512 has decode kernels only.
     let (m, out, dir) = gen_and_check(
@@ -315,6 +372,7 @@ fn gen_uses_tuned_block_parameters_from_the_tune_file() {
                 tile_tokens: 16,
             },
             splits: 3,
+            pieces: kvq::runtime::Pieces::NONE,
         },
         tuned_us: 190.0,
         default_us: 200.0,
@@ -335,6 +393,7 @@ fn gen_uses_tuned_block_parameters_from_the_tune_file() {
     assert_eq!(m["tune"]["threads"], 256);
     let tuned = &m["tune"]["tuned"][0];
     assert_eq!(tuned["splits"], 3);
+    assert_eq!(tuned["num_pieces"], 0);
     assert_eq!(tuned["matches_source"], true);
     let decode = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
     assert!(decode.contains("threads=256 tile_tokens=16"));

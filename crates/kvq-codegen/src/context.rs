@@ -247,6 +247,9 @@ pub(crate) struct MmaCtx {
     /// Dynamic shared memory where a CTA's warps leave their accumulators for the merge at the
     /// end (the ring's bytes, no longer in use by then, when they are more).
     pub merge_bytes: usize,
+    /// The kernel runs pieces (`num_pieces > 0`) after its splits; otherwise its piece CTAs find
+    /// their shares empty and the splits cover every token (see `pieces_pay`).
+    pub pieces: bool,
 }
 
 impl MmaCtx {

@@ -30,8 +30,11 @@ pub struct DecodeKernels {
     pub source: String,
     /// Split-K decode: writes per-split partial results.
     pub decode: KernelEntry,
-    /// Merges the splits into the output.
+    /// Merges the splits (and pieces) into the output.
     pub combine: KernelEntry,
+    /// Whether `decode`'s piece CTAs do work (`num_pieces > 0`; the tensor-core kernel). The
+    /// generic kernel does all the work in its splits and its piece CTAs mark their partials empty.
+    pub runs_pieces: bool,
     /// CalibQuant's score-range pass (before `decode`), when the scheme calibrates.
     pub range: Option<KernelEntry>,
     /// Bytes of one K page block and one V page block of one KV head.
@@ -139,7 +142,17 @@ fn mma_plan(
         v_quant: v.kind == "int",
         v_token_fold,
         merge_bytes: merge_bytes(tune, d),
+        pieces: enabled && pieces_pay(k, v),
     }
+}
+
+/// Whether the kernel is generated to run pieces. Measured on an H100 at B=16 L=32K (thirteenth
+/// round, docs/BENCHMARKS.md): INT8 ran ×1.02–×1.03 with pieces, every other scheme slower (kivi2
+/// ×0.89–×0.95, KIVI-4 ×0.93–×0.97, Kitty-Pro ×0.90–×0.98, FP16 ×0.99), and with the piece logic
+/// compiled in but unused KIVI-4 took 8 more registers and ran ×0.96. So only 8-bit schemes,
+/// whose CTAs are memory-bound, get it.
+fn pieces_pay(k: &TensorCtx, v: &TensorCtx) -> bool {
+    k.kind == "int" && v.kind == "int" && k.bits >= 8 && v.bits >= 8
 }
 
 /// Shared memory of the warps' merge: each warp's accumulators (`head_dim / 16` m-tiles × 4 per
@@ -214,20 +227,26 @@ fn stage_plan(tune: &TuneParams, k: &TensorCtx, v: &TensorCtx, v_token_fold: boo
     plan
 }
 
+/// The tensor-core kernel's plan for these parameters (`None` where the generic kernel serves
+/// them or the tensors have no GPU layout).
+fn mma_plan_for(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> Option<MmaCtx> {
+    let d = shape.head_dim as usize;
+    let k = TensorCtx::new("k", spec, &spec.k, d).ok()?;
+    let v = TensorCtx::new("v", spec, &spec.v, d).ok()?;
+    let plan = mma_plan(shape, tune, &k, &v, spec.calibrate.is_some());
+    plan.enabled.then_some(plan)
+}
+
 /// Whether the tensor-core kernel for these parameters stages its chunks through the `cp.async`
 /// ring (false for schemes or shapes the generic kernel serves).
 pub(crate) fn uses_stage_ring(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> bool {
-    let d = shape.head_dim as usize;
-    match (
-        TensorCtx::new("k", spec, &spec.k, d),
-        TensorCtx::new("v", spec, &spec.v, d),
-    ) {
-        (Ok(k), Ok(v)) => {
-            let plan = mma_plan(shape, tune, &k, &v, spec.calibrate.is_some());
-            plan.enabled && plan.stage.stages > 0
-        }
-        _ => false,
-    }
+    mma_plan_for(spec, shape, tune).is_some_and(|plan| plan.stage.stages > 0)
+}
+
+/// Whether the decode kernel for these parameters runs pieces after its splits
+/// ([`DecodeKernels::runs_pieces`], without rendering it).
+pub fn decode_runs_pieces(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> bool {
+    mma_plan_for(spec, shape, tune).is_some_and(|plan| plan.pieces)
 }
 
 /// Renders the decode kernels for a scheme, shape and tuning.
@@ -315,8 +334,14 @@ pub fn decode_kernels(
             param("const float*", "score_range"),
             param("float*", "part_acc"),
             param("float*", "part_ml"),
+            param("int32_t", "num_pieces"),
+            param("int32_t", "piece_permille"),
         ],
-        grid: split_grid(),
+        grid: [
+            "num_splits + num_pieces".to_string(),
+            "kv_heads".to_string(),
+            "batch".to_string(),
+        ],
         block: tune.threads,
         dynamic_shared_bytes: ctx.mma.decode_shared_bytes() as u32,
     };
@@ -326,7 +351,7 @@ pub fn decode_kernels(
             param("const float*", "part_acc"),
             param("const float*", "part_ml"),
             param("uint16_t*", "out"),
-            param("int32_t", "num_splits"),
+            param("int32_t", "num_parts"),
         ],
         grid: ["q_heads".into(), "batch".into(), "1".into()],
         block: COMBINE_THREADS,
@@ -356,6 +381,7 @@ pub fn decode_kernels(
         source,
         decode,
         combine,
+        runs_pieces: ctx.mma.pieces,
         range,
         k_block_bytes: k.block_bytes,
         v_block_bytes: v.block_bytes,

@@ -148,6 +148,44 @@ fn only_uncalibrated_keys_of_at_most_two_bits_take_the_integer_tensor_cores() {
     }
 }
 
+#[test]
+fn only_eight_bit_tensor_core_kernels_run_pieces_and_every_kernel_takes_them() {
+    use kvq_codegen::decode_runs_pieces;
+    for d in [64, 128, 256] {
+        let shape = KernelShape::new(d, 4, Dtype::F16);
+        for text in SCHEMES {
+            let spec = SchemeSpec::parse(text).unwrap();
+            for tune in TuneParams::candidates() {
+                let k = decode_kernels(&spec, &shape, &tune).unwrap();
+                let tensor_core_kernel = k.source.contains("mma.sync.aligned.m16n8k16");
+                let eight_bit = [spec.k, spec.v]
+                    .iter()
+                    .all(|t| matches!(t, kvq_spec::TensorQuant::Int(q) if q.bits == 8));
+                assert_eq!(
+                    k.runs_pieces,
+                    tensor_core_kernel && eight_bit,
+                    "{text} d{d} {tune:?}"
+                );
+                assert_eq!(
+                    decode_runs_pieces(&spec, &shape, &tune),
+                    k.runs_pieces,
+                    "{text}"
+                );
+                if tensor_core_kernel {
+                    let rendered = format!("KVQ_RUNS_PIECES = {};", k.runs_pieces);
+                    assert!(k.source.contains(&rendered), "{text}: {rendered}");
+                }
+                // The launch is the same for every kernel: pieces after the splits, and the
+                // combine merges both.
+                let params: Vec<&str> = k.decode.params.iter().map(|(_, n)| n.as_str()).collect();
+                assert_eq!(params[params.len() - 2..], ["num_pieces", "piece_permille"]);
+                assert_eq!(k.decode.grid[0], "num_splits + num_pieces");
+                assert_eq!(k.combine.params.last().unwrap().1, "num_parts");
+            }
+        }
+    }
+}
+
 /// Every quantizer form where the tensor's layout supports it (tiled where not).
 fn forms_of(spec: &SchemeSpec, head_dim: u32) -> Vec<kvq_codegen::QuantizerForms> {
     use kvq_codegen::{QuantizerForm, QuantizerForms};

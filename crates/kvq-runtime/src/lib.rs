@@ -114,7 +114,9 @@ pub mod tune;
 pub use cudarc;
 
 pub use arch::{Arch, ArchVariant};
-pub use decode::{default_splits, CacheView, DecodeKernel, DecodeScratch, GpuCache};
+pub use decode::{
+    default_pieces, default_splits, CacheView, DecodeKernel, DecodeScratch, GpuCache, Pieces,
+};
 pub use device::{device_count, driver_version, Device, DeviceProps, DriverVersion};
 pub use disk_cache::{cache_root, CacheKey, CacheStats, DiskCache, Origin};
 pub use error::{CompileFailure, MissingHeader, Result, RuntimeError};

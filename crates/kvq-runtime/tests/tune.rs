@@ -51,6 +51,7 @@ fn entry(p: &TuneProblem, splits: usize) -> TuneEntry {
                 tile_tokens: 64,
             },
             splits,
+            pieces: kvq_runtime::Pieces::NONE,
         },
         tuned_us: 100.0,
         default_us: 110.0,

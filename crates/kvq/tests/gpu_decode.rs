@@ -15,7 +15,7 @@ use kvq::reference::int::IntCache;
 use kvq::reference::{Dequantized, KvTensor};
 use kvq::runtime::testing::require_gpu;
 use kvq::runtime::tune::synth::{round_to_word, word_to_f32};
-use kvq::runtime::{DecodeKernel, DecodeScratch, GpuCache, Jit};
+use kvq::runtime::{DecodeKernel, DecodeScratch, GpuCache, Jit, Pieces};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StudentT};
@@ -169,13 +169,49 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                     let heuristic = kernel
                         .default_splits(LENGTHS.len(), KV_HEADS, gpu.max_len(), sm)
                         .expect("occupancy");
-                    for splits in [heuristic, 1, 7, 67] {
+                    // Pieces after the splits (kernels that do not run them must still take the
+                    // launch): a quarter of the work in two pieces per split, most of it in five
+                    // pieces after three splits, all but a thousandth in one piece after one split.
+                    let cases = [
+                        (heuristic, kernel.default_pieces(gpu.max_len(), heuristic)),
+                        (1, Pieces::NONE),
+                        (7, Pieces::NONE),
+                        (67, Pieces::NONE),
+                        (
+                            heuristic,
+                            Pieces {
+                                count: 2 * heuristic,
+                                permille: 250,
+                            },
+                        ),
+                        (
+                            3,
+                            Pieces {
+                                count: 5,
+                                permille: 600,
+                            },
+                        ),
+                        (
+                            1,
+                            Pieces {
+                                count: 1,
+                                permille: 999,
+                            },
+                        ),
+                    ];
+                    for (splits, pieces) in cases {
                         let mut out = stream
                             .clone_htod(&vec![0xFFFFu16; n])
                             .expect("poisoned output");
-                        let mut scratch =
-                            DecodeScratch::new(&stream, LENGTHS.len(), q_heads, d as usize, splits)
-                                .expect("scratch");
+                        let mut scratch = DecodeScratch::with_pieces(
+                            &stream,
+                            LENGTHS.len(),
+                            q_heads,
+                            d as usize,
+                            splits,
+                            pieces,
+                        )
+                        .expect("scratch");
                         kernel
                             .attend(&stream, gpu.view(), &q, &mut out, &mut scratch)
                             .expect("launch");
@@ -195,7 +231,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                             let plain: Vec<u16> = stream.clone_dtoh(&plain_out).expect("download");
                             if plain != got {
                                 failures.push(format!(
-                                    "{name} d{d} {dtype} gqa{gqa} splits {splits}: overlapped and plain launches differ"
+                                    "{name} d{d} {dtype} gqa{gqa} splits {splits} {pieces}: overlapped and plain launches differ"
                                 ));
                             }
                         }
@@ -218,13 +254,13 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                             worst.push((
                                 err,
                                 format!(
-                                    "{name} d{d} {dtype} gqa{gqa} len{} splits{splits}",
+                                    "{name} d{d} {dtype} gqa{gqa} len{} splits{splits} {pieces}",
                                     LENGTHS[b]
                                 ),
                             ));
                             if nan || err.is_nan() || err > tol {
                                 failures.push(format!(
-                                    "{name} d{d} {dtype} gqa{gqa} len {} splits {splits}: rel err {err:.3e} (tol {tol:.0e}){}",
+                                    "{name} d{d} {dtype} gqa{gqa} len {} splits {splits} {pieces}: rel err {err:.3e} (tol {tol:.0e}){}",
                                     LENGTHS[b],
                                     if nan { ", non-finite output" } else { "" }
                                 ));

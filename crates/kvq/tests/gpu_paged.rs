@@ -266,8 +266,10 @@ fn gpu_paged_cache_matches_the_reference_for_every_integer_scheme() {
                     device.props().sm_count as usize,
                 )
                 .expect("occupancy");
+            let pieces = kernel.default_pieces(cache.max_len(), splits);
             let mut scratch =
-                DecodeScratch::new(&stream_, PROMPTS.len(), q_heads, d, splits).expect("scratch");
+                DecodeScratch::with_pieces(&stream_, PROMPTS.len(), q_heads, d, splits, pieces)
+                    .expect("scratch");
             cache
                 .attend(&kernel, &q, &mut out, &mut scratch)
                 .expect("attend");

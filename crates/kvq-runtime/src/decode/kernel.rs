@@ -7,6 +7,7 @@ use kvq_codegen::{decode_kernels, DecodeKernels, KernelShape, TuneParams};
 use kvq_spec::SchemeSpec;
 
 use super::cache::CacheView;
+use super::splits::Pieces;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
 use crate::launch::{driver_has_launch_ex, Args};
@@ -33,10 +34,11 @@ fn overlap_by_default() -> bool {
     std::env::var("KVQ_PDL").map_or(true, |v| v != "off")
 }
 
-/// Per-launch scratch (split partials, calibration ranges), reusable across steps of the same
-/// batch size, KV heads and split count.
+/// Per-launch scratch (split and piece partials, calibration ranges), reusable across steps of
+/// the same batch size, KV heads, split count and pieces.
 pub struct DecodeScratch {
     splits: usize,
+    pieces: Pieces,
     rows: usize,
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
@@ -48,7 +50,8 @@ fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeErro
 }
 
 impl DecodeScratch {
-    /// Scratch for `batch` sequences of `q_heads` query heads of `head_dim`, split `splits` ways.
+    /// Scratch for `batch` sequences of `q_heads` query heads of `head_dim`, split `splits` ways,
+    /// with no pieces handed out at run time.
     /// Filled with NaN, so a partial result the kernel forgot to write cannot pass a check.
     pub fn new(
         stream: &Arc<CudaStream>,
@@ -57,7 +60,26 @@ impl DecodeScratch {
         head_dim: usize,
         splits: usize,
     ) -> Result<DecodeScratch> {
+        Self::with_pieces(stream, batch, q_heads, head_dim, splits, Pieces::NONE)
+    }
+
+    /// As [`new`](Self::new), for launches that also run `pieces`.
+    pub fn with_pieces(
+        stream: &Arc<CudaStream>,
+        batch: usize,
+        q_heads: usize,
+        head_dim: usize,
+        splits: usize,
+        pieces: Pieces,
+    ) -> Result<DecodeScratch> {
+        if splits == 0 {
+            return Err(RuntimeError::InvalidInput(
+                "0 splits (expected at least 1)".into(),
+            ));
+        }
+        pieces.check(splits).map_err(RuntimeError::InvalidInput)?;
         let rows = batch * q_heads;
+        let parts = splits + pieces.count;
         let nan = |n: usize, what: &str| {
             stream
                 .clone_htod(&vec![f32::NAN; n.max(1)])
@@ -65,9 +87,10 @@ impl DecodeScratch {
         };
         Ok(DecodeScratch {
             splits,
+            pieces,
             rows,
-            part_acc: nan(rows * splits * head_dim, "split partial outputs")?,
-            part_ml: nan(rows * splits * 2, "split softmax statistics")?,
+            part_acc: nan(rows * parts * head_dim, "partial outputs")?,
+            part_ml: nan(rows * parts * 2, "partial softmax statistics")?,
             score_range: nan(rows * splits * 2, "calibration score ranges")?,
         })
     }
@@ -75,6 +98,11 @@ impl DecodeScratch {
     /// Split-K partitions this scratch was sized for.
     pub fn splits(&self) -> usize {
         self.splits
+    }
+
+    /// The pieces this scratch was sized for.
+    pub fn pieces(&self) -> Pieces {
+        self.pieces
     }
 }
 
@@ -184,6 +212,23 @@ impl DecodeKernel {
         ))
     }
 
+    /// Whether the decode kernel runs pieces after its splits (see [`Pieces`]); a kernel that
+    /// does not still takes launches with pieces and does all the work in its splits.
+    pub fn runs_pieces(&self) -> bool {
+        self.generated.runs_pieces
+    }
+
+    /// The heuristic pieces for a launch of `splits` splits over sequences of at most `max_len`
+    /// tokens ([`default_pieces`](super::default_pieces)).
+    pub fn default_pieces(&self, max_len: usize, splits: usize) -> Pieces {
+        super::default_pieces(
+            self.runs_pieces(),
+            max_len,
+            splits,
+            self.generated.tune.warps(),
+        )
+    }
+
     /// Enqueues decode attention for every sequence of `cache` on `stream` (no host
     /// synchronisation): `q` is `[batch][kv_heads·gqa][head_dim]`, `out` the same shape, both in the
     /// kernel's dtype (16-bit words).
@@ -233,7 +278,13 @@ impl DecodeKernel {
             block_dim: (self.generated.decode.block, 1, 1),
             shared_mem_bytes: 0,
         };
+        // The pieces' CTAs follow the splits' (kvq_cta_part in the template).
         let decode_cfg = LaunchConfig {
+            grid_dim: (
+                splits + scratch.pieces.count as u32,
+                cache.kv_heads as u32,
+                cache.batch as u32,
+            ),
             shared_mem_bytes: self.generated.decode.dynamic_shared_bytes,
             ..split_cfg
         };
@@ -272,7 +323,9 @@ impl DecodeKernel {
             .buffer(cache.seq_lens)
             .buffer(&scratch.score_range)
             .buffer_mut(&mut scratch.part_acc)
-            .buffer_mut(&mut scratch.part_ml);
+            .buffer_mut(&mut scratch.part_ml)
+            .int(scratch.pieces.count as i32)
+            .int(scratch.pieces.permille as i32);
         // SAFETY: as above. Overlapping only the range grid: the decode kernel waits for it
         // (`kvq_calibration_after_range_grid`) before reading the ranges.
         unsafe { args.launch(&self.decode, decode_cfg, overlap && self.range.is_some()) }
@@ -286,7 +339,7 @@ impl DecodeKernel {
         args.buffer(&scratch.part_acc)
             .buffer(&scratch.part_ml)
             .buffer_mut(out)
-            .int(splits as i32);
+            .int((scratch.splits + scratch.pieces.count) as i32);
         // SAFETY: as above; the combine kernel waits for the decode grid
         // (`kvq_wait_for_previous_grid`) before its first read of the partials.
         unsafe { args.launch(&self.combine, combine_cfg, overlap) }

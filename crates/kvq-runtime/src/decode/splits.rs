@@ -1,5 +1,7 @@
-//! How many split-K partitions a decode launch uses.
+//! How a decode launch divides each sequence's work: split-K partitions fixed at launch, and
+//! pieces handed out at run time.
 
+use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 
 /// Splits per (sequence, KV head) for a grid that fills whole waves of the GPU.
@@ -34,6 +36,124 @@ pub fn default_splits(
         .unwrap_or(1)
 }
 
+/// Small pieces of each sequence's work, in CTAs launched after all the splits' CTAs. The
+/// splits' warps take fixed shares of `1000 − permille` thousandths of each (sequence, KV head)'s
+/// cost; the rest is cut into `count` piece CTAs per (sequence, KV head). The GPU starts CTAs in
+/// launch order as earlier ones end, so the pieces go to the SMs that finish their splits first:
+/// some SMs run 15–30% faster than others whatever they hold (docs/BENCHMARKS.md, twelfth round),
+/// and a division fixed at launch waits for the slowest. Which SM runs a piece does not change the
+/// result: each piece has its own partial, merged in a fixed order.
+///
+/// `count = 0` (the [`Default`]) cuts no pieces: every token is in a split.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Pieces {
+    /// Piece CTAs per (sequence, KV head).
+    pub count: usize,
+    /// Thousandths of each (sequence, KV head)'s cost they cover (1..=999 when `count > 0`).
+    pub permille: u32,
+}
+
+impl Pieces {
+    /// No pieces.
+    pub const NONE: Pieces = Pieces {
+        count: 0,
+        permille: 0,
+    };
+
+    /// Whether the launch has any pieces.
+    pub fn is_some(&self) -> bool {
+        self.count > 0
+    }
+
+    /// Checks `permille` (1..=999 when there are pieces) and that the grid stays within the
+    /// driver's limit with `splits` splits.
+    pub fn check(&self, splits: usize) -> Result<(), String> {
+        if self.is_some() && !(1..1000).contains(&self.permille) {
+            return Err(format!(
+                "pieces covering {}‰ of the work (expected 1..=999)",
+                self.permille
+            ));
+        }
+        if splits.saturating_add(self.count) > MAX_GRID_X {
+            return Err(format!(
+                "{splits} splits + {} pieces (at most {MAX_GRID_X} CTAs per (sequence, KV head))",
+                self.count
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The most CTAs of one (sequence, KV head): splits and pieces share the grid's x dimension.
+const MAX_GRID_X: usize = i32::MAX as usize;
+
+impl std::fmt::Display for Pieces {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.is_some() {
+            write!(f, "{} pieces of {}‰", self.count, self.permille)
+        } else {
+            write!(f, "no pieces")
+        }
+    }
+}
+
+/// Tokens of a split warp's share from which pieces pay (the context bucket over the split grid's
+/// warps). Measured with INT8 on an H100 (docs/BENCHMARKS.md, thirteenth round): at 4096 tokens
+/// per warp and more (B=16 L=32K and 128K, B=4 L=128K), two pieces per split covering a tenth of
+/// the cost ran ×1.02–×1.03; at 512–1024 (B=1, B=4 L=32K, L=4K) every piece setting tried ran
+/// ×0.7–×1.0, the pieces' own start-up costing more than the balance gains.
+pub const PIECES_MIN_WARP_TOKENS: usize = 4096;
+
+/// The pieces a launch of `splits` splits of `warps_per_cta` warps uses by default, for a kernel
+/// that runs pieces ([`DecodeKernel::runs_pieces`](super::DecodeKernel::runs_pieces)): two per
+/// split over the last tenth of the cost, where a split warp's share of the context bucket
+/// (`max_len` rounded up to a power of two, as for the split count) reaches
+/// [`PIECES_MIN_WARP_TOKENS`]; none elsewhere. Like the split count it depends only on the batch
+/// shape and the bucket, so a captured CUDA graph stays valid while sequences grow.
+///
+/// `KVQ_PIECES=off` turns them off; `KVQ_PIECES=PER_SPLIT,PERMILLE` (for measuring) cuts
+/// `PERMILLE` thousandths of the cost into `PER_SPLIT × splits` pieces wherever the kernel runs
+/// them.
+pub fn default_pieces(
+    runs_pieces: bool,
+    max_len: usize,
+    splits: usize,
+    warps_per_cta: usize,
+) -> Pieces {
+    if !runs_pieces {
+        return Pieces::NONE;
+    }
+    match std::env::var("KVQ_PIECES").as_deref() {
+        Ok("off") => return Pieces::NONE,
+        Ok(v) => {
+            if let Some(p) = parse_pieces(v, splits) {
+                return p;
+            }
+        }
+        Err(_) => {}
+    }
+    let bucket = max_len.max(1).next_power_of_two();
+    if bucket / (splits.max(1) * warps_per_cta.max(1)) >= PIECES_MIN_WARP_TOKENS {
+        Pieces {
+            count: 2 * splits.max(1),
+            permille: 100,
+        }
+    } else {
+        Pieces::NONE
+    }
+}
+
+/// `PER_SPLIT,PERMILLE` as pieces of a launch of `splits` splits.
+fn parse_pieces(text: &str, splits: usize) -> Option<Pieces> {
+    let (a, b) = text.split_once(',')?;
+    let per_split: usize = a.trim().parse().ok()?;
+    let permille: u32 = b.trim().parse().ok()?;
+    (per_split > 0 && (1..1000).contains(&permille)).then_some(Pieces {
+        count: per_split * splits.max(1),
+        permille,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -60,6 +180,82 @@ mod tests {
             default_splits(2, 8, 8000, 396, 4)
         );
         assert_eq!(default_splits(0, 0, 0, 0, 0), 1);
+    }
+
+    #[test]
+    fn pieces_only_where_a_warp_share_is_long() {
+        // INT8 on an H100: 128-thread CTAs; B=16 L=32K takes 2 splits, B=1 L=32K 33.
+        let p = default_pieces(true, 32768, 2, 4);
+        assert_eq!(
+            p,
+            Pieces {
+                count: 4,
+                permille: 100
+            }
+        );
+        assert!(p.is_some());
+        assert_eq!(default_pieces(true, 20_000, 2, 4), p); // same bucket
+        assert_eq!(default_pieces(true, 32768, 33, 4), Pieces::NONE);
+        assert_eq!(default_pieces(true, 4096, 2, 4), Pieces::NONE);
+        assert_eq!(default_pieces(false, 32768, 2, 4), Pieces::NONE);
+        assert_eq!(default_pieces(true, 0, 0, 0), Pieces::NONE);
+    }
+
+    #[test]
+    fn pieces_check_their_share_and_the_grid() {
+        assert!(Pieces::NONE.check(1).is_ok());
+        assert!(Pieces {
+            count: 0,
+            permille: 5000
+        }
+        .check(1)
+        .is_ok()); // ignored without pieces
+        assert!(Pieces {
+            count: 4,
+            permille: 100
+        }
+        .check(2)
+        .is_ok());
+        for permille in [0, 1000, 5000] {
+            let err = Pieces { count: 4, permille }.check(2).unwrap_err();
+            assert!(err.contains("1..=999"), "{err}");
+        }
+        assert!(Pieces {
+            count: usize::MAX,
+            permille: 100
+        }
+        .check(2)
+        .is_err());
+    }
+
+    #[test]
+    fn piece_overrides_parse_or_are_ignored() {
+        assert_eq!(
+            parse_pieces("3,150", 2),
+            Some(Pieces {
+                count: 6,
+                permille: 150
+            })
+        );
+        assert_eq!(
+            parse_pieces(" 1 , 999 ", 4),
+            Some(Pieces {
+                count: 4,
+                permille: 999
+            })
+        );
+        for bad in ["", "3", "0,100", "2,0", "2,1000", "a,b", "-1,100"] {
+            assert_eq!(parse_pieces(bad, 2), None, "{bad:?}");
+        }
+        assert_eq!(Pieces::NONE.to_string(), "no pieces");
+        assert_eq!(
+            Pieces {
+                count: 4,
+                permille: 100
+            }
+            .to_string(),
+            "4 pieces of 100‰"
+        );
     }
 
     #[test]

@@ -1,12 +1,12 @@
 //! A launch configuration ([`TuneChoice`]: kernel block parameters plus the split-K count), the
 //! heuristic default, and the candidates the tuner searches.
 
-use kvq_codegen::TuneParams;
+use kvq_codegen::{decode_runs_pieces, TuneParams};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
 use super::key::TuneProblem;
-use crate::decode::default_splits;
+use crate::decode::{default_pieces, default_splits, Pieces};
 use crate::error::{Result, RuntimeError};
 
 /// Most split-K partitions any configuration may use (the scratch grows with it).
@@ -21,23 +21,29 @@ pub struct TuneChoice {
     pub params: TuneParams,
     /// Split-K partitions per (sequence, KV head).
     pub splits: usize,
+    /// Work handed out at run time (none in results stored before kvq had pieces).
+    #[serde(default)]
+    pub pieces: Pieces,
 }
 
 impl TuneChoice {
-    /// The untuned default: the codegen heuristic for the block and [`default_splits`] for the
+    /// The untuned default: the codegen heuristic for the block, [`default_splits`] for the
     /// grid, which fills whole waves of `resident_ctas` (from
-    /// [`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas) of the default block).
+    /// [`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas) of the default block),
+    /// and [`default_pieces`] for the pieces after the splits.
     pub fn heuristic(problem: &TuneProblem, resident_ctas: usize) -> TuneChoice {
         let params = TuneParams::default_for(&problem.spec, &problem.shape);
+        let splits = default_splits(
+            problem.batch,
+            problem.kv_heads,
+            problem.max_len,
+            resident_ctas,
+            params.warps(),
+        );
         TuneChoice {
             params,
-            splits: default_splits(
-                problem.batch,
-                problem.kv_heads,
-                problem.max_len,
-                resident_ctas,
-                params.warps(),
-            ),
+            splits,
+            pieces: rule_pieces(problem, &params, splits),
         }
     }
 
@@ -51,7 +57,9 @@ impl TuneChoice {
                 self.splits
             )));
         }
-        Ok(())
+        self.pieces
+            .check(self.splits)
+            .map_err(RuntimeError::InvalidInput)
     }
 }
 
@@ -61,8 +69,22 @@ impl fmt::Display for TuneChoice {
             f,
             "threads {} tile {} splits {}",
             self.params.threads, self.params.tile_tokens, self.splits
-        )
+        )?;
+        if self.pieces.is_some() {
+            write!(f, " {}", self.pieces)?;
+        }
+        Ok(())
     }
+}
+
+/// The pieces [`default_pieces`] gives a launch of `splits` splits of the kernel `params` renders.
+fn rule_pieces(problem: &TuneProblem, params: &TuneParams, splits: usize) -> Pieces {
+    default_pieces(
+        decode_runs_pieces(&problem.spec, &problem.shape, params),
+        problem.max_len,
+        splits,
+        params.warps(),
+    )
 }
 
 /// Split counts to try around the heuristic `default`: ½, ¾, 1, 1½, 2, 3 and 4 times it, within
@@ -91,14 +113,19 @@ pub fn split_candidates(default: usize, max: usize) -> Vec<usize> {
 
 /// Every configuration the tuner times for `problem`: each block-parameter combination the
 /// templates declare × [`split_candidates`] around the heuristic split count (never more splits
-/// than the longest sequence has tiles). The heuristic default comes first.
+/// than the longest sequence has tiles), each with the pieces [`default_pieces`] gives it. The
+/// heuristic default comes first.
 pub fn candidates(problem: &TuneProblem, resident_ctas: usize) -> Vec<TuneChoice> {
     let default = TuneChoice::heuristic(problem, resident_ctas);
     let mut out = vec![default];
     for params in TuneParams::candidates() {
         let tiles = problem.max_len.div_ceil(params.tile_tokens.max(1) as usize);
         for splits in split_candidates(default.splits, tiles.max(default.splits)) {
-            let c = TuneChoice { params, splits };
+            let c = TuneChoice {
+                params,
+                splits,
+                pieces: rule_pieces(problem, &params, splits),
+            };
             if c != default {
                 out.push(c);
             }
@@ -120,6 +147,70 @@ mod tests {
             batch,
             max_len,
         )
+    }
+
+    #[test]
+    fn choices_stored_before_pieces_read_as_none() {
+        let old = r#"{ "threads": 64, "tile_tokens": 64, "splits": 6 }"#;
+        let c: TuneChoice = serde_json::from_str(old).unwrap();
+        assert_eq!(c.pieces, Pieces::NONE);
+        assert!(c.check().is_ok());
+        let with = TuneChoice {
+            pieces: Pieces {
+                count: 4,
+                permille: 100,
+            },
+            ..c
+        };
+        let back: TuneChoice =
+            serde_json::from_str(&serde_json::to_string(&with).unwrap()).unwrap();
+        assert_eq!(back, with);
+        assert_eq!(
+            with.to_string(),
+            "threads 64 tile 64 splits 6 4 pieces of 100‰"
+        );
+        let bad = TuneChoice {
+            pieces: Pieces {
+                count: 4,
+                permille: 0,
+            },
+            ..c
+        };
+        assert!(bad.check().is_err());
+    }
+
+    #[test]
+    fn pieces_follow_the_rule_for_each_candidate() {
+        // INT8 at B=16 L=32K: the default (128 threads, 2 splits) has 4096 tokens a warp.
+        let int8 = TuneProblem::new(
+            "k = int(8, channel, symmetric), v = int(8, channel, symmetric)"
+                .parse()
+                .unwrap(),
+            KernelShape::new(128, 4, Dtype::F16),
+            8,
+            16,
+            32768,
+        );
+        if std::env::var_os("KVQ_PIECES").is_some() {
+            return; // the override decides instead
+        }
+        let all = candidates(&int8, 264);
+        assert_eq!(all[0].splits, 2);
+        assert_eq!(
+            all[0].pieces,
+            Pieces {
+                count: 4,
+                permille: 100
+            }
+        );
+        for c in &all {
+            let per_warp = 32768 / (c.splits * c.params.warps());
+            assert_eq!(c.pieces.is_some(), per_warp >= 4096, "{c}");
+        }
+        // Schemes whose kernels run no pieces never get any.
+        assert!(candidates(&problem(16, 32768), 396)
+            .iter()
+            .all(|c| !c.pieces.is_some()));
     }
 
     #[test]

@@ -317,6 +317,7 @@ mod tests {
                     tile_tokens: 64,
                 },
                 splits,
+                pieces: crate::decode::Pieces::NONE,
             },
             tuned_us: 90.5,
             default_us: 100.25,

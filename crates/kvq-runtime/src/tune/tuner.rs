@@ -17,7 +17,7 @@ use super::rotate::{batch_device_bytes, plan_copies, RotatingBatch};
 use super::store::{unix_now, TuneEntry, TuneStore};
 use super::synth::{random_kv, random_queries};
 use super::timer::QueuedTimer;
-use crate::decode::{DecodeKernel, DecodeScratch};
+use crate::decode::{DecodeKernel, DecodeScratch, Pieces};
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
 
@@ -451,7 +451,7 @@ impl<'a> Session<'a> {
         let copies = plan_copies(per_copy, props.l2_bytes, budget)?;
         let mut batch = RotatingBatch::upload(&stream, sequences, &q_bits, copies)?;
         let timer = QueuedTimer::new(self.jit)?;
-        let mut scratches: HashMap<usize, DecodeScratch> = HashMap::new();
+        let mut scratches: HashMap<(usize, Pieces), DecodeScratch> = HashMap::new();
 
         // 3. First pass: every candidate, default first, with run counts fitted to 60% of the
         // time budget; the CPU reference (seconds at long contexts) is computed meanwhile.
@@ -477,8 +477,8 @@ impl<'a> Session<'a> {
                     Some(Ok(k)) => k,
                     _ => continue,
                 };
-                let splits = entry.result.choice.splits;
-                let scratch = scratch_for(&mut scratches, &stream, p, q_heads, d, splits)?;
+                let choice = entry.result.choice;
+                let scratch = scratch_for(&mut scratches, &stream, p, q_heads, d, &choice)?;
                 let timed = timer.time(&stream, warmup, runs, |s| {
                     batch.attend_next(s, kernel, scratch)
                 });
@@ -532,7 +532,7 @@ impl<'a> Session<'a> {
             let Some(Ok(kernel)) = kernels.get(&choice.params) else {
                 continue;
             };
-            let scratch = scratch_for(&mut scratches, &stream, p, q_heads, d, choice.splits)?;
+            let scratch = scratch_for(&mut scratches, &stream, p, q_heads, d, &choice)?;
             self.progress.advance(1);
             let out = match batch.run_checked(0, &stream, kernel, scratch) {
                 Ok(out) => out,
@@ -583,7 +583,7 @@ impl<'a> Session<'a> {
                 let Some(Ok(kernel)) = kernels.get(&choice.params) else {
                     continue;
                 };
-                let scratch = scratch_for(&mut scratches, &stream, p, q_heads, d, choice.splits)?;
+                let scratch = scratch_for(&mut scratches, &stream, p, q_heads, d, &choice)?;
                 let t = timer.time(&stream, 1, per_round, |s| {
                     batch.attend_next(s, kernel, scratch)
                 })?;
@@ -724,19 +724,24 @@ pub fn select_winner(results: &[CandidateResult], min_gain: f64) -> Option<usize
     }
 }
 
-/// The scratch for `splits` partitions, made on first use.
+/// The scratch for `choice`'s splits and pieces, made on first use.
 fn scratch_for<'s>(
-    scratches: &'s mut HashMap<usize, DecodeScratch>,
+    scratches: &'s mut HashMap<(usize, Pieces), DecodeScratch>,
     stream: &std::sync::Arc<cudarc::driver::CudaStream>,
     p: &TuneProblem,
     q_heads: usize,
     head_dim: usize,
-    splits: usize,
+    choice: &TuneChoice,
 ) -> Result<&'s mut DecodeScratch> {
-    match scratches.entry(splits) {
+    match scratches.entry((choice.splits, choice.pieces)) {
         std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
-        std::collections::hash_map::Entry::Vacant(e) => Ok(e.insert(DecodeScratch::new(
-            stream, p.batch, q_heads, head_dim, splits,
+        std::collections::hash_map::Entry::Vacant(e) => Ok(e.insert(DecodeScratch::with_pieces(
+            stream,
+            p.batch,
+            q_heads,
+            head_dim,
+            choice.splits,
+            choice.pieces,
         )?)),
     }
 }
@@ -769,6 +774,7 @@ mod tests {
                     tile_tokens: 32,
                 },
                 splits,
+                pieces: crate::decode::Pieces::NONE,
             },
             coarse_us: fine,
             fine_us: fine,
