@@ -51,7 +51,7 @@ fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeErro
 
 impl DecodeScratch {
     /// Scratch for `batch` sequences of `q_heads` query heads of `head_dim`, split `splits` ways,
-    /// with no pieces handed out at run time.
+    /// with no pieces.
     /// Filled with NaN, so a partial result the kernel forgot to write cannot pass a check.
     pub fn new(
         stream: &Arc<CudaStream>,

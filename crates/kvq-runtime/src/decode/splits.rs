@@ -1,5 +1,5 @@
-//! How a decode launch divides each sequence's work: split-K partitions fixed at launch, and
-//! pieces handed out at run time.
+//! How a decode launch divides each sequence's work: split-K partitions, and pieces launched after
+//! them for the SMs that finish first.
 
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
@@ -113,7 +113,7 @@ pub const PIECES_MIN_WARP_TOKENS: usize = 4096;
 ///
 /// `KVQ_PIECES=off` turns them off; `KVQ_PIECES=PER_SPLIT,PERMILLE` (for measuring) cuts
 /// `PERMILLE` thousandths of the cost into `PER_SPLIT × splits` pieces wherever the kernel runs
-/// them.
+/// them; other values leave the rule in force.
 pub fn default_pieces(
     runs_pieces: bool,
     max_len: usize,

@@ -21,7 +21,7 @@ pub struct TuneChoice {
     pub params: TuneParams,
     /// Split-K partitions per (sequence, KV head).
     pub splits: usize,
-    /// Work handed out at run time (none in results stored before kvq had pieces).
+    /// Pieces launched after the splits (none in results stored before kvq had pieces).
     #[serde(default)]
     pub pieces: Pieces,
 }
