@@ -197,6 +197,8 @@ struct TuneInfo {
     tune_file: Option<String>,
     /// Split-K count when no tuned entry covers the launch (`sm_count` of the GPU).
     default_splits: String,
+    /// `num_pieces` and `piece_permille` when no tuned entry covers the launch.
+    default_pieces: String,
     tuned: Vec<TunedInfo>,
 }
 
@@ -1004,6 +1006,15 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                 ctas), 1, most); the s in lo..=min(2·lo, most) maximising ctas·s / (ceil(ctas·s / \
                 slots)·slots), ties to the smaller"
                 .into(),
+            default_pieces: if decode.runs_pieces {
+                format!(
+                    "warps = block / 32; if bucket / (num_splits·warps) ≥ {} then num_pieces = \
+                     2·num_splits and piece_permille = 100, else num_pieces = 0",
+                    kvq::runtime::decode::PIECES_MIN_WARP_TOKENS
+                )
+            } else {
+                "num_pieces = 0 (this decode kernel runs no pieces)".into()
+            },
             tuned: tuned
                 .iter()
                 .map(|e| TunedInfo {

@@ -272,6 +272,18 @@ fn check_pieces(m: &Value, dir: &Path) {
     let runs = decode["runs_pieces"]
         .as_bool()
         .expect("decode has runs_pieces");
+    // The default pieces an engine reproduces: the rule where the kernel runs pieces, none else.
+    let default_pieces = m["tune"]["default_pieces"].as_str().unwrap();
+    assert_eq!(
+        default_pieces.contains("≥ 4096 then num_pieces = 2·num_splits"),
+        runs,
+        "{default_pieces}"
+    );
+    assert_eq!(
+        default_pieces.contains("runs no pieces"),
+        !runs,
+        "{default_pieces}"
+    );
     let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
     assert!(
         header.contains(&format!("_DECODE_RUNS_PIECES {}\n", u8::from(runs))),

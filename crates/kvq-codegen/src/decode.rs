@@ -147,7 +147,7 @@ fn mma_plan(
 }
 
 /// Whether the kernel is generated to run pieces. Measured on an H100 at B=16 L=32K (thirteenth
-/// round, docs/BENCHMARKS.md): INT8 ran ×1.02–×1.03 with pieces, every other scheme slower (kivi2
+/// round, docs/BENCHMARKS.md): INT8 ran ×1.01–×1.03 with pieces, every other scheme slower (kivi2
 /// ×0.89–×0.95, KIVI-4 ×0.93–×0.97, Kitty-Pro ×0.90–×0.98, FP16 ×0.99), and with the piece logic
 /// compiled in but unused KIVI-4 took 8 more registers and ran ×0.96. So only 8-bit schemes,
 /// whose CTAs are memory-bound, get it.

@@ -100,20 +100,16 @@ impl std::fmt::Display for Pieces {
 /// Tokens of a split warp's share from which pieces pay (the context bucket over the split grid's
 /// warps). Measured with INT8 on an H100 (docs/BENCHMARKS.md, thirteenth round): at 4096 tokens
 /// per warp and more (B=16 L=32K and 128K, B=4 L=128K), two pieces per split covering a tenth of
-/// the cost ran ×1.02–×1.03; at 512–1024 (B=1, B=4 L=32K, L=4K) every piece setting tried ran
+/// the cost ran ×1.01–×1.03; at 64–1024 (B=1, B=4 L=32K, L=4K) every piece setting tried ran
 /// ×0.7–×1.0, the pieces' own start-up costing more than the balance gains.
 pub const PIECES_MIN_WARP_TOKENS: usize = 4096;
 
 /// The pieces a launch of `splits` splits of `warps_per_cta` warps uses by default, for a kernel
-/// that runs pieces ([`DecodeKernel::runs_pieces`](super::DecodeKernel::runs_pieces)): two per
-/// split over the last tenth of the cost, where a split warp's share of the context bucket
-/// (`max_len` rounded up to a power of two, as for the split count) reaches
-/// [`PIECES_MIN_WARP_TOKENS`]; none elsewhere. Like the split count it depends only on the batch
-/// shape and the bucket, so a captured CUDA graph stays valid while sequences grow.
-///
-/// `KVQ_PIECES=off` turns them off; `KVQ_PIECES=PER_SPLIT,PERMILLE` (for measuring) cuts
-/// `PERMILLE` thousandths of the cost into `PER_SPLIT × splits` pieces wherever the kernel runs
-/// them; other values leave the rule in force.
+/// that runs pieces ([`DecodeKernel::runs_pieces`](super::DecodeKernel::runs_pieces)):
+/// [`pieces_rule`], unless `KVQ_PIECES` says otherwise. `KVQ_PIECES=off` turns them off;
+/// `KVQ_PIECES=PER_SPLIT,PERMILLE` (for measuring) cuts `PERMILLE` thousandths of the cost into
+/// `PER_SPLIT × splits` pieces wherever the kernel runs them; other values leave the rule in
+/// force.
 pub fn default_pieces(
     runs_pieces: bool,
     max_len: usize,
@@ -124,14 +120,19 @@ pub fn default_pieces(
         return Pieces::NONE;
     }
     match std::env::var("KVQ_PIECES").as_deref() {
-        Ok("off") => return Pieces::NONE,
+        Ok("off") => Pieces::NONE,
         Ok(v) => {
-            if let Some(p) = parse_pieces(v, splits) {
-                return p;
-            }
+            parse_pieces(v, splits).unwrap_or_else(|| pieces_rule(max_len, splits, warps_per_cta))
         }
-        Err(_) => {}
+        Err(_) => pieces_rule(max_len, splits, warps_per_cta),
     }
+}
+
+/// Two pieces per split over the last tenth of the cost where a split warp's share of the context
+/// bucket (`max_len` rounded up to a power of two, as for the split count) reaches
+/// [`PIECES_MIN_WARP_TOKENS`]; none elsewhere. Like the split count it depends only on the batch
+/// shape and the bucket, so a captured CUDA graph stays valid while sequences grow.
+pub fn pieces_rule(max_len: usize, splits: usize, warps_per_cta: usize) -> Pieces {
     let bucket = max_len.max(1).next_power_of_two();
     if bucket / (splits.max(1) * warps_per_cta.max(1)) >= PIECES_MIN_WARP_TOKENS {
         Pieces {
@@ -185,7 +186,7 @@ mod tests {
     #[test]
     fn pieces_only_where_a_warp_share_is_long() {
         // INT8 on an H100: 128-thread CTAs; B=16 L=32K takes 2 splits, B=1 L=32K 33.
-        let p = default_pieces(true, 32768, 2, 4);
+        let p = pieces_rule(32768, 2, 4);
         assert_eq!(
             p,
             Pieces {
@@ -194,11 +195,12 @@ mod tests {
             }
         );
         assert!(p.is_some());
-        assert_eq!(default_pieces(true, 20_000, 2, 4), p); // same bucket
-        assert_eq!(default_pieces(true, 32768, 33, 4), Pieces::NONE);
-        assert_eq!(default_pieces(true, 4096, 2, 4), Pieces::NONE);
+        assert_eq!(pieces_rule(20_000, 2, 4), p); // same bucket
+        assert_eq!(pieces_rule(32768, 33, 4), Pieces::NONE);
+        assert_eq!(pieces_rule(4096, 2, 4), Pieces::NONE);
+        assert_eq!(pieces_rule(0, 0, 0), Pieces::NONE);
+        // Kernels that run no pieces get none, whatever the rule or KVQ_PIECES say.
         assert_eq!(default_pieces(false, 32768, 2, 4), Pieces::NONE);
-        assert_eq!(default_pieces(true, 0, 0, 0), Pieces::NONE);
     }
 
     #[test]
