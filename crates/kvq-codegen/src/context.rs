@@ -240,6 +240,11 @@ pub(crate) struct MmaCtx {
     /// round), and so do calibrated schemes, whose calibration can magnify score errors (seventh
     /// round).
     pub k_int: bool,
+    /// CalibQuant's score-range pass meets 1- and 2-bit keys on the integer tensor cores even
+    /// though its decode kernel keeps the f16 path: the range only sets the calibration's two
+    /// constants, so an integer score's rounding moves them by about one score's error instead of
+    /// entering every softmax weight (see `range_int_pays` in decode.rs).
+    pub range_int: bool,
     /// Token-axis V with one group per token: its scale folds into the probabilities.
     pub v_token_fold: bool,
     /// The per-warp `cp.async` ring that quantized-page chunks load through (see [`StagePlan`]).

@@ -139,11 +139,22 @@ fn mma_plan(
         // query's rounding (16 bits of max|q⊙s|) put CalibQuant-1 at head_dim 256 past the
         // tolerance on one seed (2.26e-3 against 2e-3), which passes on the f16 path.
         k_int: k.kind == "int" && k.bits <= 2 && !calibrated,
+        range_int: calibrated && range_int_pays(k),
         v_quant: v.kind == "int",
         v_token_fold,
         merge_bytes: merge_bytes(tune, d),
         pieces: enabled && pieces_pay(k, v),
     }
+}
+
+/// Whether CalibQuant's range pass takes the integer path for keys ([`MmaCtx::range_int`]): keys
+/// of at most 2 bits, as for uncalibrated schemes, and no boost (the range pass's integer fold has
+/// no high plane). Measured on an H100 (fourteenth round, docs/BENCHMARKS.md): CalibQuant-1
+/// ×1.020–×1.033, CalibQuant-2 ×1.026–×1.058 over B ∈ {1, 4, 16} × L ∈ {4K, 32K, 128K}, with
+/// every `gpu_decode` output within its dtype's tolerance and the largest errors as in earlier
+/// rounds on the f16 path (CalibQuant-1 1.8e-3, CalibQuant-2 1.9e-3; before, 1.8e-3–2.1e-3).
+fn range_int_pays(k: &TensorCtx) -> bool {
+    k.kind == "int" && k.bits <= 2 && !k.boost
 }
 
 /// Whether the kernel is generated to run pieces. Measured on an H100 at B=16 L=32K (thirteenth
