@@ -8,9 +8,14 @@
 
 use kvq::reference::int::{IntCache, TensorStore};
 
+/// Bytes of one tensor's page blocks (codes and their parameters, or FP16 pages).
+fn page_block_bytes(store: &TensorStore) -> u64 {
+    (store.pages() * store.kv_heads() * store.block_bytes()) as u64
+}
+
 /// Bytes of one tensor (K or V) of one sequence the kernel must read.
 pub fn tensor_bytes(store: &TensorStore) -> u64 {
-    let blocks = (store.pages() * store.kv_heads() * store.block_bytes()) as u64;
+    let blocks = page_block_bytes(store);
     let fp16_tokens = store
         .regions()
         .map_or(0, |r| r.sink().len() + r.tail().len());
@@ -31,6 +36,19 @@ pub fn decode_bytes(sequences: &[&IntCache], q_heads: usize) -> u64 {
         .map(|s| (q_heads * s.k().head_dim()) as u64)
         .sum();
     sequences.iter().map(|s| sequence_bytes(s)).sum::<u64>() + 2 * 2 * rows
+}
+
+/// Bytes a step reads on top of [`decode_bytes`] because of how the scheme is defined:
+/// CalibQuant's calibration needs every quantized key's score before the softmax, so its range
+/// pass reads K's page blocks once more (the FP16 sink and tail are not calibrated). They are
+/// not credited as effective bandwidth; they bound it: at the copy bandwidth a step reaches at
+/// most `decode / (decode + reread)` of it.
+pub fn reread_bytes(sequences: &[&IntCache]) -> u64 {
+    sequences
+        .iter()
+        .filter(|s| s.spec().calibrate.is_some())
+        .map(|s| page_block_bytes(s.k()))
+        .sum()
 }
 
 #[cfg(test)]
@@ -55,6 +73,21 @@ mod tests {
             decode_bytes(&[&c, &c], q_heads),
             2 * sequence_bytes(&c) + 2 * 2 * 2 * (8 * 64) as u64
         );
+    }
+
+    #[test]
+    fn only_calibrated_schemes_read_k_twice() {
+        let calibrated = cache("calibquant1", 5000);
+        let k_blocks = page_block_bytes(calibrated.k());
+        assert!(k_blocks > 0);
+        assert_eq!(reread_bytes(&[&calibrated, &calibrated]), 2 * k_blocks);
+        // K's blocks are a large share of what a 1-bit K and V step reads, and less than half
+        // (V's blocks are as large, and the FP16 sink and tail come on top).
+        let share = k_blocks as f64 / sequence_bytes(&calibrated) as f64;
+        assert!((0.25..0.5).contains(&share), "{share}");
+        for name in ["fp16", "kivi2", "kitty", "int8"] {
+            assert_eq!(reread_bytes(&[&cache(name, 5000)]), 0, "{name}");
+        }
     }
 
     #[test]

@@ -41,6 +41,10 @@ pub struct Row {
     pub min_us: f64,
     /// Bytes the step must move (see `bytes`).
     pub bytes: u64,
+    /// Bytes the scheme's definition makes it read a second time (CalibQuant's range pass
+    /// re-reads K; see `bytes::reread_bytes`), not counted in `bytes`.
+    #[serde(default)]
+    pub reread_bytes: u64,
     /// `bytes / median`, GB/s.
     pub gbps: f64,
     /// `gbps` over the copy bandwidth of this run, %.
@@ -53,6 +57,14 @@ pub struct Row {
     pub copies: usize,
     /// With `--tune`.
     pub tuned: Option<TunedResult>,
+}
+
+impl Row {
+    /// The most "% of copy" this step can show when every byte it reads moves at the copy
+    /// bandwidth: 100 unless it reads bytes twice.
+    pub fn ceiling_pct_of_copy(&self) -> f64 {
+        100.0 * self.bytes as f64 / (self.bytes + self.reread_bytes) as f64
+    }
 }
 
 /// A shape that was not measured, and why.
@@ -167,6 +179,22 @@ impl BenchResults {
             }
             s.push('\n');
         }
+        let rereads: Vec<&Row> = self.rows.iter().filter(|r| r.reread_bytes > 0).collect();
+        if !rereads.is_empty() {
+            s.push_str("\nRead twice (not counted as effective bytes):\n");
+            for r in rereads {
+                s.push_str(&format!(
+                    "- {} B={} L={}: the range pass reads {:.1} MB of K again (+{:.0}%), so at the \
+                     copy bandwidth the step would reach at most {:.1}% of copy\n",
+                    r.scheme,
+                    r.batch,
+                    format_tokens(r.context),
+                    r.reread_bytes as f64 / 1e6,
+                    100.0 * r.reread_bytes as f64 / r.bytes as f64,
+                    r.ceiling_pct_of_copy(),
+                ));
+            }
+        }
         if !self.skipped.is_empty() {
             s.push_str("\nNot measured:\n");
             for k in &self.skipped {
@@ -217,6 +245,7 @@ pub(crate) mod tests {
             median_us: us,
             min_us: us * 0.98,
             bytes: 1 << 30,
+            reread_bytes: 0,
             gbps: (1u64 << 30) as f64 / us / 1e3,
             pct_of_copy: 50.0,
             speedup_vs_fp16: None,
@@ -230,7 +259,9 @@ pub(crate) mod tests {
             row("fp16", 16, 4096, 200.0),
             row("kivi2", 16, 4096, 40.0),
             row("kivi2", 1, 32_768, 30.0),
+            row("calibquant1", 1, 32_768, 30.0),
         ];
+        rows[5].reread_bytes = 1 << 29;
         rows[3].tuned = Some(TunedResult {
             choice,
             median_us: 36.0,
@@ -305,7 +336,12 @@ pub(crate) mod tests {
         assert!(md.contains("fp16 B=16 L=128K: does not fit"));
         assert_eq!(md.lines().filter(|l| l.starts_with("| kivi2")).count(), 3);
         let json: serde_json::Value = serde_json::from_str(&r.json()).unwrap();
-        assert_eq!(json["rows"].as_array().unwrap().len(), 5);
+        assert_eq!(json["rows"].as_array().unwrap().len(), 6);
+        assert!(
+            md.contains("- calibquant1 B=1 L=32K: the range pass reads 536.9 MB of K again (+50%), so at the copy bandwidth the step would reach at most 66.7% of copy"),
+            "{md}"
+        );
+        assert_eq!(md.matches("the range pass reads").count(), 1);
         assert_eq!(json["rows"][3]["tuned"]["choice"]["splits"], 3);
         assert_eq!(json["copy"]["gbps"], 2962.0);
         let back = BenchResults::from_json(&r.json()).unwrap();

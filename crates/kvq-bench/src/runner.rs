@@ -12,7 +12,7 @@ use kvq::runtime::tune::{
 };
 use kvq::runtime::{DecodeKernel, DecodeScratch, Jit, RuntimeError};
 
-use crate::bytes::decode_bytes;
+use crate::bytes::{decode_bytes, reread_bytes};
 use crate::copy::copy_bandwidth;
 use crate::date::utc_date;
 use crate::error::{BenchError, Result};
@@ -337,6 +337,7 @@ impl Context<'_> {
             median_us,
             min_us: stats.min_us(),
             bytes,
+            reread_bytes: reread_bytes(&sequences),
             gbps,
             pct_of_copy: 100.0 * gbps / self.copy_gbps,
             speedup_vs_fp16: None,
