@@ -128,9 +128,15 @@ fn the_score_range_pass_stages_keys_through_the_decode_ring() {
     assert!(staged > 0, "no calibrated variant staged its keys");
 }
 
+/// Keys of at most 2 bits meet the query on the integer tensor cores: in the decode kernel only
+/// where the scheme is not calibrated (calibration magnifies score errors), in CalibQuant's
+/// range pass always.
 #[test]
-fn only_uncalibrated_keys_of_at_most_two_bits_take_the_integer_tensor_cores() {
+fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_ones_only_for_the_range(
+) {
     const INTEGER_MMA: &str = "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32";
+    const DECODE_INT: &str = "kvq_chunk_scores_int<GUARD>(qrows";
+    const RANGE_INT: &str = "typedef KvqIntFold KvqRangeFold;";
     let shape = KernelShape::new(128, 4, Dtype::F16);
     for text in SCHEMES {
         let spec = SchemeSpec::parse(text).unwrap();
@@ -140,9 +146,17 @@ fn only_uncalibrated_keys_of_at_most_two_bits_take_the_integer_tensor_cores() {
             spec.k,
             kvq_spec::TensorQuant::Int(q) if q.bits <= 2 && q.axis == kvq_spec::Axis::Channel
         );
+        let integer = tensor_core_kernel && low_bit_channel_keys;
+        let calibrated = spec.calibrate.is_some();
+        assert_eq!(k.source.contains(INTEGER_MMA), integer, "{text}");
         assert_eq!(
-            k.source.contains(INTEGER_MMA),
-            tensor_core_kernel && low_bit_channel_keys && spec.calibrate.is_none(),
+            k.source.contains(DECODE_INT),
+            integer && !calibrated,
+            "{text}"
+        );
+        assert_eq!(
+            k.source.contains(RANGE_INT),
+            integer && calibrated,
             "{text}"
         );
     }
