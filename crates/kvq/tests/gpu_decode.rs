@@ -1,5 +1,6 @@
 //! Fused GPU decode against the CPU reference on the same quantized cache, for every integer and
-//! FP16 built-in scheme × head_dim {64, 128, 256} × {f16, bf16} × GQA {1, 4, 8}, in one batch of
+//! FP16 built-in scheme, and the calibrated schemes whose range pass keeps the f16 path
+//! (`calibrated_f16_range_schemes`), × head_dim {64, 128, 256} × {f16, bf16} × GQA {1, 4, 8}, in one batch of
 //! odd, unequal lengths. Inputs are fresh random data each run (seed printed; `KVQ_SEED` repeats
 //! one), outputs are poisoned with NaN before every launch, and NaN never passes. Where a step's
 //! kernels overlap each other (compute capability 9.0 on), each step is repeated with plain
@@ -8,7 +9,7 @@
 //! Skips with a printed reason without a GPU; fails when `KVQ_REQUIRE_GPU=1`.
 
 mod common;
-use common::{integer_schemes, seed};
+use common::{calibrated_f16_range_schemes, integer_schemes, seed};
 use kvq::codegen::{Dtype, KernelShape, TuneParams};
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
@@ -80,11 +81,12 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
     );
     let jit = Jit::new(&device).expect("JIT");
     let stream = device.default_stream();
-    let schemes = integer_schemes();
+    let mut schemes = integer_schemes();
     assert!(
         schemes.len() >= 8,
         "expected the 8 integer/FP16 built-ins, got {schemes:?}"
     );
+    schemes.extend(calibrated_f16_range_schemes());
 
     // Compile every variant up front, in parallel (NVRTC is the slow part; the JIT is thread-safe).
     let started = Instant::now();

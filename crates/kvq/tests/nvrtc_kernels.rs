@@ -1,8 +1,11 @@
 //! Every built-in integer/FP16 scheme's decode kernels and cache kernels compile with real NVRTC
 //! to CUBIN for sm_80 and sm_90a: decode at every supported head_dim, both dtypes and GQA 1/4/8;
-//! cache kernels in every page quantizer form. Needs no GPU: CI installs libnvrtc from pip and sets
+//! cache kernels in every page quantizer form. Decode also for calibrated schemes whose range pass
+//! keeps the f16 path, which no built-in takes. Needs no GPU: CI installs libnvrtc from pip and sets
 //! `KVQ_REQUIRE_NVRTC=1`, so these fail there rather than skip.
 
+mod common;
+use common::calibrated_f16_range_schemes;
 use kvq::codegen::{
     cache_kernels_with, decode_kernels, CodegenError, Dtype, KernelShape, QuantizerForm, TuneParams,
 };
@@ -62,6 +65,25 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
             let k = decode_kernels(&b.spec, &shape, &tune)
                 .unwrap_or_else(|e| panic!("{} {tune:?}: {e}", b.name));
             jobs.push((b.name, shape, k.source));
+        }
+    }
+    // Calibrated keys whose range pass keeps the f16 path (the built-ins' are on the integer path).
+    for (name, spec) in calibrated_f16_range_schemes() {
+        for head_dim in [64, 128, 256] {
+            for gqa in [1, 4, 8] {
+                let shape = KernelShape::new(head_dim, gqa, Dtype::Bf16);
+                let k = decode_kernels(&spec, &shape, &TuneParams::default_for(&spec, &shape))
+                    .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"));
+                assert!(
+                    k.range.is_some(),
+                    "{name}: a calibrated scheme has a range pass"
+                );
+                assert!(
+                    !k.source.contains("typedef KvqIntFold KvqRangeFold;"),
+                    "{name} {shape:?}: its range pass should keep the f16 path"
+                );
+                jobs.push((name, shape, k.source));
+            }
         }
     }
     compile_all(&jobs);

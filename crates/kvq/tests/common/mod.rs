@@ -19,6 +19,36 @@ pub fn integer_schemes() -> Vec<(&'static str, SchemeSpec)> {
         .collect()
 }
 
+/// Calibrated schemes the built-ins do not cover: keys of 4 and 8 bits, and boosted keys, keep
+/// CalibQuant's range pass on the f16 path, which CalibQuant-1 and -2 (1- and 2-bit keys, on the
+/// integer path) no longer exercise.
+pub fn calibrated_f16_range_schemes() -> Vec<(&'static str, SchemeSpec)> {
+    [
+        (
+            "calibrated-int4",
+            "k = int(4, channel), v = int(4, token), sink = 32, local = 128, \
+             calibrate = calibrate(tau1 = -1.25, tau2 = 0.75)",
+        ),
+        (
+            "calibrated-int8",
+            "k = int(8, channel, symmetric), v = int(8, channel, symmetric), \
+             calibrate = calibrate(tau1 = -0.5, tau2 = 0.25)",
+        ),
+        (
+            "calibrated-boost",
+            "k = int(2, channel, boost = boost(4, ratio = 0.125, by = magnitude)), \
+             v = int(2, token, local = 128), sink = 32, page = 128, \
+             calibrate = calibrate(tau1 = -1.5, tau2 = 3.25)",
+        ),
+    ]
+    .into_iter()
+    .map(|(name, text)| {
+        let spec = SchemeSpec::parse(text).unwrap_or_else(|e| panic!("{name}: {e}"));
+        (name, spec)
+    })
+    .collect()
+}
+
 /// A fresh seed per run (printed by the tests), or `KVQ_SEED` to repeat one.
 pub fn seed() -> u64 {
     std::env::var("KVQ_SEED")
