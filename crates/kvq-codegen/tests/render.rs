@@ -135,7 +135,11 @@ fn the_score_range_pass_stages_keys_through_the_decode_ring() {
 fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_ones_only_for_the_range(
 ) {
     const INTEGER_MMA: &str = "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32";
-    const DECODE_INT: &str = "kvq_chunk_scores_int<GUARD>(qrows";
+    const DECODE_INT: &str = "kvq_chunk_scores_int<GUARD, true>(qrows";
+    // The bias's sums in one mma chain in the decode kernel, two in the range pass (fifteenth
+    // round: CalibQuant-2's range pass lost with one).
+    const DECODE_FOLD: &str = "kvq_fold_int<true>(f,";
+    const RANGE_FOLD: &str = "kvq_fold_int<false>(fold,";
     const RANGE_INT: &str = "typedef KvqIntFold KvqRangeFold;";
     let shape = KernelShape::new(128, 4, Dtype::F16);
     for text in SCHEMES {
@@ -156,6 +160,16 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
         );
         assert_eq!(
             k.source.contains(RANGE_INT),
+            integer && calibrated,
+            "{text}"
+        );
+        assert_eq!(
+            k.source.contains(DECODE_FOLD),
+            integer && !calibrated,
+            "{text}"
+        );
+        assert_eq!(
+            k.source.contains(RANGE_FOLD),
             integer && calibrated,
             "{text}"
         );
