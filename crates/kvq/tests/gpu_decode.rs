@@ -6,7 +6,9 @@
 //! kernels overlap each other (compute capability 9.0 on), each step is repeated with plain
 //! launches and must give the same bits.
 //!
-//! Skips with a printed reason without a GPU; fails when `KVQ_REQUIRE_GPU=1`.
+//! Skips with a printed reason without a GPU; fails when `KVQ_REQUIRE_GPU=1`. The whole run takes
+//! minutes on an H100; `KVQ_TEST_SCHEMES=kivi2,kitty` checks only the schemes it names (printed),
+//! so a change to some kernels can be checked first on a short device lease.
 
 mod common;
 use common::{calibrated_f16_range_schemes, integer_schemes, seed};
@@ -27,6 +29,30 @@ const KV_HEADS: usize = 2;
 const HEAD_DIMS: &[u32] = &[64, 128, 256];
 const GQAS: &[u32] = &[1, 4, 8];
 const DTYPES: &[Dtype] = &[Dtype::F16, Dtype::Bf16];
+
+/// The schemes a comma list names, in the list's order; an unknown name fails the test (a typo must
+/// not pass by checking nothing).
+fn selected_schemes(
+    all: Vec<(&'static str, kvq::SchemeSpec)>,
+    names: &str,
+) -> Vec<(&'static str, kvq::SchemeSpec)> {
+    let picked: Vec<_> = names
+        .split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .map(|n| {
+            all.iter()
+                .find(|(name, _)| *name == n)
+                .copied()
+                .unwrap_or_else(|| {
+                    let known: Vec<_> = all.iter().map(|(name, _)| *name).collect();
+                    panic!("KVQ_TEST_SCHEMES names `{n}`; known: {known:?}")
+                })
+        })
+        .collect();
+    assert!(!picked.is_empty(), "KVQ_TEST_SCHEMES names no scheme");
+    picked
+}
 
 /// Heavy-tailed K/V with a few outlier channels per head (the structure that makes quantization
 /// hard), never zeros.
@@ -87,6 +113,13 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
         "expected the 8 integer/FP16 built-ins, got {schemes:?}"
     );
     schemes.extend(calibrated_f16_range_schemes());
+    if let Ok(only) = std::env::var("KVQ_TEST_SCHEMES") {
+        schemes = selected_schemes(schemes, &only);
+        println!(
+            "KVQ_TEST_SCHEMES: checking only {:?}",
+            schemes.iter().map(|(n, _)| *n).collect::<Vec<_>>()
+        );
+    }
 
     // Compile every variant up front, in parallel (NVRTC is the slow part; the JIT is thread-safe).
     let started = Instant::now();
@@ -333,4 +366,17 @@ fn gpu_jit_warm_start_report() {
         jit.disk_cache()
             .map_or("off".to_string(), |c| format!("{}", c.stats()))
     );
+}
+
+#[test]
+fn test_schemes_filter_keeps_the_named_schemes_in_order() {
+    let picked = selected_schemes(integer_schemes(), " kitty, kivi2 ,");
+    let names: Vec<_> = picked.iter().map(|(n, _)| *n).collect();
+    assert_eq!(names, ["kitty", "kivi2"]);
+}
+
+#[test]
+#[should_panic(expected = "KVQ_TEST_SCHEMES names `kivi3`")]
+fn test_schemes_filter_refuses_an_unknown_name() {
+    selected_schemes(integer_schemes(), "kivi2,kivi3");
 }
