@@ -152,27 +152,17 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
         );
         let integer = tensor_core_kernel && low_bit_channel_keys;
         let calibrated = spec.calibrate.is_some();
-        assert_eq!(k.source.contains(INTEGER_MMA), integer, "{text}");
-        assert_eq!(
-            k.source.contains(DECODE_INT),
-            integer && !calibrated,
-            "{text}"
-        );
-        assert_eq!(
-            k.source.contains(RANGE_INT),
-            integer && calibrated,
-            "{text}"
-        );
-        assert_eq!(
-            k.source.contains(DECODE_FOLD),
-            integer && !calibrated,
-            "{text}"
-        );
-        assert_eq!(
-            k.source.contains(RANGE_FOLD),
-            integer && calibrated,
-            "{text}"
-        );
+        let decode_only = integer && !calibrated;
+        let range_only = integer && calibrated;
+        for (marker, expected) in [
+            (INTEGER_MMA, integer),
+            (DECODE_INT, decode_only),
+            (DECODE_FOLD, decode_only),
+            (RANGE_INT, range_only),
+            (RANGE_FOLD, range_only),
+        ] {
+            assert_eq!(k.source.contains(marker), expected, "{text}: {marker}");
+        }
     }
 }
 
