@@ -247,6 +247,9 @@ pub(crate) struct MmaCtx {
     pub range_int: bool,
     /// Token-axis V with one group per token: its scale folds into the probabilities.
     pub v_token_fold: bool,
+    /// Token-axis V codes of 1 or 2 bits enter P·V as f16 subnormals, one AND per pair
+    /// instead of an AND-OR and an `fma` (see `v_subnormal_pays` in decode.rs).
+    pub v_subnormal: bool,
     /// The per-warp `cp.async` ring that quantized-page chunks load through (see [`StagePlan`]).
     pub stage: StagePlan,
     /// Dynamic shared memory where a CTA's warps leave their accumulators for the merge at the

@@ -142,6 +142,7 @@ fn mma_plan(
         range_int: calibrated && range_int_pays(k),
         v_quant: v.kind == "int",
         v_token_fold,
+        v_subnormal: v_token_fold && v_subnormal_pays(v),
         merge_bytes: merge_bytes(tune, d),
         pieces: enabled && pieces_pay(k, v),
     }
@@ -155,6 +156,20 @@ fn mma_plan(
 /// rounds on the f16 path (CalibQuant-1 1.8e-3, CalibQuant-2 1.9e-3; before, 1.8e-3–2.1e-3).
 fn range_int_pays(k: &TensorCtx) -> bool {
     k.kind == "int" && k.bits <= 2 && !k.boost
+}
+
+/// Whether token-axis V codes enter P·V as f16 subnormals (`KvqPairs::get_subnormal`): a code
+/// masked in place at bit p of a half is exactly `code·2^(p−24)`, so each pair costs one AND
+/// where the magic-number conversion took an AND-OR and an exact `fma` to remove 1024 and the
+/// offset (128 fewer instructions a 64-token chunk at head_dim 128). The sums are centred per
+/// chunk against Σ p' (one more `mma` per subtile, one `fma` per accumulator), which keeps them
+/// those of the magic-number path. Measured on an H100 (sixteenth round, docs/BENCHMARKS.md):
+/// kivi2 ×1.031, Kitty ×1.032, Kitty-Pro ×1.023 at B=16 L=32K; KIVI-4 (4-bit V) ×0.991 and
+/// ×1.007 in two runs, no gain, so it keeps the magic-number path. The price: the error against
+/// the reference at L ≥ 32K is about 1.5× the magic-number path's (4.9e-4 against 3.1e-4 for
+/// kivi2 at B=16 L=32K; tolerance 2e-3), the eighth round's finding for the same arithmetic.
+fn v_subnormal_pays(v: &TensorCtx) -> bool {
+    v.kind == "int" && v.bits <= 2
 }
 
 /// Whether the kernel is generated to run pieces. Measured on an H100 at B=16 L=32K (thirteenth

@@ -128,6 +128,23 @@ fn the_score_range_pass_stages_keys_through_the_decode_ring() {
     assert!(staged > 0, "no calibrated variant staged its keys");
 }
 
+/// A scheme and its decode source at head_dim 128, GQA 4, f16, default launch parameters.
+fn default_source(text: &str) -> (SchemeSpec, String) {
+    let spec = SchemeSpec::parse(text).unwrap();
+    let shape = KernelShape::new(128, 4, Dtype::F16);
+    let k = decode_kernels(&spec, &shape, &TuneParams::default_for(&spec, &shape)).unwrap();
+    (spec, k.source)
+}
+
+fn is_tensor_core_kernel(source: &str) -> bool {
+    source.contains("mma.sync.aligned.m16n8k16")
+}
+
+/// Integer codes of 1 or 2 bits along `axis`.
+fn is_low_bit(t: &kvq_spec::TensorQuant, axis: kvq_spec::Axis) -> bool {
+    matches!(t, kvq_spec::TensorQuant::Int(q) if q.bits <= 2 && q.axis == axis)
+}
+
 /// Keys of at most 2 bits meet the query on the integer tensor cores: in the decode kernel only
 /// where the scheme is not calibrated (calibration magnifies score errors), in CalibQuant's
 /// range pass always.
@@ -141,16 +158,10 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
     const DECODE_FOLD: &str = "kvq_fold_int<true>(f,";
     const RANGE_FOLD: &str = "kvq_fold_int<false>(fold,";
     const RANGE_INT: &str = "typedef KvqIntFold KvqRangeFold;";
-    let shape = KernelShape::new(128, 4, Dtype::F16);
     for text in SCHEMES {
-        let spec = SchemeSpec::parse(text).unwrap();
-        let k = decode_kernels(&spec, &shape, &TuneParams::default_for(&spec, &shape)).unwrap();
-        let tensor_core_kernel = k.source.contains("mma.sync.aligned.m16n8k16");
-        let low_bit_channel_keys = matches!(
-            spec.k,
-            kvq_spec::TensorQuant::Int(q) if q.bits <= 2 && q.axis == kvq_spec::Axis::Channel
-        );
-        let integer = tensor_core_kernel && low_bit_channel_keys;
+        let (spec, source) = default_source(text);
+        let integer =
+            is_tensor_core_kernel(&source) && is_low_bit(&spec.k, kvq_spec::Axis::Channel);
         let calibrated = spec.calibrate.is_some();
         let decode_only = integer && !calibrated;
         let range_only = integer && calibrated;
@@ -161,9 +172,30 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
             (RANGE_INT, range_only),
             (RANGE_FOLD, range_only),
         ] {
-            assert_eq!(k.source.contains(marker), expected, "{text}: {marker}");
+            assert_eq!(source.contains(marker), expected, "{text}: {marker}");
         }
     }
+}
+
+/// Token-axis V of 1 or 2 bits enters P·V as f16 subnormals (one AND a pair); 4-bit V measured no
+/// gain on that path (sixteenth round) and keeps the magic-number conversion.
+#[test]
+fn only_token_axis_values_of_at_most_two_bits_enter_pv_as_subnormals() {
+    const SUBNORMAL: &str = "static constexpr bool V_SUBNORMAL = true;";
+    let mut subnormal = 0;
+    for text in SCHEMES {
+        let (spec, source) = default_source(text);
+        let tensor_core_kernel = is_tensor_core_kernel(&source);
+        let expected = tensor_core_kernel && is_low_bit(&spec.v, kvq_spec::Axis::Token);
+        assert_eq!(source.contains(SUBNORMAL), expected, "{text}");
+        assert_eq!(
+            source.contains("get_subnormal(comb"),
+            tensor_core_kernel,
+            "{text}: the tensor-core template holds both conversions"
+        );
+        subnormal += usize::from(expected);
+    }
+    assert!(subnormal >= 2, "kivi2 and Kitty's shapes take the path");
 }
 
 #[test]
