@@ -158,7 +158,7 @@ fn range_int_pays(k: &TensorCtx) -> bool {
     k.kind == "int" && k.bits <= 2 && !k.boost
 }
 
-/// Whether token-axis V codes enter P·V as f16 subnormals (`KvqPairs::get_subnormal`): a code
+/// Whether token-axis V codes enter P·V as f16 subnormals (`KvqPairs::get<true>`): a code
 /// masked in place at bit p of a half is exactly `code·2^(p−24)`, so each pair costs one AND
 /// where the magic-number conversion took an AND-OR and an exact `fma` to remove 1024 and the
 /// offset (128 fewer instructions a 64-token chunk at head_dim 128). The sums are centred per
