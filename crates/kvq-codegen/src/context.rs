@@ -237,19 +237,26 @@ pub(crate) struct MmaCtx {
     /// bytes, mma u8 × s8). Measured on an H100 at B=16: 2–6% faster for kivi2, Kitty and
     /// Kitty-Pro. 4- and 8-bit keys ran slower on that path (kivi4 248 against 226–239 µs, int8
     /// 409 against 396–406 at L=32K), so they keep the f16 path (docs/BENCHMARKS.md, sixth
-    /// round), and so do calibrated schemes, whose calibration can magnify score errors (seventh
     /// round).
     pub k_int: bool,
-    /// CalibQuant's score-range pass meets 1- and 2-bit keys on the integer tensor cores even
-    /// though its decode kernel keeps the f16 path: the range only sets the calibration's two
-    /// constants, so an integer score's rounding moves them by about one score's error instead of
-    /// entering every softmax weight (see `range_int_pays` in decode.rs).
+    /// Integer keys with a third, fine query limb (about 24 bits instead of 16): calibrated
+    /// schemes, whose calibration can magnify score errors (16 bits missed the tolerance there,
+    /// seventh round; see `k_fine_pays` in decode.rs).
+    pub k_fine: bool,
+    /// CalibQuant's score-range pass meets 1- and 2-bit keys on the integer tensor cores with two
+    /// limbs, where its decode kernel keeps the f16 path or adds the fine limb: the range only sets
+    /// the calibration's two constants, so an integer score's rounding moves them by about one
+    /// score's error instead of entering every softmax weight (see `range_int_pays` in decode.rs).
     pub range_int: bool,
     /// Token-axis V with one group per token: its scale folds into the probabilities.
     pub v_token_fold: bool,
     /// Token-axis V codes of 1 or 2 bits enter P·V as f16 subnormals, one AND per pair
     /// instead of an AND-OR and an `fma` (see `v_subnormal_pays` in decode.rs).
     pub v_subnormal: bool,
+    /// Asymmetric channel-axis V codes of 1 or 2 bits enter P·V as f16 subnormals too (one AND
+    /// per pair instead of an AND-OR and two f16 `fma`), the accumulators running in units of the
+    /// page's scales (see `v_channel_subnormal_pays` in decode.rs).
+    pub v_channel_subnormal: bool,
     /// The per-warp `cp.async` ring that quantized-page chunks load through (see [`StagePlan`]).
     pub stage: StagePlan,
     /// Dynamic shared memory where a CTA's warps leave their accumulators for the merge at the

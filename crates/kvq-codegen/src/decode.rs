@@ -121,6 +121,7 @@ fn mma_plan(
     };
     let enabled = reason.is_none();
     let v_token_fold = v.kind == "int" && v.axis == "token";
+    let low_bit_keys = k.kind == "int" && k.bits <= 2;
     MmaCtx {
         stage: if enabled {
             stage_plan(tune, k, v, v_token_fold)
@@ -134,18 +135,28 @@ fn mma_plan(
         k_offset: offset(k, false),
         v_offset: offset(v, v_token_fold),
         k_quant: k.kind == "int",
-        // Calibrated scores keep the f16 path: g(x) = a·x + b scales score errors by
-        // |a| = |1 + (τ1 − τ2)/(δ − γ)|, unbounded as the score range shrinks, and the integer
-        // query's rounding (16 bits of max|q⊙s|) put CalibQuant-1 at head_dim 256 past the
-        // tolerance on one seed (2.26e-3 against 2e-3), which passes on the f16 path.
-        k_int: k.kind == "int" && k.bits <= 2 && !calibrated,
+        k_int: low_bit_keys && (!calibrated || k_fine_pays(k)),
+        k_fine: low_bit_keys && calibrated && k_fine_pays(k),
         range_int: calibrated && range_int_pays(k),
         v_quant: v.kind == "int",
         v_token_fold,
         v_subnormal: v_token_fold && v_subnormal_pays(v),
+        v_channel_subnormal: v.kind == "int" && v.axis == "channel" && v_channel_subnormal_pays(v),
         merge_bytes: merge_bytes(tune, d),
         pieces: enabled && pieces_pay(k, v),
     }
+}
+
+/// Whether a calibrated scheme's keys take the integer path with a third, fine query limb
+/// ([`MmaCtx::k_fine`]) rather than the f16 path. Calibration g(x) = a·x + b scales score errors
+/// by |a| = |1 + (τ1 − τ2)/(δ − γ)|, unbounded as a head's score range shrinks: two limbs (16
+/// bits of max|q⊙s|) put CalibQuant-1 at head_dim 256 past the tolerance on one seed (2.26e-3
+/// against 2e-3; seventh round, docs/BENCHMARKS.md), which passed on the f16 path (22 bits); the
+/// fine limb gives about 24. Measured on an H100 (seventeenth round): 2-bit keys (CalibQuant-2)
+/// ×1.017–×1.039 at B ≥ 4 and L ≥ 32K, 1-bit keys (CalibQuant-1, eight byte planes a word)
+/// ×0.955–×0.984, so only 2-bit keys.
+fn k_fine_pays(k: &TensorCtx) -> bool {
+    k.kind == "int" && k.bits == 2
 }
 
 /// Whether CalibQuant's range pass takes the integer path for keys ([`MmaCtx::range_int`]): keys
@@ -170,6 +181,18 @@ fn range_int_pays(k: &TensorCtx) -> bool {
 /// kivi2 at B=16 L=32K; tolerance 2e-3), the eighth round's finding for the same arithmetic.
 fn v_subnormal_pays(v: &TensorCtx) -> bool {
     v.kind == "int" && v.bits <= 2
+}
+
+/// Whether channel-axis V codes enter P·V as f16 subnormals ([`MmaCtx::v_channel_subnormal`]):
+/// asymmetric codes of at most 2 bits. Each pair then costs one AND instead of the magic-number
+/// conversion's AND-OR, its exact code fix and the dequantising `fma` with the channel's scale and
+/// zero; the page's scales move onto the f32 accumulators (a rescale per V page) and its zeros
+/// into one `fma` per accumulator per chunk against Σ p. Measured on an H100 (seventeenth round,
+/// docs/BENCHMARKS.md): CalibQuant-1 ×1.072–×1.078 at B=16 L=32K, ×1.045 over the bench grid
+/// (CalibQuant-2, with its fine limb, ×1.084–×1.088 and ×1.047). CalibQuant-1's error against the
+/// reference rose at L ≥ 32K (at most 8.5e-4 against 3.0e-4; tolerance 2e-3), CalibQuant-2's fell.
+fn v_channel_subnormal_pays(v: &TensorCtx) -> bool {
+    v.kind == "int" && v.bits <= 2 && !v.symmetric
 }
 
 /// Whether the kernel is generated to run pieces. Measured on an H100 at B=16 L=32K (thirteenth

@@ -14,6 +14,7 @@ pub const SCHEMES: &[&str] = &[
     "k = int(3, token, group = 32), v = int(3, channel), sink = 16, page = 64",
     "k = int(4, channel), v = fp16, sink = 4",
     "k = int(4, channel, symmetric, boost = boost(8, ratio = 0.25, by = variance)), v = int(2, token, group = 32), local = 64",
+    "k = int(2, channel), v = int(2, channel), sink = 32, local = 128, calibrate = calibrate(tau1 = -1.25, tau2 = 0.75)",
 ];
 
 #[test]
@@ -145,36 +146,72 @@ fn is_low_bit(t: &kvq_spec::TensorQuant, axis: kvq_spec::Axis) -> bool {
     matches!(t, kvq_spec::TensorQuant::Int(q) if q.bits <= 2 && q.axis == axis)
 }
 
-/// Keys of at most 2 bits meet the query on the integer tensor cores: in the decode kernel only
-/// where the scheme is not calibrated (calibration magnifies score errors), in CalibQuant's
-/// range pass always.
+/// Keys of at most 2 bits meet the query on the integer tensor cores: in the decode kernel where
+/// the scheme is not calibrated, or with a third, fine query limb where it is and the keys have 2
+/// bits (calibration magnifies score errors; 1-bit keys measured slower on that path), and in
+/// CalibQuant's range pass always.
 #[test]
-fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_ones_only_for_the_range(
+fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_ones_with_a_fine_limb(
 ) {
     const INTEGER_MMA: &str = "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32";
-    const DECODE_INT: &str = "kvq_chunk_scores_int<GUARD, true>(qrows";
+    const DECODE_INT: &str = "kvq_chunk_scores_int<GUARD, true, K_FINE>(qrows";
     // The bias's sums in one mma chain in the decode kernel, two in the range pass (fifteenth
     // round: CalibQuant-2's range pass lost with one).
-    const DECODE_FOLD: &str = "kvq_fold_int<true>(f,";
-    const RANGE_FOLD: &str = "kvq_fold_int<false>(fold,";
+    const DECODE_FOLD: &str = "kvq_fold_int<true, K_FINE>(f,";
+    const FINE: &str = "static constexpr bool K_FINE = true;";
+    const RANGE_FOLD: &str = "kvq_fold_int<false, false>(fold,";
     const RANGE_INT: &str = "typedef KvqIntFold KvqRangeFold;";
+    let mut fine_limbs = 0;
     for text in SCHEMES {
         let (spec, source) = default_source(text);
         let integer =
             is_tensor_core_kernel(&source) && is_low_bit(&spec.k, kvq_spec::Axis::Channel);
         let calibrated = spec.calibrate.is_some();
-        let decode_only = integer && !calibrated;
-        let range_only = integer && calibrated;
+        let two_bit = matches!(spec.k, kvq_spec::TensorQuant::Int(q) if q.bits == 2);
+        let decode = integer && (!calibrated || two_bit);
+        let fine = decode && calibrated;
+        let range = integer && calibrated;
         for (marker, expected) in [
             (INTEGER_MMA, integer),
-            (DECODE_INT, decode_only),
-            (DECODE_FOLD, decode_only),
-            (RANGE_INT, range_only),
-            (RANGE_FOLD, range_only),
+            (DECODE_INT, decode),
+            (DECODE_FOLD, decode),
+            (FINE, fine),
+            (RANGE_INT, range),
+            (RANGE_FOLD, range),
         ] {
             assert_eq!(source.contains(marker), expected, "{text}: {marker}");
         }
+        fine_limbs += usize::from(fine);
     }
+    assert!(
+        fine_limbs >= 1,
+        "a calibrated 2-bit scheme takes the fine limb"
+    );
+}
+
+/// Asymmetric channel-axis V of 1 or 2 bits enters P·V as f16 subnormals, its page's scales on the
+/// accumulators; symmetric or wider channel-axis V keeps the dequantising `fma` per pair.
+#[test]
+fn only_asymmetric_channel_axis_values_of_at_most_two_bits_enter_pv_as_subnormals_with_page_units()
+{
+    const CHANNEL_SUB: &str = "static constexpr bool V_CHANNEL_SUB = true;";
+    let mut subnormal = 0;
+    for text in SCHEMES {
+        let (spec, source) = default_source(text);
+        let tensor_core_kernel = is_tensor_core_kernel(&source);
+        let expected = tensor_core_kernel
+            && matches!(spec.v, kvq_spec::TensorQuant::Int(q)
+                if q.bits <= 2 && q.axis == kvq_spec::Axis::Channel && !q.symmetric);
+        assert_eq!(source.contains(CHANNEL_SUB), expected, "{text}");
+        // The page's units are applied where the decode loop meets a new V page.
+        assert_eq!(
+            source.matches("kvq_v_channel_units(").count(),
+            usize::from(tensor_core_kernel) + usize::from(expected),
+            "{text}: the definition in the tensor-core template, and a call in the loop"
+        );
+        subnormal += usize::from(expected);
+    }
+    assert!(subnormal >= 2, "CalibQuant-1 and -2's shapes take the path");
 }
 
 /// Token-axis V of 1 or 2 bits enters P·V as f16 subnormals (one AND a pair); 4-bit V measured no
