@@ -53,8 +53,9 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
         "every integer/FP16 built-in renders"
     );
     // Every block shape the tuner may pick, for schemes whose staging ring changes with it (tile
-    // and warps size the cp.async stages; INT8 stages only at 32- and 16-token tiles; at 256
-    // threads CalibQuant's channel-axis subnormal V takes the loop without a ring).
+    // and warps size the cp.async stages; INT8 stages only at 32- and 16-token tiles; CalibQuant-2
+    // at 256 threads and 64-token tiles takes its channel-axis subnormal V through the loop
+    // without a ring).
     for b in BUILTIN
         .iter()
         .filter(|b| ["kivi2", "kitty", "int8", "calibquant1", "calibquant2"].contains(&b.name))
