@@ -149,7 +149,8 @@ fn is_low_bit(t: &kvq_spec::TensorQuant, axis: kvq_spec::Axis) -> bool {
 /// Keys of at most 2 bits meet the query on the integer tensor cores: in the decode kernel where
 /// the scheme is not calibrated, or with a third, fine query limb where it is and the keys have 2
 /// bits (calibration magnifies score errors; 1-bit keys measured slower on that path), and in
-/// CalibQuant's range pass always.
+/// CalibQuant's range pass always. Each kernel with that fold stages the query for it once per CTA
+/// in shared memory (eighteenth round); kernels without it keep no table.
 #[test]
 fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_ones_with_a_fine_limb(
 ) {
@@ -161,6 +162,8 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
     const FINE: &str = "static constexpr bool K_FINE = true;";
     const RANGE_FOLD: &str = "kvq_fold_int<false, false>(fold,";
     const RANGE_INT: &str = "typedef KvqIntFold KvqRangeFold;";
+    const DECODE_TABLE: &str = "__shared__ __align__(16) KvqFoldQuery s_query;";
+    const RANGE_TABLE: &str = "__shared__ __align__(16) KvqRangeQuery s_query;";
     let mut fine_limbs = 0;
     for text in SCHEMES {
         let (spec, source) = default_source(text);
@@ -178,6 +181,8 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
             (FINE, fine),
             (RANGE_INT, range),
             (RANGE_FOLD, range),
+            (DECODE_TABLE, decode),
+            (RANGE_TABLE, range),
         ] {
             assert_eq!(source.contains(marker), expected, "{text}: {marker}");
         }
