@@ -44,6 +44,11 @@ pub struct BenchConfig {
     pub memory_budget: u64,
     /// Bytes of the device-to-device copy that measures bandwidth.
     pub copy_bytes: u64,
+    /// Device bytes set aside before anything else is allocated, so that every buffer of the run
+    /// lands at other addresses. Where buffers land changed some shapes' times by up to 15% on
+    /// an H100 (BENCHMARKS.md, nineteenth round); timing a comparison at a few pads tells a
+    /// kernel's change from a change of placement.
+    pub placement_pad: u64,
     /// Seed of the random K/V and queries.
     pub seed: u64,
 }
@@ -66,6 +71,7 @@ impl BenchConfig {
             check: true,
             memory_budget: 60 << 30,
             copy_bytes: 4 << 30,
+            placement_pad: 0,
             seed: 2024,
         }
     }

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use kvq::codegen::{KernelShape, TuneParams};
-use kvq::runtime::cudarc::driver::CudaStream;
+use kvq::runtime::cudarc::driver::{CudaSlice, CudaStream};
 use kvq::runtime::tune::{
     batch_device_bytes, plan_copies, QueuedTimer, ReferenceCheck, RotatingBatch, TuneChoice,
     TunePolicy, TuneProblem, TuneStore, Tuner,
@@ -63,6 +63,7 @@ pub fn run(
     }
     let stream = device.default_stream();
     log(&format!("{props}"));
+    let _pad = set_aside(&stream, config.placement_pad, log)?;
 
     let copy = copy_bandwidth(&stream, config.copy_bytes, 10)?;
     log(&format!(
@@ -208,6 +209,26 @@ fn compile_defaults(
         .into_iter()
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(BenchError::from)
+}
+
+/// Allocates `bytes` of device memory (none for 0), held until the run ends, so that the run's
+/// buffers land past it.
+fn set_aside(
+    stream: &Arc<CudaStream>,
+    bytes: u64,
+    log: &mut dyn FnMut(&str),
+) -> Result<Option<CudaSlice<u8>>> {
+    if bytes == 0 {
+        return Ok(None);
+    }
+    // SAFETY: the pad is never read or written.
+    let pad = unsafe { stream.alloc::<u8>(bytes as usize) }
+        .map_err(|e| RuntimeError::driver("set aside the placement pad", e))?;
+    log(&format!(
+        "placement pad: {} MiB set aside before every other buffer",
+        bytes >> 20
+    ));
+    Ok(Some(pad))
 }
 
 impl Context<'_> {
