@@ -821,6 +821,8 @@ fn tune_and_bench_need_a_gpu_and_say_so() {
             "4K",
             "--batch",
             "1",
+            "--pad-mib",
+            "40",
         ][..],
     ] {
         let o = kvq(args, tmp.path());
@@ -833,5 +835,7 @@ fn tune_and_bench_need_a_gpu_and_say_so() {
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).1.contains("CPU reference only"), "{}", text(&o).1);
     let o = kvq(&["bench", "--q-heads", "30"], tmp.path());
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
+    let o = kvq(&["bench", "--pad-mib", "-1"], tmp.path());
     assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
 }
