@@ -297,7 +297,7 @@ fn bench_cmd(a: BenchArgs, out: &mut dyn Write) -> Result<()> {
         check: !a.no_check,
         memory_budget: gib(a.mem_budget_gib),
         copy_bytes: gib(a.copy_gib).max(1 << 20),
-        placement_pad: a.pad_mib << 20,
+        placement_pad: a.pad_mib.saturating_mul(1 << 20),
         seed: a.seed,
     };
     config.gqa()?;

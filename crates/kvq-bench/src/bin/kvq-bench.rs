@@ -96,7 +96,7 @@ fn config(args: &Args) -> Result<BenchConfig, BenchError> {
         check: !args.no_check,
         memory_budget: gib(args.mem_budget_gib),
         copy_bytes: gib(args.copy_gib).max(1 << 20),
-        placement_pad: args.pad_mib << 20,
+        placement_pad: args.pad_mib.saturating_mul(1 << 20),
         seed: args.seed,
     })
 }
