@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use kvq::codegen::{cache_kernels, decode_kernels, Dtype, KernelEntry, KernelShape, TuneParams};
+use kvq::codegen::{
+    cache_kernels, decode_kernels, Dtype, KernelEntry, KernelShape, PieceRule, TuneParams,
+};
 use kvq::reference::int::{fp16_block_bytes, IntLayout, Section};
 use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
 use kvq::runtime::tune::{TuneEntry, TuneStore};
@@ -1006,14 +1008,18 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                 ctas), 1, most); the s in lo..=min(2·lo, most) maximising ctas·s / (ceil(ctas·s / \
                 slots)·slots), ties to the smaller"
                 .into(),
-            default_pieces: if decode.runs_pieces {
-                format!(
+            default_pieces: match decode.piece_rule {
+                PieceRule::LongShares => format!(
                     "warps = block / 32; if bucket / (num_splits·warps) ≥ {} then num_pieces = \
                      2·num_splits and piece_permille = 100, else num_pieces = 0",
                     kvq::runtime::decode::PIECES_MIN_WARP_TOKENS
-                )
-            } else {
-                "num_pieces = 0 (this decode kernel runs no pieces)".into()
+                ),
+                PieceRule::FewSplits => format!(
+                    "if num_splits ≤ {} then num_pieces = 2 and piece_permille = 50, else \
+                     num_pieces = 0",
+                    kvq::runtime::decode::PIECES_MAX_FEW_SPLITS
+                ),
+                PieceRule::None => "num_pieces = 0 (this decode kernel runs no pieces)".into(),
             },
             tuned: tuned
                 .iter()

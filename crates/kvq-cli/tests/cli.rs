@@ -272,13 +272,22 @@ fn check_pieces(m: &Value, dir: &Path) {
     let runs = decode["runs_pieces"]
         .as_bool()
         .expect("decode has runs_pieces");
-    // The default pieces an engine reproduces: the rule where the kernel runs pieces, none else.
+    // The default pieces an engine reproduces: the kernel's rule where it runs pieces (two per
+    // split where warp shares are long for 8-bit codes, two per (sequence, KV head) where splits
+    // are few for uncalibrated codes of at most 2 bits), none else.
     let default_pieces = m["tune"]["default_pieces"].as_str().unwrap();
-    assert_eq!(
-        default_pieces.contains("≥ 4096 then num_pieces = 2·num_splits"),
-        runs,
-        "{default_pieces}"
-    );
+    let long_shares = default_pieces.contains("≥ 4096 then num_pieces = 2·num_splits");
+    let few_splits = default_pieces.contains("≤ 8 then num_pieces = 2 and piece_permille = 50");
+    assert_eq!(long_shares || few_splits, runs, "{default_pieces}");
+    if runs {
+        let bits = |t: &str| m["layout"][t]["bits"].as_u64();
+        let (kb, vb) = (bits("k"), bits("v"));
+        assert_eq!(
+            long_shares,
+            kb.is_some_and(|b| b >= 8) && vb.is_some_and(|b| b >= 8),
+            "{default_pieces} {kb:?} {vb:?}"
+        );
+    }
     assert_eq!(
         default_pieces.contains("runs no pieces"),
         !runs,

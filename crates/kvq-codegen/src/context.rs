@@ -265,6 +265,9 @@ pub(crate) struct MmaCtx {
     /// The kernel runs pieces (`num_pieces > 0`) after its splits; otherwise its piece CTAs find
     /// their shares empty and the splits cover every token (see `pieces_pay`).
     pub pieces: bool,
+    /// Where the runtime's default launches take pieces (`PieceRule::None` exactly where `pieces`
+    /// is false).
+    pub piece_rule: crate::decode::PieceRule,
 }
 
 impl MmaCtx {

@@ -35,6 +35,9 @@ pub struct DecodeKernels {
     /// Whether `decode`'s piece CTAs do work (`num_pieces > 0`; the tensor-core kernel). The
     /// generic kernel does all the work in its splits and its piece CTAs mark their partials empty.
     pub runs_pieces: bool,
+    /// Where the runtime's default launches this kernel with pieces (`PieceRule::None` exactly
+    /// where `runs_pieces` is false).
+    pub piece_rule: PieceRule,
     /// CalibQuant's score-range pass (before `decode`), when the scheme calibrates.
     pub range: Option<KernelEntry>,
     /// Bytes of one K page block and one V page block of one KV head.
@@ -122,6 +125,11 @@ fn mma_plan(
     let enabled = reason.is_none();
     let v_token_fold = v.kind == "int" && v.axis == "token";
     let low_bit_keys = k.kind == "int" && k.bits <= 2;
+    let piece_rule = if enabled {
+        piece_rule(k, v, calibrated)
+    } else {
+        PieceRule::None
+    };
     MmaCtx {
         stage: if enabled {
             stage_plan(tune, k, v, v_token_fold)
@@ -143,7 +151,8 @@ fn mma_plan(
         v_subnormal: v_token_fold && v_subnormal_pays(v),
         v_channel_subnormal: v.kind == "int" && v.axis == "channel" && v_channel_subnormal_pays(v),
         merge_bytes: merge_bytes(tune, d),
-        pieces: enabled && pieces_pay(k, v),
+        pieces: piece_rule != PieceRule::None,
+        piece_rule,
     }
 }
 
@@ -195,13 +204,38 @@ fn v_channel_subnormal_pays(v: &TensorCtx) -> bool {
     v.kind == "int" && v.bits <= 2 && !v.symmetric
 }
 
-/// Whether the kernel is generated to run pieces. Measured on an H100 at B=16 L=32K (thirteenth
-/// round, docs/BENCHMARKS.md): INT8 ran ×1.01–×1.03 with pieces, every other scheme slower (kivi2
-/// ×0.89–×0.95, KIVI-4 ×0.93–×0.97, Kitty-Pro ×0.90–×0.98, FP16 ×0.99), and with the piece logic
-/// compiled in but unused KIVI-4 took 8 more registers and ran ×0.96. So only 8-bit schemes,
-/// whose CTAs are memory-bound, get it.
-fn pieces_pay(k: &TensorCtx, v: &TensorCtx) -> bool {
-    k.kind == "int" && v.kind == "int" && k.bits >= 8 && v.bits >= 8
+/// Which launches of a decode kernel take pieces after their splits by default; the runtime's
+/// `pieces_rule` turns the rule into counts. A kernel with a rule other than `None` is generated to
+/// run pieces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum PieceRule {
+    /// No pieces: the kernel's piece CTAs, if launched, find their shares empty.
+    None,
+    /// Two pieces per split over the last tenth of the cost where a split warp's share of the
+    /// context bucket is long (8-bit codes).
+    LongShares,
+    /// Two pieces per (sequence, KV head) over the last twentieth of the cost where the launch
+    /// has few splits (uncalibrated codes of at most 2 bits).
+    FewSplits,
+}
+
+/// The kernel's piece rule. Measured on an H100 at B=16 L=32K (thirteenth round,
+/// docs/BENCHMARKS.md): INT8 ran ×1.01–×1.03 with pieces; KIVI-4 ×0.93–×0.97, and with the piece
+/// logic compiled in but unused it took 8 more registers and ran ×0.96; FP16 ×0.99. kivi2 and
+/// Kitty-Pro lost with 1–4 pieces per split over 10–25% (×0.89–×0.98), but with the 2-bit kernels
+/// of the twenty-first round two pieces per (sequence, KV head) over 5% ran kivi2 ×1.01, Kitty
+/// ×1.00, Kitty-Pro ×1.02 at B=16 L=32K (six splits) and ×1.16 for kivi2 at B=16 L=4K, while at
+/// 24 and 99 splits (B=4, B=1) pieces lost ×0.60–×0.93. Calibrated schemes keep none: with the
+/// piece logic CalibQuant-1's decode kernel spilled 17 instructions against 4.
+fn piece_rule(k: &TensorCtx, v: &TensorCtx, calibrated: bool) -> PieceRule {
+    let int = k.kind == "int" && v.kind == "int";
+    if int && k.bits >= 8 && v.bits >= 8 {
+        PieceRule::LongShares
+    } else if int && k.bits <= 2 && v.bits <= 2 && !calibrated {
+        PieceRule::FewSplits
+    } else {
+        PieceRule::None
+    }
 }
 
 /// Shared memory of the warps' merge: each warp's accumulators (`head_dim / 16` m-tiles × 4 per
@@ -295,7 +329,13 @@ pub(crate) fn uses_stage_ring(spec: &SchemeSpec, shape: &KernelShape, tune: &Tun
 /// Whether the decode kernel for these parameters runs pieces after its splits
 /// ([`DecodeKernels::runs_pieces`], without rendering it).
 pub fn decode_runs_pieces(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> bool {
-    mma_plan_for(spec, shape, tune).is_some_and(|plan| plan.pieces)
+    decode_piece_rule(spec, shape, tune) != PieceRule::None
+}
+
+/// The piece rule of the decode kernel for these parameters ([`DecodeKernels::piece_rule`],
+/// without rendering it).
+pub fn decode_piece_rule(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> PieceRule {
+    mma_plan_for(spec, shape, tune).map_or(PieceRule::None, |plan| plan.piece_rule)
 }
 
 /// Renders the decode kernels for a scheme, shape and tuning.
@@ -431,6 +471,7 @@ pub fn decode_kernels(
         decode,
         combine,
         runs_pieces: ctx.mma.pieces,
+        piece_rule: ctx.mma.piece_rule,
         range,
         k_block_bytes: k.block_bytes,
         v_block_bytes: v.block_bytes,

@@ -22,7 +22,9 @@ mod templates;
 mod tune;
 
 pub use cache::{cache_kernels, cache_kernels_with, CacheKernels, PageQuantizers};
-pub use decode::{decode_kernels, decode_runs_pieces, DecodeKernels, KernelEntry};
+pub use decode::{
+    decode_kernels, decode_piece_rule, decode_runs_pieces, DecodeKernels, KernelEntry, PieceRule,
+};
 pub use error::CodegenError;
 pub use quantizer::{QuantizerForm, QuantizerForms};
 pub use shape::{Dtype, KernelShape};

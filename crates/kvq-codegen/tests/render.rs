@@ -241,8 +241,8 @@ fn only_token_axis_values_of_at_most_two_bits_enter_pv_as_subnormals() {
 }
 
 #[test]
-fn only_eight_bit_tensor_core_kernels_run_pieces_and_every_kernel_takes_them() {
-    use kvq_codegen::decode_runs_pieces;
+fn eight_bit_and_uncalibrated_low_bit_tensor_core_kernels_run_pieces_and_every_kernel_takes_them() {
+    use kvq_codegen::{decode_piece_rule, decode_runs_pieces, PieceRule};
     for d in [64, 128, 256] {
         let shape = KernelShape::new(d, 4, Dtype::F16);
         for text in SCHEMES {
@@ -250,14 +250,27 @@ fn only_eight_bit_tensor_core_kernels_run_pieces_and_every_kernel_takes_them() {
             for tune in TuneParams::candidates() {
                 let k = decode_kernels(&spec, &shape, &tune).unwrap();
                 let tensor_core_kernel = k.source.contains("mma.sync.aligned.m16n8k16");
-                let eight_bit = [spec.k, spec.v]
-                    .iter()
-                    .all(|t| matches!(t, kvq_spec::TensorQuant::Int(q) if q.bits == 8));
+                let all_bits = |f: fn(u32) -> bool| {
+                    [spec.k, spec.v]
+                        .iter()
+                        .all(|t| matches!(t, kvq_spec::TensorQuant::Int(q) if f(q.bits as u32)))
+                };
+                let rule = if !tensor_core_kernel {
+                    PieceRule::None
+                } else if all_bits(|b| b == 8) {
+                    PieceRule::LongShares
+                } else if all_bits(|b| b <= 2) && spec.calibrate.is_none() {
+                    PieceRule::FewSplits
+                } else {
+                    PieceRule::None
+                };
+                assert_eq!(k.piece_rule, rule, "{text} d{d} {tune:?}");
                 assert_eq!(
                     k.runs_pieces,
-                    tensor_core_kernel && eight_bit,
+                    rule != PieceRule::None,
                     "{text} d{d} {tune:?}"
                 );
+                assert_eq!(decode_piece_rule(&spec, &shape, &tune), rule, "{text}");
                 assert_eq!(
                     decode_runs_pieces(&spec, &shape, &tune),
                     k.runs_pieces,

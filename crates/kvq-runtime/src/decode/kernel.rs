@@ -218,11 +218,16 @@ impl DecodeKernel {
         self.generated.runs_pieces
     }
 
+    /// Where the default launch takes pieces ([`PieceRule`](kvq_codegen::PieceRule)).
+    pub fn piece_rule(&self) -> kvq_codegen::PieceRule {
+        self.generated.piece_rule
+    }
+
     /// The heuristic pieces for a launch of `splits` splits over sequences of at most `max_len`
     /// tokens ([`default_pieces`](super::default_pieces)).
     pub fn default_pieces(&self, max_len: usize, splits: usize) -> Pieces {
         super::default_pieces(
-            self.runs_pieces(),
+            self.piece_rule(),
             max_len,
             splits,
             self.generated.tune.warps(),

@@ -1,6 +1,7 @@
 //! How a decode launch divides each sequence's work: split-K partitions, and pieces launched after
 //! them for the SMs that finish first.
 
+use kvq_codegen::PieceRule;
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 
@@ -104,48 +105,71 @@ impl std::fmt::Display for Pieces {
 /// ×0.7–×1.0, the pieces' own start-up costing more than the balance gains.
 pub const PIECES_MIN_WARP_TOKENS: usize = 4096;
 
+/// Most splits at which kernels of [`PieceRule::FewSplits`] take pieces. Measured on an H100 with
+/// the 2-bit kernels (docs/BENCHMARKS.md, twenty-first round): at 6 splits (B=16) two pieces per
+/// (sequence, KV head) over 4–5% of the cost ran kivi2 ×1.01–×1.16, Kitty and Kitty-Pro
+/// ×0.99–×1.04; at 24 splits (B=4) ×0.86–×0.95 and at 99 (B=1) ×0.60–×0.73.
+pub const PIECES_MAX_FEW_SPLITS: usize = 8;
+
 /// The pieces a launch of `splits` splits of `warps_per_cta` warps uses by default, for a kernel
-/// that runs pieces ([`DecodeKernel::runs_pieces`](super::DecodeKernel::runs_pieces)):
+/// of piece rule `rule` ([`DecodeKernel::piece_rule`](super::DecodeKernel::piece_rule)):
 /// [`pieces_rule`], unless `KVQ_PIECES` says otherwise. `KVQ_PIECES=off` turns them off;
 /// `KVQ_PIECES=PER_SPLIT,PERMILLE` (for measuring) cuts `PERMILLE` thousandths of the cost into
-/// `PER_SPLIT × splits` pieces wherever the kernel runs them; other values leave the rule in
-/// force.
+/// `PER_SPLIT × splits` pieces wherever the kernel runs them, `KVQ_PIECES=COUNT/PERMILLE` into
+/// `COUNT` pieces per (sequence, KV head); other values leave the rule in force.
 pub fn default_pieces(
-    runs_pieces: bool,
+    rule: PieceRule,
     max_len: usize,
     splits: usize,
     warps_per_cta: usize,
 ) -> Pieces {
-    if !runs_pieces {
+    if rule == PieceRule::None {
         return Pieces::NONE;
     }
     match std::env::var("KVQ_PIECES").as_deref() {
         Ok("off") => Pieces::NONE,
-        Ok(v) => {
-            parse_pieces(v, splits).unwrap_or_else(|| pieces_rule(max_len, splits, warps_per_cta))
-        }
-        Err(_) => pieces_rule(max_len, splits, warps_per_cta),
+        Ok(v) => parse_pieces(v, splits)
+            .unwrap_or_else(|| pieces_rule(rule, max_len, splits, warps_per_cta)),
+        Err(_) => pieces_rule(rule, max_len, splits, warps_per_cta),
     }
 }
 
-/// Two pieces per split over the last tenth of the cost where a split warp's share of the context
-/// bucket (`max_len` rounded up to a power of two, as for the split count) reaches
-/// [`PIECES_MIN_WARP_TOKENS`]; none elsewhere. Like the split count it depends only on the batch
-/// shape and the bucket, so a captured CUDA graph stays valid while sequences grow.
-pub fn pieces_rule(max_len: usize, splits: usize, warps_per_cta: usize) -> Pieces {
-    let bucket = max_len.max(1).next_power_of_two();
-    if bucket / (splits.max(1) * warps_per_cta.max(1)) >= PIECES_MIN_WARP_TOKENS {
-        Pieces {
-            count: 2 * splits.max(1),
-            permille: 100,
+/// The pieces of `rule` for a launch of `splits` splits. [`PieceRule::LongShares`]: two pieces per
+/// split over the last tenth of the cost where a split warp's share of the context bucket
+/// (`max_len` rounded up to a power of two, as for the split count) reaches
+/// [`PIECES_MIN_WARP_TOKENS`]. [`PieceRule::FewSplits`]: two pieces per (sequence, KV head) over
+/// the last twentieth where there are at most [`PIECES_MAX_FEW_SPLITS`] splits. None elsewhere.
+/// Like the split count it depends only on the batch shape and the bucket, so a captured CUDA
+/// graph stays valid while sequences grow.
+pub fn pieces_rule(rule: PieceRule, max_len: usize, splits: usize, warps_per_cta: usize) -> Pieces {
+    let splits = splits.max(1);
+    match rule {
+        PieceRule::LongShares => {
+            let bucket = max_len.max(1).next_power_of_two();
+            if bucket / (splits * warps_per_cta.max(1)) >= PIECES_MIN_WARP_TOKENS {
+                Pieces {
+                    count: 2 * splits,
+                    permille: 100,
+                }
+            } else {
+                Pieces::NONE
+            }
         }
-    } else {
-        Pieces::NONE
+        PieceRule::FewSplits if splits <= PIECES_MAX_FEW_SPLITS => Pieces {
+            count: 2,
+            permille: 50,
+        },
+        PieceRule::FewSplits | PieceRule::None => Pieces::NONE,
     }
 }
 
-/// `PER_SPLIT,PERMILLE` as pieces of a launch of `splits` splits.
+/// `PER_SPLIT,PERMILLE` or `COUNT/PERMILLE` as pieces of a launch of `splits` splits.
 fn parse_pieces(text: &str, splits: usize) -> Option<Pieces> {
+    if let Some((a, b)) = text.split_once('/') {
+        let count: usize = a.trim().parse().ok()?;
+        let permille: u32 = b.trim().parse().ok()?;
+        return (count > 0 && (1..1000).contains(&permille)).then_some(Pieces { count, permille });
+    }
     let (a, b) = text.split_once(',')?;
     let per_split: usize = a.trim().parse().ok()?;
     let permille: u32 = b.trim().parse().ok()?;
@@ -186,7 +210,7 @@ mod tests {
     #[test]
     fn pieces_only_where_a_warp_share_is_long() {
         // INT8 on an H100: 128-thread CTAs; B=16 L=32K takes 2 splits, B=1 L=32K 33.
-        let p = pieces_rule(32768, 2, 4);
+        let p = pieces_rule(PieceRule::LongShares, 32768, 2, 4);
         assert_eq!(
             p,
             Pieces {
@@ -195,12 +219,52 @@ mod tests {
             }
         );
         assert!(p.is_some());
-        assert_eq!(pieces_rule(20_000, 2, 4), p); // same bucket
-        assert_eq!(pieces_rule(32768, 33, 4), Pieces::NONE);
-        assert_eq!(pieces_rule(4096, 2, 4), Pieces::NONE);
-        assert_eq!(pieces_rule(0, 0, 0), Pieces::NONE);
-        // Kernels that run no pieces get none, whatever the rule or KVQ_PIECES say.
-        assert_eq!(default_pieces(false, 32768, 2, 4), Pieces::NONE);
+        let long =
+            |max_len, splits, warps| pieces_rule(PieceRule::LongShares, max_len, splits, warps);
+        assert_eq!(long(20_000, 2, 4), p); // same bucket
+        assert_eq!(long(32768, 33, 4), Pieces::NONE);
+        assert_eq!(long(4096, 2, 4), Pieces::NONE);
+        assert_eq!(long(0, 0, 0), Pieces::NONE);
+        // Kernels that run no pieces get none, whatever KVQ_PIECES says.
+        assert_eq!(default_pieces(PieceRule::None, 32768, 2, 4), Pieces::NONE);
+        assert_eq!(pieces_rule(PieceRule::None, 32768, 2, 4), Pieces::NONE);
+    }
+
+    #[test]
+    fn low_bit_pieces_only_where_splits_are_few() {
+        // kivi2 on an H100: B=16 takes 6 splits at every context, B=4 24, B=1 32-99.
+        let few = |splits| pieces_rule(PieceRule::FewSplits, 32768, splits, 2);
+        let two = Pieces {
+            count: 2,
+            permille: 50,
+        };
+        assert_eq!(few(6), two);
+        assert_eq!(few(PIECES_MAX_FEW_SPLITS), two);
+        assert_eq!(few(PIECES_MAX_FEW_SPLITS + 1), Pieces::NONE);
+        assert_eq!(few(24), Pieces::NONE);
+        assert_eq!(pieces_rule(PieceRule::FewSplits, 4096, 6, 2), two); // any context
+        assert!(two.check(6).is_ok());
+    }
+
+    #[test]
+    fn pieces_parse_per_split_or_per_sequence() {
+        assert_eq!(
+            parse_pieces("2,100", 6),
+            Some(Pieces {
+                count: 12,
+                permille: 100
+            })
+        );
+        assert_eq!(
+            parse_pieces("2/40", 6),
+            Some(Pieces {
+                count: 2,
+                permille: 40
+            })
+        );
+        for bad in ["0/40", "2/0", "2/1000", "x/5", "2", ""] {
+            assert_eq!(parse_pieces(bad, 6), None, "{bad}");
+        }
     }
 
     #[test]

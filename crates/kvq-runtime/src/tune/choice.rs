@@ -1,7 +1,7 @@
 //! A launch configuration ([`TuneChoice`]: kernel block parameters plus the split-K count), the
 //! heuristic default, and the candidates the tuner searches.
 
-use kvq_codegen::{decode_runs_pieces, TuneParams};
+use kvq_codegen::{decode_piece_rule, TuneParams};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -80,7 +80,7 @@ impl fmt::Display for TuneChoice {
 /// The pieces [`default_pieces`] gives a launch of `splits` splits of the kernel `params` renders.
 fn rule_pieces(problem: &TuneProblem, params: &TuneParams, splits: usize) -> Pieces {
     default_pieces(
-        decode_runs_pieces(&problem.spec, &problem.shape, params),
+        decode_piece_rule(&problem.spec, &problem.shape, params),
         problem.max_len,
         splits,
         params.warps(),
@@ -208,10 +208,23 @@ mod tests {
             let per_warp = 32768 / (c.splits * c.params.warps());
             assert_eq!(c.pieces.is_some(), per_warp >= 4096, "{c}");
         }
-        // Schemes whose kernels run no pieces never get any.
-        assert!(candidates(&problem(16, 32768), 396)
-            .iter()
-            .all(|c| !c.pieces.is_some()));
+        // 2-bit keys and values: two per (sequence, KV head) wherever the splits are few.
+        for c in candidates(&problem(16, 32768), 396) {
+            let few = c.splits <= crate::decode::PIECES_MAX_FEW_SPLITS;
+            assert_eq!(c.pieces.is_some(), few, "{c}");
+            if few {
+                assert_eq!(c.pieces.count, 2, "{c}");
+            }
+        }
+        // Schemes whose kernels run no pieces (4-bit keys and values) never get any.
+        let kivi4 = TuneProblem::new(
+            "k = int(4, channel), v = int(4, token)".parse().unwrap(),
+            KernelShape::new(128, 4, Dtype::F16),
+            8,
+            16,
+            32768,
+        );
+        assert!(candidates(&kivi4, 396).iter().all(|c| !c.pieces.is_some()));
     }
 
     #[test]
