@@ -224,9 +224,9 @@ pub enum PieceRule {
 /// logic compiled in but unused it took 8 more registers and ran ×0.96; FP16 ×0.99. kivi2 and
 /// Kitty-Pro lost with 1–4 pieces per split over 10–25% (×0.89–×0.98), but with the 2-bit kernels
 /// of the twenty-first round two pieces per (sequence, KV head) over 5% ran kivi2 ×1.01, Kitty
-/// ×1.00, Kitty-Pro ×1.02 at B=16 L=32K (six splits) and ×1.16 for kivi2 at B=16 L=4K, while at
-/// 24 and 99 splits (B=4, B=1) pieces lost ×0.60–×0.93. Calibrated schemes keep none: with the
-/// piece logic CalibQuant-1's decode kernel spilled 17 instructions against 4.
+/// ×1.01, Kitty-Pro ×1.02 at B=16 L=32K (six splits), and over 4% ×1.16 for kivi2 at B=16 L=4K,
+/// while at 24 and 99 splits (B=4, B=1) pieces lost ×0.60–×0.96. Calibrated schemes keep none:
+/// with the piece logic CalibQuant-1's decode kernel had 17 spill instructions against 12.
 fn piece_rule(k: &TensorCtx, v: &TensorCtx, calibrated: bool) -> PieceRule {
     let int = k.kind == "int" && v.kind == "int";
     if int && k.bits >= 8 && v.bits >= 8 {
