@@ -790,7 +790,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
         ));
     }
     kernels.push(KernelInfo {
-        runs_pieces: Some(decode.runs_pieces),
+        runs_pieces: Some(decode.runs_pieces()),
         ..kernel_info(
             "decode",
             DECODE_FILE,

@@ -32,11 +32,8 @@ pub struct DecodeKernels {
     pub decode: KernelEntry,
     /// Merges the splits (and pieces) into the output.
     pub combine: KernelEntry,
-    /// Whether `decode`'s piece CTAs do work (`num_pieces > 0`; the tensor-core kernel). The
-    /// generic kernel does all the work in its splits and its piece CTAs mark their partials empty.
-    pub runs_pieces: bool,
-    /// Where the runtime's default launches this kernel with pieces (`PieceRule::None` exactly
-    /// where `runs_pieces` is false).
+    /// Where the runtime's default launches this kernel with pieces; `PieceRule::None` for a
+    /// kernel that runs none (see [`DecodeKernels::runs_pieces`]).
     pub piece_rule: PieceRule,
     /// CalibQuant's score-range pass (before `decode`), when the scheme calibrates.
     pub range: Option<KernelEntry>,
@@ -338,6 +335,15 @@ pub fn decode_piece_rule(spec: &SchemeSpec, shape: &KernelShape, tune: &TunePara
     mma_plan_for(spec, shape, tune).map_or(PieceRule::None, |plan| plan.piece_rule)
 }
 
+impl DecodeKernels {
+    /// Whether `decode`'s piece CTAs do work (`num_pieces > 0`; tensor-core kernels with a piece
+    /// rule). Other kernels do all the work in their splits, and their piece CTAs mark their
+    /// partials empty.
+    pub fn runs_pieces(&self) -> bool {
+        self.piece_rule != PieceRule::None
+    }
+}
+
 /// Renders the decode kernels for a scheme, shape and tuning.
 pub fn decode_kernels(
     spec: &SchemeSpec,
@@ -470,7 +476,6 @@ pub fn decode_kernels(
         source,
         decode,
         combine,
-        runs_pieces: ctx.mma.pieces,
         piece_rule: ctx.mma.piece_rule,
         range,
         k_block_bytes: k.block_bytes,

@@ -266,18 +266,18 @@ fn eight_bit_and_uncalibrated_low_bit_tensor_core_kernels_run_pieces_and_every_k
                 };
                 assert_eq!(k.piece_rule, rule, "{text} d{d} {tune:?}");
                 assert_eq!(
-                    k.runs_pieces,
+                    k.runs_pieces(),
                     rule != PieceRule::None,
                     "{text} d{d} {tune:?}"
                 );
                 assert_eq!(decode_piece_rule(&spec, &shape, &tune), rule, "{text}");
                 assert_eq!(
                     decode_runs_pieces(&spec, &shape, &tune),
-                    k.runs_pieces,
+                    k.runs_pieces(),
                     "{text}"
                 );
                 if tensor_core_kernel {
-                    let rendered = format!("KVQ_RUNS_PIECES = {};", k.runs_pieces);
+                    let rendered = format!("KVQ_RUNS_PIECES = {};", k.runs_pieces());
                     assert!(k.source.contains(&rendered), "{text}: {rendered}");
                 }
                 // The launch is the same for every kernel: pieces after the splits, and the

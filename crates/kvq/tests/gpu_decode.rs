@@ -1,6 +1,7 @@
 //! Fused GPU decode against the CPU reference on the same quantized cache, for every integer and
-//! FP16 built-in scheme, and the calibrated schemes whose range pass keeps the f16 path
-//! (`calibrated_f16_range_schemes`), × head_dim {64, 128, 256} × {f16, bf16} × GQA {1, 4, 8}, in one batch of
+//! FP16 built-in scheme, the calibrated schemes whose range pass keeps the f16 path
+//! (`calibrated_f16_range_schemes`) and a scheme with FP16 keys and 2-bit values
+//! (`one_tensor_schemes`), × head_dim {64, 128, 256} × {f16, bf16} × GQA {1, 4, 8}, in one batch of
 //! odd, unequal lengths. Inputs are fresh random data each run (seed printed; `KVQ_SEED` repeats
 //! one), outputs are poisoned with NaN before every launch, and NaN never passes. Where a step's
 //! kernels overlap each other (compute capability 9.0 on), each step is repeated with plain
@@ -11,7 +12,7 @@
 //! so a change to some kernels can be checked first on a short device lease.
 
 mod common;
-use common::{calibrated_f16_range_schemes, integer_schemes, seed};
+use common::{calibrated_f16_range_schemes, integer_schemes, one_tensor_schemes, seed};
 use kvq::codegen::{Dtype, KernelShape, TuneParams};
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
@@ -113,6 +114,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
         "expected the 8 integer/FP16 built-ins, got {schemes:?}"
     );
     schemes.extend(calibrated_f16_range_schemes());
+    schemes.extend(one_tensor_schemes());
     if let Ok(only) = std::env::var("KVQ_TEST_SCHEMES") {
         schemes = selected_schemes(schemes, &only);
         println!(

@@ -215,7 +215,7 @@ impl DecodeKernel {
     /// Whether the decode kernel runs pieces after its splits (see [`Pieces`]); a kernel that
     /// does not still takes launches with pieces and does all the work in its splits.
     pub fn runs_pieces(&self) -> bool {
-        self.generated.runs_pieces
+        self.generated.runs_pieces()
     }
 
     /// Where the default launch takes pieces ([`PieceRule`](kvq_codegen::PieceRule)).

@@ -49,6 +49,19 @@ pub fn calibrated_f16_range_schemes() -> Vec<(&'static str, SchemeSpec)> {
     .collect()
 }
 
+/// Schemes that quantize only one of K and V: with FP16 keys the 2-bit values' centring cannot
+/// follow K pages and takes every chunk (the twenty-first round's every-other-page centring keys on
+/// them).
+pub fn one_tensor_schemes() -> Vec<(&'static str, SchemeSpec)> {
+    [("fp16-k-kivi2-v", "k = fp16, v = int(2, token)")]
+        .into_iter()
+        .map(|(name, text)| {
+            let spec = SchemeSpec::parse(text).unwrap_or_else(|e| panic!("{name}: {e}"));
+            (name, spec)
+        })
+        .collect()
+}
+
 /// A fresh seed per run (printed by the tests), or `KVQ_SEED` to repeat one.
 pub fn seed() -> u64 {
     std::env::var("KVQ_SEED")
