@@ -111,6 +111,12 @@ pub const PIECES_MIN_WARP_TOKENS: usize = 4096;
 /// ×0.99–×1.04; at 24 splits (B=4) ×0.86–×0.95 and at 99 (B=1) ×0.60–×0.73.
 pub const PIECES_MAX_FEW_SPLITS: usize = 8;
 
+/// Fewest tokens of a split warp's share of the context bucket at which kernels of
+/// [`PieceRule::FewSplits`] take pieces: the shortest measured with a gain was B=16 L=4K (six
+/// splits of two warps, 341 tokens a warp). Shorter contexts, where a small batch can also have few
+/// splits, were not measured, and get none.
+pub const PIECES_FEW_SPLITS_MIN_WARP_TOKENS: usize = 256;
+
 /// The pieces a launch of `splits` splits of `warps_per_cta` warps uses by default, for a kernel
 /// of piece rule `rule` ([`DecodeKernel::piece_rule`](super::DecodeKernel::piece_rule)):
 /// [`pieces_rule`], unless `KVQ_PIECES` says otherwise. `KVQ_PIECES=off` turns them off;
@@ -138,15 +144,16 @@ pub fn default_pieces(
 /// split over the last tenth of the cost where a split warp's share of the context bucket
 /// (`max_len` rounded up to a power of two, as for the split count) reaches
 /// [`PIECES_MIN_WARP_TOKENS`]. [`PieceRule::FewSplits`]: two pieces per (sequence, KV head) over
-/// the last twentieth where there are at most [`PIECES_MAX_FEW_SPLITS`] splits. None elsewhere.
+/// the last twentieth where there are at most [`PIECES_MAX_FEW_SPLITS`] splits and a split warp's
+/// share of the bucket reaches [`PIECES_FEW_SPLITS_MIN_WARP_TOKENS`]. None elsewhere.
 /// Like the split count it depends only on the batch shape and the bucket, so a captured CUDA
 /// graph stays valid while sequences grow.
 pub fn pieces_rule(rule: PieceRule, max_len: usize, splits: usize, warps_per_cta: usize) -> Pieces {
     let splits = splits.max(1);
+    let warp_tokens = max_len.max(1).next_power_of_two() / (splits * warps_per_cta.max(1));
     match rule {
         PieceRule::LongShares => {
-            let bucket = max_len.max(1).next_power_of_two();
-            if bucket / (splits * warps_per_cta.max(1)) >= PIECES_MIN_WARP_TOKENS {
+            if warp_tokens >= PIECES_MIN_WARP_TOKENS {
                 Pieces {
                     count: 2 * splits,
                     permille: 100,
@@ -155,10 +162,15 @@ pub fn pieces_rule(rule: PieceRule, max_len: usize, splits: usize, warps_per_cta
                 Pieces::NONE
             }
         }
-        PieceRule::FewSplits if splits <= PIECES_MAX_FEW_SPLITS => Pieces {
-            count: 2,
-            permille: 50,
-        },
+        PieceRule::FewSplits
+            if splits <= PIECES_MAX_FEW_SPLITS
+                && warp_tokens >= PIECES_FEW_SPLITS_MIN_WARP_TOKENS =>
+        {
+            Pieces {
+                count: 2,
+                permille: 50,
+            }
+        }
         PieceRule::FewSplits | PieceRule::None => Pieces::NONE,
     }
 }
@@ -242,7 +254,11 @@ mod tests {
         assert_eq!(few(PIECES_MAX_FEW_SPLITS), two);
         assert_eq!(few(PIECES_MAX_FEW_SPLITS + 1), Pieces::NONE);
         assert_eq!(few(24), Pieces::NONE);
-        assert_eq!(pieces_rule(PieceRule::FewSplits, 4096, 6, 2), two); // any context
+        assert_eq!(pieces_rule(PieceRule::FewSplits, 4096, 6, 2), two); // B=16 L=4K: 341 a warp
+                                                                        // Short contexts, where few splits also come with small batches: not measured, none.
+        assert_eq!(pieces_rule(PieceRule::FewSplits, 2048, 6, 2), Pieces::NONE);
+        assert_eq!(pieces_rule(PieceRule::FewSplits, 512, 1, 2), two);
+        assert_eq!(pieces_rule(PieceRule::FewSplits, 256, 1, 2), Pieces::NONE);
         assert!(two.check(6).is_ok());
     }
 
