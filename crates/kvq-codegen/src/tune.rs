@@ -19,31 +19,45 @@ impl TuneParams {
     pub const THREADS: &'static [u32] = &[64, 128, 256];
     pub const TILE_TOKENS: &'static [u32] = &[16, 32, 64];
 
-    /// The heuristic default for shapes nobody tuned: 64-thread CTAs with 64-token tiles, except
-    /// for schemes with 8-bit codes, which keep 128 threads with 32-token tiles.
+    /// The heuristic default for shapes nobody tuned.
     ///
-    /// Measured on an H100 against 128-thread CTAs in the same run (docs/BENCHMARKS.md, ninth
-    /// round; 64-thread CTAs run about twice the splits with as many warps per SM or more):
-    /// ×1.00–×1.17 for FP16 and the 1-, 2- and 4-bit schemes over B ∈ {1, 4, 16} and
-    /// L ∈ {4K, 32K, 128K}, except CalibQuant at B=1 L=32K (×0.98) and Kitty-Pro at B=16 L=128K
-    /// (×0.99). INT8 ran up to 5% slower at 64 threads, and keeps 32-token tiles: only those let
-    /// the tensor-core kernel's `cp.async` ring fit in shared memory at 128 threads (75.5% of
-    /// copy at 64-token tiles, 89% at 32, B=16 L=32K).
+    /// - 1-, 2- and 4-bit codes whose tensor-core kernel stages 64-token chunks through its
+    ///   `cp.async` ring at head_dim 128: 128-thread CTAs. Measured on an H100 against 64-thread
+    ///   CTAs (the split count halves, so the warps stay as many; docs/BENCHMARKS.md,
+    ///   twenty-second round): geomeans ×1.013–×1.022 over B ∈ {1, 4, 16} × L ∈ {4K, 32K,
+    ///   128K} for KIVI-4, Kitty, Kitty-Pro and CalibQuant, ×1.03–×1.05 at GQA 8 in bf16; kivi2
+    ///   ×1.022 at B=16 L=32K (127.3 → 124.6 µs) but ×0.93 at B=4 L=4K, which the tuner
+    ///   recovers. The ninth round had found the opposite (64 threads up to ×1.17 faster), before
+    ///   the twelfth round took the serial merge of a CTA's warps out.
+    /// - Everything else keeps 64-thread CTAs with 64-token tiles (ninth round: ×1.00–×1.17 over
+    ///   128 threads), except schemes with 8-bit codes, which keep 128 threads with 32-token
+    ///   tiles: only those let the ring fit in shared memory at 128 threads (INT8 at B=16 L=32K:
+    ///   75.5% of copy at 64-token tiles, 89% at 32).
     ///
     /// ```
     /// use kvq_codegen::{Dtype, KernelShape, TuneParams};
     /// let shape = KernelShape::new(128, 4, Dtype::F16);
     /// let int8 = kvq_spec::SchemeSpec::parse("k = int(8, channel), v = int(8, token)").unwrap();
     /// let kivi2 = kvq_spec::SchemeSpec::parse("k = int(2, channel), v = int(2, token)").unwrap();
+    /// let fp16 = kvq_spec::SchemeSpec::parse("k = fp16, v = fp16").unwrap();
     /// let int8_default = TuneParams::default_for(&int8, &shape);
     /// assert_eq!((int8_default.threads, int8_default.tile_tokens), (128, 32));
     /// let kivi2_default = TuneParams::default_for(&kivi2, &shape);
-    /// assert_eq!((kivi2_default.threads, kivi2_default.tile_tokens), (64, 64));
+    /// assert_eq!((kivi2_default.threads, kivi2_default.tile_tokens), (128, 64));
+    /// let fp16_default = TuneParams::default_for(&fp16, &shape);
+    /// assert_eq!((fp16_default.threads, fp16_default.tile_tokens), (64, 64));
     /// ```
     pub fn default_for(spec: &SchemeSpec, shape: &KernelShape) -> Self {
         let eight_bit = [&spec.k, &spec.v]
             .iter()
             .any(|t| t.as_int().is_some_and(|q| q.bits >= 8));
+        let four_warps = TuneParams {
+            threads: 128,
+            tile_tokens: 64,
+        };
+        if !eight_bit && shape.head_dim == 128 && uses_stage_ring(spec, shape, &four_warps) {
+            return four_warps;
+        }
         let wide = TuneParams {
             threads: if eight_bit { 128 } else { 64 },
             tile_tokens: 64,

@@ -147,12 +147,12 @@ fn a_corrupt_file_is_a_warning_never_an_error() {
 
 #[test]
 fn the_issue_shape_searches_every_block_shape_around_the_heuristic_splits() {
-    // An H100 holding six of the default's two-warp decode CTAs per SM: 792 resident. At 4K
-    // tokens the split count stops at 64 tokens per warp: 4096 / (64 · 2) = 32.
-    for (batch, len, default_splits) in [(1, 32_768, 99), (16, 32_768, 6), (1, 4096, 32)] {
+    // An H100 holding three of the default's four-warp decode CTAs per SM: 396 resident. At 4K
+    // tokens the split count stops at 64 tokens per warp: 4096 / (64 · 4) = 16.
+    for (batch, len, default_splits) in [(1, 32_768, 49), (16, 32_768, 3), (1, 4096, 16)] {
         let p = problem(batch, len);
-        assert_eq!(TuneParams::default_for(&p.spec, &p.shape).threads, 64);
-        let all = candidates(&p, 792);
+        assert_eq!(TuneParams::default_for(&p.spec, &p.shape).threads, 128);
+        let all = candidates(&p, 396);
         assert_eq!(all[0].splits, default_splits, "B={batch} L={len}");
         assert_eq!(all[0].params, TuneParams::default_for(&p.spec, &p.shape));
         assert!(all.len() >= TuneParams::candidates().count() * 4);
