@@ -148,8 +148,8 @@ fn a_corrupt_file_is_a_warning_never_an_error() {
 #[test]
 fn the_issue_shape_searches_every_block_shape_around_the_heuristic_splits() {
     // An H100 holding three of the default's four-warp decode CTAs per SM: 396 resident. At 4K
-    // tokens the split count stops at 64 tokens per warp: 4096 / (64 · 4) = 16.
-    for (batch, len, default_splits) in [(1, 32_768, 49), (16, 32_768, 3), (1, 4096, 16)] {
+    // tokens the split count stops at 32 tokens per warp (min_warp_tokens): 4096 / (32 · 4) = 32.
+    for (batch, len, default_splits) in [(1, 32_768, 49), (16, 32_768, 3), (1, 4096, 32)] {
         let p = problem(batch, len);
         assert_eq!(TuneParams::default_for(&p.spec, &p.shape).threads, 128);
         let all = candidates(&p, 396);

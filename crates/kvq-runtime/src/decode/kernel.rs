@@ -209,6 +209,7 @@ impl DecodeKernel {
             max_len,
             self.resident_ctas(sm_count)?,
             self.generated.tune.warps(),
+            super::min_warp_tokens(&self.spec, max_len),
         ))
     }
 

@@ -2,6 +2,7 @@
 //! them for the SMs that finish first.
 
 use kvq_codegen::PieceRule;
+use kvq_spec::SchemeSpec;
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 
@@ -12,19 +13,20 @@ use std::cmp::Reverse;
 /// about equal time, so a grid of 1.6 waves (ncu: the earlier four-per-SM rule at B=16 on an H100)
 /// runs about as long as two; the split count is therefore the one, between the fewest that fill
 /// 90% of a wave and twice that, whose last wave is the fullest (ties: fewer splits, so less
-/// merging). Never fewer than 64 tokens per warp of a split (`warps_per_cta` warps share one) in
-/// the context bucket (the longest sequence rounded up to a power of two), nor more than 256
-/// splits. It depends only on the batch shape, that bucket and the block, so a captured CUDA graph
-/// stays valid while sequences grow within their bucket.
+/// merging). Never fewer than `warp_tokens` tokens per warp of a split (`warps_per_cta` warps
+/// share one; see [`min_warp_tokens`]) in the context bucket (the longest sequence rounded up to a
+/// power of two), nor more than 256 splits. It depends only on the batch shape, that bucket and
+/// the block, so a captured CUDA graph stays valid while sequences grow within their bucket.
 pub fn default_splits(
     batch: usize,
     kv_heads: usize,
     max_len: usize,
     resident_ctas: usize,
     warps_per_cta: usize,
+    warp_tokens: usize,
 ) -> usize {
-    let bucket = max_len.max(1).next_power_of_two();
-    let most = (bucket / (64 * warps_per_cta.max(1))).clamp(1, 256);
+    let bucket = context_bucket(max_len);
+    let most = (bucket / (warp_tokens.max(1) * warps_per_cta.max(1))).clamp(1, 256);
     let ctas = (batch * kv_heads).max(1);
     let slots = resident_ctas.max(1);
     let fewest = (9 * slots).div_ceil(10 * ctas).clamp(1, most);
@@ -35,6 +37,37 @@ pub fn default_splits(
             (1000 * grid / (waves * slots), Reverse(s))
         })
         .unwrap_or(1)
+}
+
+/// The context bucket of a launch: its longest sequence rounded up to a power of two.
+fn context_bucket(max_len: usize) -> usize {
+    max_len.max(1).next_power_of_two()
+}
+
+/// Context buckets up to which quantized kernels take splits of [`SHORT_WARP_TOKENS`] tokens a
+/// warp.
+pub const SHORT_CONTEXT_BUCKET: usize = 4096;
+
+/// Fewest tokens of the context bucket a split warp gets, in general.
+pub const WARP_TOKENS: usize = 64;
+
+/// Fewest tokens a split warp of a quantized kernel gets at contexts up to
+/// [`SHORT_CONTEXT_BUCKET`]: half a 64-token chunk.
+pub const SHORT_WARP_TOKENS: usize = 32;
+
+/// The fewest bucket tokens per split warp that [`default_splits`] allows for `spec`: 32 where
+/// K or V is quantized and the context bucket is at most 4096 tokens, 64 otherwise. Measured on an H100 with
+/// four-warp CTAs (docs/BENCHMARKS.md, twenty-second round): at B ∈ {1, 2, 4} and contexts of
+/// 256 to 4K tokens, where the grid is otherwise too small to fill the GPU, 32 tokens a warp ran
+/// the quantized schemes ×0.99–×1.31 (CalibQuant most, at 256 tokens); at 8K Kitty ran ×0.90
+/// and Kitty-Pro ×0.93 (warps of less than a chunk), and FP16 ×0.96–×0.99 from 1K on.
+pub fn min_warp_tokens(spec: &SchemeSpec, max_len: usize) -> usize {
+    let quantized = spec.k.is_quantized() || spec.v.is_quantized();
+    if quantized && context_bucket(max_len) <= SHORT_CONTEXT_BUCKET {
+        SHORT_WARP_TOKENS
+    } else {
+        WARP_TOKENS
+    }
 }
 
 /// Small pieces of each sequence's work, in CTAs launched after all the splits' CTAs. The
@@ -198,25 +231,25 @@ mod tests {
     #[test]
     fn fills_whole_waves() {
         // H100, 3 CTAs per SM: 396 slots.
-        assert_eq!(default_splits(1, 8, 32768, 396, 4), 49); // 392 CTAs, one wave
-        assert_eq!(default_splits(16, 8, 32768, 396, 4), 3); // 384 CTAs, not 640 (1.6 waves)
-        assert_eq!(default_splits(64, 8, 32768, 396, 4), 2); // 1024 CTAs in 3 waves (86%)
-        assert_eq!(default_splits(256, 8, 32768, 396, 4), 2); // 94% of 11 waves, not 86% of 6
-        assert_eq!(default_splits(99, 4, 32768, 396, 4), 1); // exactly one wave
+        assert_eq!(default_splits(1, 8, 32768, 396, 4, 64), 49); // 392 CTAs, one wave
+        assert_eq!(default_splits(16, 8, 32768, 396, 4, 64), 3); // 384 CTAs, not 640 (1.6 waves)
+        assert_eq!(default_splits(64, 8, 32768, 396, 4, 64), 2); // 1024 CTAs in 3 waves (86%)
+        assert_eq!(default_splits(256, 8, 32768, 396, 4, 64), 2); // 94% of 11 waves, not 86% of 6
+        assert_eq!(default_splits(99, 4, 32768, 396, 4, 64), 1); // exactly one wave
 
         // 2 CTAs per SM: 264 slots.
-        assert_eq!(default_splits(1, 8, 32768, 264, 4), 33);
+        assert_eq!(default_splits(1, 8, 32768, 264, 4, 64), 33);
     }
 
     #[test]
     fn never_more_splits_than_chunks_and_stable_within_a_bucket() {
-        assert_eq!(default_splits(1, 8, 100, 396, 4), 1);
-        assert_eq!(default_splits(1, 8, 4096, 396, 4), 16);
+        assert_eq!(default_splits(1, 8, 100, 396, 4, 64), 1);
+        assert_eq!(default_splits(1, 8, 4096, 396, 4, 64), 16);
         assert_eq!(
-            default_splits(2, 8, 5000, 396, 4),
-            default_splits(2, 8, 8000, 396, 4)
+            default_splits(2, 8, 5000, 396, 4, 64),
+            default_splits(2, 8, 8000, 396, 4, 64)
         );
-        assert_eq!(default_splits(0, 0, 0, 0, 0), 1);
+        assert_eq!(default_splits(0, 0, 0, 0, 0, 64), 1);
     }
 
     #[test]
@@ -341,9 +374,26 @@ mod tests {
     }
 
     #[test]
+    fn quantized_kernels_take_half_chunks_a_warp_up_to_4k() {
+        let kivi2 = SchemeSpec::parse("k = int(2, channel), v = int(2, token)").unwrap();
+        let fp16 = SchemeSpec::parse("k = fp16, v = fp16").unwrap();
+        let fp16_k = SchemeSpec::parse("k = fp16, v = int(2, token)").unwrap();
+        assert_eq!(min_warp_tokens(&kivi2, 4096), SHORT_WARP_TOKENS);
+        assert_eq!(min_warp_tokens(&kivi2, 256), SHORT_WARP_TOKENS);
+        assert_eq!(min_warp_tokens(&fp16_k, 3000), SHORT_WARP_TOKENS);
+        assert_eq!(min_warp_tokens(&kivi2, 4097), WARP_TOKENS);
+        assert_eq!(min_warp_tokens(&fp16, 4096), WARP_TOKENS);
+        // Four-warp CTAs, three per SM (396 slots), B=1 L=4K: 32 splits instead of 16; at 8K
+        // still 32 (64 tokens a warp).
+        let at = |len| default_splits(1, 8, len, 396, 4, min_warp_tokens(&kivi2, len));
+        assert_eq!(at(4096), 32);
+        assert_eq!(at(8192), 32);
+    }
+
+    #[test]
     fn smaller_ctas_may_take_shorter_splits() {
         // Two-warp CTAs, six per SM: 792 slots; 64 tokens per warp allow 32 splits of 4K.
-        assert_eq!(default_splits(1, 8, 4096, 792, 2), 32);
-        assert_eq!(default_splits(1, 8, 32768, 792, 2), 99);
+        assert_eq!(default_splits(1, 8, 4096, 792, 2, 64), 32);
+        assert_eq!(default_splits(1, 8, 32768, 792, 2, 64), 99);
     }
 }

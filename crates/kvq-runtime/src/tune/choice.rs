@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 use super::key::TuneProblem;
-use crate::decode::{default_pieces, default_splits, Pieces};
+use crate::decode::{default_pieces, default_splits, min_warp_tokens, Pieces};
 use crate::error::{Result, RuntimeError};
 
 /// Most split-K partitions any configuration may use (the scratch grows with it).
@@ -39,6 +39,7 @@ impl TuneChoice {
             problem.max_len,
             resident_ctas,
             params.warps(),
+            min_warp_tokens(&problem.spec, problem.max_len),
         );
         TuneChoice {
             params,
