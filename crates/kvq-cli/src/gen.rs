@@ -1002,12 +1002,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             tile_tokens: params.tile_tokens,
             source: params_source.into(),
             tune_file: tune_file.map(|p| p.display().to_string()),
-            default_splits: "slots = sm_count × cuOccupancyMaxActiveBlocksPerMultiprocessor(decode, \
-                block, its dynamic_shared_bytes); ctas = batch·kv_heads; bucket = next power of two \
-                ≥ longest sequence; most = clamp(bucket / (2·block), 1, 256) (64 tokens per warp); lo = clamp(ceil(0.9·slots / \
-                ctas), 1, most); the s in lo..=min(2·lo, most) maximising ctas·s / (ceil(ctas·s / \
-                slots)·slots), ties to the smaller"
-                .into(),
+            default_splits: default_splits_text(spec),
             default_pieces: match decode.piece_rule {
                 PieceRule::LongShares => format!(
                     "warps = block / 32; if bucket / (num_splits·warps) ≥ {} then num_pieces = \
@@ -1066,6 +1061,24 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
         compiled: compiled_lines,
         notes,
     })
+}
+
+/// The manifest's formula for the heuristic split count, with this scheme's fewest bucket tokens
+/// per split warp (`kvq_runtime::min_warp_tokens`).
+fn default_splits_text(spec: &kvq::SchemeSpec) -> String {
+    use kvq::runtime::decode::{SHORT_CONTEXT_BUCKET, SHORT_WARP_TOKENS, WARP_TOKENS};
+    let warp_tokens = if spec.k.is_quantized() || spec.v.is_quantized() {
+        format!("{SHORT_WARP_TOKENS} if bucket ≤ {SHORT_CONTEXT_BUCKET}, else {WARP_TOKENS}")
+    } else {
+        WARP_TOKENS.to_string()
+    };
+    format!(
+        "slots = sm_count × cuOccupancyMaxActiveBlocksPerMultiprocessor(decode, block, its \
+         dynamic_shared_bytes); ctas = batch·kv_heads; bucket = next power of two ≥ longest \
+         sequence; warp_tokens = {warp_tokens}; most = clamp(bucket / (warp_tokens·block / 32), \
+         1, 256); lo = clamp(ceil(0.9·slots / ctas), 1, most); the s in lo..=min(2·lo, most) \
+         maximising ctas·s / (ceil(ctas·s / slots)·slots), ties to the smaller"
+    )
 }
 
 #[cfg(test)]

@@ -294,6 +294,16 @@ fn check_pieces(m: &Value, dir: &Path) {
         !runs,
         "{default_pieces}"
     );
+    // The split formula names the scheme's fewest tokens per split warp: half a chunk for
+    // quantized K or V at buckets up to 4096 tokens (min_warp_tokens).
+    let default_splits = m["tune"]["default_splits"].as_str().unwrap();
+    let quantized = ["k", "v"].iter().any(|t| m["layout"][*t]["bits"].is_u64());
+    assert_eq!(
+        default_splits.contains("warp_tokens = 32 if bucket ≤ 4096, else 64;"),
+        quantized,
+        "{default_splits}"
+    );
+    assert!(default_splits.contains("most = clamp(bucket / (warp_tokens·block / 32), 1, 256)"));
     let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
     assert!(
         header.contains(&format!("_DECODE_RUNS_PIECES {}\n", u8::from(runs))),
