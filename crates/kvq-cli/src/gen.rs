@@ -1064,13 +1064,16 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
 }
 
 /// The manifest's formula for the heuristic split count, with this scheme's fewest bucket tokens
-/// per split warp (`kvq_runtime::min_warp_tokens`).
+/// per split warp (`kvq_runtime::min_warp_tokens`, which changes at most once, past
+/// `SHORT_CONTEXT_BUCKET`).
 fn default_splits_text(spec: &kvq::SchemeSpec) -> String {
-    use kvq::runtime::decode::{SHORT_CONTEXT_BUCKET, SHORT_WARP_TOKENS, WARP_TOKENS};
-    let warp_tokens = if spec.k.is_quantized() || spec.v.is_quantized() {
-        format!("{SHORT_WARP_TOKENS} if bucket ≤ {SHORT_CONTEXT_BUCKET}, else {WARP_TOKENS}")
+    use kvq::runtime::decode::{min_warp_tokens, SHORT_CONTEXT_BUCKET};
+    let short = min_warp_tokens(spec, SHORT_CONTEXT_BUCKET);
+    let long = min_warp_tokens(spec, SHORT_CONTEXT_BUCKET + 1);
+    let warp_tokens = if short == long {
+        long.to_string()
     } else {
-        WARP_TOKENS.to_string()
+        format!("{short} if bucket ≤ {SHORT_CONTEXT_BUCKET}, else {long}")
     };
     format!(
         "slots = sm_count × cuOccupancyMaxActiveBlocksPerMultiprocessor(decode, block, its \

@@ -73,7 +73,8 @@ impl TuneParams {
         }
     }
 
-    /// Warps per CTA (`default_splits` keeps at least 64 tokens per warp of a split).
+    /// Warps per CTA (`default_splits` keeps at least 32 or 64 bucket tokens per warp of a split:
+    /// `min_warp_tokens` in kvq-runtime).
     pub fn warps(&self) -> usize {
         self.threads as usize / 32
     }

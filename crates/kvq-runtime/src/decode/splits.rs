@@ -55,12 +55,12 @@ pub const WARP_TOKENS: usize = 64;
 /// [`SHORT_CONTEXT_BUCKET`]: half a 64-token chunk.
 pub const SHORT_WARP_TOKENS: usize = 32;
 
-/// The fewest bucket tokens per split warp that [`default_splits`] allows for `spec`: 32 where
-/// K or V is quantized and the context bucket is at most 4096 tokens, 64 otherwise. Measured on an H100 with
-/// four-warp CTAs (docs/BENCHMARKS.md, twenty-second round): at B ∈ {1, 2, 4} and contexts of
-/// 256 to 4K tokens, where the grid is otherwise too small to fill the GPU, 32 tokens a warp ran
-/// the quantized schemes ×0.99–×1.31 (CalibQuant most, at 256 tokens); at 8K Kitty ran ×0.90
-/// and Kitty-Pro ×0.93 (warps of less than a chunk), and FP16 ×0.96–×0.99 from 1K on.
+/// The fewest bucket tokens per split warp that [`default_splits`] allows for `spec`: 32 where K
+/// or V is quantized and the context bucket is at most 4096 tokens, 64 otherwise. Measured on an
+/// H100 with four-warp CTAs (docs/BENCHMARKS.md, twenty-second round): at B ∈ {1, 2, 4} and
+/// contexts of 256 to 4K tokens, where the grid is otherwise too small to fill the GPU, 32 tokens
+/// a warp ran the quantized schemes ×0.99–×1.31 (CalibQuant most, at 256 tokens); at 8K Kitty ran
+/// ×0.90 and Kitty-Pro ×0.93 (warps of less than a chunk), and FP16 ×0.96–×0.99 from 1K on.
 pub fn min_warp_tokens(spec: &SchemeSpec, max_len: usize) -> usize {
     let quantized = spec.k.is_quantized() || spec.v.is_quantized();
     if quantized && context_bucket(max_len) <= SHORT_CONTEXT_BUCKET {
@@ -231,25 +231,25 @@ mod tests {
     #[test]
     fn fills_whole_waves() {
         // H100, 3 CTAs per SM: 396 slots.
-        assert_eq!(default_splits(1, 8, 32768, 396, 4, 64), 49); // 392 CTAs, one wave
-        assert_eq!(default_splits(16, 8, 32768, 396, 4, 64), 3); // 384 CTAs, not 640 (1.6 waves)
-        assert_eq!(default_splits(64, 8, 32768, 396, 4, 64), 2); // 1024 CTAs in 3 waves (86%)
-        assert_eq!(default_splits(256, 8, 32768, 396, 4, 64), 2); // 94% of 11 waves, not 86% of 6
-        assert_eq!(default_splits(99, 4, 32768, 396, 4, 64), 1); // exactly one wave
+        assert_eq!(default_splits(1, 8, 32768, 396, 4, WARP_TOKENS), 49); // 392 CTAs, one wave
+        assert_eq!(default_splits(16, 8, 32768, 396, 4, WARP_TOKENS), 3); // 384 CTAs, not 640 (1.6 waves)
+        assert_eq!(default_splits(64, 8, 32768, 396, 4, WARP_TOKENS), 2); // 1024 CTAs in 3 waves (86%)
+        assert_eq!(default_splits(256, 8, 32768, 396, 4, WARP_TOKENS), 2); // 94% of 11 waves, not 86% of 6
+        assert_eq!(default_splits(99, 4, 32768, 396, 4, WARP_TOKENS), 1); // exactly one wave
 
         // 2 CTAs per SM: 264 slots.
-        assert_eq!(default_splits(1, 8, 32768, 264, 4, 64), 33);
+        assert_eq!(default_splits(1, 8, 32768, 264, 4, WARP_TOKENS), 33);
     }
 
     #[test]
     fn never_more_splits_than_chunks_and_stable_within_a_bucket() {
-        assert_eq!(default_splits(1, 8, 100, 396, 4, 64), 1);
-        assert_eq!(default_splits(1, 8, 4096, 396, 4, 64), 16);
+        assert_eq!(default_splits(1, 8, 100, 396, 4, WARP_TOKENS), 1);
+        assert_eq!(default_splits(1, 8, 4096, 396, 4, WARP_TOKENS), 16);
         assert_eq!(
-            default_splits(2, 8, 5000, 396, 4, 64),
-            default_splits(2, 8, 8000, 396, 4, 64)
+            default_splits(2, 8, 5000, 396, 4, WARP_TOKENS),
+            default_splits(2, 8, 8000, 396, 4, WARP_TOKENS)
         );
-        assert_eq!(default_splits(0, 0, 0, 0, 0, 64), 1);
+        assert_eq!(default_splits(0, 0, 0, 0, 0, WARP_TOKENS), 1);
     }
 
     #[test]
@@ -393,7 +393,7 @@ mod tests {
     #[test]
     fn smaller_ctas_may_take_shorter_splits() {
         // Two-warp CTAs, six per SM: 792 slots; 64 tokens per warp allow 32 splits of 4K.
-        assert_eq!(default_splits(1, 8, 4096, 792, 2, 64), 32);
-        assert_eq!(default_splits(1, 8, 32768, 792, 2, 64), 99);
+        assert_eq!(default_splits(1, 8, 4096, 792, 2, WARP_TOKENS), 32);
+        assert_eq!(default_splits(1, 8, 32768, 792, 2, WARP_TOKENS), 99);
     }
 }
