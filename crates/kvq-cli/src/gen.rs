@@ -1010,9 +1010,9 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                     kvq::runtime::decode::PIECES_MIN_WARP_TOKENS
                 ),
                 PieceRule::FewSplits => format!(
-                    "warps = block / 32; if num_splits ≤ {} and bucket / (num_splits·warps) ≥ {} \
+                    "warps = block / 32; if num_splits·warps ≤ {} and bucket / (num_splits·warps) ≥ {} \
                      then num_pieces = 2 and piece_permille = 50, else num_pieces = 0",
-                    kvq::runtime::decode::PIECES_MAX_FEW_SPLITS,
+                    kvq::runtime::decode::PIECES_MAX_FEW_SPLIT_WARPS,
                     kvq::runtime::decode::PIECES_FEW_SPLITS_MIN_WARP_TOKENS
                 ),
                 PieceRule::None => "num_pieces = 0 (this decode kernel runs no pieces)".into(),

@@ -277,8 +277,9 @@ fn check_pieces(m: &Value, dir: &Path) {
     // are few for uncalibrated codes of at most 2 bits), none else.
     let default_pieces = m["tune"]["default_pieces"].as_str().unwrap();
     let long_shares = default_pieces.contains("≥ 4096 then num_pieces = 2·num_splits");
-    let few_splits = default_pieces
-        .contains("num_splits ≤ 8 and bucket / (num_splits·warps) ≥ 256 then num_pieces = 2");
+    let few_splits = default_pieces.contains(
+        "num_splits·warps ≤ 16 and bucket / (num_splits·warps) ≥ 256 then num_pieces = 2",
+    );
     assert_eq!(long_shares || few_splits, runs, "{default_pieces}");
     if runs {
         let bits = |t: &str| m["layout"][t]["bits"].as_u64();

@@ -138,11 +138,14 @@ impl std::fmt::Display for Pieces {
 /// ×0.7–×1.0, the pieces' own start-up costing more than the balance gains.
 pub const PIECES_MIN_WARP_TOKENS: usize = 4096;
 
-/// Most splits at which kernels of [`PieceRule::FewSplits`] take pieces. Measured on an H100 with
-/// the 2-bit kernels (docs/BENCHMARKS.md, twenty-first round): at 6 splits (B=16) two pieces per
+/// Most split warps (splits × warps per CTA) of a (sequence, KV head) at which kernels of
+/// [`PieceRule::FewSplits`] take pieces. Measured on an H100 with the 2-bit kernels in two-warp
+/// CTAs (docs/BENCHMARKS.md, twenty-first round): at 6 splits, 12 warps (B=16), two pieces per
 /// (sequence, KV head) over 4–5% of the cost ran kivi2 ×1.01–×1.16, Kitty and Kitty-Pro
-/// ×0.99–×1.04; at 24 splits (B=4) ×0.86–×0.95 and at 99 (B=1) ×0.60–×0.73.
-pub const PIECES_MAX_FEW_SPLITS: usize = 8;
+/// ×0.99–×1.04; at 24 splits, 48 warps (B=4), ×0.86–×0.95 and at 99 (B=1) ×0.60–×0.73. Counted in
+/// warps, not splits, so that four-warp CTAs (half the splits) take pieces at the same batches:
+/// B=16 (3 splits, 12 warps; measured with pieces in the twenty-second round), not B=8.
+pub const PIECES_MAX_FEW_SPLIT_WARPS: usize = 16;
 
 /// Fewest tokens of a split warp's share of the context bucket at which kernels of
 /// [`PieceRule::FewSplits`] take pieces: the shortest measured with a gain was B=16 L=4K (six
@@ -177,13 +180,14 @@ pub fn default_pieces(
 /// split over the last tenth of the cost where a split warp's share of the context bucket
 /// (`max_len` rounded up to a power of two, as for the split count) reaches
 /// [`PIECES_MIN_WARP_TOKENS`]. [`PieceRule::FewSplits`]: two pieces per (sequence, KV head) over
-/// the last twentieth where there are at most [`PIECES_MAX_FEW_SPLITS`] splits and a split warp's
-/// share of the bucket reaches [`PIECES_FEW_SPLITS_MIN_WARP_TOKENS`]. None elsewhere.
+/// the last twentieth where there are at most [`PIECES_MAX_FEW_SPLIT_WARPS`] split warps and a
+/// split warp's share of the bucket reaches [`PIECES_FEW_SPLITS_MIN_WARP_TOKENS`]. None elsewhere.
 /// Like the split count it depends only on the batch shape and the bucket, so a captured CUDA
 /// graph stays valid while sequences grow.
 pub fn pieces_rule(rule: PieceRule, max_len: usize, splits: usize, warps_per_cta: usize) -> Pieces {
     let splits = splits.max(1);
-    let warp_tokens = max_len.max(1).next_power_of_two() / (splits * warps_per_cta.max(1));
+    let split_warps = splits * warps_per_cta.max(1);
+    let warp_tokens = context_bucket(max_len) / split_warps;
     match rule {
         PieceRule::LongShares => {
             if warp_tokens >= PIECES_MIN_WARP_TOKENS {
@@ -196,7 +200,7 @@ pub fn pieces_rule(rule: PieceRule, max_len: usize, splits: usize, warps_per_cta
             }
         }
         PieceRule::FewSplits
-            if splits <= PIECES_MAX_FEW_SPLITS
+            if split_warps <= PIECES_MAX_FEW_SPLIT_WARPS
                 && warp_tokens >= PIECES_FEW_SPLITS_MIN_WARP_TOKENS =>
         {
             Pieces {
@@ -277,16 +281,21 @@ mod tests {
 
     #[test]
     fn low_bit_pieces_only_where_splits_are_few() {
-        // kivi2 on an H100: B=16 takes 6 splits at every context, B=4 24, B=1 32-99.
+        // kivi2 on an H100 in two-warp CTAs: B=16 takes 6 splits at every context, B=4 24,
+        // B=1 32-99; in four-warp CTAs half as many.
         let few = |splits| pieces_rule(PieceRule::FewSplits, 32768, splits, 2);
         let two = Pieces {
             count: 2,
             permille: 50,
         };
         assert_eq!(few(6), two);
-        assert_eq!(few(PIECES_MAX_FEW_SPLITS), two);
-        assert_eq!(few(PIECES_MAX_FEW_SPLITS + 1), Pieces::NONE);
+        assert_eq!(few(PIECES_MAX_FEW_SPLIT_WARPS / 2), two);
+        assert_eq!(few(PIECES_MAX_FEW_SPLIT_WARPS / 2 + 1), Pieces::NONE);
         assert_eq!(few(24), Pieces::NONE);
+        let four_warps = |splits| pieces_rule(PieceRule::FewSplits, 32768, splits, 4);
+        assert_eq!(four_warps(3), two); // B=16
+        assert_eq!(four_warps(PIECES_MAX_FEW_SPLIT_WARPS / 4), two);
+        assert_eq!(four_warps(6), Pieces::NONE); // B=8: 24 warps, as many as two-warp B=8
         assert_eq!(pieces_rule(PieceRule::FewSplits, 4096, 6, 2), two); // B=16 L=4K: 341 a warp
                                                                         // Short contexts, where few splits also come with small batches: not measured, none.
         assert_eq!(pieces_rule(PieceRule::FewSplits, 2048, 6, 2), Pieces::NONE);

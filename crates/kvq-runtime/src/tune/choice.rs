@@ -211,7 +211,7 @@ mod tests {
         }
         // 2-bit keys and values: two per (sequence, KV head) wherever the splits are few.
         for c in candidates(&problem(16, 32768), 396) {
-            let few = c.splits <= crate::decode::PIECES_MAX_FEW_SPLITS;
+            let few = c.splits * c.params.warps() <= crate::decode::PIECES_MAX_FEW_SPLIT_WARPS;
             assert_eq!(c.pieces.is_some(), few, "{c}");
             if few {
                 assert_eq!(c.pieces.count, 2, "{c}");
