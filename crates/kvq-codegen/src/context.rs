@@ -262,11 +262,9 @@ pub(crate) struct MmaCtx {
     /// Dynamic shared memory where a CTA's warps leave their accumulators for the merge at the
     /// end (the ring's bytes, no longer in use by then, when they are more).
     pub merge_bytes: usize,
-    /// The kernel runs pieces (`num_pieces > 0`) after its splits (`KVQ_RUNS_PIECES`); otherwise
-    /// its piece CTAs find their shares empty and the splits cover every token (see `piece_rule`).
-    pub pieces: bool,
-    /// Where the runtime's default launches take pieces (`PieceRule::None` exactly where `pieces`
-    /// is false).
+    /// Where the runtime's default launches take pieces. The kernel runs pieces (`num_pieces > 0`,
+    /// `KVQ_RUNS_PIECES`) after its splits unless it is `PieceRule::None`; then its piece CTAs find
+    /// their shares empty and the splits cover every token.
     pub piece_rule: crate::decode::PieceRule,
 }
 

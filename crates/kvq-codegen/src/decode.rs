@@ -148,7 +148,6 @@ fn mma_plan(
         v_subnormal: v_token_fold && v_subnormal_pays(v),
         v_channel_subnormal: v.kind == "int" && v.axis == "channel" && v_channel_subnormal_pays(v),
         merge_bytes: merge_bytes(tune, d),
-        pieces: piece_rule != PieceRule::None,
         piece_rule,
     }
 }
@@ -212,7 +211,7 @@ pub enum PieceRule {
     /// context bucket is long (8-bit codes).
     LongShares,
     /// Two pieces per (sequence, KV head) over the last twentieth of the cost where the launch
-    /// has few splits (uncalibrated codes of at most 2 bits).
+    /// has few split warps (uncalibrated codes of at most 2 bits).
     FewSplits,
 }
 
