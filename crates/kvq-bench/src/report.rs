@@ -233,6 +233,7 @@ pub(crate) mod tests {
             params: TuneParams {
                 threads: 128,
                 tile_tokens: 32,
+                min_warps_per_sm: 0,
             },
             splits: 3,
             pieces: kvq::runtime::Pieces::NONE,

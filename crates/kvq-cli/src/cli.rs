@@ -165,6 +165,10 @@ pub struct GenArgs {
     /// Tokens per tile of the decode kernel (16, 32, 64); default: tuned, else the heuristic.
     #[arg(long)]
     pub tile_tokens: Option<u32>,
+    /// Warps per SM the decode kernel's registers must leave room for (0: no floor, 12); default:
+    /// tuned, else the heuristic.
+    #[arg(long)]
+    pub min_warps_per_sm: Option<u32>,
     /// Tuning results to read (default: tune.json in the cache folder).
     #[arg(long)]
     pub tune_file: Option<PathBuf>,

@@ -49,6 +49,7 @@ pub struct GenRequest {
     /// Block parameters from the flags (each overrides the tuned or default value).
     pub threads: Option<u32>,
     pub tile_tokens: Option<u32>,
+    pub min_warps_per_sm: Option<u32>,
     /// Where tuned results are read from (`None`: the default `tune.json`).
     pub tune_file: Option<PathBuf>,
     /// Also write a sample batch with its reference output.
@@ -180,6 +181,7 @@ struct TunedInfo {
     context_bucket: usize,
     threads: u32,
     tile_tokens: u32,
+    min_warps_per_sm: u32,
     splits: usize,
     /// The tuned launch's `num_pieces` and `piece_permille` (0 and 0: none).
     num_pieces: usize,
@@ -194,6 +196,8 @@ struct TunedInfo {
 struct TuneInfo {
     threads: u32,
     tile_tokens: u32,
+    /// Warps per SM the decode kernel's `__launch_bounds__` reserves registers for (0: none).
+    min_warps_per_sm: u32,
     /// `default`, `tuned` or `flags`.
     source: String,
     tune_file: Option<String>,
@@ -535,13 +539,15 @@ fn choose_params(
     tuned: &[TuneEntry],
 ) -> Result<(TuneParams, &'static str)> {
     let default = TuneParams::default_for(&req.scheme.spec, shape);
-    if req.threads.is_some() || req.tile_tokens.is_some() {
+    if req.threads.is_some() || req.tile_tokens.is_some() || req.min_warps_per_sm.is_some() {
         let p = TuneParams {
             threads: req.threads.unwrap_or(default.threads),
             tile_tokens: req.tile_tokens.unwrap_or(default.tile_tokens),
+            min_warps_per_sm: req.min_warps_per_sm.unwrap_or(default.min_warps_per_sm),
         };
-        p.validate()
-            .map_err(|e| CliError::Usage(format!("--threads/--tile-tokens: {e}")))?;
+        p.validate().map_err(|e| {
+            CliError::Usage(format!("--threads/--tile-tokens/--min-warps-per-sm: {e}"))
+        })?;
         return Ok((p, "flags"));
     }
     let mut best: Option<(TuneParams, usize, u64)> = None;
@@ -614,8 +620,14 @@ fn header_text(
     let _ = writeln!(h, "/* scheme: {} */", scheme.spec);
     let _ = writeln!(
         h,
-        "/* shape:  head_dim={} gqa={} dtype={}; tuning threads={} tile_tokens={} */",
-        shape.head_dim, shape.gqa, shape.dtype, tune.threads, tune.tile_tokens
+        "/* shape:  head_dim={} gqa={} dtype={}; tuning threads={} tile_tokens={} \
+         min_warps_per_sm={} */",
+        shape.head_dim,
+        shape.gqa,
+        shape.dtype,
+        tune.threads,
+        tune.tile_tokens,
+        tune.min_warps_per_sm
     );
     let _ = writeln!(
         h,
@@ -1000,6 +1012,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
         tune: TuneInfo {
             threads: params.threads,
             tile_tokens: params.tile_tokens,
+            min_warps_per_sm: params.min_warps_per_sm,
             source: params_source.into(),
             tune_file: tune_file.map(|p| p.display().to_string()),
             default_splits: default_splits_text(spec),
@@ -1028,6 +1041,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                     context_bucket: e.problem.context_bucket,
                     threads: e.choice.params.threads,
                     tile_tokens: e.choice.params.tile_tokens,
+                    min_warps_per_sm: e.choice.params.min_warps_per_sm,
                     splits: e.choice.splits,
                     num_pieces: e.choice.pieces.count,
                     piece_permille: e.choice.pieces.permille,
@@ -1045,10 +1059,12 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
     write_file(&req.out.join(MANIFEST_FILE), json.as_bytes(), &mut files)?;
     if params_source == "tuned" {
         notes.push(format!(
-            "block parameters from {} tuned result(s): threads {} tile_tokens {}",
+            "block parameters from {} tuned result(s): threads {} tile_tokens {} \
+             min_warps_per_sm {}",
             tuned.len(),
             params.threads,
-            params.tile_tokens
+            params.tile_tokens,
+            params.min_warps_per_sm
         ));
     }
     Ok(GenOutcome {

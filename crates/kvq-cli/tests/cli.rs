@@ -403,6 +403,7 @@ fn gen_uses_tuned_block_parameters_from_the_tune_file() {
             params: kvq::codegen::TuneParams {
                 threads: 256,
                 tile_tokens: 16,
+                min_warps_per_sm: 0,
             },
             splits: 3,
             pieces: kvq::runtime::Pieces::NONE,
@@ -439,6 +440,19 @@ fn gen_uses_tuned_block_parameters_from_the_tune_file() {
     assert_eq!(m["tune"]["source"], "flags");
     assert_eq!(m["tune"]["threads"], 64);
     assert_eq!(m["tune"]["tuned"][0]["matches_source"], false);
+    // kivi2's default holds twelve warps an SM; the flag lifts the floor, in the source too.
+    assert_eq!(m["tune"]["min_warps_per_sm"], 12);
+    let (m, _, dir) = gen_and_check(
+        "kivi2",
+        &["--head-dim", "128", "--gqa", "4", "--min-warps-per-sm", "0"],
+        &tmp,
+    );
+    assert_eq!(m["tune"]["source"], "flags");
+    assert_eq!(m["tune"]["min_warps_per_sm"], 0);
+    assert_eq!(m["tune"]["tuned"][0]["min_warps_per_sm"], 0);
+    let decode = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
+    assert!(decode.contains("static constexpr int MIN_CTAS = 1;"));
+    assert!(decode.contains("min_ctas_per_sm=1"));
     let (m, _, _) = gen_and_check("kivi2", &["--head-dim", "64"], &tmp);
     assert_eq!(m["tune"]["source"], "default");
     assert!(m["tune"]["tuned"].as_array().unwrap().is_empty());

@@ -204,6 +204,9 @@ pub(crate) struct DecodeCtx {
     pub sink: u32,
     pub threads: u32,
     pub tile: u32,
+    /// The decode kernel's `__launch_bounds__` minimum of CTAs per SM
+    /// ([`TuneParams::min_ctas_per_sm`](crate::TuneParams::min_ctas_per_sm)).
+    pub min_ctas: u32,
     pub k: TensorCtx,
     pub v: TensorCtx,
     /// The tensor-core kernel's plan (or why the generic kernel renders instead).

@@ -85,6 +85,18 @@ fn mma_unsupported(t: &TensorCtx, is_k: bool, head_dim: usize) -> Option<String>
     None
 }
 
+/// Why the tensor-core kernel cannot serve this shape and these layouts, if it cannot.
+fn mma_unsupported_shape(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> Option<String> {
+    let d = shape.head_dim as usize;
+    if !matches!(d, 64 | 128 | 256) {
+        Some(format!("head_dim {d}"))
+    } else if shape.gqa > 8 {
+        Some(format!("gqa {} > 8", shape.gqa))
+    } else {
+        mma_unsupported(k, true, d).or_else(|| mma_unsupported(v, false, d))
+    }
+}
+
 /// Chooses between the tensor-core kernel and the generic one for a shape and the tensors' layouts.
 fn mma_plan(
     shape: &KernelShape,
@@ -112,13 +124,7 @@ fn mma_plan(
             0
         }
     };
-    let reason = if !matches!(d, 64 | 128 | 256) {
-        Some(format!("head_dim {d}"))
-    } else if shape.gqa > 8 {
-        Some(format!("gqa {} > 8", shape.gqa))
-    } else {
-        mma_unsupported(k, true, d).or_else(|| mma_unsupported(v, false, d))
-    };
+    let reason = mma_unsupported_shape(shape, k, v);
     let enabled = reason.is_none();
     let v_token_fold = v.kind == "int" && v.axis == "token";
     let low_bit_keys = k.kind == "int" && k.bits <= 2;
@@ -322,6 +328,48 @@ pub(crate) fn uses_stage_ring(spec: &SchemeSpec, shape: &KernelShape, tune: &Tun
     mma_plan_for(spec, shape, tune).is_some_and(|plan| plan.stage.stages > 0)
 }
 
+/// Whether the default holds the decode kernel to twelve warps an SM (see
+/// [`TuneParams::default_for`]): the tensor-core kernels of 1- and 2-bit K and V, and of FP16, at
+/// head_dim ≤ 128 (at 256 the cap spills).
+pub(crate) fn twelve_warps_by_default(spec: &SchemeSpec, shape: &KernelShape) -> bool {
+    if !has_decode_kernel(spec) {
+        return false;
+    }
+    let d = shape.head_dim as usize;
+    let (Ok(k), Ok(v)) = (
+        TensorCtx::new("k", spec, &spec.k, d),
+        TensorCtx::new("v", spec, &spec.v, d),
+    ) else {
+        return false;
+    };
+    let low_bits = k.kind == "int" && v.kind == "int" && k.bits <= 2 && v.bits <= 2;
+    let fp16 = k.kind == "fp16" && v.kind == "fp16";
+    d <= 128 && (low_bits || fp16) && mma_unsupported_shape(shape, &k, &v).is_none()
+}
+
+/// Whether twelve warps an SM change the decode kernel for `tune`'s block: a tensor-core kernel at
+/// head_dim ≤ 128 (where it was measured) in CTAs of at most six warps (an 8-warp CTA gets one CTA
+/// an SM either way).
+pub(crate) fn raises_occupancy(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> bool {
+    let with_floor = TuneParams {
+        min_warps_per_sm: 12,
+        ..*tune
+    };
+    shape.head_dim <= 128
+        && with_floor.min_ctas_per_sm() > 1
+        && has_decode_kernel(spec)
+        && mma_plan_for(spec, shape, tune).is_some()
+}
+
+/// Whether the scheme's family has a GPU decode kernel (XQuant and codebook tensors run in the CPU
+/// reference only).
+fn has_decode_kernel(spec: &SchemeSpec) -> bool {
+    !matches!(spec.source, CacheSource::X(_))
+        && ![spec.k, spec.v]
+            .iter()
+            .any(|t| matches!(t, TensorQuant::Codebook(_)))
+}
+
 /// Whether the decode kernel for these parameters runs pieces after its splits
 /// ([`DecodeKernels::runs_pieces`], without rendering it).
 pub fn decode_runs_pieces(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> bool {
@@ -393,6 +441,7 @@ pub fn decode_kernels(
         sink: spec.sink,
         threads: tune.threads,
         tile: tune.tile_tokens,
+        min_ctas: tune.min_ctas_per_sm(),
         mma: mma_plan(shape, tune, &k, &v, calibrate.is_some()),
         k: k.clone(),
         v: v.clone(),

@@ -1,6 +1,6 @@
 //! The tunable parameters of the decode kernel, their valid ranges, and the untuned default.
 
-use crate::decode::uses_stage_ring;
+use crate::decode::{raises_occupancy, twelve_warps_by_default, uses_stage_ring};
 use crate::{CodegenError, KernelShape};
 use kvq_spec::SchemeSpec;
 use serde::{Deserialize, Serialize};
@@ -12,12 +12,21 @@ pub struct TuneParams {
     pub threads: u32,
     /// Tokens scored per shared-memory tile: 16, 32 or 64.
     pub tile_tokens: u32,
+    /// Warps per SM the decode kernel's registers must leave room for: 0 (as many registers as
+    /// the compiler wants) or 12 (at most 168 a thread: `__launch_bounds__(threads,
+    /// min_ctas_per_sm())`). Which is faster depends on the GPU: on an H100 twelve warps suit the
+    /// 1- and 2-bit and FP16 kernels but slow KIVI-4 and INT8, which run eight; on an H200 KIVI-4
+    /// ran ×1.17 with twelve (docs/KERNELS.md, *Occupancy*). Absent in results stored before the
+    /// parameter existed, which the tuning file's version retires.
+    #[serde(default)]
+    pub min_warps_per_sm: u32,
 }
 
 impl TuneParams {
     /// Every value each parameter may take (what the autotuner searches).
     pub const THREADS: &'static [u32] = &[64, 128, 256];
     pub const TILE_TOKENS: &'static [u32] = &[16, 32, 64];
+    pub const MIN_WARPS_PER_SM: &'static [u32] = &[0, 12];
 
     /// The heuristic default for shapes nobody tuned.
     ///
@@ -33,6 +42,12 @@ impl TuneParams {
     ///   128 threads), except schemes with 8-bit codes, which keep 128 threads with 32-token
     ///   tiles: only those let the ring fit in shared memory at 128 threads (INT8 at B=16 L=32K:
     ///   75.5% of copy at 64-token tiles, 89% at 32).
+    /// - Twelve warps an SM ([`TuneParams::min_warps_per_sm`]) for the tensor-core kernels of 1-
+    ///   and 2-bit K and V and of FP16 at head_dim ≤ 128: the instruction stream limits them, and
+    ///   more warps hide more latency than the few registers the cap costs (an uncapped FP16 kernel
+    ///   took 173 registers and ran ×0.98 at B=16). The 4- and 8-bit kernels run uncapped (176–186
+    ///   registers, eight warps): capped they ran ×0.95 (KIVI-4) and ×0.975 (INT8) at B=16 L=32K on
+    ///   an H100 (twenty-third round), so the tuner offers the cap and each GPU decides.
     ///
     /// ```
     /// use kvq_codegen::{Dtype, KernelShape, TuneParams};
@@ -46,14 +61,31 @@ impl TuneParams {
     /// assert_eq!((kivi2_default.threads, kivi2_default.tile_tokens), (128, 64));
     /// let fp16_default = TuneParams::default_for(&fp16, &shape);
     /// assert_eq!((fp16_default.threads, fp16_default.tile_tokens), (64, 64));
+    /// assert_eq!(kivi2_default.min_warps_per_sm, 12);
+    /// assert_eq!(int8_default.min_warps_per_sm, 0);
     /// ```
     pub fn default_for(spec: &SchemeSpec, shape: &KernelShape) -> Self {
+        let min_warps_per_sm = if twelve_warps_by_default(spec, shape) {
+            12
+        } else {
+            0
+        };
+        let block = Self::block_default(spec, shape);
+        TuneParams {
+            min_warps_per_sm,
+            ..block
+        }
+    }
+
+    /// Threads and tile of [`TuneParams::default_for`] (no occupancy floor).
+    fn block_default(spec: &SchemeSpec, shape: &KernelShape) -> Self {
         let eight_bit = [&spec.k, &spec.v]
             .iter()
             .any(|t| t.as_int().is_some_and(|q| q.bits >= 8));
         let four_warps = TuneParams {
             threads: 128,
             tile_tokens: 64,
+            min_warps_per_sm: 0,
         };
         if !eight_bit && shape.head_dim == 128 && uses_stage_ring(spec, shape, &four_warps) {
             return four_warps;
@@ -61,6 +93,7 @@ impl TuneParams {
         let wide = TuneParams {
             threads: if eight_bit { 128 } else { 64 },
             tile_tokens: 64,
+            min_warps_per_sm: 0,
         };
         let narrow = TuneParams {
             tile_tokens: 32,
@@ -79,16 +112,47 @@ impl TuneParams {
         self.threads as usize / 32
     }
 
+    /// CTAs per SM the decode kernel's `__launch_bounds__` asks registers for: enough for
+    /// [`TuneParams::min_warps_per_sm`] (rounded down to whole CTAs), at least one.
+    ///
+    /// ```
+    /// use kvq_codegen::TuneParams;
+    /// let p = |threads, min_warps_per_sm| TuneParams { threads, tile_tokens: 64, min_warps_per_sm };
+    /// assert_eq!(p(64, 12).min_ctas_per_sm(), 6);
+    /// assert_eq!(p(128, 12).min_ctas_per_sm(), 3);
+    /// assert_eq!(p(256, 12).min_ctas_per_sm(), 1); // one 8-warp CTA: no floor
+    /// assert_eq!(p(128, 0).min_ctas_per_sm(), 1);
+    /// ```
+    pub fn min_ctas_per_sm(&self) -> u32 {
+        (self.min_warps_per_sm / (self.threads / 32).max(1)).max(1)
+    }
+
     /// Every valid combination.
     pub fn candidates() -> impl Iterator<Item = TuneParams> {
         Self::THREADS.iter().flat_map(|&threads| {
-            Self::TILE_TOKENS
-                .iter()
-                .map(move |&tile_tokens| TuneParams {
-                    threads,
-                    tile_tokens,
-                })
+            Self::TILE_TOKENS.iter().flat_map(move |&tile_tokens| {
+                Self::MIN_WARPS_PER_SM
+                    .iter()
+                    .map(move |&min_warps_per_sm| TuneParams {
+                        threads,
+                        tile_tokens,
+                        min_warps_per_sm,
+                    })
+            })
         })
+    }
+
+    /// The combinations that render different kernels for `spec` at `shape` (what the tuner
+    /// times): every threads × tile, each without an occupancy floor and, where the floor
+    /// changes the tensor-core kernel's register budget at head_dim ≤ 128 (CTAs of at most six
+    /// warps), with twelve warps an SM. The default comes first.
+    pub fn candidates_for(spec: &SchemeSpec, shape: &KernelShape) -> Vec<TuneParams> {
+        let default = Self::default_for(spec, shape);
+        let mut out = vec![default];
+        out.extend(Self::candidates().filter(|p| {
+            *p != default && (p.min_warps_per_sm == 0 || raises_occupancy(spec, shape, p))
+        }));
+        out
     }
 
     pub fn validate(&self) -> Result<(), CodegenError> {
@@ -104,6 +168,13 @@ impl TuneParams {
                 "tile_tokens = {} (expected one of {:?})",
                 self.tile_tokens,
                 Self::TILE_TOKENS
+            )));
+        }
+        if !Self::MIN_WARPS_PER_SM.contains(&self.min_warps_per_sm) {
+            return Err(CodegenError::Shape(format!(
+                "min_warps_per_sm = {} (expected one of {:?})",
+                self.min_warps_per_sm,
+                Self::MIN_WARPS_PER_SM
             )));
         }
         Ok(())

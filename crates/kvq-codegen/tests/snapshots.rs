@@ -74,6 +74,7 @@ fn schemes_without_a_gpu_kernel_and_bad_shapes_are_typed_errors() {
     let tune = TuneParams {
         threads: 128,
         tile_tokens: 64,
+        min_warps_per_sm: 0,
     };
     let xquant =
         SchemeSpec::parse("k = int(2, channel), v = int(2, token), source = x(latent)").unwrap();
@@ -95,10 +96,19 @@ fn schemes_without_a_gpu_kernel_and_bad_shapes_are_typed_errors() {
     let bad_tune = TuneParams {
         threads: 96,
         tile_tokens: 32,
+        min_warps_per_sm: 0,
     };
     assert!(matches!(
         decode_kernels(&kivi, &shape, &bad_tune),
         Err(CodegenError::Shape(_))
+    ));
+    let bad_occupancy = TuneParams {
+        min_warps_per_sm: 16,
+        ..tune
+    };
+    assert!(matches!(
+        decode_kernels(&kivi, &shape, &bad_occupancy),
+        Err(CodegenError::Shape(e)) if e.contains("min_warps_per_sm = 16")
     ));
     let no_gqa = KernelShape::new(128, 0, Dtype::F16);
     assert!(matches!(

@@ -49,6 +49,7 @@ fn entry(p: &TuneProblem, splits: usize) -> TuneEntry {
             params: TuneParams {
                 threads: 128,
                 tile_tokens: 64,
+                min_warps_per_sm: 0,
             },
             splits,
             pieces: kvq_runtime::Pieces::NONE,
@@ -120,12 +121,13 @@ fn results_survive_a_round_trip_keyed_by_gpu_and_bucket() {
     let text = fs::read_to_string(&path).unwrap();
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(json["format"], "kvq-tune");
-    assert_eq!(json["version"], 1);
+    assert_eq!(json["version"], 2);
     let e = &json["entries"][0];
     assert_eq!(e["problem"]["batch_bucket"], 16);
     assert_eq!(e["problem"]["context_bucket"], 32_768);
     assert_eq!(e["problem"]["dtype"], "f16");
     assert_eq!(e["choice"]["tile_tokens"], 64);
+    assert_eq!(e["choice"]["min_warps_per_sm"], 0);
     assert_eq!(e["gpu"]["compute_capability"], serde_json::json!([9, 0]));
     let _ = fs::remove_dir_all(&dir);
 }

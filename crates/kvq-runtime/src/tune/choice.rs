@@ -68,9 +68,13 @@ impl fmt::Display for TuneChoice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "threads {} tile {} splits {}",
-            self.params.threads, self.params.tile_tokens, self.splits
+            "threads {} tile {}",
+            self.params.threads, self.params.tile_tokens
         )?;
+        if self.params.min_warps_per_sm > 0 {
+            write!(f, " warps/SM {}", self.params.min_warps_per_sm)?;
+        }
+        write!(f, " splits {}", self.splits)?;
         if self.pieces.is_some() {
             write!(f, " {}", self.pieces)?;
         }
@@ -112,14 +116,14 @@ pub fn split_candidates(default: usize, max: usize) -> Vec<usize> {
     out
 }
 
-/// Every configuration the tuner times for `problem`: each block-parameter combination the
-/// templates declare × [`split_candidates`] around the heuristic split count (never more splits
+/// Every configuration the tuner times for `problem`: each block-parameter combination that
+/// renders a distinct kernel ([`TuneParams::candidates_for`]) × [`split_candidates`] around the heuristic split count (never more splits
 /// than the longest sequence has tiles), each with the pieces [`default_pieces`] gives it. The
 /// heuristic default comes first.
 pub fn candidates(problem: &TuneProblem, resident_ctas: usize) -> Vec<TuneChoice> {
     let default = TuneChoice::heuristic(problem, resident_ctas);
     let mut out = vec![default];
-    for params in TuneParams::candidates() {
+    for params in TuneParams::candidates_for(&problem.spec, &problem.shape) {
         let tiles = problem.max_len.div_ceil(params.tile_tokens.max(1) as usize);
         for splits in split_candidates(default.splits, tiles.max(default.splits)) {
             let c = TuneChoice {
@@ -169,6 +173,17 @@ mod tests {
         assert_eq!(
             with.to_string(),
             "threads 64 tile 64 splits 6 4 pieces of 100‰"
+        );
+        let twelve = TuneChoice {
+            params: TuneParams {
+                min_warps_per_sm: 12,
+                ..c.params
+            },
+            ..c
+        };
+        assert_eq!(
+            twelve.to_string(),
+            "threads 64 tile 64 warps/SM 12 splits 6"
         );
         let bad = TuneChoice {
             pieces: Pieces {
@@ -251,10 +266,45 @@ mod tests {
             c.check().unwrap();
             assert!(seen.insert(*c), "duplicate {c}");
         }
-        for params in TuneParams::candidates() {
-            assert!(all.iter().any(|c| c.params == params), "{params:?} missing");
+        let blocks = TuneParams::candidates_for(&p.spec, &p.shape);
+        for params in &blocks {
+            assert!(
+                all.iter().any(|c| c.params == *params),
+                "{params:?} missing"
+            );
         }
-        assert_eq!(all.len(), TuneParams::candidates().count() * 7);
+        assert_eq!(all.len(), blocks.len() * 7);
+        // Nine threads × tile blocks without a floor, six (CTAs of two or four warps) with twelve
+        // warps an SM; 8-warp CTAs get one CTA an SM either way, so they come once.
+        assert_eq!(blocks.len(), 15);
+        assert!(blocks
+            .iter()
+            .all(|b| b.min_warps_per_sm == 0 || b.threads <= 128));
+    }
+
+    #[test]
+    fn the_occupancy_floor_is_offered_only_where_it_changes_the_kernel() {
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        let int8: kvq_spec::SchemeSpec =
+            "k = int(8, channel, symmetric), v = int(8, channel, symmetric)"
+                .parse()
+                .unwrap();
+        let blocks = TuneParams::candidates_for(&int8, &shape);
+        assert_eq!(
+            blocks[0].min_warps_per_sm, 0,
+            "INT8 runs uncapped by default"
+        );
+        assert_eq!(
+            blocks.iter().filter(|b| b.min_warps_per_sm == 12).count(),
+            6
+        );
+        // The generic kernel (head_dim 96) and head_dim 256 get no floor to try.
+        for head_dim in [96, 256] {
+            let shape = KernelShape::new(head_dim, 4, Dtype::F16);
+            let blocks = TuneParams::candidates_for(&int8, &shape);
+            assert!(blocks.iter().all(|b| b.min_warps_per_sm == 0), "{head_dim}");
+            assert_eq!(blocks.len(), 9);
+        }
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //!   off    ─▶ heuristic default     TuneParams::default_for + default_splits
 //!   cached ─▶ stored result for (GpuKey, ProblemKey) in <cache dir>/tune.json, else heuristic
 //!   full   ─▶ stored result, else tune now and store:
-//!        candidates: TuneParams::candidates() × split counts around default_splits
+//!        candidates: TuneParams::candidates_for(spec, shape) × split counts around default_splits
 //!        compile all block shapes in parallel (JIT disk cache: free on the next run)
 //!        upload the batch in enough copies that a round over them reads ≥ 4× L2
 //!        pass 1: every candidate, N runs, median (CUDA events; runs queued behind a spin kernel)

@@ -23,7 +23,9 @@ pub const TUNE_FILE: &str = "tune.json";
 /// Marker in the file, so an unrelated `tune.json` is recognised as such.
 pub const FORMAT: &str = "kvq-tune";
 /// Layout version of the file; other versions are ignored (and replaced at the next save).
-pub const VERSION: u32 = 1;
+/// Version 2 added `min_warps_per_sm` to the choice: a version-1 result, read with that field
+/// absent, would name an uncapped kernel where the 1- and 2-bit and FP16 kernels were capped.
+pub const VERSION: u32 = 2;
 
 /// One measured result.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -315,6 +317,7 @@ mod tests {
                 params: TuneParams {
                     threads: 256,
                     tile_tokens: 64,
+                    min_warps_per_sm: 0,
                 },
                 splits,
                 pieces: crate::decode::Pieces::NONE,
@@ -390,7 +393,7 @@ mod tests {
         let path = dir.join(TUNE_FILE);
         for (text, why) in [
             (
-                "{\"format\": \"kvq-tune\", \"version\": 1, \"entries\": [",
+                "{\"format\": \"kvq-tune\", \"version\": 2, \"entries\": [",
                 "not valid JSON",
             ),
             ("[1, 2, 3]", "not a kvq tuning file"),
@@ -400,7 +403,11 @@ mod tests {
                 "version",
             ),
             (
-                "{\"format\": \"kvq-tune\", \"version\": 1, \"entries\": [{\"gpu\": 1}]}",
+                "{\"format\": \"kvq-tune\", \"version\": 1, \"entries\": []}",
+                "version",
+            ),
+            (
+                "{\"format\": \"kvq-tune\", \"version\": 2, \"entries\": [{\"gpu\": 1}]}",
                 "malformed entries",
             ),
             ("\u{0}\u{1}binary", "not valid JSON"),

@@ -772,6 +772,7 @@ mod tests {
                 params: TuneParams {
                     threads: 128,
                     tile_tokens: 32,
+                    min_warps_per_sm: 0,
                 },
                 splits,
                 pieces: crate::decode::Pieces::NONE,
