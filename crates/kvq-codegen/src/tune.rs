@@ -14,9 +14,10 @@ pub struct TuneParams {
     pub tile_tokens: u32,
     /// Warps per SM the decode kernel's registers must leave room for: 0 (as many registers as
     /// the compiler wants) or 12 (at most 168 a thread: `__launch_bounds__(threads,
-    /// min_ctas_per_sm())`). Which is faster depends on the GPU: on an H100 twelve warps suit the
-    /// 1- and 2-bit and FP16 kernels but slow KIVI-4 and INT8, which run eight; on an H200 KIVI-4
-    /// ran ×1.17 with twelve (docs/KERNELS.md, *Occupancy*). Absent in results stored before the
+    /// min_ctas_per_sm())`). Which is faster depends on the GPU and the shape: on an H100 twelve
+    /// warps suit the 1- and 2-bit and FP16 kernels but slow KIVI-4 (×0.945 at B=16 L=32K) and
+    /// INT8, which run eight; on an H200 KIVI-4 ran ×1.06 at B=16 L=32K with twelve, slower at
+    /// short contexts (docs/KERNELS.md, *Occupancy*). Absent in results stored before the
     /// parameter existed, which the tuning file's version retires.
     #[serde(default)]
     pub min_warps_per_sm: u32,
