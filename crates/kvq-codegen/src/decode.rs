@@ -148,6 +148,9 @@ fn mma_plan(
         k_quant: k.kind == "int",
         k_int: low_bit_keys && (!calibrated || k_fine_pays(k)),
         k_fine: low_bit_keys && calibrated && k_fine_pays(k),
+        // Not at head_dim 256: there Kitty-Pro's kernel (255 registers, uncapped) took 6 spill
+        // instructions at GQA 1 with it.
+        k_high_int: low_bit_keys && !calibrated && k.boost && d <= 128,
         range_int: calibrated && range_int_pays(k),
         v_quant: v.kind == "int",
         v_token_fold,

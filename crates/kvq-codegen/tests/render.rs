@@ -155,7 +155,10 @@ fn is_low_bit(t: &kvq_spec::TensorQuant, axis: kvq_spec::Axis) -> bool {
 fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_ones_with_a_fine_limb(
 ) {
     const INTEGER_MMA: &str = "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32";
-    const DECODE_INT: &str = "kvq_chunk_scores_int<GUARD, true, K_FINE>(qrows";
+    const DECODE_INT: &str = "kvq_chunk_scores_int<GUARD, true, ";
+    // Kitty's boosted plane joins the integer sums where the keys take the integer path without
+    // the fine limb (twenty-third round).
+    const HIGH_INT: &str = "static constexpr bool K_HIGH_INT = true;";
     // The bias's sums in one mma chain in the decode kernel, two in the range pass (fifteenth
     // round: CalibQuant-2's range pass lost with one).
     const DECODE_FOLD: &str = "kvq_fold_int<true, K_FINE>(f,";
@@ -174,6 +177,7 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
         let decode = integer && (!calibrated || two_bit);
         let fine = decode && calibrated;
         let range = integer && calibrated;
+        let boost = matches!(spec.k, kvq_spec::TensorQuant::Int(q) if q.boost.is_some());
         for (marker, expected) in [
             (INTEGER_MMA, integer),
             (DECODE_INT, decode),
@@ -183,6 +187,7 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
             (RANGE_FOLD, range),
             (DECODE_TABLE, decode),
             (RANGE_TABLE, range),
+            (HIGH_INT, decode && boost && !calibrated),
         ] {
             assert_eq!(source.contains(marker), expected, "{text}: {marker}");
         }
@@ -192,6 +197,27 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
         fine_limbs >= 1,
         "a calibrated 2-bit scheme takes the fine limb"
     );
+}
+
+/// Kitty's boosted plane joins the integer sums up to head_dim 128; at 256 (Kitty-Pro spilled
+/// there with it) it keeps the f16 `mma` in real units.
+#[test]
+fn the_boosted_plane_takes_the_integer_path_up_to_head_dim_128() {
+    const HIGH_INT: &str = "static constexpr bool K_HIGH_INT = true;";
+    let spec = SchemeSpec::parse(
+        "k = int(2, channel, boost = boost(4, ratio = 0.25, by = magnitude)), v = int(2, token)",
+    )
+    .unwrap();
+    for (head_dim, expected) in [(64, true), (128, true), (256, false)] {
+        let shape = KernelShape::new(head_dim, 4, Dtype::F16);
+        let k = decode_kernels(&spec, &shape, &TuneParams::default_for(&spec, &shape)).unwrap();
+        assert_eq!(k.source.contains(HIGH_INT), expected, "head_dim {head_dim}");
+        assert_eq!(
+            k.source.contains("kvq_chunk_high_scores<GUARD>(qhigh"),
+            !expected,
+            "head_dim {head_dim}: the f16 high plane where the integer one is off"
+        );
+    }
 }
 
 /// Asymmetric channel-axis V of 1 or 2 bits enters P·V as f16 subnormals, its page's scales on the
