@@ -249,8 +249,8 @@ pub(crate) struct MmaCtx {
     /// Kitty's boosted plane on the integer path too: 4·(high code) bytes as extra k-steps of the
     /// integer `mma` against the boosted slots' query limbs, summed with the low plane before one
     /// conversion (integer keys without the fine limb, head_dim ≤ 128). Against two f16 `mma` a word on the
-    /// plane in real units: Kitty-Pro ×1.074, Kitty ×1.028 at B=16 L=32K on an H100, with smaller
-    /// errors against the reference (docs/BENCHMARKS.md, twenty-third round).
+    /// plane in real units: Kitty-Pro ×1.074, Kitty ×1.028 at B=16 L=32K on an H100, errors
+    /// against the reference as before (docs/BENCHMARKS.md, twenty-third round).
     pub k_high_int: bool,
     /// CalibQuant's score-range pass meets 1- and 2-bit keys on the integer tensor cores with two
     /// limbs, where its decode kernel keeps the f16 path or adds the fine limb: the range only sets
