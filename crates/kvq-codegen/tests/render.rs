@@ -158,7 +158,7 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
     const DECODE_INT: &str = "kvq_chunk_scores_int<GUARD, true, ";
     // Kitty's boosted plane joins the integer sums where the keys take the integer path without
     // the fine limb (twenty-third round).
-    const HIGH_INT: &str = "static constexpr bool K_HIGH_INT = true;";
+    const HIGH_INT: &str = "kvq_chunk_scores_int<GUARD, true, false, true>(qrows";
     // The bias's sums in one mma chain in the decode kernel, two in the range pass (fifteenth
     // round: CalibQuant-2's range pass lost with one).
     const DECODE_FOLD: &str = "kvq_fold_int<true, K_FINE>(f,";
@@ -203,7 +203,7 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
 /// there with it) it keeps the f16 `mma` in real units.
 #[test]
 fn the_boosted_plane_takes_the_integer_path_up_to_head_dim_128() {
-    const HIGH_INT: &str = "static constexpr bool K_HIGH_INT = true;";
+    const HIGH_INT: &str = "kvq_chunk_scores_int<GUARD, true, false, true>(qrows";
     let spec = SchemeSpec::parse(
         "k = int(2, channel, boost = boost(4, ratio = 0.25, by = magnitude)), v = int(2, token)",
     )
