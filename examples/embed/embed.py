@@ -28,7 +28,7 @@ import os
 import struct
 import sys
 
-LAYOUT_VERSION = "kvq-layout-1"
+LAYOUT_VERSION = "kvq-layout-2"
 
 
 class EmbedError(Exception):

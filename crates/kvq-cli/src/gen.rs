@@ -390,6 +390,9 @@ fn tensor_info(spec: &SchemeSpec, t: &TensorQuant, head_dim: usize) -> Result<Te
             if l.map.bytes > 0 {
                 sections.insert("map".to_string(), l.map.into());
             }
+            if l.slots.bytes > 0 {
+                sections.insert("slots".to_string(), l.slots.into());
+            }
             Ok(TensorInfo {
                 kind: "int".into(),
                 text: t.to_string(),

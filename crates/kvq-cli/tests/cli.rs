@@ -179,7 +179,7 @@ fn gen_and_check(scheme: &str, args: &[&str], tmp: &TempDir) -> (Value, String, 
     let decode = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
     let cache = std::fs::read_to_string(dir.join("cache.cu")).unwrap_or_default();
     assert_eq!(manifest["format"], "kvq-gen");
-    assert_eq!(manifest["layout_version"], "kvq-layout-1");
+    assert_eq!(manifest["layout_version"], "kvq-layout-2");
     let kernels = manifest["kernels"].as_array().unwrap();
     assert!(kernels.len() >= 2);
     for k in kernels {

@@ -40,6 +40,7 @@ pub(crate) struct TensorCtx {
     pub high_row_words: usize,
     pub high_offset: usize,
     pub map_offset: usize,
+    pub slots_offset: usize,
     /// Largest code magnitude of the base quantizer (`2^b − 1`, or `2^(b−1) − 1` when symmetric).
     pub levels: u32,
     pub boost_levels: u32,
@@ -97,6 +98,7 @@ impl TensorCtx {
             high_row_words: 0,
             high_offset: 0,
             map_offset: 0,
+            slots_offset: 0,
             levels: 0,
             boost_levels: 0,
             boost_channels: 0,
@@ -156,7 +158,7 @@ impl TensorCtx {
                 ctx.zeros_offset = l.zeros.offset;
                 ctx.levels = l.quant.levels();
                 ctx.scale_count = l.scale_count();
-                let mut sections = [l.codes, l.high, l.scales, l.zeros, l.map];
+                let mut sections = l.sections();
                 sections.sort_by_key(|s| s.offset);
                 let mut at = 0;
                 for s in sections.iter().filter(|s| s.bytes > 0) {
@@ -182,6 +184,7 @@ impl TensorCtx {
                     ctx.high_row_words = b.high_row_words;
                     ctx.high_offset = l.high.offset;
                     ctx.map_offset = l.map.offset;
+                    ctx.slots_offset = l.slots.offset;
                 }
                 Ok(ctx)
             }

@@ -19,7 +19,7 @@ pub struct TensorFootprint {
     pub codes: u64,
     /// Boost high planes.
     pub high_bits: u64,
-    /// Boost index maps.
+    /// Boost index maps and their inverses (slot tables).
     pub index_maps: u64,
     /// f16 scales.
     pub scales: u64,
@@ -156,7 +156,7 @@ pub fn tensor(
             Ok(TensorFootprint {
                 codes: blocks * l.codes.bytes as u64,
                 high_bits: blocks * l.high.bytes as u64,
-                index_maps: blocks * l.map.bytes as u64,
+                index_maps: blocks * (l.map.bytes + l.slots.bytes) as u64,
                 scales: blocks * l.scales.bytes as u64,
                 zeros: blocks * l.zeros.bytes as u64,
                 padding: blocks * l.padding() as u64,
@@ -206,7 +206,7 @@ mod tests {
         )
         .unwrap();
         let f = scheme(&spec, 128, 1, 1 << 20).unwrap();
-        // K pages 2.5625 bits, V pages 2.25 bits.
+        // K pages 2.5703 bits, V pages 2.25 bits.
         assert!(
             (f.bits_per_element() - 2.40625).abs() < 0.01,
             "{}",
@@ -216,10 +216,10 @@ mod tests {
         let f = scheme(&spec, 128, 8, 1024).unwrap();
         assert_eq!(
             f.k.codes + f.k.high_bits + f.k.scales + f.k.zeros + f.k.index_maps,
-            293_888
+            294_784
         );
         assert_eq!((f.k.sink_buffer, f.k.tail_buffer), (65_536, 262_144));
         assert_eq!(f.v.bytes(), 221_184 + 65_536 + 524_288);
-        assert_eq!(f.total_bytes(), 1_432_576);
+        assert_eq!(f.total_bytes(), 1_433_472);
     }
 }

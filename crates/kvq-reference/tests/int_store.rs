@@ -258,7 +258,7 @@ fn wrong_entry_points_and_shapes_are_errors() {
 }
 
 #[test]
-fn decode_page_checks_block_size_and_map() {
+fn decode_page_checks_block_size_map_and_slot_table() {
     let s = spec("k = int(2, channel, boost = boost(4, ratio = 0.25)), v = fp16, page = 16");
     let x = random(1, 16, 32, 9);
     let cache = IntCache::build(&s, &x, &x).unwrap();
@@ -270,8 +270,15 @@ fn decode_page_checks_block_size_and_map() {
             .iter()
             .position(|&s| s != NOT_BOOSTED)
             .unwrap();
+    let intact = block.clone();
     block[first] = 200;
     assert!(decode_page(&l, &block).is_err());
+    // A slot table that is not the map's inverse is refused too.
+    let mut block = intact;
+    assert!(decode_page(&l, &block).is_ok());
+    block.swap(l.slots.offset, l.slots.offset + 1);
+    let err = decode_page(&l, &block).unwrap_err().to_string();
+    assert!(err.contains("slot table"), "{err}");
 }
 
 /// The scheme texts exercised below: every width, both axes, boost, symmetric, sink/local mixes.
@@ -380,12 +387,12 @@ fn kitty_worked_example_reads_as_documented() {
         let value = half(4608 + 2 * c).mul_add(code as f32, half(4864 + 2 * c));
         assert_eq!(value, k.row(0, 32 + t)[c], "channel {c}");
     }
-    assert_eq!(
-        block
-            .iter()
-            .skip(5120)
-            .filter(|&&m| m != NOT_BOOSTED)
-            .count(),
-        16
-    );
+    let boosted: Vec<usize> = (0..128)
+        .filter(|&c| block[5120 + c] != NOT_BOOSTED)
+        .collect();
+    assert_eq!(boosted.len(), 16);
+    // The slot table after the map: slot s's channel, slots in ascending channel order.
+    let slots: Vec<usize> = block[5248..5264].iter().map(|&c| usize::from(c)).collect();
+    assert_eq!(slots, boosted);
+    assert_eq!(block.len(), 5264);
 }

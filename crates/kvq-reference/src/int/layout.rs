@@ -10,7 +10,7 @@ use std::ops::Range;
 
 /// Version of the cache layout this module defines (page blocks, FP16 sink and tail ring); bumped on
 /// any change a kernel or an embedding engine would notice. Emitted in `kvq gen` manifests.
-pub const LAYOUT_VERSION: &str = "kvq-layout-1";
+pub const LAYOUT_VERSION: &str = "kvq-layout-2";
 
 /// Alignment of every section and of every page block.
 pub const ALIGN: usize = 16;
@@ -80,6 +80,9 @@ pub struct IntLayout {
     pub zeros: Section,
     /// Boost index map: one byte per channel, slot or [`NOT_BOOSTED`] (empty without boost).
     pub map: Section,
+    /// The map inverted: one byte per slot, its channel (empty without boost). Decode kernels
+    /// gather the boosted channels' query through it once per page.
+    pub slots: Section,
     /// Bytes of a whole block (a multiple of [`ALIGN`]).
     pub block_bytes: usize,
 }
@@ -151,6 +154,7 @@ impl IntLayout {
         let scales = section(scale_count * 2);
         let zeros = section(if q.symmetric { 0 } else { scale_count * 2 });
         let map = section(if boost.is_some() { head_dim } else { 0 });
+        let slots = section(boost.map_or(0, |b| b.channels));
         Ok(Self {
             quant,
             axis: q.axis,
@@ -164,6 +168,7 @@ impl IntLayout {
             scales,
             zeros,
             map,
+            slots,
             block_bytes: at,
         })
     }
@@ -173,12 +178,21 @@ impl IntLayout {
         self.scales.bytes / 2
     }
 
+    /// Every section in block order (empty ones included).
+    pub fn sections(&self) -> [Section; 6] {
+        [
+            self.codes,
+            self.high,
+            self.scales,
+            self.zeros,
+            self.map,
+            self.slots,
+        ]
+    }
+
     /// Alignment padding inside a block.
     pub fn padding(&self) -> usize {
-        let used: usize = [self.codes, self.high, self.scales, self.zeros, self.map]
-            .iter()
-            .map(|s| s.bytes)
-            .sum();
+        let used: usize = self.sections().iter().map(|s| s.bytes).sum();
         self.block_bytes - used
     }
 }
@@ -243,7 +257,14 @@ mod tests {
                 bytes: 128
             }
         );
-        assert_eq!(l.block_bytes, 5248);
+        assert_eq!(
+            l.slots,
+            Section {
+                offset: 5248,
+                bytes: 16
+            }
+        );
+        assert_eq!(l.block_bytes, 5264);
         assert_eq!(l.padding(), 0);
     }
 

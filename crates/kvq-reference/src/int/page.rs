@@ -148,6 +148,12 @@ pub fn encode_page(l: &IntLayout, values: &[f32], block: &mut [u8]) -> Result<()
             pack::write_words(&words, &mut block[at..at + hb])?;
         }
         block[l.map.range()].copy_from_slice(&q.map);
+        let slots = &mut block[l.slots.range()];
+        for (c, &slot) in q.map.iter().enumerate() {
+            if slot != NOT_BOOSTED {
+                slots[usize::from(slot)] = c as u8;
+            }
+        }
     }
     write_f16s(
         q.params.iter().map(|p| p.scale),
@@ -159,14 +165,16 @@ pub fn encode_page(l: &IntLayout, values: &[f32], block: &mut [u8]) -> Result<()
     Ok(())
 }
 
-/// The boost index map of a block, checked: every slot below k, each used once.
+/// The boost index map of a block, checked: every slot below k, each used once, and the slot
+/// table its inverse.
 fn read_map(l: &IntLayout, block: &[u8]) -> Result<Vec<u8>, RefError> {
     let Some(b) = l.boost else {
         return Ok(Vec::new());
     };
     let map = section(block, &l.map).to_vec();
+    let slots = section(block, &l.slots);
     let mut seen = vec![false; b.channels];
-    for &s in &map {
+    for (c, &s) in map.iter().enumerate() {
         if s == NOT_BOOSTED {
             continue;
         }
@@ -178,6 +186,12 @@ fn read_map(l: &IntLayout, block: &[u8]) -> Result<Vec<u8>, RefError> {
                     b.channels
                 )))
             }
+        }
+        if usize::from(slots[usize::from(s)]) != c {
+            return Err(RefError::Mismatch(format!(
+                "boost slot table sends slot {s} to channel {}, the map to channel {c}",
+                slots[usize::from(s)]
+            )));
         }
     }
     Ok(map)
