@@ -193,6 +193,10 @@ fn range_int_pays(k: &TensorCtx) -> bool {
 /// ×1.007 in two runs, no gain, so it keeps the magic-number path. The price: the error against
 /// the reference at L ≥ 32K is about 1.5× the magic-number path's (4.9e-4 against 3.1e-4 for
 /// kivi2 at B=16 L=32K; tolerance 2e-3), the eighth round's finding for the same arithmetic.
+/// Keys on the f16 path were tried the same way (4-bit asymmetric keys masked in place, the fold
+/// scaling each pair's query by 2^−p, the score taking 2^24): KIVI-4's scores block fell from 431
+/// to 294 instructions a chunk with unchanged errors, yet it ran ×0.977 at B=16 L=32K and
+/// ×0.967–×0.983 at L=128K (twenty-fourth round), so keys keep the magic-number conversion too.
 fn v_subnormal_pays(v: &TensorCtx) -> bool {
     v.kind == "int" && v.bits <= 2
 }
