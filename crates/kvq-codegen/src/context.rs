@@ -274,6 +274,10 @@ pub(crate) struct MmaCtx {
     /// Dynamic shared memory where a CTA's warps leave their accumulators for the merge at the
     /// end (the ring's bytes, no longer in use by then, when they are more).
     pub merge_bytes: usize,
+    /// Two 16-token subtiles share one score fragment at GQA ≤ 4: the head columns 4–7 of the
+    /// `mma`, which would score heads past GQA, score heads 0–3 of the next subtile instead, so
+    /// the softmax works on half the fragments (see `pack_heads_pays` in decode.rs).
+    pub pack_heads: bool,
     /// Where the runtime's default launches take pieces. The kernel runs pieces (`num_pieces > 0`,
     /// `KVQ_RUNS_PIECES`) after its splits unless it is `PieceRule::None`; then its piece CTAs find
     /// their shares empty and the splits cover every token.

@@ -128,6 +128,9 @@ fn mma_plan(
     let enabled = reason.is_none();
     let v_token_fold = v.kind == "int" && v.axis == "token";
     let low_bit_keys = k.kind == "int" && k.bits <= 2;
+    // Not at head_dim 256: there Kitty-Pro's kernel (255 registers, uncapped) took 6 spill
+    // instructions at GQA 1 with it.
+    let k_high_int = low_bit_keys && !calibrated && k.boost && d <= 128;
     let piece_rule = if enabled {
         piece_rule(k, v, calibrated)
     } else {
@@ -148,17 +151,33 @@ fn mma_plan(
         k_quant: k.kind == "int",
         k_int: low_bit_keys && (!calibrated || k_fine_pays(k)),
         k_fine: low_bit_keys && calibrated && k_fine_pays(k),
-        // Not at head_dim 256: there Kitty-Pro's kernel (255 registers, uncapped) took 6 spill
-        // instructions at GQA 1 with it.
-        k_high_int: low_bit_keys && !calibrated && k.boost && d <= 128,
+        k_high_int,
         range_int: calibrated && range_int_pays(k),
         v_quant: v.kind == "int",
         v_token_fold,
         v_subnormal: v_token_fold && v_subnormal_pays(v),
         v_channel_subnormal: v.kind == "int" && v.axis == "channel" && v_channel_subnormal_pays(v),
         merge_bytes: merge_bytes(tune, d),
+        pack_heads: enabled && k_high_int && pack_heads_pays(shape, tune),
         piece_rule,
     }
+}
+
+/// Whether two subtiles share a score fragment ([`MmaCtx::pack_heads`]), for kernels whose keys
+/// take Kitty's boosted plane on the integer path (`k_high_int`). At GQA ≤ 4 the head columns 4–7
+/// of every `mma` score nothing the kernel reads, so half of each thread's scores, and of its
+/// softmax work (max, exp2, rescaling, packing P), went to waste. With the query of head `c mod 4`
+/// in column `c`, the columns 4–7 of subtile `2i + 1` are the scores of heads 0–3 there, and they
+/// take the place of subtile `2i`'s: the `mma` stay as many, the softmax's code a 64-token chunk
+/// falls from 122 to 78 instructions, and the accumulators' columns 4–7 hold heads 0–3's sums over
+/// the odd subtiles until the CTA's merge. Needs an even number of subtiles a chunk (tiles of 32 or
+/// 64 tokens). Measured on an H100 (docs/BENCHMARKS.md, twenty-fifth round) at 32 query heads, 8
+/// KV heads: Kitty ×1.015–×1.019 and Kitty-Pro ×1.006–×1.013 at B=16 L=32K, but ×0.975–×0.990
+/// for Kitty at B=4 L=4K; for every other scheme no gain where the targets are (KIVI-4
+/// ×0.973 at B=16 L=32K, kivi2 ×1.001, CalibQuant-2 ×0.995, INT8 ×0.998, FP16 ×1.001), so the
+/// other kernels keep one subtile a fragment.
+fn pack_heads_pays(shape: &KernelShape, tune: &TuneParams) -> bool {
+    shape.gqa <= 4 && (tune.tile_tokens / 16) % 2 == 0
 }
 
 /// Whether a calibrated scheme's keys take the integer path with a third, fine query limb

@@ -220,6 +220,45 @@ fn the_boosted_plane_takes_the_integer_path_up_to_head_dim_128() {
     }
 }
 
+/// Two subtiles share a score fragment only where the boosted plane takes the integer path, at
+/// GQA ≤ 4 and with an even number of 16-token subtiles a chunk (twenty-fifth round: the other
+/// kernels gained nothing from it at B=16 L=32K, KIVI-4 lost).
+#[test]
+fn only_kitty_kernels_pack_two_subtiles_into_a_score_fragment_at_gqa_of_at_most_four() {
+    const PACK: &str = "static constexpr bool KVQ_PACK = true;";
+    let kitty = SchemeSpec::parse(
+        "k = int(2, channel, boost = boost(4, ratio = 0.125)), v = int(2, token, local = 128), sink = 32",
+    )
+    .unwrap();
+    let kivi2 = SchemeSpec::parse("k = int(2, channel), v = int(2, token), local = 128").unwrap();
+    let render = |spec: &SchemeSpec, head_dim: u32, gqa: u32, tile_tokens: Option<u32>| {
+        let shape = KernelShape::new(head_dim, gqa, Dtype::F16);
+        let mut tune = TuneParams::default_for(spec, &shape);
+        if let Some(tile) = tile_tokens {
+            tune.tile_tokens = tile;
+        }
+        decode_kernels(spec, &shape, &tune).unwrap().source
+    };
+    for (spec, head_dim, gqa, tile, expected) in [
+        (&kitty, 128, 4, None, true),
+        (&kitty, 128, 1, None, true),
+        (&kitty, 64, 2, None, true),
+        (&kitty, 128, 4, Some(32), true),
+        (&kitty, 128, 4, Some(16), false),
+        (&kitty, 128, 8, None, false),
+        (&kitty, 256, 4, None, false),
+        (&kivi2, 128, 4, None, false),
+    ] {
+        let source = render(spec, head_dim, gqa, tile);
+        assert!(source.contains("static constexpr bool KVQ_PACK = "));
+        assert_eq!(
+            source.contains(PACK),
+            expected,
+            "head_dim {head_dim}, gqa {gqa}, tile {tile:?}"
+        );
+    }
+}
+
 /// Asymmetric channel-axis V of 1 or 2 bits enters P·V as f16 subnormals, its page's scales on the
 /// accumulators; symmetric or wider channel-axis V keeps the dequantising `fma` per pair.
 #[test]
