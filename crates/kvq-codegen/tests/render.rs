@@ -132,9 +132,19 @@ fn the_score_range_pass_stages_keys_through_the_decode_ring() {
 /// A scheme and its decode source at head_dim 128, GQA 4, f16, default launch parameters.
 fn default_source(text: &str) -> (SchemeSpec, String) {
     let spec = SchemeSpec::parse(text).unwrap();
-    let shape = KernelShape::new(128, 4, Dtype::F16);
-    let k = decode_kernels(&spec, &shape, &TuneParams::default_for(&spec, &shape)).unwrap();
-    (spec, k.source)
+    let source = source_at(&spec, 128, 4, None);
+    (spec, source)
+}
+
+/// The decode source of `spec` in f16 at a head_dim and GQA, with the default launch parameters
+/// but for `tile_tokens` where given.
+fn source_at(spec: &SchemeSpec, head_dim: u32, gqa: u32, tile_tokens: Option<u32>) -> String {
+    let shape = KernelShape::new(head_dim, gqa, Dtype::F16);
+    let mut tune = TuneParams::default_for(spec, &shape);
+    if let Some(tile) = tile_tokens {
+        tune.tile_tokens = tile;
+    }
+    decode_kernels(spec, &shape, &tune).unwrap().source
 }
 
 fn is_tensor_core_kernel(source: &str) -> bool {
@@ -209,11 +219,10 @@ fn the_boosted_plane_takes_the_integer_path_up_to_head_dim_128() {
     )
     .unwrap();
     for (head_dim, expected) in [(64, true), (128, true), (256, false)] {
-        let shape = KernelShape::new(head_dim, 4, Dtype::F16);
-        let k = decode_kernels(&spec, &shape, &TuneParams::default_for(&spec, &shape)).unwrap();
-        assert_eq!(k.source.contains(HIGH_INT), expected, "head_dim {head_dim}");
+        let source = source_at(&spec, head_dim, 4, None);
+        assert_eq!(source.contains(HIGH_INT), expected, "head_dim {head_dim}");
         assert_eq!(
-            k.source.contains("kvq_chunk_high_scores<GUARD>(qhigh"),
+            source.contains("kvq_chunk_high_scores<GUARD>(qhigh"),
             !expected,
             "head_dim {head_dim}: the f16 high plane where the integer one is off"
         );
@@ -231,14 +240,6 @@ fn only_kitty_kernels_pack_two_subtiles_into_a_score_fragment_at_gqa_of_at_most_
     )
     .unwrap();
     let kivi2 = SchemeSpec::parse("k = int(2, channel), v = int(2, token), local = 128").unwrap();
-    let render = |spec: &SchemeSpec, head_dim: u32, gqa: u32, tile_tokens: Option<u32>| {
-        let shape = KernelShape::new(head_dim, gqa, Dtype::F16);
-        let mut tune = TuneParams::default_for(spec, &shape);
-        if let Some(tile) = tile_tokens {
-            tune.tile_tokens = tile;
-        }
-        decode_kernels(spec, &shape, &tune).unwrap().source
-    };
     for (spec, head_dim, gqa, tile, expected) in [
         (&kitty, 128, 4, None, true),
         (&kitty, 128, 1, None, true),
@@ -249,7 +250,7 @@ fn only_kitty_kernels_pack_two_subtiles_into_a_score_fragment_at_gqa_of_at_most_
         (&kitty, 256, 4, None, false),
         (&kivi2, 128, 4, None, false),
     ] {
-        let source = render(spec, head_dim, gqa, tile);
+        let source = source_at(spec, head_dim, gqa, tile);
         assert!(source.contains("static constexpr bool KVQ_PACK = "));
         assert_eq!(
             source.contains(PACK),
