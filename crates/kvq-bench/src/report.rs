@@ -234,6 +234,7 @@ pub(crate) mod tests {
                 threads: 128,
                 tile_tokens: 32,
                 min_warps_per_sm: 0,
+                pack_heads: true,
             },
             splits: 3,
             pieces: kvq::runtime::Pieces::NONE,

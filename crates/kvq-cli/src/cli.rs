@@ -169,6 +169,10 @@ pub struct GenArgs {
     /// tuned, else the heuristic.
     #[arg(long)]
     pub min_warps_per_sm: Option<u32>,
+    /// Whether a decode kernel that can hold two 16-token subtiles in one score fragment does
+    /// (Kitty's kernels at GQA ≤ 4; true or false); default: tuned, else true.
+    #[arg(long)]
+    pub pack_heads: Option<bool>,
     /// Tuning results to read (default: tune.json in the cache folder).
     #[arg(long)]
     pub tune_file: Option<PathBuf>,

@@ -50,6 +50,7 @@ pub struct GenRequest {
     pub threads: Option<u32>,
     pub tile_tokens: Option<u32>,
     pub min_warps_per_sm: Option<u32>,
+    pub pack_heads: Option<bool>,
     /// Where tuned results are read from (`None`: the default `tune.json`).
     pub tune_file: Option<PathBuf>,
     /// Also write a sample batch with its reference output.
@@ -182,6 +183,7 @@ struct TunedInfo {
     threads: u32,
     tile_tokens: u32,
     min_warps_per_sm: u32,
+    pack_heads: bool,
     splits: usize,
     /// The tuned launch's `num_pieces` and `piece_permille` (0 and 0: none).
     num_pieces: usize,
@@ -198,6 +200,8 @@ struct TuneInfo {
     tile_tokens: u32,
     /// Warps per SM the decode kernel's `__launch_bounds__` reserves registers for (0: none).
     min_warps_per_sm: u32,
+    /// Whether a kernel that can hold two subtiles in one score fragment does (Kitty's at GQA ≤ 4).
+    pack_heads: bool,
     /// `default`, `tuned` or `flags`.
     source: String,
     tune_file: Option<String>,
@@ -542,14 +546,21 @@ fn choose_params(
     tuned: &[TuneEntry],
 ) -> Result<(TuneParams, &'static str)> {
     let default = TuneParams::default_for(&req.scheme.spec, shape);
-    if req.threads.is_some() || req.tile_tokens.is_some() || req.min_warps_per_sm.is_some() {
+    if req.threads.is_some()
+        || req.tile_tokens.is_some()
+        || req.min_warps_per_sm.is_some()
+        || req.pack_heads.is_some()
+    {
         let p = TuneParams {
             threads: req.threads.unwrap_or(default.threads),
             tile_tokens: req.tile_tokens.unwrap_or(default.tile_tokens),
             min_warps_per_sm: req.min_warps_per_sm.unwrap_or(default.min_warps_per_sm),
+            pack_heads: req.pack_heads.unwrap_or(default.pack_heads),
         };
         p.validate().map_err(|e| {
-            CliError::Usage(format!("--threads/--tile-tokens/--min-warps-per-sm: {e}"))
+            CliError::Usage(format!(
+                "--threads/--tile-tokens/--min-warps-per-sm/--pack-heads: {e}"
+            ))
         })?;
         return Ok((p, "flags"));
     }
@@ -624,13 +635,14 @@ fn header_text(
     let _ = writeln!(
         h,
         "/* shape:  head_dim={} gqa={} dtype={}; tuning threads={} tile_tokens={} \
-         min_warps_per_sm={} */",
+         min_warps_per_sm={} pack_heads={} */",
         shape.head_dim,
         shape.gqa,
         shape.dtype,
         tune.threads,
         tune.tile_tokens,
-        tune.min_warps_per_sm
+        tune.min_warps_per_sm,
+        tune.pack_heads
     );
     let _ = writeln!(
         h,
@@ -1016,6 +1028,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             threads: params.threads,
             tile_tokens: params.tile_tokens,
             min_warps_per_sm: params.min_warps_per_sm,
+            pack_heads: params.pack_heads,
             source: params_source.into(),
             tune_file: tune_file.map(|p| p.display().to_string()),
             default_splits: default_splits_text(spec),
@@ -1045,6 +1058,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                     threads: e.choice.params.threads,
                     tile_tokens: e.choice.params.tile_tokens,
                     min_warps_per_sm: e.choice.params.min_warps_per_sm,
+                    pack_heads: e.choice.params.pack_heads,
                     splits: e.choice.splits,
                     num_pieces: e.choice.pieces.count,
                     piece_permille: e.choice.pieces.permille,
@@ -1063,11 +1077,12 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
     if params_source == "tuned" {
         notes.push(format!(
             "block parameters from {} tuned result(s): threads {} tile_tokens {} \
-             min_warps_per_sm {}",
+             min_warps_per_sm {} pack_heads {}",
             tuned.len(),
             params.threads,
             params.tile_tokens,
-            params.min_warps_per_sm
+            params.min_warps_per_sm,
+            params.pack_heads
         ));
     }
     Ok(GenOutcome {

@@ -142,6 +142,7 @@ fn gen_cmd(a: GenArgs, out: &mut dyn Write) -> Result<()> {
         threads: a.threads,
         tile_tokens: a.tile_tokens,
         min_warps_per_sm: a.min_warps_per_sm,
+        pack_heads: a.pack_heads,
         tune_file: a.tune_file.clone(),
         sample: a.sample.then(|| SampleSpec {
             lengths: a.sample_lengths.0.clone(),

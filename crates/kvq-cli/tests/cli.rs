@@ -404,6 +404,7 @@ fn gen_uses_tuned_block_parameters_from_the_tune_file() {
                 threads: 256,
                 tile_tokens: 16,
                 min_warps_per_sm: 0,
+                pack_heads: true,
             },
             splits: 3,
             pieces: kvq::runtime::Pieces::NONE,
@@ -456,6 +457,30 @@ fn gen_uses_tuned_block_parameters_from_the_tune_file() {
     let (m, _, _) = gen_and_check("kivi2", &["--head-dim", "64"], &tmp);
     assert_eq!(m["tune"]["source"], "default");
     assert!(m["tune"]["tuned"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn gen_packs_kittys_score_fragments_unless_the_flag_says_not_to() {
+    let tmp = TempDir::new("pack");
+    let at_gqa4 = ["--head-dim", "128", "--gqa", "4"];
+    let (m, _, dir) = gen_and_check("kitty", &at_gqa4, &tmp);
+    assert_eq!(m["tune"]["source"], "default");
+    assert_eq!(m["tune"]["pack_heads"], true);
+    let decode = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
+    assert!(decode.contains("static constexpr bool KVQ_PACK = true;"));
+    let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
+    assert!(header.contains("pack_heads=true"), "{header}");
+    let (m, _, dir) = gen_and_check(
+        "kitty",
+        &[&at_gqa4[..], &["--pack-heads", "false"]].concat(),
+        &tmp,
+    );
+    assert_eq!(m["tune"]["source"], "flags");
+    assert_eq!(m["tune"]["pack_heads"], false);
+    let decode = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
+    assert!(decode.contains("static constexpr bool KVQ_PACK = false;"));
+    let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
+    assert!(header.contains("pack_heads=false"), "{header}");
 }
 
 #[test]

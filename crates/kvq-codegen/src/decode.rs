@@ -158,7 +158,7 @@ fn mma_plan(
         v_subnormal: v_token_fold && v_subnormal_pays(v),
         v_channel_subnormal: v.kind == "int" && v.axis == "channel" && v_channel_subnormal_pays(v),
         merge_bytes: merge_bytes(tune, d),
-        pack_heads: enabled && k_high_int && pack_heads_pays(shape, tune),
+        pack_heads: enabled && k_high_int && tune.pack_heads && pack_heads_pays(shape, tune),
         piece_rule,
     }
 }
@@ -175,7 +175,9 @@ fn mma_plan(
 /// KV heads: Kitty ×1.015–×1.019 and Kitty-Pro ×1.006–×1.013 at B=16 L=32K, but ×0.975–×0.990
 /// for Kitty at B=4 L=4K; for every other scheme no gain where the targets are (KIVI-4
 /// ×0.973 at B=16 L=32K, kivi2 ×1.001, CalibQuant-2 ×0.995, INT8 ×0.998, FP16 ×1.001), so the
-/// other kernels keep one subtile a fragment.
+/// other kernels keep one subtile a fragment. With the select moved onto the integer sums
+/// (twenty-sixth round) packing still gains at B=16 L=32K (Kitty ×1.020, Kitty-Pro ×1.010) and
+/// still loses at B=4 L=4K (×0.975, ×0.966), which a tuning parameter could recover.
 fn pack_heads_pays(shape: &KernelShape, tune: &TuneParams) -> bool {
     shape.gqa <= 4 && (tune.tile_tokens / 16) % 2 == 0
 }
@@ -352,6 +354,12 @@ fn mma_plan_for(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> Op
 /// ring (false for schemes or shapes the generic kernel serves).
 pub(crate) fn uses_stage_ring(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> bool {
     mma_plan_for(spec, shape, tune).is_some_and(|plan| plan.stage.stages > 0)
+}
+
+/// Whether the decode kernel for these parameters holds two subtiles in one score fragment
+/// ([`MmaCtx::pack_heads`]); with [`TuneParams::pack_heads`] false, none does.
+pub(crate) fn packs_heads(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> bool {
+    mma_plan_for(spec, shape, tune).is_some_and(|plan| plan.pack_heads)
 }
 
 /// Whether the default holds the decode kernel to twelve warps an SM (see

@@ -1,6 +1,6 @@
 //! The tunable parameters of the decode kernel, their valid ranges, and the untuned default.
 
-use crate::decode::{raises_occupancy, twelve_warps_by_default, uses_stage_ring};
+use crate::decode::{packs_heads, raises_occupancy, twelve_warps_by_default, uses_stage_ring};
 use crate::{CodegenError, KernelShape};
 use kvq_spec::SchemeSpec;
 use serde::{Deserialize, Serialize};
@@ -21,6 +21,18 @@ pub struct TuneParams {
     /// parameter existed, which the tuning file's version retires.
     #[serde(default)]
     pub min_warps_per_sm: u32,
+    /// Whether a kernel that can hold two 16-token subtiles in one score fragment does so
+    /// (`MmaCtx::pack_heads`: Kitty's boosted plane on the integer path at GQA ≤ 4, tiles of 32
+    /// or 64 tokens; every other kernel renders the same either way). On an H100 packing ran
+    /// Kitty ×1.020 and Kitty-Pro ×1.010 at B=16 L=32K but ×0.975 and ×0.966 at B=4 L=4K
+    /// (docs/BENCHMARKS.md, twenty-sixth round), so the default packs and the tuner tries both.
+    /// Absent in results stored before the parameter existed: true, as those kernels did.
+    #[serde(default = "packs_heads_by_default")]
+    pub pack_heads: bool,
+}
+
+fn packs_heads_by_default() -> bool {
+    true
 }
 
 impl TuneParams {
@@ -28,6 +40,7 @@ impl TuneParams {
     pub const THREADS: &'static [u32] = &[64, 128, 256];
     pub const TILE_TOKENS: &'static [u32] = &[16, 32, 64];
     pub const MIN_WARPS_PER_SM: &'static [u32] = &[0, 12];
+    pub const PACK_HEADS: &'static [bool] = &[true, false];
 
     /// The heuristic default for shapes nobody tuned.
     ///
@@ -87,6 +100,7 @@ impl TuneParams {
             threads: 128,
             tile_tokens: 64,
             min_warps_per_sm: 0,
+            pack_heads: true,
         };
         if !eight_bit && shape.head_dim == 128 && uses_stage_ring(spec, shape, &four_warps) {
             return four_warps;
@@ -95,6 +109,7 @@ impl TuneParams {
             threads: if eight_bit { 128 } else { 64 },
             tile_tokens: 64,
             min_warps_per_sm: 0,
+            pack_heads: true,
         };
         let narrow = TuneParams {
             tile_tokens: 32,
@@ -118,7 +133,12 @@ impl TuneParams {
     ///
     /// ```
     /// use kvq_codegen::TuneParams;
-    /// let p = |threads, min_warps_per_sm| TuneParams { threads, tile_tokens: 64, min_warps_per_sm };
+    /// let p = |threads, min_warps_per_sm| TuneParams {
+    ///     threads,
+    ///     tile_tokens: 64,
+    ///     min_warps_per_sm,
+    ///     pack_heads: true,
+    /// };
     /// assert_eq!(p(64, 12).min_ctas_per_sm(), 6);
     /// assert_eq!(p(128, 12).min_ctas_per_sm(), 3);
     /// assert_eq!(p(256, 12).min_ctas_per_sm(), 1); // one 8-warp CTA: no floor
@@ -134,10 +154,13 @@ impl TuneParams {
             Self::TILE_TOKENS.iter().flat_map(move |&tile_tokens| {
                 Self::MIN_WARPS_PER_SM
                     .iter()
-                    .map(move |&min_warps_per_sm| TuneParams {
-                        threads,
-                        tile_tokens,
-                        min_warps_per_sm,
+                    .flat_map(move |&min_warps_per_sm| {
+                        Self::PACK_HEADS.iter().map(move |&pack_heads| TuneParams {
+                            threads,
+                            tile_tokens,
+                            min_warps_per_sm,
+                            pack_heads,
+                        })
                     })
             })
         })
@@ -146,12 +169,19 @@ impl TuneParams {
     /// The combinations that render different kernels for `spec` at `shape` (what the tuner
     /// times): every threads × tile, each without an occupancy floor and, where the floor
     /// changes the tensor-core kernel's register budget at head_dim ≤ 128 (CTAs of at most six
-    /// warps), with twelve warps an SM. The default comes first.
+    /// warps), with twelve warps an SM; each packing its score fragments and, where the kernel
+    /// would pack, not. The default comes first.
     pub fn candidates_for(spec: &SchemeSpec, shape: &KernelShape) -> Vec<TuneParams> {
         let default = Self::default_for(spec, shape);
         let mut out = vec![default];
         out.extend(Self::candidates().filter(|p| {
-            *p != default && (p.min_warps_per_sm == 0 || raises_occupancy(spec, shape, p))
+            let packing = TuneParams {
+                pack_heads: true,
+                ..*p
+            };
+            *p != default
+                && (p.min_warps_per_sm == 0 || raises_occupancy(spec, shape, p))
+                && (p.pack_heads || packs_heads(spec, shape, &packing))
         }));
         out
     }

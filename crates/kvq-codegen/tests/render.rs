@@ -258,6 +258,21 @@ fn only_kitty_kernels_pack_two_subtiles_into_a_score_fragment_at_gqa_of_at_most_
             "head_dim {head_dim}, gqa {gqa}, tile {tile:?}"
         );
     }
+    // `TuneParams::pack_heads` false turns it off, and only the tuning parameter moves it.
+    let shape = KernelShape::new(128, 4, Dtype::F16);
+    let packed = TuneParams::default_for(&kitty, &shape);
+    let unpacked = TuneParams {
+        pack_heads: false,
+        ..packed
+    };
+    let source = decode_kernels(&kitty, &shape, &unpacked).unwrap().source;
+    assert!(source.contains("static constexpr bool KVQ_PACK = false;"));
+    let with = decode_kernels(&kitty, &shape, &packed).unwrap();
+    let without = decode_kernels(&kitty, &shape, &unpacked).unwrap();
+    assert_ne!(
+        with.decode.name, without.decode.name,
+        "one cache entry each"
+    );
 }
 
 /// Asymmetric channel-axis V of 1 or 2 bits enters P·V as f16 subnormals, its page's scales on the

@@ -75,6 +75,7 @@ fn schemes_without_a_gpu_kernel_and_bad_shapes_are_typed_errors() {
         threads: 128,
         tile_tokens: 64,
         min_warps_per_sm: 0,
+        pack_heads: true,
     };
     let xquant =
         SchemeSpec::parse("k = int(2, channel), v = int(2, token), source = x(latent)").unwrap();
@@ -95,8 +96,7 @@ fn schemes_without_a_gpu_kernel_and_bad_shapes_are_typed_errors() {
     ));
     let bad_tune = TuneParams {
         threads: 96,
-        tile_tokens: 32,
-        min_warps_per_sm: 0,
+        ..tune
     };
     assert!(matches!(
         decode_kernels(&kivi, &shape, &bad_tune),

@@ -74,6 +74,9 @@ impl fmt::Display for TuneChoice {
         if self.params.min_warps_per_sm > 0 {
             write!(f, " warps/SM {}", self.params.min_warps_per_sm)?;
         }
+        if !self.params.pack_heads {
+            write!(f, " unpacked")?;
+        }
         write!(f, " splits {}", self.splits)?;
         if self.pieces.is_some() {
             write!(f, " {}", self.pieces)?;
@@ -184,6 +187,17 @@ mod tests {
         assert_eq!(
             twelve.to_string(),
             "threads 64 tile 64 warps/SM 12 splits 6"
+        );
+        let unpacked = TuneChoice {
+            params: TuneParams {
+                pack_heads: false,
+                ..twelve.params
+            },
+            ..twelve
+        };
+        assert_eq!(
+            unpacked.to_string(),
+            "threads 64 tile 64 warps/SM 12 unpacked splits 6"
         );
         let bad = TuneChoice {
             pieces: Pieces {
@@ -305,6 +319,38 @@ mod tests {
             assert!(blocks.iter().all(|b| b.min_warps_per_sm == 0), "{head_dim}");
             assert_eq!(blocks.len(), 9);
         }
+    }
+
+    #[test]
+    fn unpacked_kernels_are_offered_only_where_the_kernel_would_pack() {
+        let shape = |gqa| KernelShape::new(128, gqa, Dtype::F16);
+        let kitty = kvq_spec::SchemeSpec::parse(
+            "k = int(bits = 2, axis = channel, boost = boost(bits = 4, ratio = 0.125, by = magnitude)), \
+             v = int(bits = 2, axis = token, local = 128), page = 128, sink = 32",
+        )
+        .unwrap();
+        let blocks = TuneParams::candidates_for(&kitty, &shape(4));
+        assert!(blocks[0].pack_heads, "the default packs");
+        let unpacked: Vec<_> = blocks.iter().filter(|b| !b.pack_heads).collect();
+        assert!(!unpacked.is_empty());
+        // Packing needs an even number of 16-token subtiles: tiles of 32 or 64 tokens.
+        assert!(unpacked.iter().all(|b| b.tile_tokens >= 32), "{unpacked:?}");
+        for b in &unpacked {
+            let packed = TuneParams {
+                pack_heads: true,
+                ..**b
+            };
+            assert!(blocks.contains(&packed), "{b:?} without its packed twin");
+        }
+        // At GQA 8 every head column is live, and kivi2 keeps one subtile a fragment: nothing to
+        // turn off.
+        assert!(TuneParams::candidates_for(&kitty, &shape(8))
+            .iter()
+            .all(|b| b.pack_heads));
+        let kivi2 = kvq_spec::SchemeSpec::parse("k = int(2, channel), v = int(2, token)").unwrap();
+        assert!(TuneParams::candidates_for(&kivi2, &shape(4))
+            .iter()
+            .all(|b| b.pack_heads));
     }
 
     #[test]

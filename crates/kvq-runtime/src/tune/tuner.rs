@@ -773,6 +773,7 @@ mod tests {
                     threads: 128,
                     tile_tokens: 32,
                     min_warps_per_sm: 0,
+                    pack_heads: true,
                 },
                 splits,
                 pieces: crate::decode::Pieces::NONE,
