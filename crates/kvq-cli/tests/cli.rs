@@ -463,24 +463,18 @@ fn gen_uses_tuned_block_parameters_from_the_tune_file() {
 fn gen_packs_kittys_score_fragments_unless_the_flag_says_not_to() {
     let tmp = TempDir::new("pack");
     let at_gqa4 = ["--head-dim", "128", "--gqa", "4"];
-    let (m, _, dir) = gen_and_check("kitty", &at_gqa4, &tmp);
-    assert_eq!(m["tune"]["source"], "default");
-    assert_eq!(m["tune"]["pack_heads"], true);
-    let decode = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
-    assert!(decode.contains("static constexpr bool KVQ_PACK = true;"));
-    let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
-    assert!(header.contains("pack_heads=true"), "{header}");
-    let (m, _, dir) = gen_and_check(
-        "kitty",
-        &[&at_gqa4[..], &["--pack-heads", "false"]].concat(),
-        &tmp,
-    );
-    assert_eq!(m["tune"]["source"], "flags");
-    assert_eq!(m["tune"]["pack_heads"], false);
-    let decode = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
-    assert!(decode.contains("static constexpr bool KVQ_PACK = false;"));
-    let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
-    assert!(header.contains("pack_heads=false"), "{header}");
+    for (flag, packs, source) in [
+        (&[][..], true, "default"),
+        (&["--pack-heads", "false"][..], false, "flags"),
+    ] {
+        let (m, _, dir) = gen_and_check("kitty", &[&at_gqa4[..], flag].concat(), &tmp);
+        assert_eq!(m["tune"]["source"], source);
+        assert_eq!(m["tune"]["pack_heads"], packs);
+        let decode = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
+        assert!(decode.contains(&format!("static constexpr bool KVQ_PACK = {packs};")));
+        let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
+        assert!(header.contains(&format!("pack_heads={packs}")), "{header}");
+    }
 }
 
 #[test]
