@@ -177,7 +177,8 @@ fn mma_plan(
 /// ×0.973 at B=16 L=32K, kivi2 ×1.001, CalibQuant-2 ×0.995, INT8 ×0.998, FP16 ×1.001), so the
 /// other kernels keep one subtile a fragment. With the select moved onto the integer sums
 /// (twenty-sixth round) packing still gains at B=16 L=32K (Kitty ×1.020, Kitty-Pro ×1.010) and
-/// still loses at B=4 L=4K (×0.975, ×0.966), which a tuning parameter could recover.
+/// still loses at B=4 L=4K (×0.975, ×0.966), where the tuner turns it off
+/// ([`TuneParams::pack_heads`]).
 fn pack_heads_pays(shape: &KernelShape, tune: &TuneParams) -> bool {
     shape.gqa <= 4 && (tune.tile_tokens / 16) % 2 == 0
 }
