@@ -269,7 +269,10 @@ fn about_param(name: &str, dtype: Dtype) -> String {
     };
     match name {
         "q" => format!("queries [batch][q_heads][head_dim] {io} (q_heads = kv_heads·gqa)"),
-        "out" => format!("outputs [batch][q_heads][head_dim] {io}"),
+        "out" => format!(
+            "outputs [batch][q_heads][head_dim] {io} (decode writes them itself when its grid has \
+             one part, gridDim.x = num_splits + num_pieces = 1, and may be given null)"
+        ),
         "k_pool" | "v_pool" | "pool" => {
             "page blocks [physical_page][kv_head][block_bytes] (layout.k/v)".into()
         }
@@ -822,7 +825,8 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             "decode",
             DECODE_FILE,
             "split-K fused decode attention: per (split or piece, KV head, sequence), all query \
-             heads of the KV head; writes one partial per split and per piece",
+             heads of the KV head; writes one partial per split and per piece, and with one part \
+             (num_splits = 1, num_pieces = 0) and a non-null out the output as well",
             &decode.decode,
             dtype,
         )
@@ -830,7 +834,8 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
     kernels.push(kernel_info(
         "combine",
         DECODE_FILE,
-        "merges the num_parts partials (splits, then pieces) of each query head into out",
+        "merges the num_parts partials (splits, then pieces) of each query head into out; \
+         not needed after a decode launch of one part given out (it would write the same values)",
         &decode.combine,
         dtype,
     ));

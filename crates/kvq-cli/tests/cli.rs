@@ -233,9 +233,9 @@ fn gen_and_check(scheme: &str, args: &[&str], tmp: &TempDir) -> (Value, String, 
     (manifest, out, dir)
 }
 
-/// The decode kernel's pieces as the manifest and header describe them: its last parameters, its
-/// grid, the scratch shapes, combine's `num_parts`, and `runs_pieces` on the decode kernel only,
-/// matching the header's define.
+/// The decode kernel's pieces as the manifest and header describe them: its last parameters
+/// (then `out`, for a launch of one part), its grid, the scratch shapes, combine's `num_parts`,
+/// and `runs_pieces` on the decode kernel only, matching the header's define.
 fn check_pieces(m: &Value, dir: &Path) {
     let kernels = m["kernels"].as_array().unwrap();
     let role = |r: &str| kernels.iter().find(|k| k["role"] == r).unwrap();
@@ -249,7 +249,11 @@ fn check_pieces(m: &Value, dir: &Path) {
     };
     let decode = role("decode");
     assert!(
-        names(decode).ends_with(&["num_pieces".to_string(), "piece_permille".to_string()]),
+        names(decode).ends_with(&[
+            "num_pieces".to_string(),
+            "piece_permille".to_string(),
+            "out".to_string()
+        ]),
         "{:?}",
         names(decode)
     );

@@ -319,4 +319,7 @@ pub(crate) struct StagePlan {
     /// Whether chunks inside quantized pages take `kvq_stage_quant`, the staging path that skips
     /// the sink/tail bookkeeping (see `stage_plan` in decode.rs for when).
     pub quant_fast_path: bool,
+    /// Bytes every section's start (and the stage size) is a multiple of: 128, 32 or 16, the
+    /// largest whose ring fits (`stage_plan` in decode.rs).
+    pub align: usize,
 }

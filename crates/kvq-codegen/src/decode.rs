@@ -283,29 +283,70 @@ fn merge_bytes(tune: &TuneParams, head_dim: usize) -> usize {
 const COMBINE_THREADS: u32 = 256;
 
 /// Bytes of a stage's chunk descriptor (`KvqChunk` in decode_mma.cuh.tera: two pointers, three
-/// ints, five skews; a multiple of 16 so the sections after it stay aligned).
+/// ints, five skews; rounded up to the stage's section alignment in the layout).
 const STAGE_HEADER_BYTES: usize = 48;
 
 /// Most dynamic shared memory a CTA's stages may take: three CTAs still fit an SM of 228 KiB
 /// (the register-capped low-bit kernels run three).
 const MAX_STAGE_CTA_BYTES: usize = 72 * 1024;
 
+/// Alignments a stage's sections may start at in shared memory, most preferred first: the largest
+/// whose ring fits [`aligned_ring_room`]. On an H100, every section at a multiple of 128 bytes
+/// instead of 16 ran INT8 ×1.046, Kitty-Pro ×1.049, KIVI-4 ×1.032 and kivi2 ×1.015 at B=16
+/// L=32K (docs/BENCHMARKS.md, twenty-seventh round); likely because a `cp.async` whose
+/// shared-memory destination sits at another offset within 128 bytes than its global source
+/// (page blocks and their row sections are 128-byte aligned for most schemes) takes more
+/// shared-memory wavefronts (not profiled).
+const SECTION_ALIGNS: [usize; 3] = [128, 32, 16];
+
+/// Shared memory a CTA's ring may take once its sections are aligned: an SM's 192 KiB shared by
+/// the CTAs the occupancy floor asks for, two at least (the uncapped 4- and 8-bit kernels run two
+/// by their registers). Whether there is a ring at all is still decided by the dense layout
+/// against [`MAX_STAGE_CTA_BYTES`], so alignment never costs a kernel its ring.
+fn aligned_ring_room(tune: &TuneParams) -> usize {
+    192 * 1024 / (tune.min_ctas_per_sm() as usize).max(2)
+}
+
 /// The `cp.async` ring of the tensor-core kernel: two stages per warp (the next chunk copies while
 /// the current one computes; a third measured ×0.98 for KIVI-4 and INT8 on the H100), for schemes whose K and V are both quantized, when the ring fits
-/// [`MAX_STAGE_CTA_BYTES`]; otherwise none (chunks load from global memory, as FP16 rows do, whose
-/// per-warp latency hiding is enough: measured at the copy bandwidth). Copies round out to 16
-/// bytes, which stays inside a page block since blocks and their sections are 16-byte aligned
-/// multiples (docs/LAYOUT.md §1).
+/// [`MAX_STAGE_CTA_BYTES`] in the dense layout (sections at multiples of 16 bytes), then with its
+/// sections aligned as [`SECTION_ALIGNS`] says where that fits; otherwise none (chunks load from
+/// global memory, as FP16 rows do, whose per-warp latency hiding is enough: measured at the copy
+/// bandwidth). Copies round out to 16 bytes, which stays inside a page block since blocks and
+/// their sections are 16-byte aligned multiples (docs/LAYOUT.md §1).
 fn stage_plan(tune: &TuneParams, k: &TensorCtx, v: &TensorCtx, v_token_fold: bool) -> StagePlan {
-    let tile = tune.tile_tokens as usize;
-    let section = |bytes: usize| (bytes + 16).div_ceil(16) * 16;
     if k.kind != "int" || v.kind != "int" {
         return StagePlan::default();
     }
     debug_assert!(k.block_bytes % 16 == 0 && v.block_bytes % 16 == 0 && k.scales_offset % 16 == 0);
+    let dense = aligned_stage_plan(tune, k, v, v_token_fold, 16);
+    if dense.cta_bytes > MAX_STAGE_CTA_BYTES {
+        return StagePlan::default();
+    }
+    let room = aligned_ring_room(tune);
+    SECTION_ALIGNS
+        .iter()
+        .map(|&align| aligned_stage_plan(tune, k, v, v_token_fold, align))
+        .find(|plan| plan.cta_bytes <= room)
+        .unwrap_or(dense)
+}
+
+/// [`stage_plan`]'s layout with every section starting at a multiple of `align` bytes.
+fn aligned_stage_plan(
+    tune: &TuneParams,
+    k: &TensorCtx,
+    v: &TensorCtx,
+    v_token_fold: bool,
+    align: usize,
+) -> StagePlan {
+    let tile = tune.tile_tokens as usize;
+    let round = |bytes: usize| bytes.div_ceil(align) * align;
+    // A row section holds the chunk's bytes and 16 of slack (copies start at the 16-byte
+    // boundary below their source); the parameter section starts aligned in the block.
+    let section = |bytes: usize| round(bytes + 16);
     let mut plan = StagePlan {
         stages: 2,
-        header: STAGE_HEADER_BYTES,
+        header: round(STAGE_HEADER_BYTES),
         k_rows: section(tile * k.row_words * 4),
         k_high: if k.boost {
             section(tile * k.high_row_words * 4)
@@ -319,12 +360,13 @@ fn stage_plan(tune: &TuneParams, k: &TensorCtx, v: &TensorCtx, v_token_fold: boo
         } else {
             0
         },
-        k_params: k.block_bytes - k.scales_offset,
+        k_params: round(k.block_bytes - k.scales_offset),
         // Measured on the H100 over the bench grid (docs/BENCHMARKS.md, eleventh round):
         // ×1.035–×1.063 for the 1- and 2-bit schemes, ×1.004 for INT8, but ×0.983 for KIVI-4
         // (why is not known; without the short path it stays at ×0.999), ×0.981 for KIVI-4
         // again with the twelfth round's kernels and ×0.98 with the eighteenth's.
         quant_fast_path: !(k.bits == 4 && v.bits == 4),
+        align,
         ..StagePlan::default()
     };
     plan.bytes = plan.header
@@ -335,9 +377,6 @@ fn stage_plan(tune: &TuneParams, k: &TensorCtx, v: &TensorCtx, v_token_fold: boo
         + plan.v_zeros
         + plan.k_params;
     plan.cta_bytes = (tune.threads as usize / 32) * plan.stages as usize * plan.bytes;
-    if plan.cta_bytes > MAX_STAGE_CTA_BYTES {
-        return StagePlan::default();
-    }
     plan
 }
 
@@ -514,6 +553,7 @@ pub fn decode_kernels(
             param("float*", "part_ml"),
             param("int32_t", "num_pieces"),
             param("int32_t", "piece_permille"),
+            param("uint16_t*", "out"),
         ],
         grid: [
             "num_splits + num_pieces".to_string(),

@@ -64,7 +64,29 @@ fn dynamic_shared_memory_holds_the_ring_and_then_the_merge() {
         for tune in TuneParams::candidates() {
             let k = render_with(text, &tune);
             let bytes = k.decode.dynamic_shared_bytes;
-            assert!(bytes % 16 == 0 && bytes <= 72 * 1024, "{text}: {bytes}");
+            assert!(bytes % 16 == 0, "{text}: {bytes}");
+            // A ring in the dense layout fits 72 KiB; aligned, it fits the SM's 192 KiB shared by
+            // the CTAs the occupancy floor asks for (two at least).
+            let align = ring_alignment(&k.source);
+            let ctas = tune.min_ctas_per_sm().max(2) as usize;
+            match align {
+                Some(16) | None => assert!(bytes <= 72 * 1024, "{text}: {bytes}"),
+                Some(a) => {
+                    assert!(
+                        [32, 128].contains(&a) && bytes as usize * ctas <= 192 * 1024,
+                        "{text} {tune:?}: {bytes} bytes at {a}-byte sections"
+                    );
+                    for name in [
+                        "ST_K", "ST_KH", "ST_V", "ST_VS", "ST_VZ", "ST_KP", "ST_BYTES",
+                    ] {
+                        assert_eq!(
+                            stage_offset(&k.source, name) % a,
+                            0,
+                            "{text} {tune:?}: {name}"
+                        );
+                    }
+                }
+            }
             if k.source.contains("mma.sync.aligned.m16n8k16") {
                 assert!(bytes >= merge_bytes(&tune, 128), "{text}: {bytes}");
             } else {
@@ -89,9 +111,49 @@ fn dynamic_shared_memory_holds_the_ring_and_then_the_merge() {
         k.source.contains("cp.async.commit_group")
     };
     assert!(staged(SCHEMES[1], 64));
+    // 2-bit K and V (capped, three four-warp CTAs an SM) and 4-bit K and V (uncapped, two) align
+    // their sections to 128 bytes; 4-bit at the twelve-warp floor keeps the dense layout.
+    let align_of = |text: &str, tune: &TuneParams| ring_alignment(&render_with(text, tune).source);
+    assert_eq!(align_of(SCHEMES[1], &tune_for(SCHEMES[1], 64)), Some(128));
+    assert_eq!(align_of(SCHEMES[2], &tune_for(SCHEMES[2], 64)), Some(128));
+    let capped = TuneParams {
+        min_warps_per_sm: 12,
+        ..tune_for(SCHEMES[2], 64)
+    };
+    assert_eq!(align_of(SCHEMES[2], &capped), Some(16));
     assert!(!staged(SCHEMES[0], 64));
     assert!(!staged(SCHEMES[5], 64));
     assert!(staged(SCHEMES[5], 32));
+}
+
+/// The section alignment a rendered decode kernel's ring states (`None`: no ring).
+fn ring_alignment(source: &str) -> Option<usize> {
+    let at = source.find("each starting at a multiple of ")?;
+    let rest = &source[at + "each starting at a multiple of ".len()..];
+    rest.split_whitespace().next()?.parse().ok()
+}
+
+/// The value of a ring offset constant (`static constexpr int NAME = A + B + …;`), summed through
+/// the earlier constants it names.
+fn stage_offset(source: &str, name: &str) -> usize {
+    let decl = format!("static constexpr int {name} = ");
+    let at = source
+        .find(&decl)
+        .unwrap_or_else(|| panic!("{name} not rendered"));
+    let expr = &source[at + decl.len()..];
+    let expr = &expr[..expr.find(';').unwrap()];
+    expr.split('+')
+        .map(|term| {
+            let term = term.trim();
+            term.parse().unwrap_or_else(|_| {
+                if term == "0" {
+                    0
+                } else {
+                    stage_offset(source, term)
+                }
+            })
+        })
+        .sum()
 }
 
 #[test]
@@ -361,10 +423,18 @@ fn eight_bit_and_uncalibrated_low_bit_tensor_core_kernels_run_pieces_and_every_k
                     let rendered = format!("KVQ_RUNS_PIECES = {};", k.runs_pieces());
                     assert!(k.source.contains(&rendered), "{text}: {rendered}");
                 }
-                // The launch is the same for every kernel: pieces after the splits, and the
-                // combine merges both.
+                // The launch is the same for every kernel: pieces after the splits, the combine
+                // merges both, and a decode launch of one part writes `out` itself.
                 let params: Vec<&str> = k.decode.params.iter().map(|(_, n)| n.as_str()).collect();
-                assert_eq!(params[params.len() - 2..], ["num_pieces", "piece_permille"]);
+                assert_eq!(
+                    params[params.len() - 3..],
+                    ["num_pieces", "piece_permille", "out"]
+                );
+                assert!(
+                    k.source
+                        .contains("const bool direct = parts == 1 && out != nullptr;"),
+                    "{text}: the one-part output"
+                );
                 assert_eq!(k.decode.grid[0], "num_splits + num_pieces");
                 assert_eq!(k.combine.params.last().unwrap().1, "num_parts");
             }

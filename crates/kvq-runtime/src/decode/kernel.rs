@@ -331,11 +331,16 @@ impl DecodeKernel {
             .buffer_mut(&mut scratch.part_acc)
             .buffer_mut(&mut scratch.part_ml)
             .int(scratch.pieces.count as i32)
-            .int(scratch.pieces.permille as i32);
+            .int(scratch.pieces.permille as i32)
+            .buffer_mut(out);
         // SAFETY: as above. Overlapping only the range grid: the decode kernel waits for it
         // (`kvq_calibration_after_range_grid`) before reading the ranges.
         unsafe { args.launch(&self.decode, decode_cfg, overlap && self.range.is_some()) }
             .map_err(launch_err(&self.generated.decode.name))?;
+        if decode_cfg.grid_dim.0 == 1 {
+            // One part per head: the decode kernel wrote the output as the combine would.
+            return Ok(());
+        }
         let combine_cfg = LaunchConfig {
             grid_dim: (q_heads as u32, cache.batch as u32, 1),
             block_dim: (self.generated.combine.block, 1, 1),

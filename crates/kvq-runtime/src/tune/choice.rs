@@ -121,7 +121,10 @@ pub fn split_candidates(default: usize, max: usize) -> Vec<usize> {
 
 /// Every configuration the tuner times for `problem`: each block-parameter combination that
 /// renders a distinct kernel ([`TuneParams::candidates_for`]) × [`split_candidates`] around the heuristic split count (never more splits
-/// than the longest sequence has tiles), each with the pieces [`default_pieces`] gives it. The
+/// than the longest sequence has tiles), each with the pieces [`default_pieces`] gives it; and
+/// where that gives one split pieces, the one split without them too, a launch whose decode
+/// kernel writes the output itself and needs no combine (on an H100 Kitty's kernels ran ×1.03
+/// that way at B=128 L=4K and kivi2 ×0.99; docs/BENCHMARKS.md, twenty-seventh round). The
 /// heuristic default comes first.
 pub fn candidates(problem: &TuneProblem, resident_ctas: usize) -> Vec<TuneChoice> {
     let default = TuneChoice::heuristic(problem, resident_ctas);
@@ -134,8 +137,17 @@ pub fn candidates(problem: &TuneProblem, resident_ctas: usize) -> Vec<TuneChoice
                 splits,
                 pieces: rule_pieces(problem, &params, splits),
             };
-            if c != default {
-                out.push(c);
+            let mut push = |c: TuneChoice| {
+                if c != default {
+                    out.push(c);
+                }
+            };
+            push(c);
+            if splits == 1 && c.pieces.is_some() {
+                push(TuneChoice {
+                    pieces: Pieces::NONE,
+                    ..c
+                });
             }
         }
     }
@@ -236,15 +248,25 @@ mod tests {
         );
         for c in &all {
             let per_warp = 32768 / (c.splits * c.params.warps());
-            assert_eq!(c.pieces.is_some(), per_warp >= 4096, "{c}");
+            let one_part = c.splits == 1 && !c.pieces.is_some();
+            assert_eq!(c.pieces.is_some(), per_warp >= 4096 && !one_part, "{c}");
         }
         // 2-bit keys and values: two per (sequence, KV head) wherever the splits are few.
         for c in candidates(&problem(16, 32768), 396) {
             let few = c.splits * c.params.warps() <= crate::decode::PIECES_MAX_FEW_SPLIT_WARPS;
-            assert_eq!(c.pieces.is_some(), few, "{c}");
-            if few {
+            let one_part = c.splits == 1 && !c.pieces.is_some();
+            assert_eq!(c.pieces.is_some(), few && !one_part, "{c}");
+            if few && !one_part {
                 assert_eq!(c.pieces.count, 2, "{c}");
             }
+        }
+        // One split with pieces comes with one split without them, a one-part launch.
+        for c in all.iter().filter(|c| c.splits == 1 && c.pieces.is_some()) {
+            let one_part = TuneChoice {
+                pieces: Pieces::NONE,
+                ..*c
+            };
+            assert!(all.contains(&one_part), "{c}");
         }
         // Schemes whose kernels run no pieces (4-bit keys and values) never get any.
         let kivi4 = TuneProblem::new(
@@ -287,7 +309,13 @@ mod tests {
                 "{params:?} missing"
             );
         }
-        assert_eq!(all.len(), blocks.len() * 7);
+        // Seven split counts a block, and one split once more without the pieces it takes.
+        let one_split_with_pieces = all
+            .iter()
+            .filter(|c| c.splits == 1 && c.pieces.is_some())
+            .count();
+        assert_eq!(one_split_with_pieces, blocks.len());
+        assert_eq!(all.len(), blocks.len() * 8);
         // Nine threads × tile blocks without a floor, six (CTAs of two or four warps) with twelve
         // warps an SM; 8-warp CTAs get one CTA an SM either way, so they come once.
         assert_eq!(blocks.len(), 15);
