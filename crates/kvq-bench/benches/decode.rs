@@ -75,6 +75,12 @@ fn bench_all(c: &mut Criterion) -> Result<(), RuntimeError> {
             &problem,
             kernel.resident_ctas(device.props().sm_count as usize)?,
         );
+        // The heuristic may pick another variant of the default block for this shape.
+        let kernel = if choice.params == kernel.generated().tune {
+            kernel
+        } else {
+            DecodeKernel::load(&jit, &prep.scheme.spec, &shape, &choice.params)?
+        };
         let mut scratch = DecodeScratch::with_pieces(
             &stream,
             batch,

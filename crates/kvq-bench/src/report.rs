@@ -235,6 +235,7 @@ pub(crate) mod tests {
                 tile_tokens: 32,
                 min_warps_per_sm: 0,
                 pack_heads: true,
+                short_staging: false,
             },
             splits: 3,
             pieces: kvq::runtime::Pieces::NONE,

@@ -267,6 +267,16 @@ impl Context<'_> {
         let problem = TuneProblem::new(prep.scheme.spec, self.shape, config.kv_heads, batch, len);
         let default =
             TuneChoice::heuristic(&problem, kernel.resident_ctas(props.sm_count as usize)?);
+        // The heuristic may pick another variant of the default block for this shape (KIVI-4's
+        // short staging path where warps' shares are long).
+        let heuristic_kernel;
+        let kernel = if default.params == kernel.generated().tune {
+            kernel
+        } else {
+            heuristic_kernel =
+                DecodeKernel::load(self.jit, &prep.scheme.spec, &self.shape, &default.params)?;
+            &heuristic_kernel
+        };
         let mut scratch =
             DecodeScratch::with_pieces(&stream, batch, q_heads, d, default.splits, default.pieces)?;
         let reference = ReferenceCheck::from_rows(

@@ -173,6 +173,11 @@ pub struct GenArgs {
     /// (Kitty's kernels at GQA ≤ 4; true or false); default: tuned, else true.
     #[arg(long)]
     pub pack_heads: Option<bool>,
+    /// Whether a decode kernel whose ring stages 4-bit K and V takes the short staging path
+    /// (KIVI-4's; true or false); default: tuned, else false (the runtime's untuned launches take
+    /// it where a split warp's share of the context reaches 4096 tokens).
+    #[arg(long)]
+    pub short_staging: Option<bool>,
     /// Tuning results to read (default: tune.json in the cache folder).
     #[arg(long)]
     pub tune_file: Option<PathBuf>,

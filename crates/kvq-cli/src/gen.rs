@@ -51,6 +51,7 @@ pub struct GenRequest {
     pub tile_tokens: Option<u32>,
     pub min_warps_per_sm: Option<u32>,
     pub pack_heads: Option<bool>,
+    pub short_staging: Option<bool>,
     /// Where tuned results are read from (`None`: the default `tune.json`).
     pub tune_file: Option<PathBuf>,
     /// Also write a sample batch with its reference output.
@@ -184,6 +185,7 @@ struct TunedInfo {
     tile_tokens: u32,
     min_warps_per_sm: u32,
     pack_heads: bool,
+    short_staging: bool,
     splits: usize,
     /// The tuned launch's `num_pieces` and `piece_permille` (0 and 0: none).
     num_pieces: usize,
@@ -202,6 +204,9 @@ struct TuneInfo {
     min_warps_per_sm: u32,
     /// Whether a kernel that can hold two subtiles in one score fragment does (Kitty's at GQA ≤ 4).
     pack_heads: bool,
+    /// Whether a kernel whose ring stages 4-bit K and V takes the short staging path (KIVI-4's;
+    /// every other ring kernel always does).
+    short_staging: bool,
     /// `default`, `tuned` or `flags`.
     source: String,
     tune_file: Option<String>,
@@ -553,16 +558,18 @@ fn choose_params(
         || req.tile_tokens.is_some()
         || req.min_warps_per_sm.is_some()
         || req.pack_heads.is_some()
+        || req.short_staging.is_some()
     {
         let p = TuneParams {
             threads: req.threads.unwrap_or(default.threads),
             tile_tokens: req.tile_tokens.unwrap_or(default.tile_tokens),
             min_warps_per_sm: req.min_warps_per_sm.unwrap_or(default.min_warps_per_sm),
             pack_heads: req.pack_heads.unwrap_or(default.pack_heads),
+            short_staging: req.short_staging.unwrap_or(default.short_staging),
         };
         p.validate().map_err(|e| {
             CliError::Usage(format!(
-                "--threads/--tile-tokens/--min-warps-per-sm/--pack-heads: {e}"
+                "--threads/--tile-tokens/--min-warps-per-sm/--pack-heads/--short-staging: {e}"
             ))
         })?;
         return Ok((p, "flags"));
@@ -638,14 +645,15 @@ fn header_text(
     let _ = writeln!(
         h,
         "/* shape:  head_dim={} gqa={} dtype={}; tuning threads={} tile_tokens={} \
-         min_warps_per_sm={} pack_heads={} */",
+         min_warps_per_sm={} pack_heads={} short_staging={} */",
         shape.head_dim,
         shape.gqa,
         shape.dtype,
         tune.threads,
         tune.tile_tokens,
         tune.min_warps_per_sm,
-        tune.pack_heads
+        tune.pack_heads,
+        tune.short_staging
     );
     let _ = writeln!(
         h,
@@ -1034,6 +1042,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             tile_tokens: params.tile_tokens,
             min_warps_per_sm: params.min_warps_per_sm,
             pack_heads: params.pack_heads,
+            short_staging: params.short_staging,
             source: params_source.into(),
             tune_file: tune_file.map(|p| p.display().to_string()),
             default_splits: default_splits_text(spec),
@@ -1064,6 +1073,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                     tile_tokens: e.choice.params.tile_tokens,
                     min_warps_per_sm: e.choice.params.min_warps_per_sm,
                     pack_heads: e.choice.params.pack_heads,
+                    short_staging: e.choice.params.short_staging,
                     splits: e.choice.splits,
                     num_pieces: e.choice.pieces.count,
                     piece_permille: e.choice.pieces.permille,
@@ -1082,12 +1092,13 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
     if params_source == "tuned" {
         notes.push(format!(
             "block parameters from {} tuned result(s): threads {} tile_tokens {} \
-             min_warps_per_sm {} pack_heads {}",
+             min_warps_per_sm {} pack_heads {} short_staging {}",
             tuned.len(),
             params.threads,
             params.tile_tokens,
             params.min_warps_per_sm,
-            params.pack_heads
+            params.pack_heads,
+            params.short_staging
         ));
     }
     Ok(GenOutcome {

@@ -409,6 +409,7 @@ fn gen_uses_tuned_block_parameters_from_the_tune_file() {
                 tile_tokens: 16,
                 min_warps_per_sm: 0,
                 pack_heads: true,
+                short_staging: false,
             },
             splits: 3,
             pieces: kvq::runtime::Pieces::NONE,
@@ -478,6 +479,28 @@ fn gen_packs_kittys_score_fragments_unless_the_flag_says_not_to() {
         assert!(decode.contains(&format!("static constexpr bool KVQ_PACK = {packs};")));
         let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
         assert!(header.contains(&format!("pack_heads={packs}")), "{header}");
+    }
+}
+
+#[test]
+fn gen_takes_kivi4s_short_staging_path_only_when_the_flag_says_so() {
+    let tmp = TempDir::new("staging");
+    let at_gqa4 = ["--head-dim", "128", "--gqa", "4"];
+    for (flag, short, source) in [
+        (&[][..], false, "default"),
+        (&["--short-staging", "true"][..], true, "flags"),
+    ] {
+        let (m, _, dir) = gen_and_check("kivi4", &[&at_gqa4[..], flag].concat(), &tmp);
+        assert_eq!(m["tune"]["source"], source);
+        assert_eq!(m["tune"]["short_staging"], short);
+        // The general path keeps each section's skew in the stage header; the short one has none.
+        let decode = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
+        assert_eq!(decode.contains("kvq_u8 k_skew, kh_skew"), !short);
+        let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
+        assert!(
+            header.contains(&format!("short_staging={short}")),
+            "{header}"
+        );
     }
 }
 

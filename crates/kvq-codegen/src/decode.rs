@@ -364,8 +364,9 @@ fn aligned_stage_plan(
         // Measured on the H100 over the bench grid (docs/BENCHMARKS.md, eleventh round):
         // ×1.035–×1.063 for the 1- and 2-bit schemes, ×1.004 for INT8, but ×0.983 for KIVI-4
         // (why is not known; without the short path it stays at ×0.999), ×0.981 for KIVI-4
-        // again with the twelfth round's kernels and ×0.98 with the eighteenth's.
-        quant_fast_path: !(k.bits == 4 && v.bits == 4),
+        // again with the twelfth round's kernels and ×0.98 with the eighteenth's; with 128-byte
+        // sections it wins where warps' shares are long (TuneParams::short_staging).
+        quant_fast_path: !(k.bits == 4 && v.bits == 4) || tune.short_staging,
         align,
         ..StagePlan::default()
     };
@@ -394,6 +395,17 @@ fn mma_plan_for(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> Op
 /// ring (false for schemes or shapes the generic kernel serves).
 pub(crate) fn uses_stage_ring(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> bool {
     mma_plan_for(spec, shape, tune).is_some_and(|plan| plan.stage.stages > 0)
+}
+
+/// Whether [`TuneParams::short_staging`] changes the decode kernel for these parameters: its ring
+/// stages quantized chunks through the general path unless told otherwise (4-bit K and V).
+pub fn short_staging_changes(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> bool {
+    let general = TuneParams {
+        short_staging: false,
+        ..*tune
+    };
+    mma_plan_for(spec, shape, &general)
+        .is_some_and(|plan| plan.stage.stages > 0 && !plan.stage.quant_fast_path)
 }
 
 /// Whether the decode kernel for these parameters holds two subtiles in one score fragment

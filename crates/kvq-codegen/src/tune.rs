@@ -1,6 +1,8 @@
 //! The tunable parameters of the decode kernel, their valid ranges, and the untuned default.
 
-use crate::decode::{packs_heads, raises_occupancy, twelve_warps_by_default, uses_stage_ring};
+use crate::decode::{
+    packs_heads, raises_occupancy, short_staging_changes, twelve_warps_by_default, uses_stage_ring,
+};
 use crate::{CodegenError, KernelShape};
 use kvq_spec::SchemeSpec;
 use serde::{Deserialize, Serialize};
@@ -29,6 +31,15 @@ pub struct TuneParams {
     /// Absent in results stored before the parameter existed: true, as those kernels did.
     #[serde(default = "packs_heads_by_default")]
     pub pack_heads: bool,
+    /// Whether a kernel whose ring stages 4-bit K and V takes the short staging path for chunks
+    /// inside quantized pages, as every other ring kernel always does (`StagePlan::quant_fast_path`).
+    /// On an H100 with 128-byte stage sections it ran KIVI-4 ×1.009 at B=16 L=32K and ×1.005 at
+    /// L=128K, where a warp's share of the context is 4096 tokens and more, but ×0.967 at B=16
+    /// L=4K and ×0.970 at B=1 L=128K (docs/BENCHMARKS.md, twenty-seventh round): the heuristic
+    /// choice (`TuneChoice::heuristic` in kvq-runtime) takes it by the warp's share, and the tuner
+    /// tries both. Absent in results stored before the parameter existed: false, as those kernels did.
+    #[serde(default)]
+    pub short_staging: bool,
 }
 
 fn packs_heads_by_default() -> bool {
@@ -41,6 +52,7 @@ impl TuneParams {
     pub const TILE_TOKENS: &'static [u32] = &[16, 32, 64];
     pub const MIN_WARPS_PER_SM: &'static [u32] = &[0, 12];
     pub const PACK_HEADS: &'static [bool] = &[true, false];
+    pub const SHORT_STAGING: &'static [bool] = &[false, true];
 
     /// The heuristic default for shapes nobody tuned.
     ///
@@ -101,6 +113,7 @@ impl TuneParams {
             tile_tokens: 64,
             min_warps_per_sm: 0,
             pack_heads: true,
+            short_staging: false,
         };
         if !eight_bit && shape.head_dim == 128 && uses_stage_ring(spec, shape, &four_warps) {
             return four_warps;
@@ -110,6 +123,7 @@ impl TuneParams {
             tile_tokens: 64,
             min_warps_per_sm: 0,
             pack_heads: true,
+            short_staging: false,
         };
         let narrow = TuneParams {
             tile_tokens: 32,
@@ -138,6 +152,7 @@ impl TuneParams {
     ///     tile_tokens: 64,
     ///     min_warps_per_sm,
     ///     pack_heads: true,
+    ///     short_staging: false,
     /// };
     /// assert_eq!(p(64, 12).min_ctas_per_sm(), 6);
     /// assert_eq!(p(128, 12).min_ctas_per_sm(), 3);
@@ -155,11 +170,16 @@ impl TuneParams {
                 Self::MIN_WARPS_PER_SM
                     .iter()
                     .flat_map(move |&min_warps_per_sm| {
-                        Self::PACK_HEADS.iter().map(move |&pack_heads| TuneParams {
-                            threads,
-                            tile_tokens,
-                            min_warps_per_sm,
-                            pack_heads,
+                        Self::PACK_HEADS.iter().flat_map(move |&pack_heads| {
+                            Self::SHORT_STAGING
+                                .iter()
+                                .map(move |&short_staging| TuneParams {
+                                    threads,
+                                    tile_tokens,
+                                    min_warps_per_sm,
+                                    pack_heads,
+                                    short_staging,
+                                })
                         })
                     })
             })
@@ -170,7 +190,8 @@ impl TuneParams {
     /// times): every threads × tile, each without an occupancy floor and, where the floor
     /// changes the tensor-core kernel's register budget at head_dim ≤ 128 (CTAs of at most six
     /// warps), with twelve warps an SM; each packing its score fragments and, where the kernel
-    /// would pack, not. The default comes first.
+    /// would pack, not; each on the general staging path and, where the kernel would take it,
+    /// on the short one. The default comes first.
     pub fn candidates_for(spec: &SchemeSpec, shape: &KernelShape) -> Vec<TuneParams> {
         let default = Self::default_for(spec, shape);
         let mut out = vec![default];
@@ -179,9 +200,14 @@ impl TuneParams {
                 pack_heads: true,
                 ..*p
             };
+            let general = TuneParams {
+                short_staging: false,
+                ..*p
+            };
             *p != default
                 && (p.min_warps_per_sm == 0 || raises_occupancy(spec, shape, p))
                 && (p.pack_heads || packs_heads(spec, shape, &packing))
+                && (!p.short_staging || short_staging_changes(spec, shape, &general))
         }));
         out
     }

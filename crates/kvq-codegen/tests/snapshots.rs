@@ -76,6 +76,7 @@ fn schemes_without_a_gpu_kernel_and_bad_shapes_are_typed_errors() {
         tile_tokens: 64,
         min_warps_per_sm: 0,
         pack_heads: true,
+        short_staging: false,
     };
     let xquant =
         SchemeSpec::parse("k = int(2, channel), v = int(2, token), source = x(latent)").unwrap();

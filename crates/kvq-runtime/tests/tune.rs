@@ -51,6 +51,7 @@ fn entry(p: &TuneProblem, splits: usize) -> TuneEntry {
                 tile_tokens: 64,
                 min_warps_per_sm: 0,
                 pack_heads: false,
+                short_staging: false,
             },
             splits,
             pieces: kvq_runtime::Pieces::NONE,
@@ -130,6 +131,7 @@ fn results_survive_a_round_trip_keyed_by_gpu_and_bucket() {
     assert_eq!(e["choice"]["tile_tokens"], 64);
     assert_eq!(e["choice"]["min_warps_per_sm"], 0);
     assert_eq!(e["choice"]["pack_heads"], false);
+    assert_eq!(e["choice"]["short_staging"], false);
     assert_eq!(e["gpu"]["compute_capability"], serde_json::json!([9, 0]));
     let _ = fs::remove_dir_all(&dir);
 }

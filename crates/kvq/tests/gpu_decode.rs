@@ -31,6 +31,20 @@ const HEAD_DIMS: &[u32] = &[64, 128, 256];
 const GQAS: &[u32] = &[1, 4, 8];
 const DTYPES: &[Dtype] = &[Dtype::F16, Dtype::Bf16];
 
+/// KIVI-4's kernels on the short staging path (`TuneParams::short_staging`), which untuned launches
+/// take where warps' shares are long: checked as a scheme of their own.
+const KIVI4_SHORT_STAGING: &str = "kivi4-short-staging";
+
+/// The block parameters a variant is checked with: the default, and for
+/// [`KIVI4_SHORT_STAGING`] the short staging path.
+fn params_for(name: &str, spec: &kvq::SchemeSpec, shape: &KernelShape) -> TuneParams {
+    let default = TuneParams::default_for(spec, shape);
+    TuneParams {
+        short_staging: name == KIVI4_SHORT_STAGING,
+        ..default
+    }
+}
+
 /// The schemes a comma list names, in the list's order; an unknown name fails the test (a typo must
 /// not pass by checking nothing).
 fn selected_schemes(
@@ -115,6 +129,12 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
     );
     schemes.extend(calibrated_f16_range_schemes());
     schemes.extend(one_tensor_schemes());
+    let kivi4 = schemes
+        .iter()
+        .find(|(n, _)| *n == "kivi4")
+        .expect("kivi4")
+        .1;
+    schemes.push((KIVI4_SHORT_STAGING, kivi4));
     if let Ok(only) = std::env::var("KVQ_TEST_SCHEMES") {
         schemes = selected_schemes(schemes, &only);
         println!(
@@ -147,13 +167,8 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                 s.spawn(move || {
                     part.iter()
                         .map(|(name, spec, shape)| {
-                            DecodeKernel::load(
-                                jit,
-                                spec,
-                                shape,
-                                &TuneParams::default_for(spec, shape),
-                            )
-                            .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"))
+                            DecodeKernel::load(jit, spec, shape, &params_for(name, spec, shape))
+                                .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"))
                         })
                         .collect::<Vec<_>>()
                 })

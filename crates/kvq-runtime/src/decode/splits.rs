@@ -39,6 +39,21 @@ pub fn default_splits(
         .unwrap_or(1)
 }
 
+/// Fewest tokens of the context bucket a split warp gets at which the default launch of a kernel
+/// that can take the short staging path does ([`TuneParams::short_staging`](kvq_codegen::TuneParams)):
+/// measured on an H100 with KIVI-4 (docs/BENCHMARKS.md, twenty-seventh round), ×1.009 at 4096
+/// tokens a warp (B=16 L=32K) and ×1.005 at 16384, but ×0.967 at 512 and ×0.970 at about 1000.
+pub const SHORT_STAGING_MIN_WARP_TOKENS: usize = 4096;
+
+/// Whether the default launch of `splits` splits of `warps_per_cta` warps over sequences of at
+/// most `max_len` tokens takes the short staging path, where the kernel has a choice: when a split
+/// warp's share of the context bucket reaches [`SHORT_STAGING_MIN_WARP_TOKENS`]. Like the split
+/// count it depends only on the batch shape and the bucket.
+pub fn short_staging_by_default(max_len: usize, splits: usize, warps_per_cta: usize) -> bool {
+    context_bucket(max_len) / (splits.max(1) * warps_per_cta.max(1))
+        >= SHORT_STAGING_MIN_WARP_TOKENS
+}
+
 /// The context bucket of a launch: its longest sequence rounded up to a power of two.
 fn context_bucket(max_len: usize) -> usize {
     max_len.max(1).next_power_of_two()

@@ -1,12 +1,14 @@
 //! A launch configuration ([`TuneChoice`]: kernel block parameters plus the split-K count), the
 //! heuristic default, and the candidates the tuner searches.
 
-use kvq_codegen::{decode_piece_rule, TuneParams};
+use kvq_codegen::{decode_piece_rule, short_staging_changes, TuneParams};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
 use super::key::TuneProblem;
-use crate::decode::{default_pieces, default_splits, min_warp_tokens, Pieces};
+use crate::decode::{
+    default_pieces, default_splits, min_warp_tokens, short_staging_by_default, Pieces,
+};
 use crate::error::{Result, RuntimeError};
 
 /// Most split-K partitions any configuration may use (the scratch grows with it).
@@ -30,9 +32,10 @@ impl TuneChoice {
     /// The untuned default: the codegen heuristic for the block, [`default_splits`] for the
     /// grid, which fills whole waves of `resident_ctas` (from
     /// [`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas) of the default block),
-    /// and [`default_pieces`] for the pieces after the splits.
+    /// and [`default_pieces`] for the pieces after the splits; the short staging path where the
+    /// kernel has a choice and [`short_staging_by_default`] says so.
     pub fn heuristic(problem: &TuneProblem, resident_ctas: usize) -> TuneChoice {
-        let params = TuneParams::default_for(&problem.spec, &problem.shape);
+        let mut params = TuneParams::default_for(&problem.spec, &problem.shape);
         let splits = default_splits(
             problem.batch,
             problem.kv_heads,
@@ -41,6 +44,8 @@ impl TuneChoice {
             params.warps(),
             min_warp_tokens(&problem.spec, problem.max_len),
         );
+        params.short_staging = short_staging_changes(&problem.spec, &problem.shape, &params)
+            && short_staging_by_default(problem.max_len, splits, params.warps());
         TuneChoice {
             params,
             splits,
@@ -76,6 +81,9 @@ impl fmt::Display for TuneChoice {
         }
         if !self.params.pack_heads {
             write!(f, " unpacked")?;
+        }
+        if self.params.short_staging {
+            write!(f, " short staging")?;
         }
         write!(f, " splits {}", self.splits)?;
         if self.pieces.is_some() {
@@ -289,6 +297,46 @@ mod tests {
         assert!(split_candidates(4000, 100_000)
             .iter()
             .all(|&s| s <= MAX_SPLITS));
+    }
+
+    #[test]
+    fn the_heuristic_takes_kivi4s_short_staging_path_where_warps_have_long_shares() {
+        let kivi4 = |batch, max_len| {
+            TuneProblem::new(
+                "k = int(4, channel), v = int(4, token)".parse().unwrap(),
+                KernelShape::new(128, 4, Dtype::F16),
+                8,
+                batch,
+                max_len,
+            )
+        };
+        // 264 resident four-warp CTAs (two an SM of an H100). B=16 L=32K: 2 splits, 4096 bucket
+        // tokens a warp; L=128K: 16384. B=16 L=4K: 512; B=1 L=128K: 33 splits, 992.
+        for (batch, len, short) in [
+            (16, 32_768, true),
+            (16, 131_072, true),
+            (16, 4096, false),
+            (1, 131_072, false),
+            (1, 32_768, false),
+        ] {
+            let c = TuneChoice::heuristic(&kivi4(batch, len), 264);
+            let per_warp = len.next_power_of_two() / (c.splits * c.params.warps());
+            assert_eq!(
+                c.params.short_staging, short,
+                "B={batch} L={len}: {c}, {per_warp} a warp"
+            );
+            assert_eq!(c.to_string().contains("short staging"), short);
+        }
+        // The tuner tries both paths for KIVI-4's blocks; kivi2's kernels always take the short
+        // one, so they get no such candidate and never the flag.
+        let all = candidates(&kivi4(4, 4096), 264);
+        assert!(all.iter().any(|c| c.params.short_staging));
+        assert!(all.iter().any(|c| !c.params.short_staging));
+        let kivi2 = problem(16, 32_768);
+        assert!(!TuneChoice::heuristic(&kivi2, 396).params.short_staging);
+        assert!(candidates(&kivi2, 396)
+            .iter()
+            .all(|c| !c.params.short_staging));
     }
 
     #[test]

@@ -319,6 +319,7 @@ mod tests {
                     tile_tokens: 64,
                     min_warps_per_sm: 0,
                     pack_heads: false,
+                    short_staging: true,
                 },
                 splits,
                 pieces: crate::decode::Pieces::NONE,
@@ -332,6 +333,28 @@ mod tests {
             tuned_at_unix: 1_700_000_000,
             kvq_version: "0.1.0".into(),
         }
+    }
+
+    #[test]
+    fn results_stored_before_short_staging_was_a_choice_read_as_general_staging() {
+        let dir = temp_dir("prestaging");
+        let path = dir.join(TUNE_FILE);
+        let mut store = TuneStore::open(&path);
+        store.insert(entry(gpu(132), problem(16), 3));
+        store.save().unwrap();
+        let mut json: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
+        let choice = json["entries"][0]["choice"].as_object_mut().unwrap();
+        assert_eq!(
+            choice.remove("short_staging"),
+            Some(serde_json::json!(true))
+        );
+        fs::write(&path, serde_json::to_string(&json).unwrap()).unwrap();
+        let back = TuneStore::open(&path);
+        assert!(back.warning().is_none(), "{:?}", back.warning());
+        let hit = back.lookup(&gpu(132), &problem(16)).unwrap();
+        assert!(!hit.choice.params.short_staging);
+        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -774,6 +774,7 @@ mod tests {
                     tile_tokens: 32,
                     min_warps_per_sm: 0,
                     pack_heads: true,
+                    short_staging: false,
                 },
                 splits,
                 pieces: crate::decode::Pieces::NONE,
