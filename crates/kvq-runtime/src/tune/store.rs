@@ -335,9 +335,10 @@ mod tests {
         }
     }
 
-    #[test]
-    fn results_stored_before_short_staging_was_a_choice_read_as_general_staging() {
-        let dir = temp_dir("prestaging");
+    /// The choice read back from a file whose one entry lost `field` (which held `stored`), as a
+    /// file written before that field existed has it.
+    fn read_without(name: &str, field: &str, stored: bool) -> TuneChoice {
+        let dir = temp_dir(name);
         let path = dir.join(TUNE_FILE);
         let mut store = TuneStore::open(&path);
         store.insert(entry(gpu(132), problem(16), 3));
@@ -345,35 +346,31 @@ mod tests {
         let mut json: serde_json::Value =
             serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
         let choice = json["entries"][0]["choice"].as_object_mut().unwrap();
-        assert_eq!(
-            choice.remove("short_staging"),
-            Some(serde_json::json!(true))
-        );
+        assert_eq!(choice.remove(field), Some(serde_json::json!(stored)));
         fs::write(&path, serde_json::to_string(&json).unwrap()).unwrap();
         let back = TuneStore::open(&path);
         assert!(back.warning().is_none(), "{:?}", back.warning());
         let hit = back.lookup(&gpu(132), &problem(16)).unwrap();
-        assert!(!hit.choice.params.short_staging);
         let _ = fs::remove_dir_all(&dir);
+        hit.choice
+    }
+
+    #[test]
+    fn results_stored_before_short_staging_was_a_choice_read_as_general_staging() {
+        assert!(
+            !read_without("prestaging", "short_staging", true)
+                .params
+                .short_staging
+        );
     }
 
     #[test]
     fn results_stored_before_packing_was_a_choice_read_as_packing() {
-        let dir = temp_dir("prepack");
-        let path = dir.join(TUNE_FILE);
-        let mut store = TuneStore::open(&path);
-        store.insert(entry(gpu(132), problem(16), 3));
-        store.save().unwrap();
-        let mut json: serde_json::Value =
-            serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
-        let choice = json["entries"][0]["choice"].as_object_mut().unwrap();
-        assert_eq!(choice.remove("pack_heads"), Some(serde_json::json!(false)));
-        fs::write(&path, serde_json::to_string(&json).unwrap()).unwrap();
-        let back = TuneStore::open(&path);
-        assert!(back.warning().is_none(), "{:?}", back.warning());
-        let hit = back.lookup(&gpu(132), &problem(16)).unwrap();
-        assert!(hit.choice.params.pack_heads);
-        let _ = fs::remove_dir_all(&dir);
+        assert!(
+            read_without("prepack", "pack_heads", false)
+                .params
+                .pack_heads
+        );
     }
 
     #[test]
