@@ -397,15 +397,17 @@ pub(crate) fn uses_stage_ring(spec: &SchemeSpec, shape: &KernelShape, tune: &Tun
     mma_plan_for(spec, shape, tune).is_some_and(|plan| plan.stage.stages > 0)
 }
 
-/// Whether [`TuneParams::short_staging`] changes the decode kernel for these parameters: its ring
-/// stages quantized chunks through the general path unless told otherwise (4-bit K and V).
+/// Whether [`TuneParams::short_staging`] changes the decode kernel for these parameters: the scheme
+/// has one, and its ring stages quantized chunks through the general path unless told otherwise
+/// (4-bit K and V).
 pub fn short_staging_changes(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> bool {
     let general = TuneParams {
         short_staging: false,
         ..*tune
     };
-    mma_plan_for(spec, shape, &general)
-        .is_some_and(|plan| plan.stage.stages > 0 && !plan.stage.quant_fast_path)
+    has_decode_kernel(spec)
+        && mma_plan_for(spec, shape, &general)
+            .is_some_and(|plan| plan.stage.stages > 0 && !plan.stage.quant_fast_path)
 }
 
 /// Whether the decode kernel for these parameters holds two subtiles in one score fragment

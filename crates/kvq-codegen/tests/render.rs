@@ -1,6 +1,6 @@
 //! Every decode-kernel variant renders; set KVQ_DUMP_DIR to write the sources out (for NVRTC checks).
 
-use kvq_codegen::{decode_kernels, Dtype, KernelShape, TuneParams};
+use kvq_codegen::{decode_kernels, short_staging_changes, Dtype, KernelShape, TuneParams};
 use kvq_spec::SchemeSpec;
 
 /// Integer and FP16 schemes covering every code path of the decode template.
@@ -520,4 +520,30 @@ fn unsupported_quantizer_forms_are_typed_errors() {
         QuantizerForms::default_for(&spec, 128),
         QuantizerForms::both(QuantizerForm::Vectorized)
     );
+}
+
+#[test]
+fn short_staging_is_a_choice_only_for_kernels_staging_4_bit_k_and_v_generally() {
+    let shape = KernelShape::new(128, 4, Dtype::F16);
+    let changes = |text: &str| {
+        let spec = SchemeSpec::parse(text).unwrap();
+        let tune = TuneParams::default_for(&spec, &shape);
+        let offered = TuneParams::candidates_for(&spec, &shape)
+            .iter()
+            .any(|t| t.short_staging);
+        assert_eq!(
+            offered,
+            short_staging_changes(&spec, &shape, &tune),
+            "{text}"
+        );
+        offered
+    };
+    assert!(changes(SCHEMES[2]));
+    assert!(!changes(SCHEMES[1]));
+    assert!(!changes(SCHEMES[5]));
+    assert!(!changes(SCHEMES[0]));
+    // XQuant has no GPU decode kernel, whatever its K and V would stage.
+    assert!(!changes(
+        "k = int(4, channel), v = int(4, token), source = x(latent)"
+    ));
 }
