@@ -8,7 +8,8 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use kvq::codegen::{
-    cache_kernels, decode_kernels, Dtype, KernelEntry, KernelShape, PieceRule, TuneParams,
+    cache_kernels, decode_kernels, short_staging_changes, Dtype, KernelEntry, KernelShape,
+    PieceRule, TuneParams,
 };
 use kvq::reference::int::{fp16_block_bytes, IntLayout, Section};
 use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
@@ -214,6 +215,9 @@ struct TuneInfo {
     default_splits: String,
     /// `num_pieces` and `piece_permille` when no tuned entry covers the launch.
     default_pieces: String,
+    /// When the runtime's untuned launches take the short staging path (kernels generated with
+    /// `short_staging` true).
+    default_short_staging: String,
     tuned: Vec<TunedInfo>,
 }
 
@@ -1046,6 +1050,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             source: params_source.into(),
             tune_file: tune_file.map(|p| p.display().to_string()),
             default_splits: default_splits_text(spec),
+            default_short_staging: default_short_staging_text(spec, shape, &params),
             default_pieces: match decode.piece_rule {
                 PieceRule::LongShares => format!(
                     "warps = block / 32; if bucket / (num_splits·warps) ≥ {} then num_pieces = \
@@ -1111,6 +1116,24 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
         compiled: compiled_lines,
         notes,
     })
+}
+
+/// The manifest's rule for the short staging path of the runtime's untuned launches
+/// (`kvq_runtime::short_staging_by_default`), for kernels where it is a choice.
+fn default_short_staging_text(
+    spec: &SchemeSpec,
+    shape: &KernelShape,
+    params: &TuneParams,
+) -> String {
+    if short_staging_changes(spec, shape, params) {
+        format!(
+            "warps = block / 32; short_staging = true (sources generated with --short-staging \
+             true) where bucket / (num_splits·warps) ≥ {}, else false",
+            kvq::runtime::decode::SHORT_STAGING_MIN_WARP_TOKENS
+        )
+    } else {
+        "false (this decode kernel takes one staging path)".into()
+    }
 }
 
 /// The manifest's formula for the heuristic split count, with this scheme's fewest bucket tokens

@@ -501,7 +501,16 @@ fn gen_takes_kivi4s_short_staging_path_only_when_the_flag_says_so() {
             header.contains(&format!("short_staging={short}")),
             "{header}"
         );
+        // The runtime's untuned rule, for engines that pick between the two builds.
+        let rule = m["tune"]["default_short_staging"].as_str().unwrap();
+        assert!(
+            rule.contains("bucket / (num_splits·warps) ≥ 4096"),
+            "{rule}"
+        );
     }
+    let (m, _, _) = gen_and_check("kivi2", &at_gqa4, &tmp);
+    let rule = m["tune"]["default_short_staging"].as_str().unwrap();
+    assert!(rule.starts_with("false"), "{rule}");
 }
 
 #[test]
