@@ -464,43 +464,49 @@ fn gen_uses_tuned_block_parameters_from_the_tune_file() {
     assert!(m["tune"]["tuned"].as_array().unwrap().is_empty());
 }
 
+/// Generates `scheme` at head_dim 128, GQA 4 with `flag` (none: the default) and checks that the
+/// manifest's `tune.<field>` and the header's `<field>=` say `value`, and that the block
+/// parameters came from `source`; returns the manifest and the decode source.
+fn gen_with_tune_flag(
+    scheme: &str,
+    flag: &[&str],
+    field: &str,
+    value: bool,
+    source: &str,
+    tmp: &TempDir,
+) -> (Value, String) {
+    let at_gqa4 = ["--head-dim", "128", "--gqa", "4"];
+    let (m, _, dir) = gen_and_check(scheme, &[&at_gqa4[..], flag].concat(), tmp);
+    assert_eq!(m["tune"]["source"], source);
+    assert_eq!(m["tune"][field], value);
+    let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
+    assert!(header.contains(&format!("{field}={value}")), "{header}");
+    let decode = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
+    (m, decode)
+}
+
 #[test]
 fn gen_packs_kittys_score_fragments_unless_the_flag_says_not_to() {
     let tmp = TempDir::new("pack");
-    let at_gqa4 = ["--head-dim", "128", "--gqa", "4"];
     for (flag, packs, source) in [
         (&[][..], true, "default"),
         (&["--pack-heads", "false"][..], false, "flags"),
     ] {
-        let (m, _, dir) = gen_and_check("kitty", &[&at_gqa4[..], flag].concat(), &tmp);
-        assert_eq!(m["tune"]["source"], source);
-        assert_eq!(m["tune"]["pack_heads"], packs);
-        let decode = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
+        let (_, decode) = gen_with_tune_flag("kitty", flag, "pack_heads", packs, source, &tmp);
         assert!(decode.contains(&format!("static constexpr bool KVQ_PACK = {packs};")));
-        let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
-        assert!(header.contains(&format!("pack_heads={packs}")), "{header}");
     }
 }
 
 #[test]
 fn gen_takes_kivi4s_short_staging_path_only_when_the_flag_says_so() {
     let tmp = TempDir::new("staging");
-    let at_gqa4 = ["--head-dim", "128", "--gqa", "4"];
     for (flag, short, source) in [
         (&[][..], false, "default"),
         (&["--short-staging", "true"][..], true, "flags"),
     ] {
-        let (m, _, dir) = gen_and_check("kivi4", &[&at_gqa4[..], flag].concat(), &tmp);
-        assert_eq!(m["tune"]["source"], source);
-        assert_eq!(m["tune"]["short_staging"], short);
+        let (m, decode) = gen_with_tune_flag("kivi4", flag, "short_staging", short, source, &tmp);
         // The general path keeps each section's skew in the stage header; the short one has none.
-        let decode = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
         assert_eq!(decode.contains("kvq_u8 k_skew, kh_skew"), !short);
-        let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
-        assert!(
-            header.contains(&format!("short_staging={short}")),
-            "{header}"
-        );
         // The runtime's untuned rule, for engines that pick between the two builds.
         let rule = m["tune"]["default_short_staging"].as_str().unwrap();
         assert!(
@@ -508,7 +514,7 @@ fn gen_takes_kivi4s_short_staging_path_only_when_the_flag_says_so() {
             "{rule}"
         );
     }
-    let (m, _, _) = gen_and_check("kivi2", &at_gqa4, &tmp);
+    let (m, _) = gen_with_tune_flag("kivi2", &[], "short_staging", false, "default", &tmp);
     let rule = m["tune"]["default_short_staging"].as_str().unwrap();
     assert!(rule.starts_with("false"), "{rule}");
 }
