@@ -81,8 +81,8 @@ def load_sample(gen_dir):
 # allocates or chooses.
 SAMPLE_INPUTS = ("k_pool", "v_pool", "page_table", "k_sink", "v_sink", "k_tail", "v_tail",
                  "seq_lens", "q")
-ENGINE_VALUES = ("out", "part_acc", "part_ml", "score_range", "max_pages", "num_splits",
-                 "num_pieces", "piece_permille", "num_parts")
+ENGINE_VALUES = ("out", "part_acc", "part_ml", "score_range", "scores", "max_pages",
+                 "num_splits", "num_pieces", "piece_permille", "num_parts")
 # The names grid formulas may use (run_decode's `env`).
 GRID_NAMES = ("num_splits", "num_pieces", "kv_heads", "batch", "q_heads")
 
@@ -443,9 +443,17 @@ def run_decode(engine, functions, manifest, sample, buffers, splits, pieces=0, p
     part_acc = engine.alloc(rows * parts * d * 4)
     part_ml = engine.alloc(rows * parts * 2 * 4)
     score_range = engine.alloc(rows * splits * 2 * 4)
+    # Stored key scores (launch.scratch): a row of gqa floats for every token a page table
+    # reaches past the sink, and 4 floats of slack; one float where the kernels store none.
+    score_floats = 1
+    if manifest["launch"]["stores_scores"]:
+        score_floats = (batch * h * sample["max_pages"] * manifest["layout"]["page_tokens"]
+                        * manifest["shape"]["gqa"] + 4)
+    scores = engine.alloc(score_floats * 4)
     cu = engine.cu
     values = dict(ptr)
     values.update(out=out, part_acc=part_acc, part_ml=part_ml, score_range=score_range,
+                  scores=scores,
                   max_pages=sample["max_pages"], num_splits=splits, num_pieces=pieces,
                   piece_permille=permille, num_parts=parts)
     env = {"num_splits": splits, "num_pieces": pieces, "kv_heads": h, "batch": batch,
@@ -457,7 +465,7 @@ def run_decode(engine, functions, manifest, sample, buffers, splits, pieces=0, p
         # forget to write shows as NaN.
         cu("cuMemsetD16Async", out, 0xFFFF, rows * d, engine.stream)
         for p, n in ((part_acc, rows * parts * d), (part_ml, rows * parts * 2),
-                     (score_range, rows * splits * 2)):
+                     (score_range, rows * splits * 2), (scores, score_floats)):
             cu("cuMemsetD32Async", p, 0x7FC00000, n, engine.stream)
         for role in manifest["launch"]["decode_steps"]:
             if role == "combine" and parts == 1 and launch == 0:

@@ -3,8 +3,8 @@
 //! Counted once each: every page block a sequence uses (codes, scales/zeros, boost planes and
 //! maps, or FP16 pages), the FP16 sink and tail tokens actually present (not the buffers'
 //! capacity), the page-table entries and sequence length, the queries read and the outputs
-//! written. A kernel that reads something twice (the calibration range pass re-reads K) is not
-//! credited for it.
+//! written. What a kernel moves on top (the calibration's range pass re-reading K, or the scores
+//! it stores for the decode kernel) is not credited (`extra_bytes`).
 
 use kvq::reference::int::{IntCache, TensorStore};
 
@@ -38,16 +38,27 @@ pub fn decode_bytes(sequences: &[&IntCache], q_heads: usize) -> u64 {
     sequences.iter().map(|s| sequence_bytes(s)).sum::<u64>() + 2 * 2 * rows
 }
 
-/// Bytes a step reads on top of [`decode_bytes`] because of how the scheme is defined:
-/// CalibQuant's calibration needs every quantized key's score before the softmax, so its range
-/// pass reads K's page blocks once more (the FP16 sink and tail are not calibrated). They are
-/// not credited as effective bandwidth; they bound it: at the copy bandwidth a step reaches at
-/// most `decode / (decode + reread)` of it.
-pub fn reread_bytes(sequences: &[&IntCache]) -> u64 {
+/// Bytes a step moves on top of [`decode_bytes`] because of how the scheme is defined:
+/// CalibQuant's calibration needs every quantized key's score before the softmax. Where the
+/// kernels store the scores (`stores_scores`), the range pass writes `gqa` f32 scores for every
+/// quantized key and the decode kernel reads them back instead of K; otherwise the range pass
+/// reads K's page blocks once more (the FP16 sink and tail are not calibrated either way). They
+/// are not credited as effective bandwidth; they bound it: at the copy bandwidth a step reaches at
+/// most `decode / (decode + extra)` of it.
+pub fn extra_bytes(sequences: &[&IntCache], q_heads: usize, stores_scores: bool) -> u64 {
     sequences
         .iter()
         .filter(|s| s.spec().calibrate.is_some())
-        .map(|s| page_block_bytes(s.k()))
+        .map(|s| {
+            let k = s.k();
+            if stores_scores {
+                let gqa = q_heads / k.kv_heads().max(1);
+                let quantized = (0..k.tokens()).filter(|&t| k.is_quantized(t)).count();
+                2 * 4 * (quantized * k.kv_heads() * gqa) as u64
+            } else {
+                page_block_bytes(k)
+            }
+        })
         .sum()
 }
 
@@ -76,17 +87,32 @@ mod tests {
     }
 
     #[test]
-    fn only_calibrated_schemes_read_k_twice() {
+    fn only_calibrated_schemes_move_extra_bytes() {
         let calibrated = cache("calibquant1", 5000);
         let k_blocks = page_block_bytes(calibrated.k());
         assert!(k_blocks > 0);
-        assert_eq!(reread_bytes(&[&calibrated, &calibrated]), 2 * k_blocks);
+        // Reading K twice: its page blocks again.
+        assert_eq!(
+            extra_bytes(&[&calibrated, &calibrated], 8, false),
+            2 * k_blocks
+        );
         // K's blocks are a large share of what a 1-bit K and V step reads, and less than half
         // (V's blocks are as large, and the FP16 sink and tail come on top).
         let share = k_blocks as f64 / sequence_bytes(&calibrated) as f64;
         assert!((0.25..0.5).contains(&share), "{share}");
+        // Stored scores: 4 query heads a KV head, f32, written and read, for every quantized
+        // token of both KV heads (not the sink's or the tail's).
+        let k = calibrated.k();
+        let quantized = (0..k.tokens()).filter(|&t| k.is_quantized(t)).count();
+        assert!(quantized > 0 && quantized < 5000);
+        assert_eq!(
+            extra_bytes(&[&calibrated], 8, true),
+            2 * 4 * (quantized * 2 * 4) as u64
+        );
         for name in ["fp16", "kivi2", "kitty", "int8"] {
-            assert_eq!(reread_bytes(&[&cache(name, 5000)]), 0, "{name}");
+            for stores in [false, true] {
+                assert_eq!(extra_bytes(&[&cache(name, 5000)], 8, stores), 0, "{name}");
+            }
         }
     }
 

@@ -41,10 +41,14 @@ pub struct Row {
     pub min_us: f64,
     /// Bytes the step must move (see `bytes`).
     pub bytes: u64,
-    /// Bytes the scheme's definition makes it read a second time (CalibQuant's range pass
-    /// re-reads K; see `bytes::reread_bytes`), not counted in `bytes`.
+    /// Bytes the scheme's definition makes the step move on top of `bytes` (CalibQuant's range
+    /// pass re-reading K, or the scores it stores for the decode kernel; see
+    /// `bytes::extra_bytes`), not counted in `bytes`.
+    #[serde(default, alias = "reread_bytes")]
+    pub extra_bytes: u64,
+    /// The extra bytes are stored scores (written and read back) rather than K read again.
     #[serde(default)]
-    pub reread_bytes: u64,
+    pub stored_scores: bool,
     /// `bytes / median`, GB/s.
     pub gbps: f64,
     /// `gbps` over the copy bandwidth of this run, %.
@@ -63,7 +67,7 @@ impl Row {
     /// The most "% of copy" this step can show when every byte it reads moves at the copy
     /// bandwidth: 100 unless it reads bytes twice.
     pub fn ceiling_pct_of_copy(&self) -> f64 {
-        100.0 * self.bytes as f64 / (self.bytes + self.reread_bytes) as f64
+        100.0 * self.bytes as f64 / (self.bytes + self.extra_bytes) as f64
     }
 }
 
@@ -179,18 +183,23 @@ impl BenchResults {
             }
             s.push('\n');
         }
-        let rereads: Vec<&Row> = self.rows.iter().filter(|r| r.reread_bytes > 0).collect();
-        if !rereads.is_empty() {
-            s.push_str("\nRead twice (not counted as effective bytes):\n");
-            for r in rereads {
+        let extras: Vec<&Row> = self.rows.iter().filter(|r| r.extra_bytes > 0).collect();
+        if !extras.is_empty() {
+            s.push_str("\nMoved on top (not counted as effective bytes):\n");
+            for r in extras {
+                let what = if r.stored_scores {
+                    "scores the range pass writes and the decode kernel reads back (instead of K),"
+                } else {
+                    "K read again by the range pass,"
+                };
                 s.push_str(&format!(
-                    "- {} B={} L={}: the range pass reads {:.1} MB of K again (+{:.0}%), so at the \
-                     copy bandwidth the step would reach at most {:.1}% of copy\n",
+                    "- {} B={} L={}: {what} {:.1} MB (+{:.0}%), so at the copy bandwidth the step \
+                     would reach at most {:.1}% of copy\n",
                     r.scheme,
                     r.batch,
                     format_tokens(r.context),
-                    r.reread_bytes as f64 / 1e6,
-                    100.0 * r.reread_bytes as f64 / r.bytes as f64,
+                    r.extra_bytes as f64 / 1e6,
+                    100.0 * r.extra_bytes as f64 / r.bytes as f64,
                     r.ceiling_pct_of_copy(),
                 ));
             }
@@ -236,6 +245,7 @@ pub(crate) mod tests {
                 min_warps_per_sm: 0,
                 pack_heads: true,
                 short_staging: false,
+                store_scores: false,
             },
             splits: 3,
             pieces: kvq::runtime::Pieces::NONE,
@@ -248,7 +258,8 @@ pub(crate) mod tests {
             median_us: us,
             min_us: us * 0.98,
             bytes: 1 << 30,
-            reread_bytes: 0,
+            extra_bytes: 0,
+            stored_scores: false,
             gbps: (1u64 << 30) as f64 / us / 1e3,
             pct_of_copy: 50.0,
             speedup_vs_fp16: None,
@@ -264,7 +275,7 @@ pub(crate) mod tests {
             row("kivi2", 1, 32_768, 30.0),
             row("calibquant1", 1, 32_768, 30.0),
         ];
-        rows[5].reread_bytes = 1 << 29;
+        rows[5].extra_bytes = 1 << 29;
         rows[3].tuned = Some(TunedResult {
             choice,
             median_us: 36.0,
@@ -341,14 +352,40 @@ pub(crate) mod tests {
         let json: serde_json::Value = serde_json::from_str(&r.json()).unwrap();
         assert_eq!(json["rows"].as_array().unwrap().len(), 6);
         assert!(
-            md.contains("- calibquant1 B=1 L=32K: the range pass reads 536.9 MB of K again (+50%), so at the copy bandwidth the step would reach at most 66.7% of copy"),
+            md.contains("- calibquant1 B=1 L=32K: K read again by the range pass, 536.9 MB (+50%), so at the copy bandwidth the step would reach at most 66.7% of copy"),
             "{md}"
         );
-        assert_eq!(md.matches("the range pass reads").count(), 1);
+        assert_eq!(md.matches("read again by the range pass").count(), 1);
         assert_eq!(json["rows"][3]["tuned"]["choice"]["splits"], 3);
         assert_eq!(json["copy"]["gbps"], 2962.0);
         let back = BenchResults::from_json(&r.json()).unwrap();
         assert_eq!(back.rows, r.rows);
         assert_eq!(back.markdown(), md);
+    }
+
+    /// Stored scores are named as such, and results written before the field was renamed
+    /// (`reread_bytes`, K read again) still load.
+    #[test]
+    fn extra_bytes_say_what_they_are_and_old_results_load() {
+        let mut r = sample();
+        r.rows[5].stored_scores = true;
+        let md = r.markdown();
+        assert!(
+            md.contains("- calibquant1 B=1 L=32K: scores the range pass writes and the decode kernel reads back (instead of K), 536.9 MB (+50%)"),
+            "{md}"
+        );
+        assert!(!md.contains("read again by the range pass"));
+        // As an older bench wrote it: the field under its old name, no stored_scores.
+        let mut old: serde_json::Value = serde_json::from_str(&r.json()).unwrap();
+        for row in old["rows"].as_array_mut().unwrap() {
+            let row = row.as_object_mut().unwrap();
+            let extra = row.remove("extra_bytes").unwrap();
+            row.insert("reread_bytes".into(), extra);
+            row.remove("stored_scores").unwrap();
+        }
+        let old = old.to_string();
+        let back = BenchResults::from_json(&old).unwrap();
+        assert_eq!(back.rows[5].extra_bytes, 1 << 29);
+        assert!(!back.rows[5].stored_scores);
     }
 }

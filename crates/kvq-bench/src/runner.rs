@@ -12,7 +12,7 @@ use kvq::runtime::tune::{
 };
 use kvq::runtime::{DecodeKernel, DecodeScratch, Jit, RuntimeError};
 
-use crate::bytes::{decode_bytes, reread_bytes};
+use crate::bytes::{decode_bytes, extra_bytes};
 use crate::copy::copy_bandwidth;
 use crate::date::utc_date;
 use crate::error::{BenchError, Result};
@@ -277,6 +277,7 @@ impl Context<'_> {
                 DecodeKernel::load(self.jit, &prep.scheme.spec, &self.shape, &default.params)?;
             &heuristic_kernel
         };
+        let stores_scores = kernel.generated().stores_scores;
         let mut scratch =
             DecodeScratch::with_pieces(&stream, batch, q_heads, d, default.splits, default.pieces)?;
         let reference = ReferenceCheck::from_rows(
@@ -368,7 +369,8 @@ impl Context<'_> {
             median_us,
             min_us: stats.min_us(),
             bytes,
-            reread_bytes: reread_bytes(&sequences),
+            extra_bytes: extra_bytes(&sequences, q_heads, stores_scores),
+            stored_scores: stores_scores,
             gbps,
             pct_of_copy: 100.0 * gbps / self.copy_gbps,
             speedup_vs_fp16: None,

@@ -178,6 +178,12 @@ pub struct GenArgs {
     /// it where a split warp's share of the context reaches 4096 tokens).
     #[arg(long)]
     pub short_staging: Option<bool>,
+    /// Whether a calibrated scheme's range pass stores its keys' scores for the decode kernel,
+    /// which then reads them instead of the keys (CalibQuant on the tensor-core kernel; true or
+    /// false); default: tuned, else true (the runtime's untuned launches store them past 4096-token
+    /// contexts).
+    #[arg(long)]
+    pub store_scores: Option<bool>,
     /// Tuning results to read (default: tune.json in the cache folder).
     #[arg(long)]
     pub tune_file: Option<PathBuf>,

@@ -8,8 +8,8 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use kvq::codegen::{
-    cache_kernels, decode_kernels, short_staging_changes, Dtype, KernelEntry, KernelShape,
-    PieceRule, TuneParams,
+    cache_kernels, decode_kernels, short_staging_changes, store_scores_changes, Dtype, KernelEntry,
+    KernelShape, PieceRule, TuneParams,
 };
 use kvq::reference::int::{fp16_block_bytes, IntLayout, Section};
 use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
@@ -53,6 +53,7 @@ pub struct GenRequest {
     pub min_warps_per_sm: Option<u32>,
     pub pack_heads: Option<bool>,
     pub short_staging: Option<bool>,
+    pub store_scores: Option<bool>,
     /// Where tuned results are read from (`None`: the default `tune.json`).
     pub tune_file: Option<PathBuf>,
     /// Also write a sample batch with its reference output.
@@ -187,6 +188,7 @@ struct TunedInfo {
     min_warps_per_sm: u32,
     pack_heads: bool,
     short_staging: bool,
+    store_scores: bool,
     splits: usize,
     /// The tuned launch's `num_pieces` and `piece_permille` (0 and 0: none).
     num_pieces: usize,
@@ -208,6 +210,9 @@ struct TuneInfo {
     /// Whether a kernel whose ring stages 4-bit K and V takes the short staging path (KIVI-4's;
     /// every other ring kernel always does).
     short_staging: bool,
+    /// Whether a calibrated scheme's range pass stores its keys' scores for the decode kernel
+    /// (launch.stores_scores says whether these kernels do).
+    store_scores: bool,
     /// `default`, `tuned` or `flags`.
     source: String,
     tune_file: Option<String>,
@@ -218,6 +223,9 @@ struct TuneInfo {
     /// When the runtime's untuned launches take the short staging path (kernels generated with
     /// `short_staging` true).
     default_short_staging: String,
+    /// When the runtime's untuned launches store a calibrated scheme's key scores (kernels
+    /// generated with `store_scores` true).
+    default_store_scores: String,
     tuned: Vec<TunedInfo>,
 }
 
@@ -228,6 +236,8 @@ struct LaunchInfo {
     num_splits: String,
     /// What decode's `num_pieces` and `piece_permille` do.
     num_pieces: String,
+    /// Whether score_range stores the keys' scores for decode (the `scores` scratch buffer).
+    stores_scores: bool,
     scratch: Vec<BufferInfo>,
     notes: Vec<String>,
 }
@@ -296,6 +306,11 @@ fn about_param(name: &str, dtype: Dtype) -> String {
         "seq_lens" => "[batch] i32 tokens per sequence".into(),
         "score_range" => {
             "f32 [batch][kv_heads][gqa][num_splits][2] (CalibQuant score ranges; unused otherwise)"
+                .into()
+        }
+        "scores" => {
+            "f32 stored key scores, written by score_range and read by decode where the manifest's \
+             launch.scratch sizes them (CalibQuant on the tensor-core kernel); unused otherwise"
                 .into()
         }
         "part_acc" => {
@@ -563,6 +578,7 @@ fn choose_params(
         || req.min_warps_per_sm.is_some()
         || req.pack_heads.is_some()
         || req.short_staging.is_some()
+        || req.store_scores.is_some()
     {
         let p = TuneParams {
             threads: req.threads.unwrap_or(default.threads),
@@ -570,10 +586,12 @@ fn choose_params(
             min_warps_per_sm: req.min_warps_per_sm.unwrap_or(default.min_warps_per_sm),
             pack_heads: req.pack_heads.unwrap_or(default.pack_heads),
             short_staging: req.short_staging.unwrap_or(default.short_staging),
+            store_scores: req.store_scores.unwrap_or(default.store_scores),
         };
         p.validate().map_err(|e| {
             CliError::Usage(format!(
-                "--threads/--tile-tokens/--min-warps-per-sm/--pack-heads/--short-staging: {e}"
+                "--threads/--tile-tokens/--min-warps-per-sm/--pack-heads/--short-staging/\
+                 --store-scores: {e}"
             ))
         })?;
         return Ok((p, "flags"));
@@ -649,7 +667,7 @@ fn header_text(
     let _ = writeln!(
         h,
         "/* shape:  head_dim={} gqa={} dtype={}; tuning threads={} tile_tokens={} \
-         min_warps_per_sm={} pack_heads={} short_staging={} */",
+         min_warps_per_sm={} pack_heads={} short_staging={} store_scores={} */",
         shape.head_dim,
         shape.gqa,
         shape.dtype,
@@ -657,7 +675,8 @@ fn header_text(
         tune.tile_tokens,
         tune.min_warps_per_sm,
         tune.pack_heads,
-        tune.short_staging
+        tune.short_staging,
+        tune.store_scores
     );
     let _ = writeln!(
         h,
@@ -1001,6 +1020,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                          runs_pieces = false accepts any num_pieces: its piece CTAs only mark \
                          their partials empty (l = 0)"
                 .into(),
+            stores_scores: decode.stores_scores,
             scratch: vec![
                 buffer(
                     "part_acc",
@@ -1020,6 +1040,25 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                     "f32",
                     "only read when the scheme calibrates; otherwise any valid pointer",
                 ),
+                if decode.stores_scores {
+                    buffer(
+                        "scores",
+                        &format!(
+                            "[batch][kv_heads][max_pages·{}][gqa], plus 4 floats",
+                            decode.page_tokens
+                        ),
+                        "f32",
+                        "written by score_range (every quantized key's scores), read by decode \
+                         in the same step; max_pages as passed to both",
+                    )
+                } else {
+                    buffer(
+                        "scores",
+                        "any",
+                        "f32",
+                        "unused by these kernels; any valid pointer",
+                    )
+                },
             ],
             notes: vec![
                 "every kernel uses static shared memory only unless dynamic_shared_bytes > 0; \
@@ -1047,10 +1086,12 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             min_warps_per_sm: params.min_warps_per_sm,
             pack_heads: params.pack_heads,
             short_staging: params.short_staging,
+            store_scores: params.store_scores,
             source: params_source.into(),
             tune_file: tune_file.map(|p| p.display().to_string()),
             default_splits: default_splits_text(spec),
             default_short_staging: default_short_staging_text(spec, shape, &params),
+            default_store_scores: default_store_scores_text(spec, shape, &params),
             default_pieces: match decode.piece_rule {
                 PieceRule::LongShares => format!(
                     "warps = block / 32; if bucket / (num_splits·warps) ≥ {} then num_pieces = \
@@ -1079,6 +1120,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                     min_warps_per_sm: e.choice.params.min_warps_per_sm,
                     pack_heads: e.choice.params.pack_heads,
                     short_staging: e.choice.params.short_staging,
+                    store_scores: e.choice.params.store_scores,
                     splits: e.choice.splits,
                     num_pieces: e.choice.pieces.count,
                     piece_permille: e.choice.pieces.permille,
@@ -1097,13 +1139,14 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
     if params_source == "tuned" {
         notes.push(format!(
             "block parameters from {} tuned result(s): threads {} tile_tokens {} \
-             min_warps_per_sm {} pack_heads {} short_staging {}",
+             min_warps_per_sm {} pack_heads {} short_staging {} store_scores {}",
             tuned.len(),
             params.threads,
             params.tile_tokens,
             params.min_warps_per_sm,
             params.pack_heads,
-            params.short_staging
+            params.short_staging,
+            params.store_scores
         ));
     }
     Ok(GenOutcome {
@@ -1133,6 +1176,24 @@ fn default_short_staging_text(
         )
     } else {
         "false (this decode kernel takes one staging path)".into()
+    }
+}
+
+/// The manifest's rule for the stored scores of the runtime's untuned launches
+/// (`kvq_runtime::store_scores_by_default`), for kernels where it is a choice.
+fn default_store_scores_text(
+    spec: &SchemeSpec,
+    shape: &KernelShape,
+    params: &TuneParams,
+) -> String {
+    if store_scores_changes(spec, shape, params) {
+        format!(
+            "store_scores = true (sources generated with --store-scores true, the default) \
+             where bucket > {}, else false",
+            kvq::runtime::decode::SHORT_CONTEXT_BUCKET
+        )
+    } else {
+        "false (this scheme's kernels store no scores)".into()
     }
 }
 

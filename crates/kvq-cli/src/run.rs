@@ -144,6 +144,7 @@ fn gen_cmd(a: GenArgs, out: &mut dyn Write) -> Result<()> {
         min_warps_per_sm: a.min_warps_per_sm,
         pack_heads: a.pack_heads,
         short_staging: a.short_staging,
+        store_scores: a.store_scores,
         tune_file: a.tune_file.clone(),
         sample: a.sample.then(|| SampleSpec {
             lengths: a.sample_lengths.0.clone(),

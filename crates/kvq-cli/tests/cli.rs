@@ -410,6 +410,7 @@ fn gen_uses_tuned_block_parameters_from_the_tune_file() {
                 min_warps_per_sm: 0,
                 pack_heads: true,
                 short_staging: false,
+                store_scores: false,
             },
             splits: 3,
             pieces: kvq::runtime::Pieces::NONE,
@@ -516,6 +517,34 @@ fn gen_takes_kivi4s_short_staging_path_only_when_the_flag_says_so() {
     }
     let (m, _) = gen_with_tune_flag("kivi2", &[], "short_staging", false, "default", &tmp);
     let rule = m["tune"]["default_short_staging"].as_str().unwrap();
+    assert!(rule.starts_with("false"), "{rule}");
+}
+
+#[test]
+fn gen_stores_calibrated_scores_unless_the_flag_says_not_to() {
+    let tmp = TempDir::new("stored");
+    for (flag, stored, source) in [
+        (&[][..], true, "default"),
+        (&["--store-scores", "false"][..], false, "flags"),
+    ] {
+        let (m, decode) =
+            gen_with_tune_flag("calibquant1", flag, "store_scores", stored, source, &tmp);
+        assert_eq!(m["launch"]["stores_scores"], stored);
+        assert!(decode.contains(&format!("static constexpr bool KVQ_STORED = {stored};")));
+        // The scratch an engine allocates: sized where the kernels store scores.
+        let scratch = m["launch"]["scratch"].as_array().unwrap();
+        let scores = scratch.iter().find(|b| b["name"] == "scores").unwrap();
+        assert_eq!(
+            scores["shape"].as_str().unwrap().contains("max_pages·128"),
+            stored,
+            "{scores}"
+        );
+        let rule = m["tune"]["default_store_scores"].as_str().unwrap();
+        assert!(rule.contains("where bucket > 4096"), "{rule}");
+    }
+    let (m, _) = gen_with_tune_flag("kivi2", &[], "store_scores", false, "default", &tmp);
+    assert_eq!(m["launch"]["stores_scores"], false);
+    let rule = m["tune"]["default_store_scores"].as_str().unwrap();
     assert!(rule.starts_with("false"), "{rule}");
 }
 

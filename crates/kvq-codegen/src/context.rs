@@ -260,6 +260,11 @@ pub(crate) struct MmaCtx {
     /// the calibration's two constants, so an integer score's rounding moves them by about one
     /// score's error instead of entering every softmax weight (see `range_int_pays` in decode.rs).
     pub range_int: bool,
+    /// CalibQuant's range pass leaves every quantized key's scores (natural units, before
+    /// calibration) in a scratch buffer, and the decode kernel reads them back instead of K: the
+    /// keys are scored once a step instead of twice (see `stored_scores_pay` in decode.rs). The
+    /// range pass then scores on the decode kernel's path, so `range_int` is false.
+    pub stored_scores: bool,
     /// Token-axis V with one group per token: its scale folds into the probabilities.
     pub v_token_fold: bool,
     /// Token-axis V codes of 1 or 2 bits enter P·V as f16 subnormals, one AND per pair

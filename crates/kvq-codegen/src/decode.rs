@@ -37,6 +37,12 @@ pub struct DecodeKernels {
     pub piece_rule: PieceRule,
     /// CalibQuant's score-range pass (before `decode`), when the scheme calibrates.
     pub range: Option<KernelEntry>,
+    /// The range pass stores every quantized key's scores in `scores` and the decode kernel
+    /// reads them back instead of the keys: `scores` must then hold
+    /// [`score_floats`](Self::score_floats) floats. Otherwise both kernels ignore it.
+    pub stores_scores: bool,
+    /// Tokens of one sequence a quantized page holds (the scheme's group).
+    pub page_tokens: u32,
     /// Bytes of one K page block and one V page block of one KV head.
     pub k_block_bytes: usize,
     pub v_block_bytes: usize,
@@ -131,6 +137,7 @@ fn mma_plan(
     // Not at head_dim 256: there Kitty-Pro's kernel (255 registers, uncapped) took 6 spill
     // instructions at GQA 1 with it.
     let k_high_int = low_bit_keys && !calibrated && k.boost && d <= 128;
+    let stored_scores = enabled && calibrated && tune.store_scores && stored_scores_pay(k);
     let piece_rule = if enabled {
         piece_rule(k, v, calibrated)
     } else {
@@ -138,7 +145,13 @@ fn mma_plan(
     };
     MmaCtx {
         stage: if enabled {
-            stage_plan(tune, k, v, v_token_fold)
+            stage_plan(
+                tune,
+                k,
+                v,
+                v_token_fold,
+                stored_score_row_bytes(shape, stored_scores),
+            )
         } else {
             StagePlan::default()
         },
@@ -152,7 +165,8 @@ fn mma_plan(
         k_int: low_bit_keys && (!calibrated || k_fine_pays(k)),
         k_fine: low_bit_keys && calibrated && k_fine_pays(k),
         k_high_int,
-        range_int: calibrated && range_int_pays(k),
+        range_int: calibrated && !stored_scores && range_int_pays(k),
+        stored_scores,
         v_quant: v.kind == "int",
         v_token_fold,
         v_subnormal: v_token_fold && v_subnormal_pays(v),
@@ -203,6 +217,26 @@ fn k_fine_pays(k: &TensorCtx) -> bool {
 /// rounds on the f16 path (CalibQuant-1 1.8e-3, CalibQuant-2 1.9e-3; before, 1.8e-3–2.1e-3).
 fn range_int_pays(k: &TensorCtx) -> bool {
     k.kind == "int" && k.bits <= 2 && !k.boost
+}
+
+/// Whether a calibrated scheme's range pass can store the keys' scores for its decode kernel
+/// ([`MmaCtx::stored_scores`], where [`TuneParams::store_scores`] asks): quantized keys on the
+/// tensor-core kernel. Scoring a key costs the same on either pass (the decode kernel's path, in
+/// the same arithmetic), so the step scores each key once instead of twice, at the price of
+/// writing and reading `gqa` floats a key and of the decode grid's first copies waiting for the
+/// range grid's end.
+fn stored_scores_pay(k: &TensorCtx) -> bool {
+    k.kind == "int"
+}
+
+/// Bytes a stored key's scores take in the decode kernel's stage (they take K's rows' place
+/// there), or 0 where the kernel stores none.
+fn stored_score_row_bytes(shape: &KernelShape, stored_scores: bool) -> usize {
+    if stored_scores {
+        shape.gqa as usize * 4
+    } else {
+        0
+    }
 }
 
 /// Whether token-axis V codes enter P·V as f16 subnormals (`KvqPairs::get<true>`): a code
@@ -314,19 +348,25 @@ fn aligned_ring_room(tune: &TuneParams) -> usize {
 /// global memory, as FP16 rows do, whose per-warp latency hiding is enough: measured at the copy
 /// bandwidth). Copies round out to 16 bytes, which stays inside a page block since blocks and
 /// their sections are 16-byte aligned multiples (docs/LAYOUT.md §1).
-fn stage_plan(tune: &TuneParams, k: &TensorCtx, v: &TensorCtx, v_token_fold: bool) -> StagePlan {
+fn stage_plan(
+    tune: &TuneParams,
+    k: &TensorCtx,
+    v: &TensorCtx,
+    v_token_fold: bool,
+    score_row_bytes: usize,
+) -> StagePlan {
     if k.kind != "int" || v.kind != "int" {
         return StagePlan::default();
     }
     debug_assert!(k.block_bytes % 16 == 0 && v.block_bytes % 16 == 0 && k.scales_offset % 16 == 0);
-    let dense = aligned_stage_plan(tune, k, v, v_token_fold, 16);
+    let dense = aligned_stage_plan(tune, k, v, v_token_fold, score_row_bytes, 16);
     if dense.cta_bytes > MAX_STAGE_CTA_BYTES {
         return StagePlan::default();
     }
     let room = aligned_ring_room(tune);
     SECTION_ALIGNS
         .iter()
-        .map(|&align| aligned_stage_plan(tune, k, v, v_token_fold, align))
+        .map(|&align| aligned_stage_plan(tune, k, v, v_token_fold, score_row_bytes, align))
         .find(|plan| plan.cta_bytes <= room)
         .unwrap_or(dense)
 }
@@ -337,6 +377,7 @@ fn aligned_stage_plan(
     k: &TensorCtx,
     v: &TensorCtx,
     v_token_fold: bool,
+    score_row_bytes: usize,
     align: usize,
 ) -> StagePlan {
     let tile = tune.tile_tokens as usize;
@@ -347,7 +388,8 @@ fn aligned_stage_plan(
     let mut plan = StagePlan {
         stages: 2,
         header: round(STAGE_HEADER_BYTES),
-        k_rows: section(tile * k.row_words * 4),
+        // The decode kernel's stored scores take this section's place of the keys' rows.
+        k_rows: section(tile * (k.row_words * 4).max(score_row_bytes)),
         k_high: if k.boost {
             section(tile * k.high_row_words * 4)
         } else {
@@ -408,6 +450,16 @@ pub fn short_staging_changes(spec: &SchemeSpec, shape: &KernelShape, tune: &Tune
     has_decode_kernel(spec)
         && mma_plan_for(spec, shape, &general)
             .is_some_and(|plan| plan.stage.stages > 0 && !plan.stage.quant_fast_path)
+}
+
+/// Whether [`TuneParams::store_scores`] changes the decode kernels for these parameters: a
+/// calibrated scheme whose keys the tensor-core kernel scores.
+pub fn store_scores_changes(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> bool {
+    let storing = TuneParams {
+        store_scores: true,
+        ..*tune
+    };
+    has_decode_kernel(spec) && mma_plan_for(spec, shape, &storing).is_some_and(|p| p.stored_scores)
 }
 
 /// Whether the decode kernel for these parameters holds two subtiles in one score fragment
@@ -476,6 +528,18 @@ impl DecodeKernels {
     /// partials empty.
     pub fn runs_pieces(&self) -> bool {
         self.piece_rule != PieceRule::None
+    }
+
+    /// Floats the `scores` buffer needs for a launch over `batch` sequences of `kv_heads` KV heads
+    /// with page tables `max_pages` wide: a row of `gqa` scores for every token a page table can
+    /// reach past the sink, plus 16 bytes the last row's copy may read past its end. 0 where the
+    /// kernels store no scores ([`stores_scores`](Self::stores_scores)).
+    pub fn score_floats(&self, batch: usize, kv_heads: usize, max_pages: usize) -> usize {
+        if self.stores_scores {
+            batch * kv_heads * max_pages * self.page_tokens as usize * self.shape.gqa as usize + 4
+        } else {
+            0
+        }
     }
 }
 
@@ -563,6 +627,7 @@ pub fn decode_kernels(
             param("const uint16_t*", "v_tail"),
             param("const int32_t*", "seq_lens"),
             param("const float*", "score_range"),
+            param("const float*", "scores"),
             param("float*", "part_acc"),
             param("float*", "part_ml"),
             param("int32_t", "num_pieces"),
@@ -600,6 +665,7 @@ pub fn decode_kernels(
             param("const uint16_t*", "k_tail"),
             param("const int32_t*", "seq_lens"),
             param("float*", "score_range"),
+            param("float*", "scores"),
         ],
         grid: split_grid(),
         block: tune.threads,
@@ -615,6 +681,8 @@ pub fn decode_kernels(
         combine,
         piece_rule: ctx.mma.piece_rule,
         range,
+        stores_scores: ctx.mma.stored_scores,
+        page_tokens: spec.page,
         k_block_bytes: k.block_bytes,
         v_block_bytes: v.block_bytes,
         k_tail_capacity: if k.kind == "int" { k.tail_capacity } else { 0 },

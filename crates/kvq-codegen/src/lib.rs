@@ -23,8 +23,8 @@ mod tune;
 
 pub use cache::{cache_kernels, cache_kernels_with, CacheKernels, PageQuantizers};
 pub use decode::{
-    decode_kernels, decode_piece_rule, decode_runs_pieces, short_staging_changes, DecodeKernels,
-    KernelEntry, PieceRule,
+    decode_kernels, decode_piece_rule, decode_runs_pieces, short_staging_changes,
+    store_scores_changes, DecodeKernels, KernelEntry, PieceRule,
 };
 pub use error::CodegenError;
 pub use quantizer::{QuantizerForm, QuantizerForms};

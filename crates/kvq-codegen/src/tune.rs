@@ -1,7 +1,8 @@
 //! The tunable parameters of the decode kernel, their valid ranges, and the untuned default.
 
 use crate::decode::{
-    packs_heads, raises_occupancy, short_staging_changes, twelve_warps_by_default, uses_stage_ring,
+    packs_heads, raises_occupancy, short_staging_changes, store_scores_changes,
+    twelve_warps_by_default, uses_stage_ring,
 };
 use crate::{CodegenError, KernelShape};
 use kvq_spec::SchemeSpec;
@@ -40,6 +41,16 @@ pub struct TuneParams {
     /// tries both. Absent in results stored before the parameter existed: false, as those kernels did.
     #[serde(default)]
     pub short_staging: bool,
+    /// Whether a calibrated scheme's range pass stores its keys' scores for the decode kernel,
+    /// which then reads them instead of the keys (`MmaCtx::stored_scores`: quantized keys on the
+    /// tensor-core kernel; every other kernel renders the same either way). Each key is scored
+    /// once a step instead of twice. On an H100 it ran CalibQuant-1 ×1.23 and CalibQuant-2 ×1.12
+    /// at B=16 L=32K, ×1.15 and ×1.02 at B=1 L=128K, but ×0.95–×0.99 at L=4K
+    /// (docs/BENCHMARKS.md, twenty-eighth round): the default stores them, the heuristic choice
+    /// (`TuneChoice::heuristic` in kvq-runtime) not for short contexts, and the tuner tries both.
+    /// Absent in results stored before the parameter existed: false, as those kernels did.
+    #[serde(default)]
+    pub store_scores: bool,
 }
 
 fn packs_heads_by_default() -> bool {
@@ -53,6 +64,7 @@ impl TuneParams {
     pub const MIN_WARPS_PER_SM: &'static [u32] = &[0, 12];
     pub const PACK_HEADS: &'static [bool] = &[true, false];
     pub const SHORT_STAGING: &'static [bool] = &[false, true];
+    pub const STORE_SCORES: &'static [bool] = &[true, false];
 
     /// The heuristic default for shapes nobody tuned.
     ///
@@ -68,6 +80,8 @@ impl TuneParams {
     ///   128 threads), except schemes with 8-bit codes, which keep 128 threads with 32-token
     ///   tiles: only those let the ring fit in shared memory at 128 threads (INT8 at B=16 L=32K:
     ///   75.5% of copy at 64-token tiles, 89% at 32).
+    /// - Calibrated schemes on the tensor-core kernel store their keys' scores
+    ///   ([`TuneParams::store_scores`]).
     /// - Twelve warps an SM ([`TuneParams::min_warps_per_sm`]) for the tensor-core kernels of 1-
     ///   and 2-bit K and V and of FP16 at head_dim ≤ 128: the instruction stream limits them, and
     ///   more warps hide more latency than the few registers the cap costs (an uncapped FP16 kernel
@@ -96,9 +110,12 @@ impl TuneParams {
         } else {
             0
         };
-        let block = Self::block_default(spec, shape);
-        TuneParams {
+        let block = TuneParams {
             min_warps_per_sm,
+            ..Self::block_default(spec, shape)
+        };
+        TuneParams {
+            store_scores: store_scores_changes(spec, shape, &block),
             ..block
         }
     }
@@ -114,6 +131,7 @@ impl TuneParams {
             min_warps_per_sm: 0,
             pack_heads: true,
             short_staging: false,
+            store_scores: false,
         };
         if !eight_bit && shape.head_dim == 128 && uses_stage_ring(spec, shape, &four_warps) {
             return four_warps;
@@ -124,6 +142,7 @@ impl TuneParams {
             min_warps_per_sm: 0,
             pack_heads: true,
             short_staging: false,
+            store_scores: false,
         };
         let narrow = TuneParams {
             tile_tokens: 32,
@@ -153,6 +172,7 @@ impl TuneParams {
     ///     min_warps_per_sm,
     ///     pack_heads: true,
     ///     short_staging: false,
+    ///     store_scores: false,
     /// };
     /// assert_eq!(p(64, 12).min_ctas_per_sm(), 6);
     /// assert_eq!(p(128, 12).min_ctas_per_sm(), 3);
@@ -171,15 +191,18 @@ impl TuneParams {
                     .iter()
                     .flat_map(move |&min_warps_per_sm| {
                         Self::PACK_HEADS.iter().flat_map(move |&pack_heads| {
-                            Self::SHORT_STAGING
-                                .iter()
-                                .map(move |&short_staging| TuneParams {
-                                    threads,
-                                    tile_tokens,
-                                    min_warps_per_sm,
-                                    pack_heads,
-                                    short_staging,
-                                })
+                            Self::SHORT_STAGING.iter().flat_map(move |&short_staging| {
+                                Self::STORE_SCORES
+                                    .iter()
+                                    .map(move |&store_scores| TuneParams {
+                                        threads,
+                                        tile_tokens,
+                                        min_warps_per_sm,
+                                        pack_heads,
+                                        short_staging,
+                                        store_scores,
+                                    })
+                            })
                         })
                     })
             })
@@ -191,7 +214,8 @@ impl TuneParams {
     /// changes the tensor-core kernel's register budget at head_dim ≤ 128 (CTAs of at most six
     /// warps), with twelve warps an SM; each packing its score fragments and, where the kernel
     /// would pack, not; each on the general staging path and, where the kernel would take it,
-    /// on the short one. The default comes first.
+    /// on the short one; each storing a calibrated scheme's scores where the kernel can, and
+    /// not. The default comes first.
     pub fn candidates_for(spec: &SchemeSpec, shape: &KernelShape) -> Vec<TuneParams> {
         let default = Self::default_for(spec, shape);
         let mut out = vec![default];
@@ -208,6 +232,7 @@ impl TuneParams {
                 && (p.min_warps_per_sm == 0 || raises_occupancy(spec, shape, p))
                 && (p.pack_heads || packs_heads(spec, shape, &packing))
                 && (!p.short_staging || short_staging_changes(spec, shape, &general))
+                && (!p.store_scores || store_scores_changes(spec, shape, p))
         }));
         out
     }

@@ -1,6 +1,8 @@
 //! Every decode-kernel variant renders; set KVQ_DUMP_DIR to write the sources out (for NVRTC checks).
 
-use kvq_codegen::{decode_kernels, short_staging_changes, Dtype, KernelShape, TuneParams};
+use kvq_codegen::{
+    decode_kernels, short_staging_changes, store_scores_changes, Dtype, KernelShape, TuneParams,
+};
 use kvq_spec::SchemeSpec;
 
 /// Integer and FP16 schemes covering every code path of the decode template.
@@ -220,9 +222,10 @@ fn is_low_bit(t: &kvq_spec::TensorQuant, axis: kvq_spec::Axis) -> bool {
 
 /// Keys of at most 2 bits meet the query on the integer tensor cores: in the decode kernel where
 /// the scheme is not calibrated, or with a third, fine query limb where it is and the keys have 2
-/// bits (calibration magnifies score errors; 1-bit keys measured slower on that path), and in
-/// CalibQuant's range pass always. Each kernel with that fold stages the query for it once per CTA
-/// in shared memory (eighteenth round); kernels without it keep no table.
+/// bits (calibration magnifies score errors; 1-bit keys measured slower on that path). A
+/// calibrated scheme's keys are scored by its range pass alone, which stores the scores for the
+/// decode kernel, so there the fold (and its query table, staged once per CTA in shared memory,
+/// eighteenth round) is the range pass's; kernels without a fold keep no table.
 #[test]
 fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_ones_with_a_fine_limb(
 ) {
@@ -239,6 +242,7 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
     const RANGE_INT: &str = "typedef KvqIntFold KvqRangeFold;";
     const DECODE_TABLE: &str = "__shared__ __align__(16) KvqFoldQuery s_query;";
     const RANGE_TABLE: &str = "__shared__ __align__(16) KvqRangeQuery s_query;";
+    const STORED: &str = "static constexpr bool KVQ_STORED = true;";
     let mut fine_limbs = 0;
     for text in SCHEMES {
         let (spec, source) = default_source(text);
@@ -248,17 +252,19 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
         let two_bit = matches!(spec.k, kvq_spec::TensorQuant::Int(q) if q.bits == 2);
         let decode = integer && (!calibrated || two_bit);
         let fine = decode && calibrated;
-        let range = integer && calibrated;
+        // With stored scores the range pass scores on the decode kernel's path, never the
+        // range pass's own two-limb one.
+        let range = integer && calibrated && !source.contains(STORED);
         let boost = matches!(spec.k, kvq_spec::TensorQuant::Int(q) if q.boost.is_some());
         for (marker, expected) in [
-            (INTEGER_MMA, integer),
+            (INTEGER_MMA, decode || range),
             (DECODE_INT, decode),
             (DECODE_FOLD, decode),
             (FINE, fine),
             (RANGE_INT, range),
             (RANGE_FOLD, range),
-            (DECODE_TABLE, decode),
-            (RANGE_TABLE, range),
+            (DECODE_TABLE, decode && !calibrated),
+            (RANGE_TABLE, range || fine),
             (HIGH_INT, decode && boost && !calibrated),
         ] {
             assert_eq!(source.contains(marker), expected, "{text}: {marker}");
@@ -269,6 +275,80 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
         fine_limbs >= 1,
         "a calibrated 2-bit scheme takes the fine limb"
     );
+}
+
+/// Every calibrated scheme on the tensor-core kernel stores its keys' scores in the range pass
+/// and reads them back in the decode kernel, which then stages scores where it staged keys and
+/// folds no query; uncalibrated kernels and the generic kernel store none.
+#[test]
+fn calibrated_tensor_core_kernels_score_their_keys_once_and_read_the_scores_back() {
+    const STORED: &str = "static constexpr bool KVQ_STORED = true;";
+    const STORE: &str = "kvq_store_scores(srows, n, g, r, sc);";
+    const READ_STAGED: &str = "kvq_stored_scores<false>((const float*)(buf + ST_K";
+    let mut stored = 0;
+    for text in SCHEMES {
+        let spec = SchemeSpec::parse(text).unwrap();
+        for head_dim in [64, 128, 256] {
+            let source = source_at(&spec, head_dim, 4, None);
+            let expected = spec.calibrate.is_some() && is_tensor_core_kernel(&source);
+            assert_eq!(
+                source.contains(STORED),
+                expected,
+                "{text} head_dim {head_dim}"
+            );
+            assert_eq!(
+                source.contains(STORE),
+                expected,
+                "{text} head_dim {head_dim}"
+            );
+            if expected {
+                // The decode kernel: from its entry to the combine kernel's.
+                let entry = source.find(") kvq_decode_").unwrap();
+                let kernel = &source[entry..source.find(") kvq_combine_").unwrap()];
+                assert!(kernel.contains(READ_STAGED), "{text} head_dim {head_dim}");
+                assert!(
+                    !kernel.contains("KvqFoldQuery s_query"),
+                    "{text} head_dim {head_dim}: the decode kernel folds no query with keys"
+                );
+                stored += 1;
+            }
+        }
+    }
+    assert!(stored >= 4, "both CalibQuant built-ins store scores");
+}
+
+/// With the keys scored twice (`TuneParams::store_scores` false), CalibQuant's kernels are those
+/// before stored scores: the range pass meets 1- and 2-bit keys on its own two-limb integer path,
+/// and the decode kernel scores the keys again, folding its query per page.
+#[test]
+fn calibrated_kernels_scoring_keys_twice_keep_the_range_pass_on_its_own_path() {
+    for text in SCHEMES {
+        let spec = SchemeSpec::parse(text).unwrap();
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        let default = TuneParams::default_for(&spec, &shape);
+        let twice = TuneParams {
+            store_scores: false,
+            ..default
+        };
+        assert_eq!(
+            default.store_scores,
+            store_scores_changes(&spec, &shape, &default),
+            "{text}: the default stores scores wherever that changes the kernels"
+        );
+        let source = decode_kernels(&spec, &shape, &twice).unwrap().source;
+        assert!(
+            !source.contains("static constexpr bool KVQ_STORED = true;"),
+            "{text}"
+        );
+        if default.store_scores {
+            assert!(
+                source.contains("typedef KvqIntFold KvqRangeFold;"),
+                "{text}"
+            );
+            let kernel = &source[source.find(") kvq_decode_").unwrap()..];
+            assert!(kernel.contains("kvq_scores<false>(c.k_page >= 0"), "{text}");
+        }
+    }
 }
 
 /// Kitty's boosted plane joins the integer sums up to head_dim 128; at 256 (Kitty-Pro spilled

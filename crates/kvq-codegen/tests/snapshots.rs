@@ -77,6 +77,7 @@ fn schemes_without_a_gpu_kernel_and_bad_shapes_are_typed_errors() {
         min_warps_per_sm: 0,
         pack_heads: true,
         short_staging: false,
+        store_scores: false,
     };
     let xquant =
         SchemeSpec::parse("k = int(2, channel), v = int(2, token), source = x(latent)").unwrap();

@@ -52,6 +52,7 @@ fn entry(p: &TuneProblem, splits: usize) -> TuneEntry {
                 min_warps_per_sm: 0,
                 pack_heads: false,
                 short_staging: false,
+                store_scores: false,
             },
             splits,
             pieces: kvq_runtime::Pieces::NONE,

@@ -1,6 +1,6 @@
 //! Fused GPU decode against the CPU reference on the same quantized cache, for every integer and
-//! FP16 built-in scheme, the calibrated schemes whose range pass keeps the f16 path
-//! (`calibrated_f16_range_schemes`) and a scheme with FP16 keys and 2-bit values
+//! FP16 built-in scheme (CalibQuant's also with the keys scored twice), calibrated schemes of other
+//! key widths and layouts (`other_calibrated_schemes`) and a scheme with FP16 keys and 2-bit values
 //! (`one_tensor_schemes`), × head_dim {64, 128, 256} × {f16, bf16} × GQA {1, 4, 8}, in one batch of
 //! odd, unequal lengths. Inputs are fresh random data each run (seed printed; `KVQ_SEED` repeats
 //! one), outputs are poisoned with NaN before every launch, and NaN never passes. Where a step's
@@ -12,7 +12,7 @@
 //! so a change to some kernels can be checked first on a short device lease.
 
 mod common;
-use common::{calibrated_f16_range_schemes, integer_schemes, one_tensor_schemes, seed};
+use common::{integer_schemes, one_tensor_schemes, other_calibrated_schemes, seed};
 use kvq::codegen::{Dtype, KernelShape, TuneParams};
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
@@ -35,12 +35,20 @@ const DTYPES: &[Dtype] = &[Dtype::F16, Dtype::Bf16];
 /// take where warps' shares are long: checked as a scheme of their own.
 const KIVI4_SHORT_STAGING: &str = "kivi4-short-staging";
 
-/// The block parameters a variant is checked with: the default, and for
-/// [`KIVI4_SHORT_STAGING`] the short staging path.
+/// CalibQuant's kernels with the keys scored twice (`TuneParams::store_scores` false: the range
+/// pass keeps only the ranges and the decode kernel reads K), which untuned launches take at
+/// short contexts: checked as schemes of their own.
+const CALIBQUANT1_KEYS_TWICE: &str = "calibquant1-keys-twice";
+const CALIBQUANT2_KEYS_TWICE: &str = "calibquant2-keys-twice";
+
+/// The block parameters a variant is checked with: the default, for [`KIVI4_SHORT_STAGING`] the
+/// short staging path, and for the `-keys-twice` variants no stored scores.
 fn params_for(name: &str, spec: &kvq::SchemeSpec, shape: &KernelShape) -> TuneParams {
     let default = TuneParams::default_for(spec, shape);
     TuneParams {
         short_staging: name == KIVI4_SHORT_STAGING,
+        store_scores: default.store_scores
+            && ![CALIBQUANT1_KEYS_TWICE, CALIBQUANT2_KEYS_TWICE].contains(&name),
         ..default
     }
 }
@@ -127,7 +135,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
         schemes.len() >= 8,
         "expected the 8 integer/FP16 built-ins, got {schemes:?}"
     );
-    schemes.extend(calibrated_f16_range_schemes());
+    schemes.extend(other_calibrated_schemes());
     schemes.extend(one_tensor_schemes());
     let kivi4 = schemes
         .iter()
@@ -135,6 +143,13 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
         .expect("kivi4")
         .1;
     schemes.push((KIVI4_SHORT_STAGING, kivi4));
+    for (variant, of) in [
+        (CALIBQUANT1_KEYS_TWICE, "calibquant1"),
+        (CALIBQUANT2_KEYS_TWICE, "calibquant2"),
+    ] {
+        let spec = schemes.iter().find(|(n, _)| *n == of).expect(of).1;
+        schemes.push((variant, spec));
+    }
     if let Ok(only) = std::env::var("KVQ_TEST_SCHEMES") {
         schemes = selected_schemes(schemes, &only);
         println!(

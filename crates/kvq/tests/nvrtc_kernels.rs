@@ -5,7 +5,7 @@
 //! `KVQ_REQUIRE_NVRTC=1`, so these fail there rather than skip.
 
 mod common;
-use common::calibrated_f16_range_schemes;
+use common::other_calibrated_schemes;
 use kvq::codegen::{
     cache_kernels_with, decode_kernels, CodegenError, Dtype, KernelShape, QuantizerForm, TuneParams,
 };
@@ -67,6 +67,7 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
                 && t.min_warps_per_sm == default.min_warps_per_sm
                 && t.pack_heads
                 && !t.short_staging
+                && t.store_scores == default.store_scores
         }) {
             let k = decode_kernels(&b.spec, &shape, &tune)
                 .unwrap_or_else(|e| panic!("{} {tune:?}: {e}", b.name));
@@ -74,8 +75,8 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
         }
     }
     // The other occupancy the tuner offers each GPU built-in's default block (twelve warps an SM
-    // for the 4- and 8-bit kernels, none for the rest), Kitty's kernels without packing and
-    // KIVI-4's on the short staging path.
+    // for the 4- and 8-bit kernels, none for the rest), Kitty's kernels without packing,
+    // KIVI-4's on the short staging path and CalibQuant's with the keys scored twice.
     for b in BUILTIN.iter() {
         let shape = KernelShape::new(128, 4, Dtype::F16);
         let default = TuneParams::default_for(&b.spec, &shape);
@@ -91,22 +92,30 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
             jobs.push((b.name, shape, k.source));
         }
     }
-    // Calibrated keys whose range pass keeps the f16 path (the built-ins' are on the integer path).
-    for (name, spec) in calibrated_f16_range_schemes() {
+    // Calibrated keys of other widths and layouts, whose range pass keeps the f16 path, with
+    // stored scores (the default) and, at GQA 4, with the keys scored twice.
+    for (name, spec) in other_calibrated_schemes() {
         for head_dim in [64, 128, 256] {
             for gqa in [1, 4, 8] {
                 let shape = KernelShape::new(head_dim, gqa, Dtype::Bf16);
-                let k = decode_kernels(&spec, &shape, &TuneParams::default_for(&spec, &shape))
-                    .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"));
-                assert!(
-                    k.range.is_some(),
-                    "{name}: a calibrated scheme has a range pass"
-                );
-                assert!(
-                    !k.source.contains("typedef KvqIntFold KvqRangeFold;"),
-                    "{name} {shape:?}: its range pass should keep the f16 path"
-                );
-                jobs.push((name, shape, k.source));
+                let default = TuneParams::default_for(&spec, &shape);
+                let twice = TuneParams {
+                    store_scores: false,
+                    ..default
+                };
+                for tune in [default, twice].iter().take(if gqa == 4 { 2 } else { 1 }) {
+                    let k = decode_kernels(&spec, &shape, tune)
+                        .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"));
+                    assert!(
+                        k.range.is_some(),
+                        "{name}: a calibrated scheme has a range pass"
+                    );
+                    assert!(
+                        !k.source.contains("typedef KvqIntFold KvqRangeFold;"),
+                        "{name} {shape:?}: its range pass should keep the f16 path"
+                    );
+                    jobs.push((name, shape, k.source));
+                }
             }
         }
     }

@@ -34,8 +34,11 @@ fn overlap_by_default() -> bool {
     std::env::var("KVQ_PDL").map_or(true, |v| v != "off")
 }
 
-/// Per-launch scratch (split and piece partials, calibration ranges), reusable across steps of
-/// the same batch size, KV heads, split count and pieces.
+/// Per-launch scratch (split and piece partials, calibration ranges, stored key scores), reusable
+/// across steps of the same batch size, KV heads, split count and pieces. The stored scores grow
+/// with the first launch that needs more (batch × KV heads × page-table width × page × gqa
+/// floats: 67 MB at B=16, 8 KV heads, GQA 4 and 32K-token page tables), so an engine that
+/// captures launches in a CUDA graph runs one step of its widest shape first.
 pub struct DecodeScratch {
     splits: usize,
     pieces: Pieces,
@@ -43,6 +46,9 @@ pub struct DecodeScratch {
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
     score_range: CudaSlice<f32>,
+    /// Stored key scores (`DecodeKernels::stores_scores`), grown by the first launch that needs
+    /// more (a wider page table or a larger batch than before).
+    scores: CudaSlice<f32>,
 }
 
 fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
@@ -92,7 +98,19 @@ impl DecodeScratch {
             part_acc: nan(rows * parts * head_dim, "partial outputs")?,
             part_ml: nan(rows * parts * 2, "partial softmax statistics")?,
             score_range: nan(rows * splits * 2, "calibration score ranges")?,
+            scores: nan(1, "stored key scores")?,
         })
+    }
+
+    /// Makes the stored-scores buffer hold at least `floats` (filled with NaN when it grows, as
+    /// the rest of the scratch is).
+    fn reserve_scores(&mut self, stream: &Arc<CudaStream>, floats: usize) -> Result<()> {
+        if self.scores.len() < floats {
+            self.scores = stream
+                .clone_htod(&vec![f32::NAN; floats])
+                .map_err(|e| RuntimeError::driver("allocate stored key scores", e))?;
+        }
+        Ok(())
     }
 
     /// Split-K partitions this scratch was sized for.
@@ -279,6 +297,11 @@ impl DecodeKernel {
         }
         let splits = scratch.splits as u32;
         let max_pages = cache.max_pages as i32;
+        scratch.reserve_scores(
+            stream,
+            self.generated
+                .score_floats(cache.batch, cache.kv_heads, cache.max_pages),
+        )?;
         let split_cfg = LaunchConfig {
             grid_dim: (splits, cache.kv_heads as u32, cache.batch as u32),
             block_dim: (self.generated.decode.block, 1, 1),
@@ -306,7 +329,8 @@ impl DecodeKernel {
                 .buffer(cache.k_sink)
                 .buffer(cache.k_tail)
                 .buffer(cache.seq_lens)
-                .buffer_mut(&mut scratch.score_range);
+                .buffer_mut(&mut scratch.score_range)
+                .buffer_mut(&mut scratch.scores);
             let range_cfg = LaunchConfig {
                 block_dim: (entry.block, 1, 1),
                 shared_mem_bytes: entry.dynamic_shared_bytes,
@@ -328,6 +352,7 @@ impl DecodeKernel {
             .buffer(cache.v_tail)
             .buffer(cache.seq_lens)
             .buffer(&scratch.score_range)
+            .buffer(&scratch.scores)
             .buffer_mut(&mut scratch.part_acc)
             .buffer_mut(&mut scratch.part_ml)
             .int(scratch.pieces.count as i32)

@@ -54,6 +54,16 @@ pub fn short_staging_by_default(max_len: usize, splits: usize, warps_per_cta: us
         >= SHORT_STAGING_MIN_WARP_TOKENS
 }
 
+/// Whether the default launch over sequences of at most `max_len` tokens stores a calibrated
+/// scheme's key scores, where the kernel has a choice ([`TuneParams::store_scores`](kvq_codegen::TuneParams)):
+/// for context buckets past [`SHORT_CONTEXT_BUCKET`]. Measured on an H100 (docs/BENCHMARKS.md,
+/// twenty-eighth round): at L=32K and 128K CalibQuant-1 ran ×1.06–×1.31 with them, CalibQuant-2
+/// ×0.99–×1.20; at L=4K, where the decode grid's wait for the range grid before its first copies
+/// weighs more than the keys it does not score, ×0.95–×1.00.
+pub fn store_scores_by_default(max_len: usize) -> bool {
+    context_bucket(max_len) > SHORT_CONTEXT_BUCKET
+}
+
 /// The context bucket of a launch: its longest sequence rounded up to a power of two.
 fn context_bucket(max_len: usize) -> usize {
     max_len.max(1).next_power_of_two()

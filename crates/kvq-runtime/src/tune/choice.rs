@@ -7,7 +7,8 @@ use std::fmt;
 
 use super::key::TuneProblem;
 use crate::decode::{
-    default_pieces, default_splits, min_warp_tokens, short_staging_by_default, Pieces,
+    default_pieces, default_splits, min_warp_tokens, short_staging_by_default,
+    store_scores_by_default, Pieces,
 };
 use crate::error::{Result, RuntimeError};
 
@@ -33,7 +34,8 @@ impl TuneChoice {
     /// grid, which fills whole waves of `resident_ctas` (from
     /// [`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas) of the default block),
     /// and [`default_pieces`] for the pieces after the splits; the short staging path where the
-    /// kernel has a choice and [`short_staging_by_default`] says so.
+    /// kernel has a choice and [`short_staging_by_default`] says so; a calibrated scheme's key
+    /// scores stored as the block default says, unless [`store_scores_by_default`] says not.
     pub fn heuristic(problem: &TuneProblem, resident_ctas: usize) -> TuneChoice {
         let mut params = TuneParams::default_for(&problem.spec, &problem.shape);
         let splits = default_splits(
@@ -46,6 +48,7 @@ impl TuneChoice {
         );
         params.short_staging = short_staging_changes(&problem.spec, &problem.shape, &params)
             && short_staging_by_default(problem.max_len, splits, params.warps());
+        params.store_scores = params.store_scores && store_scores_by_default(problem.max_len);
         TuneChoice {
             params,
             splits,
@@ -84,6 +87,9 @@ impl fmt::Display for TuneChoice {
         }
         if self.params.short_staging {
             write!(f, " short staging")?;
+        }
+        if self.params.store_scores {
+            write!(f, " stored scores")?;
         }
         write!(f, " splits {}", self.splits)?;
         if self.pieces.is_some() {
@@ -337,6 +343,41 @@ mod tests {
         assert!(candidates(&kivi2, 396)
             .iter()
             .all(|c| !c.params.short_staging));
+    }
+
+    #[test]
+    fn the_heuristic_stores_calibrated_scores_past_short_contexts() {
+        let scheme = |text: &str, batch, max_len| {
+            TuneProblem::new(
+                text.parse().unwrap(),
+                KernelShape::new(128, 4, Dtype::F16),
+                8,
+                batch,
+                max_len,
+            )
+        };
+        let calibquant1 =
+            "k = int(1, channel), v = int(1, channel), local = 128, calibrate = calibrate(tau1 = -1.5, tau2 = 3.25)";
+        for (batch, len, stored) in [
+            (16, 32_768, true),
+            (1, 131_072, true),
+            (4, 4097, true),
+            (4, 4096, false),
+            (16, 512, false),
+        ] {
+            let c = TuneChoice::heuristic(&scheme(calibquant1, batch, len), 396);
+            assert_eq!(c.params.store_scores, stored, "B={batch} L={len}: {c}");
+            assert_eq!(c.to_string().contains("stored scores"), stored);
+        }
+        // The tuner tries both for calibrated kernels; other kernels never store scores.
+        let all = candidates(&scheme(calibquant1, 4, 4096), 396);
+        assert!(all.iter().any(|c| c.params.store_scores));
+        assert!(all.iter().any(|c| !c.params.store_scores));
+        let kivi2 = problem(16, 32_768);
+        assert!(!TuneChoice::heuristic(&kivi2, 396).params.store_scores);
+        assert!(candidates(&kivi2, 396)
+            .iter()
+            .all(|c| !c.params.store_scores));
     }
 
     #[test]

@@ -320,6 +320,7 @@ mod tests {
                     min_warps_per_sm: 0,
                     pack_heads: false,
                     short_staging: true,
+                    store_scores: true,
                 },
                 splits,
                 pieces: crate::decode::Pieces::NONE,
@@ -361,6 +362,15 @@ mod tests {
             !read_without("prestaging", "short_staging", true)
                 .params
                 .short_staging
+        );
+    }
+
+    #[test]
+    fn results_stored_before_storing_scores_was_a_choice_read_as_keys_scored_twice() {
+        assert!(
+            !read_without("prestore", "store_scores", true)
+                .params
+                .store_scores
         );
     }
 

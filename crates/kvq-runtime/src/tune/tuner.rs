@@ -775,6 +775,7 @@ mod tests {
                     min_warps_per_sm: 0,
                     pack_heads: true,
                     short_staging: false,
+                    store_scores: false,
                 },
                 splits,
                 pieces: crate::decode::Pieces::NONE,

@@ -19,10 +19,10 @@ pub fn integer_schemes() -> Vec<(&'static str, SchemeSpec)> {
         .collect()
 }
 
-/// Calibrated schemes the built-ins do not cover: keys of 4 and 8 bits, and boosted keys, keep
-/// CalibQuant's range pass on the f16 path, which CalibQuant-1 and -2 (1- and 2-bit keys, on the
-/// integer path) no longer exercise.
-pub fn calibrated_f16_range_schemes() -> Vec<(&'static str, SchemeSpec)> {
+/// Calibrated schemes the built-ins do not cover: keys of 4 and 8 bits, and boosted keys, which
+/// CalibQuant's range pass scores on the f16 path (with stored scores, the decode kernel's; with
+/// the keys scored twice, its own), and token-axis V with a sink and a local window.
+pub fn other_calibrated_schemes() -> Vec<(&'static str, SchemeSpec)> {
     [
         (
             "calibrated-int4",
