@@ -102,12 +102,13 @@ impl DecodeScratch {
         })
     }
 
-    /// Makes the stored-scores buffer hold at least `floats` (filled with NaN when it grows, as
-    /// the rest of the scratch is).
+    /// Makes the stored-scores buffer hold at least `floats`. Zeroed on the device rather than
+    /// poisoned from the host like the partials (it can take gigabytes): the range pass writes
+    /// every row the decode kernel uses, and rows a chunk copies past its tokens are masked.
     fn reserve_scores(&mut self, stream: &Arc<CudaStream>, floats: usize) -> Result<()> {
         if self.scores.len() < floats {
             self.scores = stream
-                .clone_htod(&vec![f32::NAN; floats])
+                .alloc_zeros(floats)
                 .map_err(|e| RuntimeError::driver("allocate stored key scores", e))?;
         }
         Ok(())
