@@ -45,7 +45,7 @@ pub struct TuneParams {
     /// which then reads them instead of the keys (`MmaCtx::stored_scores`: quantized keys on the
     /// tensor-core kernel; every other kernel renders the same either way). Each key is scored
     /// once a step instead of twice. On an H100 it ran CalibQuant-1 ×1.23 and CalibQuant-2 ×1.12
-    /// at B=16 L=32K, ×1.15 and ×1.02 at B=1 L=128K, but ×0.95–×0.99 at L=4K
+    /// at B=16 L=32K, ×1.15 and ×1.02 at B=1 L=128K, but ×0.95–×1.00 at L=4K
     /// (docs/BENCHMARKS.md, twenty-eighth round): the default stores them, the heuristic choice
     /// (`TuneChoice::heuristic` in kvq-runtime) not for short contexts, and the tuner tries both.
     /// Absent in results stored before the parameter existed: false, as those kernels did.
