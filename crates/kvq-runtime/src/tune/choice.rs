@@ -173,14 +173,20 @@ mod tests {
     use super::*;
     use kvq_codegen::{Dtype, KernelShape};
 
-    fn problem(batch: usize, max_len: usize) -> TuneProblem {
+    /// `scheme` at head_dim 128, GQA 4, f16, 8 KV heads.
+    fn problem_of(scheme: &str, batch: usize, max_len: usize) -> TuneProblem {
         TuneProblem::new(
-            "k = int(2, channel), v = int(2, token)".parse().unwrap(),
+            scheme.parse().unwrap(),
             KernelShape::new(128, 4, Dtype::F16),
             8,
             batch,
             max_len,
         )
+    }
+
+    /// kivi2's problem (`problem_of`).
+    fn problem(batch: usize, max_len: usize) -> TuneProblem {
+        problem_of("k = int(2, channel), v = int(2, token)", batch, max_len)
     }
 
     #[test]
@@ -307,15 +313,8 @@ mod tests {
 
     #[test]
     fn the_heuristic_takes_kivi4s_short_staging_path_where_warps_have_long_shares() {
-        let kivi4 = |batch, max_len| {
-            TuneProblem::new(
-                "k = int(4, channel), v = int(4, token)".parse().unwrap(),
-                KernelShape::new(128, 4, Dtype::F16),
-                8,
-                batch,
-                max_len,
-            )
-        };
+        let kivi4 =
+            |batch, max_len| problem_of("k = int(4, channel), v = int(4, token)", batch, max_len);
         // 264 resident four-warp CTAs (two an SM of an H100). B=16 L=32K: 2 splits, 4096 bucket
         // tokens a warp; L=128K: 16384. B=16 L=4K: 512; B=1 L=128K: 33 splits, 992.
         for (batch, len, short) in [
@@ -347,17 +346,14 @@ mod tests {
 
     #[test]
     fn the_heuristic_stores_calibrated_scores_past_short_contexts() {
-        let scheme = |text: &str, batch, max_len| {
-            TuneProblem::new(
-                text.parse().unwrap(),
-                KernelShape::new(128, 4, Dtype::F16),
-                8,
+        let calibquant1 = |batch, max_len| {
+            problem_of(
+                "k = int(1, channel), v = int(1, channel), local = 128, \
+                 calibrate = calibrate(tau1 = -1.5, tau2 = 3.25)",
                 batch,
                 max_len,
             )
         };
-        let calibquant1 =
-            "k = int(1, channel), v = int(1, channel), local = 128, calibrate = calibrate(tau1 = -1.5, tau2 = 3.25)";
         for (batch, len, stored) in [
             (16, 32_768, true),
             (1, 131_072, true),
@@ -365,12 +361,12 @@ mod tests {
             (4, 4096, false),
             (16, 512, false),
         ] {
-            let c = TuneChoice::heuristic(&scheme(calibquant1, batch, len), 396);
+            let c = TuneChoice::heuristic(&calibquant1(batch, len), 396);
             assert_eq!(c.params.store_scores, stored, "B={batch} L={len}: {c}");
             assert_eq!(c.to_string().contains("stored scores"), stored);
         }
         // The tuner tries both for calibrated kernels; other kernels never store scores.
-        let all = candidates(&scheme(calibquant1, 4, 4096), 396);
+        let all = candidates(&calibquant1(4, 4096), 396);
         assert!(all.iter().any(|c| c.params.store_scores));
         assert!(all.iter().any(|c| !c.params.store_scores));
         let kivi2 = problem(16, 32_768);
