@@ -249,6 +249,10 @@ pub(crate) struct MmaCtx {
     /// schemes, whose calibration can magnify score errors (16 bits missed the tolerance there,
     /// seventh round; see `k_fine_pays` in decode.rs).
     pub k_fine: bool,
+    /// 1-bit asymmetric keys on the f16 path (calibrated schemes' keys) enter the score `mma` as
+    /// f16 subnormals: one AND a pair of codes instead of an AND-OR and an exact `fma`, the fold
+    /// scaling each pair's query by a power of two (see `k_subnormal_pays` in decode.rs).
+    pub k_subnormal: bool,
     /// Kitty's boosted plane on the integer path too: 4·(high code) bytes as extra k-steps of the
     /// integer `mma` against the boosted slots' query limbs, summed with the low plane before one
     /// conversion (integer keys without the fine limb, head_dim ≤ 128). Against two f16 `mma` a word on the
@@ -265,6 +269,11 @@ pub(crate) struct MmaCtx {
     /// keys are scored once a step instead of twice (see `stored_scores_pay` in decode.rs). The
     /// range pass then scores on the decode kernel's path, so `range_int` is false.
     pub stored_scores: bool,
+    /// The range pass with stored scores on the f16 path keeps its query's pairs in registers for
+    /// every page's fold instead of loading and permuting them again per page (28 more
+    /// registers, where the grid leaves room for them: CalibQuant-1 ×1.036–×1.053 at L ≥ 32K on
+    /// an H100, twenty-ninth round).
+    pub range_query_kept: bool,
     /// Token-axis V with one group per token: its scale folds into the probabilities.
     pub v_token_fold: bool,
     /// Token-axis V codes of 1 or 2 bits enter P·V as f16 subnormals, one AND per pair
@@ -274,6 +283,10 @@ pub(crate) struct MmaCtx {
     /// per pair instead of an AND-OR and two f16 `fma`), the accumulators running in units of the
     /// page's scales (see `v_channel_subnormal_pays` in decode.rs).
     pub v_channel_subnormal: bool,
+    /// With stored scores, the decode kernel stages a new V page's parameters (channel-axis V
+    /// whose page units it applies there) into the stage's K parameter section, which it no
+    /// longer uses (see `stages_v_params` in decode.rs).
+    pub stage_v_params: bool,
     /// The per-warp `cp.async` ring that quantized-page chunks load through (see [`StagePlan`]).
     pub stage: StagePlan,
     /// Dynamic shared memory where a CTA's warps leave their accumulators for the merge at the

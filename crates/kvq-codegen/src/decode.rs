@@ -137,6 +137,7 @@ fn mma_plan(
     // Not at head_dim 256: there Kitty-Pro's kernel (255 registers, uncapped) took 6 spill
     // instructions at GQA 1 with it.
     let k_high_int = low_bit_keys && !calibrated && k.boost && d <= 128;
+    let k_int = low_bit_keys && (!calibrated || k_fine_pays(k));
     let stored_scores = enabled && calibrated && tune.store_scores && stored_scores_pay(k);
     let piece_rule = if enabled {
         piece_rule(k, v, calibrated)
@@ -162,15 +163,18 @@ fn mma_plan(
         k_offset: offset(k, false),
         v_offset: offset(v, v_token_fold),
         k_quant: k.kind == "int",
-        k_int: low_bit_keys && (!calibrated || k_fine_pays(k)),
+        k_int,
         k_fine: low_bit_keys && calibrated && k_fine_pays(k),
+        k_subnormal: !k_int && k_subnormal_pays(k),
         k_high_int,
         range_int: calibrated && !stored_scores && range_int_pays(k),
         stored_scores,
+        range_query_kept: stored_scores && !k_int,
         v_quant: v.kind == "int",
         v_token_fold,
         v_subnormal: v_token_fold && v_subnormal_pays(v),
         v_channel_subnormal: v.kind == "int" && v.axis == "channel" && v_channel_subnormal_pays(v),
+        stage_v_params: stored_scores && stages_v_params(k, v),
         merge_bytes: merge_bytes(tune, d),
         pack_heads: enabled && k_high_int && tune.pack_heads && pack_heads_pays(shape, tune),
         piece_rule,
@@ -207,6 +211,20 @@ fn pack_heads_pays(shape: &KernelShape, tune: &TuneParams) -> bool {
 /// ×0.955–×0.984, so only 2-bit keys.
 fn k_fine_pays(k: &TensorCtx) -> bool {
     k.kind == "int" && k.bits == 2
+}
+
+/// Whether keys on the f16 path enter the score `mma` as f16 subnormals ([`MmaCtx::k_subnormal`]):
+/// 1-bit asymmetric codes without a boosted plane. A code masked in place at bit p of a half is
+/// exactly `code·2^(p−24)`, so a pair costs one AND where the magic-number conversion took an
+/// AND-OR and an exact `fma` (or `sub`); the page's fold multiplies each pair's query halves by
+/// 2^(24−p) times a power of two per head that keeps them finite, and the scores take its
+/// inverse. Multiplying by powers of two is exact, so the scores are those of the magic-number
+/// path but for query halves that fall below f16's normal range (low halves of channels under
+/// 2^−10 of the head's largest), which round to multiples of 2^−24: at most 2^−29 of the head's
+/// largest half at the same bit position. It applies to CalibQuant-1, whose range pass (which scores every key, with
+/// stored scores) is bound by its instruction stream.
+fn k_subnormal_pays(k: &TensorCtx) -> bool {
+    k.kind == "int" && k.bits == 1 && !k.symmetric && !k.boost
 }
 
 /// Whether CalibQuant's range pass takes the integer path for keys ([`MmaCtx::range_int`]): keys
@@ -267,6 +285,24 @@ fn v_subnormal_pays(v: &TensorCtx) -> bool {
 /// reference rose at L ≥ 32K (at most 8.5e-4 against 3.0e-4; tolerance 2e-3), CalibQuant-2's fell.
 fn v_channel_subnormal_pays(v: &TensorCtx) -> bool {
     v.kind == "int" && v.bits <= 2 && !v.symmetric
+}
+
+/// Whether a decode kernel with stored scores stages a new V page's parameters into its stage's K
+/// parameter section, which it no longer uses ([`MmaCtx::stage_v_params`]): 1-bit channel-axis V
+/// whose page units the kernel applies when a chunk meets a new page
+/// ([`MmaCtx::v_channel_subnormal`]). Read from global memory there, that load was the decode
+/// kernel's largest stall: 14.5% of CalibQuant-1's warp samples at B=16 L=32K on an H100 (ncu
+/// source counters). Staged, CalibQuant-1 ran ×1.027–×1.033 at B=16 L ≥ 32K and ×0.990–×1.015
+/// elsewhere; CalibQuant-2 (2-bit V) ×1.009–×1.025 at B=16 but ×0.954 at B=1 L=128K and ×0.966
+/// at B=4 L=32K, for a reason not found, so 2-bit V keeps the load (twenty-ninth round,
+/// docs/BENCHMARKS.md; the seventeenth round's staging in a section of its own, before stored
+/// scores, had lost ×0.95 for CalibQuant-2 at B=16 L=4K).
+fn stages_v_params(k: &TensorCtx, v: &TensorCtx) -> bool {
+    v.kind == "int"
+        && v.bits == 1
+        && v.axis == "channel"
+        && v_channel_subnormal_pays(v)
+        && v.block_bytes - v.scales_offset <= k.block_bytes - k.scales_offset
 }
 
 /// Which launches of a decode kernel take pieces after their splits by default; the runtime's

@@ -442,6 +442,71 @@ fn only_asymmetric_channel_axis_values_of_at_most_two_bits_enter_pv_as_subnormal
     assert!(subnormal >= 2, "CalibQuant-1 and -2's shapes take the path");
 }
 
+/// 1-bit asymmetric keys on the f16 path (calibrated schemes' keys: uncalibrated 1- and 2-bit keys
+/// take the integer path) enter the score `mma` as f16 subnormals, and their fold scales each pair's
+/// query by a power of two; every other kernel keeps the magic-number conversion.
+#[test]
+fn only_one_bit_asymmetric_keys_on_the_f16_path_enter_the_scores_as_subnormals() {
+    const KEY_SUB: &str = "static constexpr bool K_SUB = true;";
+    let mut subnormal = 0;
+    for text in SCHEMES {
+        let (spec, source) = default_source(text);
+        let tensor_core_kernel = is_tensor_core_kernel(&source);
+        let one_bit_asymmetric = matches!(spec.k, kvq_spec::TensorQuant::Int(q)
+            if q.bits == 1 && q.axis == kvq_spec::Axis::Channel && !q.symmetric && q.boost.is_none());
+        let expected = tensor_core_kernel && one_bit_asymmetric && spec.calibrate.is_some();
+        assert_eq!(source.contains(KEY_SUB), expected, "{text}");
+        assert_eq!(
+            source.contains("kvq_fold_subnormal_keys(f, g, r);"),
+            expected,
+            "{text}: the fold scales the query halves only where the keys are subnormal"
+        );
+        subnormal += usize::from(expected);
+    }
+    assert_eq!(subnormal, 1, "CalibQuant-1's shape takes the path");
+}
+
+/// With stored scores, a decode kernel with 1-bit asymmetric channel-axis V stages a new V page's
+/// parameters into the K parameter section it no longer uses, and reads them there; 2-bit V
+/// (CalibQuant-2's shape) and kernels that score keys keep the load from the page block. The range
+/// pass on the f16 path (1-bit calibrated keys) loads its query's pairs once, not per page.
+#[test]
+fn stored_scores_kernels_stage_one_bit_v_parameters_and_keep_the_range_query() {
+    const STAGE_VP: &str = "static constexpr bool KVQ_STAGE_VP = true;";
+    const KEPT: &str = "kvq_query_pairs<KBITS>(q, head_row, g, r, fold.qk);";
+    let (mut staged, mut kept) = (0, 0);
+    for text in SCHEMES {
+        let (spec, source) = default_source(text);
+        let stored = source.contains("static constexpr bool KVQ_STORED = true;");
+        let one_bit_channel_v = matches!(spec.v, kvq_spec::TensorQuant::Int(q)
+            if q.bits == 1 && q.axis == kvq_spec::Axis::Channel && !q.symmetric);
+        assert_eq!(
+            source.contains(STAGE_VP),
+            stored && one_bit_channel_v,
+            "{text}"
+        );
+        assert_eq!(
+            source.contains("kvq_v_channel_units(buf + ST_KP,"),
+            stored && one_bit_channel_v,
+            "{text}: the decode loop reads the staged parameters"
+        );
+        // Calibrated 2-bit keys take the integer path with its query table; others the f16 path.
+        let f16_keys = matches!(spec.k, kvq_spec::TensorQuant::Int(q) if q.bits != 2);
+        assert_eq!(source.contains(KEPT), stored && f16_keys, "{text}");
+        staged += usize::from(stored && one_bit_channel_v);
+        kept += usize::from(source.contains(KEPT));
+        // Without stored scores nothing changes: the keys-twice kernel folds K's parameters there.
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        let tune = TuneParams {
+            store_scores: false,
+            ..TuneParams::default_for(&spec, &shape)
+        };
+        let twice = decode_kernels(&spec, &shape, &tune).unwrap().source;
+        assert!(!twice.contains(STAGE_VP) && !twice.contains(KEPT), "{text}");
+    }
+    assert_eq!((staged, kept), (1, 1), "CalibQuant-1's shape, and no other");
+}
+
 /// Token-axis V of 1 or 2 bits enters P·V as f16 subnormals (one AND a pair); 4-bit V measured no
 /// gain on that path (sixteenth round) and keeps the magic-number conversion.
 #[test]
