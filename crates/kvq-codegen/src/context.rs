@@ -274,6 +274,11 @@ pub(crate) struct MmaCtx {
     /// registers, where the grid leaves room for them: CalibQuant-1 ×1.036–×1.053 at L ≥ 32K on
     /// an H100, twenty-ninth round).
     pub range_query_kept: bool,
+    /// The range pass with stored scores on the f16 path at GQA ≤ 4 (no boosted plane) meets the
+    /// query's high and low halves in one `mma`: columns 0–3 of each score `mma` take the high
+    /// halves of heads 0–3, columns 4–7 their low halves, and one shuffle adds the two (see
+    /// `range_packs_halves` in decode.rs).
+    pub range_packed: bool,
     /// Token-axis V with one group per token: its scale folds into the probabilities.
     pub v_token_fold: bool,
     /// Token-axis V codes of 1 or 2 bits enter P·V as f16 subnormals, one AND per pair

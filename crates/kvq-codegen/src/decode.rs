@@ -170,6 +170,7 @@ fn mma_plan(
         range_int: calibrated && !stored_scores && range_int_pays(k),
         stored_scores,
         range_query_kept: stored_scores && !k_int,
+        range_packed: stored_scores && !k_int && range_packs_halves(shape, k),
         v_quant: v.kind == "int",
         v_token_fold,
         v_subnormal: v_token_fold && v_subnormal_pays(v),
@@ -285,6 +286,17 @@ fn v_subnormal_pays(v: &TensorCtx) -> bool {
 /// reference rose at L ≥ 32K (at most 8.5e-4 against 3.0e-4; tolerance 2e-3), CalibQuant-2's fell.
 fn v_channel_subnormal_pays(v: &TensorCtx) -> bool {
     v.kind == "int" && v.bits <= 2 && !v.symmetric
+}
+
+/// Whether the range pass with stored scores on the f16 path meets the query's high and low halves
+/// in one `mma` ([`MmaCtx::range_packed`]): at GQA ≤ 4 the score `mma`'s head columns 4–7 scored
+/// nothing, so they take the low halves of heads 0–3 (the fold gives each B column one half) and
+/// one shuffle adds lane `r ^ 2`'s sums to lane `r`'s: 32 `mma` a 64-token chunk instead of 64, 16
+/// shuffles more, 96 registers instead of 124. Not with a boosted plane, whose scores are added
+/// per head column. CalibQuant-1 on an H100: ×1.017 at B=16 L=32K, ×1.020 at L=128K, ×1.016 at
+/// B=4 L=128K, ×0.993–×1.007 at B=1 (twenty-ninth round, docs/BENCHMARKS.md).
+fn range_packs_halves(shape: &KernelShape, k: &TensorCtx) -> bool {
+    shape.gqa <= 4 && !k.boost
 }
 
 /// Whether a decode kernel with stored scores stages a new V page's parameters into its stage's K

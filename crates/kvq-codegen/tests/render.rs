@@ -469,11 +469,12 @@ fn only_one_bit_asymmetric_keys_on_the_f16_path_enter_the_scores_as_subnormals()
 /// With stored scores, a decode kernel with 1-bit asymmetric channel-axis V stages a new V page's
 /// parameters into the K parameter section it no longer uses, and reads them there; 2-bit V
 /// (CalibQuant-2's shape) and kernels that score keys keep the load from the page block. The range
-/// pass on the f16 path (1-bit calibrated keys) loads its query's pairs once, not per page.
+/// pass on the f16 path (1-bit calibrated keys) loads its query's pairs once, not per page, and at
+/// GQA ≤ 4 meets both halves of the query in one `mma`.
 #[test]
 fn stored_scores_kernels_stage_one_bit_v_parameters_and_keep_the_range_query() {
     const STAGE_VP: &str = "static constexpr bool KVQ_STAGE_VP = true;";
-    const KEPT: &str = "kvq_query_pairs<KBITS>(q, head_row, g, r, fold.qk);";
+    const KEPT: &str = "KVQ_RANGE_PACKED ? (g & 3) : g, r, fold.qk);";
     let (mut staged, mut kept) = (0, 0);
     for text in SCHEMES {
         let (spec, source) = default_source(text);
@@ -493,6 +494,23 @@ fn stored_scores_kernels_stage_one_bit_v_parameters_and_keep_the_range_query() {
         // Calibrated 2-bit keys take the integer path with its query table; others the f16 path.
         let f16_keys = matches!(spec.k, kvq_spec::TensorQuant::Int(q) if q.bits != 2);
         assert_eq!(source.contains(KEPT), stored && f16_keys, "{text}");
+        // At GQA 4 that range pass also meets both query halves in one mma (columns 4..7 the low ones).
+        assert_eq!(
+            source.contains("static constexpr bool KVQ_RANGE_PACKED = true;"),
+            stored && f16_keys,
+            "{text}"
+        );
+        let gqa8 = decode_kernels(
+            &spec,
+            &KernelShape::new(128, 8, Dtype::F16),
+            &TuneParams::default_for(&spec, &KernelShape::new(128, 8, Dtype::F16)),
+        )
+        .unwrap()
+        .source;
+        assert!(
+            !gqa8.contains("static constexpr bool KVQ_RANGE_PACKED = true;"),
+            "{text}: eight heads fill the columns"
+        );
         staged += usize::from(stored && one_bit_channel_v);
         kept += usize::from(source.contains(KEPT));
         // Without stored scores nothing changes: the keys-twice kernel folds K's parameters there.
