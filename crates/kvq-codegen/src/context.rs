@@ -270,9 +270,9 @@ pub(crate) struct MmaCtx {
     /// range pass then scores on the decode kernel's path, so `range_int` is false.
     pub stored_scores: bool,
     /// The range pass with stored scores on the f16 path keeps its query's pairs in registers for
-    /// every page's fold instead of loading and permuting them again per page (28 more
-    /// registers, where the grid leaves room for them: CalibQuant-1 ×1.036–×1.053 at L ≥ 32K on
-    /// an H100, twenty-ninth round).
+    /// every page's fold instead of loading and permuting them again per page (CalibQuant-1
+    /// ×1.036–×1.053 at L ≥ 32K on an H100, twenty-ninth round; 96 → 124 registers before the
+    /// halves were packed, `range_packed`, which took them back to 96).
     pub range_query_kept: bool,
     /// The range pass with stored scores on the f16 path at GQA ≤ 4 (no boosted plane) meets the
     /// query's high and low halves in one `mma`: columns 0–3 of each score `mma` take the high

@@ -138,6 +138,7 @@ fn mma_plan(
     // instructions at GQA 1 with it.
     let k_high_int = low_bit_keys && !calibrated && k.boost && d <= 128;
     let k_int = low_bit_keys && (!calibrated || k_fine_pays(k));
+    let v_channel_subnormal = v.kind == "int" && v.axis == "channel" && v_channel_subnormal_pays(v);
     let stored_scores = enabled && calibrated && tune.store_scores && stored_scores_pay(k);
     let piece_rule = if enabled {
         piece_rule(k, v, calibrated)
@@ -174,8 +175,8 @@ fn mma_plan(
         v_quant: v.kind == "int",
         v_token_fold,
         v_subnormal: v_token_fold && v_subnormal_pays(v),
-        v_channel_subnormal: v.kind == "int" && v.axis == "channel" && v_channel_subnormal_pays(v),
-        stage_v_params: stored_scores && stages_v_params(k, v),
+        v_channel_subnormal,
+        stage_v_params: stored_scores && v_channel_subnormal && stages_v_params(k, v),
         merge_bytes: merge_bytes(tune, d),
         pack_heads: enabled && k_high_int && tune.pack_heads && pack_heads_pays(shape, tune),
         piece_rule,
@@ -299,10 +300,10 @@ fn range_packs_halves(shape: &KernelShape, k: &TensorCtx) -> bool {
     shape.gqa <= 4 && !k.boost
 }
 
-/// Whether a decode kernel with stored scores stages a new V page's parameters into its stage's K
-/// parameter section, which it no longer uses ([`MmaCtx::stage_v_params`]): 1-bit channel-axis V
-/// whose page units the kernel applies when a chunk meets a new page
-/// ([`MmaCtx::v_channel_subnormal`]). Read from global memory there, that load was the decode
+/// Whether a decode kernel with stored scores whose channel-axis V enters P·V as subnormals
+/// ([`MmaCtx::v_channel_subnormal`], page units applied when a chunk meets a new page) stages that
+/// page's parameters into its stage's K parameter section, which it no longer uses
+/// ([`MmaCtx::stage_v_params`]): 1-bit V whose parameters fit that section. Read from global memory there, that load was the decode
 /// kernel's largest stall: 14.5% of CalibQuant-1's warp samples at B=16 L=32K on an H100 (ncu
 /// source counters). Staged, CalibQuant-1 ran ×1.027–×1.033 at B=16 L ≥ 32K and ×0.990–×1.015
 /// elsewhere; CalibQuant-2 (2-bit V) ×1.009–×1.025 at B=16 but ×0.954 at B=1 L=128K and ×0.966
@@ -310,11 +311,7 @@ fn range_packs_halves(shape: &KernelShape, k: &TensorCtx) -> bool {
 /// docs/BENCHMARKS.md; the seventeenth round's staging in a section of its own, before stored
 /// scores, had lost ×0.95 for CalibQuant-2 at B=16 L=4K).
 fn stages_v_params(k: &TensorCtx, v: &TensorCtx) -> bool {
-    v.kind == "int"
-        && v.bits == 1
-        && v.axis == "channel"
-        && v_channel_subnormal_pays(v)
-        && v.block_bytes - v.scales_offset <= k.block_bytes - k.scales_offset
+    v.bits == 1 && v.block_bytes - v.scales_offset <= k.block_bytes - k.scales_offset
 }
 
 /// Which launches of a decode kernel take pieces after their splits by default; the runtime's

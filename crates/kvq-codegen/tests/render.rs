@@ -500,15 +500,9 @@ fn stored_scores_kernels_stage_one_bit_v_parameters_and_keep_the_range_query() {
             stored && f16_keys,
             "{text}"
         );
-        let gqa8 = decode_kernels(
-            &spec,
-            &KernelShape::new(128, 8, Dtype::F16),
-            &TuneParams::default_for(&spec, &KernelShape::new(128, 8, Dtype::F16)),
-        )
-        .unwrap()
-        .source;
         assert!(
-            !gqa8.contains("static constexpr bool KVQ_RANGE_PACKED = true;"),
+            !source_at(&spec, 128, 8, None)
+                .contains("static constexpr bool KVQ_RANGE_PACKED = true;"),
             "{text}: eight heads fill the columns"
         );
         staged += usize::from(stored && one_bit_channel_v);

@@ -185,6 +185,21 @@ mod tests {
     }
 
     /// kivi2's problem (`problem_of`).
+    /// The tuner offers `flag` both ways for `problem`'s kernels, and kivi2's kernels, which it
+    /// does not change, never get it: neither untuned nor among the candidates.
+    fn assert_tuned_both_ways_and_never_for_kivi2(
+        problem: &TuneProblem,
+        resident_ctas: usize,
+        flag: fn(&TuneParams) -> bool,
+    ) {
+        let all = candidates(problem, resident_ctas);
+        assert!(all.iter().any(|c| flag(&c.params)));
+        assert!(all.iter().any(|c| !flag(&c.params)));
+        let kivi2 = self::problem(16, 32_768);
+        assert!(!flag(&TuneChoice::heuristic(&kivi2, 396).params));
+        assert!(candidates(&kivi2, 396).iter().all(|c| !flag(&c.params)));
+    }
+
     fn problem(batch: usize, max_len: usize) -> TuneProblem {
         problem_of("k = int(2, channel), v = int(2, token)", batch, max_len)
     }
@@ -334,14 +349,7 @@ mod tests {
         }
         // The tuner tries both paths for KIVI-4's blocks; kivi2's kernels always take the short
         // one, so they get no such candidate and never the flag.
-        let all = candidates(&kivi4(4, 4096), 264);
-        assert!(all.iter().any(|c| c.params.short_staging));
-        assert!(all.iter().any(|c| !c.params.short_staging));
-        let kivi2 = problem(16, 32_768);
-        assert!(!TuneChoice::heuristic(&kivi2, 396).params.short_staging);
-        assert!(candidates(&kivi2, 396)
-            .iter()
-            .all(|c| !c.params.short_staging));
+        assert_tuned_both_ways_and_never_for_kivi2(&kivi4(4, 4096), 264, |p| p.short_staging);
     }
 
     #[test]
@@ -366,14 +374,7 @@ mod tests {
             assert_eq!(c.to_string().contains("stored scores"), stored);
         }
         // The tuner tries both for calibrated kernels; other kernels never store scores.
-        let all = candidates(&calibquant1(4, 4096), 396);
-        assert!(all.iter().any(|c| c.params.store_scores));
-        assert!(all.iter().any(|c| !c.params.store_scores));
-        let kivi2 = problem(16, 32_768);
-        assert!(!TuneChoice::heuristic(&kivi2, 396).params.store_scores);
-        assert!(candidates(&kivi2, 396)
-            .iter()
-            .all(|c| !c.params.store_scores));
+        assert_tuned_both_ways_and_never_for_kivi2(&calibquant1(4, 4096), 396, |p| p.store_scores);
     }
 
     #[test]
