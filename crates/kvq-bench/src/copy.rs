@@ -20,30 +20,17 @@ pub struct CopyResult {
     pub gbps: f64,
 }
 
-/// Copies `bytes` from one device buffer to another `runs` times (after two warm-ups) and
-/// reports the median. The source holds a random pattern, never zeros.
+/// Copies `bytes` (rounded up to 64 MiB) from one device buffer to another `runs` times (after
+/// two warm-ups) and reports the median. The source holds a random pattern, never zeros.
 pub fn copy_bandwidth(stream: &Arc<CudaStream>, bytes: u64, runs: usize) -> Result<CopyResult> {
-    const CHUNK: usize = 64 << 20;
-    let total = (bytes as usize).div_ceil(CHUNK) * CHUNK;
+    let total = (bytes as usize).div_ceil(PATTERN) * PATTERN;
     let driver = |what: &'static str| move |e| RuntimeError::driver(what, e);
-    let pattern: Vec<u8> = {
-        let mut rng = kvq::runtime::tune::synth::SynthRng::new(0x00C0_FFEE);
-        (0..CHUNK).map(|_| rng.next_u64() as u8).collect()
-    };
-    let chunk = stream
-        .clone_htod(&pattern)
-        .map_err(driver("upload the copy pattern"))?;
-    // SAFETY: every byte of `src` is written by the copies below before it is read; `dst` is
-    // only written.
+    // SAFETY: fill_random writes every byte of `src` before it is read; `dst` is only written.
     let mut src: CudaSlice<u8> =
         unsafe { stream.alloc(total) }.map_err(driver("allocate the copy source"))?;
     let mut dst: CudaSlice<u8> =
         unsafe { stream.alloc(total) }.map_err(driver("allocate the copy destination"))?;
-    for at in (0..total).step_by(CHUNK) {
-        stream
-            .memcpy_dtod(&chunk, &mut src.slice_mut(at..at + CHUNK))
-            .map_err(driver("fill the copy source"))?;
-    }
+    fill_random(stream, &mut src)?;
     let timing = time_gpu(stream, 2, runs.max(1), |s| {
         s.memcpy_dtod(&src, &mut dst)
             .map_err(|e| RuntimeError::driver("device-to-device copy", e))
@@ -54,4 +41,29 @@ pub fn copy_bandwidth(stream: &Arc<CudaStream>, bytes: u64, runs: usize) -> Resu
         median_us,
         gbps: 2.0 * total as f64 / (median_us * 1e-6) / 1e9,
     })
+}
+
+/// Bytes of the random pattern [`fill_random`] repeats.
+const PATTERN: usize = 64 << 20;
+
+/// Fills `dst` with a random pattern (never zeros), repeated every 64 MiB.
+pub fn fill_random(stream: &Arc<CudaStream>, dst: &mut CudaSlice<u8>) -> Result<()> {
+    let driver = |what: &'static str| move |e| RuntimeError::driver(what, e);
+    let len = dst.len();
+    let pattern: Vec<u8> = {
+        let mut rng = kvq::runtime::tune::synth::SynthRng::new(0x00C0_FFEE);
+        (0..PATTERN.min(len))
+            .map(|_| rng.next_u64() as u8)
+            .collect()
+    };
+    let chunk = stream
+        .clone_htod(&pattern)
+        .map_err(driver("upload the random pattern"))?;
+    for at in (0..len).step_by(PATTERN) {
+        let n = PATTERN.min(len - at);
+        stream
+            .memcpy_dtod(&chunk.slice(..n), &mut dst.slice_mut(at..at + n))
+            .map_err(driver("fill a buffer with the random pattern"))?;
+    }
+    Ok(())
 }

@@ -10,6 +10,8 @@
 //! * [`workload`]: random K/V once per context length, every scheme's reference cache in parallel;
 //! * [`bytes`]: the bytes a decode step must move (the effective-bandwidth numerator);
 //! * [`copy`]: the device-to-device copy bandwidth of the same run;
+//! * [`read_floor`]: the least time one launch takes to read a step's bytes (its floor at small
+//!   batches, where launching and ramping up cost as much as the bytes);
 //! * [`runner`]: the measurement loop; [`report`] and [`plot`]: its outputs.
 
 #![warn(missing_docs)]
@@ -20,6 +22,7 @@ pub mod date;
 pub mod error;
 pub mod grid;
 pub mod plot;
+pub mod read_floor;
 pub mod report;
 pub mod runner;
 pub mod workload;

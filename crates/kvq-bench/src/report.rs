@@ -59,6 +59,11 @@ pub struct Row {
     pub max_rel_error: Option<f64>,
     /// Copies rotated through while timing.
     pub copies: usize,
+    /// Median µs of one launch of a plain read of `bytes` in the same run, rotating as many
+    /// copies (`read_floor`); `None` where it was not measured (results written before it, or
+    /// no memory for it).
+    #[serde(default)]
+    pub read_floor_us: Option<f64>,
     /// With `--tune`.
     pub tuned: Option<TunedResult>,
 }
@@ -68,6 +73,12 @@ impl Row {
     /// bandwidth: 100 unless it reads bytes twice.
     pub fn ceiling_pct_of_copy(&self) -> f64 {
         100.0 * self.bytes as f64 / (self.bytes + self.extra_bytes) as f64
+    }
+
+    /// The step's median over the read floor's: how many times one launch's least time to read
+    /// the same bytes the step takes (1.5 is the issue's "within 1.5× of the floor" at B=1).
+    pub fn times_read_floor(&self) -> Option<f64> {
+        self.read_floor_us.map(|floor| self.median_us / floor)
     }
 }
 
@@ -147,20 +158,20 @@ impl BenchResults {
             self.copy.gbps,
         );
         s.push_str(
-            "| scheme | B | L | median µs | GB/s | % of copy | × FP16 | config | max rel err |",
+            "| scheme | B | L | median µs | GB/s | % of copy | × FP16 | config | max rel err | read µs | × read |",
         );
         if tuned {
             s.push_str(" tuned µs | tuned gain | tuned config | tune s |");
         }
         s.push('\n');
-        s.push_str("|---|---:|---:|---:|---:|---:|---:|---|---:|");
+        s.push_str("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|");
         if tuned {
             s.push_str("---:|---:|---|---:|");
         }
         s.push('\n');
         for r in &self.rows {
             s.push_str(&format!(
-                "| {} | {} | {} | {:.1} | {:.0} | {:.1} | {} | {} | {} |",
+                "| {} | {} | {} | {:.1} | {:.0} | {:.1} | {} | {} | {} | {} | {} |",
                 r.scheme,
                 r.batch,
                 format_tokens(r.context),
@@ -171,6 +182,8 @@ impl BenchResults {
                 r.choice,
                 r.max_rel_error
                     .map_or_else(|| "–".into(), |e| format!("{e:.1e}")),
+                opt(r.read_floor_us, 1),
+                opt(r.times_read_floor(), 2),
             ));
             if tuned {
                 match &r.tuned {
@@ -182,6 +195,12 @@ impl BenchResults {
                 }
             }
             s.push('\n');
+        }
+        if self.rows.iter().any(|r| r.read_floor_us.is_some()) {
+            s.push_str(
+                "\nread µs: one launch of a plain streaming read of the row's bytes, timed like the \
+                 step (same copies, same queueing); × read: the step's median over it.\n",
+            );
         }
         let extras: Vec<&Row> = self.rows.iter().filter(|r| r.extra_bytes > 0).collect();
         if !extras.is_empty() {
@@ -265,6 +284,7 @@ pub(crate) mod tests {
             speedup_vs_fp16: None,
             max_rel_error: Some(3e-4),
             copies: 1,
+            read_floor_us: None,
             tuned: None,
         };
         let mut rows = vec![
@@ -345,6 +365,8 @@ pub(crate) mod tests {
         assert!(md.contains("NVIDIA H100 80GB HBM3"));
         assert!(md.contains("2962 GB/s"));
         assert!(md.contains("| kivi2 | 16 | 4K | 40.0 |"), "{md}");
+        assert!(md.contains("| 3.0e-4 | – | – |"), "{md}");
+        assert!(!md.contains("one launch of a plain streaming read"));
         assert!(md.contains("tuned gain"));
         assert!(md.contains("1.111"));
         assert!(md.contains("fp16 B=16 L=128K: does not fit"));
@@ -387,5 +409,27 @@ pub(crate) mod tests {
         let back = BenchResults::from_json(&old).unwrap();
         assert_eq!(back.rows[5].extra_bytes, 1 << 29);
         assert!(!back.rows[5].stored_scores);
+    }
+
+    /// The read floor shows as µs and as the step's multiple of it; results written before it
+    /// load without it.
+    #[test]
+    fn read_floor_is_shown_beside_its_row_and_old_results_load() {
+        let mut r = sample();
+        r.rows[4].read_floor_us = Some(20.0);
+        assert_eq!(r.rows[4].times_read_floor(), Some(1.5));
+        assert_eq!(r.rows[3].times_read_floor(), None);
+        let md = r.markdown();
+        assert!(md.contains("| 3.0e-4 | 20.0 | 1.50 |"), "{md}");
+        assert!(md.contains("one launch of a plain streaming read"), "{md}");
+        let mut old: serde_json::Value = serde_json::from_str(&r.json()).unwrap();
+        for row in old["rows"].as_array_mut().unwrap() {
+            row.as_object_mut()
+                .unwrap()
+                .remove("read_floor_us")
+                .unwrap();
+        }
+        let back = BenchResults::from_json(&old.to_string()).unwrap();
+        assert!(back.rows.iter().all(|row| row.read_floor_us.is_none()));
     }
 }

@@ -17,6 +17,7 @@ use crate::copy::copy_bandwidth;
 use crate::date::utc_date;
 use crate::error::{BenchError, Result};
 use crate::grid::{format_tokens, BenchConfig, Scheme};
+use crate::read_floor::ReadFloor;
 use crate::report::{BenchResults, Row, Skipped, TunedResult};
 use crate::workload::{checked_rows, prepare, Prepared, QueryRows};
 
@@ -41,6 +42,7 @@ struct Context<'a> {
     timer: QueuedTimer,
     queries: QueryRows,
     copy_gbps: f64,
+    read_floor: ReadFloor,
     tuner: Option<Tuner<'a>>,
 }
 
@@ -97,6 +99,7 @@ pub fn run(
             config.seed,
         ),
         copy_gbps: copy.gbps,
+        read_floor: ReadFloor::new(jit)?,
         tuner,
     };
     let rows_to_check = checked_rows(&config.batches);
@@ -129,7 +132,8 @@ pub fn run(
                     .measure(prep, kernel, batch, len)
                     .unwrap_or_else(|e| Outcome::Skipped(format!("error: {e}")));
                 match outcome {
-                    Outcome::Measured(row) => {
+                    Outcome::Measured(mut row) => {
+                        row.read_floor_us = ctx.read_floor(&row, log);
                         log(&describe(&row));
                         results.rows.push(*row);
                     }
@@ -168,6 +172,9 @@ fn describe(r: &Row) -> String {
     );
     if let Some(e) = r.max_rel_error {
         s.push_str(&format!(", rel err {e:.1e}"));
+    }
+    if let (Some(floor), Some(times)) = (r.read_floor_us, r.times_read_floor()) {
+        s.push_str(&format!("; one-launch read {floor:.1} µs (×{times:.2})"));
     }
     if let Some(t) = &r.tuned {
         s.push_str(&format!(
@@ -232,6 +239,31 @@ fn set_aside(
 }
 
 impl Context<'_> {
+    /// The read floor of `row`'s bytes over as many copies as its step rotated through; `None`
+    /// (logged) where it could not be measured, e.g. for want of device memory beside the run's.
+    fn read_floor(&self, row: &Row, log: &mut dyn FnMut(&str)) -> Option<f64> {
+        let measured = self.read_floor.median_us(
+            &self.stream,
+            &self.timer,
+            row.bytes,
+            row.copies,
+            self.config.warmup,
+            self.config.runs,
+        );
+        match measured {
+            Ok(us) => Some(us),
+            Err(e) => {
+                log(&format!(
+                    "{} B={} L={}: read floor not measured: {e}",
+                    row.scheme,
+                    row.batch,
+                    format_tokens(row.context)
+                ));
+                None
+            }
+        }
+    }
+
     /// Measures one scheme at one batch size and context length.
     fn measure(
         &mut self,
@@ -376,6 +408,7 @@ impl Context<'_> {
             speedup_vs_fp16: None,
             max_rel_error,
             copies: rotation.copies(),
+            read_floor_us: None,
             tuned,
         })))
     }

@@ -206,4 +206,16 @@ fn gpu_bench_prints_its_table() {
     for ext in ["md", "json", "svg"] {
         assert!(tmp.0.join(format!("out/run.{ext}")).is_file(), "{ext}");
     }
+    // Every row carries its one-launch read floor, a real time.
+    let md = std::fs::read_to_string(tmp.0.join("out/run.md")).unwrap();
+    assert!(md.contains("| read µs | × read |"), "{md}");
+    let json: Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.0.join("out/run.json")).unwrap())
+            .unwrap();
+    let rows = json["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{json}");
+    for row in rows {
+        let floor = row["read_floor_us"].as_f64().unwrap_or(f64::NAN);
+        assert!(floor.is_finite() && floor > 0.0, "{row}");
+    }
 }
