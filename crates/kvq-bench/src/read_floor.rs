@@ -25,9 +25,10 @@ const NAME: &str = "kvq_read_floor";
 
 /// Header-free. Each thread keeps four 16-byte loads in flight (grid-stride, unrolled by hand so
 /// that the loads issue before their uses), XORs what it read, and writes only if the sum hits a
-/// constant, so the loads cannot be dropped and almost nothing is written.
+/// constant, so the loads cannot be dropped and almost nothing is written. Its launch bound is
+/// [`THREADS`], defined in front of it by [`read_floor_source`].
 const SOURCE: &str = r#"// kvq bench: a streaming read of n 16-byte words, the floor of one launch.
-extern "C" __global__ void __launch_bounds__(256) kvq_read_floor(
+extern "C" __global__ void __launch_bounds__(KVQ_READ_THREADS) kvq_read_floor(
     const uint4* __restrict__ src, unsigned long long n, unsigned* __restrict__ sink)
 {
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
@@ -55,7 +56,10 @@ const ALIGN: u64 = 256;
 
 /// The read kernel's source, for callers that compile it themselves (and the tests).
 pub fn read_floor_source() -> Source {
-    Source::new(format!("{NAME}.cu"), SOURCE)
+    Source::new(
+        format!("{NAME}.cu"),
+        format!("#define KVQ_READ_THREADS {THREADS}\n{SOURCE}"),
+    )
 }
 
 /// The compiled read kernel and its grid.
