@@ -53,8 +53,8 @@ def load_json(path):
 def load_sample(gen_dir):
     """The manifest, the sample description and each sample buffer's bytes."""
     manifest = load_json(os.path.join(gen_dir, "manifest.json"))
-    if manifest.get("format") != "kvq-gen" or manifest.get("version") != 2:
-        raise EmbedError(f"{gen_dir}/manifest.json is not a kvq-gen version 2 manifest")
+    if manifest.get("format") != "kvq-gen" or manifest.get("version") != 3:
+        raise EmbedError(f"{gen_dir}/manifest.json is not a kvq-gen version 3 manifest")
     if manifest.get("layout_version") != LAYOUT_VERSION:
         raise EmbedError(
             f"layout {manifest.get('layout_version')!r}, this engine reads {LAYOUT_VERSION!r}"
@@ -82,9 +82,9 @@ def load_sample(gen_dir):
 SAMPLE_INPUTS = ("k_pool", "v_pool", "page_table", "k_sink", "v_sink", "k_tail", "v_tail",
                  "seq_lens", "q")
 ENGINE_VALUES = ("out", "part_acc", "part_ml", "score_range", "scores", "max_pages",
-                 "num_splits", "num_pieces", "piece_permille", "num_parts")
+                 "num_splits", "range_splits", "num_pieces", "piece_permille", "num_parts")
 # The names grid formulas may use (run_decode's `env`).
-GRID_NAMES = ("num_splits", "num_pieces", "kv_heads", "batch", "q_heads")
+GRID_NAMES = ("num_splits", "range_splits", "num_pieces", "kv_heads", "batch", "q_heads")
 
 
 def check_launch(manifest):
@@ -438,11 +438,14 @@ def run_decode(engine, functions, manifest, sample, buffers, splits, pieces=0, p
     d = manifest["shape"]["head_dim"]
     rows = batch * q_heads
     parts = splits + pieces  # partials per query head: the splits', then the pieces'
+    # The score-range grid takes any split count of its own (launch.range_splits); one unlike
+    # decode's shows that the two are independent.
+    range_splits = 2 * splits + 1
     ptr = {name: engine.upload(buffers[name]) for name in SAMPLE_INPUTS}
     out = engine.alloc(rows * d * 2)
     part_acc = engine.alloc(rows * parts * d * 4)
     part_ml = engine.alloc(rows * parts * 2 * 4)
-    score_range = engine.alloc(rows * splits * 2 * 4)
+    score_range = engine.alloc(rows * range_splits * 2 * 4)
     # Stored key scores (launch.scratch): a row of gqa floats for every token a page table
     # reaches past the sink, and 4 floats of slack; one float where the kernels store none.
     score_floats = 1
@@ -454,10 +457,11 @@ def run_decode(engine, functions, manifest, sample, buffers, splits, pieces=0, p
     values = dict(ptr)
     values.update(out=out, part_acc=part_acc, part_ml=part_ml, score_range=score_range,
                   scores=scores,
-                  max_pages=sample["max_pages"], num_splits=splits, num_pieces=pieces,
+                  max_pages=sample["max_pages"], num_splits=splits,
+                  range_splits=range_splits, num_pieces=pieces,
                   piece_permille=permille, num_parts=parts)
-    env = {"num_splits": splits, "num_pieces": pieces, "kv_heads": h, "batch": batch,
-           "q_heads": q_heads}
+    env = {"num_splits": splits, "range_splits": range_splits, "num_pieces": pieces,
+           "kv_heads": h, "batch": batch, "q_heads": q_heads}
     kernels = {k["role"]: k for k in manifest["kernels"]}
     outputs = []
     for launch in range(launches):
@@ -465,7 +469,7 @@ def run_decode(engine, functions, manifest, sample, buffers, splits, pieces=0, p
         # forget to write shows as NaN.
         cu("cuMemsetD16Async", out, 0xFFFF, rows * d, engine.stream)
         for p, n in ((part_acc, rows * parts * d), (part_ml, rows * parts * 2),
-                     (score_range, rows * splits * 2), (scores, score_floats)):
+                     (score_range, rows * range_splits * 2), (scores, score_floats)):
             cu("cuMemsetD32Async", p, 0x7FC00000, n, engine.stream)
         for role in manifest["launch"]["decode_steps"]:
             if role == "combine" and parts == 1 and launch == 0:

@@ -35,6 +35,10 @@ pub struct Row {
     pub context: usize,
     /// The default configuration timed.
     pub choice: TuneChoice,
+    /// The score-range grid's split count where the scheme calibrates
+    /// (`DecodeKernel::range_splits`); `None` otherwise, and in results written before it.
+    #[serde(default)]
+    pub range_splits: Option<usize>,
     /// Median, µs.
     pub median_us: f64,
     /// Fastest run, µs.
@@ -79,6 +83,15 @@ impl Row {
     /// the same bytes the step takes (1.5 is the "within 1.5× of the floor" at B=1).
     pub fn times_read_floor(&self) -> Option<f64> {
         self.read_floor_us.map(|floor| self.median_us / floor)
+    }
+
+    /// The default launch as the table shows it: the configuration, and the range grid's splits
+    /// where there is one.
+    pub fn launch_text(&self) -> String {
+        match self.range_splits {
+            Some(n) => format!("{} range splits {n}", self.choice),
+            None => self.choice.to_string(),
+        }
     }
 }
 
@@ -179,7 +192,7 @@ impl BenchResults {
                 r.gbps,
                 r.pct_of_copy,
                 opt(r.speedup_vs_fp16, 2),
-                r.choice,
+                r.launch_text(),
                 r.max_rel_error
                     .map_or_else(|| "–".into(), |e| format!("{e:.1e}")),
                 opt(r.read_floor_us, 1),
@@ -274,6 +287,7 @@ pub(crate) mod tests {
             batch,
             context,
             choice,
+            range_splits: None,
             median_us: us,
             min_us: us * 0.98,
             bytes: 1 << 30,
@@ -431,5 +445,22 @@ pub(crate) mod tests {
         }
         let back = BenchResults::from_json(&old.to_string()).unwrap();
         assert!(back.rows.iter().all(|row| row.read_floor_us.is_none()));
+    }
+
+    /// A calibrated row names its range grid's splits after the configuration; results written
+    /// before the field load without it.
+    #[test]
+    fn range_splits_follow_the_configuration() {
+        let mut r = sample();
+        r.rows[5].range_splits = Some(5);
+        let md = r.markdown();
+        assert!(md.contains("splits 3 range splits 5 |"), "{md}");
+        assert_eq!(md.matches("range splits").count(), 1, "{md}");
+        let mut old: serde_json::Value = serde_json::from_str(&r.json()).unwrap();
+        for row in old["rows"].as_array_mut().unwrap() {
+            row.as_object_mut().unwrap().remove("range_splits").unwrap();
+        }
+        let back = BenchResults::from_json(&old.to_string()).unwrap();
+        assert!(back.rows.iter().all(|row| row.range_splits.is_none()));
     }
 }

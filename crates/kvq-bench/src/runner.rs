@@ -398,6 +398,11 @@ impl Context<'_> {
             batch,
             context: len,
             choice: default,
+            range_splits: kernel
+                .generated()
+                .range
+                .is_some()
+                .then(|| kernel.range_splits(default.splits)),
             median_us,
             min_us: stats.min_us(),
             bytes,

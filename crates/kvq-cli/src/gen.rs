@@ -28,7 +28,7 @@ pub use kvq::reference::int::LAYOUT_VERSION;
 /// Identifies the manifest's format; `MANIFEST_VERSION` changes when a field changes meaning.
 pub const MANIFEST_FORMAT: &str = "kvq-gen";
 /// See [`MANIFEST_FORMAT`].
-pub const MANIFEST_VERSION: u32 = 2;
+pub const MANIFEST_VERSION: u32 = 3;
 
 /// File names inside the output folder.
 pub const DECODE_FILE: &str = "decode.cu";
@@ -234,6 +234,8 @@ struct LaunchInfo {
     /// Kernels of one decode step, in stream order.
     decode_steps: Vec<String>,
     num_splits: String,
+    /// The score-range grid's split count, which decode is given as `range_splits`.
+    range_splits: String,
     /// What decode's `num_pieces` and `piece_permille` do.
     num_pieces: String,
     /// Whether score_range stores the keys' scores for decode (the `scores` scratch buffer).
@@ -305,7 +307,7 @@ fn about_param(name: &str, dtype: Dtype) -> String {
         }
         "seq_lens" => "[batch] i32 tokens per sequence".into(),
         "score_range" => {
-            "f32 [batch][kv_heads][gqa][num_splits][2] (CalibQuant score ranges; unused otherwise)"
+            "f32 [batch][kv_heads][gqa][range_splits][2] (CalibQuant score ranges; unused otherwise)"
                 .into()
         }
         "scores" => {
@@ -320,6 +322,11 @@ fn about_param(name: &str, dtype: Dtype) -> String {
         }
         "part_ml" => {
             "f32 [batch·q_heads][num_splits + num_pieces][2] partials' (max, denominator)".into()
+        }
+        "range_splits" => {
+            "gridDim.x of the score_range launch: the ranges per head decode reduces \
+             (launch.range_splits; ignored without calibration)"
+                .into()
         }
         "num_pieces" => {
             "piece CTAs per (sequence, KV head), after the splits' (gridDim.x = num_splits + \
@@ -1006,10 +1013,19 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                 .filter(|k| k.file == DECODE_FILE)
                 .map(|k| k.role.clone())
                 .collect(),
-            num_splits: "any value ≥ 1 (gridDim.x of score_range; decode's is num_splits + \
-                         num_pieces, combine's num_parts too); tune.tuned gives measured values, \
+            num_splits: "any value ≥ 1 (decode's gridDim.x is num_splits + num_pieces, \
+                         combine's num_parts too); tune.tuned gives measured values, \
                          tune.default_splits the heuristic"
                 .into(),
+            range_splits: format!(
+                "any value ≥ 1: gridDim.x of score_range, passed to decode as range_splits (it \
+                 reduces that many ranges a head); only where the scheme calibrates. kvq's \
+                 runtime takes num_splits above {} splits, else max(num_splits, \
+                 ⌊num_splits·R/D⌋), R and D the CTAs an SM holds of score_range and of decode \
+                 (the driver's occupancy at their block and dynamic_shared_bytes): score_range \
+                 has fewer registers, and a grid as small as decode's left SMs short of its CTAs",
+                kvq::runtime::decode::RANGE_SCALE_MAX_SPLITS
+            ),
             num_pieces: "the split CTAs take fixed shares of each (sequence, KV head); with \
                          num_pieces > 0 the last piece_permille/1000 of its cost is cut into \
                          num_pieces piece CTAs per (sequence, KV head), launched after every \
@@ -1036,7 +1052,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                 ),
                 buffer(
                     "score_range",
-                    "[batch][kv_heads][gqa][num_splits][2]",
+                    "[batch][kv_heads][gqa][range_splits][2]",
                     "f32",
                     "only read when the scheme calibrates; otherwise any valid pointer",
                 ),
@@ -1065,8 +1081,8 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
                  then set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first (static \
                  plus dynamic shared memory above 48 KiB is refused without it)"
                     .into(),
-                "the grid depends only on batch, kv_heads, num_splits and num_pieces: a launch \
-                 can be captured in a CUDA graph while sequences grow"
+                "the grid depends only on batch, kv_heads, num_splits, range_splits and \
+                 num_pieces: a launch can be captured in a CUDA graph while sequences grow"
                     .into(),
                 "kernels enqueue on the caller's stream and never synchronise".into(),
                 "on compute capability 9.0 and later, combine (and, for a calibrated scheme, \

@@ -259,6 +259,23 @@ fn check_pieces(m: &Value, dir: &Path) {
     );
     assert_eq!(decode["grid"][0], "num_splits + num_pieces");
     assert_eq!(names(role("combine")).last().unwrap(), "num_parts");
+    // The range grid has its own split count, which decode takes to reduce its ranges.
+    assert!(names(decode).contains(&"range_splits".to_string()));
+    if let Some(range) = kernels.iter().find(|k| k["role"] == "score_range") {
+        assert_eq!(range["grid"][0], "range_splits");
+    }
+    let range_rule = m["launch"]["range_splits"].as_str().unwrap();
+    assert!(
+        range_rule.contains("num_splits above 16 splits, else max(num_splits, ⌊num_splits·R/D⌋)"),
+        "{range_rule}"
+    );
+    let ranges = m["launch"]["scratch"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["name"] == "score_range")
+        .unwrap();
+    assert_eq!(ranges["shape"], "[batch][kv_heads][gqa][range_splits][2]");
     for k in kernels {
         if k["file"] == "decode.cu" {
             for p in k["params"].as_array().unwrap() {

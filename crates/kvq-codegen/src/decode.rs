@@ -651,13 +651,6 @@ pub fn decode_kernels(
         combine_threads: COMBINE_THREADS,
     };
     let source = render("decode.cu.tera", &ctx)?;
-    let split_grid = || {
-        [
-            "num_splits".to_string(),
-            "kv_heads".to_string(),
-            "batch".to_string(),
-        ]
-    };
     let decode = KernelEntry {
         name: ctx.decode_name.clone(),
         params: vec![
@@ -673,6 +666,7 @@ pub fn decode_kernels(
             param("const int32_t*", "seq_lens"),
             param("const float*", "score_range"),
             param("const float*", "scores"),
+            param("int32_t", "range_splits"),
             param("float*", "part_acc"),
             param("float*", "part_ml"),
             param("int32_t", "num_pieces"),
@@ -712,7 +706,13 @@ pub fn decode_kernels(
             param("float*", "score_range"),
             param("float*", "scores"),
         ],
-        grid: split_grid(),
+        // Its own split count: the range kernel holds more CTAs an SM than the decode kernel
+        // (fewer registers), and a grid as small as decode's left it under-filled.
+        grid: [
+            "range_splits".to_string(),
+            "kv_heads".to_string(),
+            "batch".to_string(),
+        ],
         block: tune.threads,
         // The range pass stages K through the decode kernel's ring (same layout, V unused).
         dynamic_shared_bytes: ctx.mma.stage.cta_bytes as u32,

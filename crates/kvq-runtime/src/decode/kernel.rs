@@ -21,6 +21,10 @@ pub struct DecodeKernel {
     decode: CudaFunction,
     combine: CudaFunction,
     range: Option<CudaFunction>,
+    /// CTAs an SM holds of the decode kernel and of the range kernel (0 without one): the range
+    /// grid's split count scales with their ratio ([`DecodeKernel::range_splits`]).
+    decode_per_sm: usize,
+    range_per_sm: usize,
     /// The GPU and driver can launch a kernel overlapping the one before it (programmatic
     /// dependent launch: compute capability 9.0 on, `cuLaunchKernelEx`).
     can_overlap: bool,
@@ -37,18 +41,51 @@ fn overlap_by_default() -> bool {
 /// Per-launch scratch (split and piece partials, calibration ranges, stored key scores), reusable
 /// across steps of the same batch size, KV heads, split count and pieces. The stored scores grow
 /// with the first launch that needs more (batch × KV heads × page-table width × page × gqa
-/// floats: 67 MB at B=16, 8 KV heads, GQA 4 and 32K-token page tables), so an engine that
-/// captures launches in a CUDA graph runs one step of its widest shape first.
+/// floats: 67 MB at B=16, 8 KV heads, GQA 4 and 32K-token page tables), and so do the score
+/// ranges with the first launch whose range grid has more splits than the decode grid
+/// ([`DecodeKernel::range_splits`]), so an engine that captures launches in a CUDA graph runs
+/// one step of its widest shape first.
 pub struct DecodeScratch {
     splits: usize,
     pieces: Pieces,
     rows: usize,
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
+    /// Calibration score ranges, `[rows][range splits][2]`.
     score_range: CudaSlice<f32>,
     /// Stored key scores (`DecodeKernels::stores_scores`), grown by the first launch that needs
     /// more (a wider page table or a larger batch than before).
     scores: CudaSlice<f32>,
+}
+
+/// CTAs of `f` (launched as `entry` says) an SM holds at once, from the driver's occupancy.
+fn ctas_per_sm(f: &CudaFunction, entry: &kvq_codegen::KernelEntry) -> Result<usize> {
+    let n = f
+        .occupancy_max_active_blocks_per_multiprocessor(
+            entry.block,
+            entry.dynamic_shared_bytes as usize,
+            None,
+        )
+        .map_err(|e| RuntimeError::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?;
+    Ok((n as usize).max(1))
+}
+
+/// Most decode splits at which the range grid takes more splits than the decode grid
+/// ([`DecodeKernel::range_splits`]). Measured on an H100 with CalibQuant-1 and -2 at head_dim 128
+/// (docs/BENCHMARKS.md, thirty-first round): scaled from three splits to five at B=16 and from
+/// twelve to twenty at B=4, ×1.00–×1.04; from 32 and 49 to 53 and 81 at B=1, ×0.90–×1.00 at
+/// L ≤ 32K (range warps of 19–101 tokens, whose fixed costs outweigh the slots they fill) and
+/// ×1.01–×1.02 at L=128K.
+pub const RANGE_SCALE_MAX_SPLITS: usize = 16;
+
+/// [`DecodeKernel::range_splits`] from the two kernels' CTAs an SM (`range_per_sm` 0: no range
+/// kernel).
+fn range_splits_for(splits: usize, decode_per_sm: usize, range_per_sm: usize) -> usize {
+    if splits > RANGE_SCALE_MAX_SPLITS {
+        return splits;
+    }
+    let scaled = splits * range_per_sm / decode_per_sm.max(1);
+    splits.max(scaled)
 }
 
 fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
@@ -114,6 +151,18 @@ impl DecodeScratch {
         Ok(())
     }
 
+    /// Makes the score-range buffer hold `range_splits` splits of every row, poisoned with NaN
+    /// like the partials when it grows.
+    fn reserve_ranges(&mut self, stream: &Arc<CudaStream>, range_splits: usize) -> Result<()> {
+        let floats = self.rows * range_splits * 2;
+        if self.score_range.len() < floats {
+            self.score_range = stream
+                .clone_htod(&vec![f32::NAN; floats])
+                .map_err(|e| RuntimeError::driver("allocate calibration score ranges", e))?;
+        }
+        Ok(())
+    }
+
     /// Split-K partitions this scratch was sized for.
     pub fn splits(&self) -> usize {
         self.splits
@@ -164,6 +213,17 @@ impl DecodeKernel {
             }
             None => None,
         };
+        // The occupancy queries need the context current on this thread, which a tuner's
+        // compile worker may not have.
+        jit.device()
+            .context()
+            .bind_to_thread()
+            .map_err(|e| RuntimeError::driver("bind the device context", e))?;
+        let decode_per_sm = ctas_per_sm(&decode, &generated.decode)?;
+        let range_per_sm = match (&range, &generated.range) {
+            (Some(f), Some(entry)) => ctas_per_sm(f, entry)?,
+            _ => 0,
+        };
         let can_overlap = jit.arch().sm() >= 90 && driver_has_launch_ex();
         Ok(DecodeKernel {
             spec: *spec,
@@ -171,6 +231,8 @@ impl DecodeKernel {
             decode,
             combine,
             range,
+            decode_per_sm,
+            range_per_sm,
             can_overlap,
             overlap: can_overlap && overlap_by_default(),
         })
@@ -202,15 +264,18 @@ impl DecodeKernel {
     /// this kernel's registers and shared memory): what [`default_splits`](super::default_splits)
     /// fills whole waves of.
     pub fn resident_ctas(&self, sm_count: usize) -> Result<usize> {
-        let per_sm = self
-            .decode
-            .occupancy_max_active_blocks_per_multiprocessor(
-                self.generated.decode.block,
-                self.generated.decode.dynamic_shared_bytes as usize,
-                None,
-            )
-            .map_err(|e| RuntimeError::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?;
-        Ok(per_sm.max(1) as usize * sm_count.max(1))
+        Ok(self.decode_per_sm * sm_count.max(1))
+    }
+
+    /// The range grid's split count for a launch of `splits` decode splits. Up to
+    /// [`RANGE_SCALE_MAX_SPLITS`] splits, `splits` scaled by how many more CTAs an SM holds of
+    /// the range kernel than of the decode kernel, so that its grid fills the GPU as far as the
+    /// decode grid does; otherwise, or where the scheme has no range pass, `splits`. The range
+    /// kernel has fewer registers: CalibQuant-1 at head_dim 128 holds five CTAs an SM against the
+    /// decode kernel's three, and with the decode grid's three splits at B=16 it left 40% of its
+    /// slots empty.
+    pub fn range_splits(&self, splits: usize) -> usize {
+        range_splits_for(splits, self.decode_per_sm, self.range_per_sm)
     }
 
     /// The heuristic split count for a batch of `batch` sequences of at most `max_len` tokens
@@ -297,17 +362,14 @@ impl DecodeKernel {
             )));
         }
         let splits = scratch.splits as u32;
+        let range_splits = self.range_splits(scratch.splits);
+        scratch.reserve_ranges(stream, range_splits)?;
         let max_pages = cache.max_pages as i32;
         scratch.reserve_scores(
             stream,
             self.generated
                 .score_floats(cache.batch, cache.kv_heads, cache.max_pages),
         )?;
-        let split_cfg = LaunchConfig {
-            grid_dim: (splits, cache.kv_heads as u32, cache.batch as u32),
-            block_dim: (self.generated.decode.block, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // The pieces' CTAs follow the splits' (kvq_cta_part in the template).
         let decode_cfg = LaunchConfig {
             grid_dim: (
@@ -315,8 +377,8 @@ impl DecodeKernel {
                 cache.kv_heads as u32,
                 cache.batch as u32,
             ),
+            block_dim: (self.generated.decode.block, 1, 1),
             shared_mem_bytes: self.generated.decode.dynamic_shared_bytes,
-            ..split_cfg
         };
         // Each launch may overlap the kernel before it (launch.rs): the decode grid a calibrated
         // scheme's range grid, the combine grid the decode grid.
@@ -333,9 +395,13 @@ impl DecodeKernel {
                 .buffer_mut(&mut scratch.score_range)
                 .buffer_mut(&mut scratch.scores);
             let range_cfg = LaunchConfig {
+                grid_dim: (
+                    range_splits as u32,
+                    cache.kv_heads as u32,
+                    cache.batch as u32,
+                ),
                 block_dim: (entry.block, 1, 1),
                 shared_mem_bytes: entry.dynamic_shared_bytes,
-                ..split_cfg
             };
             // SAFETY: arguments match the kernel's parameter list (KernelEntry::params), and every
             // buffer was sized above for this grid. A plain launch: it follows the engine's work.
@@ -354,6 +420,7 @@ impl DecodeKernel {
             .buffer(cache.seq_lens)
             .buffer(&scratch.score_range)
             .buffer(&scratch.scores)
+            .int(range_splits as i32)
             .buffer_mut(&mut scratch.part_acc)
             .buffer_mut(&mut scratch.part_ml)
             .int(scratch.pieces.count as i32)
@@ -381,5 +448,34 @@ impl DecodeKernel {
         // (`kvq_wait_for_previous_grid`) before its first read of the partials.
         unsafe { args.launch(&self.combine, combine_cfg, overlap) }
             .map_err(launch_err(&self.generated.combine.name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::range_splits_for;
+
+    #[test]
+    fn range_grid_scales_with_the_range_kernels_occupancy() {
+        // CalibQuant-1 at head_dim 128 on an H100: five range CTAs an SM, three decode CTAs.
+        assert_eq!(range_splits_for(3, 3, 5), 5);
+        assert_eq!(range_splits_for(12, 3, 5), 20);
+        assert_eq!(range_splits_for(16, 3, 5), 26);
+        assert_eq!(range_splits_for(1, 3, 5), 1);
+    }
+
+    #[test]
+    fn range_grid_keeps_the_decode_splits_where_they_are_many() {
+        // B=1: range warps of a few dozen tokens lost more than the slots they filled.
+        assert_eq!(range_splits_for(17, 3, 5), 17);
+        assert_eq!(range_splits_for(49, 3, 5), 49);
+    }
+
+    #[test]
+    fn range_grid_never_has_fewer_splits_than_decode() {
+        assert_eq!(range_splits_for(6, 4, 2), 6);
+        assert_eq!(range_splits_for(7, 3, 3), 7);
+        // No range kernel.
+        assert_eq!(range_splits_for(5, 3, 0), 5);
     }
 }

@@ -10,7 +10,7 @@ mod kernel;
 mod splits;
 
 pub use cache::{CacheView, GpuCache};
-pub use kernel::{DecodeKernel, DecodeScratch};
+pub use kernel::{DecodeKernel, DecodeScratch, RANGE_SCALE_MAX_SPLITS};
 pub use splits::{
     default_pieces, default_splits, min_warp_tokens, pieces_rule, short_staging_by_default,
     store_scores_by_default, Pieces, PIECES_FEW_SPLITS_MIN_WARP_TOKENS, PIECES_MAX_FEW_SPLIT_WARPS,
