@@ -74,8 +74,8 @@ fn ctas_per_sm(f: &CudaFunction, entry: &kvq_codegen::KernelEntry) -> Result<usi
 /// ([`DecodeKernel::range_splits`]). Measured on an H100 with CalibQuant-1 and -2 at head_dim 128
 /// (docs/BENCHMARKS.md, thirty-first round): scaled from three splits to five at B=16 and from
 /// twelve to twenty at B=4, ×1.00–×1.04; from 32 and 49 to 53 and 81 at B=1, ×0.90–×1.00 at
-/// L ≤ 32K (range warps of 19–101 tokens, whose fixed costs outweigh the slots they fill) and
-/// ×1.01–×1.02 at L=128K.
+/// L ≤ 32K and ×1.01–×1.02 at L=128K (likely, not profiled: range warps of 19–101 tokens pay
+/// more in fixed costs than the filled slots gain).
 pub const RANGE_SCALE_MAX_SPLITS: usize = 16;
 
 /// [`DecodeKernel::range_splits`] from the two kernels' CTAs an SM (`range_per_sm` 0: no range
