@@ -706,8 +706,9 @@ pub fn decode_kernels(
             param("float*", "score_range"),
             param("float*", "scores"),
         ],
-        // Its own split count: the range kernel holds more CTAs an SM than the decode kernel
-        // (fewer registers), and a grid as small as decode's left it under-filled.
+        // Its own split count: where the range kernel holds more CTAs an SM than the decode
+        // kernel (CalibQuant-1's tensor-core kernels: five against three), a grid as small as
+        // decode's left it under-filled (kvq-runtime's `DecodeKernel::range_splits`).
         grid: [
             "range_splits".to_string(),
             "kv_heads".to_string(),
