@@ -8,12 +8,12 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvq::codegen::{KernelShape, TuneParams};
+use kvq::codegen::KernelShape;
 use kvq::runtime::timing::{elapsed_ms, timing_event};
 use kvq::runtime::tune::{
-    batch_device_bytes, plan_copies, QueuedTimer, RotatingBatch, TuneChoice, TuneProblem,
+    batch_device_bytes, default_launch, plan_copies, QueuedTimer, RotatingBatch, TuneProblem,
 };
-use kvq::runtime::{nvrtc, DecodeKernel, DecodeScratch, Device, Jit, RuntimeError};
+use kvq::runtime::{nvrtc, DecodeScratch, Device, Jit, RuntimeError};
 use kvq_bench::grid::{parse_schemes, BenchConfig};
 use kvq_bench::workload::{prepare, QueryRows};
 
@@ -65,22 +65,7 @@ fn bench_all(c: &mut Criterion) -> Result<(), RuntimeError> {
         let mut rotation =
             RotatingBatch::upload(&stream, &sequences, queries.bits_for(batch), copies)?;
         let problem = TuneProblem::new(prep.scheme.spec, shape, config.kv_heads, batch, len);
-        let kernel = DecodeKernel::load(
-            &jit,
-            &prep.scheme.spec,
-            &shape,
-            &TuneParams::default_for(&prep.scheme.spec, &shape),
-        )?;
-        let choice = TuneChoice::heuristic(
-            &problem,
-            kernel.resident_ctas(device.props().sm_count as usize)?,
-        );
-        // The heuristic may pick another variant of the default block for this shape.
-        let kernel = if choice.params == kernel.generated().tune {
-            kernel
-        } else {
-            DecodeKernel::load(&jit, &prep.scheme.spec, &shape, &choice.params)?
-        };
+        let (choice, kernel) = default_launch(&jit, &problem)?;
         let mut scratch = DecodeScratch::with_pieces(
             &stream,
             batch,

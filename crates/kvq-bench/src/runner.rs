@@ -7,7 +7,7 @@ use std::sync::Arc;
 use kvq::codegen::{KernelShape, TuneParams};
 use kvq::runtime::cudarc::driver::{CudaSlice, CudaStream};
 use kvq::runtime::tune::{
-    batch_device_bytes, plan_copies, QueuedTimer, ReferenceCheck, RotatingBatch, TuneChoice,
+    batch_device_bytes, default_launch, plan_copies, QueuedTimer, ReferenceCheck, RotatingBatch,
     TunePolicy, TuneProblem, TuneStore, Tuner,
 };
 use kvq::runtime::{DecodeKernel, DecodeScratch, Jit, RuntimeError};
@@ -75,7 +75,7 @@ pub fn run(
         copy.median_us
     ));
 
-    let kernels = compile_defaults(jit, &config.schemes, shape)?;
+    compile_defaults(jit, &config.schemes, shape)?;
     log(&format!("kernels ready: {}", jit.stats()));
     let tuner = if config.tune {
         let store = TuneStore::open(TuneStore::default_path()?);
@@ -127,9 +127,9 @@ pub fn run(
             started.elapsed().as_secs_f64()
         ));
         for &batch in &config.batches {
-            for (prep, kernel) in prepared.iter().zip(&kernels) {
+            for prep in &prepared {
                 let outcome = ctx
-                    .measure(prep, kernel, batch, len)
+                    .measure(prep, batch, len)
                     .unwrap_or_else(|e| Outcome::Skipped(format!("error: {e}")));
                 match outcome {
                     Outcome::Measured(mut row) => {
@@ -185,12 +185,9 @@ fn describe(r: &Row) -> String {
     s
 }
 
-/// Every scheme's kernel with the default block parameters, compiled on all cores.
-fn compile_defaults(
-    jit: &Jit,
-    schemes: &[Scheme],
-    shape: KernelShape,
-) -> Result<Vec<DecodeKernel>> {
+/// Every scheme's kernel with the default block parameters, compiled on all cores into the JIT's
+/// module cache (so compile errors show before any timing, and later loads are cache hits).
+fn compile_defaults(jit: &Jit, schemes: &[Scheme], shape: KernelShape) -> Result<()> {
     let results: Vec<std::result::Result<DecodeKernel, RuntimeError>> = std::thread::scope(|s| {
         let handles: Vec<_> = schemes
             .iter()
@@ -215,6 +212,7 @@ fn compile_defaults(
     results
         .into_iter()
         .collect::<std::result::Result<Vec<_>, _>>()
+        .map(drop)
         .map_err(BenchError::from)
 }
 
@@ -265,13 +263,7 @@ impl Context<'_> {
     }
 
     /// Measures one scheme at one batch size and context length.
-    fn measure(
-        &mut self,
-        prep: &Prepared,
-        kernel: &DecodeKernel,
-        batch: usize,
-        len: usize,
-    ) -> Result<Outcome> {
+    fn measure(&mut self, prep: &Prepared, batch: usize, len: usize) -> Result<Outcome> {
         let config = self.config;
         let device = self.jit.device();
         let props = device.props();
@@ -297,18 +289,11 @@ impl Context<'_> {
         let mut rotation =
             RotatingBatch::upload(&stream, &sequences, self.queries.bits_for(batch), copies)?;
         let problem = TuneProblem::new(prep.scheme.spec, self.shape, config.kv_heads, batch, len);
-        let default =
-            TuneChoice::heuristic(&problem, kernel.resident_ctas(props.sm_count as usize)?);
-        // The heuristic may pick another variant of the default block for this shape (KIVI-4's
-        // short staging path where warps' shares are long).
-        let heuristic_kernel;
-        let kernel = if default.params == kernel.generated().tune {
-            kernel
-        } else {
-            heuristic_kernel =
-                DecodeKernel::load(self.jit, &prep.scheme.spec, &self.shape, &default.params)?;
-            &heuristic_kernel
-        };
+        // The heuristic's block and its variant depend on the batch shape and the context
+        // bucket (FP16's block at few pairs, KIVI-4's short staging path where warps' shares
+        // are long).
+        let (default, kernel) = default_launch(self.jit, &problem)?;
+        let kernel = &kernel;
         let stores_scores = kernel.generated().stores_scores;
         let mut scratch =
             DecodeScratch::with_pieces(&stream, batch, q_heads, d, default.splits, default.pieces)?;

@@ -216,6 +216,8 @@ struct TuneInfo {
     /// `default`, `tuned` or `flags`.
     source: String,
     tune_file: Option<String>,
+    /// The block (threads, tile) of the runtime's untuned launches, by batch shape and context.
+    default_block: String,
     /// Split-K count when no tuned entry covers the launch (`sm_count` of the GPU).
     default_splits: String,
     /// `num_pieces` and `piece_permille` when no tuned entry covers the launch.
@@ -1105,6 +1107,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             store_scores: params.store_scores,
             source: params_source.into(),
             tune_file: tune_file.map(|p| p.display().to_string()),
+            default_block: default_block_text(spec, shape),
             default_splits: default_splits_text(spec),
             default_short_staging: default_short_staging_text(spec, shape, &params),
             default_store_scores: default_store_scores_text(spec, shape, &params),
@@ -1210,6 +1213,25 @@ fn default_store_scores_text(
         )
     } else {
         "false (this scheme's kernels store no scores)".into()
+    }
+}
+
+/// The manifest's rule for the block of the runtime's untuned launches
+/// (`kvq_runtime::decode::default_block`).
+fn default_block_text(spec: &SchemeSpec, shape: &KernelShape) -> String {
+    use kvq::runtime::decode::{few_pairs_block, FP16_FEW_PAIRS_MAX, FP16_FEW_PAIRS_MIN_BUCKET};
+    let base = TuneParams::default_for(spec, shape);
+    match few_pairs_block(spec, shape) {
+        Some(b) => format!(
+            "threads {} and tile_tokens {} (sources generated with --threads {} --tile-tokens {}) \
+             where batch·kv_heads ≤ {FP16_FEW_PAIRS_MAX} and bucket ≥ {FP16_FEW_PAIRS_MIN_BUCKET}, \
+             else threads {} and tile_tokens {}",
+            b.threads, b.tile_tokens, b.threads, b.tile_tokens, base.threads, base.tile_tokens
+        ),
+        None => format!(
+            "threads {} and tile_tokens {} at every batch and context",
+            base.threads, base.tile_tokens
+        ),
     }
 }
 

@@ -566,6 +566,32 @@ fn gen_stores_calibrated_scores_unless_the_flag_says_not_to() {
 }
 
 #[test]
+fn gen_names_the_block_of_untuned_launches_by_batch_and_context() {
+    let tmp = TempDir::new("block");
+    let at_gqa4 = ["--head-dim", "128", "--gqa", "4"];
+    let (m, _, _) = gen_and_check("fp16", &at_gqa4, &tmp);
+    let rule = m["tune"]["default_block"].as_str().unwrap();
+    assert!(
+        rule.starts_with("threads 128 and tile_tokens 32 (sources generated with --threads 128")
+            && rule.contains("where batch·kv_heads ≤ 16 and bucket ≥ 8192")
+            && rule.ends_with(&format!(
+                "else threads {} and tile_tokens {}",
+                m["tune"]["threads"], m["tune"]["tile_tokens"]
+            )),
+        "{rule}"
+    );
+    let (m, _, _) = gen_and_check("kivi2", &at_gqa4, &tmp);
+    let rule = m["tune"]["default_block"].as_str().unwrap();
+    assert_eq!(
+        rule,
+        format!(
+            "threads {} and tile_tokens {} at every batch and context",
+            m["tune"]["threads"], m["tune"]["tile_tokens"]
+        )
+    );
+}
+
+#[test]
 fn gen_output_compiles_with_nvrtc_for_every_gpu_builtin() {
     if require_nvrtc("gen_output_compiles_with_nvrtc_for_every_gpu_builtin").is_none() {
         return;

@@ -1,5 +1,6 @@
 //! Fused GPU decode against the CPU reference on the same quantized cache, for every integer and
-//! FP16 built-in scheme (CalibQuant's also with the keys scored twice), calibrated schemes of other
+//! FP16 built-in scheme (CalibQuant's also with the keys scored twice, KIVI-4's also on the short
+//! staging path, FP16's also with its few-pairs block), calibrated schemes of other
 //! key widths and layouts (`other_calibrated_schemes`) and a scheme with FP16 keys and 2-bit values
 //! (`one_tensor_schemes`), × head_dim {64, 128, 256} × {f16, bf16} × GQA {1, 4, 8}, in one batch of
 //! odd, unequal lengths. Inputs are fresh random data each run (seed printed; `KVQ_SEED` repeats
@@ -17,6 +18,7 @@ use kvq::codegen::{Dtype, KernelShape, TuneParams};
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
 use kvq::reference::{Dequantized, KvTensor};
+use kvq::runtime::decode::few_pairs_block;
 use kvq::runtime::testing::require_gpu;
 use kvq::runtime::tune::synth::{round_to_word, word_to_f32};
 use kvq::runtime::{DecodeKernel, DecodeScratch, GpuCache, Jit, Pieces};
@@ -41,10 +43,19 @@ const KIVI4_SHORT_STAGING: &str = "kivi4-short-staging";
 const CALIBQUANT1_KEYS_TWICE: &str = "calibquant1-keys-twice";
 const CALIBQUANT2_KEYS_TWICE: &str = "calibquant2-keys-twice";
 
+/// FP16's block for launches with few (sequence, KV head) pairs over long contexts
+/// (`kvq_runtime::decode::few_pairs_block`: four-warp CTAs of 32-token tiles at head_dim 128),
+/// which untuned launches take at B ≤ 2: checked as a scheme of its own.
+const FP16_FEW_PAIRS: &str = "fp16-few-pairs";
+
 /// The block parameters a variant is checked with: the default, for [`KIVI4_SHORT_STAGING`] the
-/// short staging path, and for the `-keys-twice` variants no stored scores.
+/// short staging path, for [`FP16_FEW_PAIRS`] FP16's few-pairs block where the shape has one,
+/// and for the `-keys-twice` variants no stored scores.
 fn params_for(name: &str, spec: &kvq::SchemeSpec, shape: &KernelShape) -> TuneParams {
     let default = TuneParams::default_for(spec, shape);
+    if name == FP16_FEW_PAIRS {
+        return few_pairs_block(spec, shape).unwrap_or(default);
+    }
     TuneParams {
         short_staging: name == KIVI4_SHORT_STAGING,
         store_scores: default.store_scores
@@ -144,6 +155,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
         .1;
     schemes.push((KIVI4_SHORT_STAGING, kivi4));
     for (variant, of) in [
+        (FP16_FEW_PAIRS, "fp16"),
         (CALIBQUANT1_KEYS_TWICE, "calibquant1"),
         (CALIBQUANT2_KEYS_TWICE, "calibquant2"),
     ] {

@@ -5,10 +5,15 @@
 //! The cache here is uploaded from the CPU reference's packed bytes (`kvq_reference::int`), so the
 //! GPU reads exactly the layout the reference defines (`docs/LAYOUT.md`).
 
+mod block;
 mod cache;
 mod kernel;
 mod splits;
 
+pub use block::{
+    default_block, few_pairs_block, FP16_FEW_PAIRS_BLOCK, FP16_FEW_PAIRS_MAX,
+    FP16_FEW_PAIRS_MIN_BUCKET,
+};
 pub use cache::{CacheView, GpuCache};
 pub use kernel::{DecodeKernel, DecodeScratch, RANGE_SCALE_MAX_SPLITS};
 pub use splits::{

@@ -7,7 +7,7 @@ use std::fmt;
 
 use super::key::TuneProblem;
 use crate::decode::{
-    default_pieces, default_splits, min_warp_tokens, short_staging_by_default,
+    default_block, default_pieces, default_splits, min_warp_tokens, short_staging_by_default,
     store_scores_by_default, Pieces,
 };
 use crate::error::{Result, RuntimeError};
@@ -30,14 +30,14 @@ pub struct TuneChoice {
 }
 
 impl TuneChoice {
-    /// The untuned default: the codegen heuristic for the block, [`default_splits`] for the
-    /// grid, which fills whole waves of `resident_ctas` (from
-    /// [`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas) of the default block),
+    /// The untuned default: [`TuneChoice::default_block`] for the block, [`default_splits`] for
+    /// the grid, which fills whole waves of `resident_ctas` (from
+    /// [`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas) of that block's kernel),
     /// and [`default_pieces`] for the pieces after the splits; the short staging path where the
     /// kernel has a choice and [`short_staging_by_default`] says so; a calibrated scheme's key
     /// scores stored as the block default says, unless [`store_scores_by_default`] says not.
     pub fn heuristic(problem: &TuneProblem, resident_ctas: usize) -> TuneChoice {
-        let mut params = TuneParams::default_for(&problem.spec, &problem.shape);
+        let mut params = TuneChoice::default_block(problem);
         let splits = default_splits(
             problem.batch,
             problem.kv_heads,
@@ -47,13 +47,27 @@ impl TuneChoice {
             min_warp_tokens(&problem.spec, problem.max_len),
         );
         params.short_staging = short_staging_changes(&problem.spec, &problem.shape, &params)
-            && short_staging_by_default(problem.max_len, splits, params.warps());
+            && (params.short_staging
+                || short_staging_by_default(problem.max_len, splits, params.warps()));
         params.store_scores = params.store_scores && store_scores_by_default(problem.max_len);
         TuneChoice {
             params,
             splits,
             pieces: rule_pieces(problem, &params, splits),
         }
+    }
+
+    /// The block of [`TuneChoice::heuristic`] before its launch-dependent variants (short
+    /// staging, stored scores): [`default_block`] for the problem's batch shape and context
+    /// bucket. Load this block's kernel for the `resident_ctas` the heuristic takes.
+    pub fn default_block(problem: &TuneProblem) -> TuneParams {
+        default_block(
+            &problem.spec,
+            &problem.shape,
+            problem.batch,
+            problem.kv_heads,
+            problem.max_len,
+        )
     }
 
     /// Checks the block parameters against the ranges the templates declare and the split count
@@ -465,6 +479,24 @@ mod tests {
         assert!(TuneParams::candidates_for(&kivi2, &shape(4))
             .iter()
             .all(|b| b.pack_heads));
+    }
+
+    #[test]
+    fn fp16_at_b1_over_long_contexts_starts_from_its_few_pairs_block() {
+        // 396 resident CTAs: three four-warp CTAs an SM on 132 SMs, the FP16 block's occupancy.
+        let p = problem_of("k = fp16, v = fp16", 1, 32_768);
+        let block = TuneChoice::default_block(&p);
+        assert_eq!((block.threads, block.tile_tokens), (128, 32));
+        let h = TuneChoice::heuristic(&p, 396);
+        assert_eq!(h.params, block);
+        assert_eq!(h.splits, 49); // 392 CTAs: one wave
+        assert_eq!(candidates(&p, 396)[0], h);
+        // At B=16 the codegen's two-warp block stays.
+        let wide = problem_of("k = fp16, v = fp16", 16, 32_768);
+        assert_eq!(
+            TuneChoice::heuristic(&wide, 792).params,
+            TuneParams::default_for(&wide.spec, &wide.shape)
+        );
     }
 
     #[test]

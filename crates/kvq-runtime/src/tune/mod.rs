@@ -64,6 +64,6 @@ pub use rotate::{batch_device_bytes, plan_copies, rotation_copies, RotatingBatch
 pub use store::{TuneEntry, TuneStore, TUNE_FILE};
 pub use timer::QueuedTimer;
 pub use tuner::{
-    coarse_runs_within, fine_runs_within, select_winner, CandidateResult, ChoiceSource, Selection,
-    TuneOptions, TuneReport, Tuner,
+    coarse_runs_within, default_launch, fine_runs_within, select_winner, CandidateResult,
+    ChoiceSource, Selection, TuneOptions, TuneReport, Tuner,
 };

@@ -748,13 +748,30 @@ fn scratch_for<'s>(
 
 /// The decode kernel of `problem` at the heuristic block shape (through the JIT's caches): its
 /// occupancy sizes the default split count.
+/// The kernel of the heuristic's block for `problem` ([`TuneChoice::default_block`]), whose
+/// occupancy the heuristic's split count fills.
 fn default_kernel(jit: &Jit, problem: &TuneProblem) -> Result<DecodeKernel> {
     DecodeKernel::load(
         jit,
         &problem.spec,
         &problem.shape,
-        &TuneParams::default_for(&problem.spec, &problem.shape),
+        &TuneChoice::default_block(problem),
     )
+}
+
+/// The untuned default launch for `problem` and the kernel it runs, without a [`Tuner`]: the
+/// heuristic's block is loaded for its occupancy, then the variant the heuristic picks for the
+/// launch (short staging, stored scores) if that differs. Kernels come through the JIT's caches.
+pub fn default_launch(jit: &Jit, problem: &TuneProblem) -> Result<(TuneChoice, DecodeKernel)> {
+    let block_kernel = default_kernel(jit, problem)?;
+    let sm_count = jit.device().props().sm_count as usize;
+    let choice = TuneChoice::heuristic(problem, block_kernel.resident_ctas(sm_count)?);
+    let kernel = if choice.params == block_kernel.generated().tune {
+        block_kernel
+    } else {
+        DecodeKernel::load(jit, &problem.spec, &problem.shape, &choice.params)?
+    };
+    Ok((choice, kernel))
 }
 
 #[cfg(test)]
