@@ -1217,22 +1217,43 @@ fn default_store_scores_text(
 }
 
 /// The manifest's rule for the block of the runtime's untuned launches
-/// (`kvq_runtime::decode::default_block`).
+/// (`kvq_runtime::decode::default_block`, `occupancy_block`).
 fn default_block_text(spec: &SchemeSpec, shape: &KernelShape) -> String {
-    use kvq::runtime::decode::{few_pairs_block, FP16_FEW_PAIRS_MAX, FP16_FEW_PAIRS_MIN_BUCKET};
     let base = TuneParams::default_for(spec, shape);
-    match few_pairs_block(spec, shape) {
-        Some(b) => format!(
-            "threads {} and tile_tokens {} (sources generated with --threads {} --tile-tokens {}) \
-             where batch·kv_heads ≤ {FP16_FEW_PAIRS_MAX} and bucket ≥ {FP16_FEW_PAIRS_MIN_BUCKET}, \
-             else threads {} and tile_tokens {}",
-            b.threads, b.tile_tokens, b.threads, b.tile_tokens, base.threads, base.tile_tokens
-        ),
-        None => format!(
+    let Some(few) = kvq::runtime::decode::few_pairs_block(spec, shape) else {
+        return format!(
             "threads {} and tile_tokens {} at every batch and context",
             base.threads, base.tile_tokens
-        ),
-    }
+        );
+    };
+    let b = few.params;
+    let (short, short_flag) = if b.short_staging && !base.short_staging {
+        (" and short_staging true", " --short-staging true")
+    } else {
+        ("", "")
+    };
+    let slots = if few.splits_from_default {
+        format!(
+            ", with default_splits' slots from the occupancy of the threads {} tile_tokens {} \
+             block",
+            base.threads, base.tile_tokens
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        "threads {}, tile_tokens {}{short} (sources generated with --threads {} --tile-tokens \
+         {}{short_flag}) where batch·kv_heads ≤ {} and bucket ≥ {}{slots}; else threads {} and \
+         tile_tokens {}",
+        b.threads,
+        b.tile_tokens,
+        b.threads,
+        b.tile_tokens,
+        few.max_pairs,
+        few.min_bucket,
+        base.threads,
+        base.tile_tokens
+    )
 }
 
 /// The manifest's formula for the heuristic split count, with this scheme's fewest bucket tokens

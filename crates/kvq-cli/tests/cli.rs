@@ -569,26 +569,34 @@ fn gen_stores_calibrated_scores_unless_the_flag_says_not_to() {
 fn gen_names_the_block_of_untuned_launches_by_batch_and_context() {
     let tmp = TempDir::new("block");
     let at_gqa4 = ["--head-dim", "128", "--gqa", "4"];
-    let (m, _, _) = gen_and_check("fp16", &at_gqa4, &tmp);
-    let rule = m["tune"]["default_block"].as_str().unwrap();
+    let rule_of = |scheme: &str| {
+        let (m, _, _) = gen_and_check(scheme, &at_gqa4, &tmp);
+        let rule = m["tune"]["default_block"].as_str().unwrap().to_string();
+        let otherwise = format!(
+            "threads {} and tile_tokens {}",
+            m["tune"]["threads"], m["tune"]["tile_tokens"]
+        );
+        (rule, otherwise)
+    };
+    let (rule, otherwise) = rule_of("fp16");
     assert!(
-        rule.starts_with("threads 128 and tile_tokens 32 (sources generated with --threads 128")
-            && rule.contains("where batch·kv_heads ≤ 16 and bucket ≥ 8192")
-            && rule.ends_with(&format!(
-                "else threads {} and tile_tokens {}",
-                m["tune"]["threads"], m["tune"]["tile_tokens"]
-            )),
+        rule.starts_with("threads 128, tile_tokens 32 (sources generated with --threads 128")
+            && rule.contains("where batch·kv_heads ≤ 16 and bucket ≥ 8192; else")
+            && !rule.contains("occupancy")
+            && rule.ends_with(&otherwise),
         "{rule}"
     );
-    let (m, _, _) = gen_and_check("kivi2", &at_gqa4, &tmp);
-    let rule = m["tune"]["default_block"].as_str().unwrap();
-    assert_eq!(
-        rule,
-        format!(
-            "threads {} and tile_tokens {} at every batch and context",
-            m["tune"]["threads"], m["tune"]["tile_tokens"]
-        )
+    let (rule, otherwise) = rule_of("kivi4");
+    assert!(
+        rule.starts_with("threads 128, tile_tokens 32 and short_staging true (sources generated")
+            && rule.contains("--tile-tokens 32 --short-staging true)")
+            && rule.contains("where batch·kv_heads ≤ 64 and bucket ≥ 4096, with default_splits")
+            && rule.contains(&format!("occupancy of the {otherwise}").replace(" and ", " "))
+            && rule.ends_with(&otherwise),
+        "{rule}"
     );
+    let (rule, otherwise) = rule_of("kivi2");
+    assert_eq!(rule, format!("{otherwise} at every batch and context"));
 }
 
 #[test]

@@ -1,9 +1,9 @@
 //! Fused GPU decode against the CPU reference on the same quantized cache, for every integer and
-//! FP16 built-in scheme (CalibQuant's also with the keys scored twice, KIVI-4's also on the short
-//! staging path, FP16's also with its few-pairs block), calibrated schemes of other
-//! key widths and layouts (`other_calibrated_schemes`) and a scheme with FP16 keys and 2-bit values
-//! (`one_tensor_schemes`), × head_dim {64, 128, 256} × {f16, bf16} × GQA {1, 4, 8}, in one batch of
-//! odd, unequal lengths. Inputs are fresh random data each run (seed printed; `KVQ_SEED` repeats
+//! FP16 built-in scheme (CalibQuant's also with the keys scored twice, KIVI-4's also on the
+//! short staging path and with its few-pairs block, FP16's also with its few-pairs block),
+//! calibrated schemes of other key widths and layouts (`other_calibrated_schemes`) and a scheme
+//! with FP16 keys and 2-bit values (`one_tensor_schemes`), × head_dim {64, 128, 256} × {f16,
+//! bf16} × GQA {1, 4, 8}, in one batch of odd, unequal lengths. Inputs are fresh random data each run (seed printed; `KVQ_SEED` repeats
 //! one), outputs are poisoned with NaN before every launch, and NaN never passes. Where a step's
 //! kernels overlap each other (compute capability 9.0 on), each step is repeated with plain
 //! launches and must give the same bits.
@@ -43,18 +43,20 @@ const KIVI4_SHORT_STAGING: &str = "kivi4-short-staging";
 const CALIBQUANT1_KEYS_TWICE: &str = "calibquant1-keys-twice";
 const CALIBQUANT2_KEYS_TWICE: &str = "calibquant2-keys-twice";
 
-/// FP16's block for launches with few (sequence, KV head) pairs over long contexts
-/// (`kvq_runtime::decode::few_pairs_block`: four-warp CTAs of 32-token tiles at head_dim 128),
-/// which untuned launches take at B ≤ 2: checked as a scheme of its own.
+/// FP16's and KIVI-4's blocks for launches with few (sequence, KV head) pairs
+/// (`kvq_runtime::decode::few_pairs_block`, at head_dim 128: FP16 four-warp CTAs of 32-token
+/// tiles, KIVI-4 32-token tiles on the short staging path), which untuned launches take at small
+/// batches: checked as schemes of their own.
 const FP16_FEW_PAIRS: &str = "fp16-few-pairs";
+const KIVI4_FEW_PAIRS: &str = "kivi4-few-pairs";
 
 /// The block parameters a variant is checked with: the default, for [`KIVI4_SHORT_STAGING`] the
-/// short staging path, for [`FP16_FEW_PAIRS`] FP16's few-pairs block where the shape has one,
+/// short staging path, for the `-few-pairs` variants the few-pairs block where the shape has one,
 /// and for the `-keys-twice` variants no stored scores.
 fn params_for(name: &str, spec: &kvq::SchemeSpec, shape: &KernelShape) -> TuneParams {
     let default = TuneParams::default_for(spec, shape);
-    if name == FP16_FEW_PAIRS {
-        return few_pairs_block(spec, shape).unwrap_or(default);
+    if [FP16_FEW_PAIRS, KIVI4_FEW_PAIRS].contains(&name) {
+        return few_pairs_block(spec, shape).map_or(default, |b| b.params);
     }
     TuneParams {
         short_staging: name == KIVI4_SHORT_STAGING,
@@ -154,6 +156,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
         .expect("kivi4")
         .1;
     schemes.push((KIVI4_SHORT_STAGING, kivi4));
+    schemes.push((KIVI4_FEW_PAIRS, kivi4));
     for (variant, of) in [
         (FP16_FEW_PAIRS, "fp16"),
         (CALIBQUANT1_KEYS_TWICE, "calibquant1"),

@@ -2,7 +2,7 @@
 //! launches a problem with. The codegen's [`TuneParams::default_for`] knows only the scheme and
 //! the kernel shape; the batch shape and context bucket can call for another block.
 
-use kvq_codegen::{KernelShape, TuneParams};
+use kvq_codegen::{short_staging_changes, KernelShape, TuneParams};
 use kvq_spec::SchemeSpec;
 
 use crate::tune::context_bucket;
@@ -22,18 +22,97 @@ pub const FP16_FEW_PAIRS_MIN_BUCKET: usize = 8 * 1024;
 /// With so few pairs the grid is all splits; four warps a CTA halve them (49 instead of 99 at
 /// B=1 on an H100), so the combine reads half the partials, and a CTA's warps merge on chip.
 /// Measured on an H100 (docs/BENCHMARKS.md, thirty-second round), against the two-warp block in
-/// the same run: B=1 ×1.02–×1.09 from 8K to 64K and ×1.00 at 128K; B=2 ×1.03–×1.07 from 8K to
+/// the same run: B=1 ×1.01–×1.09 from 8K to 64K and ×1.00 at 128K; B=2 ×1.03–×1.08 from 8K to
 /// 64K, ×1.01 at 128K. Where buffers land still matters: at B=1 L=32K this block ran 57.4–58.0
 /// µs at both placement pads, where the two-warp block ran 59.4 at one and 66.6–66.9 at the
 /// other, but 65.9 µs in a checked run of every scheme.
 pub const FP16_FEW_PAIRS_BLOCK: (u32, u32) = (128, 32);
 
+/// Most (sequence, KV head) pairs a launch may have for a kernel whose ring stages 4-bit K and V
+/// (KIVI-4's) to take [`SHORT_STAGING_FEW_PAIRS_BLOCK`]: B ≤ 8 at 8 KV heads, the largest batch
+/// measured (docs/BENCHMARKS.md, thirty-second round).
+pub const SHORT_STAGING_FEW_PAIRS_MAX: usize = 64;
+
+/// Shortest context bucket at which KIVI-4's kernels with few (sequence, KV head) pairs take
+/// [`SHORT_STAGING_FEW_PAIRS_BLOCK`]: the shortest measured.
+pub const SHORT_STAGING_FEW_PAIRS_MIN_BUCKET: usize = 4096;
+
+/// Threads and tile of KIVI-4's block at head_dim 128 where a launch has few (sequence, KV head)
+/// pairs: 32-token tiles on the short staging path instead of 64-token tiles on the general one.
+/// Its smaller ring lets an SM hold three CTAs instead of two, but its split count fills waves of
+/// the 64-token block's two ([`FewPairsBlock::splits_from_default`]): on an H100 at B ≤ 8 from
+/// 4K to 128K (docs/BENCHMARKS.md, thirty-second round) that ran ×0.997–×1.135 (B=1 L=32K
+/// ×1.085, L=128K ×1.052), where splits filling three CTAs an SM ran ×0.98–×1.11 (B=1 L=32K
+/// ×1.023) and the general path with tiles of 32 lost up to ×0.947.
+pub const SHORT_STAGING_FEW_PAIRS_BLOCK: (u32, u32) = (128, 32);
+
+/// A block the untuned default takes instead of the codegen's where a launch has few (sequence,
+/// KV head) pairs: with few pairs the grid is all splits, and another block divides the work
+/// better.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FewPairsBlock {
+    /// The block (the launch variants, short staging and stored scores, as it says).
+    pub params: TuneParams,
+    /// Most (sequence, KV head) pairs, batch × KV heads, a launch may have to take it.
+    pub max_pairs: usize,
+    /// Shortest context bucket at which a launch takes it.
+    pub min_bucket: usize,
+    /// Whether the split count fills waves of the codegen default block's occupancy rather
+    /// than of this block's own.
+    pub splits_from_default: bool,
+}
+
+impl FewPairsBlock {
+    /// Whether a launch of `batch` sequences of `kv_heads` KV heads and at most `max_len`
+    /// tokens takes this block.
+    pub fn applies(&self, batch: usize, kv_heads: usize, max_len: usize) -> bool {
+        batch * kv_heads <= self.max_pairs && context_bucket(max_len) >= self.min_bucket
+    }
+}
+
+/// The block of [`default_block`] for launches with few (sequence, KV head) pairs, where the
+/// scheme and shape have one: FP16 at head_dim 128 takes [`FP16_FEW_PAIRS_BLOCK`]; kernels whose
+/// ring stages 4-bit K and V (KIVI-4's) at head_dim 128 take [`SHORT_STAGING_FEW_PAIRS_BLOCK`] on
+/// the short staging path. Both were measured at GQA 4 in f16. `None` for every other scheme and
+/// shape.
+pub fn few_pairs_block(spec: &SchemeSpec, shape: &KernelShape) -> Option<FewPairsBlock> {
+    if shape.head_dim != 128 {
+        return None;
+    }
+    let base = TuneParams::default_for(spec, shape);
+    let fp16 = !spec.k.is_quantized() && !spec.v.is_quantized();
+    if fp16 {
+        let (threads, tile_tokens) = FP16_FEW_PAIRS_BLOCK;
+        return Some(FewPairsBlock {
+            params: TuneParams {
+                threads,
+                tile_tokens,
+                ..base
+            },
+            max_pairs: FP16_FEW_PAIRS_MAX,
+            min_bucket: FP16_FEW_PAIRS_MIN_BUCKET,
+            splits_from_default: false,
+        });
+    }
+    let (threads, tile_tokens) = SHORT_STAGING_FEW_PAIRS_BLOCK;
+    let short = TuneParams {
+        threads,
+        tile_tokens,
+        short_staging: true,
+        ..base
+    };
+    short_staging_changes(spec, shape, &short).then_some(FewPairsBlock {
+        params: short,
+        max_pairs: SHORT_STAGING_FEW_PAIRS_MAX,
+        min_bucket: SHORT_STAGING_FEW_PAIRS_MIN_BUCKET,
+        splits_from_default: true,
+    })
+}
+
 /// The block the untuned default launches `batch` sequences of `kv_heads` KV heads and at most
-/// `max_len` tokens with: [`TuneParams::default_for`], except where [`few_pairs_block`] has a
-/// block for the scheme and shape, which launches with at most [`FP16_FEW_PAIRS_MAX`] (sequence,
-/// KV head) pairs and a context bucket of at least [`FP16_FEW_PAIRS_MIN_BUCKET`] tokens take.
-/// Like the split count it depends only on the batch shape and the bucket, so a captured graph
-/// stays valid while sequences grow within their bucket.
+/// `max_len` tokens with: the scheme's [`few_pairs_block`] where it applies, else
+/// [`TuneParams::default_for`]. Like the split count it depends only on the batch shape and the
+/// bucket, so a captured graph stays valid while sequences grow within their bucket.
 pub fn default_block(
     spec: &SchemeSpec,
     shape: &KernelShape,
@@ -41,27 +120,26 @@ pub fn default_block(
     kv_heads: usize,
     max_len: usize,
 ) -> TuneParams {
-    let few_pairs = batch * kv_heads <= FP16_FEW_PAIRS_MAX;
-    let long = context_bucket(max_len) >= FP16_FEW_PAIRS_MIN_BUCKET;
     match few_pairs_block(spec, shape) {
-        Some(block) if few_pairs && long => block,
+        Some(b) if b.applies(batch, kv_heads, max_len) => b.params,
         _ => TuneParams::default_for(spec, shape),
     }
 }
 
-/// The block of [`default_block`] for launches with few (sequence, KV head) pairs over long
-/// contexts, where it differs from the codegen default: FP16 at head_dim 128 takes
-/// [`FP16_FEW_PAIRS_BLOCK`] (measured at GQA 4 in f16); `None` for every other scheme and shape.
-pub fn few_pairs_block(spec: &SchemeSpec, shape: &KernelShape) -> Option<TuneParams> {
-    let fp16 = !spec.k.is_quantized() && !spec.v.is_quantized();
-    (fp16 && shape.head_dim == 128).then(|| {
-        let (threads, tile_tokens) = FP16_FEW_PAIRS_BLOCK;
-        TuneParams {
-            threads,
-            tile_tokens,
-            ..TuneParams::default_for(spec, shape)
-        }
-    })
+/// The block whose kernel's occupancy (CTAs an SM) the untuned default's split count fills:
+/// [`default_block`]'s own, except where its [`FewPairsBlock::splits_from_default`] says the
+/// codegen default's.
+pub fn occupancy_block(
+    spec: &SchemeSpec,
+    shape: &KernelShape,
+    batch: usize,
+    kv_heads: usize,
+    max_len: usize,
+) -> TuneParams {
+    match few_pairs_block(spec, shape) {
+        Some(b) if b.applies(batch, kv_heads, max_len) && !b.splits_from_default => b.params,
+        _ => TuneParams::default_for(spec, shape),
+    }
 }
 
 #[cfg(test)]
@@ -116,9 +194,46 @@ mod tests {
             TuneParams::default_for(&fp16, &d64)
         );
         let kivi2 = spec("k = int(2, channel), v = int(2, token)");
+        assert_eq!(few_pairs_block(&kivi2, &shape), None);
         assert_eq!(
             default_block(&kivi2, &shape, 1, 8, 32768),
             TuneParams::default_for(&kivi2, &shape)
         );
+        // FP16's split count fills its own block's waves.
+        for batch in [1, 4] {
+            assert_eq!(
+                occupancy_block(&fp16, &shape, batch, 8, 32768),
+                default_block(&fp16, &shape, batch, 8, 32768)
+            );
+        }
+    }
+
+    #[test]
+    fn kivi4_with_few_pairs_takes_short_staged_tiles_of_32_with_the_default_blocks_occupancy() {
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        let kivi4 = spec("k = int(4, channel), v = int(4, token)");
+        let base = TuneParams::default_for(&kivi4, &shape);
+        assert_eq!((base.threads, base.tile_tokens), (128, 64));
+        assert!(!base.short_staging);
+        let few = few_pairs_block(&kivi4, &shape).unwrap();
+        assert!(few.splits_from_default);
+        let short = TuneParams {
+            tile_tokens: 32,
+            short_staging: true,
+            ..base
+        };
+        assert_eq!(few.params, short);
+        for (batch, len) in [(1, 4096), (1, 131072), (8, 4096), (8, 32768)] {
+            assert_eq!(default_block(&kivi4, &shape, batch, 8, len), short);
+            assert_eq!(occupancy_block(&kivi4, &shape, batch, 8, len), base);
+        }
+        // B=16 at 8 KV heads, or a bucket under 4096 tokens: the codegen default.
+        for (batch, len) in [(16, 32768), (1, 2048)] {
+            assert_eq!(default_block(&kivi4, &shape, batch, 8, len), base);
+            assert_eq!(occupancy_block(&kivi4, &shape, batch, 8, len), base);
+        }
+        // Other head sizes keep the codegen default.
+        let d64 = KernelShape::new(64, 4, Dtype::F16);
+        assert_eq!(few_pairs_block(&kivi4, &d64), None);
     }
 }

@@ -7,8 +7,8 @@ use std::fmt;
 
 use super::key::TuneProblem;
 use crate::decode::{
-    default_block, default_pieces, default_splits, min_warp_tokens, short_staging_by_default,
-    store_scores_by_default, Pieces,
+    default_block, default_pieces, default_splits, min_warp_tokens, occupancy_block,
+    short_staging_by_default, store_scores_by_default, Pieces,
 };
 use crate::error::{Result, RuntimeError};
 
@@ -32,7 +32,8 @@ pub struct TuneChoice {
 impl TuneChoice {
     /// The untuned default: [`TuneChoice::default_block`] for the block, [`default_splits`] for
     /// the grid, which fills whole waves of `resident_ctas` (from
-    /// [`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas) of that block's kernel),
+    /// [`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas) of the kernel of
+    /// [`TuneChoice::occupancy_block`]),
     /// and [`default_pieces`] for the pieces after the splits; the short staging path where the
     /// kernel has a choice and [`short_staging_by_default`] says so; a calibrated scheme's key
     /// scores stored as the block default says, unless [`store_scores_by_default`] says not.
@@ -59,9 +60,21 @@ impl TuneChoice {
 
     /// The block of [`TuneChoice::heuristic`] before its launch-dependent variants (short
     /// staging, stored scores): [`default_block`] for the problem's batch shape and context
-    /// bucket. Load this block's kernel for the `resident_ctas` the heuristic takes.
+    /// bucket.
     pub fn default_block(problem: &TuneProblem) -> TuneParams {
         default_block(
+            &problem.spec,
+            &problem.shape,
+            problem.batch,
+            problem.kv_heads,
+            problem.max_len,
+        )
+    }
+
+    /// The block whose kernel's occupancy the heuristic's split count fills ([`occupancy_block`]):
+    /// load its kernel for the `resident_ctas` [`TuneChoice::heuristic`] takes.
+    pub fn occupancy_block(problem: &TuneProblem) -> TuneParams {
+        occupancy_block(
             &problem.spec,
             &problem.shape,
             problem.batch,
@@ -345,13 +358,17 @@ mod tests {
         let kivi4 =
             |batch, max_len| problem_of("k = int(4, channel), v = int(4, token)", batch, max_len);
         // 264 resident four-warp CTAs (two an SM of an H100). B=16 L=32K: 2 splits, 4096 bucket
-        // tokens a warp; L=128K: 16384. B=16 L=4K: 512; B=1 L=128K: 33 splits, 992.
+        // tokens a warp; L=128K: 16384. B=16 L=4K: 512, and B=16 L=2K: 256. B ≤ 8 from 4K take
+        // the few-pairs block, which is on the short path whatever the share (B=1 L=128K: 33
+        // splits, 992 a warp).
         for (batch, len, short) in [
             (16, 32_768, true),
             (16, 131_072, true),
             (16, 4096, false),
-            (1, 131_072, false),
-            (1, 32_768, false),
+            (16, 2048, false),
+            (1, 131_072, true),
+            (1, 32_768, true),
+            (8, 4096, true),
         ] {
             let c = TuneChoice::heuristic(&kivi4(batch, len), 264);
             let per_warp = len.next_power_of_two() / (c.splits * c.params.warps());
@@ -497,6 +514,22 @@ mod tests {
             TuneChoice::heuristic(&wide, 792).params,
             TuneParams::default_for(&wide.spec, &wide.shape)
         );
+    }
+
+    #[test]
+    fn kivi4_with_few_pairs_takes_tiles_of_32_with_the_default_blocks_splits() {
+        let kivi4 = problem_of("k = int(4, channel), v = int(4, token)", 1, 32_768);
+        let block = TuneChoice::default_block(&kivi4);
+        assert_eq!((block.threads, block.tile_tokens), (128, 32));
+        assert!(block.short_staging);
+        // The splits fill waves of the 64-token block's two CTAs an SM: 33 at B=1.
+        let occupancy = TuneChoice::occupancy_block(&kivi4);
+        assert_eq!(
+            occupancy,
+            TuneParams::default_for(&kivi4.spec, &kivi4.shape)
+        );
+        let h = TuneChoice::heuristic(&kivi4, 264);
+        assert_eq!((h.params, h.splits), (block, 33));
     }
 
     #[test]

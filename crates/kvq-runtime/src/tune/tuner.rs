@@ -239,10 +239,10 @@ impl<'j> Tuner<'j> {
         &self.gpu
     }
 
-    /// The untuned default for `problem` on this GPU (loads the default block's kernel, through
-    /// the JIT's caches, for its occupancy).
+    /// The untuned default for `problem` on this GPU (loads the kernel of
+    /// [`TuneChoice::occupancy_block`], through the JIT's caches, for its occupancy).
     pub fn heuristic(&self, problem: &TuneProblem) -> Result<TuneChoice> {
-        let kernel = default_kernel(self.jit, problem)?;
+        let kernel = occupancy_kernel(self.jit, problem)?;
         Ok(TuneChoice::heuristic(
             problem,
             kernel.resident_ctas(self.gpu.sm_count as usize)?,
@@ -396,8 +396,8 @@ impl<'a> Session<'a> {
         let p = self.problem;
         let d = p.shape.head_dim as usize;
         let q_heads = p.q_heads();
-        let default_kernel = default_kernel(self.jit, p)?;
-        let all = candidates(p, default_kernel.resident_ctas(props.sm_count as usize)?);
+        let occupancy = occupancy_kernel(self.jit, p)?;
+        let all = candidates(p, occupancy.resident_ctas(props.sm_count as usize)?);
         let default = all[0];
         let mut params: Vec<TuneParams> = Vec::new();
         for c in &all {
@@ -748,26 +748,26 @@ fn scratch_for<'s>(
 
 /// The decode kernel of `problem` at the heuristic block shape (through the JIT's caches): its
 /// occupancy sizes the default split count.
-/// The kernel of the heuristic's block for `problem` ([`TuneChoice::default_block`]), whose
-/// occupancy the heuristic's split count fills.
-fn default_kernel(jit: &Jit, problem: &TuneProblem) -> Result<DecodeKernel> {
+/// The kernel whose occupancy the heuristic's split count for `problem` fills
+/// ([`TuneChoice::occupancy_block`]; mostly the heuristic's own block).
+fn occupancy_kernel(jit: &Jit, problem: &TuneProblem) -> Result<DecodeKernel> {
     DecodeKernel::load(
         jit,
         &problem.spec,
         &problem.shape,
-        &TuneChoice::default_block(problem),
+        &TuneChoice::occupancy_block(problem),
     )
 }
 
 /// The untuned default launch for `problem` and the kernel it runs, without a [`Tuner`]: the
-/// heuristic's block is loaded for its occupancy, then the variant the heuristic picks for the
-/// launch (short staging, stored scores) if that differs. Kernels come through the JIT's caches.
+/// kernel of [`TuneChoice::occupancy_block`] is loaded for its occupancy, then the one the
+/// heuristic launches if that differs. Kernels come through the JIT's caches.
 pub fn default_launch(jit: &Jit, problem: &TuneProblem) -> Result<(TuneChoice, DecodeKernel)> {
-    let block_kernel = default_kernel(jit, problem)?;
+    let occupancy = occupancy_kernel(jit, problem)?;
     let sm_count = jit.device().props().sm_count as usize;
-    let choice = TuneChoice::heuristic(problem, block_kernel.resident_ctas(sm_count)?);
-    let kernel = if choice.params == block_kernel.generated().tune {
-        block_kernel
+    let choice = TuneChoice::heuristic(problem, occupancy.resident_ctas(sm_count)?);
+    let kernel = if choice.params == occupancy.generated().tune {
+        occupancy
     } else {
         DecodeKernel::load(jit, &problem.spec, &problem.shape, &choice.params)?
     };
