@@ -290,8 +290,8 @@ impl Context<'_> {
             RotatingBatch::upload(&stream, &sequences, self.queries.bits_for(batch), copies)?;
         let problem = TuneProblem::new(prep.scheme.spec, self.shape, config.kv_heads, batch, len);
         // The heuristic's block and its variant depend on the batch shape and the context
-        // bucket (FP16's block at few pairs, KIVI-4's short staging path where warps' shares
-        // are long).
+        // bucket (FP16's and KIVI-4's blocks at few pairs, KIVI-4's short staging path where
+        // warps' shares are long).
         let (default, kernel) = default_launch(self.jit, &problem)?;
         let kernel = &kernel;
         let stores_scores = kernel.generated().stores_scores;

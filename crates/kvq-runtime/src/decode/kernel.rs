@@ -278,8 +278,11 @@ impl DecodeKernel {
         range_splits_for(splits, self.decode_per_sm, self.range_per_sm)
     }
 
-    /// The heuristic split count for a batch of `batch` sequences of at most `max_len` tokens
-    /// with `kv_heads` KV heads on a GPU of `sm_count` SMs.
+    /// The split count [`default_splits`](super::default_splits) gives this kernel's own
+    /// occupancy for a batch of `batch` sequences of at most `max_len` tokens with `kv_heads` KV
+    /// heads on a GPU of `sm_count` SMs: the heuristic's, except for KIVI-4's few-pairs block,
+    /// whose heuristic splits fill the 64-token block's occupancy
+    /// ([`occupancy_block`](super::occupancy_block)).
     pub fn default_splits(
         &self,
         batch: usize,

@@ -33,10 +33,10 @@ impl TuneChoice {
     /// The untuned default: [`TuneChoice::default_block`] for the block, [`default_splits`] for
     /// the grid, which fills whole waves of `resident_ctas` (from
     /// [`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas) of the kernel of
-    /// [`TuneChoice::occupancy_block`]),
-    /// and [`default_pieces`] for the pieces after the splits; the short staging path where the
-    /// kernel has a choice and [`short_staging_by_default`] says so; a calibrated scheme's key
-    /// scores stored as the block default says, unless [`store_scores_by_default`] says not.
+    /// [`TuneChoice::occupancy_block`]), and [`default_pieces`] for the pieces after the splits;
+    /// the short staging path where the kernel has a choice and the block or
+    /// [`short_staging_by_default`] says so; a calibrated scheme's key scores stored as the block
+    /// default says, unless [`store_scores_by_default`] says not.
     pub fn heuristic(problem: &TuneProblem, resident_ctas: usize) -> TuneChoice {
         let mut params = TuneChoice::default_block(problem);
         let splits = default_splits(
