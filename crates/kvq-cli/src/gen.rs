@@ -1217,7 +1217,7 @@ fn default_store_scores_text(
 }
 
 /// The manifest's rule for the block of the runtime's untuned launches
-/// (`kvq_runtime::decode::default_block`, `occupancy_block`).
+/// (`TuneChoice::default_block` and `occupancy_block` in kvq-runtime).
 fn default_block_text(spec: &SchemeSpec, shape: &KernelShape) -> String {
     let base = TuneParams::default_for(spec, shape);
     let Some(few) = kvq::runtime::decode::few_pairs_block(spec, shape) else {

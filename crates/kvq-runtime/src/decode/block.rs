@@ -1,6 +1,7 @@
-//! Which kernel block (threads, tile and the other compile-time parameters) the untuned default
-//! launches a problem with. The codegen's [`TuneParams::default_for`] knows only the scheme and
-//! the kernel shape; the batch shape and context bucket can call for another block.
+//! Blocks (threads, tile and the other compile-time parameters) the untuned default takes instead
+//! of the codegen's where a launch has few (sequence, KV head) pairs. [`TuneParams::default_for`]
+//! knows only the scheme and the kernel shape; the batch shape and context bucket can call for
+//! another block. `TuneChoice::default_block` and `TuneChoice::occupancy_block` apply the rules.
 
 use kvq_codegen::{short_staging_changes, KernelShape, TuneParams};
 use kvq_spec::SchemeSpec;
@@ -20,8 +21,8 @@ pub const FP16_FEW_PAIRS_MIN_BUCKET: usize = 8 * 1024;
 /// Threads and tile of FP16's block at head_dim 128 where a launch has few (sequence, KV head)
 /// pairs over long contexts: four-warp CTAs of 32-token tiles instead of two-warp CTAs of 64.
 /// With so few pairs the grid is all splits; four warps a CTA halve them (49 instead of 99 at
-/// B=1 on an H100), so the combine reads half the partials, and a CTA's warps merge on chip.
-/// Measured on an H100 (docs/BENCHMARKS.md, thirty-second round), against the two-warp block in
+/// B=1 on an H100), so the combine reads half the partials, and a CTA's warps merge on chip (why
+/// the block runs faster was not profiled). Measured on an H100 (docs/BENCHMARKS.md, thirty-second round), against the two-warp block in
 /// the same run: B=1 ×1.01–×1.09 from 8K to 64K and ×1.00 at 128K; B=2 ×1.03–×1.08 from 8K to
 /// 64K, ×1.01 at 128K. Where buffers land still matters: at B=1 L=32K this block ran 57.4–58.0
 /// µs at both placement pads, where the two-warp block ran 59.4 at one and 66.6–66.9 at the
@@ -70,8 +71,8 @@ impl FewPairsBlock {
     }
 }
 
-/// The block of [`default_block`] for launches with few (sequence, KV head) pairs, where the
-/// scheme and shape have one: FP16 at head_dim 128 takes [`FP16_FEW_PAIRS_BLOCK`]; kernels whose
+/// The block the untuned default takes for launches with few (sequence, KV head) pairs
+/// ([`FewPairsBlock::applies`]), where the scheme and shape have one: FP16 at head_dim 128 takes [`FP16_FEW_PAIRS_BLOCK`]; kernels whose
 /// ring stages 4-bit K and V (KIVI-4's) at head_dim 128 take [`SHORT_STAGING_FEW_PAIRS_BLOCK`] on
 /// the short staging path. Both were measured at GQA 4 in f16. `None` for every other scheme and
 /// shape.
@@ -109,42 +110,10 @@ pub fn few_pairs_block(spec: &SchemeSpec, shape: &KernelShape) -> Option<FewPair
     })
 }
 
-/// The block the untuned default launches `batch` sequences of `kv_heads` KV heads and at most
-/// `max_len` tokens with: the scheme's [`few_pairs_block`] where it applies, else
-/// [`TuneParams::default_for`]. Like the split count it depends only on the batch shape and the
-/// bucket, so a captured graph stays valid while sequences grow within their bucket.
-pub fn default_block(
-    spec: &SchemeSpec,
-    shape: &KernelShape,
-    batch: usize,
-    kv_heads: usize,
-    max_len: usize,
-) -> TuneParams {
-    match few_pairs_block(spec, shape) {
-        Some(b) if b.applies(batch, kv_heads, max_len) => b.params,
-        _ => TuneParams::default_for(spec, shape),
-    }
-}
-
-/// The block whose kernel's occupancy (CTAs an SM) the untuned default's split count fills:
-/// [`default_block`]'s own, except where its [`FewPairsBlock::splits_from_default`] says the
-/// codegen default's.
-pub fn occupancy_block(
-    spec: &SchemeSpec,
-    shape: &KernelShape,
-    batch: usize,
-    kv_heads: usize,
-    max_len: usize,
-) -> TuneParams {
-    match few_pairs_block(spec, shape) {
-        Some(b) if b.applies(batch, kv_heads, max_len) && !b.splits_from_default => b.params,
-        _ => TuneParams::default_for(spec, shape),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tune::{TuneChoice, TuneProblem};
     use kvq_codegen::Dtype;
 
     fn spec(text: &str) -> SchemeSpec {
@@ -152,6 +121,42 @@ mod tests {
     }
 
     const FP16: &str = "k = fp16, v = fp16";
+
+    /// The heuristic's block and the block whose occupancy its splits fill, for `batch`
+    /// sequences of `kv_heads` KV heads and at most `len` tokens.
+    fn blocks(
+        spec: &SchemeSpec,
+        shape: &KernelShape,
+        batch: usize,
+        kv_heads: usize,
+        len: usize,
+    ) -> (TuneParams, TuneParams) {
+        let p = TuneProblem::new(*spec, *shape, kv_heads, batch, len);
+        (
+            TuneChoice::default_block(&p),
+            TuneChoice::occupancy_block(&p),
+        )
+    }
+
+    fn default_block(
+        spec: &SchemeSpec,
+        shape: &KernelShape,
+        b: usize,
+        h: usize,
+        l: usize,
+    ) -> TuneParams {
+        blocks(spec, shape, b, h, l).0
+    }
+
+    fn occupancy_block(
+        spec: &SchemeSpec,
+        shape: &KernelShape,
+        b: usize,
+        h: usize,
+        l: usize,
+    ) -> TuneParams {
+        blocks(spec, shape, b, h, l).1
+    }
 
     #[test]
     fn fp16_with_few_pairs_over_long_contexts_takes_four_warp_tiles_of_32() {

@@ -282,7 +282,7 @@ impl DecodeKernel {
     /// occupancy for a batch of `batch` sequences of at most `max_len` tokens with `kv_heads` KV
     /// heads on a GPU of `sm_count` SMs: the heuristic's, except for KIVI-4's few-pairs block,
     /// whose heuristic splits fill the 64-token block's occupancy
-    /// ([`occupancy_block`](super::occupancy_block)).
+    /// ([`TuneChoice::occupancy_block`](crate::TuneChoice::occupancy_block)).
     pub fn default_splits(
         &self,
         batch: usize,

@@ -11,9 +11,9 @@ mod kernel;
 mod splits;
 
 pub use block::{
-    default_block, few_pairs_block, occupancy_block, FewPairsBlock, FP16_FEW_PAIRS_BLOCK,
-    FP16_FEW_PAIRS_MAX, FP16_FEW_PAIRS_MIN_BUCKET, SHORT_STAGING_FEW_PAIRS_BLOCK,
-    SHORT_STAGING_FEW_PAIRS_MAX, SHORT_STAGING_FEW_PAIRS_MIN_BUCKET,
+    few_pairs_block, FewPairsBlock, FP16_FEW_PAIRS_BLOCK, FP16_FEW_PAIRS_MAX,
+    FP16_FEW_PAIRS_MIN_BUCKET, SHORT_STAGING_FEW_PAIRS_BLOCK, SHORT_STAGING_FEW_PAIRS_MAX,
+    SHORT_STAGING_FEW_PAIRS_MIN_BUCKET,
 };
 pub use cache::{CacheView, GpuCache};
 pub use kernel::{DecodeKernel, DecodeScratch, RANGE_SCALE_MAX_SPLITS};

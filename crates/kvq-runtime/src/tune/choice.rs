@@ -7,8 +7,8 @@ use std::fmt;
 
 use super::key::TuneProblem;
 use crate::decode::{
-    default_block, default_pieces, default_splits, min_warp_tokens, occupancy_block,
-    short_staging_by_default, store_scores_by_default, Pieces,
+    default_pieces, default_splits, few_pairs_block, min_warp_tokens, short_staging_by_default,
+    store_scores_by_default, FewPairsBlock, Pieces,
 };
 use crate::error::{Result, RuntimeError};
 
@@ -59,28 +59,22 @@ impl TuneChoice {
     }
 
     /// The block of [`TuneChoice::heuristic`] before its launch-dependent variants (short
-    /// staging, stored scores): [`default_block`] for the problem's batch shape and context
-    /// bucket.
+    /// staging, stored scores): the scheme's [`few_pairs_block`] where it applies to the
+    /// problem's batch shape and context bucket, else [`TuneParams::default_for`]. Like the split
+    /// count it depends only on the batch shape and the bucket, so a captured graph stays valid
+    /// while sequences grow within their bucket.
     pub fn default_block(problem: &TuneProblem) -> TuneParams {
-        default_block(
-            &problem.spec,
-            &problem.shape,
-            problem.batch,
-            problem.kv_heads,
-            problem.max_len,
-        )
+        few_pairs_taken(problem).map_or_else(|| codegen_default(problem), |b| b.params)
     }
 
-    /// The block whose kernel's occupancy the heuristic's split count fills ([`occupancy_block`]):
-    /// load its kernel for the `resident_ctas` [`TuneChoice::heuristic`] takes.
+    /// The block whose kernel's occupancy (CTAs an SM) the heuristic's split count fills:
+    /// [`TuneChoice::default_block`]'s own, except where its
+    /// [`FewPairsBlock::splits_from_default`] says the codegen default's. Load its kernel for
+    /// the `resident_ctas` [`TuneChoice::heuristic`] takes.
     pub fn occupancy_block(problem: &TuneProblem) -> TuneParams {
-        occupancy_block(
-            &problem.spec,
-            &problem.shape,
-            problem.batch,
-            problem.kv_heads,
-            problem.max_len,
-        )
+        few_pairs_taken(problem)
+            .filter(|b| !b.splits_from_default)
+            .map_or_else(|| codegen_default(problem), |b| b.params)
     }
 
     /// Checks the block parameters against the ranges the templates declare and the split count
@@ -124,6 +118,17 @@ impl fmt::Display for TuneChoice {
         }
         Ok(())
     }
+}
+
+/// The scheme's few-pairs block, where `problem`'s batch shape and context bucket take it.
+fn few_pairs_taken(problem: &TuneProblem) -> Option<FewPairsBlock> {
+    few_pairs_block(&problem.spec, &problem.shape)
+        .filter(|b| b.applies(problem.batch, problem.kv_heads, problem.max_len))
+}
+
+/// The codegen's block for `problem`'s scheme and kernel shape.
+fn codegen_default(problem: &TuneProblem) -> TuneParams {
+    TuneParams::default_for(&problem.spec, &problem.shape)
 }
 
 /// The pieces [`default_pieces`] gives a launch of `splits` splits of the kernel `params` renders.
