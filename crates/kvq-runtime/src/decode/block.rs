@@ -138,26 +138,6 @@ mod tests {
         )
     }
 
-    fn default_block(
-        spec: &SchemeSpec,
-        shape: &KernelShape,
-        b: usize,
-        h: usize,
-        l: usize,
-    ) -> TuneParams {
-        blocks(spec, shape, b, h, l).0
-    }
-
-    fn occupancy_block(
-        spec: &SchemeSpec,
-        shape: &KernelShape,
-        b: usize,
-        h: usize,
-        l: usize,
-    ) -> TuneParams {
-        blocks(spec, shape, b, h, l).1
-    }
-
     #[test]
     fn fp16_with_few_pairs_over_long_contexts_takes_four_warp_tiles_of_32() {
         let shape = KernelShape::new(128, 4, Dtype::F16);
@@ -165,7 +145,7 @@ mod tests {
         let base = TuneParams::default_for(&fp16, &shape);
         assert_eq!((base.threads, base.tile_tokens), (64, 64));
         for (batch, len) in [(1, 8192), (1, 5000), (1, 32768), (2, 131072)] {
-            let b = default_block(&fp16, &shape, batch, 8, len);
+            let b = blocks(&fp16, &shape, batch, 8, len).0;
             assert_eq!(
                 (b.threads, b.tile_tokens),
                 FP16_FEW_PAIRS_BLOCK,
@@ -189,27 +169,25 @@ mod tests {
         let fp16 = spec(FP16);
         let base = TuneParams::default_for(&fp16, &shape);
         // Too many pairs (B=4 at 8 KV heads, B=1 at 32), or a short bucket.
-        assert_eq!(default_block(&fp16, &shape, 4, 8, 32768), base);
-        assert_eq!(default_block(&fp16, &shape, 1, 32, 32768), base);
-        assert_eq!(default_block(&fp16, &shape, 1, 8, 4096), base);
+        assert_eq!(blocks(&fp16, &shape, 4, 8, 32768).0, base);
+        assert_eq!(blocks(&fp16, &shape, 1, 32, 32768).0, base);
+        assert_eq!(blocks(&fp16, &shape, 1, 8, 4096).0, base);
         // Another head size, or a quantized scheme.
         let d64 = KernelShape::new(64, 4, Dtype::F16);
         assert_eq!(
-            default_block(&fp16, &d64, 1, 8, 32768),
+            blocks(&fp16, &d64, 1, 8, 32768).0,
             TuneParams::default_for(&fp16, &d64)
         );
         let kivi2 = spec("k = int(2, channel), v = int(2, token)");
         assert_eq!(few_pairs_block(&kivi2, &shape), None);
         assert_eq!(
-            default_block(&kivi2, &shape, 1, 8, 32768),
+            blocks(&kivi2, &shape, 1, 8, 32768).0,
             TuneParams::default_for(&kivi2, &shape)
         );
         // FP16's split count fills its own block's waves.
         for batch in [1, 4] {
-            assert_eq!(
-                occupancy_block(&fp16, &shape, batch, 8, 32768),
-                default_block(&fp16, &shape, batch, 8, 32768)
-            );
+            let (block, occupancy) = blocks(&fp16, &shape, batch, 8, 32768);
+            assert_eq!(occupancy, block);
         }
     }
 
@@ -229,13 +207,11 @@ mod tests {
         };
         assert_eq!(few.params, short);
         for (batch, len) in [(1, 4096), (1, 131072), (8, 4096), (8, 32768)] {
-            assert_eq!(default_block(&kivi4, &shape, batch, 8, len), short);
-            assert_eq!(occupancy_block(&kivi4, &shape, batch, 8, len), base);
+            assert_eq!(blocks(&kivi4, &shape, batch, 8, len), (short, base));
         }
         // B=16 at 8 KV heads, or a bucket under 4096 tokens: the codegen default.
         for (batch, len) in [(16, 32768), (1, 2048)] {
-            assert_eq!(default_block(&kivi4, &shape, batch, 8, len), base);
-            assert_eq!(occupancy_block(&kivi4, &shape, batch, 8, len), base);
+            assert_eq!(blocks(&kivi4, &shape, batch, 8, len), (base, base));
         }
         // Other head sizes keep the codegen default.
         let d64 = KernelShape::new(64, 4, Dtype::F16);
