@@ -1217,42 +1217,85 @@ fn default_store_scores_text(
 }
 
 /// The manifest's rule for the block of the runtime's untuned launches
-/// (`TuneChoice::default_block` and `occupancy_block` in kvq-runtime).
+/// (`kvq_runtime::decode::rule_block`, which `TuneChoice::default_block` and `occupancy_block`
+/// apply): the scheme's whole-pairs block, then its few-pairs block, else the codegen default.
 fn default_block_text(spec: &SchemeSpec, shape: &KernelShape) -> String {
+    use kvq::runtime::decode::{few_pairs_block, whole_pairs_block, WholePairsBlock};
     let base = TuneParams::default_for(spec, shape);
-    let Some(few) = kvq::runtime::decode::few_pairs_block(spec, shape) else {
-        return format!(
-            "threads {} and tile_tokens {} at every batch and context",
-            base.threads, base.tile_tokens
-        );
-    };
-    let b = few.params;
-    let (short, short_flag) = if b.short_staging && !base.short_staging {
-        (" and short_staging true", " --short-staging true")
-    } else {
-        ("", "")
-    };
-    let slots = if few.splits_from_default {
-        format!(
-            ", with default_splits' slots from the occupancy of the threads {} tile_tokens {} \
-             block",
-            base.threads, base.tile_tokens
-        )
-    } else {
-        String::new()
-    };
+    let mut rules = Vec::new();
+    if let Some(w) = whole_pairs_block(spec, shape) {
+        rules.push(format!(
+            "{} with num_splits = 1 and num_pieces = 0 where waves = ceil(batch·kv_heads / \
+             sm_count) ≤ {}, batch·kv_heads ≥ {}·waves·sm_count, bucket ≤ {} and bucket·waves ≤ {}",
+            block_change_text(&base, &w.params),
+            w.max_waves,
+            WholePairsBlock::MIN_FILL_PERMILLE as f64 / 1000.0,
+            w.max_bucket,
+            w.max_wave_tokens
+        ));
+    }
+    if let Some(few) = few_pairs_block(spec, shape) {
+        let pairs = match (*few.pairs.start(), *few.pairs.end()) {
+            (1, hi) => format!("batch·kv_heads ≤ {hi}"),
+            (lo, hi) => format!("{lo} ≤ batch·kv_heads ≤ {hi}"),
+        };
+        let buckets = match (*few.buckets.start(), *few.buckets.end()) {
+            (lo, usize::MAX) => format!("bucket ≥ {lo}"),
+            (lo, hi) => format!("{lo} ≤ bucket ≤ {hi}"),
+        };
+        let slots = if few.splits_from_default {
+            format!(
+                ", with default_splits' slots from the occupancy of the threads {} tile_tokens {} \
+                 block",
+                base.threads, base.tile_tokens
+            )
+        } else {
+            String::new()
+        };
+        rules.push(format!(
+            "{} where {pairs} and {buckets}{slots}",
+            block_change_text(&base, &few.params)
+        ));
+    }
+    let otherwise = format!(
+        "threads {} and tile_tokens {}",
+        base.threads, base.tile_tokens
+    );
+    if rules.is_empty() {
+        return format!("{otherwise} at every batch and context");
+    }
+    format!("{}; else {otherwise}", rules.join("; "))
+}
+
+/// A rule's block as the parameters it sets and the `kvq gen` flags that generate its sources:
+/// threads and tile always, the occupancy floor, head packing and short staging where they differ
+/// from the codegen default `base`.
+fn block_change_text(base: &TuneParams, block: &TuneParams) -> String {
+    let mut set = vec![
+        format!("threads {}", block.threads),
+        format!("tile_tokens {}", block.tile_tokens),
+    ];
+    let mut flags = vec![
+        format!("--threads {}", block.threads),
+        format!("--tile-tokens {}", block.tile_tokens),
+    ];
+    if block.min_warps_per_sm != base.min_warps_per_sm {
+        set.push(format!("min_warps_per_sm {}", block.min_warps_per_sm));
+        flags.push(format!("--min-warps-per-sm {}", block.min_warps_per_sm));
+    }
+    if block.pack_heads != base.pack_heads {
+        set.push(format!("pack_heads {}", block.pack_heads));
+        flags.push(format!("--pack-heads {}", block.pack_heads));
+    }
+    if block.short_staging != base.short_staging {
+        set.push(format!("short_staging {}", block.short_staging));
+        flags.push(format!("--short-staging {}", block.short_staging));
+    }
+    let last = set.pop().unwrap_or_default();
     format!(
-        "threads {}, tile_tokens {}{short} (sources generated with --threads {} --tile-tokens \
-         {}{short_flag}) where batch·kv_heads ≤ {} and bucket ≥ {}{slots}; else threads {} and \
-         tile_tokens {}",
-        b.threads,
-        b.tile_tokens,
-        b.threads,
-        b.tile_tokens,
-        few.max_pairs,
-        few.min_bucket,
-        base.threads,
-        base.tile_tokens
+        "{} and {last} (sources generated with {})",
+        set.join(", "),
+        flags.join(" ")
     )
 }
 

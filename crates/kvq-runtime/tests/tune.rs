@@ -7,8 +7,8 @@ use std::path::PathBuf;
 
 use kvq_codegen::{Dtype, KernelShape, TuneParams};
 use kvq_runtime::tune::{
-    candidates, GpuKey, TuneChoice, TuneEntry, TunePolicy, TuneProblem, TuneStore, KVQ_TUNE,
-    TUNE_FILE,
+    candidates, GpuKey, Residency, TuneChoice, TuneEntry, TunePolicy, TuneProblem, TuneStore,
+    KVQ_TUNE, TUNE_FILE,
 };
 use kvq_runtime::{DriverVersion, RuntimeError};
 
@@ -159,7 +159,7 @@ fn the_issue_shape_searches_every_block_shape_around_the_heuristic_splits() {
     for (batch, len, default_splits) in [(1, 32_768, 49), (16, 32_768, 3), (1, 4096, 32)] {
         let p = problem(batch, len);
         assert_eq!(TuneParams::default_for(&p.spec, &p.shape).threads, 128);
-        let all = candidates(&p, 396);
+        let all = candidates(&p, Residency::new(132, 396));
         assert_eq!(all[0].splits, default_splits, "B={batch} L={len}");
         assert_eq!(all[0].params, TuneParams::default_for(&p.spec, &p.shape));
         assert!(all.len() >= TuneParams::candidates_for(&p.spec, &p.shape).len() * 4);

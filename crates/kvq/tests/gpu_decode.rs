@@ -18,7 +18,7 @@ use kvq::codegen::{Dtype, KernelShape, TuneParams};
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
 use kvq::reference::{Dequantized, KvTensor};
-use kvq::runtime::decode::few_pairs_block;
+use kvq::runtime::decode::{few_pairs_block, whole_pairs_block};
 use kvq::runtime::testing::require_gpu;
 use kvq::runtime::tune::synth::{round_to_word, word_to_f32};
 use kvq::runtime::{DecodeKernel, DecodeScratch, GpuCache, Jit, Pieces};
@@ -50,13 +50,35 @@ const CALIBQUANT2_KEYS_TWICE: &str = "calibquant2-keys-twice";
 const FP16_FEW_PAIRS: &str = "fp16-few-pairs";
 const KIVI4_FEW_PAIRS: &str = "kivi4-few-pairs";
 
+/// The uncalibrated 1- and 2-bit kernels' few-pairs block (32-token tiles, Kitty's boosted plane
+/// unpacked), which untuned launches take at middle batches over short contexts.
+const FEW_PAIRS: &[(&str, &str)] = &[("kivi2-few-pairs", "kivi2"), ("kitty-few-pairs", "kitty")];
+
+/// The whole-pairs blocks (`kvq_runtime::decode::whole_pairs_block`, at head_dim 128: eight-warp
+/// CTAs, one split each), which untuned launches take where the pairs fill whole waves of SMs over
+/// short contexts; CalibQuant's without stored scores, as it is launched there.
+const WHOLE_PAIRS: &[(&str, &str)] = &[
+    ("kivi2-whole-pairs", "kivi2"),
+    ("kitty-pro-whole-pairs", "kitty-pro"),
+    ("int8-whole-pairs", "int8"),
+    ("calibquant1-whole-pairs", "calibquant1"),
+    ("calibquant2-whole-pairs", "calibquant2"),
+];
+
 /// The block parameters a variant is checked with: the default, for [`KIVI4_SHORT_STAGING`] the
-/// short staging path, for the `-few-pairs` variants the few-pairs block where the shape has one,
-/// and for the `-keys-twice` variants no stored scores.
+/// short staging path, for the `-few-pairs` variants the few-pairs block and for the
+/// `-whole-pairs` variants the whole-pairs block where the shape has one, and for the `-keys-twice`
+/// variants no stored scores.
 fn params_for(name: &str, spec: &kvq::SchemeSpec, shape: &KernelShape) -> TuneParams {
     let default = TuneParams::default_for(spec, shape);
-    if [FP16_FEW_PAIRS, KIVI4_FEW_PAIRS].contains(&name) {
+    if name.ends_with("-few-pairs") {
         return few_pairs_block(spec, shape).map_or(default, |b| b.params);
+    }
+    if name.ends_with("-whole-pairs") {
+        return whole_pairs_block(spec, shape).map_or(default, |b| TuneParams {
+            store_scores: false,
+            ..b.params
+        });
     }
     TuneParams {
         short_staging: name == KIVI4_SHORT_STAGING,
@@ -157,11 +179,15 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
         .1;
     schemes.push((KIVI4_SHORT_STAGING, kivi4));
     schemes.push((KIVI4_FEW_PAIRS, kivi4));
-    for (variant, of) in [
+    for &(variant, of) in [
         (FP16_FEW_PAIRS, "fp16"),
         (CALIBQUANT1_KEYS_TWICE, "calibquant1"),
         (CALIBQUANT2_KEYS_TWICE, "calibquant2"),
-    ] {
+    ]
+    .iter()
+    .chain(FEW_PAIRS)
+    .chain(WHOLE_PAIRS)
+    {
         let spec = schemes.iter().find(|(n, _)| *n == of).expect(of).1;
         schemes.push((variant, spec));
     }

@@ -1,9 +1,14 @@
 //! Blocks (threads, tile and the other compile-time parameters) the untuned default takes instead
-//! of the codegen's where a launch has few (sequence, KV head) pairs. [`TuneParams::default_for`]
-//! knows only the scheme and the kernel shape; the batch shape and context bucket can call for
-//! another block. `TuneChoice::default_block` and `TuneChoice::occupancy_block` apply the rules.
+//! of the codegen's, by batch shape, context bucket and SM count. [`TuneParams::default_for`]
+//! knows only the scheme and the kernel shape; how many (sequence, KV head) pairs a launch has,
+//! how long its contexts are and how many SMs share them can call for another block, and for
+//! another way of counting its splits. [`rule_block`] applies the rules;
+//! `TuneChoice::default_block`, `TuneChoice::occupancy_block` and `TuneChoice::heuristic` take
+//! what it gives.
 
-use kvq_codegen::{short_staging_changes, KernelShape, TuneParams};
+use std::ops::RangeInclusive;
+
+use kvq_codegen::{short_staging_changes, store_scores_changes, KernelShape, TuneParams};
 use kvq_spec::SchemeSpec;
 
 use crate::tune::context_bucket;
@@ -47,17 +52,61 @@ pub const SHORT_STAGING_FEW_PAIRS_MIN_BUCKET: usize = 4096;
 /// ×1.023) and the general path with tiles of 32 lost up to ×0.947.
 pub const SHORT_STAGING_FEW_PAIRS_BLOCK: (u32, u32) = (128, 32);
 
+/// (Sequence, KV head) pairs a launch must have for the uncalibrated 1- and 2-bit kernels to
+/// take [`LOW_BIT_FEW_PAIRS_BLOCK`]: B from 4 to 8 at 8 KV heads. At B=2 the block ran kivi2
+/// ×0.97 at 2K and 4K on an H100 (docs/BENCHMARKS.md, thirty-third round).
+pub const LOW_BIT_FEW_PAIRS: RangeInclusive<usize> = 32..=64;
+
+/// Context buckets at which the uncalibrated 1- and 2-bit kernels with
+/// [`LOW_BIT_FEW_PAIRS`] take [`LOW_BIT_FEW_PAIRS_BLOCK`]: the tuner kept the default block
+/// at 16K (thirty-third round, `c1`), and 1K was not measured.
+pub const LOW_BIT_FEW_PAIRS_BUCKETS: RangeInclusive<usize> = 2048..=8192;
+
+/// Threads and tile of the uncalibrated 1- and 2-bit kernels' block at head_dim 128 where a launch
+/// has [`LOW_BIT_FEW_PAIRS`] over [`LOW_BIT_FEW_PAIRS_BUCKETS`]: 32-token tiles instead of 64,
+/// with Kitty's boosted plane unpacked (`TuneParams::pack_heads` false) and the twelve-warp floor
+/// kept. Each split warp's share of a short context is then walked in twice as many, smaller
+/// steps (why that runs faster was not profiled). Measured on an H100 (docs/BENCHMARKS.md,
+/// thirty-third round) against the 64-token block in the same run: kivi2 ×1.00–×1.10, Kitty and
+/// Kitty-Pro ×1.00–×1.13 at B ∈ {4, 8} × L ∈ {2K, 4K, 8K}.
+pub const LOW_BIT_FEW_PAIRS_BLOCK: (u32, u32) = (128, 32);
+
+/// Threads of the [`WholePairsBlock`]s: eight warps, one CTA an SM.
+pub const WHOLE_PAIRS_THREADS: u32 = 256;
+
+/// Which rule a block of [`rule_block`] comes from, and so how its split count is counted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockSplits {
+    /// `default_splits` fills waves of this block's own occupancy.
+    OwnOccupancy,
+    /// `default_splits` fills waves of the codegen default block's occupancy
+    /// ([`FewPairsBlock::splits_from_default`]).
+    DefaultOccupancy,
+    /// One split and no pieces: each CTA takes a whole (sequence, KV head)
+    /// ([`WholePairsBlock`]).
+    OnePerPair,
+}
+
+/// A block the untuned default takes instead of the codegen's ([`rule_block`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RuleBlock {
+    /// The block (the launch variants, short staging and stored scores, as it says).
+    pub params: TuneParams,
+    /// How its split count is counted.
+    pub splits: BlockSplits,
+}
+
 /// A block the untuned default takes instead of the codegen's where a launch has few (sequence,
 /// KV head) pairs: with few pairs the grid is all splits, and another block divides the work
 /// better.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FewPairsBlock {
     /// The block (the launch variants, short staging and stored scores, as it says).
     pub params: TuneParams,
-    /// Most (sequence, KV head) pairs, batch × KV heads, a launch may have to take it.
-    pub max_pairs: usize,
-    /// Shortest context bucket at which a launch takes it.
-    pub min_bucket: usize,
+    /// (Sequence, KV head) pairs, batch × KV heads, a launch must have to take it.
+    pub pairs: RangeInclusive<usize>,
+    /// Context buckets at which a launch takes it.
+    pub buckets: RangeInclusive<usize>,
     /// Whether the split count fills waves of the codegen default block's occupancy rather
     /// than of this block's own.
     pub splits_from_default: bool,
@@ -67,33 +116,102 @@ impl FewPairsBlock {
     /// Whether a launch of `batch` sequences of `kv_heads` KV heads and at most `max_len`
     /// tokens takes this block.
     pub fn applies(&self, batch: usize, kv_heads: usize, max_len: usize) -> bool {
-        batch * kv_heads <= self.max_pairs && context_bucket(max_len) >= self.min_bucket
+        self.pairs.contains(&(batch * kv_heads)) && self.buckets.contains(&context_bucket(max_len))
     }
 }
 
-/// The block the untuned default takes for launches with few (sequence, KV head) pairs
-/// ([`FewPairsBlock::applies`]), where the scheme and shape have one: FP16 at head_dim 128 takes [`FP16_FEW_PAIRS_BLOCK`]; kernels whose
-/// ring stages 4-bit K and V (KIVI-4's) at head_dim 128 take [`SHORT_STAGING_FEW_PAIRS_BLOCK`] on
-/// the short staging path. Both were measured at GQA 4 in f16. `None` for every other scheme and
-/// shape.
-pub fn few_pairs_block(spec: &SchemeSpec, shape: &KernelShape) -> Option<FewPairsBlock> {
+/// A block of eight-warp CTAs that each take a whole (sequence, KV head): one split, no pieces,
+/// so the decode kernel writes the output itself and no combine runs. Where the pairs fill whole
+/// waves of one CTA an SM and the contexts are short, the combine's launch and the partials it
+/// reads weigh more than the warps a split count would add. Measured on an H100 (132 SMs;
+/// docs/BENCHMARKS.md, thirty-third round) at B ∈ {16, 24, 32, 64} × L ∈ {1K … 8K}: see the
+/// limits of each scheme in [`whole_pairs_block`]; at B=24 (192 pairs, 1.45 waves) it lost
+/// everywhere (×0.73–×0.89), hence [`WholePairsBlock::MIN_FILL_PERMILLE`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WholePairsBlock {
+    /// The block.
+    pub params: TuneParams,
+    /// Most waves of one CTA an SM the pairs may take.
+    pub max_waves: usize,
+    /// Longest context bucket.
+    pub max_bucket: usize,
+    /// Most tokens an SM walks in all: the context bucket times the waves.
+    pub max_wave_tokens: usize,
+}
+
+impl WholePairsBlock {
+    /// Fewest thousandths of the last wave's SMs the pairs must fill (the same nine tenths
+    /// `default_splits` asks of a grid).
+    pub const MIN_FILL_PERMILLE: usize = 900;
+
+    /// Whether a launch of `batch` sequences of `kv_heads` KV heads and at most `max_len`
+    /// tokens on `sm_count` SMs takes this block.
+    pub fn applies(&self, batch: usize, kv_heads: usize, max_len: usize, sm_count: usize) -> bool {
+        let pairs = batch * kv_heads;
+        let sms = sm_count.max(1);
+        let waves = pairs.div_ceil(sms);
+        let bucket = context_bucket(max_len);
+        pairs > 0
+            && 1000 * pairs >= Self::MIN_FILL_PERMILLE * waves * sms
+            && waves <= self.max_waves
+            && bucket <= self.max_bucket
+            && bucket * waves <= self.max_wave_tokens
+    }
+}
+
+/// The block the untuned default takes for a launch of `batch` sequences of `kv_heads` KV heads
+/// and at most `max_len` tokens on `sm_count` SMs, where a rule gives one: the scheme's
+/// [`whole_pairs_block`] where it applies, else its [`few_pairs_block`] where that applies.
+/// `None` where the codegen default stays.
+pub fn rule_block(
+    spec: &SchemeSpec,
+    shape: &KernelShape,
+    batch: usize,
+    kv_heads: usize,
+    max_len: usize,
+    sm_count: usize,
+) -> Option<RuleBlock> {
+    if let Some(whole) =
+        whole_pairs_block(spec, shape).filter(|w| w.applies(batch, kv_heads, max_len, sm_count))
+    {
+        return Some(RuleBlock {
+            params: whole.params,
+            splits: BlockSplits::OnePerPair,
+        });
+    }
+    few_pairs_block(spec, shape)
+        .filter(|f| f.applies(batch, kv_heads, max_len))
+        .map(|f| RuleBlock {
+            params: f.params,
+            splits: if f.splits_from_default {
+                BlockSplits::DefaultOccupancy
+            } else {
+                BlockSplits::OwnOccupancy
+            },
+        })
+}
+
+/// The kernel families the block rules tell apart, by the codegen default at head_dim 128.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    Fp16,
+    /// 4-bit K and V on a ring with a general staging path (KIVI-4).
+    ShortStaging,
+    /// 1- or 2-bit K and V (boosted channels allowed) on the four-warp ring, uncalibrated.
+    LowBit,
+    /// The same, calibrated (CalibQuant): a range pass before the decode kernel.
+    CalibratedLowBit,
+    /// 8-bit K and V.
+    EightBit,
+}
+
+fn family(spec: &SchemeSpec, shape: &KernelShape) -> Option<Family> {
     if shape.head_dim != 128 {
         return None;
     }
     let base = TuneParams::default_for(spec, shape);
-    let fp16 = !spec.k.is_quantized() && !spec.v.is_quantized();
-    if fp16 {
-        let (threads, tile_tokens) = FP16_FEW_PAIRS_BLOCK;
-        return Some(FewPairsBlock {
-            params: TuneParams {
-                threads,
-                tile_tokens,
-                ..base
-            },
-            max_pairs: FP16_FEW_PAIRS_MAX,
-            min_bucket: FP16_FEW_PAIRS_MIN_BUCKET,
-            splits_from_default: false,
-        });
+    if !spec.k.is_quantized() && !spec.v.is_quantized() {
+        return Some(Family::Fp16);
     }
     let (threads, tile_tokens) = SHORT_STAGING_FEW_PAIRS_BLOCK;
     let short = TuneParams {
@@ -102,12 +220,117 @@ pub fn few_pairs_block(spec: &SchemeSpec, shape: &KernelShape) -> Option<FewPair
         short_staging: true,
         ..base
     };
-    short_staging_changes(spec, shape, &short).then_some(FewPairsBlock {
-        params: short,
-        max_pairs: SHORT_STAGING_FEW_PAIRS_MAX,
-        min_bucket: SHORT_STAGING_FEW_PAIRS_MIN_BUCKET,
-        splits_from_default: true,
-    })
+    if short_staging_changes(spec, shape, &short) {
+        return Some(Family::ShortStaging);
+    }
+    let (k, v) = (spec.k.as_int()?, spec.v.as_int()?);
+    let ring = base.threads == 128 && base.tile_tokens == 64 && base.min_warps_per_sm == 12;
+    if k.bits <= 2 && v.bits <= 2 && ring {
+        return Some(if store_scores_changes(spec, shape, &base) {
+            Family::CalibratedLowBit
+        } else {
+            Family::LowBit
+        });
+    }
+    (k.bits == 8 && v.bits == 8).then_some(Family::EightBit)
+}
+
+/// The block the untuned default takes for launches with few (sequence, KV head) pairs
+/// ([`FewPairsBlock::applies`]), where the scheme and shape have one, all at head_dim 128:
+/// FP16 takes [`FP16_FEW_PAIRS_BLOCK`]; kernels whose ring stages 4-bit K and V (KIVI-4's)
+/// take [`SHORT_STAGING_FEW_PAIRS_BLOCK`] on the short staging path; the uncalibrated 1- and
+/// 2-bit kernels take [`LOW_BIT_FEW_PAIRS_BLOCK`]. All were measured at GQA 4 in f16. `None`
+/// for every other scheme and shape.
+pub fn few_pairs_block(spec: &SchemeSpec, shape: &KernelShape) -> Option<FewPairsBlock> {
+    let base = TuneParams::default_for(spec, shape);
+    match family(spec, shape)? {
+        Family::Fp16 => {
+            let (threads, tile_tokens) = FP16_FEW_PAIRS_BLOCK;
+            Some(FewPairsBlock {
+                params: TuneParams {
+                    threads,
+                    tile_tokens,
+                    ..base
+                },
+                pairs: 1..=FP16_FEW_PAIRS_MAX,
+                buckets: FP16_FEW_PAIRS_MIN_BUCKET..=usize::MAX,
+                splits_from_default: false,
+            })
+        }
+        Family::ShortStaging => {
+            let (threads, tile_tokens) = SHORT_STAGING_FEW_PAIRS_BLOCK;
+            Some(FewPairsBlock {
+                params: TuneParams {
+                    threads,
+                    tile_tokens,
+                    short_staging: true,
+                    ..base
+                },
+                pairs: 1..=SHORT_STAGING_FEW_PAIRS_MAX,
+                buckets: SHORT_STAGING_FEW_PAIRS_MIN_BUCKET..=usize::MAX,
+                splits_from_default: true,
+            })
+        }
+        Family::LowBit => {
+            let (threads, tile_tokens) = LOW_BIT_FEW_PAIRS_BLOCK;
+            Some(FewPairsBlock {
+                params: TuneParams {
+                    threads,
+                    tile_tokens,
+                    pack_heads: false,
+                    ..base
+                },
+                pairs: LOW_BIT_FEW_PAIRS,
+                buckets: LOW_BIT_FEW_PAIRS_BUCKETS,
+                splits_from_default: false,
+            })
+        }
+        Family::CalibratedLowBit | Family::EightBit => None,
+    }
+}
+
+/// The [`WholePairsBlock`] of the scheme and shape, where it has one, all at head_dim 128 and
+/// measured at GQA 4 in f16 on an H100 (docs/BENCHMARKS.md, thirty-third round), with no
+/// occupancy floor:
+/// - the uncalibrated 1- and 2-bit kernels, 32-token tiles, up to four waves, buckets up to 4K
+///   and 8K tokens an SM (kivi2, Kitty and Kitty-Pro ×1.02–×1.39 there; ×0.89–×0.98 at B=16
+///   and 32 L=8K and B=64 L=4K);
+/// - the calibrated ones (CalibQuant), 32-token tiles, up to two waves and 2K tokens an SM
+///   (×1.09–×1.29 at B=16 L ≤ 2K, ×1.07–×1.15 at B=32 L=1K; ×0.90–×0.95 at B=16 L=4K,
+///   ×0.99–×1.04 at B=32 L=2K);
+/// - 8-bit K and V, 16-token tiles, one wave, buckets up to 8K (INT8 ×1.02–×1.16 at B=16;
+///   ×0.87–×0.97 at B=32 and 64).
+///
+/// `None` for every other scheme and shape (KIVI-4's lost ×0.55–×1.05, FP16's was not measured).
+pub fn whole_pairs_block(spec: &SchemeSpec, shape: &KernelShape) -> Option<WholePairsBlock> {
+    let base = TuneParams::default_for(spec, shape);
+    let block = |tile_tokens| TuneParams {
+        threads: WHOLE_PAIRS_THREADS,
+        tile_tokens,
+        min_warps_per_sm: 0,
+        ..base
+    };
+    match family(spec, shape)? {
+        Family::LowBit => Some(WholePairsBlock {
+            params: block(32),
+            max_waves: 4,
+            max_bucket: 4096,
+            max_wave_tokens: 8192,
+        }),
+        Family::CalibratedLowBit => Some(WholePairsBlock {
+            params: block(32),
+            max_waves: 2,
+            max_bucket: 2048,
+            max_wave_tokens: 2048,
+        }),
+        Family::EightBit => Some(WholePairsBlock {
+            params: block(16),
+            max_waves: 1,
+            max_bucket: 8192,
+            max_wave_tokens: 8192,
+        }),
+        Family::Fp16 | Family::ShortStaging => None,
+    }
 }
 
 #[cfg(test)]
@@ -121,9 +344,17 @@ mod tests {
     }
 
     const FP16: &str = "k = fp16, v = fp16";
+    const KIVI2: &str = "k = int(2, channel), v = int(2, token)";
+    const INT8: &str = "k = int(8, channel), v = int(8, token)";
+    const CALIBQUANT1: &str = "k = int(1, channel), v = int(1, channel), sink = 32, local = 128, calibrate = calibrate(tau1 = -1.5, tau2 = 3.25)";
+    const KITTY: &str = "k = int(bits = 2, axis = channel, boost = boost(bits = 4, ratio = 0.125, by = magnitude)), \
+                         v = int(bits = 2, axis = token, local = 128), page = 128, sink = 32";
+
+    /// An H100's SMs.
+    const H100_SMS: usize = 132;
 
     /// The heuristic's block and the block whose occupancy its splits fill, for `batch`
-    /// sequences of `kv_heads` KV heads and at most `len` tokens.
+    /// sequences of `kv_heads` KV heads and at most `len` tokens on an H100.
     fn blocks(
         spec: &SchemeSpec,
         shape: &KernelShape,
@@ -133,8 +364,8 @@ mod tests {
     ) -> (TuneParams, TuneParams) {
         let p = TuneProblem::new(*spec, *shape, kv_heads, batch, len);
         (
-            TuneChoice::default_block(&p),
-            TuneChoice::occupancy_block(&p),
+            TuneChoice::default_block(&p, H100_SMS),
+            TuneChoice::occupancy_block(&p, H100_SMS),
         )
     }
 
@@ -178,12 +409,15 @@ mod tests {
             blocks(&fp16, &d64, 1, 8, 32768).0,
             TuneParams::default_for(&fp16, &d64)
         );
-        let kivi2 = spec("k = int(2, channel), v = int(2, token)");
-        assert_eq!(few_pairs_block(&kivi2, &shape), None);
+        let kivi2 = spec(KIVI2);
         assert_eq!(
             blocks(&kivi2, &shape, 1, 8, 32768).0,
             TuneParams::default_for(&kivi2, &shape)
         );
+        // Schemes without a few-pairs block.
+        for text in [INT8, CALIBQUANT1] {
+            assert_eq!(few_pairs_block(&spec(text), &shape), None, "{text}");
+        }
         // FP16's split count fills its own block's waves.
         for batch in [1, 4] {
             let (block, occupancy) = blocks(&fp16, &shape, batch, 8, 32768);
@@ -216,5 +450,122 @@ mod tests {
         // Other head sizes keep the codegen default.
         let d64 = KernelShape::new(64, 4, Dtype::F16);
         assert_eq!(few_pairs_block(&kivi4, &d64), None);
+    }
+
+    #[test]
+    fn low_bit_kernels_at_middle_batches_over_short_contexts_take_unpacked_tiles_of_32() {
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        for text in [KIVI2, KITTY] {
+            let low_bit = spec(text);
+            let base = TuneParams::default_for(&low_bit, &shape);
+            assert_eq!((base.threads, base.tile_tokens), (128, 64));
+            let few = TuneParams {
+                tile_tokens: 32,
+                pack_heads: false,
+                ..base
+            };
+            assert_eq!(few_pairs_block(&low_bit, &shape).unwrap().params, few);
+            // B=4 and B=8 at 8 KV heads (B=2 at 16), buckets of 2K to 8K: the block, with the
+            // splits of its own occupancy.
+            for (batch, kv_heads, len) in [(4, 8, 2048), (8, 8, 8192), (8, 8, 5000), (2, 16, 4096)]
+            {
+                assert_eq!(
+                    blocks(&low_bit, &shape, batch, kv_heads, len),
+                    (few, few),
+                    "{text} B={batch} L={len}"
+                );
+            }
+            // Too few or too many pairs, or a bucket outside 2K–8K.
+            for (batch, len) in [(2, 4096), (12, 4096), (4, 1024), (8, 16384)] {
+                assert_eq!(
+                    blocks(&low_bit, &shape, batch, 8, len),
+                    (base, base),
+                    "{text} B={batch} L={len}"
+                );
+            }
+        }
+    }
+
+    /// Whether `text`'s launch of `batch` sequences of 8 KV heads and `len` tokens on `sms` SMs
+    /// takes its whole-pairs block.
+    fn whole(text: &str, batch: usize, len: usize, sms: usize) -> bool {
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        let s = spec(text);
+        let taken = rule_block(&s, &shape, batch, 8, len, sms);
+        let whole = whole_pairs_block(&s, &shape);
+        assert_eq!(
+            whole.is_some_and(|w| w.applies(batch, 8, len, sms)),
+            taken.is_some_and(|t| t.splits == BlockSplits::OnePerPair)
+        );
+        taken.is_some_and(|t| Some(t.params) == whole.map(|w| w.params))
+            && taken.is_some_and(|t| t.splits == BlockSplits::OnePerPair)
+    }
+
+    #[test]
+    fn pairs_that_fill_whole_waves_of_sms_over_short_contexts_take_one_eight_warp_cta_each() {
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        let kivi2 = whole_pairs_block(&spec(KIVI2), &shape).unwrap();
+        let base = TuneParams::default_for(&spec(KIVI2), &shape);
+        assert_eq!(
+            kivi2.params,
+            TuneParams {
+                threads: 256,
+                tile_tokens: 32,
+                min_warps_per_sm: 0,
+                ..base
+            }
+        );
+        let int8 = whole_pairs_block(&spec(INT8), &shape).unwrap();
+        assert_eq!((int8.params.threads, int8.params.tile_tokens), (256, 16));
+        // The 1- and 2-bit kernels on an H100: B=16, 32 and 64 fill one, two and four waves of
+        // 132 SMs; B=24 fills 73% of its second wave.
+        for (batch, len, takes) in [
+            (16, 1024, true),
+            (16, 4096, true),
+            (16, 8192, false),
+            (32, 4096, true),
+            (64, 2048, true),
+            (64, 4096, false),
+            (24, 1024, false),
+            (8, 1024, false),
+            (128, 1024, false),
+        ] {
+            for text in [KIVI2, KITTY] {
+                assert_eq!(
+                    whole(text, batch, len, H100_SMS),
+                    takes,
+                    "{text} B={batch} L={len}"
+                );
+            }
+        }
+        // CalibQuant up to two waves and 2K tokens an SM; INT8 one wave up to 8K.
+        for (batch, len, calibquant, int8) in [
+            (16, 2048, true, true),
+            (16, 4096, false, true),
+            (16, 8192, false, true),
+            (16, 16384, false, false),
+            (32, 1024, true, false),
+            (32, 2048, false, false),
+        ] {
+            assert_eq!(
+                whole(CALIBQUANT1, batch, len, H100_SMS),
+                calibquant,
+                "B={batch} L={len}"
+            );
+            assert_eq!(whole(INT8, batch, len, H100_SMS), int8, "B={batch} L={len}");
+        }
+        // The waves are counted on the GPU's own SMs: 128 pairs on 114 SMs fill 56% of two waves,
+        // 112 pairs 98% of one.
+        assert!(!whole(KIVI2, 16, 1024, 114));
+        assert!(whole(KIVI2, 14, 1024, 114));
+        // No such block for KIVI-4, FP16, or other head sizes.
+        let kivi4 = spec("k = int(4, channel), v = int(4, token)");
+        assert_eq!(whole_pairs_block(&kivi4, &shape), None);
+        assert_eq!(whole_pairs_block(&spec(FP16), &shape), None);
+        let d64 = KernelShape::new(64, 4, Dtype::F16);
+        assert_eq!(whole_pairs_block(&spec(KIVI2), &d64), None);
+        // Its block is the kernel the launch runs, so it is the occupancy block too.
+        let (block, occupancy) = blocks(&spec(KIVI2), &shape, 16, 8, 4096);
+        assert_eq!((block, occupancy), (kivi2.params, kivi2.params));
     }
 }

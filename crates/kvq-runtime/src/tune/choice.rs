@@ -7,8 +7,8 @@ use std::fmt;
 
 use super::key::TuneProblem;
 use crate::decode::{
-    default_pieces, default_splits, few_pairs_block, min_warp_tokens, short_staging_by_default,
-    store_scores_by_default, FewPairsBlock, Pieces,
+    default_pieces, default_splits, min_warp_tokens, rule_block, short_staging_by_default,
+    store_scores_by_default, BlockSplits, Pieces, RuleBlock,
 };
 use crate::error::{Result, RuntimeError};
 
@@ -29,52 +29,86 @@ pub struct TuneChoice {
     pub pieces: Pieces,
 }
 
-impl TuneChoice {
-    /// The untuned default: [`TuneChoice::default_block`] for the block, [`default_splits`] for
-    /// the grid, which fills whole waves of `resident_ctas` (from
-    /// [`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas) of the kernel of
-    /// [`TuneChoice::occupancy_block`]), and [`default_pieces`] for the pieces after the splits;
-    /// the short staging path where the kernel has a choice and the block or
-    /// [`short_staging_by_default`] says so; a calibrated scheme's key scores stored as the block
-    /// default says, unless [`store_scores_by_default`] says not.
-    pub fn heuristic(problem: &TuneProblem, resident_ctas: usize) -> TuneChoice {
-        let mut params = TuneChoice::default_block(problem);
-        let splits = default_splits(
-            problem.batch,
-            problem.kv_heads,
-            problem.max_len,
+/// What the heuristic needs of the GPU: its SM count (the block rules count waves of one CTA an
+/// SM, `kvq_runtime::decode::rule_block`) and how many CTAs of the kernel of
+/// [`TuneChoice::occupancy_block`] it holds at once
+/// ([`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Residency {
+    /// Streaming multiprocessors.
+    pub sm_count: usize,
+    /// CTAs of the occupancy block's kernel resident on the whole GPU at once.
+    pub resident_ctas: usize,
+}
+
+impl Residency {
+    /// `resident_ctas` CTAs of the occupancy block's kernel on `sm_count` SMs.
+    pub fn new(sm_count: usize, resident_ctas: usize) -> Residency {
+        Residency {
+            sm_count,
             resident_ctas,
-            params.warps(),
-            min_warp_tokens(&problem.spec, problem.max_len),
-        );
+        }
+    }
+}
+
+impl TuneChoice {
+    /// The untuned default: [`TuneChoice::default_block`] for the block; one split and no pieces
+    /// where that block takes whole (sequence, KV head) pairs ([`BlockSplits::OnePerPair`]), else
+    /// [`default_splits`] for the grid, which fills whole waves of the GPU's resident CTAs, and
+    /// [`default_pieces`] for the pieces after the splits; the short staging path where the
+    /// kernel has a choice and the block or [`short_staging_by_default`] says so; a calibrated
+    /// scheme's key scores stored as the block default says, unless [`store_scores_by_default`]
+    /// says not.
+    pub fn heuristic(problem: &TuneProblem, gpu: Residency) -> TuneChoice {
+        let rule = rule_taken(problem, gpu.sm_count);
+        let mut params = rule.map_or_else(|| codegen_default(problem), |r| r.params);
+        let one_per_pair = rule.is_some_and(|r| r.splits == BlockSplits::OnePerPair);
+        let splits = if one_per_pair {
+            1
+        } else {
+            default_splits(
+                problem.batch,
+                problem.kv_heads,
+                problem.max_len,
+                gpu.resident_ctas,
+                params.warps(),
+                min_warp_tokens(&problem.spec, problem.max_len),
+            )
+        };
         params.short_staging = short_staging_changes(&problem.spec, &problem.shape, &params)
             && (params.short_staging
                 || short_staging_by_default(problem.max_len, splits, params.warps()));
         params.store_scores = params.store_scores && store_scores_by_default(problem.max_len);
+        let pieces = if one_per_pair {
+            Pieces::NONE
+        } else {
+            rule_pieces(problem, &params, splits)
+        };
         TuneChoice {
             params,
             splits,
-            pieces: rule_pieces(problem, &params, splits),
+            pieces,
         }
     }
 
-    /// The block of [`TuneChoice::heuristic`] before its launch-dependent variants (short
-    /// staging, stored scores): the scheme's [`few_pairs_block`] where it applies to the
-    /// problem's batch shape and context bucket, else [`TuneParams::default_for`]. Like the split
-    /// count it depends only on the batch shape and the bucket, so a captured graph stays valid
-    /// while sequences grow within their bucket.
-    pub fn default_block(problem: &TuneProblem) -> TuneParams {
-        few_pairs_taken(problem).map_or_else(|| codegen_default(problem), |b| b.params)
+    /// The block of [`TuneChoice::heuristic`] on a GPU of `sm_count` SMs, before its
+    /// launch-dependent variants (short staging, stored scores): the scheme's
+    /// [`rule_block`] where one applies to the problem's batch shape and context bucket, else
+    /// [`TuneParams::default_for`]. Like the split count it depends only on the batch shape and
+    /// the bucket, so a captured graph stays valid while sequences grow within their bucket.
+    pub fn default_block(problem: &TuneProblem, sm_count: usize) -> TuneParams {
+        rule_taken(problem, sm_count).map_or_else(|| codegen_default(problem), |r| r.params)
     }
 
     /// The block whose kernel's occupancy (CTAs an SM) the heuristic's split count fills:
-    /// [`TuneChoice::default_block`]'s own, except where its
-    /// [`FewPairsBlock::splits_from_default`] says the codegen default's. Load its kernel for
-    /// the `resident_ctas` [`TuneChoice::heuristic`] takes.
-    pub fn occupancy_block(problem: &TuneProblem) -> TuneParams {
-        few_pairs_taken(problem)
-            .filter(|b| !b.splits_from_default)
-            .map_or_else(|| codegen_default(problem), |b| b.params)
+    /// [`TuneChoice::default_block`]'s own, except where its rule counts splits by the codegen
+    /// default's ([`BlockSplits::DefaultOccupancy`]). Load its kernel for the
+    /// [`Residency::resident_ctas`] [`TuneChoice::heuristic`] takes (a block of
+    /// [`BlockSplits::OnePerPair`] takes none, but it is the kernel the launch runs).
+    pub fn occupancy_block(problem: &TuneProblem, sm_count: usize) -> TuneParams {
+        rule_taken(problem, sm_count)
+            .filter(|r| r.splits != BlockSplits::DefaultOccupancy)
+            .map_or_else(|| codegen_default(problem), |r| r.params)
     }
 
     /// Checks the block parameters against the ranges the templates declare and the split count
@@ -120,10 +154,16 @@ impl fmt::Display for TuneChoice {
     }
 }
 
-/// The scheme's few-pairs block, where `problem`'s batch shape and context bucket take it.
-fn few_pairs_taken(problem: &TuneProblem) -> Option<FewPairsBlock> {
-    few_pairs_block(&problem.spec, &problem.shape)
-        .filter(|b| b.applies(problem.batch, problem.kv_heads, problem.max_len))
+/// The block a rule gives `problem` on a GPU of `sm_count` SMs ([`rule_block`]).
+fn rule_taken(problem: &TuneProblem, sm_count: usize) -> Option<RuleBlock> {
+    rule_block(
+        &problem.spec,
+        &problem.shape,
+        problem.batch,
+        problem.kv_heads,
+        problem.max_len,
+        sm_count,
+    )
 }
 
 /// The codegen's block for `problem`'s scheme and kernel shape.
@@ -172,8 +212,8 @@ pub fn split_candidates(default: usize, max: usize) -> Vec<usize> {
 /// kernel writes the output itself and needs no combine (on an H100 Kitty's kernels ran ×1.03
 /// that way at B=128 L=4K and kivi2 ×0.99; docs/BENCHMARKS.md, twenty-seventh round). The
 /// heuristic default comes first.
-pub fn candidates(problem: &TuneProblem, resident_ctas: usize) -> Vec<TuneChoice> {
-    let default = TuneChoice::heuristic(problem, resident_ctas);
+pub fn candidates(problem: &TuneProblem, gpu: Residency) -> Vec<TuneChoice> {
+    let default = TuneChoice::heuristic(problem, gpu);
     let mut out = vec![default];
     for params in TuneParams::candidates_for(&problem.spec, &problem.shape) {
         let tiles = problem.max_len.div_ceil(params.tile_tokens.max(1) as usize);
@@ -205,6 +245,14 @@ mod tests {
     use super::*;
     use kvq_codegen::{Dtype, KernelShape};
 
+    /// An H100's SMs.
+    const H100_SMS: usize = 132;
+
+    /// `resident_ctas` CTAs of the occupancy block's kernel on an H100.
+    fn h100(resident_ctas: usize) -> Residency {
+        Residency::new(H100_SMS, resident_ctas)
+    }
+
     /// `scheme` at head_dim 128, GQA 4, f16, 8 KV heads.
     fn problem_of(scheme: &str, batch: usize, max_len: usize) -> TuneProblem {
         TuneProblem::new(
@@ -224,12 +272,14 @@ mod tests {
         resident_ctas: usize,
         flag: fn(&TuneParams) -> bool,
     ) {
-        let all = candidates(problem, resident_ctas);
+        let all = candidates(problem, h100(resident_ctas));
         assert!(all.iter().any(|c| flag(&c.params)));
         assert!(all.iter().any(|c| !flag(&c.params)));
         let kivi2 = self::problem(16, 32_768);
-        assert!(!flag(&TuneChoice::heuristic(&kivi2, 396).params));
-        assert!(candidates(&kivi2, 396).iter().all(|c| !flag(&c.params)));
+        assert!(!flag(&TuneChoice::heuristic(&kivi2, h100(396)).params));
+        assert!(candidates(&kivi2, h100(396))
+            .iter()
+            .all(|c| !flag(&c.params)));
     }
 
     fn problem(batch: usize, max_len: usize) -> TuneProblem {
@@ -304,7 +354,7 @@ mod tests {
             eprintln!("skipped: KVQ_PIECES is set, so it decides the pieces instead of the rule");
             return;
         }
-        let all = candidates(&int8, 264);
+        let all = candidates(&int8, h100(264));
         assert_eq!(all[0].splits, 2);
         assert_eq!(
             all[0].pieces,
@@ -319,7 +369,7 @@ mod tests {
             assert_eq!(c.pieces.is_some(), per_warp >= 4096 && !one_part, "{c}");
         }
         // 2-bit keys and values: two per (sequence, KV head) wherever the splits are few.
-        for c in candidates(&problem(16, 32768), 396) {
+        for c in candidates(&problem(16, 32768), h100(396)) {
             let few = c.splits * c.params.warps() <= crate::decode::PIECES_MAX_FEW_SPLIT_WARPS;
             let one_part = c.splits == 1 && !c.pieces.is_some();
             assert_eq!(c.pieces.is_some(), few && !one_part, "{c}");
@@ -343,7 +393,9 @@ mod tests {
             16,
             32768,
         );
-        assert!(candidates(&kivi4, 396).iter().all(|c| !c.pieces.is_some()));
+        assert!(candidates(&kivi4, h100(396))
+            .iter()
+            .all(|c| !c.pieces.is_some()));
     }
 
     #[test]
@@ -375,7 +427,7 @@ mod tests {
             (1, 32_768, true),
             (8, 4096, true),
         ] {
-            let c = TuneChoice::heuristic(&kivi4(batch, len), 264);
+            let c = TuneChoice::heuristic(&kivi4(batch, len), h100(264));
             let per_warp = len.next_power_of_two() / (c.splits * c.params.warps());
             assert_eq!(
                 c.params.short_staging, short,
@@ -405,7 +457,7 @@ mod tests {
             (4, 4096, false),
             (16, 512, false),
         ] {
-            let c = TuneChoice::heuristic(&calibquant1(batch, len), 396);
+            let c = TuneChoice::heuristic(&calibquant1(batch, len), h100(396));
             assert_eq!(c.params.store_scores, stored, "B={batch} L={len}: {c}");
             assert_eq!(c.to_string().contains("stored scores"), stored);
         }
@@ -416,8 +468,8 @@ mod tests {
     #[test]
     fn candidates_cover_every_block_shape_and_start_with_the_default() {
         let p = problem(16, 32_768);
-        let all = candidates(&p, 396);
-        assert_eq!(all[0], TuneChoice::heuristic(&p, 396));
+        let all = candidates(&p, h100(396));
+        assert_eq!(all[0], TuneChoice::heuristic(&p, h100(396)));
         assert_eq!(all[0].splits, 3);
         let mut seen = std::collections::HashSet::new();
         for c in &all {
@@ -507,16 +559,16 @@ mod tests {
     fn fp16_at_b1_over_long_contexts_starts_from_its_few_pairs_block() {
         // 396 resident CTAs: three four-warp CTAs an SM on 132 SMs, the FP16 block's occupancy.
         let p = problem_of("k = fp16, v = fp16", 1, 32_768);
-        let block = TuneChoice::default_block(&p);
+        let block = TuneChoice::default_block(&p, H100_SMS);
         assert_eq!((block.threads, block.tile_tokens), (128, 32));
-        let h = TuneChoice::heuristic(&p, 396);
+        let h = TuneChoice::heuristic(&p, h100(396));
         assert_eq!(h.params, block);
         assert_eq!(h.splits, 49); // 392 CTAs: one wave
-        assert_eq!(candidates(&p, 396)[0], h);
+        assert_eq!(candidates(&p, h100(396))[0], h);
         // At B=16 the codegen's two-warp block stays.
         let wide = problem_of("k = fp16, v = fp16", 16, 32_768);
         assert_eq!(
-            TuneChoice::heuristic(&wide, 792).params,
+            TuneChoice::heuristic(&wide, h100(792)).params,
             TuneParams::default_for(&wide.spec, &wide.shape)
         );
     }
@@ -524,23 +576,39 @@ mod tests {
     #[test]
     fn kivi4_with_few_pairs_takes_tiles_of_32_with_the_default_blocks_splits() {
         let kivi4 = problem_of("k = int(4, channel), v = int(4, token)", 1, 32_768);
-        let block = TuneChoice::default_block(&kivi4);
+        let block = TuneChoice::default_block(&kivi4, H100_SMS);
         assert_eq!((block.threads, block.tile_tokens), (128, 32));
         assert!(block.short_staging);
         // The splits fill waves of the 64-token block's two CTAs an SM: 33 at B=1.
-        let occupancy = TuneChoice::occupancy_block(&kivi4);
+        let occupancy = TuneChoice::occupancy_block(&kivi4, H100_SMS);
         assert_eq!(
             occupancy,
             TuneParams::default_for(&kivi4.spec, &kivi4.shape)
         );
-        let h = TuneChoice::heuristic(&kivi4, 264);
+        let h = TuneChoice::heuristic(&kivi4, h100(264));
         assert_eq!((h.params, h.splits), (block, 33));
+    }
+
+    #[test]
+    fn whole_pairs_launch_one_split_without_pieces_and_lead_the_candidates() {
+        // kivi2 at B=16 L=4K on an H100: 128 pairs, one wave of 132 SMs. Before the rule the
+        // heuristic ran three splits with two pieces (a combine after the decode grid).
+        let p = problem(16, 4096);
+        let h = TuneChoice::heuristic(&p, h100(132));
+        assert_eq!((h.params.threads, h.params.tile_tokens), (256, 32));
+        assert_eq!((h.splits, h.pieces), (1, Pieces::NONE));
+        assert_eq!(h.params, TuneChoice::default_block(&p, H100_SMS));
+        assert_eq!(candidates(&p, h100(132))[0], h);
+        // The same launch on 114 SMs (two waves, 56% full) keeps the codegen block and its splits.
+        let pcie = TuneChoice::heuristic(&p, Residency::new(114, 342));
+        assert_eq!(pcie.params, TuneParams::default_for(&p.spec, &p.shape));
+        assert!(pcie.splits > 1, "{pcie}");
     }
 
     #[test]
     fn short_contexts_never_get_more_splits_than_tiles() {
         let p = problem(1, 100);
-        let all = candidates(&p, 396);
+        let all = candidates(&p, h100(396));
         assert_eq!(all[0].splits, 1);
         for c in &all {
             let tiles = 100usize.div_ceil(c.params.tile_tokens as usize);
@@ -550,7 +618,7 @@ mod tests {
 
     #[test]
     fn invalid_choices_are_rejected() {
-        let ok = TuneChoice::heuristic(&problem(1, 4096), 396);
+        let ok = TuneChoice::heuristic(&problem(1, 4096), h100(396));
         assert!(ok.check().is_ok());
         let mut bad = ok;
         bad.splits = 0;

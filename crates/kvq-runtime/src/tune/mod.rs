@@ -57,7 +57,7 @@ pub mod timer;
 pub mod tuner;
 
 pub use check::{tolerance, ReferenceCheck};
-pub use choice::{candidates, split_candidates, TuneChoice, MAX_SPLITS};
+pub use choice::{candidates, split_candidates, Residency, TuneChoice, MAX_SPLITS};
 pub use key::{batch_bucket, context_bucket, GpuKey, ProblemKey, TuneProblem, MIN_CONTEXT_BUCKET};
 pub use policy::{TunePolicy, KVQ_TUNE};
 pub use rotate::{batch_device_bytes, plan_copies, rotation_copies, RotatingBatch};

@@ -9,7 +9,7 @@ use kvq_codegen::{KernelShape, TuneParams};
 use kvq_reference::int::IntCache;
 
 use super::check::{default_rows, ReferenceCheck};
-use super::choice::{candidates, TuneChoice};
+use super::choice::{candidates, Residency, TuneChoice};
 use super::key::{GpuKey, ProblemKey, TuneProblem};
 use super::policy::TunePolicy;
 use super::progress::Progress;
@@ -242,10 +242,11 @@ impl<'j> Tuner<'j> {
     /// The untuned default for `problem` on this GPU (loads the kernel of
     /// [`TuneChoice::occupancy_block`], through the JIT's caches, for its occupancy).
     pub fn heuristic(&self, problem: &TuneProblem) -> Result<TuneChoice> {
-        let kernel = occupancy_kernel(self.jit, problem)?;
+        let sm_count = self.gpu.sm_count as usize;
+        let kernel = occupancy_kernel(self.jit, problem, sm_count)?;
         Ok(TuneChoice::heuristic(
             problem,
-            kernel.resident_ctas(self.gpu.sm_count as usize)?,
+            Residency::new(sm_count, kernel.resident_ctas(sm_count)?),
         ))
     }
 
@@ -396,8 +397,12 @@ impl<'a> Session<'a> {
         let p = self.problem;
         let d = p.shape.head_dim as usize;
         let q_heads = p.q_heads();
-        let occupancy = occupancy_kernel(self.jit, p)?;
-        let all = candidates(p, occupancy.resident_ctas(props.sm_count as usize)?);
+        let sm_count = props.sm_count as usize;
+        let occupancy = occupancy_kernel(self.jit, p, sm_count)?;
+        let all = candidates(
+            p,
+            Residency::new(sm_count, occupancy.resident_ctas(sm_count)?),
+        );
         let default = all[0];
         let mut params: Vec<TuneParams> = Vec::new();
         for c in &all {
@@ -746,16 +751,14 @@ fn scratch_for<'s>(
     }
 }
 
-/// The decode kernel of `problem` at the heuristic block shape (through the JIT's caches): its
-/// occupancy sizes the default split count.
-/// The kernel whose occupancy the heuristic's split count for `problem` fills
-/// ([`TuneChoice::occupancy_block`]; mostly the heuristic's own block).
-fn occupancy_kernel(jit: &Jit, problem: &TuneProblem) -> Result<DecodeKernel> {
+/// The kernel whose occupancy the heuristic's split count for `problem` on `sm_count` SMs fills
+/// ([`TuneChoice::occupancy_block`]; mostly the heuristic's own block), through the JIT's caches.
+fn occupancy_kernel(jit: &Jit, problem: &TuneProblem, sm_count: usize) -> Result<DecodeKernel> {
     DecodeKernel::load(
         jit,
         &problem.spec,
         &problem.shape,
-        &TuneChoice::occupancy_block(problem),
+        &TuneChoice::occupancy_block(problem, sm_count),
     )
 }
 
@@ -763,9 +766,12 @@ fn occupancy_kernel(jit: &Jit, problem: &TuneProblem) -> Result<DecodeKernel> {
 /// kernel of [`TuneChoice::occupancy_block`] is loaded for its occupancy, then the one the
 /// heuristic launches if that differs. Kernels come through the JIT's caches.
 pub fn default_launch(jit: &Jit, problem: &TuneProblem) -> Result<(TuneChoice, DecodeKernel)> {
-    let occupancy = occupancy_kernel(jit, problem)?;
     let sm_count = jit.device().props().sm_count as usize;
-    let choice = TuneChoice::heuristic(problem, occupancy.resident_ctas(sm_count)?);
+    let occupancy = occupancy_kernel(jit, problem, sm_count)?;
+    let choice = TuneChoice::heuristic(
+        problem,
+        Residency::new(sm_count, occupancy.resident_ctas(sm_count)?),
+    );
     let kernel = if choice.params == occupancy.generated().tune {
         occupancy
     } else {
