@@ -1208,7 +1208,8 @@ fn default_store_scores_text(
     if store_scores_changes(spec, shape, params) {
         format!(
             "store_scores = true (sources generated with --store-scores true, the default) \
-             where bucket > {}, else false",
+             where bucket > {}, else false; launches on a whole-pairs block (default_block) \
+             store them as that block says",
             kvq::runtime::decode::SHORT_CONTEXT_BUCKET
         )
     } else {
@@ -1220,29 +1221,33 @@ fn default_store_scores_text(
 /// (`kvq_runtime::decode::rule_block`, which `TuneChoice::default_block` and `occupancy_block`
 /// apply): the scheme's whole-pairs block, then its few-pairs block, else the codegen default.
 fn default_block_text(spec: &SchemeSpec, shape: &KernelShape) -> String {
-    use kvq::runtime::decode::{few_pairs_block, whole_pairs_block, WholePairsBlock};
+    use kvq::runtime::decode::{few_pairs_block, whole_pairs_blocks, WholePairsBlock};
     let base = TuneParams::default_for(spec, shape);
     let mut rules = Vec::new();
-    if let Some(w) = whole_pairs_block(spec, shape) {
+    let whole: Vec<String> = whole_pairs_blocks(spec, shape)
+        .iter()
+        .map(|w| {
+            format!(
+                "{} where {} and {}",
+                block_change_text(&base, &w.params),
+                range_text("waves", &w.waves),
+                range_text("bucket", &w.buckets),
+            )
+        })
+        .collect();
+    if !whole.is_empty() {
         rules.push(format!(
-            "{} with num_splits = 1 and num_pieces = 0 where waves = ceil(batch·kv_heads / \
-             sm_count) ≤ {}, batch·kv_heads ≥ {}·waves·sm_count, bucket ≤ {} and bucket·waves ≤ {}",
-            block_change_text(&base, &w.params),
-            w.max_waves,
+            "waves = ceil(batch·kv_heads / sm_count); where batch·kv_heads ≥ {}·waves·sm_count, \
+             with num_splits = 1 and num_pieces = 0: {}",
             WholePairsBlock::MIN_FILL_PERMILLE as f64 / 1000.0,
-            w.max_bucket,
-            w.max_wave_tokens
+            whole.join(", ")
         ));
     }
     if let Some(few) = few_pairs_block(spec, shape) {
-        let pairs = match (*few.pairs.start(), *few.pairs.end()) {
-            (1, hi) => format!("batch·kv_heads ≤ {hi}"),
-            (lo, hi) => format!("{lo} ≤ batch·kv_heads ≤ {hi}"),
-        };
-        let buckets = match (*few.buckets.start(), *few.buckets.end()) {
-            (lo, usize::MAX) => format!("bucket ≥ {lo}"),
-            (lo, hi) => format!("{lo} ≤ bucket ≤ {hi}"),
-        };
+        let (pairs, buckets) = (
+            range_text("batch·kv_heads", &few.pairs),
+            range_text("bucket", &few.buckets),
+        );
         let slots = if few.splits_from_default {
             format!(
                 ", with default_splits' slots from the occupancy of the threads {} tile_tokens {} \
@@ -1267,9 +1272,20 @@ fn default_block_text(spec: &SchemeSpec, shape: &KernelShape) -> String {
     format!("{}; else {otherwise}", rules.join("; "))
 }
 
+/// `what` within `range`: "what ≤ hi" from 0 or 1, "what ≥ lo" to `usize::MAX`, "what = n" for
+/// one value, else "lo ≤ what ≤ hi".
+fn range_text(what: &str, range: &std::ops::RangeInclusive<usize>) -> String {
+    match (*range.start(), *range.end()) {
+        (lo, hi) if lo == hi => format!("{what} = {lo}"),
+        (0 | 1, hi) => format!("{what} ≤ {hi}"),
+        (lo, usize::MAX) => format!("{what} ≥ {lo}"),
+        (lo, hi) => format!("{lo} ≤ {what} ≤ {hi}"),
+    }
+}
+
 /// A rule's block as the parameters it sets and the `kvq gen` flags that generate its sources:
-/// threads and tile always, the occupancy floor, head packing and short staging where they differ
-/// from the codegen default `base`.
+/// threads and tile always, the occupancy floor, head packing, short staging and stored scores
+/// where they differ from the codegen default `base`.
 fn block_change_text(base: &TuneParams, block: &TuneParams) -> String {
     let mut set = vec![
         format!("threads {}", block.threads),
@@ -1290,6 +1306,10 @@ fn block_change_text(base: &TuneParams, block: &TuneParams) -> String {
     if block.short_staging != base.short_staging {
         set.push(format!("short_staging {}", block.short_staging));
         flags.push(format!("--short-staging {}", block.short_staging));
+    }
+    if block.store_scores != base.store_scores {
+        set.push(format!("store_scores {}", block.store_scores));
+        flags.push(format!("--store-scores {}", block.store_scores));
     }
     let last = set.pop().unwrap_or_default();
     format!(

@@ -595,29 +595,39 @@ fn gen_names_the_block_of_untuned_launches_by_batch_and_context() {
             && rule.ends_with(&otherwise),
         "{rule}"
     );
-    // kivi2: eight-warp CTAs of whole pairs first, then unpacked tiles of 32 at middle batches.
+    // kivi2: whole pairs first (four blocks by waves and bucket), then unpacked tiles of 32 at
+    // middle batches.
     let (rule, otherwise) = rule_of("kivi2");
-    let whole = "threads 256, tile_tokens 32 and min_warps_per_sm 0 (sources generated with \
-                 --threads 256 --tile-tokens 32 --min-warps-per-sm 0) with num_splits = 1 and \
-                 num_pieces = 0 where waves = ceil(batch·kv_heads / sm_count) ≤ 4, \
-                 batch·kv_heads ≥ 0.9·waves·sm_count, bucket ≤ 4096 and bucket·waves ≤ 8192; ";
+    let whole = "waves = ceil(batch·kv_heads / sm_count); where batch·kv_heads ≥ \
+                 0.9·waves·sm_count, with num_splits = 1 and num_pieces = 0: threads 256, \
+                 tile_tokens 32 and min_warps_per_sm 0 (sources generated with --threads 256 \
+                 --tile-tokens 32 --min-warps-per-sm 0) where waves = 1 and bucket ≤ 4096, \
+                 threads 128 and tile_tokens 32 (sources generated with --threads 128 \
+                 --tile-tokens 32) where 2 ≤ waves ≤ 3 and bucket ≤ 2048, threads 128 and \
+                 tile_tokens 64 (sources generated with --threads 128 --tile-tokens 64) where \
+                 2 ≤ waves ≤ 3 and 4096 ≤ bucket ≤ 8192, threads 64 and tile_tokens 64 (sources \
+                 generated with --threads 64 --tile-tokens 64) where waves = 4 and bucket ≤ 8192; ";
     let few = "threads 128, tile_tokens 32 and pack_heads false (sources generated with \
                --threads 128 --tile-tokens 32 --pack-heads false) where 32 ≤ batch·kv_heads ≤ 64 \
                and 2048 ≤ bucket ≤ 8192; else ";
     assert_eq!(rule, format!("{whole}{few}{otherwise}"));
-    // INT8 and CalibQuant: the whole-pairs block only (KIVI-4 and FP16 have none).
+    // INT8 and CalibQuant: whole-pairs blocks only (KIVI-4 and FP16 have none); CalibQuant's say
+    // whether they store scores.
     let (rule, otherwise) = rule_of("int8");
     assert!(
-        rule.starts_with("threads 256 and tile_tokens 16 (sources generated")
-            && rule.contains("≤ 1, batch·kv_heads ≥ 0.9·waves·sm_count, bucket ≤ 8192")
-            && rule.ends_with(&format!("; else {otherwise}")),
+        rule.contains("num_pieces = 0: threads 256 and tile_tokens 16 (sources generated")
+            && rule.contains("where waves = 1 and bucket ≤ 8192; else")
+            && rule.ends_with(&otherwise),
         "{rule}"
     );
     let (rule, otherwise) = rule_of("calibquant2");
     assert!(
-        rule.starts_with("threads 256, tile_tokens 32 and min_warps_per_sm 0 (sources generated")
-            && rule.contains("bucket ≤ 2048 and bucket·waves ≤ 2048; else")
-            && rule.ends_with(&otherwise),
+        rule.contains("min_warps_per_sm 0 and store_scores false (sources generated with")
+            && rule.contains("--store-scores false) where waves = 1 and bucket ≤ 1024, threads")
+            && rule.contains("where waves = 1 and 2048 ≤ bucket ≤ 8192, threads 128")
+            && rule.ends_with(&format!(
+                "where waves = 2 and bucket ≤ 2048; else {otherwise}"
+            )),
         "{rule}"
     );
     // A scheme outside the measured families keeps the codegen default everywhere.

@@ -18,7 +18,7 @@ use kvq::codegen::{Dtype, KernelShape, TuneParams};
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
 use kvq::reference::{Dequantized, KvTensor};
-use kvq::runtime::decode::{few_pairs_block, whole_pairs_block};
+use kvq::runtime::decode::{few_pairs_block, whole_pairs_blocks};
 use kvq::runtime::testing::require_gpu;
 use kvq::runtime::tune::synth::{round_to_word, word_to_f32};
 use kvq::runtime::{DecodeKernel, DecodeScratch, GpuCache, Jit, Pieces};
@@ -54,31 +54,37 @@ const KIVI4_FEW_PAIRS: &str = "kivi4-few-pairs";
 /// unpacked), which untuned launches take at middle batches over short contexts.
 const FEW_PAIRS: &[(&str, &str)] = &[("kivi2-few-pairs", "kivi2"), ("kitty-few-pairs", "kitty")];
 
-/// The whole-pairs blocks (`kvq_runtime::decode::whole_pairs_block`, at head_dim 128: eight-warp
-/// CTAs, one split each), which untuned launches take where the pairs fill whole waves of SMs over
-/// short contexts; CalibQuant's without stored scores, as it is launched there.
+/// The whole-pairs blocks (`kvq_runtime::decode::whole_pairs_blocks`, at head_dim 128: one split
+/// a (sequence, KV head), in eight-, four- or two-warp CTAs by the waves the pairs take), which
+/// untuned launches take where the pairs fill whole waves of SMs over short contexts: `-whole-N`
+/// checks the scheme's block N as launched (CalibQuant's with or without stored scores, as each
+/// says). Every block that is not also the codegen default or a few-pairs block is here.
 const WHOLE_PAIRS: &[(&str, &str)] = &[
-    ("kivi2-whole-pairs", "kivi2"),
-    ("kitty-pro-whole-pairs", "kitty-pro"),
-    ("int8-whole-pairs", "int8"),
-    ("calibquant1-whole-pairs", "calibquant1"),
-    ("calibquant2-whole-pairs", "calibquant2"),
+    ("kivi2-whole-0", "kivi2"),
+    ("kivi2-whole-3", "kivi2"),
+    ("kitty-whole-1", "kitty"),
+    ("kitty-pro-whole-0", "kitty-pro"),
+    ("kitty-pro-whole-3", "kitty-pro"),
+    ("int8-whole-0", "int8"),
+    ("calibquant1-whole-0", "calibquant1"),
+    ("calibquant1-whole-1", "calibquant1"),
+    ("calibquant2-whole-1", "calibquant2"),
 ];
 
 /// The block parameters a variant is checked with: the default, for [`KIVI4_SHORT_STAGING`] the
-/// short staging path, for the `-few-pairs` variants the few-pairs block and for the
-/// `-whole-pairs` variants the whole-pairs block where the shape has one, and for the `-keys-twice`
-/// variants no stored scores.
+/// short staging path, for the `-few-pairs` variants the few-pairs block and for the `-whole-N`
+/// variants the N-th whole-pairs block where the shape has them, and for the `-keys-twice` variants
+/// no stored scores.
 fn params_for(name: &str, spec: &kvq::SchemeSpec, shape: &KernelShape) -> TuneParams {
     let default = TuneParams::default_for(spec, shape);
     if name.ends_with("-few-pairs") {
         return few_pairs_block(spec, shape).map_or(default, |b| b.params);
     }
-    if name.ends_with("-whole-pairs") {
-        return whole_pairs_block(spec, shape).map_or(default, |b| TuneParams {
-            store_scores: false,
-            ..b.params
-        });
+    if let Some((_, n)) = name.rsplit_once("-whole-") {
+        let n: usize = n.parse().expect("a whole-pairs block's index");
+        return whole_pairs_blocks(spec, shape)
+            .get(n)
+            .map_or(default, |b| b.params);
     }
     TuneParams {
         short_staging: name == KIVI4_SHORT_STAGING,

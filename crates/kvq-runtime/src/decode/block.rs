@@ -71,9 +71,6 @@ pub const LOW_BIT_FEW_PAIRS_BUCKETS: RangeInclusive<usize> = 2048..=8192;
 /// Kitty-Pro ×1.00–×1.13 at B ∈ {4, 8} × L ∈ {2K, 4K, 8K}.
 pub const LOW_BIT_FEW_PAIRS_BLOCK: (u32, u32) = (128, 32);
 
-/// Threads of the [`WholePairsBlock`]s: eight warps, one CTA an SM.
-pub const WHOLE_PAIRS_THREADS: u32 = 256;
-
 /// Which rule a block of [`rule_block`] comes from, and so how its split count is counted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BlockSplits {
@@ -120,48 +117,50 @@ impl FewPairsBlock {
     }
 }
 
-/// A block of eight-warp CTAs that each take a whole (sequence, KV head): one split, no pieces,
-/// so the decode kernel writes the output itself and no combine runs. Where the pairs fill whole
-/// waves of one CTA an SM and the contexts are short, the combine's launch and the partials it
-/// reads weigh more than the warps a split count would add. Measured on an H100 (132 SMs;
-/// docs/BENCHMARKS.md, thirty-third round) at B ∈ {16, 24, 32, 64} × L ∈ {1K … 8K}: see the
-/// limits of each scheme in [`whole_pairs_block`]; at B=24 (192 pairs, 1.45 waves) it lost
-/// everywhere (×0.73–×0.89), hence [`WholePairsBlock::MIN_FILL_PERMILLE`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A block whose CTAs each take a whole (sequence, KV head): one split, no pieces, so the decode
+/// kernel writes the output itself and no combine runs. Where the pairs fill whole waves of SMs
+/// ([`whole_pair_waves`]) and the contexts are short, the combine's launch and the partials it
+/// reads weigh more than the warps a split count would add. Each block holds its waves' CTAs on an
+/// SM at once: `W` waves take a block of which an SM holds at least `W` CTAs (eight-warp CTAs one,
+/// four-warp CTAs under the twelve-warp floor three, two-warp ones six), so every pair runs from
+/// the start and an SM's work is `W` pairs. A scheme's blocks ([`whole_pairs_blocks`]) were
+/// measured on an H100 (132 SMs; docs/BENCHMARKS.md, thirty-third round) at B ∈ {16, 24, 32, 48,
+/// 64} × L ∈ {1K … 8K}.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WholePairsBlock {
-    /// The block.
+    /// The block (stored scores as launched: the heuristic keeps this block's).
     pub params: TuneParams,
-    /// Most waves of one CTA an SM the pairs may take.
-    pub max_waves: usize,
-    /// Longest context bucket.
-    pub max_bucket: usize,
-    /// Most tokens an SM walks in all: the context bucket times the waves.
-    pub max_wave_tokens: usize,
+    /// Waves of SMs ([`whole_pair_waves`]) a launch's pairs must take.
+    pub waves: RangeInclusive<usize>,
+    /// Context buckets at which a launch takes it.
+    pub buckets: RangeInclusive<usize>,
 }
 
 impl WholePairsBlock {
-    /// Fewest thousandths of the last wave's SMs the pairs must fill (the same nine tenths
-    /// `default_splits` asks of a grid).
+    /// Fewest thousandths of their last wave's SMs the pairs must fill (the same nine tenths
+    /// `default_splits` asks of a grid): at B=24 (192 pairs on 132 SMs, 73% of two waves) every
+    /// block lost (×0.73–×0.89).
     pub const MIN_FILL_PERMILLE: usize = 900;
 
     /// Whether a launch of `batch` sequences of `kv_heads` KV heads and at most `max_len`
     /// tokens on `sm_count` SMs takes this block.
     pub fn applies(&self, batch: usize, kv_heads: usize, max_len: usize, sm_count: usize) -> bool {
-        let pairs = batch * kv_heads;
-        let sms = sm_count.max(1);
-        let waves = pairs.div_ceil(sms);
-        let bucket = context_bucket(max_len);
-        pairs > 0
-            && 1000 * pairs >= Self::MIN_FILL_PERMILLE * waves * sms
-            && waves <= self.max_waves
-            && bucket <= self.max_bucket
-            && bucket * waves <= self.max_wave_tokens
+        whole_pair_waves(batch * kv_heads, sm_count).is_some_and(|w| self.waves.contains(&w))
+            && self.buckets.contains(&context_bucket(max_len))
     }
 }
 
+/// The waves of `sm_count` SMs `pairs` (sequence, KV head) pairs take at one an SM, where they
+/// fill at least [`WholePairsBlock::MIN_FILL_PERMILLE`] of them; `None` where they do not.
+pub fn whole_pair_waves(pairs: usize, sm_count: usize) -> Option<usize> {
+    let sms = sm_count.max(1);
+    let waves = pairs.div_ceil(sms);
+    (pairs > 0 && 1000 * pairs >= WholePairsBlock::MIN_FILL_PERMILLE * waves * sms).then_some(waves)
+}
+
 /// The block the untuned default takes for a launch of `batch` sequences of `kv_heads` KV heads
-/// and at most `max_len` tokens on `sm_count` SMs, where a rule gives one: the scheme's
-/// [`whole_pairs_block`] where it applies, else its [`few_pairs_block`] where that applies.
+/// and at most `max_len` tokens on `sm_count` SMs, where a rule gives one: the first of the
+/// scheme's [`whole_pairs_blocks`] that applies, else its [`few_pairs_block`] where that applies.
 /// `None` where the codegen default stays.
 pub fn rule_block(
     spec: &SchemeSpec,
@@ -171,8 +170,9 @@ pub fn rule_block(
     max_len: usize,
     sm_count: usize,
 ) -> Option<RuleBlock> {
-    if let Some(whole) =
-        whole_pairs_block(spec, shape).filter(|w| w.applies(batch, kv_heads, max_len, sm_count))
+    if let Some(whole) = whole_pairs_blocks(spec, shape)
+        .into_iter()
+        .find(|w| w.applies(batch, kv_heads, max_len, sm_count))
     {
         return Some(RuleBlock {
             params: whole.params,
@@ -289,47 +289,53 @@ pub fn few_pairs_block(spec: &SchemeSpec, shape: &KernelShape) -> Option<FewPair
     }
 }
 
-/// The [`WholePairsBlock`] of the scheme and shape, where it has one, all at head_dim 128 and
-/// measured at GQA 4 in f16 on an H100 (docs/BENCHMARKS.md, thirty-third round), with no
-/// occupancy floor:
-/// - the uncalibrated 1- and 2-bit kernels, 32-token tiles, up to four waves, buckets up to 4K
-///   and 8K tokens an SM (kivi2, Kitty and Kitty-Pro ×1.02–×1.39 there; ×0.89–×0.98 at B=16
-///   and 32 L=8K and B=64 L=4K);
-/// - the calibrated ones (CalibQuant), 32-token tiles, up to two waves and 2K tokens an SM
-///   (×1.09–×1.29 at B=16 L ≤ 2K, ×1.07–×1.15 at B=32 L=1K; ×0.90–×0.95 at B=16 L=4K,
-///   ×0.99–×1.04 at B=32 L=2K);
-/// - 8-bit K and V, 16-token tiles, one wave, buckets up to 8K (INT8 ×1.02–×1.16 at B=16;
-///   ×0.87–×0.97 at B=32 and 64).
+/// The scheme's [`WholePairsBlock`]s, in the order [`rule_block`] tries them, all at head_dim
+/// 128 and measured at GQA 4 in f16 on an H100 (docs/BENCHMARKS.md, thirty-third round; ratios
+/// against the heuristic's block and splits before the rule, in the same run):
+/// - the uncalibrated 1- and 2-bit kernels (kivi2, Kitty, Kitty-Pro): one wave, eight-warp CTAs
+///   of 32-token tiles up to 4K (×1.03–×1.39; ×0.94–×0.98 at 8K); two or three waves, four-warp
+///   CTAs (twelve warps an SM) of 32-token tiles up to 2K and of 64 from 4K to 8K (×1.06–×1.49;
+///   eight-warp CTAs at two waves ran ×0.90–×1.19, at three ×0.79–×1.17); four waves, two-warp
+///   CTAs (twelve warps an SM) of 64-token tiles up to 8K (×1.04–×1.42);
+/// - the calibrated ones (CalibQuant): one wave, eight-warp CTAs of 32-token tiles, keys scored
+///   twice up to 1K (×1.19–×1.30) and their scores stored from 2K to 8K (×1.03–×1.19, where keys
+///   scored twice ran ×0.90–×0.95 at 4K); two waves, four-warp CTAs of 64-token tiles up to 2K
+///   (CalibQuant-1 ×1.13–×1.20; ×1.00–×1.01 at 4K and 8K, ×0.96–×1.09 at four waves);
+/// - 8-bit K and V: one wave, eight-warp CTAs of 16-token tiles up to 8K (INT8 ×1.02–×1.16;
+///   ×0.87–×0.97 at two and four waves, where its heuristic already takes one split).
 ///
-/// `None` for every other scheme and shape (KIVI-4's lost ×0.55–×1.05, FP16's was not measured).
-pub fn whole_pairs_block(spec: &SchemeSpec, shape: &KernelShape) -> Option<WholePairsBlock> {
+/// Empty for every other scheme and shape (KIVI-4's lost ×0.55–×1.05 at one wave; FP16's was not
+/// measured).
+pub fn whole_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<WholePairsBlock> {
     let base = TuneParams::default_for(spec, shape);
-    let block = |tile_tokens| TuneParams {
-        threads: WHOLE_PAIRS_THREADS,
-        tile_tokens,
-        min_warps_per_sm: 0,
-        ..base
+    let block = |threads, tile_tokens, min_warps_per_sm, waves, buckets| WholePairsBlock {
+        params: TuneParams {
+            threads,
+            tile_tokens,
+            min_warps_per_sm,
+            ..base
+        },
+        waves,
+        buckets,
     };
-    match family(spec, shape)? {
-        Family::LowBit => Some(WholePairsBlock {
-            params: block(32),
-            max_waves: 4,
-            max_bucket: 4096,
-            max_wave_tokens: 8192,
-        }),
-        Family::CalibratedLowBit => Some(WholePairsBlock {
-            params: block(32),
-            max_waves: 2,
-            max_bucket: 2048,
-            max_wave_tokens: 2048,
-        }),
-        Family::EightBit => Some(WholePairsBlock {
-            params: block(16),
-            max_waves: 1,
-            max_bucket: 8192,
-            max_wave_tokens: 8192,
-        }),
-        Family::Fp16 | Family::ShortStaging => None,
+    let stored = |mut b: WholePairsBlock, store_scores| {
+        b.params.store_scores = store_scores;
+        b
+    };
+    match family(spec, shape) {
+        Some(Family::LowBit) => vec![
+            block(256, 32, 0, 1..=1, 0..=4096),
+            block(128, 32, 12, 2..=3, 0..=2048),
+            block(128, 64, 12, 2..=3, 4096..=8192),
+            block(64, 64, 12, 4..=4, 0..=8192),
+        ],
+        Some(Family::CalibratedLowBit) => vec![
+            stored(block(256, 32, 0, 1..=1, 0..=1024), false),
+            stored(block(256, 32, 0, 1..=1, 2048..=8192), true),
+            stored(block(128, 64, 12, 2..=2, 0..=2048), false),
+        ],
+        Some(Family::EightBit) => vec![block(256, 16, 0, 1..=1, 0..=8192)],
+        _ => Vec::new(),
     }
 }
 
@@ -486,66 +492,76 @@ mod tests {
         }
     }
 
-    /// Whether `text`'s launch of `batch` sequences of 8 KV heads and `len` tokens on `sms` SMs
-    /// takes its whole-pairs block.
-    fn whole(text: &str, batch: usize, len: usize, sms: usize) -> bool {
+    /// The block `text`'s launch of `batch` sequences of 8 KV heads and `len` tokens on `sms`
+    /// SMs takes as a whole-pairs block: (threads, tile, twelve-warp floor, stored scores), or
+    /// `None` where it takes none.
+    fn whole(text: &str, batch: usize, len: usize, sms: usize) -> Option<(u32, u32, u32, bool)> {
         let shape = KernelShape::new(128, 4, Dtype::F16);
         let s = spec(text);
-        let taken = rule_block(&s, &shape, batch, 8, len, sms);
-        let whole = whole_pairs_block(&s, &shape);
-        assert_eq!(
-            whole.is_some_and(|w| w.applies(batch, 8, len, sms)),
-            taken.is_some_and(|t| t.splits == BlockSplits::OnePerPair)
-        );
-        taken.is_some_and(|t| Some(t.params) == whole.map(|w| w.params))
-            && taken.is_some_and(|t| t.splits == BlockSplits::OnePerPair)
+        let taken = rule_block(&s, &shape, batch, 8, len, sms)
+            .filter(|t| t.splits == BlockSplits::OnePerPair)?;
+        let first = whole_pairs_blocks(&s, &shape)
+            .into_iter()
+            .find(|w| w.applies(batch, 8, len, sms))
+            .expect("a whole-pairs block that applies");
+        assert_eq!(first.params, taken.params);
+        let p = taken.params;
+        Some((p.threads, p.tile_tokens, p.min_warps_per_sm, p.store_scores))
     }
 
     #[test]
-    fn pairs_that_fill_whole_waves_of_sms_over_short_contexts_take_one_eight_warp_cta_each() {
+    fn pairs_that_fill_whole_waves_of_sms_over_short_contexts_take_one_split_each() {
         let shape = KernelShape::new(128, 4, Dtype::F16);
-        let kivi2 = whole_pairs_block(&spec(KIVI2), &shape).unwrap();
-        let base = TuneParams::default_for(&spec(KIVI2), &shape);
-        assert_eq!(
-            kivi2.params,
-            TuneParams {
-                threads: 256,
-                tile_tokens: 32,
-                min_warps_per_sm: 0,
-                ..base
-            }
-        );
-        let int8 = whole_pairs_block(&spec(INT8), &shape).unwrap();
-        assert_eq!((int8.params.threads, int8.params.tile_tokens), (256, 16));
-        // The 1- and 2-bit kernels on an H100: B=16, 32 and 64 fill one, two and four waves of
+        // The 1- and 2-bit kernels on an H100: B=16, 32, 48 and 64 fill one to four waves of
         // 132 SMs; B=24 fills 73% of its second wave.
-        for (batch, len, takes) in [
-            (16, 1024, true),
-            (16, 4096, true),
-            (16, 8192, false),
-            (32, 4096, true),
-            (64, 2048, true),
-            (64, 4096, false),
-            (24, 1024, false),
-            (8, 1024, false),
-            (128, 1024, false),
+        for (batch, len, block) in [
+            (16, 1024, Some((256, 32, 0, false))),
+            (16, 4096, Some((256, 32, 0, false))),
+            (16, 8192, None),
+            (32, 2048, Some((128, 32, 12, false))),
+            (48, 4096, Some((128, 64, 12, false))),
+            (32, 8192, Some((128, 64, 12, false))),
+            (32, 16384, None),
+            (64, 8192, Some((64, 64, 12, false))),
+            (64, 16384, None),
+            (24, 1024, None),
+            (8, 1024, None),
+            (80, 1024, None),
+            (128, 1024, None),
         ] {
             for text in [KIVI2, KITTY] {
                 assert_eq!(
                     whole(text, batch, len, H100_SMS),
-                    takes,
+                    block,
                     "{text} B={batch} L={len}"
                 );
             }
         }
-        // CalibQuant up to two waves and 2K tokens an SM; INT8 one wave up to 8K.
+        // CalibQuant keys twice up to 1K at one wave, stored scores to 8K; four-warp CTAs at two
+        // waves up to 2K. INT8 one wave up to 8K.
         for (batch, len, calibquant, int8) in [
-            (16, 2048, true, true),
-            (16, 4096, false, true),
-            (16, 8192, false, true),
-            (16, 16384, false, false),
-            (32, 1024, true, false),
-            (32, 2048, false, false),
+            (
+                16,
+                1024,
+                Some((256, 32, 0, false)),
+                Some((256, 16, 0, false)),
+            ),
+            (
+                16,
+                4096,
+                Some((256, 32, 0, true)),
+                Some((256, 16, 0, false)),
+            ),
+            (
+                16,
+                8192,
+                Some((256, 32, 0, true)),
+                Some((256, 16, 0, false)),
+            ),
+            (16, 16384, None, None),
+            (32, 2048, Some((128, 64, 12, false)), None),
+            (32, 4096, None, None),
+            (48, 1024, None, None),
         ] {
             assert_eq!(
                 whole(CALIBQUANT1, batch, len, H100_SMS),
@@ -556,16 +572,26 @@ mod tests {
         }
         // The waves are counted on the GPU's own SMs: 128 pairs on 114 SMs fill 56% of two waves,
         // 112 pairs 98% of one.
-        assert!(!whole(KIVI2, 16, 1024, 114));
-        assert!(whole(KIVI2, 14, 1024, 114));
-        // No such block for KIVI-4, FP16, or other head sizes.
+        assert_eq!(whole_pair_waves(128, 114), None);
+        assert_eq!(whole_pair_waves(112, 114), Some(1));
+        assert_eq!(whole(KIVI2, 16, 1024, 114), None);
+        assert!(whole(KIVI2, 14, 1024, 114).is_some());
+        // None for KIVI-4, FP16, or other head sizes.
         let kivi4 = spec("k = int(4, channel), v = int(4, token)");
-        assert_eq!(whole_pairs_block(&kivi4, &shape), None);
-        assert_eq!(whole_pairs_block(&spec(FP16), &shape), None);
+        assert!(whole_pairs_blocks(&kivi4, &shape).is_empty());
+        assert!(whole_pairs_blocks(&spec(FP16), &shape).is_empty());
         let d64 = KernelShape::new(64, 4, Dtype::F16);
-        assert_eq!(whole_pairs_block(&spec(KIVI2), &d64), None);
-        // Its block is the kernel the launch runs, so it is the occupancy block too.
+        assert!(whole_pairs_blocks(&spec(KIVI2), &d64).is_empty());
+        // The block is the kernel the launch runs, so it is the occupancy block too; everything
+        // else is the codegen default's.
+        let base = TuneParams::default_for(&spec(KIVI2), &shape);
         let (block, occupancy) = blocks(&spec(KIVI2), &shape, 16, 8, 4096);
-        assert_eq!((block, occupancy), (kivi2.params, kivi2.params));
+        let eight_warps = TuneParams {
+            threads: 256,
+            tile_tokens: 32,
+            min_warps_per_sm: 0,
+            ..base
+        };
+        assert_eq!((block, occupancy), (eight_warps, eight_warps));
     }
 }

@@ -57,8 +57,8 @@ impl TuneChoice {
     /// [`default_splits`] for the grid, which fills whole waves of the GPU's resident CTAs, and
     /// [`default_pieces`] for the pieces after the splits; the short staging path where the
     /// kernel has a choice and the block or [`short_staging_by_default`] says so; a calibrated
-    /// scheme's key scores stored as the block default says, unless [`store_scores_by_default`]
-    /// says not.
+    /// scheme's key scores stored as the block says, unless [`store_scores_by_default`] says not
+    /// (a whole-pairs block's say is final).
     pub fn heuristic(problem: &TuneProblem, gpu: Residency) -> TuneChoice {
         let rule = rule_taken(problem, gpu.sm_count);
         let mut params = rule.map_or_else(|| codegen_default(problem), |r| r.params);
@@ -78,7 +78,9 @@ impl TuneChoice {
         params.short_staging = short_staging_changes(&problem.spec, &problem.shape, &params)
             && (params.short_staging
                 || short_staging_by_default(problem.max_len, splits, params.warps()));
-        params.store_scores = params.store_scores && store_scores_by_default(problem.max_len);
+        // A whole-pairs block says itself whether it stores scores.
+        params.store_scores =
+            params.store_scores && (one_per_pair || store_scores_by_default(problem.max_len));
         let pieces = if one_per_pair {
             Pieces::NONE
         } else {
@@ -599,6 +601,18 @@ mod tests {
         assert_eq!((h.splits, h.pieces), (1, Pieces::NONE));
         assert_eq!(h.params, TuneChoice::default_block(&p, H100_SMS));
         assert_eq!(candidates(&p, h100(132))[0], h);
+        // CalibQuant's whole-pairs block says whether it stores scores, under 4K tokens too.
+        for (len, stored) in [(1024, false), (4096, true)] {
+            let cq = problem_of(
+                "k = int(1, channel), v = int(1, channel), sink = 32, local = 128, \
+                 calibrate = calibrate(tau1 = -1.5, tau2 = 3.25)",
+                16,
+                len,
+            );
+            let h = TuneChoice::heuristic(&cq, h100(132));
+            assert_eq!((h.params.threads, h.splits), (256, 1), "L={len}");
+            assert_eq!(h.params.store_scores, stored, "L={len}");
+        }
         // The same launch on 114 SMs (two waves, 56% full) keeps the codegen block and its splits.
         let pcie = TuneChoice::heuristic(&p, Residency::new(114, 342));
         assert_eq!(pcie.params, TuneParams::default_for(&p.spec, &p.shape));
