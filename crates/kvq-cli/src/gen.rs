@@ -1287,30 +1287,37 @@ fn range_text(what: &str, range: &std::ops::RangeInclusive<usize>) -> String {
 /// threads and tile always, the occupancy floor, head packing, short staging and stored scores
 /// where they differ from the codegen default `base`.
 fn block_change_text(base: &TuneParams, block: &TuneParams) -> String {
-    let mut set = vec![
-        format!("threads {}", block.threads),
-        format!("tile_tokens {}", block.tile_tokens),
+    // (manifest name, value in the block, shown); each flag is the name with dashes.
+    let params = [
+        ("threads", block.threads.to_string(), true),
+        ("tile_tokens", block.tile_tokens.to_string(), true),
+        (
+            "min_warps_per_sm",
+            block.min_warps_per_sm.to_string(),
+            block.min_warps_per_sm != base.min_warps_per_sm,
+        ),
+        (
+            "pack_heads",
+            block.pack_heads.to_string(),
+            block.pack_heads != base.pack_heads,
+        ),
+        (
+            "short_staging",
+            block.short_staging.to_string(),
+            block.short_staging != base.short_staging,
+        ),
+        (
+            "store_scores",
+            block.store_scores.to_string(),
+            block.store_scores != base.store_scores,
+        ),
     ];
-    let mut flags = vec![
-        format!("--threads {}", block.threads),
-        format!("--tile-tokens {}", block.tile_tokens),
-    ];
-    if block.min_warps_per_sm != base.min_warps_per_sm {
-        set.push(format!("min_warps_per_sm {}", block.min_warps_per_sm));
-        flags.push(format!("--min-warps-per-sm {}", block.min_warps_per_sm));
-    }
-    if block.pack_heads != base.pack_heads {
-        set.push(format!("pack_heads {}", block.pack_heads));
-        flags.push(format!("--pack-heads {}", block.pack_heads));
-    }
-    if block.short_staging != base.short_staging {
-        set.push(format!("short_staging {}", block.short_staging));
-        flags.push(format!("--short-staging {}", block.short_staging));
-    }
-    if block.store_scores != base.store_scores {
-        set.push(format!("store_scores {}", block.store_scores));
-        flags.push(format!("--store-scores {}", block.store_scores));
-    }
+    let shown: Vec<_> = params.iter().filter(|(_, _, shown)| *shown).collect();
+    let mut set: Vec<String> = shown.iter().map(|(n, v, _)| format!("{n} {v}")).collect();
+    let flags: Vec<String> = shown
+        .iter()
+        .map(|(n, v, _)| format!("--{} {v}", n.replace('_', "-")))
+        .collect();
     let last = set.pop().unwrap_or_default();
     format!(
         "{} and {last} (sources generated with {})",
