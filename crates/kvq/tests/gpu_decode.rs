@@ -58,7 +58,8 @@ const FEW_PAIRS: &[(&str, &str)] = &[("kivi2-few-pairs", "kivi2"), ("kitty-few-p
 /// a (sequence, KV head), in eight-, four- or two-warp CTAs by the waves the pairs take), which
 /// untuned launches take where the pairs fill whole waves of SMs over short contexts: `-whole-N`
 /// checks the scheme's block N as launched (CalibQuant's with or without stored scores, as each
-/// says). Every block that is not also the codegen default or a few-pairs block is here.
+/// says): each block shape of the 1- and 2-bit family (on kivi2, Kitty or Kitty-Pro), CalibQuant's
+/// and INT8's that is not also the codegen default or a few-pairs block.
 const WHOLE_PAIRS: &[(&str, &str)] = &[
     ("kivi2-whole-0", "kivi2"),
     ("kivi2-whole-3", "kivi2"),

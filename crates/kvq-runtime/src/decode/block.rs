@@ -59,7 +59,7 @@ pub const LOW_BIT_FEW_PAIRS: RangeInclusive<usize> = 32..=64;
 
 /// Context buckets at which the uncalibrated 1- and 2-bit kernels with
 /// [`LOW_BIT_FEW_PAIRS`] take [`LOW_BIT_FEW_PAIRS_BLOCK`]: the tuner kept the default block
-/// at 16K (thirty-third round, `c1`), and 1K was not measured.
+/// at 16K, or found at most ×1.01 (thirty-third round), and 1K was not measured with the block.
 pub const LOW_BIT_FEW_PAIRS_BUCKETS: RangeInclusive<usize> = 2048..=8192;
 
 /// Threads and tile of the uncalibrated 1- and 2-bit kernels' block at head_dim 128 where a launch
@@ -67,7 +67,7 @@ pub const LOW_BIT_FEW_PAIRS_BUCKETS: RangeInclusive<usize> = 2048..=8192;
 /// with Kitty's boosted plane unpacked (`TuneParams::pack_heads` false) and the twelve-warp floor
 /// kept. Each split warp's share of a short context is then walked in twice as many, smaller
 /// steps (why that runs faster was not profiled). Measured on an H100 (docs/BENCHMARKS.md,
-/// thirty-third round) against the 64-token block in the same run: kivi2 ×1.00–×1.10, Kitty and
+/// thirty-third round) against the 64-token block in the same run: kivi2 ×0.99–×1.09, Kitty and
 /// Kitty-Pro ×1.00–×1.13 at B ∈ {4, 8} × L ∈ {2K, 4K, 8K}.
 pub const LOW_BIT_FEW_PAIRS_BLOCK: (u32, u32) = (128, 32);
 
@@ -138,8 +138,8 @@ pub struct WholePairsBlock {
 
 impl WholePairsBlock {
     /// Fewest thousandths of their last wave's SMs the pairs must fill (the same nine tenths
-    /// `default_splits` asks of a grid): at B=24 (192 pairs on 132 SMs, 73% of two waves) every
-    /// block lost (×0.73–×0.89).
+    /// `default_splits` asks of a grid): at B=24 (192 pairs on 132 SMs, 73% of two waves) eight-warp
+    /// CTAs lost (×0.73–×0.96) at every shape measured but one (INT8 at L=1K, ×1.02).
     pub const MIN_FILL_PERMILLE: usize = 900;
 
     /// Whether a launch of `batch` sequences of `kv_heads` KV heads and at most `max_len`
@@ -293,19 +293,19 @@ pub fn few_pairs_block(spec: &SchemeSpec, shape: &KernelShape) -> Option<FewPair
 /// 128 and measured at GQA 4 in f16 on an H100 (docs/BENCHMARKS.md, thirty-third round; ratios
 /// against the heuristic's block and splits before the rule, in the same run):
 /// - the uncalibrated 1- and 2-bit kernels (kivi2, Kitty, Kitty-Pro): one wave, eight-warp CTAs
-///   of 32-token tiles up to 4K (×1.03–×1.39; ×0.94–×0.98 at 8K); two or three waves, four-warp
+///   of 32-token tiles up to 4K (×1.10–×1.38; ×0.94–×0.98 at 8K); two or three waves, four-warp
 ///   CTAs (twelve warps an SM) of 32-token tiles up to 2K and of 64 from 4K to 8K (×1.06–×1.49;
 ///   eight-warp CTAs at two waves ran ×0.90–×1.19, at three ×0.79–×1.17); four waves, two-warp
 ///   CTAs (twelve warps an SM) of 64-token tiles up to 8K (×1.04–×1.42);
 /// - the calibrated ones (CalibQuant): one wave, eight-warp CTAs of 32-token tiles, keys scored
-///   twice up to 1K (×1.19–×1.30) and their scores stored from 2K to 8K (×1.03–×1.19, where keys
+///   twice up to 1K (×1.21–×1.30) and their scores stored from 2K to 8K (×1.02–×1.19, where keys
 ///   scored twice ran ×0.90–×0.95 at 4K); two waves, four-warp CTAs of 64-token tiles up to 2K
-///   (CalibQuant-1 ×1.13–×1.20; ×1.00–×1.01 at 4K and 8K, ×0.96–×1.09 at four waves);
-/// - 8-bit K and V: one wave, eight-warp CTAs of 16-token tiles up to 8K (INT8 ×1.02–×1.16;
+///   (×1.10–×1.21; ×1.00–×1.01 at 4K and 8K; at four waves two-warp CTAs ran ×0.93–×1.09);
+/// - 8-bit K and V: one wave, eight-warp CTAs of 16-token tiles up to 8K (INT8 ×1.02–×1.14;
 ///   ×0.87–×0.97 at two and four waves, where its heuristic already takes one split).
 ///
-/// Empty for every other scheme and shape (KIVI-4's lost ×0.55–×1.05 at one wave; FP16's was not
-/// measured).
+/// Empty for every other scheme and shape (KIVI-4's eight-warp CTAs ran ×0.64–×1.05 at one wave and
+/// ×0.55–×0.75 at two; FP16's were not measured).
 pub fn whole_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<WholePairsBlock> {
     let base = TuneParams::default_for(spec, shape);
     let block = |threads, tile_tokens, min_warps_per_sm, waves, buckets| WholePairsBlock {
