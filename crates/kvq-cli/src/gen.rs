@@ -1221,7 +1221,7 @@ fn default_store_scores_text(
 /// (`kvq_runtime::decode::rule_block`, which `TuneChoice::default_block` and `occupancy_block`
 /// apply): the scheme's whole-pairs block, then its few-pairs block, else the codegen default.
 fn default_block_text(spec: &SchemeSpec, shape: &KernelShape) -> String {
-    use kvq::runtime::decode::{few_pairs_block, whole_pairs_blocks, WholePairsBlock};
+    use kvq::runtime::decode::{few_pairs_blocks, whole_pairs_blocks, WholePairsBlock};
     let base = TuneParams::default_for(spec, shape);
     let mut rules = Vec::new();
     let whole: Vec<String> = whole_pairs_blocks(spec, shape)
@@ -1243,7 +1243,7 @@ fn default_block_text(spec: &SchemeSpec, shape: &KernelShape) -> String {
             whole.join(", ")
         ));
     }
-    if let Some(few) = few_pairs_block(spec, shape) {
+    for few in few_pairs_blocks(spec, shape) {
         let (pairs, buckets) = (
             range_text("batch·kv_heads", &few.pairs),
             range_text("bucket", &few.buckets),

@@ -591,6 +591,7 @@ fn gen_names_the_block_of_untuned_launches_by_batch_and_context() {
         rule.starts_with("threads 128, tile_tokens 32 and short_staging true (sources generated")
             && rule.contains("--tile-tokens 32 --short-staging true)")
             && rule.contains("where batch·kv_heads ≤ 64 and bucket ≥ 4096, with default_splits")
+            && rule.contains("where 64 ≤ batch·kv_heads ≤ 256 and 1024 ≤ bucket ≤ 8192, with")
             && rule.contains(&format!("occupancy of the {otherwise}").replace(" and ", " "))
             && rule.ends_with(&otherwise),
         "{rule}"
@@ -625,8 +626,12 @@ fn gen_names_the_block_of_untuned_launches_by_batch_and_context() {
         rule.contains("min_warps_per_sm 0 and store_scores false (sources generated with")
             && rule.contains("--store-scores false) where waves = 1 and bucket ≤ 1024, threads")
             && rule.contains("where waves = 1 and 2048 ≤ bucket ≤ 8192, threads 128")
+            && rule.contains(
+                "min_warps_per_sm 0 (sources generated with --threads 128 --tile-tokens 64 \
+                 --min-warps-per-sm 0) where waves = 2 and 4096 ≤ bucket ≤ 8192"
+            )
             && rule.ends_with(&format!(
-                "where waves = 2 and bucket ≤ 2048; else {otherwise}"
+                "where waves = 4 and bucket ≤ 4096; else {otherwise}"
             )),
         "{rule}"
     );

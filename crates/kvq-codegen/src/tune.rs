@@ -38,7 +38,7 @@ pub struct TuneParams {
     /// L=128K, where a warp's share of the context is 4096 tokens and more, but ×0.967 at B=16
     /// L=4K and ×0.970 at B=1 L=128K (docs/BENCHMARKS.md, twenty-seventh round): the heuristic
     /// choice (`TuneChoice::heuristic` in kvq-runtime) takes it by the warp's share, and with
-    /// 32-token tiles at small batches (`few_pairs_block` in kvq-runtime; thirty-second round),
+    /// 32-token tiles at small batches (`few_pairs_blocks` in kvq-runtime; thirty-second round),
     /// and the tuner tries both. Absent in results stored before the parameter existed: false, as those kernels did.
     #[serde(default)]
     pub short_staging: bool,

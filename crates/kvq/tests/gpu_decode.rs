@@ -18,7 +18,7 @@ use kvq::codegen::{Dtype, KernelShape, TuneParams};
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
 use kvq::reference::{Dequantized, KvTensor};
-use kvq::runtime::decode::{few_pairs_block, whole_pairs_blocks};
+use kvq::runtime::decode::{few_pairs_blocks, whole_pairs_blocks};
 use kvq::runtime::testing::require_gpu;
 use kvq::runtime::tune::synth::{round_to_word, word_to_f32};
 use kvq::runtime::{DecodeKernel, DecodeScratch, GpuCache, Jit, Pieces};
@@ -44,7 +44,7 @@ const CALIBQUANT1_KEYS_TWICE: &str = "calibquant1-keys-twice";
 const CALIBQUANT2_KEYS_TWICE: &str = "calibquant2-keys-twice";
 
 /// FP16's and KIVI-4's blocks for launches with few (sequence, KV head) pairs
-/// (`kvq_runtime::decode::few_pairs_block`, at head_dim 128: FP16 four-warp CTAs of 32-token
+/// (`kvq_runtime::decode::few_pairs_blocks`, at head_dim 128: FP16 four-warp CTAs of 32-token
 /// tiles, KIVI-4 32-token tiles on the short staging path), which untuned launches take at small
 /// batches: checked as schemes of their own.
 const FP16_FEW_PAIRS: &str = "fp16-few-pairs";
@@ -70,6 +70,9 @@ const WHOLE_PAIRS: &[(&str, &str)] = &[
     ("calibquant1-whole-0", "calibquant1"),
     ("calibquant1-whole-1", "calibquant1"),
     ("calibquant2-whole-1", "calibquant2"),
+    ("calibquant1-whole-2", "calibquant1"),
+    ("calibquant2-whole-3", "calibquant2"),
+    ("calibquant1-whole-4", "calibquant1"),
 ];
 
 /// The block parameters a variant is checked with: the default, for [`KIVI4_SHORT_STAGING`] the
@@ -79,7 +82,9 @@ const WHOLE_PAIRS: &[(&str, &str)] = &[
 fn params_for(name: &str, spec: &kvq::SchemeSpec, shape: &KernelShape) -> TuneParams {
     let default = TuneParams::default_for(spec, shape);
     if name.ends_with("-few-pairs") {
-        return few_pairs_block(spec, shape).map_or(default, |b| b.params);
+        return few_pairs_blocks(spec, shape)
+            .first()
+            .map_or(default, |b| b.params);
     }
     if let Some((_, n)) = name.rsplit_once("-whole-") {
         let n: usize = n.parse().expect("a whole-pairs block's index");

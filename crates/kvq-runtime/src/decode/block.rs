@@ -43,6 +43,17 @@ pub const SHORT_STAGING_FEW_PAIRS_MAX: usize = 64;
 /// [`SHORT_STAGING_FEW_PAIRS_BLOCK`]: the shortest measured.
 pub const SHORT_STAGING_FEW_PAIRS_MIN_BUCKET: usize = 4096;
 
+/// (Sequence, KV head) pairs and context buckets at which KIVI-4's kernels also take
+/// [`SHORT_STAGING_FEW_PAIRS_BLOCK`] past [`SHORT_STAGING_FEW_PAIRS_MAX`] pairs or under
+/// [`SHORT_STAGING_FEW_PAIRS_MIN_BUCKET`]: B from 8 to 32 at 8 KV heads over 1K to 8K tokens.
+/// Measured on an H100 (docs/BENCHMARKS.md, thirty-third round) against the 64-token block:
+/// B=8 ×1.04 and ×1.10 at 1K and 2K, B=16 and B=32 ×1.03–×1.09 from 1K to 8K; at 16K and 32K
+/// ×0.99–×1.02.
+pub const SHORT_STAGING_MIDDLE_PAIRS: RangeInclusive<usize> = 64..=256;
+
+/// Context buckets of [`SHORT_STAGING_MIDDLE_PAIRS`].
+pub const SHORT_STAGING_MIDDLE_BUCKETS: RangeInclusive<usize> = 1024..=8192;
+
 /// Threads and tile of KIVI-4's block at head_dim 128 where a launch has few (sequence, KV head)
 /// pairs: 32-token tiles on the short staging path instead of 64-token tiles on the general one.
 /// Its smaller ring lets an SM hold three CTAs instead of two, but its split count fills waves of
@@ -160,7 +171,8 @@ pub fn whole_pair_waves(pairs: usize, sm_count: usize) -> Option<usize> {
 
 /// The block the untuned default takes for a launch of `batch` sequences of `kv_heads` KV heads
 /// and at most `max_len` tokens on `sm_count` SMs, where a rule gives one: the first of the
-/// scheme's [`whole_pairs_blocks`] that applies, else its [`few_pairs_block`] where that applies.
+/// scheme's [`whole_pairs_blocks`] that applies, else the first of its [`few_pairs_blocks`] that
+/// applies.
 /// `None` where the codegen default stays.
 pub fn rule_block(
     spec: &SchemeSpec,
@@ -179,8 +191,9 @@ pub fn rule_block(
             splits: BlockSplits::OnePerPair,
         });
     }
-    few_pairs_block(spec, shape)
-        .filter(|f| f.applies(batch, kv_heads, max_len))
+    few_pairs_blocks(spec, shape)
+        .into_iter()
+        .find(|f| f.applies(batch, kv_heads, max_len))
         .map(|f| RuleBlock {
             params: f.params,
             splits: if f.splits_from_default {
@@ -235,57 +248,57 @@ fn family(spec: &SchemeSpec, shape: &KernelShape) -> Option<Family> {
     (k.bits == 8 && v.bits == 8).then_some(Family::EightBit)
 }
 
-/// The block the untuned default takes for launches with few (sequence, KV head) pairs
-/// ([`FewPairsBlock::applies`]), where the scheme and shape have one, all at head_dim 128:
+/// The blocks the untuned default takes for launches with few (sequence, KV head) pairs
+/// ([`FewPairsBlock::applies`]), in the order [`rule_block`] tries them, all at head_dim 128:
 /// FP16 takes [`FP16_FEW_PAIRS_BLOCK`]; kernels whose ring stages 4-bit K and V (KIVI-4's)
-/// take [`SHORT_STAGING_FEW_PAIRS_BLOCK`] on the short staging path; the uncalibrated 1- and
-/// 2-bit kernels take [`LOW_BIT_FEW_PAIRS_BLOCK`]. All were measured at GQA 4 in f16. `None`
-/// for every other scheme and shape.
-pub fn few_pairs_block(spec: &SchemeSpec, shape: &KernelShape) -> Option<FewPairsBlock> {
+/// take [`SHORT_STAGING_FEW_PAIRS_BLOCK`] on the short staging path, at few pairs from 4K and at
+/// [`SHORT_STAGING_MIDDLE_PAIRS`] over [`SHORT_STAGING_MIDDLE_BUCKETS`]; the uncalibrated 1- and
+/// 2-bit kernels take [`LOW_BIT_FEW_PAIRS_BLOCK`]. All were measured at GQA 4 in f16. Empty for
+/// every other scheme and shape.
+pub fn few_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<FewPairsBlock> {
     let base = TuneParams::default_for(spec, shape);
-    match family(spec, shape)? {
-        Family::Fp16 => {
-            let (threads, tile_tokens) = FP16_FEW_PAIRS_BLOCK;
-            Some(FewPairsBlock {
-                params: TuneParams {
-                    threads,
-                    tile_tokens,
-                    ..base
-                },
-                pairs: 1..=FP16_FEW_PAIRS_MAX,
-                buckets: FP16_FEW_PAIRS_MIN_BUCKET..=usize::MAX,
-                splits_from_default: false,
-            })
+    let few = |(threads, tile_tokens), pairs, buckets, splits_from_default| FewPairsBlock {
+        params: TuneParams {
+            threads,
+            tile_tokens,
+            ..base
+        },
+        pairs,
+        buckets,
+        splits_from_default,
+    };
+    match family(spec, shape) {
+        Some(Family::Fp16) => vec![few(
+            FP16_FEW_PAIRS_BLOCK,
+            1..=FP16_FEW_PAIRS_MAX,
+            FP16_FEW_PAIRS_MIN_BUCKET..=usize::MAX,
+            false,
+        )],
+        Some(Family::ShortStaging) => [
+            (
+                1..=SHORT_STAGING_FEW_PAIRS_MAX,
+                SHORT_STAGING_FEW_PAIRS_MIN_BUCKET..=usize::MAX,
+            ),
+            (SHORT_STAGING_MIDDLE_PAIRS, SHORT_STAGING_MIDDLE_BUCKETS),
+        ]
+        .into_iter()
+        .map(|(pairs, buckets)| {
+            let mut b = few(SHORT_STAGING_FEW_PAIRS_BLOCK, pairs, buckets, true);
+            b.params.short_staging = true;
+            b
+        })
+        .collect(),
+        Some(Family::LowBit) => {
+            let mut b = few(
+                LOW_BIT_FEW_PAIRS_BLOCK,
+                LOW_BIT_FEW_PAIRS,
+                LOW_BIT_FEW_PAIRS_BUCKETS,
+                false,
+            );
+            b.params.pack_heads = false;
+            vec![b]
         }
-        Family::ShortStaging => {
-            let (threads, tile_tokens) = SHORT_STAGING_FEW_PAIRS_BLOCK;
-            Some(FewPairsBlock {
-                params: TuneParams {
-                    threads,
-                    tile_tokens,
-                    short_staging: true,
-                    ..base
-                },
-                pairs: 1..=SHORT_STAGING_FEW_PAIRS_MAX,
-                buckets: SHORT_STAGING_FEW_PAIRS_MIN_BUCKET..=usize::MAX,
-                splits_from_default: true,
-            })
-        }
-        Family::LowBit => {
-            let (threads, tile_tokens) = LOW_BIT_FEW_PAIRS_BLOCK;
-            Some(FewPairsBlock {
-                params: TuneParams {
-                    threads,
-                    tile_tokens,
-                    pack_heads: false,
-                    ..base
-                },
-                pairs: LOW_BIT_FEW_PAIRS,
-                buckets: LOW_BIT_FEW_PAIRS_BUCKETS,
-                splits_from_default: false,
-            })
-        }
-        Family::CalibratedLowBit | Family::EightBit => None,
+        _ => Vec::new(),
     }
 }
 
@@ -299,8 +312,12 @@ pub fn few_pairs_block(spec: &SchemeSpec, shape: &KernelShape) -> Option<FewPair
 ///   CTAs (twelve warps an SM) of 64-token tiles up to 8K (×1.04–×1.42);
 /// - the calibrated ones (CalibQuant): one wave, eight-warp CTAs of 32-token tiles, keys scored
 ///   twice up to 1K (×1.21–×1.30) and their scores stored from 2K to 8K (×1.02–×1.19, where keys
-///   scored twice ran ×0.90–×0.95 at 4K); two waves, four-warp CTAs of 64-token tiles up to 2K
-///   (×1.10–×1.21; ×1.00–×1.01 at 4K and 8K; at four waves two-warp CTAs ran ×0.93–×1.09);
+///   scored twice ran ×0.90–×0.95 at 4K); two waves, four-warp CTAs of 64-token tiles without the
+///   occupancy floor, keys scored twice up to 2K (×1.10–×1.14) and scores stored from 4K to 8K
+///   (×1.09–×1.15, where keys scored twice ran ×0.95–×1.12); four waves,
+///   two-warp CTAs of 64-token tiles (twelve warps an SM) with stored scores up to 4K
+///   (×1.01–×1.15; ×0.92 at 8K); at three waves every block tried lost (×0.45–×0.87), where the
+///   heuristic already takes one split;
 /// - 8-bit K and V: one wave, eight-warp CTAs of 16-token tiles up to 8K (INT8 ×1.02–×1.14;
 ///   ×0.87–×0.97 at two and four waves, where its heuristic already takes one split).
 ///
@@ -332,7 +349,9 @@ pub fn whole_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<WholePa
         Some(Family::CalibratedLowBit) => vec![
             stored(block(256, 32, 0, 1..=1, 0..=1024), false),
             stored(block(256, 32, 0, 1..=1, 2048..=8192), true),
-            stored(block(128, 64, 12, 2..=2, 0..=2048), false),
+            stored(block(128, 64, 0, 2..=2, 0..=2048), false),
+            stored(block(128, 64, 0, 2..=2, 4096..=8192), true),
+            stored(block(64, 64, 12, 4..=4, 0..=4096), true),
         ],
         Some(Family::EightBit) => vec![block(256, 16, 0, 1..=1, 0..=8192)],
         _ => Vec::new(),
@@ -422,7 +441,7 @@ mod tests {
         );
         // Schemes without a few-pairs block.
         for text in [INT8, CALIBQUANT1] {
-            assert_eq!(few_pairs_block(&spec(text), &shape), None, "{text}");
+            assert!(few_pairs_blocks(&spec(text), &shape).is_empty(), "{text}");
         }
         // FP16's split count fills its own block's waves.
         for batch in [1, 4] {
@@ -438,24 +457,44 @@ mod tests {
         let base = TuneParams::default_for(&kivi4, &shape);
         assert_eq!((base.threads, base.tile_tokens), (128, 64));
         assert!(!base.short_staging);
-        let few = few_pairs_block(&kivi4, &shape).unwrap();
-        assert!(few.splits_from_default);
+        let few = few_pairs_blocks(&kivi4, &shape);
+        assert_eq!(few.len(), 2);
         let short = TuneParams {
             tile_tokens: 32,
             short_staging: true,
             ..base
         };
-        assert_eq!(few.params, short);
-        for (batch, len) in [(1, 4096), (1, 131072), (8, 4096), (8, 32768)] {
-            assert_eq!(blocks(&kivi4, &shape, batch, 8, len), (short, base));
+        assert!(few
+            .iter()
+            .all(|f| f.splits_from_default && f.params == short));
+        // Up to B=8 at 8 KV heads from 4K; from B=8 to B=32 over 1K to 8K.
+        for (batch, len) in [
+            (1, 4096),
+            (1, 131072),
+            (8, 4096),
+            (8, 32768),
+            (8, 1024),
+            (16, 4096),
+            (32, 8192),
+            (24, 1000),
+        ] {
+            assert_eq!(
+                blocks(&kivi4, &shape, batch, 8, len),
+                (short, base),
+                "B={batch} L={len}"
+            );
         }
-        // B=16 at 8 KV heads, or a bucket under 4096 tokens: the codegen default.
-        for (batch, len) in [(16, 32768), (1, 2048)] {
-            assert_eq!(blocks(&kivi4, &shape, batch, 8, len), (base, base));
+        // Past 32 sequences, B=16 past 8K, or few pairs under 4K (B ≤ 4): the codegen default.
+        for (batch, len) in [(64, 4096), (16, 16384), (16, 32768), (4, 2048), (1, 1024)] {
+            assert_eq!(
+                blocks(&kivi4, &shape, batch, 8, len),
+                (base, base),
+                "B={batch} L={len}"
+            );
         }
         // Other head sizes keep the codegen default.
         let d64 = KernelShape::new(64, 4, Dtype::F16);
-        assert_eq!(few_pairs_block(&kivi4, &d64), None);
+        assert!(few_pairs_blocks(&kivi4, &d64).is_empty());
     }
 
     #[test]
@@ -470,7 +509,7 @@ mod tests {
                 pack_heads: false,
                 ..base
             };
-            assert_eq!(few_pairs_block(&low_bit, &shape).unwrap().params, few);
+            assert_eq!(few_pairs_blocks(&low_bit, &shape)[0].params, few);
             // B=4 and B=8 at 8 KV heads (B=2 at 16), buckets of 2K to 8K: the block, with the
             // splits of its own occupancy.
             for (batch, kv_heads, len) in [(4, 8, 2048), (8, 8, 8192), (8, 8, 5000), (2, 16, 4096)]
@@ -537,8 +576,9 @@ mod tests {
                 );
             }
         }
-        // CalibQuant keys twice up to 1K at one wave, stored scores to 8K; four-warp CTAs at two
-        // waves up to 2K. INT8 one wave up to 8K.
+        // CalibQuant keys twice up to 1K at one wave, stored scores to 8K; four-warp CTAs without
+        // the floor at two waves, keys twice up to 2K and stored scores to 8K; two-warp CTAs with
+        // stored scores at four waves up to 4K. INT8 one wave up to 8K.
         for (batch, len, calibquant, int8) in [
             (
                 16,
@@ -559,9 +599,12 @@ mod tests {
                 Some((256, 16, 0, false)),
             ),
             (16, 16384, None, None),
-            (32, 2048, Some((128, 64, 12, false)), None),
-            (32, 4096, None, None),
+            (32, 2048, Some((128, 64, 0, false)), None),
+            (32, 4096, Some((128, 64, 0, true)), None),
+            (32, 16384, None, None),
             (48, 1024, None, None),
+            (64, 4096, Some((64, 64, 12, true)), None),
+            (64, 8192, None, None),
         ] {
             assert_eq!(
                 whole(CALIBQUANT1, batch, len, H100_SMS),

@@ -11,11 +11,11 @@ mod kernel;
 mod splits;
 
 pub use block::{
-    few_pairs_block, rule_block, whole_pair_waves, whole_pairs_blocks, BlockSplits, FewPairsBlock,
+    few_pairs_blocks, rule_block, whole_pair_waves, whole_pairs_blocks, BlockSplits, FewPairsBlock,
     RuleBlock, WholePairsBlock, FP16_FEW_PAIRS_BLOCK, FP16_FEW_PAIRS_MAX,
     FP16_FEW_PAIRS_MIN_BUCKET, LOW_BIT_FEW_PAIRS, LOW_BIT_FEW_PAIRS_BLOCK,
     LOW_BIT_FEW_PAIRS_BUCKETS, SHORT_STAGING_FEW_PAIRS_BLOCK, SHORT_STAGING_FEW_PAIRS_MAX,
-    SHORT_STAGING_FEW_PAIRS_MIN_BUCKET,
+    SHORT_STAGING_FEW_PAIRS_MIN_BUCKET, SHORT_STAGING_MIDDLE_BUCKETS, SHORT_STAGING_MIDDLE_PAIRS,
 };
 pub use cache::{CacheView, GpuCache};
 pub use kernel::{DecodeKernel, DecodeScratch, RANGE_SCALE_MAX_SPLITS};

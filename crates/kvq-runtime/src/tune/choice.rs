@@ -417,17 +417,18 @@ mod tests {
         let kivi4 =
             |batch, max_len| problem_of("k = int(4, channel), v = int(4, token)", batch, max_len);
         // 264 resident four-warp CTAs (two an SM of an H100). B=16 L=32K: 2 splits, 4096 bucket
-        // tokens a warp; L=128K: 16384. B=16 L=4K: 512, and B=16 L=2K: 256. B ≤ 8 from 4K take
-        // the few-pairs block, which is on the short path whatever the share (B=1 L=128K: 33
-        // splits, 992 a warp).
+        // tokens a warp; L=128K: 16384. B=16 L=16K: 2048, and B=64 L=4K: 1024. B ≤ 8 from 4K and
+        // B=8 to 32 over 1K to 8K take the few-pairs blocks, which are on the short path whatever
+        // the share (B=1 L=128K: 33 splits, 992 a warp; B=16 L=2K: 2 splits, 256 a warp).
         for (batch, len, short) in [
             (16, 32_768, true),
             (16, 131_072, true),
-            (16, 4096, false),
-            (16, 2048, false),
+            (16, 16_384, false),
+            (64, 4096, false),
             (1, 131_072, true),
             (1, 32_768, true),
             (8, 4096, true),
+            (16, 2048, true),
         ] {
             let c = TuneChoice::heuristic(&kivi4(batch, len), h100(264));
             let per_warp = len.next_power_of_two() / (c.splits * c.params.warps());
