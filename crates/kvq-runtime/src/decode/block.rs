@@ -47,8 +47,8 @@ pub const SHORT_STAGING_FEW_PAIRS_MIN_BUCKET: usize = 4096;
 /// [`SHORT_STAGING_FEW_PAIRS_BLOCK`] past [`SHORT_STAGING_FEW_PAIRS_MAX`] pairs or under
 /// [`SHORT_STAGING_FEW_PAIRS_MIN_BUCKET`]: B from 8 to 32 at 8 KV heads over 1K to 8K tokens.
 /// Measured on an H100 (docs/BENCHMARKS.md, thirty-third round) against the 64-token block:
-/// B=8 ×1.04 and ×1.10 at 1K and 2K, B=16 and B=32 ×1.03–×1.09 from 1K to 8K; at 16K and 32K
-/// ×0.99–×1.02.
+/// B=8 ×1.04 and ×1.09–×1.10 at 1K and 2K, B=16 and B=32 ×1.03–×1.10 from 1K to 8K; at 16K and
+/// 32K ×0.99–×1.02.
 pub const SHORT_STAGING_MIDDLE_PAIRS: RangeInclusive<usize> = 64..=256;
 
 /// Context buckets of [`SHORT_STAGING_MIDDLE_PAIRS`].
