@@ -35,12 +35,14 @@ pub const FP16_FEW_PAIRS_MIN_BUCKET: usize = 8 * 1024;
 pub const FP16_FEW_PAIRS_BLOCK: (u32, u32) = (128, 32);
 
 /// Most (sequence, KV head) pairs a launch may have for a kernel whose ring stages 4-bit K and V
-/// (KIVI-4's) to take [`SHORT_STAGING_FEW_PAIRS_BLOCK`]: B ≤ 8 at 8 KV heads, the largest batch
-/// measured (docs/BENCHMARKS.md, thirty-second round).
+/// (KIVI-4's) to take [`SHORT_STAGING_FEW_PAIRS_BLOCK`] at any bucket from
+/// [`SHORT_STAGING_FEW_PAIRS_MIN_BUCKET`]: B ≤ 8 at 8 KV heads (docs/BENCHMARKS.md,
+/// thirty-second round). More pairs take it over [`SHORT_STAGING_MIDDLE_BUCKETS`] only.
 pub const SHORT_STAGING_FEW_PAIRS_MAX: usize = 64;
 
 /// Shortest context bucket at which KIVI-4's kernels with few (sequence, KV head) pairs take
-/// [`SHORT_STAGING_FEW_PAIRS_BLOCK`]: the shortest measured.
+/// [`SHORT_STAGING_FEW_PAIRS_BLOCK`]: the shortest measured at B < 8 (B=8 takes it from 1K, as
+/// [`SHORT_STAGING_MIDDLE_PAIRS`] includes 64 pairs).
 pub const SHORT_STAGING_FEW_PAIRS_MIN_BUCKET: usize = 4096;
 
 /// (Sequence, KV head) pairs and context buckets at which KIVI-4's kernels also take
