@@ -1287,30 +1287,23 @@ fn range_text(what: &str, range: &std::ops::RangeInclusive<usize>) -> String {
 /// threads and tile always, the occupancy floor, head packing, short staging and stored scores
 /// where they differ from the codegen default `base`.
 fn block_change_text(base: &TuneParams, block: &TuneParams) -> String {
-    // (manifest name, value in the block, shown); each flag is the name with dashes.
+    // (manifest name, value in the block, shown); each flag is the name with dashes. Threads
+    // and tile always show; the rest where the block differs from the codegen default.
+    fn differs<T: PartialEq + ToString>(name: &str, block: T, base: T) -> (&str, String, bool) {
+        let shown = block != base;
+        (name, block.to_string(), shown)
+    }
     let params = [
         ("threads", block.threads.to_string(), true),
         ("tile_tokens", block.tile_tokens.to_string(), true),
-        (
+        differs(
             "min_warps_per_sm",
-            block.min_warps_per_sm.to_string(),
-            block.min_warps_per_sm != base.min_warps_per_sm,
+            block.min_warps_per_sm,
+            base.min_warps_per_sm,
         ),
-        (
-            "pack_heads",
-            block.pack_heads.to_string(),
-            block.pack_heads != base.pack_heads,
-        ),
-        (
-            "short_staging",
-            block.short_staging.to_string(),
-            block.short_staging != base.short_staging,
-        ),
-        (
-            "store_scores",
-            block.store_scores.to_string(),
-            block.store_scores != base.store_scores,
-        ),
+        differs("pack_heads", block.pack_heads, base.pack_heads),
+        differs("short_staging", block.short_staging, base.short_staging),
+        differs("store_scores", block.store_scores, base.store_scores),
     ];
     let shown: Vec<_> = params.iter().filter(|(_, _, shown)| *shown).collect();
     let mut set: Vec<String> = shown.iter().map(|(n, v, _)| format!("{n} {v}")).collect();

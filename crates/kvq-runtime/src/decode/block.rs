@@ -315,10 +315,10 @@ pub fn few_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<FewPairsB
 /// - the calibrated ones (CalibQuant): one wave, eight-warp CTAs of 32-token tiles, keys scored
 ///   twice up to 1K (×1.21–×1.30) and their scores stored from 2K to 8K (×1.02–×1.19, where keys
 ///   scored twice ran ×0.90–×0.95 at 4K); two waves, four-warp CTAs of 64-token tiles without the
-///   occupancy floor, keys scored twice up to 2K (×1.10–×1.14) and scores stored from 4K to 8K
-///   (×1.09–×1.15, where keys scored twice ran ×0.95–×1.12); four waves,
-///   two-warp CTAs of 64-token tiles (twelve warps an SM) with stored scores up to 4K
-///   (×1.01–×1.15; ×0.92 at 8K); at three waves every block tried lost (×0.45–×0.87), where the
+///   occupancy floor, keys scored twice up to 2K (×1.22–×1.36) and scores stored from 4K to 8K
+///   (×1.09–×1.15; keys scored twice there ran ×0.95–×1.12 against the heuristic of the first
+///   rules, whose two-wave block had the floor and stopped at 2K); four waves, two-warp CTAs of
+///   64-token tiles (twelve warps an SM) with stored scores up to 4K (×1.01–×1.16; ×0.92 at 8K); at three waves every block tried lost (×0.45–×0.87), where the
 ///   heuristic already takes one split;
 /// - 8-bit K and V: one wave, eight-warp CTAs of 16-token tiles up to 8K (INT8 ×1.02–×1.14;
 ///   ×0.87–×0.97 at two and four waves, where its heuristic already takes one split).
