@@ -1219,9 +1219,12 @@ fn default_store_scores_text(
 
 /// The manifest's rule for the block of the runtime's untuned launches
 /// (`kvq_runtime::decode::rule_block`, which `TuneChoice::default_block` and `occupancy_block`
-/// apply): the scheme's whole-pairs block, then its few-pairs block, else the codegen default.
+/// apply): the scheme's whole-pairs blocks, then its one-tile blocks, then its few-pairs blocks,
+/// else the codegen default.
 fn default_block_text(spec: &SchemeSpec, shape: &KernelShape) -> String {
-    use kvq::runtime::decode::{few_pairs_blocks, whole_pairs_blocks, WholePairsBlock};
+    use kvq::runtime::decode::{
+        few_pairs_blocks, one_tile_blocks, whole_pairs_blocks, WholePairsBlock,
+    };
     let base = TuneParams::default_for(spec, shape);
     let mut rules = Vec::new();
     let whole: Vec<String> = whole_pairs_blocks(spec, shape)
@@ -1241,6 +1244,16 @@ fn default_block_text(spec: &SchemeSpec, shape: &KernelShape) -> String {
              with num_splits = 1 and num_pieces = 0: {}",
             WholePairsBlock::MIN_FILL_PERMILLE as f64 / 1000.0,
             whole.join(", ")
+        ));
+    }
+    for one in one_tile_blocks(spec, shape) {
+        let tile_warps = one.params.tile_tokens as usize * one.params.warps();
+        rules.push(format!(
+            "{} with num_splits = bucket / {tile_warps} (one tile a warp) where {} and \
+             batch·kv_heads·num_splits ≤ {}·sm_count",
+            block_change_text(&base, &one.params),
+            range_text("batch·kv_heads", &one.pairs),
+            one.floor_ctas_per_sm(),
         ));
     }
     for few in few_pairs_blocks(spec, shape) {
@@ -1272,10 +1285,11 @@ fn default_block_text(spec: &SchemeSpec, shape: &KernelShape) -> String {
     format!("{}; else {otherwise}", rules.join("; "))
 }
 
-/// `what` within `range`: "what ≤ hi" from 0 or 1, "what ≥ lo" to `usize::MAX`, "what = n" for
-/// one value, else "lo ≤ what ≤ hi".
+/// `what` within `range`: "any what" from 0 or 1 to `usize::MAX`, "what ≤ hi" from 0 or 1,
+/// "what ≥ lo" to `usize::MAX`, "what = n" for one value, else "lo ≤ what ≤ hi".
 fn range_text(what: &str, range: &std::ops::RangeInclusive<usize>) -> String {
     match (*range.start(), *range.end()) {
+        (0 | 1, usize::MAX) => format!("any {what}"),
         (lo, hi) if lo == hi => format!("{what} = {lo}"),
         (0 | 1, hi) => format!("{what} ≤ {hi}"),
         (lo, usize::MAX) => format!("{what} ≥ {lo}"),

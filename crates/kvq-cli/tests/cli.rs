@@ -578,13 +578,31 @@ fn gen_names_the_block_of_untuned_launches_by_batch_and_context() {
         );
         (rule, otherwise)
     };
+    // FP16: whole pairs, then one tile a warp (16-token tiles first), then four-warp tiles of 32.
     let (rule, otherwise) = rule_of("fp16");
-    assert!(
-        rule.starts_with("threads 128 and tile_tokens 32 (sources generated with --threads 128")
-            && rule.contains("where batch·kv_heads ≤ 16 and bucket ≥ 8192; else")
-            && !rule.contains("occupancy")
-            && rule.ends_with(&otherwise),
-        "{rule}"
+    let whole = "waves = ceil(batch·kv_heads / sm_count); where batch·kv_heads ≥ \
+                 0.9·waves·sm_count, with num_splits = 1 and num_pieces = 0: threads 256, \
+                 tile_tokens 32 and min_warps_per_sm 0 (sources generated with --threads 256 \
+                 --tile-tokens 32 --min-warps-per-sm 0) where waves = 1 and bucket ≤ 4096, \
+                 threads 128 and tile_tokens 64 (sources generated with --threads 128 \
+                 --tile-tokens 64) where 2 ≤ waves ≤ 3 and bucket ≤ 4096, threads 64 and \
+                 tile_tokens 64 (sources generated with --threads 64 --tile-tokens 64) where \
+                 waves = 4 and bucket ≤ 2048; ";
+    let one_tile = |tile: u32| {
+        format!(
+            "threads 128 and tile_tokens {tile} (sources generated with --threads 128 \
+             --tile-tokens {tile}) with num_splits = bucket / {} (one tile a warp) where \
+             batch·kv_heads ≤ 64 and batch·kv_heads·num_splits ≤ 3·sm_count; ",
+            4 * tile
+        )
+    };
+    let few = "threads 128 and tile_tokens 32 (sources generated with --threads 128 \
+               --tile-tokens 32) where batch·kv_heads ≤ 16 and any bucket; threads 128 and \
+               tile_tokens 32 (sources generated with --threads 128 --tile-tokens 32) where 17 ≤ \
+               batch·kv_heads ≤ 64 and bucket ≤ 16384; else ";
+    assert_eq!(
+        rule,
+        format!("{whole}{}{}{few}{otherwise}", one_tile(16), one_tile(32))
     );
     let (rule, otherwise) = rule_of("kivi4");
     assert!(
@@ -612,7 +630,7 @@ fn gen_names_the_block_of_untuned_launches_by_batch_and_context() {
                --threads 128 --tile-tokens 32 --pack-heads false) where 32 ≤ batch·kv_heads ≤ 64 \
                and 2048 ≤ bucket ≤ 8192; else ";
     assert_eq!(rule, format!("{whole}{few}{otherwise}"));
-    // INT8 and CalibQuant: whole-pairs blocks only (KIVI-4 and FP16 have none); CalibQuant's say
+    // INT8 and CalibQuant: whole-pairs blocks only (KIVI-4 has none); CalibQuant's say
     // whether they store scores.
     let (rule, otherwise) = rule_of("int8");
     assert!(

@@ -18,7 +18,7 @@ use kvq::codegen::{Dtype, KernelShape, TuneParams};
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
 use kvq::reference::{Dequantized, KvTensor};
-use kvq::runtime::decode::{few_pairs_blocks, whole_pairs_blocks};
+use kvq::runtime::decode::{few_pairs_blocks, one_tile_blocks, whole_pairs_blocks};
 use kvq::runtime::testing::require_gpu;
 use kvq::runtime::tune::synth::{round_to_word, word_to_f32};
 use kvq::runtime::{DecodeKernel, DecodeScratch, GpuCache, Jit, Pieces};
@@ -50,6 +50,11 @@ const CALIBQUANT2_KEYS_TWICE: &str = "calibquant2-keys-twice";
 const FP16_FEW_PAIRS: &str = "fp16-few-pairs";
 const KIVI4_FEW_PAIRS: &str = "kivi4-few-pairs";
 
+/// FP16's first one-tile block (`kvq_runtime::decode::one_tile_blocks`, at head_dim 128:
+/// four-warp CTAs of 16-token tiles; the second, of 32-token tiles, is the few-pairs block), which
+/// untuned launches take at small batches over short contexts: `-one-tile-N` checks block N.
+const ONE_TILE: &[(&str, &str)] = &[("fp16-one-tile-0", "fp16")];
+
 /// The uncalibrated 1- and 2-bit kernels' few-pairs block (32-token tiles, Kitty's boosted plane
 /// unpacked), which untuned launches take at middle batches over short contexts.
 const FEW_PAIRS: &[(&str, &str)] = &[("kivi2-few-pairs", "kivi2"), ("kitty-few-pairs", "kitty")];
@@ -58,8 +63,8 @@ const FEW_PAIRS: &[(&str, &str)] = &[("kivi2-few-pairs", "kivi2"), ("kitty-few-p
 /// a (sequence, KV head), in eight-, four- or two-warp CTAs by the waves the pairs take), which
 /// untuned launches take where the pairs fill whole waves of SMs over short contexts: `-whole-N`
 /// checks the scheme's block N as launched (CalibQuant's with or without stored scores, as each
-/// says): each block shape of the 1- and 2-bit family (on kivi2, Kitty or Kitty-Pro), CalibQuant's
-/// and INT8's that is not also the codegen default or a few-pairs block.
+/// says): each block shape of the 1- and 2-bit family (on kivi2, Kitty or Kitty-Pro), CalibQuant's,
+/// INT8's and FP16's that is not also the codegen default or a few-pairs block.
 const WHOLE_PAIRS: &[(&str, &str)] = &[
     ("kivi2-whole-0", "kivi2"),
     ("kivi2-whole-3", "kivi2"),
@@ -73,17 +78,25 @@ const WHOLE_PAIRS: &[(&str, &str)] = &[
     ("calibquant1-whole-2", "calibquant1"),
     ("calibquant2-whole-3", "calibquant2"),
     ("calibquant1-whole-4", "calibquant1"),
+    ("fp16-whole-0", "fp16"),
+    ("fp16-whole-1", "fp16"),
 ];
 
 /// The block parameters a variant is checked with: the default, for [`KIVI4_SHORT_STAGING`] the
-/// short staging path, for the `-few-pairs` variants the few-pairs block and for the `-whole-N`
-/// variants the N-th whole-pairs block where the shape has them, and for the `-keys-twice` variants
-/// no stored scores.
+/// short staging path, for the `-few-pairs` variants the few-pairs block and for the `-whole-N` and
+/// `-one-tile-N` variants the N-th whole-pairs or one-tile block where the shape has them, and for
+/// the `-keys-twice` variants no stored scores.
 fn params_for(name: &str, spec: &kvq::SchemeSpec, shape: &KernelShape) -> TuneParams {
     let default = TuneParams::default_for(spec, shape);
     if name.ends_with("-few-pairs") {
         return few_pairs_blocks(spec, shape)
             .first()
+            .map_or(default, |b| b.params);
+    }
+    if let Some((_, n)) = name.rsplit_once("-one-tile-") {
+        let n: usize = n.parse().expect("a one-tile block's index");
+        return one_tile_blocks(spec, shape)
+            .get(n)
             .map_or(default, |b| b.params);
     }
     if let Some((_, n)) = name.rsplit_once("-whole-") {
@@ -198,6 +211,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
     ]
     .iter()
     .chain(FEW_PAIRS)
+    .chain(ONE_TILE)
     .chain(WHOLE_PAIRS)
     {
         let spec = schemes.iter().find(|(n, _)| *n == of).expect(of).1;

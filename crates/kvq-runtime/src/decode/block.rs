@@ -2,7 +2,8 @@
 //! of the codegen's, by batch shape, context bucket and SM count. [`TuneParams::default_for`]
 //! knows only the scheme and the kernel shape; how many (sequence, KV head) pairs a launch has,
 //! how long its contexts are and how many SMs share them can call for another block, and for
-//! another way of counting its splits. [`rule_block`] applies the rules;
+//! another way of counting its splits. [`rule_block`] applies the rules (whole-pairs blocks, then
+//! one-tile blocks, then few-pairs blocks);
 //! `TuneChoice::default_block`, `TuneChoice::occupancy_block` and `TuneChoice::heuristic` take
 //! what it gives.
 
@@ -11,28 +12,46 @@ use std::ops::RangeInclusive;
 use kvq_codegen::{short_staging_changes, store_scores_changes, KernelShape, TuneParams};
 use kvq_spec::SchemeSpec;
 
-use crate::tune::context_bucket;
+use crate::tune::{context_bucket, MAX_SPLITS};
 
-/// Most (sequence, KV head) pairs a launch may have for FP16 to take
-/// [`FP16_FEW_PAIRS_BLOCK`]: B ≤ 2 at 8 KV heads. At B=4 (32 pairs) the block ran ×1.00–×1.03 on
-/// an H100 (docs/BENCHMARKS.md, thirty-second round).
+/// Most (sequence, KV head) pairs a launch may have for FP16 to take [`FP16_FEW_PAIRS_BLOCK`] at
+/// any context bucket: B ≤ 2 at 8 KV heads.
 pub const FP16_FEW_PAIRS_MAX: usize = 16;
 
-/// Shortest context bucket at which FP16 with few (sequence, KV head) pairs takes
-/// [`FP16_FEW_PAIRS_BLOCK`]. At 4K the block lost ×0.94 at B=1 (thirty-first round): there the
-/// tokens a warp must get, not the GPU, bound the split count, and four-warp CTAs halve it.
-pub const FP16_FEW_PAIRS_MIN_BUCKET: usize = 8 * 1024;
+/// (Sequence, KV head) pairs past [`FP16_FEW_PAIRS_MAX`] at which FP16 takes
+/// [`FP16_FEW_PAIRS_BLOCK`] over [`FP16_MIDDLE_PAIRS_BUCKETS`]: B from 3 to 8 at 8 KV heads.
+/// Measured on an H100 (docs/BENCHMARKS.md, thirty-fourth round) against the two-warp block, with
+/// the splits of each block's own occupancy: B=4 and B=8 ×0.997–×1.083 from 512 tokens to 16K.
+pub const FP16_MIDDLE_PAIRS: RangeInclusive<usize> = 17..=64;
+
+/// Context buckets of [`FP16_MIDDLE_PAIRS`]: the longest measured is 16K.
+pub const FP16_MIDDLE_PAIRS_BUCKETS: RangeInclusive<usize> = 0..=16384;
 
 /// Threads and tile of FP16's block at head_dim 128 where a launch has few (sequence, KV head)
-/// pairs over long contexts: four-warp CTAs of 32-token tiles instead of two-warp CTAs of 64.
-/// With so few pairs the grid is all splits; four warps a CTA halve them (49 instead of 99 at
-/// B=1 on an H100), so the combine reads half the partials, and a CTA's warps merge on chip (why
-/// the block runs faster was not profiled). Measured on an H100 (docs/BENCHMARKS.md, thirty-second round), against the two-warp block in
-/// the same run: B=1 ×1.01–×1.09 from 8K to 64K and ×1.00 at 128K; B=2 ×1.03–×1.08 from 8K to
-/// 64K, ×1.01 at 128K. Where buffers land still matters: at B=1 L=32K this block ran 57.4–58.0
-/// µs at both placement pads, where the two-warp block ran 59.4 at one and 66.6–66.9 at the
-/// other, but 65.9 µs in a checked run of every scheme.
+/// pairs and no [`OneTileBlock`] applies: four-warp CTAs of 32-token tiles instead of two-warp
+/// CTAs of 64. With so few pairs the grid is all splits; four warps a CTA halve them (49 instead
+/// of 99 at B=1 on an H100), so the combine reads half the partials, and a CTA's warps merge on
+/// chip (why the block runs faster was not profiled). Measured on an H100 against the two-warp
+/// block in the same run: B=1 ×1.01–×1.09 from 8K to 64K and ×1.00 at 128K, B=2 ×1.03–×1.08 from
+/// 8K to 64K and ×1.01 at 128K (thirty-second round); B ≤ 8 ×0.997–×1.083 from 512 tokens to 16K
+/// (thirty-fourth round). Where buffers land still matters: at B=1 L=32K this block ran
+/// 57.4–58.0 µs at both placement pads, where the two-warp block ran 59.4 at one and 66.6–66.9 at
+/// the other, but 65.9 µs in a checked run of every scheme.
 pub const FP16_FEW_PAIRS_BLOCK: (u32, u32) = (128, 32);
+
+/// Most (sequence, KV head) pairs a launch may have for FP16 to take a [`OneTileBlock`]: B ≤ 8 at
+/// 8 KV heads, the batches measured.
+pub const FP16_ONE_TILE_MAX_PAIRS: usize = 64;
+
+/// FP16's [`OneTileBlock`]s at head_dim 128, in the order [`rule_block`] tries them: four-warp
+/// CTAs (twelve warps an SM) of 16-token tiles, then of 32-token tiles. Measured on an H100
+/// (docs/BENCHMARKS.md, thirty-fourth round) against the two-warp block of 64-token tiles and
+/// its splits: where 16-token tiles fit the wave (B=1 up to 2K, B=2 up to 1K, B=4 at 512 tokens)
+/// ×1.24–×1.43; where only 32-token tiles do (B=1 at 4K, B=2 at 2K, B=4 at 1K, B=8 at 512
+/// tokens) ×1.14–×1.15. Where neither fits, one tile a warp lost: 16-token tiles ran
+/// ×1.05–×1.08 where 32-token ones ran ×1.14–×1.15, and 32-token tiles ×0.945–×0.995 where the
+/// few-pairs block ran ×1.005–×1.035.
+pub const FP16_ONE_TILE_BLOCKS: [(u32, u32); 2] = [(128, 16), (128, 32)];
 
 /// Most (sequence, KV head) pairs a launch may have for a kernel whose ring stages 4-bit K and V
 /// (KIVI-4's) to take [`SHORT_STAGING_FEW_PAIRS_BLOCK`] at any bucket from
@@ -95,6 +114,8 @@ pub enum BlockSplits {
     /// One split and no pieces: each CTA takes a whole (sequence, KV head)
     /// ([`WholePairsBlock`]).
     OnePerPair,
+    /// This many splits, each warp one tile of the context bucket ([`OneTileBlock`]).
+    OneTilePerWarp(usize),
 }
 
 /// A block the untuned default takes instead of the codegen's ([`rule_block`]).
@@ -163,6 +184,43 @@ impl WholePairsBlock {
     }
 }
 
+/// A block whose split warps each take one tile of the context bucket, where the grid that gives
+/// fits in one wave of the CTAs the block's occupancy floor holds on an SM
+/// ([`OneTileBlock::applies`]): every warp then reads its one tile from the start, and no warp's
+/// share is a tile and a part of another. With few pairs and short contexts the grid is
+/// otherwise bounded by the tokens a warp must get (`min_warp_tokens`), so it leaves SMs idle.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OneTileBlock {
+    /// The block, with the occupancy floor that [`OneTileBlock::applies`] counts CTAs by.
+    pub params: TuneParams,
+    /// (Sequence, KV head) pairs, batch × KV heads, a launch must have to take it.
+    pub pairs: RangeInclusive<usize>,
+}
+
+impl OneTileBlock {
+    /// The splits that give each warp one tile of the context bucket of `max_len`: the bucket
+    /// over a CTA's tiles.
+    pub fn splits(&self, max_len: usize) -> usize {
+        context_bucket(max_len) / (self.params.tile_tokens as usize * self.params.warps()).max(1)
+    }
+
+    /// CTAs an SM holds at once under the block's occupancy floor (at least one).
+    pub fn floor_ctas_per_sm(&self) -> usize {
+        (self.params.min_warps_per_sm as usize / self.params.warps().max(1)).max(1)
+    }
+
+    /// Whether a launch of `batch` sequences of `kv_heads` KV heads and at most `max_len`
+    /// tokens on `sm_count` SMs takes this block: its pairs are in range, and its grid of
+    /// [`OneTileBlock::splits`] splits has CTAs, at most `MAX_SPLITS` splits a pair and at most
+    /// [`OneTileBlock::floor_ctas_per_sm`] CTAs an SM.
+    pub fn applies(&self, batch: usize, kv_heads: usize, max_len: usize, sm_count: usize) -> bool {
+        let (pairs, splits) = (batch * kv_heads, self.splits(max_len));
+        self.pairs.contains(&pairs)
+            && (1..=MAX_SPLITS).contains(&splits)
+            && pairs * splits <= self.floor_ctas_per_sm() * sm_count.max(1)
+    }
+}
+
 /// The waves of `sm_count` SMs `pairs` (sequence, KV head) pairs take at one an SM, where they
 /// fill at least [`WholePairsBlock::MIN_FILL_PERMILLE`] of them; `None` where they do not.
 pub fn whole_pair_waves(pairs: usize, sm_count: usize) -> Option<usize> {
@@ -173,8 +231,8 @@ pub fn whole_pair_waves(pairs: usize, sm_count: usize) -> Option<usize> {
 
 /// The block the untuned default takes for a launch of `batch` sequences of `kv_heads` KV heads
 /// and at most `max_len` tokens on `sm_count` SMs, where a rule gives one: the first of the
-/// scheme's [`whole_pairs_blocks`] that applies, else the first of its [`few_pairs_blocks`] that
-/// applies.
+/// scheme's [`whole_pairs_blocks`] that applies, else the first of its [`one_tile_blocks`], else
+/// the first of its [`few_pairs_blocks`].
 /// `None` where the codegen default stays.
 pub fn rule_block(
     spec: &SchemeSpec,
@@ -191,6 +249,15 @@ pub fn rule_block(
         return Some(RuleBlock {
             params: whole.params,
             splits: BlockSplits::OnePerPair,
+        });
+    }
+    if let Some(one) = one_tile_blocks(spec, shape)
+        .into_iter()
+        .find(|o| o.applies(batch, kv_heads, max_len, sm_count))
+    {
+        return Some(RuleBlock {
+            splits: BlockSplits::OneTilePerWarp(one.splits(max_len)),
+            params: one.params,
         });
     }
     few_pairs_blocks(spec, shape)
@@ -252,7 +319,8 @@ fn family(spec: &SchemeSpec, shape: &KernelShape) -> Option<Family> {
 
 /// The blocks the untuned default takes for launches with few (sequence, KV head) pairs
 /// ([`FewPairsBlock::applies`]), in the order [`rule_block`] tries them, all at head_dim 128:
-/// FP16 takes [`FP16_FEW_PAIRS_BLOCK`]; kernels whose ring stages 4-bit K and V (KIVI-4's)
+/// FP16 takes [`FP16_FEW_PAIRS_BLOCK`] up to [`FP16_FEW_PAIRS_MAX`] pairs at any bucket and at
+/// [`FP16_MIDDLE_PAIRS`] over [`FP16_MIDDLE_PAIRS_BUCKETS`]; kernels whose ring stages 4-bit K and V (KIVI-4's)
 /// take [`SHORT_STAGING_FEW_PAIRS_BLOCK`] on the short staging path, at few pairs from 4K and at
 /// [`SHORT_STAGING_MIDDLE_PAIRS`] over [`SHORT_STAGING_MIDDLE_BUCKETS`]; the uncalibrated 1- and
 /// 2-bit kernels take [`LOW_BIT_FEW_PAIRS_BLOCK`]. All were measured at GQA 4 in f16. Empty for
@@ -270,12 +338,20 @@ pub fn few_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<FewPairsB
         splits_from_default,
     };
     match family(spec, shape) {
-        Some(Family::Fp16) => vec![few(
-            FP16_FEW_PAIRS_BLOCK,
-            1..=FP16_FEW_PAIRS_MAX,
-            FP16_FEW_PAIRS_MIN_BUCKET..=usize::MAX,
-            false,
-        )],
+        Some(Family::Fp16) => vec![
+            few(
+                FP16_FEW_PAIRS_BLOCK,
+                1..=FP16_FEW_PAIRS_MAX,
+                0..=usize::MAX,
+                false,
+            ),
+            few(
+                FP16_FEW_PAIRS_BLOCK,
+                FP16_MIDDLE_PAIRS,
+                FP16_MIDDLE_PAIRS_BUCKETS,
+                false,
+            ),
+        ],
         Some(Family::ShortStaging) => [
             (
                 1..=SHORT_STAGING_FEW_PAIRS_MAX,
@@ -304,6 +380,27 @@ pub fn few_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<FewPairsB
     }
 }
 
+/// The scheme's [`OneTileBlock`]s, in the order [`rule_block`] tries them: FP16's
+/// [`FP16_ONE_TILE_BLOCKS`] up to [`FP16_ONE_TILE_MAX_PAIRS`] pairs, at head_dim 128 and measured
+/// at GQA 4 in f16. Empty for every other scheme and shape.
+pub fn one_tile_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<OneTileBlock> {
+    if family(spec, shape) != Some(Family::Fp16) {
+        return Vec::new();
+    }
+    let base = TuneParams::default_for(spec, shape);
+    FP16_ONE_TILE_BLOCKS
+        .iter()
+        .map(|&(threads, tile_tokens)| OneTileBlock {
+            params: TuneParams {
+                threads,
+                tile_tokens,
+                ..base
+            },
+            pairs: 1..=FP16_ONE_TILE_MAX_PAIRS,
+        })
+        .collect()
+}
+
 /// The scheme's [`WholePairsBlock`]s, in the order [`rule_block`] tries them, all at head_dim
 /// 128 and measured at GQA 4 in f16 on an H100 (docs/BENCHMARKS.md, thirty-third round; ratios
 /// against the heuristic's block and splits before the rule, in the same run):
@@ -321,10 +418,15 @@ pub fn few_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<FewPairsB
 ///   64-token tiles (twelve warps an SM) with stored scores up to 4K (×1.01–×1.16; ×0.92 at 8K); at three waves every block tried lost (×0.45–×0.87), where the
 ///   heuristic already takes one split;
 /// - 8-bit K and V: one wave, eight-warp CTAs of 16-token tiles up to 8K (INT8 ×1.02–×1.14;
-///   ×0.87–×0.97 at two and four waves, where its heuristic already takes one split).
+///   ×0.87–×0.97 at two and four waves, where its heuristic already takes one split);
+/// - FP16 (thirty-fourth round): one wave, eight-warp CTAs of 32-token tiles up to 4K
+///   (×1.05–×1.17; ×1.00 at 8K); two or three waves, four-warp CTAs (twelve warps an SM) of
+///   64-token tiles up to 4K (×1.00–×1.19; ×0.995–×1.009 at 8K, and eight-warp CTAs at three
+///   waves ×0.98–×0.99); four waves, the codegen's two-warp CTAs up to 2K (×1.05–×1.21; ×1.00 at
+///   4K, ×0.99 at 8K).
 ///
 /// Empty for every other scheme and shape (KIVI-4's eight-warp CTAs ran ×0.64–×1.05 at one wave and
-/// ×0.55–×0.75 at two; FP16's were not measured).
+/// ×0.55–×0.75 at two).
 pub fn whole_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<WholePairsBlock> {
     let base = TuneParams::default_for(spec, shape);
     let block = |threads, tile_tokens, min_warps_per_sm, waves, buckets| WholePairsBlock {
@@ -356,6 +458,11 @@ pub fn whole_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<WholePa
             stored(block(64, 64, 12, 4..=4, 0..=4096), true),
         ],
         Some(Family::EightBit) => vec![block(256, 16, 0, 1..=1, 0..=8192)],
+        Some(Family::Fp16) => vec![
+            block(256, 32, 0, 1..=1, 0..=4096),
+            block(128, 64, 12, 2..=3, 0..=4096),
+            block(64, 64, 12, 4..=4, 0..=2048),
+        ],
         _ => Vec::new(),
     }
 }
@@ -426,10 +533,10 @@ mod tests {
         let shape = KernelShape::new(128, 4, Dtype::F16);
         let fp16 = spec(FP16);
         let base = TuneParams::default_for(&fp16, &shape);
-        // Too many pairs (B=4 at 8 KV heads, B=1 at 32), or a short bucket.
+        // Middle pairs (B=4 at 8 KV heads, B=1 at 32) past 16K, or B=16 past one wave's buckets.
         assert_eq!(blocks(&fp16, &shape, 4, 8, 32768).0, base);
         assert_eq!(blocks(&fp16, &shape, 1, 32, 32768).0, base);
-        assert_eq!(blocks(&fp16, &shape, 1, 8, 4096).0, base);
+        assert_eq!(blocks(&fp16, &shape, 16, 8, 16384).0, base);
         // Another head size, or a quantized scheme.
         let d64 = KernelShape::new(64, 4, Dtype::F16);
         assert_eq!(
@@ -441,15 +548,89 @@ mod tests {
             blocks(&kivi2, &shape, 1, 8, 32768).0,
             TuneParams::default_for(&kivi2, &shape)
         );
-        // Schemes without a few-pairs block.
+        // Schemes without a few-pairs or one-tile block.
         for text in [INT8, CALIBQUANT1] {
             assert!(few_pairs_blocks(&spec(text), &shape).is_empty(), "{text}");
         }
+        for text in [INT8, CALIBQUANT1, KIVI2, KITTY] {
+            assert!(one_tile_blocks(&spec(text), &shape).is_empty(), "{text}");
+        }
+        assert!(one_tile_blocks(&fp16, &d64).is_empty());
         // FP16's split count fills its own block's waves.
         for batch in [1, 4] {
             let (block, occupancy) = blocks(&fp16, &shape, batch, 8, 32768);
             assert_eq!(occupancy, block);
         }
+    }
+
+    /// FP16's block (threads, tile) and split count for `batch` sequences of 8 KV heads and
+    /// `len` tokens on `sms` SMs, and how the rule counts its splits.
+    fn fp16_launch(batch: usize, len: usize, sms: usize) -> (u32, u32, usize, Option<BlockSplits>) {
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        let fp16 = spec(FP16);
+        let rule = rule_block(&fp16, &shape, batch, 8, len, sms);
+        let p = TuneProblem::new(fp16, shape, 8, batch, len);
+        // Resident CTAs as the runtime would load them: three four-warp CTAs an SM.
+        let h = TuneChoice::heuristic(&p, crate::tune::Residency::new(sms, 3 * sms));
+        (
+            h.params.threads,
+            h.params.tile_tokens,
+            h.splits,
+            rule.map(|r| r.splits),
+        )
+    }
+
+    #[test]
+    fn fp16_with_few_pairs_over_short_contexts_gives_each_warp_one_tile_in_one_wave() {
+        // 16-token tiles where their grid fits three four-warp CTAs an SM (396 on an H100).
+        for (batch, len, splits) in [
+            (1, 512, 8),
+            (1, 1024, 16),
+            (1, 2048, 32),
+            (2, 1024, 16),
+            (4, 512, 8),
+        ] {
+            assert_eq!(
+                fp16_launch(batch, len, H100_SMS),
+                (128, 16, splits, Some(BlockSplits::OneTilePerWarp(splits))),
+                "B={batch} L={len}"
+            );
+        }
+        // Else 32-token tiles where theirs fits.
+        for (batch, len, splits) in [
+            (1, 4096, 32),
+            (2, 2048, 16),
+            (4, 1024, 8),
+            (8, 512, 4),
+            (1, 3000, 32),
+        ] {
+            assert_eq!(
+                fp16_launch(batch, len, H100_SMS),
+                (128, 32, splits, Some(BlockSplits::OneTilePerWarp(splits))),
+                "B={batch} L={len}"
+            );
+        }
+        // Neither fits: the few-pairs block, its splits from its own occupancy.
+        for (batch, len) in [(1, 8192), (2, 4096), (4, 2048), (8, 1024), (8, 16384)] {
+            let (threads, tile, _, rule) = fp16_launch(batch, len, H100_SMS);
+            assert_eq!(
+                (threads, tile, rule),
+                (128, 32, Some(BlockSplits::OwnOccupancy)),
+                "B={batch} L={len}"
+            );
+        }
+        // The wave follows the GPU's SMs: on 66, B=1 L=2K takes 32-token tiles (128 CTAs, not 256).
+        assert_eq!(
+            fp16_launch(1, 2048, 66),
+            (128, 32, 16, Some(BlockSplits::OneTilePerWarp(16)))
+        );
+        // The shortest bucket (256 tokens) gives 16-token tiles four splits; one pair may take
+        // up to the wave's 396 CTAs, not 512.
+        let one = &one_tile_blocks(&spec(FP16), &KernelShape::new(128, 4, Dtype::F16))[0];
+        assert_eq!(one.splits(32), 4);
+        assert!(one.applies(1, 1, 16384, H100_SMS));
+        assert!(!one.applies(1, 1, 32768, H100_SMS));
+        assert_eq!(one.floor_ctas_per_sm(), 3);
     }
 
     #[test]
@@ -621,10 +802,28 @@ mod tests {
         assert_eq!(whole_pair_waves(112, 114), Some(1));
         assert_eq!(whole(KIVI2, 16, 1024, 114), None);
         assert!(whole(KIVI2, 14, 1024, 114).is_some());
-        // None for KIVI-4, FP16, or other head sizes.
+        // FP16: eight-warp CTAs at one wave up to 4K, four-warp ones at two and three up to 4K,
+        // the codegen's two-warp ones at four up to 2K.
+        for (batch, len, block) in [
+            (16, 512, Some((256, 32, 0, false))),
+            (16, 4096, Some((256, 32, 0, false))),
+            (16, 8192, None),
+            (32, 4096, Some((128, 64, 12, false))),
+            (48, 1024, Some((128, 64, 12, false))),
+            (32, 8192, None),
+            (64, 2048, Some((64, 64, 12, false))),
+            (64, 4096, None),
+            (24, 1024, None),
+        ] {
+            assert_eq!(
+                whole(FP16, batch, len, H100_SMS),
+                block,
+                "B={batch} L={len}"
+            );
+        }
+        // None for KIVI-4, or other head sizes.
         let kivi4 = spec("k = int(4, channel), v = int(4, token)");
         assert!(whole_pairs_blocks(&kivi4, &shape).is_empty());
-        assert!(whole_pairs_blocks(&spec(FP16), &shape).is_empty());
         let d64 = KernelShape::new(64, 4, Dtype::F16);
         assert!(whole_pairs_blocks(&spec(KIVI2), &d64).is_empty());
         // The block is the kernel the launch runs, so it is the occupancy block too; everything

@@ -11,11 +11,12 @@ mod kernel;
 mod splits;
 
 pub use block::{
-    few_pairs_blocks, rule_block, whole_pair_waves, whole_pairs_blocks, BlockSplits, FewPairsBlock,
-    RuleBlock, WholePairsBlock, FP16_FEW_PAIRS_BLOCK, FP16_FEW_PAIRS_MAX,
-    FP16_FEW_PAIRS_MIN_BUCKET, LOW_BIT_FEW_PAIRS, LOW_BIT_FEW_PAIRS_BLOCK,
-    LOW_BIT_FEW_PAIRS_BUCKETS, SHORT_STAGING_FEW_PAIRS_BLOCK, SHORT_STAGING_FEW_PAIRS_MAX,
-    SHORT_STAGING_FEW_PAIRS_MIN_BUCKET, SHORT_STAGING_MIDDLE_BUCKETS, SHORT_STAGING_MIDDLE_PAIRS,
+    few_pairs_blocks, one_tile_blocks, rule_block, whole_pair_waves, whole_pairs_blocks,
+    BlockSplits, FewPairsBlock, OneTileBlock, RuleBlock, WholePairsBlock, FP16_FEW_PAIRS_BLOCK,
+    FP16_FEW_PAIRS_MAX, FP16_MIDDLE_PAIRS, FP16_MIDDLE_PAIRS_BUCKETS, FP16_ONE_TILE_BLOCKS,
+    FP16_ONE_TILE_MAX_PAIRS, LOW_BIT_FEW_PAIRS, LOW_BIT_FEW_PAIRS_BLOCK, LOW_BIT_FEW_PAIRS_BUCKETS,
+    SHORT_STAGING_FEW_PAIRS_BLOCK, SHORT_STAGING_FEW_PAIRS_MAX, SHORT_STAGING_FEW_PAIRS_MIN_BUCKET,
+    SHORT_STAGING_MIDDLE_BUCKETS, SHORT_STAGING_MIDDLE_PAIRS,
 };
 pub use cache::{CacheView, GpuCache};
 pub use kernel::{DecodeKernel, DecodeScratch, RANGE_SCALE_MAX_SPLITS};

@@ -53,7 +53,8 @@ impl Residency {
 
 impl TuneChoice {
     /// The untuned default: [`TuneChoice::default_block`] for the block; one split and no pieces
-    /// where that block takes whole (sequence, KV head) pairs ([`BlockSplits::OnePerPair`]), else
+    /// where that block takes whole (sequence, KV head) pairs ([`BlockSplits::OnePerPair`]), the
+    /// block's own count where each warp takes one tile ([`BlockSplits::OneTilePerWarp`]), else
     /// [`default_splits`] for the grid, which fills whole waves of the GPU's resident CTAs, and
     /// [`default_pieces`] for the pieces after the splits; the short staging path where the
     /// kernel has a choice and the block or [`short_staging_by_default`] says so; a calibrated
@@ -63,17 +64,17 @@ impl TuneChoice {
         let rule = rule_taken(problem, gpu.sm_count);
         let mut params = rule.map_or_else(|| codegen_default(problem), |r| r.params);
         let one_per_pair = rule.is_some_and(|r| r.splits == BlockSplits::OnePerPair);
-        let splits = if one_per_pair {
-            1
-        } else {
-            default_splits(
+        let splits = match rule.map(|r| r.splits) {
+            Some(BlockSplits::OnePerPair) => 1,
+            Some(BlockSplits::OneTilePerWarp(splits)) => splits,
+            _ => default_splits(
                 problem.batch,
                 problem.kv_heads,
                 problem.max_len,
                 gpu.resident_ctas,
                 params.warps(),
                 min_warp_tokens(&problem.spec, problem.max_len),
-            )
+            ),
         };
         params.short_staging = short_staging_changes(&problem.spec, &problem.shape, &params)
             && (params.short_staging
