@@ -565,6 +565,25 @@ fn gen_stores_calibrated_scores_unless_the_flag_says_not_to() {
     assert!(rule.starts_with("false"), "{rule}");
 }
 
+/// How `tune.default_block` opens its whole-pairs rules.
+const WHOLE_PAIRS_HEAD: &str = "waves = ceil(batch·kv_heads / sm_count); where batch·kv_heads ≥ \
+                                0.9·waves·sm_count, with num_splits = 1 and num_pieces = 0: ";
+
+/// How `tune.default_block` names a block of `threads` and `tile` tokens (and an occupancy floor
+/// where it differs from the codegen default's) with the `kvq gen` flags that generate it.
+fn block_text(threads: u32, tile: u32, floor: Option<u32>) -> String {
+    match floor {
+        None => format!(
+            "threads {threads} and tile_tokens {tile} (sources generated with --threads \
+             {threads} --tile-tokens {tile})"
+        ),
+        Some(f) => format!(
+            "threads {threads}, tile_tokens {tile} and min_warps_per_sm {f} (sources generated \
+             with --threads {threads} --tile-tokens {tile} --min-warps-per-sm {f})"
+        ),
+    }
+}
+
 #[test]
 fn gen_names_the_block_of_untuned_launches_by_batch_and_context() {
     let tmp = TempDir::new("block");
@@ -580,26 +599,26 @@ fn gen_names_the_block_of_untuned_launches_by_batch_and_context() {
     };
     // FP16: whole pairs, then one tile a warp (16-token tiles first), then four-warp tiles of 32.
     let (rule, otherwise) = rule_of("fp16");
-    let whole = "waves = ceil(batch·kv_heads / sm_count); where batch·kv_heads ≥ \
-                 0.9·waves·sm_count, with num_splits = 1 and num_pieces = 0: threads 256, \
-                 tile_tokens 32 and min_warps_per_sm 0 (sources generated with --threads 256 \
-                 --tile-tokens 32 --min-warps-per-sm 0) where waves = 1 and bucket ≤ 4096, \
-                 threads 128 and tile_tokens 64 (sources generated with --threads 128 \
-                 --tile-tokens 64) where 2 ≤ waves ≤ 3 and bucket ≤ 4096, threads 64 and \
-                 tile_tokens 64 (sources generated with --threads 64 --tile-tokens 64) where \
-                 waves = 4 and bucket ≤ 2048; ";
+    let whole = format!(
+        "{WHOLE_PAIRS_HEAD}{} where waves = 1 and bucket ≤ 4096, {} where 2 ≤ waves ≤ 3 and \
+         bucket ≤ 4096, {} where waves = 4 and bucket ≤ 2048; ",
+        block_text(256, 32, Some(0)),
+        block_text(128, 64, None),
+        block_text(64, 64, None),
+    );
     let one_tile = |tile: u32| {
         format!(
-            "threads 128 and tile_tokens {tile} (sources generated with --threads 128 \
-             --tile-tokens {tile}) with num_splits = bucket / {} (one tile a warp) where \
-             batch·kv_heads ≤ 64 and batch·kv_heads·num_splits ≤ 3·sm_count; ",
+            "{} with num_splits = bucket / {} (one tile a warp) where batch·kv_heads ≤ 64 and \
+             batch·kv_heads·num_splits ≤ 3·sm_count; ",
+            block_text(128, tile, None),
             4 * tile
         )
     };
-    let few = "threads 128 and tile_tokens 32 (sources generated with --threads 128 \
-               --tile-tokens 32) where batch·kv_heads ≤ 16 and any bucket; threads 128 and \
-               tile_tokens 32 (sources generated with --threads 128 --tile-tokens 32) where 17 ≤ \
-               batch·kv_heads ≤ 64 and bucket ≤ 16384; else ";
+    let few = format!(
+        "{0} where batch·kv_heads ≤ 16 and any bucket; {0} where 17 ≤ batch·kv_heads ≤ 64 and \
+         bucket ≤ 16384; else ",
+        block_text(128, 32, None)
+    );
     assert_eq!(
         rule,
         format!("{whole}{}{}{few}{otherwise}", one_tile(16), one_tile(32))
@@ -617,15 +636,15 @@ fn gen_names_the_block_of_untuned_launches_by_batch_and_context() {
     // kivi2: whole pairs first (four blocks by waves and bucket), then unpacked tiles of 32 at
     // middle batches.
     let (rule, otherwise) = rule_of("kivi2");
-    let whole = "waves = ceil(batch·kv_heads / sm_count); where batch·kv_heads ≥ \
-                 0.9·waves·sm_count, with num_splits = 1 and num_pieces = 0: threads 256, \
-                 tile_tokens 32 and min_warps_per_sm 0 (sources generated with --threads 256 \
-                 --tile-tokens 32 --min-warps-per-sm 0) where waves = 1 and bucket ≤ 4096, \
-                 threads 128 and tile_tokens 32 (sources generated with --threads 128 \
-                 --tile-tokens 32) where 2 ≤ waves ≤ 3 and bucket ≤ 2048, threads 128 and \
-                 tile_tokens 64 (sources generated with --threads 128 --tile-tokens 64) where \
-                 2 ≤ waves ≤ 3 and 4096 ≤ bucket ≤ 8192, threads 64 and tile_tokens 64 (sources \
-                 generated with --threads 64 --tile-tokens 64) where waves = 4 and bucket ≤ 8192; ";
+    let whole = format!(
+        "{WHOLE_PAIRS_HEAD}{} where waves = 1 and bucket ≤ 4096, {} where 2 ≤ waves ≤ 3 and \
+         bucket ≤ 2048, {} where 2 ≤ waves ≤ 3 and 4096 ≤ bucket ≤ 8192, {} where waves = 4 and \
+         bucket ≤ 8192; ",
+        block_text(256, 32, Some(0)),
+        block_text(128, 32, None),
+        block_text(128, 64, None),
+        block_text(64, 64, None),
+    );
     let few = "threads 128, tile_tokens 32 and pack_heads false (sources generated with \
                --threads 128 --tile-tokens 32 --pack-heads false) where 32 ≤ batch·kv_heads ≤ 64 \
                and 2048 ≤ bucket ≤ 8192; else ";

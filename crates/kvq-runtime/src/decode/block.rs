@@ -582,31 +582,23 @@ mod tests {
 
     #[test]
     fn fp16_with_few_pairs_over_short_contexts_gives_each_warp_one_tile_in_one_wave() {
-        // 16-token tiles where their grid fits three four-warp CTAs an SM (396 on an H100).
-        for (batch, len, splits) in [
-            (1, 512, 8),
-            (1, 1024, 16),
-            (1, 2048, 32),
-            (2, 1024, 16),
-            (4, 512, 8),
+        // 16-token tiles where their grid fits three four-warp CTAs an SM (396 on an H100), else
+        // 32-token tiles where theirs fits.
+        for (batch, len, tile, splits) in [
+            (1, 512, 16, 8),
+            (1, 1024, 16, 16),
+            (1, 2048, 16, 32),
+            (2, 1024, 16, 16),
+            (4, 512, 16, 8),
+            (1, 4096, 32, 32),
+            (2, 2048, 32, 16),
+            (4, 1024, 32, 8),
+            (8, 512, 32, 4),
+            (1, 3000, 32, 32),
         ] {
             assert_eq!(
                 fp16_launch(batch, len, H100_SMS),
-                (128, 16, splits, Some(BlockSplits::OneTilePerWarp(splits))),
-                "B={batch} L={len}"
-            );
-        }
-        // Else 32-token tiles where theirs fits.
-        for (batch, len, splits) in [
-            (1, 4096, 32),
-            (2, 2048, 16),
-            (4, 1024, 8),
-            (8, 512, 4),
-            (1, 3000, 32),
-        ] {
-            assert_eq!(
-                fp16_launch(batch, len, H100_SMS),
-                (128, 32, splits, Some(BlockSplits::OneTilePerWarp(splits))),
+                (128, tile, splits, Some(BlockSplits::OneTilePerWarp(splits))),
                 "B={batch} L={len}"
             );
         }
