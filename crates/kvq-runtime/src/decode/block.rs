@@ -320,11 +320,11 @@ fn family(spec: &SchemeSpec, shape: &KernelShape) -> Option<Family> {
 /// The blocks the untuned default takes for launches with few (sequence, KV head) pairs
 /// ([`FewPairsBlock::applies`]), in the order [`rule_block`] tries them, all at head_dim 128:
 /// FP16 takes [`FP16_FEW_PAIRS_BLOCK`] up to [`FP16_FEW_PAIRS_MAX`] pairs at any bucket and at
-/// [`FP16_MIDDLE_PAIRS`] over [`FP16_MIDDLE_PAIRS_BUCKETS`]; kernels whose ring stages 4-bit K and V (KIVI-4's)
-/// take [`SHORT_STAGING_FEW_PAIRS_BLOCK`] on the short staging path, at few pairs from 4K and at
-/// [`SHORT_STAGING_MIDDLE_PAIRS`] over [`SHORT_STAGING_MIDDLE_BUCKETS`]; the uncalibrated 1- and
-/// 2-bit kernels take [`LOW_BIT_FEW_PAIRS_BLOCK`]. All were measured at GQA 4 in f16. Empty for
-/// every other scheme and shape.
+/// [`FP16_MIDDLE_PAIRS`] over [`FP16_MIDDLE_PAIRS_BUCKETS`]; kernels whose ring stages 4-bit K
+/// and V (KIVI-4's) take [`SHORT_STAGING_FEW_PAIRS_BLOCK`] on the short staging path, at few
+/// pairs from 4K and at [`SHORT_STAGING_MIDDLE_PAIRS`] over [`SHORT_STAGING_MIDDLE_BUCKETS`]; the
+/// uncalibrated 1- and 2-bit kernels take [`LOW_BIT_FEW_PAIRS_BLOCK`]. All were measured at GQA
+/// 4 in f16. Empty for every other scheme and shape.
 pub fn few_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<FewPairsBlock> {
     let base = TuneParams::default_for(spec, shape);
     let few = |(threads, tile_tokens), pairs, buckets, splits_from_default| FewPairsBlock {
