@@ -50,10 +50,15 @@ const CALIBQUANT2_KEYS_TWICE: &str = "calibquant2-keys-twice";
 const FP16_FEW_PAIRS: &str = "fp16-few-pairs";
 const KIVI4_FEW_PAIRS: &str = "kivi4-few-pairs";
 
-/// FP16's first one-tile block (`kvq_runtime::decode::one_tile_blocks`, at head_dim 128:
-/// four-warp CTAs of 16-token tiles; the second, of 32-token tiles, is the few-pairs block), which
-/// untuned launches take at small batches over short contexts: `-one-tile-N` checks block N.
-const ONE_TILE: &[(&str, &str)] = &[("fp16-one-tile-0", "fp16")];
+/// The one-tile blocks (`kvq_runtime::decode::one_tile_blocks`, at head_dim 128: four-warp CTAs
+/// of 16-token tiles for FP16, Kitty and Kitty-Pro; FP16's second, of 32-token tiles, is its
+/// few-pairs block), which untuned launches take at small batches over short contexts:
+/// `-one-tile-N` checks block N.
+const ONE_TILE: &[(&str, &str)] = &[
+    ("fp16-one-tile-0", "fp16"),
+    ("kitty-one-tile-0", "kitty"),
+    ("kitty-pro-one-tile-0", "kitty-pro"),
+];
 
 /// The uncalibrated 1- and 2-bit kernels' few-pairs block (32-token tiles, Kitty's boosted plane
 /// unpacked), which untuned launches take at middle batches over short contexts.

@@ -53,6 +53,19 @@ pub const FP16_ONE_TILE_MAX_PAIRS: usize = 64;
 /// few-pairs block ran ×1.005–×1.035.
 pub const FP16_ONE_TILE_BLOCKS: [(u32, u32); 2] = [(128, 16), (128, 32)];
 
+/// Most (sequence, KV head) pairs a launch may have for the uncalibrated kernels with Kitty's
+/// boosted key channels (Kitty, Kitty-Pro) to take [`BOOSTED_ONE_TILE_BLOCK`]: B ≤ 4 at 8 KV heads.
+pub const BOOSTED_ONE_TILE_MAX_PAIRS: usize = 32;
+
+/// Threads and tile of the [`OneTileBlock`] of the uncalibrated kernels with boosted key channels
+/// at head_dim 128: four-warp CTAs (twelve warps an SM) of 16-token tiles. Measured on an H100
+/// (docs/BENCHMARKS.md, thirty-fourth round) against the default, where its grid fits the wave
+/// (B=1 up to 2K, B=2 up to 1K, B=4 at 512 tokens): Kitty ×1.01–×1.17, Kitty-Pro ×1.00–×1.18
+/// (×1.06–×1.18 up to 1K at B ≤ 2, ×1.02–×1.07 at B=4 L=512, ×1.00–×1.01 at B=1 L=2K). kivi2
+/// ran ×0.96–×1.04 with it, and 32-token tiles gave Kitty and Kitty-Pro ×0.985–×1.04, so
+/// neither takes a one-tile block.
+pub const BOOSTED_ONE_TILE_BLOCK: (u32, u32) = (128, 16);
+
 /// Most (sequence, KV head) pairs a launch may have for a kernel whose ring stages 4-bit K and V
 /// (KIVI-4's) to take [`SHORT_STAGING_FEW_PAIRS_BLOCK`] at any bucket from
 /// [`SHORT_STAGING_FEW_PAIRS_MIN_BUCKET`]: B ≤ 8 at 8 KV heads (docs/BENCHMARKS.md,
@@ -380,15 +393,22 @@ pub fn few_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<FewPairsB
     }
 }
 
-/// The scheme's [`OneTileBlock`]s, in the order [`rule_block`] tries them: FP16's
-/// [`FP16_ONE_TILE_BLOCKS`] up to [`FP16_ONE_TILE_MAX_PAIRS`] pairs, at head_dim 128 and measured
-/// at GQA 4 in f16. Empty for every other scheme and shape.
+/// The scheme's [`OneTileBlock`]s, in the order [`rule_block`] tries them, at head_dim 128 and
+/// measured at GQA 4 in f16: FP16's [`FP16_ONE_TILE_BLOCKS`] up to [`FP16_ONE_TILE_MAX_PAIRS`]
+/// pairs; the uncalibrated 1- and 2-bit kernels with boosted key channels
+/// [`BOOSTED_ONE_TILE_BLOCK`] up to [`BOOSTED_ONE_TILE_MAX_PAIRS`]. Empty for every other scheme
+/// and shape.
 pub fn one_tile_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<OneTileBlock> {
-    if family(spec, shape) != Some(Family::Fp16) {
-        return Vec::new();
-    }
+    let (blocks, max_pairs): (&[(u32, u32)], usize) = match family(spec, shape) {
+        Some(Family::Fp16) => (&FP16_ONE_TILE_BLOCKS, FP16_ONE_TILE_MAX_PAIRS),
+        Some(Family::LowBit) if spec.k.as_int().is_some_and(|k| k.boost.is_some()) => (
+            std::slice::from_ref(&BOOSTED_ONE_TILE_BLOCK),
+            BOOSTED_ONE_TILE_MAX_PAIRS,
+        ),
+        _ => return Vec::new(),
+    };
     let base = TuneParams::default_for(spec, shape);
-    FP16_ONE_TILE_BLOCKS
+    blocks
         .iter()
         .map(|&(threads, tile_tokens)| OneTileBlock {
             params: TuneParams {
@@ -396,7 +416,7 @@ pub fn one_tile_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<OneTileBlo
                 tile_tokens,
                 ..base
             },
-            pairs: 1..=FP16_ONE_TILE_MAX_PAIRS,
+            pairs: 1..=max_pairs,
         })
         .collect()
 }
@@ -552,7 +572,7 @@ mod tests {
         for text in [INT8, CALIBQUANT1] {
             assert!(few_pairs_blocks(&spec(text), &shape).is_empty(), "{text}");
         }
-        for text in [INT8, CALIBQUANT1, KIVI2, KITTY] {
+        for text in [INT8, CALIBQUANT1, KIVI2] {
             assert!(one_tile_blocks(&spec(text), &shape).is_empty(), "{text}");
         }
         assert!(one_tile_blocks(&fp16, &d64).is_empty());
@@ -623,6 +643,41 @@ mod tests {
         assert!(one.applies(1, 1, 16384, H100_SMS));
         assert!(!one.applies(1, 1, 32768, H100_SMS));
         assert_eq!(one.floor_ctas_per_sm(), 3);
+    }
+
+    #[test]
+    fn boosted_kernels_with_few_pairs_over_short_contexts_give_each_warp_one_tile_of_16() {
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        let kitty = spec(KITTY);
+        let base = TuneParams::default_for(&kitty, &shape);
+        let one = TuneParams {
+            tile_tokens: 16,
+            ..base
+        };
+        assert_eq!(
+            one_tile_blocks(&kitty, &shape)
+                .iter()
+                .map(|o| o.params)
+                .collect::<Vec<_>>(),
+            vec![one]
+        );
+        // Up to B=4 at 8 KV heads, where 16 tokens a warp fits three CTAs an SM.
+        for (batch, len, splits) in [(1, 512, 8), (1, 2048, 32), (2, 1024, 16), (4, 512, 8)] {
+            let rule = rule_block(&kitty, &shape, batch, 8, len, H100_SMS).unwrap();
+            assert_eq!(
+                (rule.params, rule.splits),
+                (one, BlockSplits::OneTilePerWarp(splits)),
+                "B={batch} L={len}"
+            );
+        }
+        // Grids past the wave, or more pairs: the other rules or the default (no 32-token tiles).
+        for (batch, len) in [(1, 4096), (2, 2048), (4, 1024), (8, 512)] {
+            assert_ne!(
+                blocks(&kitty, &shape, batch, 8, len).0,
+                one,
+                "B={batch} L={len}"
+            );
+        }
     }
 
     #[test]
