@@ -1206,10 +1206,16 @@ fn default_store_scores_text(
     params: &TuneParams,
 ) -> String {
     if store_scores_changes(spec, shape, params) {
+        let key_bits = spec.k.as_int().map_or(16, |k| u32::from(k.bits));
+        let gqa = if key_bits < 2 {
+            String::new()
+        } else {
+            format!(" and gqa ≤ {}", kvq::runtime::decode::STORED_SCORES_MAX_GQA)
+        };
         format!(
             "store_scores = true (sources generated with --store-scores true, the default) \
-             where bucket > {}, else false; launches on a whole-pairs block (default_block) \
-             store them as that block says",
+             where bucket > {}{gqa}, else false; launches on a whole-pairs block \
+             (default_block) store them as that block says",
             kvq::runtime::decode::SHORT_CONTEXT_BUCKET
         )
     } else {

@@ -623,7 +623,17 @@ fn gen_names_the_block_of_untuned_launches_by_batch_and_context() {
         rule,
         format!("{whole}{}{}{few}{otherwise}", one_tile(16), one_tile(32))
     );
+    // KIVI-4: whole pairs at one wave up to 1K (eight warps, 16-token tiles, short staging),
+    // then the few-pairs blocks.
     let (rule, otherwise) = rule_of("kivi4");
+    let whole = format!(
+        "{WHOLE_PAIRS_HEAD}threads 256, tile_tokens 16 and short_staging true (sources generated \
+         with --threads 256 --tile-tokens 16 --short-staging true) where waves = 1 and bucket ≤ \
+         1024; "
+    );
+    let rule = rule
+        .strip_prefix(&whole)
+        .unwrap_or_else(|| panic!("KIVI-4's rule starts with its whole-pairs block: {rule}"));
     assert!(
         rule.starts_with("threads 128, tile_tokens 32 and short_staging true (sources generated")
             && rule.contains("--tile-tokens 32 --short-staging true)")

@@ -85,6 +85,7 @@ const WHOLE_PAIRS: &[(&str, &str)] = &[
     ("calibquant1-whole-4", "calibquant1"),
     ("fp16-whole-0", "fp16"),
     ("fp16-whole-1", "fp16"),
+    ("kivi4-whole-0", "kivi4"),
 ];
 
 /// The block parameters a variant is checked with: the default, for [`KIVI4_SHORT_STAGING`] the

@@ -445,8 +445,12 @@ pub fn one_tile_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<OneTileBlo
 ///   waves ×0.98–×0.99); four waves, the codegen's two-warp CTAs up to 2K (×1.05–×1.21; ×1.00 at
 ///   4K, ×0.99 at 8K).
 ///
-/// Empty for every other scheme and shape (KIVI-4's eight-warp CTAs ran ×0.64–×1.05 at one wave and
-/// ×0.55–×0.75 at two).
+/// - 4-bit K and V on the short staging path (KIVI-4's; thirty-fifth round): one wave, eight-warp
+///   CTAs of 16-token tiles up to 1K, short staging (the tuner's choice at B=16 L=1K at GQA 1 and
+///   8 in f16 and GQA 4 in bf16, ×1.10–×1.21 over the default; eight-warp CTAs of longer tiles
+///   had run ×0.64–×1.05 at one wave and ×0.55–×0.75 at two, thirty-third round).
+///
+/// Empty for every other scheme and shape.
 pub fn whole_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<WholePairsBlock> {
     let base = TuneParams::default_for(spec, shape);
     let block = |threads, tile_tokens, min_warps_per_sm, waves, buckets| WholePairsBlock {
@@ -478,6 +482,11 @@ pub fn whole_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<WholePa
             stored(block(64, 64, 12, 4..=4, 0..=4096), true),
         ],
         Some(Family::EightBit) => vec![block(256, 16, 0, 1..=1, 0..=8192)],
+        Some(Family::ShortStaging) => {
+            let mut b = block(256, 16, 0, 1..=1, 0..=1024);
+            b.params.short_staging = true;
+            vec![b]
+        }
         Some(Family::Fp16) => vec![
             block(256, 32, 0, 1..=1, 0..=4096),
             block(128, 64, 12, 2..=3, 0..=4096),
@@ -868,9 +877,26 @@ mod tests {
                 "B={batch} L={len}"
             );
         }
-        // None for KIVI-4, or other head sizes.
+        // KIVI-4: eight-warp CTAs of 16-token tiles on the short staging path, one wave, up to 1K.
         let kivi4 = spec("k = int(4, channel), v = int(4, token)");
-        assert!(whole_pairs_blocks(&kivi4, &shape).is_empty());
+        for (batch, len, taken) in [
+            (16, 256, true),
+            (16, 1024, true),
+            (16, 1025, false),
+            (16, 2048, false),
+            (32, 1024, false),
+            (8, 1024, false),
+        ] {
+            let rule = rule_block(&kivi4, &shape, batch, 8, len, H100_SMS)
+                .filter(|r| r.splits == BlockSplits::OnePerPair);
+            assert_eq!(rule.is_some(), taken, "KIVI-4 B={batch} L={len}");
+            if let Some(r) = rule {
+                let p = r.params;
+                assert_eq!((p.threads, p.tile_tokens, p.min_warps_per_sm), (256, 16, 0));
+                assert!(p.short_staging);
+            }
+        }
+        // None for other head sizes.
         let d64 = KernelShape::new(64, 4, Dtype::F16);
         assert!(whole_pairs_blocks(&spec(KIVI2), &d64).is_empty());
         // The block is the kernel the launch runs, so it is the occupancy block too; everything

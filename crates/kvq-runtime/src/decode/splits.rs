@@ -55,14 +55,27 @@ pub fn short_staging_by_default(max_len: usize, splits: usize, warps_per_cta: us
 }
 
 /// Whether the default launch over sequences of at most `max_len` tokens stores a calibrated
-/// scheme's key scores, where the kernel has a choice ([`TuneParams::store_scores`](kvq_codegen::TuneParams)):
-/// for context buckets past [`SHORT_CONTEXT_BUCKET`]. Measured on an H100 (docs/BENCHMARKS.md,
-/// twenty-eighth round): at L=32K and 128K CalibQuant-1 ran ×1.06–×1.31 with them, CalibQuant-2
-/// ×0.99–×1.20; at L=4K, where the decode grid's wait for the range grid before its first copies
-/// weighs more than the keys it does not score, ×0.95–×1.00.
-pub fn store_scores_by_default(max_len: usize) -> bool {
-    context_bucket(max_len) > SHORT_CONTEXT_BUCKET
+/// scheme's key scores, where the kernel has a choice
+/// ([`TuneParams::store_scores`](kvq_codegen::TuneParams)): for context buckets past
+/// [`SHORT_CONTEXT_BUCKET`], and with keys of 2 bits or more only up to
+/// [`STORED_SCORES_MAX_GQA`] query heads a KV head (`gqa`; `key_bits` the keys' code width).
+/// Measured on an H100 (docs/BENCHMARKS.md, twenty-eighth round, GQA 4): at L=32K and 128K
+/// CalibQuant-1 ran ×1.06–×1.31 with them, CalibQuant-2 ×0.99–×1.20; at L=4K, where the decode
+/// grid's wait for the range grid before its first copies weighs more than the keys it does not
+/// score, ×0.95–×1.00.
+pub fn store_scores_by_default(max_len: usize, gqa: u32, key_bits: u32) -> bool {
+    context_bucket(max_len) > SHORT_CONTEXT_BUCKET && (key_bits < 2 || gqa <= STORED_SCORES_MAX_GQA)
 }
+
+/// Most query heads a KV head at which untuned launches store the scores of keys of 2 bits or
+/// more ([`store_scores_by_default`]). A key's stored scores are 4 bytes a query head, written
+/// once and read once: at GQA 8 that is 64 bytes against about 36 for reading a 2-bit key and its
+/// page parameters again, which the decode kernel scores on the integer tensor cores with the
+/// same `mma` as at GQA 4. Measured on an H100 (thirty-fifth round, GQA 8, against storing):
+/// CalibQuant-2 ×1.003–×1.13 at B ∈ {1, 4, 16} × L ∈ {8K, 32K, 128K} where no whole-pairs block
+/// applies. CalibQuant-1's 1-bit keys (16 bytes, scored again on the f16 path) keep their scores:
+/// without them it ran ×0.84–×1.05 (B=16 ×0.84–×0.91).
+pub const STORED_SCORES_MAX_GQA: u32 = 4;
 
 /// The context bucket of a launch: its longest sequence rounded up to a power of two.
 fn context_bucket(max_len: usize) -> usize {

@@ -80,8 +80,10 @@ impl TuneChoice {
             && (params.short_staging
                 || short_staging_by_default(problem.max_len, splits, params.warps()));
         // A whole-pairs block says itself whether it stores scores.
-        params.store_scores =
-            params.store_scores && (one_per_pair || store_scores_by_default(problem.max_len));
+        let key_bits = problem.spec.k.as_int().map_or(16, |k| u32::from(k.bits));
+        params.store_scores = params.store_scores
+            && (one_per_pair
+                || store_scores_by_default(problem.max_len, problem.shape.gqa, key_bits));
         let pieces = if one_per_pair {
             Pieces::NONE
         } else {
@@ -467,6 +469,44 @@ mod tests {
         }
         // The tuner tries both for calibrated kernels; other kernels never store scores.
         assert_tuned_both_ways_and_never_for_kivi2(&calibquant1(4, 4096), 396, |p| p.store_scores);
+    }
+
+    #[test]
+    fn the_heuristic_stores_no_2_bit_key_scores_past_four_query_heads_a_kv_head() {
+        let calibrated = |bits, gqa, batch, max_len| {
+            TuneProblem::new(
+                format!(
+                    "k = int({bits}, channel), v = int({bits}, token), local = 128, \
+                     calibrate = calibrate(tau1 = -1.5, tau2 = 3.25)"
+                )
+                .parse()
+                .unwrap(),
+                KernelShape::new(128, gqa, Dtype::F16),
+                8,
+                batch,
+                max_len,
+            )
+        };
+        for (bits, gqa, batch, len, stored) in [
+            (2, 1, 4, 32_768, true),
+            (2, 4, 4, 32_768, true),
+            (2, 8, 4, 32_768, false),
+            (2, 8, 1, 131_072, false),
+            (2, 8, 16, 32_768, false),
+            // A whole-pairs block keeps its say (B=16 L=8K stores scores at any GQA).
+            (2, 8, 16, 8192, true),
+            // 1-bit keys keep their scores at GQA 8.
+            (1, 8, 4, 32_768, true),
+            (1, 8, 16, 131_072, true),
+        ] {
+            let c = TuneChoice::heuristic(&calibrated(bits, gqa, batch, len), h100(396));
+            assert_eq!(
+                c.params.store_scores, stored,
+                "{bits}-bit keys, GQA {gqa} B={batch} L={len}: {c}"
+            );
+        }
+        assert!(store_scores_by_default(32_768, 4, 2) && !store_scores_by_default(32_768, 8, 2));
+        assert!(store_scores_by_default(32_768, 8, 1) && !store_scores_by_default(4096, 1, 1));
     }
 
     #[test]
