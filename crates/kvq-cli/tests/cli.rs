@@ -559,6 +559,16 @@ fn gen_stores_calibrated_scores_unless_the_flag_says_not_to() {
         let rule = m["tune"]["default_store_scores"].as_str().unwrap();
         assert!(rule.contains("where bucket > 4096"), "{rule}");
     }
+    // Past GQA 4 only 1-bit keys keep storing their scores by default.
+    for (scheme, only_to_gqa4) in [("calibquant2", true), ("calibquant1", false)] {
+        let (m, _, _) = gen_and_check(scheme, &["--head-dim", "128", "--gqa", "8"], &tmp);
+        let rule = m["tune"]["default_store_scores"].as_str().unwrap();
+        assert_eq!(
+            rule.contains(" and gqa ≤ 4,"),
+            only_to_gqa4,
+            "{scheme}: {rule}"
+        );
+    }
     let (m, _) = gen_with_tune_flag("kivi2", &[], "store_scores", false, "default", &tmp);
     assert_eq!(m["launch"]["stores_scores"], false);
     let rule = m["tune"]["default_store_scores"].as_str().unwrap();
