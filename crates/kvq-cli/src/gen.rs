@@ -1206,8 +1206,7 @@ fn default_store_scores_text(
     params: &TuneParams,
 ) -> String {
     if store_scores_changes(spec, shape, params) {
-        let key_bits = spec.k.as_int().map_or(16, |k| u32::from(k.bits));
-        let gqa = if key_bits < 2 {
+        let gqa = if kvq::runtime::decode::scores_stored_at_any_gqa(spec) {
             String::new()
         } else {
             format!(" and gqa ≤ {}", kvq::runtime::decode::STORED_SCORES_MAX_GQA)

@@ -22,8 +22,8 @@ pub use block::{
 pub use cache::{CacheView, GpuCache};
 pub use kernel::{DecodeKernel, DecodeScratch, RANGE_SCALE_MAX_SPLITS};
 pub use splits::{
-    default_pieces, default_splits, min_warp_tokens, pieces_rule, short_staging_by_default,
-    store_scores_by_default, Pieces, PIECES_FEW_SPLITS_MIN_WARP_TOKENS, PIECES_MAX_FEW_SPLIT_WARPS,
-    PIECES_MIN_WARP_TOKENS, SHORT_CONTEXT_BUCKET, SHORT_STAGING_MIN_WARP_TOKENS, SHORT_WARP_TOKENS,
-    STORED_SCORES_MAX_GQA, WARP_TOKENS,
+    default_pieces, default_splits, min_warp_tokens, pieces_rule, scores_stored_at_any_gqa,
+    short_staging_by_default, store_scores_by_default, Pieces, PIECES_FEW_SPLITS_MIN_WARP_TOKENS,
+    PIECES_MAX_FEW_SPLIT_WARPS, PIECES_MIN_WARP_TOKENS, SHORT_CONTEXT_BUCKET,
+    SHORT_STAGING_MIN_WARP_TOKENS, SHORT_WARP_TOKENS, STORED_SCORES_MAX_GQA, WARP_TOKENS,
 };

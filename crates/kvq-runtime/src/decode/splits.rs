@@ -57,14 +57,21 @@ pub fn short_staging_by_default(max_len: usize, splits: usize, warps_per_cta: us
 /// Whether the default launch over sequences of at most `max_len` tokens stores a calibrated
 /// scheme's key scores, where the kernel has a choice
 /// ([`TuneParams::store_scores`](kvq_codegen::TuneParams)): for context buckets past
-/// [`SHORT_CONTEXT_BUCKET`], and with keys of 2 bits or more only up to
-/// [`STORED_SCORES_MAX_GQA`] query heads a KV head (`gqa`; `key_bits` the keys' code width).
+/// [`SHORT_CONTEXT_BUCKET`], and past [`STORED_SCORES_MAX_GQA`] query heads a KV head (`gqa`)
+/// only where [`scores_stored_at_any_gqa`].
 /// Measured on an H100 (docs/BENCHMARKS.md, twenty-eighth round, GQA 4): at L=32K and 128K
 /// CalibQuant-1 ran ×1.06–×1.31 with them, CalibQuant-2 ×0.99–×1.20; at L=4K, where the decode
 /// grid's wait for the range grid before its first copies weighs more than the keys it does not
 /// score, ×0.95–×1.00.
-pub fn store_scores_by_default(max_len: usize, gqa: u32, key_bits: u32) -> bool {
-    context_bucket(max_len) > SHORT_CONTEXT_BUCKET && (key_bits < 2 || gqa <= STORED_SCORES_MAX_GQA)
+pub fn store_scores_by_default(spec: &SchemeSpec, max_len: usize, gqa: u32) -> bool {
+    context_bucket(max_len) > SHORT_CONTEXT_BUCKET
+        && (gqa <= STORED_SCORES_MAX_GQA || scores_stored_at_any_gqa(spec))
+}
+
+/// Whether untuned launches store `spec`'s key scores past [`STORED_SCORES_MAX_GQA`] too: for
+/// 1-bit keys, which the decode kernel would otherwise score again on the f16 path.
+pub fn scores_stored_at_any_gqa(spec: &SchemeSpec) -> bool {
+    spec.k.as_int().is_some_and(|k| k.bits < 2)
 }
 
 /// Most query heads a KV head at which untuned launches store the scores of keys of 2 bits or

@@ -80,10 +80,9 @@ impl TuneChoice {
             && (params.short_staging
                 || short_staging_by_default(problem.max_len, splits, params.warps()));
         // A whole-pairs block says itself whether it stores scores.
-        let key_bits = problem.spec.k.as_int().map_or(16, |k| u32::from(k.bits));
         params.store_scores = params.store_scores
             && (one_per_pair
-                || store_scores_by_default(problem.max_len, problem.shape.gqa, key_bits));
+                || store_scores_by_default(&problem.spec, problem.max_len, problem.shape.gqa));
         let pieces = if one_per_pair {
             Pieces::NONE
         } else {
@@ -505,8 +504,11 @@ mod tests {
                 "{bits}-bit keys, GQA {gqa} B={batch} L={len}: {c}"
             );
         }
-        assert!(store_scores_by_default(32_768, 4, 2) && !store_scores_by_default(32_768, 8, 2));
-        assert!(store_scores_by_default(32_768, 8, 1) && !store_scores_by_default(4096, 1, 1));
+        let (one_bit, two_bit) = (&calibrated(1, 8, 1, 1).spec, &calibrated(2, 8, 1, 1).spec);
+        assert!(store_scores_by_default(two_bit, 32_768, 4));
+        assert!(!store_scores_by_default(two_bit, 32_768, 8));
+        assert!(store_scores_by_default(one_bit, 32_768, 8));
+        assert!(!store_scores_by_default(one_bit, 4096, 1));
     }
 
     #[test]
