@@ -66,8 +66,9 @@ fn kernel_id(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> Strin
 
 /// Why one tensor cannot use the tensor-core kernel, if it cannot: the kernel reads whole 32-bit
 /// words of 1/2/4/8-bit codes (a thread's share of a row is `head_dim·bits/4` bits for K and
-/// `head_dim·bits/8` for V, so `head_dim·bits >= 128`), folds channel-axis K scales into the query,
-/// and folds token-axis V scales into the probabilities only when one group spans the whole row.
+/// `head_dim·bits/8` for V, so `head_dim·bits >= 128`) except for 1-bit codes at head_dim 64
+/// ([`half_word_codes`]), folds channel-axis K scales into the query, and folds token-axis V
+/// scales into the probabilities only when one group spans the whole row.
 fn mma_unsupported(t: &TensorCtx, is_k: bool, head_dim: usize) -> Option<String> {
     if t.kind == "fp16" {
         return None;
@@ -76,8 +77,13 @@ fn mma_unsupported(t: &TensorCtx, is_k: bool, head_dim: usize) -> Option<String>
     if ![1, 2, 4, 8].contains(&t.bits) {
         return Some(format!("{name}: {}-bit codes", t.bits));
     }
-    if head_dim * (t.bits as usize) < 128 {
+    if head_dim * (t.bits as usize) < 128 && !half_word_codes(t, head_dim) {
         return Some(format!("{name}: head_dim·bits < 128"));
+    }
+    if is_k && half_word_codes(t, head_dim) && t.boost {
+        return Some(format!(
+            "{name}: a boosted plane over 1-bit codes at head_dim 64"
+        ));
     }
     if is_k && t.axis != "channel" {
         return Some(format!("{name}: token-axis keys"));
@@ -89,6 +95,16 @@ fn mma_unsupported(t: &TensorCtx, is_k: bool, head_dim: usize) -> Option<String>
         return Some(format!("{name}: this boost layout"));
     }
     None
+}
+
+/// Whether a tensor's rows are 64 bits (1-bit codes at head_dim 64), so that a thread's share of a
+/// row is half a word: 16 K codes, which the load spreads over the word's two halves
+/// (`kvq_spread_half_word`), or 8 V codes, one byte. Such keys take the f16 path (the integer
+/// path's byte planes assume whole words). Before the tensor-core kernel took them, the generic
+/// kernel ran CalibQuant-1 at head_dim 64 at 0.13–0.19× FP16's speed (H100, twenty-second and
+/// thirty-sixth rounds, docs/BENCHMARKS.md).
+fn half_word_codes(t: &TensorCtx, head_dim: usize) -> bool {
+    t.kind == "int" && t.bits == 1 && head_dim == 64
 }
 
 /// Why the tensor-core kernel cannot serve this shape and these layouts, if it cannot.
@@ -133,7 +149,8 @@ fn mma_plan(
     let reason = mma_unsupported_shape(shape, k, v);
     let enabled = reason.is_none();
     let v_token_fold = v.kind == "int" && v.axis == "token";
-    let low_bit_keys = k.kind == "int" && k.bits <= 2;
+    // Keys of half a word a thread (1-bit at head_dim 64) take the f16 path: not the integer one.
+    let low_bit_keys = k.kind == "int" && k.bits <= 2 && !half_word_codes(k, d);
     // Not at head_dim 256: there Kitty-Pro's kernel (255 registers, uncapped) took 6 spill
     // instructions at GQA 1 with it.
     let k_high_int = low_bit_keys && !calibrated && k.boost && d <= 128;
@@ -168,7 +185,7 @@ fn mma_plan(
         k_fine: low_bit_keys && calibrated && k_fine_pays(k),
         k_subnormal: !k_int && k_subnormal_pays(k),
         k_high_int,
-        range_int: calibrated && !stored_scores && range_int_pays(k),
+        range_int: calibrated && !stored_scores && range_int_pays(k) && !half_word_codes(k, d),
         stored_scores,
         range_query_kept: stored_scores && !k_int,
         range_packed: stored_scores && !k_int && range_packs_halves(shape, k),

@@ -531,7 +531,7 @@ fn only_token_axis_values_of_at_most_two_bits_enter_pv_as_subnormals() {
         let expected = tensor_core_kernel && is_low_bit(&spec.v, kvq_spec::Axis::Token);
         assert_eq!(source.contains(SUBNORMAL), expected, "{text}");
         assert_eq!(
-            source.contains("get<MODE == 2>(comb"),
+            source.contains("get<MODE == 2, PPH>(comb"),
             tensor_core_kernel,
             "{text}: the tensor-core template holds both conversions"
         );

@@ -1,10 +1,11 @@
 //! Fused GPU decode against the CPU reference on the same quantized cache, for every integer and
 //! FP16 built-in scheme (CalibQuant's also with the keys scored twice, KIVI-4's also on the
 //! short staging path and with its few-pairs block, FP16's also with its few-pairs block),
-//! calibrated schemes of other key widths and layouts (`other_calibrated_schemes`) and a scheme
-//! with FP16 keys and 2-bit values (`one_tensor_schemes`), × head_dim {64, 128, 256} × {f16,
-//! bf16} × GQA {1, 4, 8}, in one batch of odd, unequal lengths. Inputs are fresh random data each run (seed printed; `KVQ_SEED` repeats
-//! one), outputs are poisoned with NaN before every launch, and NaN never passes. Where a step's
+//! calibrated schemes of other key widths and layouts (`other_calibrated_schemes`) and
+//! uncalibrated ones of FP16 keys with 2-bit values and of 1-bit K and V
+//! (`other_uncalibrated_schemes`), × head_dim {64, 128, 256} × {f16, bf16} × GQA {1, 4, 8}, in
+//! one batch of odd, unequal lengths. Inputs are fresh random data each run (seed printed;
+//! `KVQ_SEED` repeats one), outputs are poisoned with NaN before every launch, and NaN never passes. Where a step's
 //! kernels overlap each other (compute capability 9.0 on), each step is repeated with plain
 //! launches and must give the same bits.
 //!
@@ -13,7 +14,7 @@
 //! so a change to some kernels can be checked first on a short device lease.
 
 mod common;
-use common::{integer_schemes, one_tensor_schemes, other_calibrated_schemes, seed};
+use common::{integer_schemes, other_calibrated_schemes, other_uncalibrated_schemes, seed};
 use kvq::codegen::{Dtype, KernelShape, TuneParams};
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
@@ -202,7 +203,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
         "expected the 8 integer/FP16 built-ins, got {schemes:?}"
     );
     schemes.extend(other_calibrated_schemes());
-    schemes.extend(one_tensor_schemes());
+    schemes.extend(other_uncalibrated_schemes());
     let kivi4 = schemes
         .iter()
         .find(|(n, _)| *n == "kivi4")

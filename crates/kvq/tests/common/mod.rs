@@ -49,17 +49,24 @@ pub fn other_calibrated_schemes() -> Vec<(&'static str, SchemeSpec)> {
     .collect()
 }
 
-/// Schemes that quantize only one of K and V: with FP16 keys the 2-bit values' centring cannot
-/// follow K pages and takes every chunk (the twenty-first round's every-other-page centring keys on
-/// them).
-pub fn one_tensor_schemes() -> Vec<(&'static str, SchemeSpec)> {
-    [("fp16-k-kivi2-v", "k = fp16, v = int(2, token)")]
-        .into_iter()
-        .map(|(name, text)| {
-            let spec = SchemeSpec::parse(text).unwrap_or_else(|e| panic!("{name}: {e}"));
-            (name, spec)
-        })
-        .collect()
+/// Uncalibrated layouts the built-ins do not cover: FP16 keys with 2-bit values, whose centring
+/// cannot follow K pages and takes every chunk (the twenty-first round's every-other-page centring
+/// keys on them); and 1-bit K and V, whose rows at head_dim 64 give a thread half a word (16 K
+/// codes, 8 V codes; the keys take the f16 path there and the integer path at 128 and 256).
+pub fn other_uncalibrated_schemes() -> Vec<(&'static str, SchemeSpec)> {
+    [
+        ("fp16-k-kivi2-v", "k = fp16, v = int(2, token)"),
+        (
+            "one-bit-kv",
+            "k = int(1, channel), v = int(1, token), sink = 16, local = 64",
+        ),
+    ]
+    .into_iter()
+    .map(|(name, text)| {
+        let spec = SchemeSpec::parse(text).unwrap_or_else(|e| panic!("{name}: {e}"));
+        (name, spec)
+    })
+    .collect()
 }
 
 /// A fresh seed per run (printed by the tests), or `KVQ_SEED` to repeat one.
