@@ -5,7 +5,7 @@ use crate::decode::{
     twelve_warps_by_default, uses_stage_ring,
 };
 use crate::{CodegenError, KernelShape};
-use kvq_spec::SchemeSpec;
+use kvq_spec::{SchemeSpec, TensorQuant};
 use serde::{Deserialize, Serialize};
 
 /// Block-level choices that change speed, never results (beyond float reassociation).
@@ -58,6 +58,59 @@ fn packs_heads_by_default() -> bool {
     true
 }
 
+/// Which of kvq's kernel families a scheme's decode kernels belong to, as far as the block
+/// defaults away from head_dim 128 tell them apart (uncalibrated schemes only: CalibQuant's
+/// kernels keep the general default there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BlockFamily {
+    /// FP16 K and V.
+    Fp16,
+    /// Integer K and V of 8 bits.
+    EightBit,
+    /// Integer K and V of 4 bits or more, not both 8 (KIVI-4).
+    FourBit,
+    /// Keys with Kitty's boosted channels.
+    BoostedKeys,
+}
+
+fn block_family(spec: &SchemeSpec) -> Option<BlockFamily> {
+    if spec.calibrate.is_some() {
+        return None;
+    }
+    let fp16 = |t: &TensorQuant| matches!(t, TensorQuant::Fp16);
+    match (spec.k.as_int(), spec.v.as_int()) {
+        (Some(k), Some(_)) if k.boost.is_some() => Some(BlockFamily::BoostedKeys),
+        (Some(k), Some(v)) if k.bits >= 8 && v.bits >= 8 => Some(BlockFamily::EightBit),
+        (Some(k), Some(v)) if k.bits >= 4 && v.bits >= 4 => Some(BlockFamily::FourBit),
+        _ if fp16(&spec.k) && fp16(&spec.v) => Some(BlockFamily::Fp16),
+        _ => None,
+    }
+}
+
+/// Threads and tile of the default block at head_dim 64 and 256 where a block other than head_dim
+/// 128's measured faster over the whole grid (H100, GQA 4, f16, B ∈ {1, 4, 16} × L ∈ {1K, 4K,
+/// 32K}, against the block of head_dim 128's rules in the same call; docs/BENCHMARKS.md,
+/// thirty-sixth round). A tile's bytes grow with head_dim, and the tuner's choices shrank the
+/// tile as head_dim grew:
+/// - head_dim 256: INT8 and KIVI-4 four-warp CTAs of 16-token tiles (geomeans ×1.32 and ×1.20,
+///   at least ×1.11 and ×0.95), FP16 two-warp CTAs of 16-token tiles (×1.06, at least ×1.01),
+///   Kitty and Kitty-Pro four-warp CTAs of 32-token tiles (×1.15 and ×1.17, at least ×0.96 and
+///   ×1.00). kivi2 and CalibQuant keep theirs: kivi2 and CalibQuant-1 lost ×0.70–×0.94 at B=16
+///   L=32K with each smaller tile tried, CalibQuant-2 ×0.88–×0.96 over the grid.
+/// - head_dim 64: FP16 and INT8 four-warp CTAs of 32-token tiles (×1.05 and ×1.03, at least
+///   ×1.02 and ×1.00); with them the 1-, 2- and 4-bit kernels lost ×0.82–×0.91 at B ≥ 4 L=32K,
+///   and four-warp CTAs of 64-token tiles moved them ×0.99–×1.04.
+fn block_away_from_128(spec: &SchemeSpec, shape: &KernelShape) -> Option<(u32, u32)> {
+    let family = block_family(spec)?;
+    match (shape.head_dim, family) {
+        (256, BlockFamily::EightBit | BlockFamily::FourBit) => Some((128, 16)),
+        (256, BlockFamily::Fp16) => Some((64, 16)),
+        (256, BlockFamily::BoostedKeys) => Some((128, 32)),
+        (64, BlockFamily::Fp16 | BlockFamily::EightBit) => Some((128, 32)),
+        _ => None,
+    }
+}
+
 impl TuneParams {
     /// Every value each parameter may take (what the autotuner searches).
     pub const THREADS: &'static [u32] = &[64, 128, 256];
@@ -81,6 +134,9 @@ impl TuneParams {
     ///   128 threads), except schemes with 8-bit codes, which keep 128 threads with 32-token
     ///   tiles: only those let the ring fit in shared memory at 128 threads (INT8 at B=16 L=32K:
     ///   75.5% of copy at 64-token tiles, 89% at 32).
+    /// - At head_dim 256 INT8, KIVI-4, FP16, Kitty and Kitty-Pro take smaller tiles, and at
+    ///   head_dim 64 FP16 and INT8 four-warp CTAs of 32-token tiles (`block_away_from_128`,
+    ///   thirty-sixth round).
     /// - Calibrated schemes on the tensor-core kernel store their keys' scores
     ///   ([`TuneParams::store_scores`]).
     /// - Twelve warps an SM ([`TuneParams::min_warps_per_sm`]) for the tensor-core kernels of 1-
@@ -104,6 +160,12 @@ impl TuneParams {
     /// assert_eq!((fp16_default.threads, fp16_default.tile_tokens), (64, 64));
     /// assert_eq!(kivi2_default.min_warps_per_sm, 12);
     /// assert_eq!(int8_default.min_warps_per_sm, 0);
+    /// // A 16-token tile at head_dim 256 holds as many channels as a 32-token one at 128.
+    /// let d256 = KernelShape::new(256, 4, Dtype::F16);
+    /// let int8_d256 = TuneParams::default_for(&int8, &d256);
+    /// assert_eq!((int8_d256.threads, int8_d256.tile_tokens), (128, 16));
+    /// let kivi2_d256 = TuneParams::default_for(&kivi2, &d256);
+    /// assert_eq!((kivi2_d256.threads, kivi2_d256.tile_tokens), (64, 64));
     /// ```
     pub fn default_for(spec: &SchemeSpec, shape: &KernelShape) -> Self {
         let min_warps_per_sm = if twelve_warps_by_default(spec, shape) {
@@ -134,6 +196,13 @@ impl TuneParams {
             short_staging: false,
             store_scores: false,
         };
+        if let Some((threads, tile_tokens)) = block_away_from_128(spec, shape) {
+            return TuneParams {
+                threads,
+                tile_tokens,
+                ..four_warps
+            };
+        }
         if !eight_bit && shape.head_dim == 128 && uses_stage_ring(spec, shape, &four_warps) {
             return four_warps;
         }
@@ -261,5 +330,61 @@ impl TuneParams {
             )));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Dtype;
+
+    fn block(text: &str, head_dim: u32) -> (u32, u32) {
+        let spec = SchemeSpec::parse(text).unwrap();
+        let p = TuneParams::default_for(&spec, &KernelShape::new(head_dim, 4, Dtype::F16));
+        (p.threads, p.tile_tokens)
+    }
+
+    const FP16: &str = "k = fp16, v = fp16";
+    const INT8: &str = "k = int(8, channel, symmetric), v = int(8, channel, symmetric)";
+    const KIVI4: &str = "k = int(4, channel), v = int(4, token), local = 128";
+    const KIVI2: &str = "k = int(2, channel), v = int(2, token), local = 128";
+    const KITTY: &str =
+        "k = int(2, channel, boost = boost(4, ratio = 0.125)), v = int(2, token), local = 128";
+    const CALIBQUANT1: &str = "k = int(1, channel), v = int(1, channel), local = 128, \
+                               calibrate = calibrate(tau1 = 0.6, tau2 = 0.1)";
+
+    #[test]
+    fn head_dim_256_takes_smaller_tiles_for_the_families_measured_there() {
+        assert_eq!(block(INT8, 256), (128, 16));
+        assert_eq!(block(KIVI4, 256), (128, 16));
+        assert_eq!(block(FP16, 256), (64, 16));
+        assert_eq!(block(KITTY, 256), (128, 32));
+        // kivi2 and CalibQuant keep the general default.
+        assert_eq!(block(KIVI2, 256), (64, 64));
+        assert_eq!(block(CALIBQUANT1, 256), (64, 64));
+    }
+
+    #[test]
+    fn head_dim_64_takes_four_warp_32_token_tiles_for_fp16_and_int8_only() {
+        assert_eq!(block(FP16, 64), (128, 32));
+        assert_eq!(block(INT8, 64), (128, 32));
+        assert_eq!(block(KIVI4, 64), (64, 64));
+        assert_eq!(block(KITTY, 64), (64, 64));
+        assert_eq!(block(CALIBQUANT1, 64), (64, 64));
+    }
+
+    #[test]
+    fn head_dim_128_keeps_its_rules() {
+        assert_eq!(block(FP16, 128), (64, 64));
+        assert_eq!(block(INT8, 128), (128, 32));
+        assert_eq!(block(KIVI2, 128), (128, 64));
+        assert_eq!(block(KITTY, 128), (128, 64));
+    }
+
+    #[test]
+    fn calibrated_schemes_of_any_width_keep_the_general_default() {
+        let calibrated_int8 = "k = int(8, channel, symmetric), v = int(8, channel, symmetric), \
+                               calibrate = calibrate(tau1 = -0.5, tau2 = 0.25)";
+        assert_eq!(block(calibrated_int8, 256), (128, 64));
     }
 }
