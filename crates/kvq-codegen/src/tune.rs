@@ -96,7 +96,8 @@ fn block_family(spec: &SchemeSpec) -> Option<BlockFamily> {
 ///   at least ×1.11 and ×0.95), FP16 two-warp CTAs of 16-token tiles (×1.06, at least ×1.01),
 ///   Kitty and Kitty-Pro four-warp CTAs of 32-token tiles (×1.15 and ×1.17, at least ×0.96 and
 ///   ×1.00). kivi2 and CalibQuant keep theirs: kivi2 and CalibQuant-1 lost ×0.70–×0.94 at B=16
-///   L=32K with each smaller tile tried, CalibQuant-2 ×0.88–×0.96 over the grid.
+///   L=32K with each smaller tile tried, CalibQuant-2 ×0.88–×0.96 over the grid. Against the
+///   old blocks at GQA 8 and in bf16 the new ones ran ×0.96–×1.66 (least: KIVI-4 at B=1 L=1K).
 /// - head_dim 64: FP16 and INT8 four-warp CTAs of 32-token tiles (×1.05 and ×1.03, at least
 ///   ×1.02 and ×1.00); with them the 1-, 2- and 4-bit kernels lost ×0.82–×0.91 at B ≥ 4 L=32K,
 ///   and four-warp CTAs of 64-token tiles moved them ×0.99–×1.04.
