@@ -60,7 +60,8 @@ fn packs_heads_by_default() -> bool {
 
 /// Which of kvq's kernel families a scheme's decode kernels belong to, as far as the block
 /// defaults away from head_dim 128 tell them apart (uncalibrated schemes only: CalibQuant's
-/// kernels keep the general default there).
+/// kernels keep the general default there). The runtime's block rules at head_dim 128 tell their
+/// families apart from this default (`kvq_runtime::decode`), so they cannot share this one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum BlockFamily {
     /// FP16 K and V.
