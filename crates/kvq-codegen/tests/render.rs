@@ -704,3 +704,35 @@ fn short_staging_is_a_choice_only_for_kernels_staging_4_bit_k_and_v_generally() 
         "k = int(4, channel), v = int(4, token), source = x(latent)"
     ));
 }
+
+/// 1-bit codes at head_dim 64 give a thread half a word of a row (16 K codes, 8 V codes): the
+/// tensor-core kernel takes them with its keys on the f16 path as subnormals, never the integer
+/// path it takes at head_dim 128; a boosted plane over such keys keeps the generic kernel.
+#[test]
+fn one_bit_codes_at_head_dim_64_take_the_f16_path_of_the_tensor_core_kernel() {
+    const K_SUB: &str = "static constexpr bool K_SUB = true;";
+    let one_bit = SchemeSpec::parse("k = int(1, channel), v = int(1, token), local = 64").unwrap();
+    for gqa in [1, 4, 8] {
+        let d64 = source_at(&one_bit, 64, gqa, None);
+        assert!(is_tensor_core_kernel(&d64), "gqa {gqa}");
+        assert!(
+            d64.contains(K_SUB) && !d64.contains("kvq_imma("),
+            "gqa {gqa}"
+        );
+        let d128 = source_at(&one_bit, 128, gqa, None);
+        assert!(
+            is_tensor_core_kernel(&d128) && d128.contains("kvq_imma("),
+            "gqa {gqa}"
+        );
+    }
+    let calibquant1 = SchemeSpec::parse(SCHEMES[4]).unwrap();
+    let d64 = source_at(&calibquant1, 64, 4, None);
+    assert!(is_tensor_core_kernel(&d64) && d64.contains(K_SUB));
+    let boosted = SchemeSpec::parse(
+        "k = int(1, channel, boost = boost(3, ratio = 0.125)), v = int(1, token), local = 64",
+    )
+    .unwrap();
+    let d64 = source_at(&boosted, 64, 4, None);
+    assert!(!is_tensor_core_kernel(&d64));
+    assert!(d64.contains("a boosted plane over 1-bit codes at head_dim 64"));
+}
