@@ -249,6 +249,9 @@ pub(crate) struct MmaCtx {
     /// schemes, whose calibration can magnify score errors (16 bits missed the tolerance there,
     /// seventh round; see `k_fine_pays` in decode.rs).
     pub k_fine: bool,
+    /// Integer keys' byte planes masked in place, in groups of this many planes a shift (1: every
+    /// plane shifted down); see `k_planes_in_place` in decode.rs.
+    pub k_planes_in_place: u32,
     /// 1-bit asymmetric keys on the f16 path (calibrated schemes' keys) enter the score `mma` as
     /// f16 subnormals: one AND a pair of codes instead of an AND-OR and an exact `fma`, the fold
     /// scaling each pair's query by a power of two (see `k_subnormal_pays` in decode.rs).

@@ -183,6 +183,7 @@ fn mma_plan(
         k_quant: k.kind == "int",
         k_int,
         k_fine: low_bit_keys && calibrated && k_fine_pays(k),
+        k_planes_in_place: k_planes_in_place(k, calibrated),
         k_subnormal: !k_int && k_subnormal_pays(k),
         k_high_int,
         range_int: calibrated && !stored_scores && range_int_pays(k) && !half_word_codes(k, d),
@@ -230,6 +231,27 @@ fn pack_heads_pays(shape: &KernelShape, tune: &TuneParams) -> bool {
 /// ×0.955–×0.984, so only 2-bit keys.
 fn k_fine_pays(k: &TensorCtx) -> bool {
     k.kind == "int" && k.bits == 2
+}
+
+/// How many byte planes of an integer key word are masked in place per shift
+/// ([`MmaCtx::k_planes_in_place`]). A word of b-bit codes holds 8/b byte planes; cutting plane j
+/// out as `(w >> b·j) & mask` costs a shift and an AND. Masked in place, `w & (mask << b·j)`, its
+/// bytes are worth 2^(b·j) codes, and the page's fold divides that plane's query by the same power
+/// of two before rounding it to its integer limbs: the shift is gone, and the plane's query keeps
+/// b·j bits fewer. Pairs of 2-bit planes (one shift a word instead of three) for calibrated keys,
+/// whose decode kernels carry the fine limb (22 bits left of 24) and whose range pass only sets the
+/// calibration's constants. Measured on an H100 (docs/BENCHMARKS.md, thirty-seventh round):
+/// CalibQuant-2 ×1.02–×1.04 at L ≥ 32K. Uncalibrated 2-bit keys (two limbs, 14 bits left of 16)
+/// lost the gain to precision and placement: kivi2's largest f16 error against the reference rose
+/// from about 4e-4 to 1.1e-3, and it ran ×1.024–×1.047 at B=16 but ×0.966 at B=1 L=128K, Kitty
+/// ×0.974–×1.021; four planes a group put kivi2 (no shift) and 1-bit keys (one shift a word)
+/// past the tolerance.
+fn k_planes_in_place(k: &TensorCtx, calibrated: bool) -> u32 {
+    if k.kind == "int" && k.bits == 2 && calibrated {
+        2
+    } else {
+        1
+    }
 }
 
 /// Whether keys on the f16 path enter the score `mma` as f16 subnormals ([`MmaCtx::k_subnormal`]):

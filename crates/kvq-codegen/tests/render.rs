@@ -277,6 +277,41 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
     );
 }
 
+/// Calibrated 2-bit keys on the integer path mask their byte planes in pairs, one shift a word
+/// (their decode kernels carry the fine limb, which absorbs the 2 bits a scaled plane's query
+/// loses); every other kernel shifts each plane down, so uncalibrated keys keep 16 bits of query
+/// in every plane (thirty-seventh round: kivi2's largest f16 error rose about 2.5× with pairs).
+#[test]
+fn only_calibrated_two_bit_keys_mask_their_byte_planes_in_place() {
+    const PAIRS: &str = "static constexpr int K_PLANES_IN_PLACE = 2;";
+    const EACH: &str = "static constexpr int K_PLANES_IN_PLACE = 1;";
+    let mut paired = 0;
+    for text in SCHEMES {
+        let (spec, source) = default_source(text);
+        if !is_tensor_core_kernel(&source) {
+            continue;
+        }
+        let integer_keys = source.contains("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32");
+        let two_bit = matches!(spec.k, kvq_spec::TensorQuant::Int(q) if q.bits == 2);
+        let pairs = two_bit && spec.calibrate.is_some();
+        assert!(
+            !pairs || integer_keys,
+            "{text}: calibrated 2-bit keys take the integer path"
+        );
+        assert_eq!(source.contains(PAIRS), pairs, "{text}: {PAIRS}");
+        assert_eq!(
+            source.contains(EACH),
+            integer_keys && !pairs,
+            "{text}: {EACH}"
+        );
+        paired += usize::from(pairs);
+    }
+    assert!(
+        paired >= 1,
+        "a calibrated 2-bit scheme masks its planes in pairs"
+    );
+}
+
 /// Every calibrated scheme on the tensor-core kernel stores its keys' scores in the range pass
 /// and reads them back in the decode kernel, which then stages scores where it staged keys and
 /// folds no query; uncalibrated kernels and the generic kernel store none.
