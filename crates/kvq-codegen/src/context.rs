@@ -304,6 +304,10 @@ pub(crate) struct MmaCtx {
     /// `mma`, which would score heads past GQA, score heads 0–3 of the next subtile instead, so
     /// the softmax works on half the fragments (see `pack_heads_pays` in decode.rs).
     pub pack_heads: bool,
+    /// At most how many quantized rows of K / V an FP16 row of that tensor (sink or tail window)
+    /// costs in the split-K work division, as a C++ float literal (see `fp16_row_cap` in decode.rs).
+    pub k_fp16_row_cap: String,
+    pub v_fp16_row_cap: String,
     /// Where the runtime's default launches take pieces. The kernel runs pieces (`num_pieces > 0`,
     /// `KVQ_RUNS_PIECES`) after its splits unless it is `PieceRule::None`; then its piece CTAs find
     /// their shares empty and the splits cover every token.

@@ -197,7 +197,28 @@ fn mma_plan(
         stage_v_params: stored_scores && v_channel_subnormal && stages_v_params(k, v),
         merge_bytes: merge_bytes(tune, d),
         pack_heads: enabled && k_high_int && tune.pack_heads && pack_heads_pays(shape, tune),
+        k_fp16_row_cap: fp16_row_cap(k, tune),
+        v_fp16_row_cap: fp16_row_cap(v, tune),
         piece_rule,
+    }
+}
+
+/// At most how many quantized rows of a tensor one of its FP16 rows (sink or tail window) costs
+/// when the decode kernel divides a sequence among its split warps by cost (`kvq_share_range`),
+/// as a C++ float literal. An FP16 row costs its bytes, but a warp reads the sink and the tail a
+/// subtile at a time, a round trip each, while a quantized row costs the time its codes take to
+/// convert. Per-warp timestamps at B=1 L=128K on an H100 (docs/BENCHMARKS.md, thirty-eighth
+/// round) put kivi2's FP16 rows at about 0.18 µs a row against 0.039 µs a quantized row (4.7
+/// rows), and the warp holding each KV head's 128-row tail ended 3–6 µs after the median warp;
+/// KIVI-4's tail warps ended with the others at 3 (tenth round). With 4.5 for codes of at most
+/// 2 bits the 1- and 2-bit built-ins ran ×1.02–×1.09 at B=1 L ≥ 32K and up to ×1.14 at B=4, but
+/// ×0.94–×0.97 at B=16 L=4K in eight-warp CTAs (one split a pair: a warp's share there is 17–18
+/// chunks, and the tail's extra weight moved a chunk onto some warps), so those keep 3.
+fn fp16_row_cap(t: &TensorCtx, tune: &TuneParams) -> String {
+    if t.kind == "int" && t.bits <= 2 && tune.threads <= 128 {
+        "4.5f".to_string()
+    } else {
+        "3.f".to_string()
     }
 }
 

@@ -312,6 +312,50 @@ fn only_calibrated_two_bit_keys_mask_their_byte_planes_in_place() {
     );
 }
 
+/// In the split-K division an FP16 row (sink or tail window) of a tensor of 1- or 2-bit codes
+/// costs up to 4.5 of its quantized rows in kernels of at most four warps a CTA, 3 otherwise
+/// (eight-warp CTAs, wider codes, FP16 tensors): per-warp timestamps put kivi2's FP16 rows at
+/// about 4.7 quantized rows at B=1, and 4.5 lost at B=16 L=4K in eight-warp CTAs (thirty-eighth
+/// round).
+#[test]
+fn fp16_rows_of_low_bit_tensors_cost_more_quantized_rows_in_small_ctas() {
+    let cap = |t: &kvq_spec::TensorQuant, threads: u32| {
+        let low_bit = matches!(t, kvq_spec::TensorQuant::Int(q) if q.bits <= 2);
+        if low_bit && threads <= 128 {
+            "4.5f"
+        } else {
+            "3.f"
+        }
+    };
+    let mut raised = 0;
+    for text in SCHEMES {
+        let spec = SchemeSpec::parse(text).unwrap();
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        for threads in [64, 128, 256] {
+            let mut tune = TuneParams::default_for(&spec, &shape);
+            tune.threads = threads;
+            let source = decode_kernels(&spec, &shape, &tune).unwrap().source;
+            if !is_tensor_core_kernel(&source) {
+                continue;
+            }
+            let line = format!(
+                "static constexpr float K_ROW_CAP = {}, V_ROW_CAP = {};",
+                cap(&spec.k, threads),
+                cap(&spec.v, threads)
+            );
+            assert!(
+                source.contains(&line),
+                "{text} at {threads} threads: {line}"
+            );
+            raised += usize::from(line.contains("4.5f"));
+        }
+    }
+    assert!(
+        raised >= 4,
+        "1- and 2-bit tensors in small CTAs get the larger cap"
+    );
+}
+
 /// Every calibrated scheme on the tensor-core kernel stores its keys' scores in the range pass
 /// and reads them back in the decode kernel, which then stages scores where it staged keys and
 /// folds no query; uncalibrated kernels and the generic kernel store none.
