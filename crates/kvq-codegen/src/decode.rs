@@ -212,8 +212,9 @@ fn mma_plan(
 /// rows), and the warp holding each KV head's 128-row tail ended 3–6 µs after the median warp;
 /// KIVI-4's tail warps ended with the others at 3 (tenth round). With 4.5 for codes of at most
 /// 2 bits the 1- and 2-bit built-ins ran ×1.02–×1.09 at B=1 L ≥ 32K and up to ×1.14 at B=4, but
-/// ×0.94–×0.97 at B=16 L=4K in eight-warp CTAs (one split a pair: a warp's share there is 17–18
-/// chunks, and the tail's extra weight moved a chunk onto some warps), so those keep 3.
+/// ×0.94–×0.97 at B=16 L=4K in eight-warp CTAs (one split a pair; by the division's arithmetic,
+/// not timed, seven warps get exactly 17 32-token chunks with 3 and some get 18 with 4.5), so
+/// those keep 3.
 fn fp16_row_cap(t: &TensorCtx, tune: &TuneParams) -> String {
     if t.kind == "int" && t.bits <= 2 && tune.threads <= 128 {
         "4.5f".to_string()
