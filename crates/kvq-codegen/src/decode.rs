@@ -211,12 +211,12 @@ fn mma_plan(
 /// round) put kivi2's FP16 rows at about 0.18 µs a row against 0.039 µs a quantized row (4.7
 /// rows), and the warp holding each KV head's 128-row tail ended 3–6 µs after the median warp;
 /// KIVI-4's tail warps ended with the others at 3 (tenth round). With 4.5 for codes of at most
-/// 2 bits the 1- and 2-bit built-ins ran ×1.02–×1.09 at B=1 L ≥ 32K and up to ×1.14 at B=4, but
-/// ×0.94–×0.97 at B=16 L=4K in eight-warp CTAs (one split a pair; by the division's arithmetic,
+/// 2 bits the 1- and 2-bit built-ins ran ×1.005–×1.094 at B=1 L ≥ 32K and ×1.007–×1.139 at B=4,
+/// but ×0.94–×1.00 at B=16 L=4K in eight-warp CTAs (one split a pair; by the division's arithmetic,
 /// not timed, seven warps get exactly 17 32-token chunks with 3 and some get 18 with 4.5), so
 /// those keep 3.
 fn fp16_row_cap(t: &TensorCtx, tune: &TuneParams) -> String {
-    if t.kind == "int" && t.bits <= 2 && tune.threads <= 128 {
+    if t.kind == "int" && t.bits <= 2 && tune.warps() <= 4 {
         "4.5f".to_string()
     } else {
         "3.f".to_string()
