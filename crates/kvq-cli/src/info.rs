@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use kvq::runtime::decode::{is_fast_memory, FAST_MEMORY_GBPS_PER_SM};
 use kvq::runtime::tune::{GpuKey, TuneStore, TUNE_FILE};
 use kvq::runtime::{cache_root, device_count, driver_version, nvrtc, Device};
 
@@ -27,6 +28,19 @@ fn mib(bytes: u64) -> String {
 }
 
 /// The report, one `key: value` line each.
+/// The GPU's peak DRAM bandwidth an SM, and what the untuned launches make of it.
+fn memory_line(peak_gbps: f64, sm_count: usize) -> String {
+    let per_sm = peak_gbps / sm_count.max(1) as f64;
+    let verdict = if is_fast_memory(peak_gbps, sm_count) {
+        "fast: KIVI-4's kernels take twelve warps an SM untuned"
+    } else {
+        "KIVI-4's kernels keep eight warps an SM untuned"
+    };
+    format!(
+        "memory:       {per_sm:.1} GB/s peak an SM ({verdict}; from {FAST_MEMORY_GBPS_PER_SM:.0} GB/s on)"
+    )
+}
+
 pub fn report(ordinal: usize) -> String {
     let mut lines: Vec<String> = vec![format!("kvq {}", env!("CARGO_PKG_VERSION"))];
     let mut gpu_key = None;
@@ -56,6 +70,10 @@ pub fn report(ordinal: usize) -> String {
                         p.total_memory_bytes as f64 / (1u64 << 30) as f64,
                         p.l2_bytes >> 20,
                         p.peak_memory_bandwidth_gbps()
+                    ));
+                    lines.push(memory_line(
+                        p.peak_memory_bandwidth_gbps(),
+                        p.sm_count as usize,
                     ));
                     gpu_key = Some(GpuKey::of(p));
                 }
@@ -137,4 +155,25 @@ pub fn report(ordinal: usize) -> String {
     let mut s = lines.join("\n");
     s.push('\n');
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::memory_line;
+
+    #[test]
+    fn the_memory_line_says_which_occupancy_kivi4_takes() {
+        let h100 = memory_line(3352.0, 132);
+        assert!(
+            h100.starts_with("memory:       25.4 GB/s peak an SM"),
+            "{h100}"
+        );
+        assert!(h100.contains("keep eight warps"), "{h100}");
+        let h200 = memory_line(4814.0, 132);
+        assert!(
+            h200.starts_with("memory:       36.5 GB/s peak an SM (fast"),
+            "{h200}"
+        );
+        assert!(h200.contains("twelve warps"), "{h200}");
+    }
 }

@@ -7,6 +7,7 @@
 
 mod block;
 mod cache;
+mod fast_memory;
 mod kernel;
 mod splits;
 
@@ -20,7 +21,11 @@ pub use block::{
     SHORT_STAGING_MIDDLE_PAIRS,
 };
 pub use cache::{CacheView, GpuCache};
+pub use fast_memory::{
+    fast_memory_block, is_fast_memory, FAST_MEMORY_GBPS_PER_SM, FAST_MEMORY_MIN_WARP_TOKENS,
+};
 pub use kernel::{DecodeKernel, DecodeScratch, RANGE_SCALE_MAX_SPLITS};
+pub(crate) use splits::context_bucket;
 pub use splits::{
     default_pieces, default_splits, min_warp_tokens, pieces_rule, scores_stored_at_any_gqa,
     short_staging_by_default, store_scores_by_default, Pieces, PIECES_FEW_SPLITS_MIN_WARP_TOKENS,

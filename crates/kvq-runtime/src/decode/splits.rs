@@ -85,7 +85,7 @@ pub fn scores_stored_at_any_gqa(spec: &SchemeSpec) -> bool {
 pub const STORED_SCORES_MAX_GQA: u32 = 4;
 
 /// The context bucket of a launch: its longest sequence rounded up to a power of two.
-fn context_bucket(max_len: usize) -> usize {
+pub(crate) fn context_bucket(max_len: usize) -> usize {
     max_len.max(1).next_power_of_two()
 }
 

@@ -6,9 +6,11 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 use super::key::TuneProblem;
+#[cfg(doc)]
+use crate::decode::is_fast_memory;
 use crate::decode::{
-    default_pieces, default_splits, min_warp_tokens, rule_block, short_staging_by_default,
-    store_scores_by_default, BlockSplits, Pieces, RuleBlock,
+    context_bucket, default_pieces, default_splits, fast_memory_block, min_warp_tokens, rule_block,
+    short_staging_by_default, store_scores_by_default, BlockSplits, Pieces, RuleBlock,
 };
 use crate::error::{Result, RuntimeError};
 
@@ -30,23 +32,37 @@ pub struct TuneChoice {
 }
 
 /// What the heuristic needs of the GPU: its SM count (the block rules count waves of one CTA an
-/// SM, `kvq_runtime::decode::rule_block`) and how many CTAs of the kernel of
+/// SM, `kvq_runtime::decode::rule_block`), how many CTAs of the kernel of
 /// [`TuneChoice::occupancy_block`] it holds at once
-/// ([`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas)).
+/// ([`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas)), and whether its memory
+/// is fast for its SMs ([`is_fast_memory`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Residency {
     /// Streaming multiprocessors.
     pub sm_count: usize,
     /// CTAs of the occupancy block's kernel resident on the whole GPU at once.
     pub resident_ctas: usize,
+    /// Peak DRAM bandwidth an SM at or past [`FAST_MEMORY_GBPS_PER_SM`](crate::decode::FAST_MEMORY_GBPS_PER_SM)
+    /// (an H200, not an H100): KIVI-4's kernels then take twelve warps an SM
+    /// ([`fast_memory_block`]).
+    pub fast_memory: bool,
 }
 
 impl Residency {
-    /// `resident_ctas` CTAs of the occupancy block's kernel on `sm_count` SMs.
+    /// `resident_ctas` CTAs of the occupancy block's kernel on `sm_count` SMs, memory not fast.
     pub fn new(sm_count: usize, resident_ctas: usize) -> Residency {
         Residency {
             sm_count,
             resident_ctas,
+            fast_memory: false,
+        }
+    }
+
+    /// The same, with `fast_memory` as [`is_fast_memory`] says of the GPU.
+    pub fn with_fast_memory(self, fast_memory: bool) -> Residency {
+        Residency {
+            fast_memory,
+            ..self
         }
     }
 }
@@ -59,7 +75,9 @@ impl TuneChoice {
     /// [`default_pieces`] for the pieces after the splits; the short staging path where the
     /// kernel has a choice and the block or [`short_staging_by_default`] says so; a calibrated
     /// scheme's key scores stored as the block says, unless [`store_scores_by_default`] says not
-    /// (a whole-pairs block's say is final).
+    /// (a whole-pairs block's say is final); on a GPU of fast memory ([`Residency::fast_memory`]),
+    /// twelve warps an SM for KIVI-4's kernels where [`fast_memory_block`] says so, with the split
+    /// count of that occupancy.
     pub fn heuristic(problem: &TuneProblem, gpu: Residency) -> TuneChoice {
         let rule = rule_taken(problem, gpu.sm_count);
         let mut params = rule.map_or_else(|| codegen_default(problem), |r| r.params);
@@ -83,6 +101,28 @@ impl TuneChoice {
         params.store_scores = params.store_scores
             && (one_per_pair
                 || store_scores_by_default(&problem.spec, problem.max_len, problem.shape.gqa));
+        let (params, splits) = match rule.map(|r| r.splits) {
+            Some(BlockSplits::OnePerPair | BlockSplits::OneTilePerWarp(_)) => (params, splits),
+            _ if !gpu.fast_memory => (params, splits),
+            _ => fast_memory_block(
+                &problem.spec,
+                &problem.shape,
+                &params,
+                context_bucket(problem.max_len),
+                gpu.sm_count,
+                |resident| {
+                    default_splits(
+                        problem.batch,
+                        problem.kv_heads,
+                        problem.max_len,
+                        resident,
+                        params.warps(),
+                        min_warp_tokens(&problem.spec, problem.max_len),
+                    )
+                },
+            )
+            .unwrap_or((params, splits)),
+        };
         let pieces = if one_per_pair {
             Pieces::NONE
         } else {
@@ -633,6 +673,62 @@ mod tests {
         );
         let h = TuneChoice::heuristic(&kivi4, h100(264));
         assert_eq!((h.params, h.splits), (block, 33));
+    }
+
+    #[test]
+    fn kivi4_takes_twelve_warps_on_fast_memory_where_split_warps_have_long_shares() {
+        let kivi4 = |batch, len| problem_of("k = int(4, channel), v = int(4, token)", batch, len);
+        // An H200's 132 SMs; the resident CTAs are those of the eight-warp occupancy block.
+        let fast = h100(264).with_fast_memory(true);
+        for (batch, len, twelve, splits) in [
+            (16, 32_768, true, 3),
+            (16, 131_072, true, 3),
+            (8, 32_768, true, 6),
+            (4, 32_768, true, 12),
+            (4, 131_072, true, 12),
+            (1, 131_072, true, 49),
+            // Split warps of 167, 85 and 341 bucket tokens keep the eight-warp launch.
+            (1, 32_768, false, 33),
+            (4, 4096, false, 8),
+            (16, 4096, false, 2),
+        ] {
+            let p = kivi4(batch, len);
+            let slow = TuneChoice::heuristic(&p, h100(264));
+            let h = TuneChoice::heuristic(&p, fast);
+            assert_eq!(slow.params.min_warps_per_sm, 0, "B={batch} L={len}: {slow}");
+            assert_eq!(
+                h.params.min_warps_per_sm == 12,
+                twelve,
+                "B={batch} L={len}: {h}"
+            );
+            assert_eq!(h.splits, splits, "B={batch} L={len}: {h}");
+            if twelve {
+                // The same block otherwise, on the short staging path whatever the split warps' shares.
+                let same = TuneParams {
+                    min_warps_per_sm: 0,
+                    short_staging: slow.params.short_staging,
+                    ..h.params
+                };
+                assert_eq!(same, slow.params, "B={batch} L={len}");
+                assert!(h.params.short_staging, "B={batch} L={len}: {h}");
+                assert_eq!(candidates(&p, fast)[0], h);
+            } else {
+                assert_eq!(h, slow, "B={batch} L={len}");
+            }
+        }
+        // Kernels of other families keep their launch on fast memory.
+        for scheme in [
+            "k = int(2, channel), v = int(2, token)",
+            "k = int(8, channel, symmetric), v = int(8, token, symmetric)",
+            "k = fp16, v = fp16",
+        ] {
+            let p = problem_of(scheme, 16, 32_768);
+            assert_eq!(
+                TuneChoice::heuristic(&p, fast),
+                TuneChoice::heuristic(&p, h100(264)),
+                "{scheme}"
+            );
+        }
     }
 
     #[test]

@@ -17,6 +17,7 @@ use super::rotate::{batch_device_bytes, plan_copies, RotatingBatch};
 use super::store::{unix_now, TuneEntry, TuneStore};
 use super::synth::{random_kv, random_queries};
 use super::timer::QueuedTimer;
+use crate::decode::is_fast_memory;
 use crate::decode::{DecodeKernel, DecodeScratch, Pieces};
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
@@ -246,7 +247,7 @@ impl<'j> Tuner<'j> {
         let kernel = occupancy_kernel(self.jit, problem, sm_count)?;
         Ok(TuneChoice::heuristic(
             problem,
-            Residency::new(sm_count, kernel.resident_ctas(sm_count)?),
+            residency(self.jit, &kernel)?,
         ))
     }
 
@@ -399,10 +400,7 @@ impl<'a> Session<'a> {
         let q_heads = p.q_heads();
         let sm_count = props.sm_count as usize;
         let occupancy = occupancy_kernel(self.jit, p, sm_count)?;
-        let all = candidates(
-            p,
-            Residency::new(sm_count, occupancy.resident_ctas(sm_count)?),
-        );
+        let all = candidates(p, residency(self.jit, &occupancy)?);
         let default = all[0];
         let mut params: Vec<TuneParams> = Vec::new();
         for c in &all {
@@ -751,6 +749,16 @@ fn scratch_for<'s>(
     }
 }
 
+/// What the heuristic needs of this GPU ([`Residency`]) with `occupancy`, the kernel of
+/// [`TuneChoice::occupancy_block`], resident: its SM count, that kernel's resident CTAs, and
+/// whether its memory is fast for its SMs ([`is_fast_memory`]).
+fn residency(jit: &Jit, occupancy: &DecodeKernel) -> Result<Residency> {
+    let props = jit.device().props();
+    let sm_count = props.sm_count as usize;
+    Ok(Residency::new(sm_count, occupancy.resident_ctas(sm_count)?)
+        .with_fast_memory(is_fast_memory(props.peak_memory_bandwidth_gbps(), sm_count)))
+}
+
 /// The kernel whose occupancy the heuristic's split count for `problem` on `sm_count` SMs fills
 /// ([`TuneChoice::occupancy_block`]; mostly the heuristic's own block), through the JIT's caches.
 fn occupancy_kernel(jit: &Jit, problem: &TuneProblem, sm_count: usize) -> Result<DecodeKernel> {
@@ -768,10 +776,7 @@ fn occupancy_kernel(jit: &Jit, problem: &TuneProblem, sm_count: usize) -> Result
 pub fn default_launch(jit: &Jit, problem: &TuneProblem) -> Result<(TuneChoice, DecodeKernel)> {
     let sm_count = jit.device().props().sm_count as usize;
     let occupancy = occupancy_kernel(jit, problem, sm_count)?;
-    let choice = TuneChoice::heuristic(
-        problem,
-        Residency::new(sm_count, occupancy.resident_ctas(sm_count)?),
-    );
+    let choice = TuneChoice::heuristic(problem, residency(jit, &occupancy)?);
     let kernel = if choice.params == occupancy.generated().tune {
         occupancy
     } else {
