@@ -6,9 +6,10 @@
 //! GB/s (36 GB/s an SM): the same kernel is bound by its instruction stream and waits on memory
 //! latency, and twelve warps an SM hide more of it. Forced to twelve on an H200 (docs/BENCHMARKS.md,
 //! thirty-ninth round), KIVI-4 ran ×1.05–×1.12 where a split warp's share of the context bucket is
-//! 668 tokens or more (B=1 L=128K, B ∈ {4, 8} at L ≥ 32K, B=16 L=128K), but ×0.91–×0.96 at 85–167
-//! tokens a warp, and ×0.88 at B=16 L=32K where the larger grid's warps fell below the short staging
-//! path's threshold (the tuner's twelve-warp choice there keeps that path: ×1.017).
+//! 668 tokens or more (B=1 L=128K, B ∈ {4, 8} at L ≥ 32K, B=16 L=128K) and ×1.02 at 341, but
+//! ×0.91–×1.00 at 32–170 tokens a warp, and ×0.88 at B=16 L=32K where the larger grid's warps fell
+//! below the short staging path's threshold (the tuner's twelve-warp choice there keeps that path:
+//! ×1.017).
 
 use kvq_codegen::{short_staging_changes, KernelShape, TuneParams};
 use kvq_spec::SchemeSpec;
@@ -18,7 +19,7 @@ use kvq_spec::SchemeSpec;
 pub const FAST_MEMORY_GBPS_PER_SM: f64 = 30.0;
 
 /// Fewest bucket tokens a split warp of the twelve-warp grid takes for [`fast_memory_block`] to
-/// apply: the H200's gains began at 668, its losses ended at 167.
+/// apply: on the H200 it gained from 668 (×1.02 at 341) and lost or held at 32–170.
 pub const FAST_MEMORY_MIN_WARP_TOKENS: usize = 512;
 
 /// Whether a GPU of `peak_gbps` peak DRAM bandwidth over `sm_count` SMs counts as fast memory
