@@ -27,7 +27,6 @@ fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
-/// The report, one `key: value` line each.
 /// The GPU's peak DRAM bandwidth an SM, and what the untuned launches make of it.
 fn memory_line(peak_gbps: f64, sm_count: usize) -> String {
     let per_sm = peak_gbps / sm_count.max(1) as f64;
@@ -41,6 +40,7 @@ fn memory_line(peak_gbps: f64, sm_count: usize) -> String {
     )
 }
 
+/// The report, one `key: value` line each.
 pub fn report(ordinal: usize) -> String {
     let mut lines: Vec<String> = vec![format!("kvq {}", env!("CARGO_PKG_VERSION"))];
     let mut gpu_key = None;
