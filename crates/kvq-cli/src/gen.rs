@@ -228,6 +228,9 @@ struct TuneInfo {
     /// When the runtime's untuned launches store a calibrated scheme's key scores (kernels
     /// generated with `store_scores` true).
     default_store_scores: String,
+    /// Where the runtime's untuned launches depend on the GPU's memory bandwidth an SM (KIVI-4's
+    /// twelve warps an SM on fast memory).
+    default_fast_memory: String,
     tuned: Vec<TunedInfo>,
 }
 
@@ -1111,6 +1114,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             default_splits: default_splits_text(spec),
             default_short_staging: default_short_staging_text(spec, shape, &params),
             default_store_scores: default_store_scores_text(spec, shape, &params),
+            default_fast_memory: default_fast_memory_text(spec, shape),
             default_pieces: match decode.piece_rule {
                 PieceRule::LongShares => format!(
                     "warps = block / 32; if bucket / (num_splits·warps) ≥ {} then num_pieces = \
@@ -1220,6 +1224,26 @@ fn default_store_scores_text(
     } else {
         "false (this scheme's kernels store no scores)".into()
     }
+}
+
+/// The manifest's rule for the runtime's untuned launches on GPUs of fast memory for their SMs
+/// (`kvq_runtime::decode::fast_memory_block`), for schemes it applies to.
+fn default_fast_memory_text(spec: &SchemeSpec, shape: &KernelShape) -> String {
+    use kvq::runtime::decode::{
+        fast_memory_applies, FAST_MEMORY_GBPS_PER_SM, FAST_MEMORY_MIN_WARP_TOKENS,
+    };
+    if !fast_memory_applies(spec, shape) {
+        return "none (these launches do not depend on the GPU's memory)".into();
+    }
+    format!(
+        "where 2·memory_clock·bus_width / 8 / sm_count ≥ {FAST_MEMORY_GBPS_PER_SM} GB/s (peak DRAM \
+         bandwidth an SM), outside the whole-pairs and one-tile blocks: the default_block's block \
+         with min_warps_per_sm 12 and short_staging true (sources generated with \
+         --min-warps-per-sm 12 --short-staging true) and num_splits from default_splits with \
+         slots = (12 / warps)·sm_count, where bucket / (num_splits·warps) ≥ \
+         {FAST_MEMORY_MIN_WARP_TOKENS}; else as default_block, default_splits and \
+         default_short_staging say"
+    )
 }
 
 /// The manifest's rule for the block of the runtime's untuned launches

@@ -575,6 +575,33 @@ fn gen_stores_calibrated_scores_unless_the_flag_says_not_to() {
     assert!(rule.starts_with("false"), "{rule}");
 }
 
+#[test]
+fn gen_says_where_untuned_launches_depend_on_the_gpus_memory() {
+    let tmp = TempDir::new("fast-memory");
+    let rule_of = |scheme: &str, head_dim: &str| {
+        let args = ["--head-dim", head_dim, "--gqa", "4"];
+        let (m, _, _) = gen_and_check(scheme, &args, &tmp);
+        m["tune"]["default_fast_memory"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let kivi4 = rule_of("kivi4", "128");
+    assert!(
+        kivi4.starts_with("where 2·memory_clock·bus_width / 8 / sm_count ≥ 30 GB/s")
+            && kivi4.contains(
+                "min_warps_per_sm 12 and short_staging true (sources generated with \
+                 --min-warps-per-sm 12 --short-staging true)"
+            )
+            && kivi4.contains("slots = (12 / warps)·sm_count")
+            && kivi4.contains("bucket / (num_splits·warps) ≥ 512"),
+        "{kivi4}"
+    );
+    let none = "none (these launches do not depend on the GPU's memory)";
+    assert_eq!(rule_of("kivi2", "128"), none);
+    assert_eq!(rule_of("int8", "128"), none);
+}
+
 /// How `tune.default_block` opens its whole-pairs rules.
 const WHOLE_PAIRS_HEAD: &str = "waves = ceil(batch·kv_heads / sm_count); where batch·kv_heads ≥ \
                                 0.9·waves·sm_count, with num_splits = 1 and num_pieces = 0: ";

@@ -36,8 +36,14 @@ pub fn is_fast_memory(peak_gbps: f64, sm_count: usize) -> bool {
     sm_count > 0 && peak_gbps / sm_count as f64 >= FAST_MEMORY_GBPS_PER_SM
 }
 
-/// Whether `params` renders a 4-bit K and V kernel with a short staging path (KIVI-4's family)
-/// whose occupancy floor of twelve warps an SM changes it.
+/// Whether [`fast_memory_block`] can change this scheme's launches at this kernel shape: KIVI-4's
+/// family at head_dim 128, where it was measured.
+pub fn fast_memory_applies(spec: &SchemeSpec, shape: &KernelShape) -> bool {
+    twelve_warp_candidate(spec, shape, &TuneParams::default_for(spec, shape))
+}
+
+/// Whether `params` renders a 4-bit K and V kernel at head_dim 128 with a short staging path
+/// (KIVI-4's family) whose occupancy floor of twelve warps an SM changes it.
 fn twelve_warp_candidate(spec: &SchemeSpec, shape: &KernelShape, params: &TuneParams) -> bool {
     let four_bits = |t: &kvq_spec::TensorQuant| t.as_int().is_some_and(|q| q.bits == 4);
     let twelve = TuneParams {
@@ -45,7 +51,8 @@ fn twelve_warp_candidate(spec: &SchemeSpec, shape: &KernelShape, params: &TunePa
         short_staging: true,
         ..*params
     };
-    four_bits(&spec.k)
+    shape.head_dim == 128
+        && four_bits(&spec.k)
         && four_bits(&spec.v)
         && params.min_warps_per_sm == 0
         && short_staging_changes(spec, shape, &twelve)

@@ -22,7 +22,8 @@ pub use block::{
 };
 pub use cache::{CacheView, GpuCache};
 pub use fast_memory::{
-    fast_memory_block, is_fast_memory, FAST_MEMORY_GBPS_PER_SM, FAST_MEMORY_MIN_WARP_TOKENS,
+    fast_memory_applies, fast_memory_block, is_fast_memory, FAST_MEMORY_GBPS_PER_SM,
+    FAST_MEMORY_MIN_WARP_TOKENS,
 };
 pub use kernel::{DecodeKernel, DecodeScratch, RANGE_SCALE_MAX_SPLITS};
 pub(crate) use splits::context_bucket;

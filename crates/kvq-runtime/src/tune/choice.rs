@@ -716,6 +716,18 @@ mod tests {
                 assert_eq!(h, slow, "B={batch} L={len}");
             }
         }
+        // Other head_dims (not measured) keep theirs.
+        let d64 = TuneProblem::new(
+            "k = int(4, channel), v = int(4, token)".parse().unwrap(),
+            KernelShape::new(64, 4, Dtype::F16),
+            8,
+            16,
+            131_072,
+        );
+        assert_eq!(
+            TuneChoice::heuristic(&d64, fast),
+            TuneChoice::heuristic(&d64, h100(264))
+        );
         // Kernels of other families keep their launch on fast memory.
         for scheme in [
             "k = int(2, channel), v = int(2, token)",
