@@ -136,7 +136,8 @@ impl TuneChoice {
     }
 
     /// The block of [`TuneChoice::heuristic`] on a GPU of `sm_count` SMs, before its
-    /// launch-dependent variants (short staging, stored scores): the scheme's
+    /// launch-dependent variants (short staging, stored scores, and on fast memory KIVI-4's
+    /// occupancy, [`fast_memory_block`]): the scheme's
     /// [`rule_block`] where one applies to the problem's batch shape and context bucket, else
     /// [`TuneParams::default_for`]. Like the split count it depends only on the batch shape and
     /// the bucket, so a captured graph stays valid while sequences grow within their bucket.
