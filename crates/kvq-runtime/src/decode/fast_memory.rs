@@ -3,8 +3,9 @@
 //! The block rules and the codegen default were measured on an H100 (3352 GB/s peak over 132 SMs,
 //! 25 GB/s an SM), where KIVI-4's ring kernel runs best with eight warps an SM: it is close to the
 //! copy bandwidth there and spends the registers on its own work. An H200 has the same SMs and 4814
-//! GB/s (36 GB/s an SM): the same kernel is bound by its instruction stream and waits on memory
-//! latency, and twelve warps an SM hide more of it. Forced to twelve on an H200 (docs/BENCHMARKS.md,
+//! GB/s (36 GB/s an SM): the same kernel reaches only 76% of its copy bandwidth there, and more warps
+//! an SM keep more loads in flight (why twelve pay there and not on the H100 was not profiled).
+//! Forced to twelve on an H200 (docs/BENCHMARKS.md,
 //! thirty-ninth round), KIVI-4 ran ×1.05–×1.12 where a split warp's share of the context bucket is
 //! 668 tokens or more (B=1 L=128K, B ∈ {4, 8} at L ≥ 32K, B=16 L=128K) and ×1.02 at 341, but
 //! ×0.91–×1.00 at 32–170 tokens a warp, and ×0.88 at B=16 L=32K where the larger grid's warps fell
