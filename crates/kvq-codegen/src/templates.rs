@@ -5,40 +5,58 @@ use serde::Serialize;
 use std::sync::OnceLock;
 use tera::{Context, Tera};
 
+/// The workspace's `templates/` files, each under its path there as its Tera name.
+macro_rules! embedded {
+    ($($name:literal),* $(,)?) => {
+        &[$(($name, include_str!(concat!("../../../templates/", $name)))),*]
+    };
+}
+
 /// Every template, by name; embedded so nothing reads the source tree at run time.
-pub(crate) const TEMPLATES: &[(&str, &str)] = &[
-    (
-        "common.cuh.tera",
-        include_str!("../../../templates/common.cuh.tera"),
-    ),
-    (
-        "tensor.cuh.tera",
-        include_str!("../../../templates/tensor.cuh.tera"),
-    ),
-    (
-        "quantize.cuh.tera",
-        include_str!("../../../templates/quantize.cuh.tera"),
-    ),
-    (
-        "quantize_regs.cuh.tera",
-        include_str!("../../../templates/quantize_regs.cuh.tera"),
-    ),
-    (
-        "combine.cu.tera",
-        include_str!("../../../templates/combine.cu.tera"),
-    ),
-    (
-        "decode.cu.tera",
-        include_str!("../../../templates/decode.cu.tera"),
-    ),
-    (
-        "decode_mma.cuh.tera",
-        include_str!("../../../templates/decode_mma.cuh.tera"),
-    ),
-    (
-        "cache.cu.tera",
-        include_str!("../../../templates/cache.cu.tera"),
-    ),
+pub(crate) const TEMPLATES: &[(&str, &str)] = embedded![
+    "common.cuh.tera",
+    "tensor.cuh.tera",
+    "quantize.cuh.tera",
+    "quantize_regs.cuh.tera",
+    "combine.cu.tera",
+    "decode.cu.tera",
+    "decode_mma.cuh.tera",
+    "decode_mma/constants.cuh.tera",
+    "decode_mma/helpers.cuh.tera",
+    "decode_mma/sources.cuh.tera",
+    "decode_mma/ring.cuh.tera",
+    "decode_mma/keys_f16.cuh.tera",
+    "decode_mma/keys_int.cuh.tera",
+    "decode_mma/keys_fp16_rows.cuh.tera",
+    "decode_mma/keys_boost.cuh.tera",
+    "decode_mma/values.cuh.tera",
+    "decode_mma/shares.cuh.tera",
+    "decode_mma/fold.cuh.tera",
+    "decode_mma/softmax.cuh.tera",
+    "decode_mma/params.cuh.tera",
+    "decode_mma/calibrated.cuh.tera",
+    "decode_mma/decode_kernel.cuh.tera",
+    "cache.cu.tera",
+];
+
+/// The parts of the tensor-core decode kernel, in the order `decode_mma.cuh.tera` includes them.
+#[cfg(test)]
+const DECODE_MMA_PARTS: &[&str] = &[
+    "constants",
+    "helpers",
+    "sources",
+    "ring",
+    "keys_f16",
+    "keys_int",
+    "keys_fp16_rows",
+    "keys_boost",
+    "values",
+    "shares",
+    "fold",
+    "softmax",
+    "params",
+    "calibrated",
+    "decode_kernel",
 ];
 
 fn engine() -> Result<&'static Tera, CodegenError> {
@@ -64,4 +82,42 @@ pub(crate) fn render<T: Serialize>(template: &str, ctx: &T) -> Result<String, Co
     engine()?
         .render(template, &context)
         .map_err(|e| CodegenError::template(template, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn template(name: &str) -> &'static str {
+        TEMPLATES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .unwrap_or_else(|| panic!("{name} is not embedded"))
+            .1
+    }
+
+    /// The index includes every part once, in order, and each part keeps the seam rule the index
+    /// states: it opens with a comment line and ends without a final newline, so the parts join
+    /// into the source the single file rendered (a stray newline would add a blank line at every
+    /// seam, and every kernel's cache key with it).
+    #[test]
+    fn decode_mma_parts_join_without_seams() {
+        let index = template("decode_mma.cuh.tera");
+        let included: Vec<&str> = index
+            .lines()
+            .filter_map(|line| line.split("include \"decode_mma/").nth(1))
+            .filter_map(|rest| rest.split(".cuh.tera").next())
+            .collect();
+        assert_eq!(included, DECODE_MMA_PARTS);
+        for part in DECODE_MMA_PARTS {
+            let text = template(&format!("decode_mma/{part}.cuh.tera"));
+            assert!(text.starts_with("{#- "), "{part} opens with a comment line");
+            let last = *DECODE_MMA_PARTS.last().unwrap() == *part;
+            assert_eq!(
+                text.ends_with('\n'),
+                last,
+                "{part}: only the last part ends with a newline"
+            );
+        }
+    }
 }
