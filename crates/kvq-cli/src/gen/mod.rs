@@ -1,0 +1,273 @@
+//! `kvq gen`: everything another engine needs to run kvq's kernels without kvq — the generated
+//! CUDA sources, a C header with each entry point and a parameter struct per kernel, and a
+//! `manifest.json` with launch shapes, the page-block layout and tuned values. Works without a GPU;
+//! `--arch` also compiles the sources with NVRTC (where it loads) to check them.
+
+mod header;
+mod manifest;
+mod params;
+mod rules;
+
+use std::path::{Path, PathBuf};
+
+use kvq::codegen::{cache_kernels, decode_kernels, KernelShape};
+use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
+use kvq::runtime::tune::TuneStore;
+use kvq::runtime::{Arch, RuntimeError};
+
+use self::manifest::{CompiledInfo, Manifest, SchemeInfo};
+use crate::error::{CliError, Result};
+use crate::sample::{self, SampleSpec};
+use crate::scheme::Resolved;
+
+/// The layout version lives with the layout it names (kvq-reference), so it moves with any byte.
+pub use kvq::reference::int::LAYOUT_VERSION;
+
+/// Identifies the manifest's format; `MANIFEST_VERSION` changes when a field changes meaning.
+pub const MANIFEST_FORMAT: &str = "kvq-gen";
+/// See [`MANIFEST_FORMAT`].
+pub const MANIFEST_VERSION: u32 = 3;
+
+/// File names inside the output folder.
+pub const DECODE_FILE: &str = "decode.cu";
+/// See [`DECODE_FILE`].
+pub const CACHE_FILE: &str = "cache.cu";
+/// See [`DECODE_FILE`].
+pub const HEADER_FILE: &str = "kvq_kernels.h";
+/// See [`DECODE_FILE`].
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+/// What `kvq gen` was asked for.
+#[derive(Debug, Clone)]
+pub struct GenRequest {
+    pub scheme: Resolved,
+    pub shape: KernelShape,
+    pub out: PathBuf,
+    /// Compile with NVRTC for this architecture.
+    pub arch: Option<Arch>,
+    /// Block parameters from the flags (each overrides the tuned or default value).
+    pub threads: Option<u32>,
+    pub tile_tokens: Option<u32>,
+    pub min_warps_per_sm: Option<u32>,
+    pub pack_heads: Option<bool>,
+    pub short_staging: Option<bool>,
+    pub store_scores: Option<bool>,
+    /// Where tuned results are read from (`None`: the default `tune.json`).
+    pub tune_file: Option<PathBuf>,
+    /// Also write a sample batch with its reference output.
+    pub sample: Option<SampleSpec>,
+}
+
+/// What was written, for the listing and for tests.
+#[derive(Debug, Clone)]
+pub struct GenOutcome {
+    pub files: Vec<(PathBuf, u64)>,
+    pub kernels: Vec<String>,
+    pub compiled: Vec<String>,
+    pub notes: Vec<String>,
+}
+
+fn write_file(path: &Path, bytes: &[u8], files: &mut Vec<(PathBuf, u64)>) -> Result<()> {
+    std::fs::write(path, bytes).map_err(|source| CliError::Write {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    files.push((path.to_path_buf(), bytes.len() as u64));
+    Ok(())
+}
+
+/// Removes outputs of an earlier `kvq gen` into the same folder that this run will not rewrite
+/// (CUBINs, a cache source, a sample), so the folder never mixes two schemes. Only kvq's own file
+/// names are touched; failures are ignored (the files are then simply left).
+fn remove_stale(out: &Path, writes_cache: bool, writes_sample: bool) {
+    if let Ok(entries) = std::fs::read_dir(out) {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let cubin = (name.starts_with("decode.") || name.starts_with("cache."))
+                && name.ends_with(".cubin");
+            if cubin || (!writes_cache && name == CACHE_FILE) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    let sample = out.join(crate::sample::SAMPLE_DIR);
+    if !writes_sample && sample.join("sample.json").is_file() {
+        let _ = std::fs::remove_dir_all(sample);
+    }
+}
+
+/// Compiles each source with NVRTC for `arch` and writes its CUBIN next to it: what was compiled,
+/// for the manifest and the listing. Without a usable libnvrtc it notes so and compiles nothing.
+fn compile_sources(
+    out: &Path,
+    arch: Arch,
+    sources: &[(&str, &str)],
+    files: &mut Vec<(PathBuf, u64)>,
+    notes: &mut Vec<String>,
+) -> Result<(Vec<CompiledInfo>, Vec<String>)> {
+    let mut compiled = Vec::new();
+    let mut lines = Vec::new();
+    for &(file, code) in sources {
+        let source = Source::new(file, code.to_string());
+        match nvrtc::compile(&source, arch, Output::Cubin, &CompileOptions::default()) {
+            Ok(c) => {
+                let stem = file.trim_end_matches(".cu");
+                let name = format!("{stem}.{arch}.cubin");
+                write_file(&out.join(&name), &c.image, files)?;
+                lines.push(format!(
+                    "compiled {file} for {arch} with NVRTC {}: {} bytes of CUBIN ({name})",
+                    c.nvrtc,
+                    c.image.len()
+                ));
+                compiled.push(CompiledInfo {
+                    file: name,
+                    arch: arch.to_string(),
+                    nvrtc: c.nvrtc.to_string(),
+                    bytes: c.image.len(),
+                });
+            }
+            Err(e @ RuntimeError::NvrtcNotFound { .. }) => {
+                notes.push(format!("{file} not compiled: {e}"));
+                break;
+            }
+            Err(e) => return Err(CliError::Runtime(e)),
+        }
+    }
+    Ok((compiled, lines))
+}
+
+/// Writes the folder; see the module docs.
+pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
+    let spec = &req.scheme.spec;
+    let shape = &req.shape;
+    if !req.scheme.has_gpu_kernel() {
+        return Err(CliError::Unsupported(format!(
+            "`{}` has no GPU kernel yet (CommVQ and XQuant run in the CPU reference only); \
+             GPU schemes: fp16, kivi2, kivi4, kitty, kitty-pro, calibquant1, calibquant2, int8, \
+             or scheme text of fp16/int(...) tensors",
+            req.scheme.label()
+        )));
+    }
+    let (store, tune_file) = match &req.tune_file {
+        Some(p) => (Some(TuneStore::load_quietly(p)), Some(p.clone())),
+        None => match TuneStore::default_path() {
+            Ok(p) => (Some(TuneStore::load_quietly(&p)), Some(p)),
+            Err(_) => (None, None),
+        },
+    };
+    let mut notes = Vec::new();
+    if let Some(w) = store.as_ref().and_then(|s| s.warning()) {
+        notes.push(w.to_string());
+    }
+    let tuned = store
+        .as_ref()
+        .map(|s| params::tuned_entries(s, spec, shape))
+        .unwrap_or_default();
+    let (params, params_source) = params::choose_params(req, shape, &tuned)?;
+    let decode = decode_kernels(spec, shape, &params)?;
+    let cache = match cache_kernels(spec, shape.head_dim, shape.dtype) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            notes.push(format!("no cache kernels written: {e}"));
+            None
+        }
+    };
+    let layout = manifest::layout_info(spec, shape)?;
+
+    let kernels = manifest::kernel_infos(&decode, cache.as_ref(), shape.dtype);
+
+    std::fs::create_dir_all(&req.out).map_err(|source| CliError::Write {
+        path: req.out.clone(),
+        source,
+    })?;
+    remove_stale(&req.out, cache.is_some(), req.sample.is_some());
+    let mut files = Vec::new();
+    write_file(
+        &req.out.join(DECODE_FILE),
+        decode.source.as_bytes(),
+        &mut files,
+    )?;
+    if let Some(c) = &cache {
+        write_file(&req.out.join(CACHE_FILE), c.source.as_bytes(), &mut files)?;
+    }
+    let tag = header::macro_tag(&req.scheme.label(), shape);
+    let header = header::header_text(&tag, &req.scheme, shape, &params, &layout, &kernels);
+    write_file(&req.out.join(HEADER_FILE), header.as_bytes(), &mut files)?;
+
+    // Compile before the manifest, so it records what was checked.
+    let (compiled, compiled_lines) = match req.arch {
+        Some(arch) => {
+            let mut sources = vec![(DECODE_FILE, decode.source.as_str())];
+            if let Some(c) = &cache {
+                sources.push((CACHE_FILE, c.source.as_str()));
+            }
+            compile_sources(&req.out, arch, &sources, &mut files, &mut notes)?
+        }
+        None => (Vec::new(), Vec::new()),
+    };
+
+    let sample_file = match &req.sample {
+        Some(s) => {
+            let written = sample::write(&req.out, spec, shape, s)?;
+            let rel = written.dir_name.clone();
+            files.extend(written.files);
+            notes.push(written.summary);
+            Some(rel)
+        }
+        None => None,
+    };
+
+    let manifest = Manifest {
+        format: MANIFEST_FORMAT.into(),
+        version: MANIFEST_VERSION,
+        kvq_version: env!("CARGO_PKG_VERSION").into(),
+        layout_version: LAYOUT_VERSION.into(),
+        scheme: SchemeInfo {
+            name: req.scheme.name.map(str::to_string),
+            text: spec.to_string(),
+            hash: format!("{:016x}", spec.stable_hash()),
+        },
+        shape: *shape,
+        files: manifest::file_names(cache.is_some()),
+        launch: manifest::launch_info(&decode, &kernels),
+        kernels,
+        layout,
+        tune: manifest::tune_info(
+            spec,
+            shape,
+            &params,
+            params_source,
+            tune_file.as_deref(),
+            &decode,
+            &tuned,
+        ),
+        compiled,
+        sample: sample_file,
+    };
+    let json = serde_json::to_string_pretty(&manifest)
+        .map_err(|e| CliError::Usage(format!("manifest: {e}")))?;
+    write_file(&req.out.join(MANIFEST_FILE), json.as_bytes(), &mut files)?;
+    if params_source == "tuned" {
+        notes.push(format!(
+            "block parameters from {} tuned result(s): threads {} tile_tokens {} \
+             min_warps_per_sm {} pack_heads {} short_staging {} store_scores {}",
+            tuned.len(),
+            params.threads,
+            params.tile_tokens,
+            params.min_warps_per_sm,
+            params.pack_heads,
+            params.short_staging,
+            params.store_scores
+        ));
+    }
+    Ok(GenOutcome {
+        files,
+        kernels: manifest
+            .kernels
+            .iter()
+            .map(|k| format!("{:<18} {}", k.role, k.name))
+            .collect(),
+        compiled: compiled_lines,
+        notes,
+    })
+}
