@@ -1,7 +1,10 @@
 #!/bin/bash
-# usage: gen-cases.sh KVQ_BIN OUTDIR
+# usage: gen-cases.sh KVQ_BIN OUTDIR: eleven `kvq gen` runs into OUTDIR, to diff two builds' outputs.
+# The tune file is a fixed path that does not exist (no tuned results; the manifest names it, so
+# both runs must name the same one).
 B=$1; O=$2; rm -rf $O; mkdir -p $O
-run() { name=$1; shift; "$B" gen "$@" --tune-file /tmp/fp/none.json --out $O/$name > $O/$name.stdout 2> $O/$name.stderr; echo "rc=$?" >> $O/$name.stdout; }
+NONE=/tmp/kvq-gen-cases-no-tune.json
+run() { name=$1; shift; "$B" gen "$@" --tune-file $NONE --out $O/$name > $O/$name.stdout 2> $O/$name.stderr; echo "rc=$?" >> $O/$name.stdout; }
 run kivi2 --scheme kivi2 --head-dim 128 --gqa 4
 run cq1 --scheme calibquant1 --head-dim 64 --gqa 1 --dtype bf16
 run kitty --scheme kitty --head-dim 128 --gqa 8
