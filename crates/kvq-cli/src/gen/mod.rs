@@ -2,6 +2,10 @@
 //! CUDA sources, a C header with each entry point and a parameter struct per kernel, and a
 //! `manifest.json` with launch shapes, the page-block layout and tuned values. Works without a GPU;
 //! `--arch` also compiles the sources with NVRTC (where it loads) to check them.
+//!
+//! This module runs the steps ([`generate`]); `params` chooses the block parameters, `manifest`
+//! and `header` write the two descriptions of the kernels, and `rules` states the runtime's untuned
+//! launch rules for the manifest.
 
 mod header;
 mod manifest;
