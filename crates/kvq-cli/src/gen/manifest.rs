@@ -12,13 +12,14 @@ use serde::Serialize;
 
 use super::{rules, CACHE_FILE, DECODE_FILE, HEADER_FILE, LAYOUT_VERSION};
 use crate::error::{CliError, Result};
+use crate::scheme::Resolved;
 
 #[derive(Serialize)]
 pub(super) struct SchemeInfo {
-    pub(super) name: Option<String>,
-    pub(super) text: String,
+    name: Option<String>,
+    text: String,
     /// `SchemeSpec::stable_hash`, the key tuned results are stored under.
-    pub(super) hash: String,
+    hash: String,
 }
 
 #[derive(Serialize)]
@@ -502,6 +503,15 @@ pub(super) fn layout_info(spec: &SchemeSpec, shape: &KernelShape) -> Result<Layo
             buffer("seq_lens", "[batch]", "i32", "tokens per sequence, ≥ 1"),
         ],
     })
+}
+
+/// The scheme as named and as text, with the hash tuned results are stored under.
+pub(super) fn scheme_info(scheme: &Resolved) -> SchemeInfo {
+    SchemeInfo {
+        name: scheme.name.map(str::to_string),
+        text: scheme.spec.to_string(),
+        hash: format!("{:016x}", scheme.spec.stable_hash()),
+    }
 }
 
 /// The output folder's files by role.

@@ -19,7 +19,7 @@ use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
 use kvq::runtime::tune::TuneStore;
 use kvq::runtime::{Arch, RuntimeError};
 
-use self::manifest::{CompiledInfo, Manifest, SchemeInfo};
+use self::manifest::{CompiledInfo, Manifest};
 use crate::error::{CliError, Result};
 use crate::sample::{self, SampleSpec};
 use crate::scheme::Resolved;
@@ -226,11 +226,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
         version: MANIFEST_VERSION,
         kvq_version: env!("CARGO_PKG_VERSION").into(),
         layout_version: LAYOUT_VERSION.into(),
-        scheme: SchemeInfo {
-            name: req.scheme.name.map(str::to_string),
-            text: spec.to_string(),
-            hash: format!("{:016x}", spec.stable_hash()),
-        },
+        scheme: manifest::scheme_info(&req.scheme),
         shape: *shape,
         files: manifest::file_names(cache.is_some()),
         launch: manifest::launch_info(&decode, &kernels),
