@@ -24,7 +24,8 @@
 //! * [`rotate`], [`timer`], [`check`], [`synth`]: buffers that defeat L2, device-side timing,
 //!   the correctness gate and synthetic inputs — also used by the benchmarks, so both measure the
 //!   same way.
-//! * [`tuner`]: [`Tuner`] and its [`TuneReport`].
+//! * [`tuner`]: [`Tuner`] and its [`TuneReport`]; a session's steps (compile, time, check, re-time)
+//!   are in `session.rs`.
 //!
 //! ```no_run
 //! use kvq_codegen::{Dtype, KernelShape};
@@ -51,6 +52,7 @@ pub mod key;
 pub mod policy;
 mod progress;
 pub mod rotate;
+mod session;
 pub mod store;
 pub mod synth;
 pub mod timer;

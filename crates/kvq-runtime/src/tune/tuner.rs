@@ -1,24 +1,20 @@
 //! The autotuner: chooses a [`TuneChoice`] for a decode problem by policy, times candidates on the
 //! GPU, gates them on correctness, and remembers the winner per GPU and problem.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use kvq_codegen::{KernelShape, TuneParams};
+use kvq_codegen::KernelShape;
 use kvq_reference::int::IntCache;
 
-use super::check::{default_rows, ReferenceCheck};
-use super::choice::{candidates, Residency, TuneChoice};
+use super::choice::{Residency, TuneChoice};
 use super::key::{GpuKey, ProblemKey, TuneProblem};
 use super::policy::TunePolicy;
-use super::progress::Progress;
-use super::rotate::{batch_device_bytes, plan_copies, RotatingBatch};
+use super::session::Session;
 use super::store::{unix_now, TuneEntry, TuneStore};
-use super::synth::{random_kv, random_queries};
-use super::timer::QueuedTimer;
+use super::synth::random_kv;
 use crate::decode::is_fast_memory;
-use crate::decode::{DecodeKernel, DecodeScratch, Pieces};
+use crate::decode::DecodeKernel;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
 
@@ -349,325 +345,6 @@ impl<'j> Tuner<'j> {
     }
 }
 
-/// One tuning session's state.
-struct Session<'a> {
-    jit: &'a Jit,
-    options: &'a TuneOptions,
-    problem: &'a TuneProblem,
-    started: Instant,
-    progress: Progress,
-}
-
-/// A candidate under evaluation.
-struct Entry {
-    result: CandidateResult,
-    samples: Vec<f64>,
-}
-
-fn median(samples: &[f64]) -> f64 {
-    crate::timing::Timing {
-        samples_us: samples.to_vec(),
-    }
-    .median_us()
-}
-
-impl<'a> Session<'a> {
-    fn new(
-        jit: &'a Jit,
-        options: &'a TuneOptions,
-        problem: &'a TuneProblem,
-        started: Instant,
-    ) -> Self {
-        let label = format!(
-            "tuning {} B={} L={}",
-            problem.spec, problem.batch, problem.max_len
-        );
-        Session {
-            jit,
-            options,
-            problem,
-            started,
-            progress: Progress::new(1, label, options.progress),
-        }
-    }
-
-    fn run(&mut self, sequences: &[&IntCache], gpu: &GpuKey) -> Result<TuneReport> {
-        let device = self.jit.device();
-        let props = device.props();
-        let stream = device.default_stream();
-        let p = self.problem;
-        let d = p.shape.head_dim as usize;
-        let q_heads = p.q_heads();
-        let sm_count = props.sm_count as usize;
-        let occupancy = occupancy_kernel(self.jit, p, sm_count)?;
-        let all = candidates(p, residency(self.jit, &occupancy)?);
-        let default = all[0];
-        let mut params: Vec<TuneParams> = Vec::new();
-        for c in &all {
-            if !params.contains(&c.params) {
-                params.push(c.params);
-            }
-        }
-        let finalists = self.options.finalists.max(1);
-        self.progress
-            .set_total((params.len() + all.len() + 2 * (finalists + 1)) as u64);
-
-        // 1. Compile every block shape, in parallel (NVRTC is the slow part).
-        self.progress.phase("compiling");
-        let kernels = self.compile(&params)?;
-        let mut entries: Vec<Entry> = all
-            .iter()
-            .map(|&choice| Entry {
-                result: CandidateResult {
-                    choice,
-                    coarse_us: None,
-                    fine_us: None,
-                    error: None,
-                    rejected: kernels
-                        .get(&choice.params)
-                        .and_then(|k| k.as_ref().err().cloned()),
-                },
-                samples: Vec::new(),
-            })
-            .collect();
-        if let Some(why) = &entries[0].result.rejected {
-            return Err(RuntimeError::InvalidInput(format!(
-                "the default configuration ({default}) does not compile: {why}"
-            )));
-        }
-
-        // 2. The batch, in enough copies to defeat L2, within the memory budget.
-        self.progress.phase("uploading");
-        let n = p.batch * q_heads * d;
-        let (q_bits, q_vals) = random_queries(n, p.shape.dtype, self.options.seed);
-        let per_copy = batch_device_bytes(sequences, q_heads);
-        let budget = match self.options.memory_budget {
-            Some(b) => b,
-            None => {
-                let (free, _) = device
-                    .context()
-                    .mem_get_info()
-                    .map_err(|e| RuntimeError::driver("cuMemGetInfo", e))?;
-                (free as u64 / 10) * 7
-            }
-        };
-        let copies = plan_copies(per_copy, props.l2_bytes, budget)?;
-        let mut batch = RotatingBatch::upload(&stream, sequences, &q_bits, copies)?;
-        let timer = QueuedTimer::new(self.jit)?;
-        let mut scratches: HashMap<(usize, Pieces), DecodeScratch> = HashMap::new();
-
-        // 3. First pass: every candidate, default first, with run counts fitted to 60% of the
-        // time budget; the CPU reference (seconds at long contexts) is computed meanwhile.
-        self.progress.phase("timing candidates");
-        let pass1_end = self.options.time_budget.mul_f64(0.6);
-        let rows = default_rows(p.batch);
-        let (truncated, reference) = std::thread::scope(|s| -> Result<_> {
-            let reference =
-                s.spawn(|| ReferenceCheck::new(sequences, &q_vals, q_heads, p.shape.dtype, &rows));
-            let mut truncated = false;
-            let (mut warmup, mut runs) = (self.options.warmup, self.options.coarse_runs.max(1));
-            let total = entries.len();
-            for (i, entry) in entries.iter_mut().enumerate() {
-                self.progress.advance(1);
-                if entry.result.rejected.is_some() {
-                    continue;
-                }
-                if i > 0 && self.started.elapsed() > pass1_end {
-                    truncated = true;
-                    break;
-                }
-                let kernel = match kernels.get(&entry.result.choice.params) {
-                    Some(Ok(k)) => k,
-                    _ => continue,
-                };
-                let choice = entry.result.choice;
-                let scratch = scratch_for(&mut scratches, &stream, p, q_heads, d, &choice)?;
-                let timed = timer.time(&stream, warmup, runs, |s| {
-                    batch.attend_next(s, kernel, scratch)
-                });
-                match timed {
-                    Ok(t) => entry.result.coarse_us = Some(t.median_us()),
-                    Err(e) if i == 0 => return Err(e),
-                    Err(e) => entry.result.rejected = Some(format!("launch failed: {e}")),
-                }
-                if i == 0 {
-                    let left = pass1_end.saturating_sub(self.started.elapsed());
-                    let fitted = coarse_runs_within(
-                        left,
-                        total - 1,
-                        entry.result.coarse_us.unwrap_or(0.0),
-                        warmup,
-                        runs,
-                    );
-                    if fitted < runs {
-                        warmup = warmup.min(1);
-                    }
-                    runs = fitted;
-                }
-            }
-            let reference = reference.join().unwrap_or_else(|_| {
-                Err(RuntimeError::InvalidInput(
-                    "the reference thread panicked".into(),
-                ))
-            });
-            Ok((truncated, reference))
-        })?;
-        let reference = reference?;
-
-        // 4. Correctness gate: the fastest candidates (and the default) against the reference,
-        // until `finalists` have passed.
-        self.progress.phase("checking against the CPU reference");
-        let mut order: Vec<usize> = (0..entries.len())
-            .filter(|&i| entries[i].result.coarse_us.is_some())
-            .collect();
-        order.sort_by(|&a, &b| {
-            let (x, y) = (entries[a].result.coarse_us, entries[b].result.coarse_us);
-            x.unwrap_or(f64::INFINITY)
-                .total_cmp(&y.unwrap_or(f64::INFINITY))
-        });
-        let mut chosen_set: Vec<usize> = Vec::new();
-        for &i in order.iter() {
-            let passed = chosen_set.iter().filter(|&&j| j != 0).count();
-            if passed >= finalists && i != 0 {
-                continue;
-            }
-            let choice = entries[i].result.choice;
-            let Some(Ok(kernel)) = kernels.get(&choice.params) else {
-                continue;
-            };
-            let scratch = scratch_for(&mut scratches, &stream, p, q_heads, d, &choice)?;
-            self.progress.advance(1);
-            let out = match batch.run_checked(0, &stream, kernel, scratch) {
-                Ok(out) => out,
-                Err(e) => {
-                    entries[i].result.rejected = Some(format!("checked run failed: {e}"));
-                    continue;
-                }
-            };
-            match reference.verify(&out) {
-                Ok(err) => {
-                    entries[i].result.error = Some(err);
-                    chosen_set.push(i);
-                }
-                Err(why) => entries[i].result.rejected = Some(format!("wrong output: {why}")),
-            }
-        }
-        if chosen_set.is_empty() {
-            let why = entries[0]
-                .result
-                .rejected
-                .clone()
-                .unwrap_or_else(|| "not timed".into());
-            return Err(RuntimeError::InvalidInput(format!(
-                "autotune of `{}`: no configuration produced a correct result (default: {why})",
-                p.spec
-            )));
-        }
-
-        // 5. Second pass: finalists re-timed in interleaved rounds.
-        self.progress.phase("re-timing finalists");
-        let rounds = 3usize;
-        let slowest = chosen_set
-            .iter()
-            .filter_map(|&i| entries[i].result.coarse_us)
-            .fold(0.0, f64::max);
-        let per_round = fine_runs_within(
-            self.options
-                .time_budget
-                .saturating_sub(self.started.elapsed()),
-            rounds,
-            chosen_set.len(),
-            slowest,
-            self.options.fine_runs.max(rounds).div_ceil(rounds),
-        );
-        for _ in 0..rounds {
-            for &i in &chosen_set {
-                let choice = entries[i].result.choice;
-                let Some(Ok(kernel)) = kernels.get(&choice.params) else {
-                    continue;
-                };
-                let scratch = scratch_for(&mut scratches, &stream, p, q_heads, d, &choice)?;
-                let t = timer.time(&stream, 1, per_round, |s| {
-                    batch.attend_next(s, kernel, scratch)
-                })?;
-                entries[i].samples.extend(t.samples_us);
-            }
-        }
-        for &i in &chosen_set {
-            entries[i].result.fine_us = Some(median(&entries[i].samples));
-            self.progress.advance(1);
-        }
-
-        // 6. The fastest correct finalist, unless the (correct) default is within noise of it.
-        let results: Vec<CandidateResult> = entries.into_iter().map(|e| e.result).collect();
-        let best = select_winner(&results, self.options.min_gain).ok_or_else(|| {
-            RuntimeError::InvalidInput(format!("autotune of `{}`: no finalist was timed", p.spec))
-        })?;
-        let default_us = results[0]
-            .fine_us
-            .or(results[0].coarse_us)
-            .unwrap_or(f64::NAN);
-        self.progress.finish();
-        Ok(TuneReport {
-            gpu: gpu.clone(),
-            problem: p.key(),
-            scheme: p.spec.to_string(),
-            measured_batch: p.batch,
-            measured_len: p.max_len,
-            chosen: results[best].choice,
-            chosen_us: results[best].fine_us.unwrap_or(f64::NAN),
-            default,
-            default_us,
-            candidates: results,
-            copies: batch.copies(),
-            truncated,
-            elapsed: self.started.elapsed(),
-            saved_to: None,
-        })
-    }
-
-    /// Loads the kernels of every block shape on all cores; a shape that fails to build is
-    /// recorded (its candidates are discarded), not fatal.
-    fn compile(
-        &self,
-        params: &[TuneParams],
-    ) -> Result<HashMap<TuneParams, std::result::Result<DecodeKernel, String>>> {
-        let threads = std::thread::available_parallelism()
-            .map_or(4, |n| n.get())
-            .clamp(1, params.len().max(1));
-        let chunk = params.len().div_ceil(threads).max(1);
-        let (jit, p) = (self.jit, self.problem);
-        let results: Vec<(TuneParams, std::result::Result<DecodeKernel, String>)> =
-            std::thread::scope(|s| {
-                let handles: Vec<_> = params
-                    .chunks(chunk)
-                    .map(|part| {
-                        s.spawn(move || {
-                            part.iter()
-                                .map(|t| {
-                                    let k = DecodeKernel::load(jit, &p.spec, &p.shape, t)
-                                        .map_err(|e| format!("does not build: {e}"));
-                                    (*t, k)
-                                })
-                                .collect::<Vec<_>>()
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .flat_map(|h| h.join().unwrap_or_default())
-                    .collect()
-            });
-        self.progress.advance(params.len() as u64);
-        let mut map: HashMap<_, _> = results.into_iter().collect();
-        for t in params {
-            map.entry(*t)
-                .or_insert_with(|| Err("the compile thread panicked".into()));
-        }
-        Ok(map)
-    }
-}
-
 /// Fewest timed runs per measurement: a median of fewer says little.
 pub const MIN_RUNS: usize = 3;
 
@@ -727,32 +404,10 @@ pub fn select_winner(results: &[CandidateResult], min_gain: f64) -> Option<usize
     }
 }
 
-/// The scratch for `choice`'s splits and pieces, made on first use.
-fn scratch_for<'s>(
-    scratches: &'s mut HashMap<(usize, Pieces), DecodeScratch>,
-    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
-    p: &TuneProblem,
-    q_heads: usize,
-    head_dim: usize,
-    choice: &TuneChoice,
-) -> Result<&'s mut DecodeScratch> {
-    match scratches.entry((choice.splits, choice.pieces)) {
-        std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
-        std::collections::hash_map::Entry::Vacant(e) => Ok(e.insert(DecodeScratch::with_pieces(
-            stream,
-            p.batch,
-            q_heads,
-            head_dim,
-            choice.splits,
-            choice.pieces,
-        )?)),
-    }
-}
-
 /// What the heuristic needs of this GPU ([`Residency`]) with `occupancy`, the kernel of
 /// [`TuneChoice::occupancy_block`], resident: its SM count, that kernel's resident CTAs, and
 /// whether its memory is fast for its SMs ([`is_fast_memory`]).
-fn residency(jit: &Jit, occupancy: &DecodeKernel) -> Result<Residency> {
+pub(super) fn residency(jit: &Jit, occupancy: &DecodeKernel) -> Result<Residency> {
     let props = jit.device().props();
     let sm_count = props.sm_count as usize;
     Ok(Residency::new(sm_count, occupancy.resident_ctas(sm_count)?)
@@ -761,7 +416,11 @@ fn residency(jit: &Jit, occupancy: &DecodeKernel) -> Result<Residency> {
 
 /// The kernel whose occupancy the heuristic's split count for `problem` on `sm_count` SMs fills
 /// ([`TuneChoice::occupancy_block`]; mostly the heuristic's own block), through the JIT's caches.
-fn occupancy_kernel(jit: &Jit, problem: &TuneProblem, sm_count: usize) -> Result<DecodeKernel> {
+pub(super) fn occupancy_kernel(
+    jit: &Jit,
+    problem: &TuneProblem,
+    sm_count: usize,
+) -> Result<DecodeKernel> {
     DecodeKernel::load(
         jit,
         &problem.spec,
@@ -788,6 +447,7 @@ pub fn default_launch(jit: &Jit, problem: &TuneProblem) -> Result<(TuneChoice, D
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvq_codegen::TuneParams;
 
     fn result(
         splits: usize,
