@@ -1,12 +1,5 @@
-//! A batch of sequences' paged caches in device memory, uploaded from the CPU reference.
-//!
-//! Device layout (what the generated kernels index):
-//! - `k_pool`, `v_pool`: page blocks `[physical page][kv_head][block_bytes]`;
-//! - `page_table`: `[batch][max_pages]` physical page of each logical page (K and V share a slot);
-//! - `k_sink`, `v_sink`: `[batch][kv_heads][sink][head_dim]` f16;
-//! - `k_tail`, `v_tail`: `[batch][kv_heads][tail_capacity][head_dim]` f16 rings, token `t` at slot
-//!   `(t − sink_end) % tail_capacity`;
-//! - `seq_lens`: `[batch]`.
+//! A batch of sequences' paged caches in device memory, uploaded from the CPU reference, in the
+//! layout of [`layout`](super::layout).
 //!
 //! Physical pages are handed out in reverse order, so a kernel that ignored the page table would
 //! read the wrong pages, and blocks no sequence uses are filled with a poison byte.
@@ -17,42 +10,11 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use kvq_reference::int::{IntCache, TensorStore};
 use kvq_spec::SchemeSpec;
 
+use super::layout::{CacheBuffers, CacheView};
 use crate::error::{Result, RuntimeError};
 
 /// Byte written into allocated but unused page blocks.
 const POISON_BYTE: u8 = 0xA5;
-
-/// Borrowed device buffers of a paged cache in the layout above: what the decode kernels read.
-/// Any cache manager that keeps this layout can be attended by [`DecodeKernel`](super::DecodeKernel).
-#[derive(Clone, Copy)]
-pub struct CacheView<'a> {
-    /// Scheme of every sequence.
-    pub spec: &'a SchemeSpec,
-    /// Sequences (grid z); `q`/`out` rows are `[batch][kv_heads·gqa]`.
-    pub batch: usize,
-    /// KV heads per sequence.
-    pub kv_heads: usize,
-    /// Channels per head.
-    pub head_dim: usize,
-    /// Columns of `page_table`.
-    pub max_pages: usize,
-    /// `[physical page][kv_head][block]` bytes.
-    pub k_pool: &'a CudaSlice<u8>,
-    /// `[physical page][kv_head][block]` bytes.
-    pub v_pool: &'a CudaSlice<u8>,
-    /// `[batch][max_pages]`.
-    pub page_table: &'a CudaSlice<i32>,
-    /// `[batch][kv_heads][sink][head_dim]` f16.
-    pub k_sink: &'a CudaSlice<u16>,
-    /// `[batch][kv_heads][sink][head_dim]` f16.
-    pub v_sink: &'a CudaSlice<u16>,
-    /// `[batch][kv_heads][local+page][head_dim]` f16 ring.
-    pub k_tail: &'a CudaSlice<u16>,
-    /// `[batch][kv_heads][local+page][head_dim]` f16 ring.
-    pub v_tail: &'a CudaSlice<u16>,
-    /// `[batch]` tokens per sequence.
-    pub seq_lens: &'a CudaSlice<i32>,
-}
 
 /// One batch's cache on the device, uploaded from the CPU reference.
 pub struct GpuCache {
@@ -62,14 +24,7 @@ pub struct GpuCache {
     head_dim: usize,
     max_pages: usize,
     max_len: usize,
-    k_pool: CudaSlice<u8>,
-    v_pool: CudaSlice<u8>,
-    page_table: CudaSlice<i32>,
-    k_sink: CudaSlice<u16>,
-    v_sink: CudaSlice<u16>,
-    k_tail: CudaSlice<u16>,
-    v_tail: CudaSlice<u16>,
-    seq_lens: CudaSlice<i32>,
+    buffers: CacheBuffers,
 }
 
 fn invalid(msg: String) -> RuntimeError {
@@ -174,34 +129,28 @@ impl GpuCache {
             head_dim,
             max_pages,
             max_len,
-            k_pool: upload(stream, &k.pool, POISON_BYTE, "K page pool")?,
-            v_pool: upload(stream, &v.pool, POISON_BYTE, "V page pool")?,
-            page_table: upload(stream, &page_table, -1, "page table")?,
-            k_sink: upload(stream, &k.sink, 0xFFFF, "K sink")?,
-            v_sink: upload(stream, &v.sink, 0xFFFF, "V sink")?,
-            k_tail: upload(stream, &k.tail, 0xFFFF, "K tail")?,
-            v_tail: upload(stream, &v.tail, 0xFFFF, "V tail")?,
-            seq_lens: upload(stream, &seq_lens, 0, "sequence lengths")?,
+            buffers: CacheBuffers {
+                k_pool: upload(stream, &k.pool, POISON_BYTE, "K page pool")?,
+                v_pool: upload(stream, &v.pool, POISON_BYTE, "V page pool")?,
+                page_table: upload(stream, &page_table, -1, "page table")?,
+                k_sink: upload(stream, &k.sink, 0xFFFF, "K sink")?,
+                v_sink: upload(stream, &v.sink, 0xFFFF, "V sink")?,
+                k_tail: upload(stream, &k.tail, 0xFFFF, "K tail")?,
+                v_tail: upload(stream, &v.tail, 0xFFFF, "V tail")?,
+                seq_lens: upload(stream, &seq_lens, 0, "sequence lengths")?,
+            },
         })
     }
 
     /// The device buffers, for [`DecodeKernel::attend`](super::DecodeKernel::attend).
     pub fn view(&self) -> CacheView<'_> {
-        CacheView {
-            spec: &self.spec,
-            batch: self.batch,
-            kv_heads: self.kv_heads,
-            head_dim: self.head_dim,
-            max_pages: self.max_pages,
-            k_pool: &self.k_pool,
-            v_pool: &self.v_pool,
-            page_table: &self.page_table,
-            k_sink: &self.k_sink,
-            v_sink: &self.v_sink,
-            k_tail: &self.k_tail,
-            v_tail: &self.v_tail,
-            seq_lens: &self.seq_lens,
-        }
+        self.buffers.view(
+            &self.spec,
+            self.batch,
+            self.kv_heads,
+            self.head_dim,
+            self.max_pages,
+        )
     }
 
     /// The scheme of every sequence in the batch.
@@ -231,8 +180,9 @@ impl GpuCache {
 
     /// Device bytes the kernels read for a full decode step (codes, metadata, FP16 regions).
     pub fn device_bytes(&self) -> usize {
-        self.k_pool.len()
-            + self.v_pool.len()
-            + 2 * (self.k_sink.len() + self.v_sink.len() + self.k_tail.len() + self.v_tail.len())
+        let b = &self.buffers;
+        b.k_pool.len()
+            + b.v_pool.len()
+            + 2 * (b.k_sink.len() + b.v_sink.len() + b.k_tail.len() + b.v_tail.len())
     }
 }

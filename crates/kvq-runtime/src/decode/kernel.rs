@@ -6,7 +6,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use kvq_codegen::{decode_kernels, DecodeKernels, KernelShape, TuneParams};
 use kvq_spec::SchemeSpec;
 
-use super::cache::CacheView;
+use super::layout::CacheView;
 use super::splits::Pieces;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;

@@ -9,6 +9,7 @@ mod block;
 mod cache;
 mod fast_memory;
 mod kernel;
+mod layout;
 mod splits;
 
 pub use block::{
@@ -20,12 +21,14 @@ pub use block::{
     SHORT_STAGING_FEW_PAIRS_MAX, SHORT_STAGING_FEW_PAIRS_MIN_BUCKET, SHORT_STAGING_MIDDLE_BUCKETS,
     SHORT_STAGING_MIDDLE_PAIRS,
 };
-pub use cache::{CacheView, GpuCache};
+pub use cache::GpuCache;
 pub use fast_memory::{
     fast_memory_applies, fast_memory_block, is_fast_memory, FAST_MEMORY_GBPS_PER_SM,
     FAST_MEMORY_MIN_WARP_TOKENS,
 };
 pub use kernel::{DecodeKernel, DecodeScratch, RANGE_SCALE_MAX_SPLITS};
+pub(crate) use layout::CacheBuffers;
+pub use layout::CacheView;
 pub(crate) use splits::context_bucket;
 pub use splits::{
     default_pieces, default_splits, min_warp_tokens, pieces_rule, scores_stored_at_any_gqa,

@@ -10,7 +10,7 @@ use kvq_spec::{SchemeSpec, TensorQuant};
 
 use super::kernels::{CacheFunctions, Loaded, Quantizers};
 use super::pages::{PageBook, SeqId, TableChanges};
-use crate::decode::{CacheView, DecodeKernel, DecodeScratch};
+use crate::decode::{CacheBuffers, CacheView, DecodeKernel, DecodeScratch};
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
 
@@ -91,14 +91,7 @@ pub struct PagedKvCache {
     kernels: CacheFunctions,
     book: PageBook,
     max_pages: usize,
-    k_pool: CudaSlice<u8>,
-    v_pool: CudaSlice<u8>,
-    page_table: CudaSlice<i32>,
-    k_sink: CudaSlice<u16>,
-    v_sink: CudaSlice<u16>,
-    k_tail: CudaSlice<u16>,
-    v_tail: CudaSlice<u16>,
-    seq_lens: CudaSlice<i32>,
+    buffers: CacheBuffers,
     /// Per-step slot list and prefill jobs (grown as needed).
     slots: CudaSlice<i32>,
 }
@@ -160,7 +153,6 @@ impl PagedKvCache {
         let book = PageBook::new(*spec, cfg.max_seqs, cfg.pool_pages, cfg.max_tokens);
         let max_pages = book.max_pages_per_seq();
         let (h, d) = (cfg.kv_heads, cfg.head_dim);
-        let g = &kernels.generated;
         let (k_block, v_block) = (
             block_bytes(spec, &spec.k, d)?,
             block_bytes(spec, &spec.v, d)?,
@@ -176,11 +168,10 @@ impl PagedKvCache {
                 0
             }
         };
-        let _ = g;
         let page_table = stream
             .clone_htod(&vec![-1i32; cfg.max_seqs * max_pages])
             .map_err(dev("allocate the page table"))?;
-        Ok(Self {
+        let buffers = CacheBuffers {
             k_pool: alloc_zeros(
                 &stream,
                 cfg.pool_pages * h * k_block,
@@ -212,12 +203,15 @@ impl PagedKvCache {
                 "allocate V tail rings",
             )?,
             seq_lens: alloc_zeros(&stream, cfg.max_seqs, "allocate sequence lengths")?,
+            page_table,
+        };
+        Ok(Self {
             slots: alloc_zeros(
                 &stream,
                 cfg.max_seqs.max(2 * max_pages),
                 "allocate step lists",
             )?,
-            page_table,
+            buffers,
             spec: *spec,
             cfg,
             stream,
@@ -259,7 +253,7 @@ impl PagedKvCache {
         self.book.remove(id)?;
         self.set_len(id, 0)?;
         let row = id.0 as usize * self.max_pages;
-        let mut view = self.page_table.slice_mut(row..row + self.max_pages);
+        let mut view = self.buffers.page_table.slice_mut(row..row + self.max_pages);
         self.stream
             .memcpy_htod(&vec![-1i32; self.max_pages], &mut view)
             .map_err(dev("clear a page-table row"))
@@ -267,7 +261,7 @@ impl PagedKvCache {
 
     fn set_len(&mut self, id: SeqId, len: usize) -> Result<()> {
         let at = id.0 as usize;
-        let mut view = self.seq_lens.slice_mut(at..at + 1);
+        let mut view = self.buffers.seq_lens.slice_mut(at..at + 1);
         self.stream
             .memcpy_htod(&[len as i32], &mut view)
             .map_err(dev("write a sequence length"))
@@ -276,7 +270,7 @@ impl PagedKvCache {
     fn write_table(&mut self, changes: &TableChanges) -> Result<()> {
         for &(slot, logical, phys) in changes {
             let at = slot * self.max_pages + logical;
-            let mut view = self.page_table.slice_mut(at..at + 1);
+            let mut view = self.buffers.page_table.slice_mut(at..at + 1);
             self.stream
                 .memcpy_htod(&[phys as i32], &mut view)
                 .map_err(dev("write the page table"))?;
@@ -402,14 +396,14 @@ impl PagedKvCache {
             let e = &self.kernels.prefill_copy;
             let mut b = self.stream.launch_builder(&e.f);
             b.arg(&kv).arg(&vv).arg(&tokens_i).arg(&slot);
-            b.arg(&mut self.k_pool)
-                .arg(&mut self.v_pool)
-                .arg(&self.page_table)
+            b.arg(&mut self.buffers.k_pool)
+                .arg(&mut self.buffers.v_pool)
+                .arg(&self.buffers.page_table)
                 .arg(&max_pages);
-            b.arg(&mut self.k_sink)
-                .arg(&mut self.v_sink)
-                .arg(&mut self.k_tail)
-                .arg(&mut self.v_tail);
+            b.arg(&mut self.buffers.k_sink)
+                .arg(&mut self.buffers.v_sink)
+                .arg(&mut self.buffers.k_tail)
+                .arg(&mut self.buffers.v_tail);
             let cfg = LaunchConfig {
                 grid_dim: (tokens as u32, h, 1),
                 block_dim: (e.entry.block, 1, 1),
@@ -426,8 +420,8 @@ impl PagedKvCache {
             }
             self.upload_list(&list)?;
             let (q, pool, x) = match which {
-                Tensor::K => (self.kernels.k.as_ref(), &mut self.k_pool, k),
-                Tensor::V => (self.kernels.v.as_ref(), &mut self.v_pool, v),
+                Tensor::K => (self.kernels.k.as_ref(), &mut self.buffers.k_pool, k),
+                Tensor::V => (self.kernels.v.as_ref(), &mut self.buffers.v_pool, v),
             };
             launch_from_input(&self.stream, q, pool, x, &self.slots, list.len() / 2, h)?;
         }
@@ -479,8 +473,8 @@ impl PagedKvCache {
         let timing = crate::timing::time_gpu(&stream, 2, runs, |s| {
             for (which, pages, list) in &launches {
                 let (q, pool, x) = match which {
-                    Tensor::K => (self.kernels.k.as_ref(), &mut self.k_pool, k),
-                    Tensor::V => (self.kernels.v.as_ref(), &mut self.v_pool, v),
+                    Tensor::K => (self.kernels.k.as_ref(), &mut self.buffers.k_pool, k),
+                    Tensor::V => (self.kernels.v.as_ref(), &mut self.buffers.v_pool, v),
                 };
                 launch_from_input(s, q, pool, x, list, *pages, h as u32)?;
             }
@@ -522,15 +516,15 @@ impl PagedKvCache {
         {
             let e = &self.kernels.append;
             let mut b = self.stream.launch_builder(&e.f);
-            b.arg(k).arg(v).arg(&self.slots).arg(&self.seq_lens);
-            b.arg(&mut self.k_pool)
-                .arg(&mut self.v_pool)
-                .arg(&self.page_table)
+            b.arg(k).arg(v).arg(&self.slots).arg(&self.buffers.seq_lens);
+            b.arg(&mut self.buffers.k_pool)
+                .arg(&mut self.buffers.v_pool)
+                .arg(&self.buffers.page_table)
                 .arg(&max_pages);
-            b.arg(&mut self.k_sink)
-                .arg(&mut self.v_sink)
-                .arg(&mut self.k_tail)
-                .arg(&mut self.v_tail);
+            b.arg(&mut self.buffers.k_sink)
+                .arg(&mut self.buffers.v_sink)
+                .arg(&mut self.buffers.k_tail)
+                .arg(&mut self.buffers.v_tail);
             let cfg = LaunchConfig {
                 grid_dim: (n, h, 1),
                 block_dim: (e.entry.block, 1, 1),
@@ -541,18 +535,26 @@ impl PagedKvCache {
         }
         for which in ["k", "v"] {
             let (q, pool, tail) = if which == "k" {
-                (self.kernels.k.as_ref(), &mut self.k_pool, &self.k_tail)
+                (
+                    self.kernels.k.as_ref(),
+                    &mut self.buffers.k_pool,
+                    &self.buffers.k_tail,
+                )
             } else {
-                (self.kernels.v.as_ref(), &mut self.v_pool, &self.v_tail)
+                (
+                    self.kernels.v.as_ref(),
+                    &mut self.buffers.v_pool,
+                    &self.buffers.v_tail,
+                )
             };
             let Some(Quantizers { from_ring: e, .. }) = q else {
                 continue;
             };
             let mut b = self.stream.launch_builder(&e.f);
             b.arg(&self.slots)
-                .arg(&self.seq_lens)
+                .arg(&self.buffers.seq_lens)
                 .arg(pool)
-                .arg(&self.page_table)
+                .arg(&self.buffers.page_table)
                 .arg(&max_pages)
                 .arg(tail);
             let cfg = LaunchConfig {
@@ -566,7 +568,7 @@ impl PagedKvCache {
         let e = &self.kernels.commit;
         let n_i = n as i32;
         let mut b = self.stream.launch_builder(&e.f);
-        b.arg(&self.slots).arg(&n_i).arg(&mut self.seq_lens);
+        b.arg(&self.slots).arg(&n_i).arg(&mut self.buffers.seq_lens);
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(128), 1, 1),
             block_dim: (128, 1, 1),
@@ -580,21 +582,13 @@ impl PagedKvCache {
     /// The device buffers for the decode kernels: every slot is a row of the batch (`q`/`out` are
     /// `[max_seqs][kv_heads·gqa][head_dim]`; empty slots produce zeros).
     pub fn view(&self) -> CacheView<'_> {
-        CacheView {
-            spec: &self.spec,
-            batch: self.cfg.max_seqs,
-            kv_heads: self.cfg.kv_heads,
-            head_dim: self.cfg.head_dim,
-            max_pages: self.max_pages,
-            k_pool: &self.k_pool,
-            v_pool: &self.v_pool,
-            page_table: &self.page_table,
-            k_sink: &self.k_sink,
-            v_sink: &self.v_sink,
-            k_tail: &self.k_tail,
-            v_tail: &self.v_tail,
-            seq_lens: &self.seq_lens,
-        }
+        self.buffers.view(
+            &self.spec,
+            self.cfg.max_seqs,
+            self.cfg.kv_heads,
+            self.cfg.head_dim,
+            self.max_pages,
+        )
     }
 
     /// Decode attention for every slot (see [`view`](Self::view)).
@@ -637,10 +631,10 @@ impl PagedKvCache {
             _ => self.regions(t, len).pages,
         };
         for &p in &pages[..regions(&self.spec.k)] {
-            k_pages.push(down_u8(&self.k_pool, k_block, p)?);
+            k_pages.push(down_u8(&self.buffers.k_pool, k_block, p)?);
         }
         for &p in &pages[..regions(&self.spec.v)] {
-            v_pages.push(down_u8(&self.v_pool, v_block, p)?);
+            v_pages.push(down_u8(&self.buffers.v_pool, v_block, p)?);
         }
         let down_u16 = |buf: &CudaSlice<u16>, per_slot: usize| -> Result<Vec<u16>> {
             if per_slot == 0 {
@@ -669,10 +663,10 @@ impl PagedKvCache {
             len,
             k_pages,
             v_pages,
-            k_sink: down_u16(&self.k_sink, sink(&self.spec.k))?,
-            v_sink: down_u16(&self.v_sink, sink(&self.spec.v))?,
-            k_tail: down_u16(&self.k_tail, ring(&self.spec.k))?,
-            v_tail: down_u16(&self.v_tail, ring(&self.spec.v))?,
+            k_sink: down_u16(&self.buffers.k_sink, sink(&self.spec.k))?,
+            v_sink: down_u16(&self.buffers.v_sink, sink(&self.spec.v))?,
+            k_tail: down_u16(&self.buffers.k_tail, ring(&self.spec.k))?,
+            v_tail: down_u16(&self.buffers.v_tail, ring(&self.spec.v))?,
         })
     }
 
@@ -683,7 +677,10 @@ impl PagedKvCache {
             + block_bytes(&self.spec, &self.spec.v, d)?)
             * h;
         let fp16_per_seq = 2
-            * (self.k_sink.len() + self.v_sink.len() + self.k_tail.len() + self.v_tail.len())
+            * (self.buffers.k_sink.len()
+                + self.buffers.v_sink.len()
+                + self.buffers.k_tail.len()
+                + self.buffers.v_tail.len())
             / self.cfg.max_seqs.max(1);
         let mut pages_used = 0;
         let mut elements = 0usize;
@@ -696,11 +693,14 @@ impl PagedKvCache {
             }
         }
         let sequence_bytes = pages_used * page_bytes + live * fp16_per_seq;
-        let allocated_bytes = self.k_pool.len()
-            + self.v_pool.len()
-            + 4 * self.page_table.len()
-            + 2 * (self.k_sink.len() + self.v_sink.len() + self.k_tail.len() + self.v_tail.len())
-            + 4 * self.seq_lens.len();
+        let allocated_bytes = self.buffers.k_pool.len()
+            + self.buffers.v_pool.len()
+            + 4 * self.buffers.page_table.len()
+            + 2 * (self.buffers.k_sink.len()
+                + self.buffers.v_sink.len()
+                + self.buffers.k_tail.len()
+                + self.buffers.v_tail.len())
+            + 4 * self.buffers.seq_lens.len();
         Ok(MemoryReport {
             allocated_bytes,
             pages_used,
