@@ -594,7 +594,8 @@ fn gen_says_where_untuned_launches_depend_on_the_gpus_memory() {
                  --min-warps-per-sm 12 --short-staging true)"
             )
             && kivi4.contains("slots = (12 / warps)·sm_count")
-            && kivi4.contains("bucket / (num_splits·warps) ≥ 512"),
+            && kivi4.contains("bucket / (num_splits·warps) ≥ 512")
+            && kivi4.contains("tile_tokens 64 where that share is ≥ 1024"),
         "{kivi4}"
     );
     let none = "none (these launches do not depend on the GPU's memory)";

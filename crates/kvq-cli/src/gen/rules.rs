@@ -53,6 +53,7 @@ pub(super) fn default_store_scores_text(
 pub(super) fn default_fast_memory_text(spec: &SchemeSpec, shape: &KernelShape) -> String {
     use kvq::runtime::decode::{
         fast_memory_applies, FAST_MEMORY_GBPS_PER_SM, FAST_MEMORY_MIN_WARP_TOKENS,
+        FAST_MEMORY_TILE64_MIN_WARP_TOKENS,
     };
     if !fast_memory_applies(spec, shape) {
         return "none (these launches do not depend on the GPU's memory)".into();
@@ -63,7 +64,8 @@ pub(super) fn default_fast_memory_text(spec: &SchemeSpec, shape: &KernelShape) -
          with min_warps_per_sm 12 and short_staging true (sources generated with \
          --min-warps-per-sm 12 --short-staging true) and num_splits from default_splits with \
          slots = (12 / warps)·sm_count, where bucket / (num_splits·warps) ≥ \
-         {FAST_MEMORY_MIN_WARP_TOKENS}; else as default_block, default_splits and \
+         {FAST_MEMORY_MIN_WARP_TOKENS}, and tile_tokens 64 where that share is ≥ \
+         {FAST_MEMORY_TILE64_MIN_WARP_TOKENS}; else as default_block, default_splits and \
          default_short_staging say"
     )
 }

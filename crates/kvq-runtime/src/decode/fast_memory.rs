@@ -11,7 +11,9 @@
 //! ×0.91–×1.00 at 32–170 tokens a warp, and ×0.88 at B=16 L=32K where the larger grid's warps fell
 //! below the short staging path's threshold (the tuner's twelve-warp choice there keeps that path:
 //! ×1.017). With this rule the H200 ran KIVI-4 ×1.02–×1.12 at B ∈ {4, 8, 16} × L ∈ {32K, 128K}
-//! and B=1 L=128K; the H100's launches are unchanged.
+//! and B=1 L=128K; the H100's launches are unchanged. Where a split warp of that grid takes 1024
+//! tokens or more, 64-token tiles pay on top (the forty-first round: ×1.021–×1.075 at B ∈ {2, 4,
+//! 8}, the tuner's choice there).
 
 use kvq_codegen::{short_staging_changes, KernelShape, TuneParams};
 use kvq_spec::SchemeSpec;
@@ -23,6 +25,11 @@ pub const FAST_MEMORY_GBPS_PER_SM: f64 = 30.0;
 /// Fewest bucket tokens a split warp of the twelve-warp grid takes for [`fast_memory_block`] to
 /// apply: on the H200 it gained from 668 (×1.02 at 341) and lost or held at 32–170.
 pub const FAST_MEMORY_MIN_WARP_TOKENS: usize = 512;
+
+/// Fewest bucket tokens a split warp of the twelve-warp grid takes for [`fast_memory_block`] to
+/// stage 64-token tiles: on an H200 the tuner chose them at 1365–5461 tokens a warp (×1.011–×1.071)
+/// and kept 32 at 668–682.
+pub const FAST_MEMORY_TILE64_MIN_WARP_TOKENS: usize = 1024;
 
 /// Whether a GPU of `peak_gbps` peak DRAM bandwidth over `sm_count` SMs counts as fast memory
 /// ([`FAST_MEMORY_GBPS_PER_SM`]). A GPU that reports no memory clock (0 GB/s) does not.
@@ -62,8 +69,9 @@ fn twelve_warp_candidate(spec: &SchemeSpec, shape: &KernelShape, params: &TunePa
 
 /// The block of twelve warps an SM, with the short staging path, that a launch of `params` takes
 /// on a fast-memory GPU, and its split count: `splits_for` gives the split count of a grid of that
-/// many resident CTAs. `None` where the launch keeps `params`: another family, or a split warp's
-/// share of the `bucket` below [`FAST_MEMORY_MIN_WARP_TOKENS`].
+/// many resident CTAs. Its tiles are 64 tokens where a split warp's share of the `bucket` reaches
+/// [`FAST_MEMORY_TILE64_MIN_WARP_TOKENS`], else `params`' own. `None` where the launch keeps
+/// `params`: another family, or a split warp's share below [`FAST_MEMORY_MIN_WARP_TOKENS`].
 pub fn fast_memory_block(
     spec: &SchemeSpec,
     shape: &KernelShape,
@@ -76,13 +84,22 @@ pub fn fast_memory_block(
         return None;
     }
     let warps = params.warps().max(1);
-    let splits = splits_for(sm_count * (12 / warps).max(1)).max(1);
-    (bucket / (splits * warps) >= FAST_MEMORY_MIN_WARP_TOKENS).then_some((
-        TuneParams {
-            min_warps_per_sm: 12,
-            short_staging: true,
-            ..*params
-        },
-        splits,
-    ))
+    let splits = splits_for(sm_count * (12 / warps)).max(1);
+    let warp_tokens = bucket / (splits * warps);
+    if warp_tokens < FAST_MEMORY_MIN_WARP_TOKENS {
+        return None;
+    }
+    let twelve = TuneParams {
+        min_warps_per_sm: 12,
+        short_staging: true,
+        ..*params
+    };
+    let wide = TuneParams {
+        tile_tokens: 64,
+        ..twelve
+    };
+    let wide_pays = warp_tokens >= FAST_MEMORY_TILE64_MIN_WARP_TOKENS
+        && TuneParams::candidates_for(spec, shape).contains(&wide)
+        && short_staging_changes(spec, shape, &wide);
+    Some((if wide_pays { wide } else { twelve }, splits))
 }

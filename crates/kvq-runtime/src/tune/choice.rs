@@ -681,17 +681,22 @@ mod tests {
         let kivi4 = |batch, len| problem_of("k = int(4, channel), v = int(4, token)", batch, len);
         // An H200's 132 SMs; the resident CTAs are those of the eight-warp occupancy block.
         let fast = h100(264).with_fast_memory(true);
-        for (batch, len, twelve, splits) in [
-            (16, 32_768, true, 3),
-            (16, 131_072, true, 3),
-            (8, 32_768, true, 6),
-            (4, 32_768, true, 12),
-            (4, 131_072, true, 12),
-            (1, 131_072, true, 49),
+        // (batch, context, twelve warps, splits, tile): 64-token tiles from 1024 tokens a split
+        // warp (B=8 L=32K 1365, B=2 L=128K 1365, B=4 L=128K 2730, B=8 L=128K 5461; B=16 has them
+        // already), the block's own at 682 (B=4 L=32K) and 668 (B=1 L=128K).
+        for (batch, len, twelve, splits, tile) in [
+            (16, 32_768, true, 3, 64),
+            (16, 131_072, true, 3, 64),
+            (8, 32_768, true, 6, 64),
+            (8, 131_072, true, 6, 64),
+            (4, 32_768, true, 12, 32),
+            (4, 131_072, true, 12, 64),
+            (2, 131_072, true, 24, 64),
+            (1, 131_072, true, 49, 32),
             // Split warps of 167, 85 and 341 bucket tokens keep the eight-warp launch.
-            (1, 32_768, false, 33),
-            (4, 4096, false, 8),
-            (16, 4096, false, 2),
+            (1, 32_768, false, 33, 32),
+            (4, 4096, false, 8, 32),
+            (16, 4096, false, 2, 32),
         ] {
             let p = kivi4(batch, len);
             let slow = TuneChoice::heuristic(&p, h100(264));
@@ -703,11 +708,13 @@ mod tests {
                 "B={batch} L={len}: {h}"
             );
             assert_eq!(h.splits, splits, "B={batch} L={len}: {h}");
+            assert_eq!(h.params.tile_tokens, tile, "B={batch} L={len}: {h}");
             if twelve {
                 // The same block otherwise, on the short staging path whatever the split warps' shares.
                 let same = TuneParams {
                     min_warps_per_sm: 0,
                     short_staging: slow.params.short_staging,
+                    tile_tokens: slow.params.tile_tokens,
                     ..h.params
                 };
                 assert_eq!(same, slow.params, "B={batch} L={len}");
