@@ -24,6 +24,16 @@ pub struct TunedResult {
     pub rejected: usize,
 }
 
+impl TunedResult {
+    /// Whether the tuner chose `row`'s untuned launch itself.
+    pub fn kept_default(&self, row: &Row) -> bool {
+        self.choice == row.choice
+    }
+}
+
+/// What the markdown table's tuned config column says where [`TunedResult::kept_default`].
+const KEPT_DEFAULT: &str = "the default";
+
 /// One (scheme, batch, context) measurement.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Row {
@@ -202,12 +212,29 @@ impl BenchResults {
                 match &r.tuned {
                     Some(t) => s.push_str(&format!(
                         " {:.1} | {:.3} | {} | {:.1} |",
-                        t.median_us, t.gain, t.choice, t.tune_seconds
+                        t.median_us,
+                        t.gain,
+                        if t.kept_default(r) {
+                            KEPT_DEFAULT.to_string()
+                        } else {
+                            t.choice.to_string()
+                        },
+                        t.tune_seconds
                     )),
                     None => s.push_str(" – | – | – | – |"),
                 }
             }
             s.push('\n');
+        }
+        if self
+            .rows
+            .iter()
+            .any(|r| r.tuned.as_ref().is_some_and(|t| t.kept_default(r)))
+        {
+            s.push_str(&format!(
+                "\ntuned config \"{KEPT_DEFAULT}\": the tuner kept the untuned launch, so its gain is \
+                 the same kernel timed twice (the spread between timings).\n"
+            ));
         }
         if self.rows.iter().any(|r| r.read_floor_us.is_some()) {
             s.push_str(
@@ -311,10 +338,21 @@ pub(crate) mod tests {
         ];
         rows[5].extra_bytes = 1 << 29;
         rows[3].tuned = Some(TunedResult {
-            choice,
+            choice: TuneChoice {
+                splits: 4,
+                ..choice
+            },
             median_us: 36.0,
             gain: 40.0 / 36.0,
             tune_seconds: 4.2,
+            candidates: 45,
+            rejected: 0,
+        });
+        rows[1].tuned = Some(TunedResult {
+            choice,
+            median_us: 8.1,
+            gain: 8.0 / 8.1,
+            tune_seconds: 1.5,
             candidates: 45,
             rejected: 0,
         });
@@ -383,6 +421,10 @@ pub(crate) mod tests {
         assert!(!md.contains("one launch of a plain streaming read"));
         assert!(md.contains("tuned gain"));
         assert!(md.contains("1.111"));
+        // Row 1's tuner kept the default: said so, and the footnote says what its gain means.
+        assert!(md.contains("| 8.1 | 0.988 | the default | 1.5 |"), "{md}");
+        assert!(!md.contains("| 36.0 | 1.111 | the default |"), "{md}");
+        assert!(md.contains("the same kernel timed twice"), "{md}");
         assert!(md.contains("fp16 B=16 L=128K: does not fit"));
         assert_eq!(md.lines().filter(|l| l.starts_with("| kivi2")).count(), 3);
         let json: serde_json::Value = serde_json::from_str(&r.json()).unwrap();
@@ -392,7 +434,7 @@ pub(crate) mod tests {
             "{md}"
         );
         assert_eq!(md.matches("read again by the range pass").count(), 1);
-        assert_eq!(json["rows"][3]["tuned"]["choice"]["splits"], 3);
+        assert_eq!(json["rows"][3]["tuned"]["choice"]["splits"], 4);
         assert_eq!(json["copy"]["gbps"], 2962.0);
         let back = BenchResults::from_json(&r.json()).unwrap();
         assert_eq!(back.rows, r.rows);
