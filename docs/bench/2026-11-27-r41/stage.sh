@@ -1,7 +1,7 @@
 #!/bin/bash
 # Stage release binaries and GPU test executables into .gpu/
 set -e
-cd /work/main
+cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"
 source .ci/cuda-env.sh
 cargo build --release -p kvq-cli -p kvq-bench --bins
 mkdir -p .gpu/bin .gpu/tests
