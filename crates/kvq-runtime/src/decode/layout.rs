@@ -12,8 +12,9 @@
 use cudarc::driver::CudaSlice;
 use kvq_spec::SchemeSpec;
 
-/// Borrowed device buffers of a paged cache in the layout of the module docs: what the decode kernels read.
-/// Any cache manager that keeps this layout can be attended by [`DecodeKernel`](super::DecodeKernel).
+/// Borrowed device buffers of a paged cache, each laid out as its field says (docs/LAYOUT.md has the
+/// blocks' bytes): what the decode kernels read. Any cache manager that keeps this layout can be
+/// attended by [`DecodeKernel`](super::DecodeKernel).
 #[derive(Clone, Copy)]
 pub struct CacheView<'a> {
     /// Scheme of every sequence.
