@@ -724,6 +724,27 @@ mod tests {
                 assert_eq!(h, slow, "B={batch} L={len}");
             }
         }
+        // The H100's launches at the thirty-ninth round's measured shapes (its tuned table's
+        // default column: tile, splits), which the fast-memory rules leave as they were.
+        for (batch, len, tile, splits) in [
+            (1, 4096, 32, 32),
+            (4, 4096, 32, 8),
+            (16, 4096, 32, 2),
+            (1, 32_768, 32, 33),
+            (4, 32_768, 32, 8),
+            (16, 32_768, 64, 2),
+            (1, 131_072, 32, 33),
+            (4, 131_072, 32, 8),
+            (16, 131_072, 64, 2),
+        ] {
+            let h = TuneChoice::heuristic(&kivi4(batch, len), h100(264));
+            assert_eq!(
+                (h.params.tile_tokens, h.params.min_warps_per_sm, h.splits),
+                (tile, 0, splits),
+                "H100, B={batch} L={len}: {h}"
+            );
+            assert!(h.params.short_staging, "H100, B={batch} L={len}: {h}");
+        }
         // Other head_dims (not measured) keep theirs.
         let d64 = TuneProblem::new(
             "k = int(4, channel), v = int(4, token)".parse().unwrap(),

@@ -129,7 +129,7 @@ impl<'a> Session<'a> {
 
         // 1. Compile every block shape, in parallel (NVRTC is the slow part).
         self.progress.phase("compiling");
-        let kernels = self.compile(&params)?;
+        let kernels = self.compile(&params);
         let mut entries: Vec<Entry> = all
             .iter()
             .map(|&choice| Entry {
@@ -217,7 +217,7 @@ impl<'a> Session<'a> {
 
     /// Loads the kernels of every block shape on all cores; a shape that fails to build is
     /// recorded (its candidates are discarded), not fatal.
-    fn compile(&self, params: &[TuneParams]) -> Result<Kernels> {
+    fn compile(&self, params: &[TuneParams]) -> Kernels {
         let threads = std::thread::available_parallelism()
             .map_or(4, |n| n.get())
             .clamp(1, params.len().max(1));
@@ -250,7 +250,7 @@ impl<'a> Session<'a> {
             map.entry(*t)
                 .or_insert_with(|| Err("the compile thread panicked".into()));
         }
-        Ok(map)
+        map
     }
 
     /// Uploads the batch with queries `q_bits` in as many copies as fit the memory budget (70% of
