@@ -53,8 +53,8 @@ def load_json(path):
 def load_sample(gen_dir):
     """The manifest, the sample description and each sample buffer's bytes."""
     manifest = load_json(os.path.join(gen_dir, "manifest.json"))
-    if manifest.get("format") != "kvq-gen" or manifest.get("version") != 3:
-        raise EmbedError(f"{gen_dir}/manifest.json is not a kvq-gen version 3 manifest")
+    if manifest.get("format") != "kvq-gen" or manifest.get("version") != 4:
+        raise EmbedError(f"{gen_dir}/manifest.json is not a kvq-gen version 4 manifest")
     if manifest.get("layout_version") != LAYOUT_VERSION:
         raise EmbedError(
             f"layout {manifest.get('layout_version')!r}, this engine reads {LAYOUT_VERSION!r}"
@@ -308,17 +308,20 @@ def bf16_to_float(word):
 
 
 def grid_dim(formula, env):
-    """A grid entry of the manifest: a sum of launch values' names and integers
-    (`num_splits + num_pieces`)."""
+    """A grid entry of the manifest: a sum of products of launch values' names and integers
+    (`num_splits + num_pieces`, `kv_heads * 2`)."""
     total = 0
     for term in formula.split("+"):
-        term = term.strip()
-        if term.isdigit():
-            total += int(term)
-        elif term in env:
-            total += int(env[term])
-        else:
-            raise EmbedError(f"grid formula {formula!r} is not one this engine evaluates")
+        product = 1
+        for factor in term.split("*"):
+            factor = factor.strip()
+            if factor.isdigit():
+                product *= int(factor)
+            elif factor in env:
+                product *= int(env[factor])
+            else:
+                raise EmbedError(f"grid formula {formula!r} is not one this engine evaluates")
+        total += product
     return total
 
 

@@ -29,6 +29,8 @@ cases=(
     "calibquant2-d64|calibquant2|64|8|f16"
     "int8-mha|int8|128|1|f16"
     "fp16-d256|fp16|256|2|bf16"
+    "kivi2-gqa16|kivi2|128|16|f16"
+    "calibquant1-gqa12|calibquant1|128|12|bf16"
     "custom|k = int(3, channel), v = int(4, token, group = 32), sink = 16, local = 64|128|4|f16"
 )
 

@@ -603,6 +603,42 @@ fn gen_says_where_untuned_launches_depend_on_the_gpus_memory() {
     assert_eq!(rule_of("int8", "128"), none);
 }
 
+#[test]
+fn gen_takes_more_than_eight_query_heads_in_head_groups() {
+    let tmp = TempDir::new("head-groups");
+    let (m, _, dir) = gen_and_check("calibquant1", &["--head-dim", "128", "--gqa", "16"], &tmp);
+    assert_eq!(m["version"], 4);
+    let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
+    let decode_source = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
+    assert!(decode_source.contains("gqa=16 (2 head groups of 8)"));
+    for role in ["decode", "score_range"] {
+        let k = m["kernels"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|k| k["role"] == role)
+            .unwrap_or_else(|| panic!("no {role} kernel"));
+        assert_eq!(k["grid"][1], "kv_heads * 2", "{role}");
+        assert!(header.contains("kv_heads * 2"), "the header names the grid");
+    }
+    let notes = m["launch"]["notes"].to_string();
+    assert!(notes.contains("2 grid rows a KV head"), "{notes}");
+    assert!(m["tune"]["default_splits"]
+        .as_str()
+        .unwrap()
+        .contains("ctas = batch·kv_heads·2;"));
+    // Without head groups the manifest says nothing of them.
+    let (m, _, _) = gen_and_check("calibquant1", &["--head-dim", "128", "--gqa", "8"], &tmp);
+    assert_eq!(m["kernels"][0]["grid"][1], "kv_heads");
+    assert!(!m["launch"]["notes"]
+        .to_string()
+        .contains("grid rows a KV head"));
+    assert!(m["tune"]["default_splits"]
+        .as_str()
+        .unwrap()
+        .contains("ctas = batch·kv_heads;"));
+}
+
 /// How `tune.default_block` opens its whole-pairs rules.
 const WHOLE_PAIRS_HEAD: &str = "waves = ceil(batch·kv_heads / sm_count); where batch·kv_heads ≥ \
                                 0.9·waves·sm_count, with num_splits = 1 and num_pieces = 0: ";

@@ -201,7 +201,10 @@ impl TensorCtx {
 pub(crate) struct DecodeCtx {
     pub scheme_text: String,
     pub head_dim: u32,
+    /// Query heads a CTA scores: the KV head's, or one group of them ([`crate::HeadGroups`]).
     pub gqa: u32,
+    /// Grid rows a KV head (1 but where the query heads are split into groups).
+    pub head_groups: u32,
     pub dtype: String,
     pub page: u32,
     pub sink: u32,

@@ -1,6 +1,7 @@
 //! The fused split-K decode kernels of the integer and FP16 schemes, with their launch metadata.
 
 use crate::context::{DecodeCtx, MmaCtx, StagePlan, TensorCtx};
+use crate::head_groups::HeadGroups;
 use crate::templates::render;
 use crate::{CodegenError, KernelShape, TuneParams};
 use kvq_spec::{CacheSource, SchemeSpec, TensorQuant};
@@ -41,6 +42,10 @@ pub struct DecodeKernels {
     /// reads them back instead of the keys: `scores` must then hold
     /// [`score_floats`](Self::score_floats) floats. Otherwise both kernels ignore it.
     pub stores_scores: bool,
+    /// Rows the decode and range grids take a KV head (`gridDim.y = kv_heads · head_groups`): more
+    /// than 1 where the tensor-core kernel splits a KV head's query heads into groups
+    /// ([`HeadGroups`]), else 1.
+    pub head_groups: u32,
     /// Tokens of one sequence a quantized page holds (the scheme's group).
     pub page_tokens: u32,
     /// Bytes of one K page block and one V page block of one KV head.
@@ -112,8 +117,11 @@ fn mma_unsupported_shape(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> O
     let d = shape.head_dim as usize;
     if !matches!(d, 64 | 128 | 256) {
         Some(format!("head_dim {d}"))
-    } else if shape.gqa > 8 {
-        Some(format!("gqa {} > 8", shape.gqa))
+    } else if HeadGroups::for_gqa(shape.gqa).is_none() {
+        Some(format!(
+            "gqa {} (more than 8 query heads a KV head, not in equal groups of 4 to 8)",
+            shape.gqa
+        ))
     } else {
         mma_unsupported(k, true, d).or_else(|| mma_unsupported(v, false, d))
     }
@@ -148,6 +156,8 @@ fn mma_plan(
     };
     let reason = mma_unsupported_shape(shape, k, v);
     let enabled = reason.is_none();
+    // A CTA scores one group of the KV head's query heads (head_groups.rs).
+    let shape = &HeadGroups::for_gqa(shape.gqa).map_or(*shape, |g| g.cta_shape(shape));
     let v_token_fold = v.kind == "int" && v.axis == "token";
     // Keys of half a word a thread (1-bit at head_dim 64) take the f16 path: not the integer one.
     let low_bit_keys = k.kind == "int" && k.bits <= 2 && !half_word_codes(k, d);
@@ -616,6 +626,23 @@ fn has_decode_kernel(spec: &SchemeSpec) -> bool {
             .any(|t| matches!(t, TensorQuant::Codebook(_)))
 }
 
+/// Rows the decode kernels' grids take a KV head ([`DecodeKernels::head_groups`], without
+/// rendering them): the tensor-core kernel's [`HeadGroups`] where it serves the shape, else 1.
+pub fn decode_head_groups(spec: &SchemeSpec, shape: &KernelShape) -> u32 {
+    let d = shape.head_dim as usize;
+    let tensor_cores = has_decode_kernel(spec)
+        && match (
+            TensorCtx::new("k", spec, &spec.k, d),
+            TensorCtx::new("v", spec, &spec.v, d),
+        ) {
+            (Ok(k), Ok(v)) => mma_unsupported_shape(shape, &k, &v).is_none(),
+            _ => false,
+        };
+    HeadGroups::for_gqa(shape.gqa)
+        .filter(|_| tensor_cores)
+        .map_or(1, |g| g.groups)
+}
+
 /// Whether the decode kernel for these parameters runs pieces after its splits
 /// ([`DecodeKernels::runs_pieces`], without rendering it).
 pub fn decode_runs_pieces(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> bool {
@@ -690,17 +717,31 @@ pub fn decode_kernels(
     let v = TensorCtx::new("v", spec, &spec.v, d)?;
     let id = kernel_id(spec, shape, tune);
     let calibrate = spec.calibrate;
+    let mma = mma_plan(shape, tune, &k, &v, calibrate.is_some());
+    // The tensor-core kernel's CTAs take groups of the query heads; the generic kernel's take all.
+    let groups = HeadGroups::for_gqa(shape.gqa)
+        .filter(|_| mma.enabled)
+        .unwrap_or(HeadGroups {
+            groups: 1,
+            heads: shape.gqa,
+        });
+    let grid_rows = if groups.groups == 1 {
+        "kv_heads".to_string()
+    } else {
+        format!("kv_heads * {}", groups.groups)
+    };
     let ctx = DecodeCtx {
         scheme_text: spec.to_string(),
         head_dim: shape.head_dim,
-        gqa: shape.gqa,
+        gqa: groups.heads,
+        head_groups: groups.groups,
         dtype: shape.dtype.to_string(),
         page: spec.page,
         sink: spec.sink,
         threads: tune.threads,
         tile: tune.tile_tokens,
         min_ctas: tune.min_ctas_per_sm(),
-        mma: mma_plan(shape, tune, &k, &v, calibrate.is_some()),
+        mma,
         k: k.clone(),
         v: v.clone(),
         calibrate: calibrate.is_some(),
@@ -736,7 +777,7 @@ pub fn decode_kernels(
         ],
         grid: [
             "num_splits + num_pieces".to_string(),
-            "kv_heads".to_string(),
+            grid_rows.clone(),
             "batch".to_string(),
         ],
         block: tune.threads,
@@ -772,7 +813,7 @@ pub fn decode_kernels(
         // decode's left it under-filled (kvq-runtime's `DecodeKernel::range_splits`).
         grid: [
             "range_splits".to_string(),
-            "kv_heads".to_string(),
+            grid_rows.clone(),
             "batch".to_string(),
         ],
         block: tune.threads,
@@ -789,6 +830,7 @@ pub fn decode_kernels(
         piece_rule: ctx.mma.piece_rule,
         range,
         stores_scores: ctx.mma.stored_scores,
+        head_groups: groups.groups,
         page_tokens: spec.page,
         k_block_bytes: k.block_bytes,
         v_block_bytes: v.block_bytes,

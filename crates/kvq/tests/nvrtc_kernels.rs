@@ -1,5 +1,7 @@
 //! Every built-in integer/FP16 scheme's decode kernels and cache kernels compile with real NVRTC
-//! to CUBIN for sm_80 and sm_90a: decode at every supported head_dim, both dtypes and GQA 1/4/8;
+//! to CUBIN for sm_80 and sm_90a: decode at every supported head_dim, both dtypes and GQA 1/4/8/16
+//! (16 in two head groups of 8), and at head_dim 128 also GQA 12 (head groups of 6) and 11 (the
+//! generic kernel);
 //! cache kernels in every page quantizer form. Decode also for calibrated schemes whose range pass
 //! keeps the f16 path, which no built-in takes. Needs no GPU: CI installs libnvrtc from pip and sets
 //! `KVQ_REQUIRE_NVRTC=1`, so these fail there rather than skip.
@@ -30,7 +32,8 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
                 .any(|t| matches!(t, TensorQuant::Codebook(_)));
         for head_dim in [64, 96, 128, 256] {
             for dtype in [Dtype::F16, Dtype::Bf16] {
-                for gqa in [1, 4, 8] {
+                let more_heads: &[u32] = if head_dim == 128 { &[11, 12] } else { &[] };
+                for &gqa in [1, 4, 8, 16].iter().chain(more_heads) {
                     let shape = KernelShape::new(head_dim, gqa, dtype);
                     match decode_kernels(&b.spec, &shape, &TuneParams::default_for(&b.spec, &shape))
                     {
@@ -49,7 +52,7 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
     }
     assert_eq!(
         jobs.len(),
-        8 * 4 * 2 * 3,
+        8 * (4 * 2 * 4 + 2 * 2),
         "every integer/FP16 built-in renders"
     );
     // Every block shape the tuner may pick, for schemes whose staging ring changes with it (tile

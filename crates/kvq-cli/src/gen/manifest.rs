@@ -663,10 +663,19 @@ pub(super) fn launch_info(decode: &DecodeKernels, kernels: &[KernelInfo]) -> Lau
             if decode.stores_scores {
                 buffer(
                     "scores",
-                    &format!(
-                        "[batch][kv_heads][max_pages·{}][gqa], plus 4 floats",
-                        decode.page_tokens
-                    ),
+                    &if decode.head_groups == 1 {
+                        format!(
+                            "[batch][kv_heads][max_pages·{}][gqa], plus 4 floats",
+                            decode.page_tokens
+                        )
+                    } else {
+                        format!(
+                            "[batch][kv_heads·{g}][max_pages·{}][gqa/{g}] (a row per head \
+                             group), plus 4 floats",
+                            decode.page_tokens,
+                            g = decode.head_groups
+                        )
+                    },
                     "f32",
                     "written by score_range (every quantized key's scores), read by decode \
                      in the same step; max_pages as passed to both",
@@ -696,7 +705,18 @@ pub(super) fn launch_info(decode: &DecodeKernels, kernels: &[KernelInfo]) -> Lau
              it early, and decode and combine wait for their predecessor's writes \
              (griddepcontrol) before reading them; plain launches are also correct"
                 .into(),
-        ],
+        ]
+        .into_iter()
+        .chain((decode.head_groups > 1).then(|| {
+            format!(
+                "decode and score_range take {g} grid rows a KV head (gridDim.y = kv_heads · \
+                 {g}): the tensor-core kernel scores at most 8 query heads a CTA, so each row \
+                 takes a group of gqa/{g} consecutive query heads, and a KV head's rows read \
+                 the same cache bytes",
+                g = decode.head_groups
+            )
+        }))
+        .collect(),
     }
 }
 
@@ -721,7 +741,7 @@ pub(super) fn tune_info(
         source: params_source.into(),
         tune_file: tune_file.map(|p| p.display().to_string()),
         default_block: rules::default_block_text(spec, shape),
-        default_splits: rules::default_splits_text(spec),
+        default_splits: rules::default_splits_text(spec, shape),
         default_short_staging: rules::default_short_staging_text(spec, shape, params),
         default_store_scores: rules::default_store_scores_text(spec, shape, params),
         default_fast_memory: rules::default_fast_memory_text(spec, shape),

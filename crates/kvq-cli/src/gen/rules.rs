@@ -2,9 +2,19 @@
 //! count, pieces, staging path, stored scores, fast memory), so an engine can reproduce them.
 
 use kvq::codegen::{
-    short_staging_changes, store_scores_changes, KernelShape, PieceRule, TuneParams,
+    decode_head_groups, short_staging_changes, store_scores_changes, KernelShape, PieceRule,
+    TuneParams,
 };
 use kvq::SchemeSpec;
+
+/// The decode grid's rows a sequence as the rules count them: `kv_heads`, times the head groups
+/// where the kernel splits a KV head's query heads (`DecodeKernels::head_groups`).
+fn grid_rows_text(spec: &SchemeSpec, shape: &KernelShape) -> String {
+    match decode_head_groups(spec, shape) {
+        1 => "kv_heads".into(),
+        groups => format!("kv_heads·{groups}"),
+    }
+}
 
 /// The manifest's rule for the short staging path of the runtime's untuned launches
 /// (`kvq_runtime::short_staging_by_default`), for kernels where it is a choice.
@@ -32,10 +42,16 @@ pub(super) fn default_store_scores_text(
     params: &TuneParams,
 ) -> String {
     if store_scores_changes(spec, shape, params) {
+        let groups = decode_head_groups(spec, shape);
         let gqa = if kvq::runtime::decode::scores_stored_at_any_gqa(spec) {
             String::new()
-        } else {
+        } else if groups == 1 {
             format!(" and gqa ≤ {}", kvq::runtime::decode::STORED_SCORES_MAX_GQA)
+        } else {
+            format!(
+                " and gqa/{groups} ≤ {}",
+                kvq::runtime::decode::STORED_SCORES_MAX_GQA
+            )
         };
         format!(
             "store_scores = true (sources generated with --store-scores true, the default) \
@@ -79,6 +95,7 @@ pub(super) fn default_block_text(spec: &SchemeSpec, shape: &KernelShape) -> Stri
         few_pairs_blocks, one_tile_blocks, whole_pairs_blocks, WholePairsBlock,
     };
     let base = TuneParams::default_for(spec, shape);
+    let pairs_text = format!("batch·{}", grid_rows_text(spec, shape));
     let mut rules = Vec::new();
     let whole: Vec<String> = whole_pairs_blocks(spec, shape)
         .iter()
@@ -93,7 +110,7 @@ pub(super) fn default_block_text(spec: &SchemeSpec, shape: &KernelShape) -> Stri
         .collect();
     if !whole.is_empty() {
         rules.push(format!(
-            "waves = ceil(batch·kv_heads / sm_count); where batch·kv_heads ≥ {}·waves·sm_count, \
+            "waves = ceil({pairs_text} / sm_count); where {pairs_text} ≥ {}·waves·sm_count, \
              with num_splits = 1 and num_pieces = 0: {}",
             WholePairsBlock::MIN_FILL_PERMILLE as f64 / 1000.0,
             whole.join(", ")
@@ -103,15 +120,15 @@ pub(super) fn default_block_text(spec: &SchemeSpec, shape: &KernelShape) -> Stri
         let tile_warps = one.params.tile_tokens as usize * one.params.warps();
         rules.push(format!(
             "{} with num_splits = bucket / {tile_warps} (one tile a warp) where {} and \
-             batch·kv_heads·num_splits ≤ {}·sm_count",
+             {pairs_text}·num_splits ≤ {}·sm_count",
             block_change_text(&base, &one.params),
-            range_text("batch·kv_heads", &one.pairs),
+            range_text(&pairs_text, &one.pairs),
             one.floor_ctas_per_sm(),
         ));
     }
     for few in few_pairs_blocks(spec, shape) {
         let (pairs, buckets) = (
-            range_text("batch·kv_heads", &few.pairs),
+            range_text(&pairs_text, &few.pairs),
             range_text("bucket", &few.buckets),
         );
         let slots = if few.splits_from_default {
@@ -189,7 +206,7 @@ fn block_change_text(base: &TuneParams, block: &TuneParams) -> String {
 /// The manifest's formula for the heuristic split count, with this scheme's fewest bucket tokens
 /// per split warp (`kvq_runtime::min_warp_tokens`, which changes at most once, past
 /// `SHORT_CONTEXT_BUCKET`).
-pub(super) fn default_splits_text(spec: &kvq::SchemeSpec) -> String {
+pub(super) fn default_splits_text(spec: &kvq::SchemeSpec, shape: &KernelShape) -> String {
     use kvq::runtime::decode::{min_warp_tokens, SHORT_CONTEXT_BUCKET};
     let short = min_warp_tokens(spec, SHORT_CONTEXT_BUCKET);
     let long = min_warp_tokens(spec, SHORT_CONTEXT_BUCKET + 1);
@@ -200,10 +217,11 @@ pub(super) fn default_splits_text(spec: &kvq::SchemeSpec) -> String {
     };
     format!(
         "slots = sm_count × cuOccupancyMaxActiveBlocksPerMultiprocessor(decode, block, its \
-         dynamic_shared_bytes); ctas = batch·kv_heads; bucket = next power of two ≥ longest \
+         dynamic_shared_bytes); ctas = batch·{rows}; bucket = next power of two ≥ longest \
          sequence; warp_tokens = {warp_tokens}; most = clamp(bucket / (warp_tokens·block / 32), \
          1, 256); lo = clamp(ceil(0.9·slots / ctas), 1, most); the s in lo..=min(2·lo, most) \
-         maximising ctas·s / (ceil(ctas·s / slots)·slots), ties to the smaller"
+         maximising ctas·s / (ceil(ctas·s / slots)·slots), ties to the smaller",
+        rows = grid_rows_text(spec, shape)
     )
 }
 

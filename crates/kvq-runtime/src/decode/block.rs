@@ -243,6 +243,7 @@ pub fn whole_pair_waves(pairs: usize, sm_count: usize) -> Option<usize> {
 }
 
 /// The block the untuned default takes for a launch of `batch` sequences of `kv_heads` KV heads
+/// (decode grid rows: KV heads times head groups, [`TuneProblem::grid_heads`](crate::TuneProblem::grid_heads))
 /// and at most `max_len` tokens on `sm_count` SMs, where a rule gives one: the first of the
 /// scheme's [`whole_pairs_blocks`] that applies, else the first of its [`one_tile_blocks`], else
 /// the first of its [`few_pairs_blocks`].

@@ -280,7 +280,8 @@ impl DecodeKernel {
 
     /// The split count [`default_splits`](super::default_splits) gives this kernel's own
     /// occupancy for a batch of `batch` sequences of at most `max_len` tokens with `kv_heads` KV
-    /// heads on a GPU of `sm_count` SMs: the heuristic's, except for KIVI-4's few-pairs block,
+    /// heads (each [`head_groups`](kvq_codegen::DecodeKernels::head_groups) grid rows) on a GPU of
+    /// `sm_count` SMs: the heuristic's, except for KIVI-4's few-pairs block,
     /// whose heuristic splits fill the 64-token block's occupancy
     /// ([`TuneChoice::occupancy_block`](crate::TuneChoice::occupancy_block)).
     pub fn default_splits(
@@ -292,7 +293,7 @@ impl DecodeKernel {
     ) -> Result<usize> {
         Ok(super::default_splits(
             batch,
-            kv_heads,
+            kv_heads * self.generated.head_groups as usize,
             max_len,
             self.resident_ctas(sm_count)?,
             self.generated.tune.warps(),
@@ -373,11 +374,13 @@ impl DecodeKernel {
             self.generated
                 .score_floats(cache.batch, cache.kv_heads, cache.max_pages),
         )?;
-        // The pieces' CTAs follow the splits' (kvq_cta_part in the template).
+        // The pieces' CTAs follow the splits' (kvq_cta_part in the template); a KV head takes a
+        // row for each group of its query heads (DecodeKernels::head_groups).
+        let grid_heads = cache.kv_heads as u32 * self.generated.head_groups;
         let decode_cfg = LaunchConfig {
             grid_dim: (
                 splits + scratch.pieces.count as u32,
-                cache.kv_heads as u32,
+                grid_heads,
                 cache.batch as u32,
             ),
             block_dim: (self.generated.decode.block, 1, 1),
@@ -398,11 +401,7 @@ impl DecodeKernel {
                 .buffer_mut(&mut scratch.score_range)
                 .buffer_mut(&mut scratch.scores);
             let range_cfg = LaunchConfig {
-                grid_dim: (
-                    range_splits as u32,
-                    cache.kv_heads as u32,
-                    cache.batch as u32,
-                ),
+                grid_dim: (range_splits as u32, grid_heads, cache.batch as u32),
                 block_dim: (entry.block, 1, 1),
                 shared_mem_bytes: entry.dynamic_shared_bytes,
             };

@@ -6,7 +6,9 @@ use kvq_spec::SchemeSpec;
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 
-/// Splits per (sequence, KV head) for a grid that fills whole waves of the GPU.
+/// Splits per (sequence, KV head) for a grid that fills whole waves of the GPU. `kv_heads` counts
+/// the decode grid's rows a sequence: KV heads times the kernel's head groups
+/// ([`DecodeKernels::head_groups`](kvq_codegen::DecodeKernels)).
 ///
 /// `resident_ctas` is how many decode CTAs the GPU holds at once (SMs × CTAs per SM, from
 /// [`DecodeKernel::resident_ctas`](super::DecodeKernel::resident_ctas)). CTAs of one launch take
@@ -57,7 +59,8 @@ pub fn short_staging_by_default(max_len: usize, splits: usize, warps_per_cta: us
 /// Whether the default launch over sequences of at most `max_len` tokens stores a calibrated
 /// scheme's key scores, where the kernel has a choice
 /// ([`TuneParams::store_scores`](kvq_codegen::TuneParams)): for context buckets past
-/// [`SHORT_CONTEXT_BUCKET`], and past [`STORED_SCORES_MAX_GQA`] query heads a KV head (`gqa`)
+/// [`SHORT_CONTEXT_BUCKET`], and past [`STORED_SCORES_MAX_GQA`] query heads a decode CTA scores
+/// (`gqa`: a KV head's, or one head group's, [`TuneProblem::cta_gqa`](crate::TuneProblem::cta_gqa))
 /// only where [`scores_stored_at_any_gqa`].
 /// Measured on an H100 (docs/BENCHMARKS.md, twenty-eighth round, GQA 4): at L=32K and 128K
 /// CalibQuant-1 ran ×1.06–×1.31 with them, CalibQuant-2 ×0.99–×1.20; at L=4K, where the decode

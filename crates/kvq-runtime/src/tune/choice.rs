@@ -87,7 +87,7 @@ impl TuneChoice {
             Some(BlockSplits::OneTilePerWarp(splits)) => splits,
             _ => default_splits(
                 problem.batch,
-                problem.kv_heads,
+                problem.grid_heads(),
                 problem.max_len,
                 gpu.resident_ctas,
                 params.warps(),
@@ -100,7 +100,7 @@ impl TuneChoice {
         // A whole-pairs block says itself whether it stores scores.
         params.store_scores = params.store_scores
             && (one_per_pair
-                || store_scores_by_default(&problem.spec, problem.max_len, problem.shape.gqa));
+                || store_scores_by_default(&problem.spec, problem.max_len, problem.cta_gqa()));
         let (params, splits) = match rule.map(|r| r.splits) {
             Some(BlockSplits::OnePerPair | BlockSplits::OneTilePerWarp(_)) => (params, splits),
             _ if !gpu.fast_memory => (params, splits),
@@ -113,7 +113,7 @@ impl TuneChoice {
                 |resident| {
                     default_splits(
                         problem.batch,
-                        problem.kv_heads,
+                        problem.grid_heads(),
                         problem.max_len,
                         resident,
                         params.warps(),
@@ -205,7 +205,7 @@ fn rule_taken(problem: &TuneProblem, sm_count: usize) -> Option<RuleBlock> {
         &problem.spec,
         &problem.shape,
         problem.batch,
-        problem.kv_heads,
+        problem.grid_heads(),
         problem.max_len,
         sm_count,
     )
@@ -808,6 +808,34 @@ mod tests {
         for c in &all {
             let tiles = 100usize.div_ceil(c.params.tile_tokens as usize);
             assert!(c.splits <= tiles.max(1), "{c}");
+        }
+    }
+
+    #[test]
+    fn head_groups_count_as_kv_heads_of_their_group_size() {
+        // 16 query heads a KV head take two grid rows of 8: the untuned launch of 8 KV heads at
+        // GQA 16 is that of 16 KV heads at GQA 8, for every family of rules.
+        for scheme in [
+            "k = fp16, v = fp16",
+            "k = int(2, channel), v = int(2, token), local = 128",
+            "k = int(4, channel), v = int(4, token), local = 128",
+            "k = int(1, channel), v = int(1, channel), local = 128, calibrate = calibrate(tau1 = 0.6, tau2 = 0.1)",
+        ] {
+            for (batch, len) in [(1, 32_768), (4, 4096), (16, 32_768), (64, 1024)] {
+                let of = |gqa, kv_heads| {
+                    let p = TuneProblem::new(
+                        scheme.parse().unwrap(),
+                        KernelShape::new(128, gqa, Dtype::F16),
+                        kv_heads,
+                        batch,
+                        len,
+                    );
+                    (p.grid_heads(), p.cta_gqa(), TuneChoice::heuristic(&p, h100(396)))
+                };
+                let (rows, heads, grouped) = of(16, 8);
+                assert_eq!((rows, heads), (16, 8), "{scheme}");
+                assert_eq!(grouped, of(8, 16).2, "{scheme} B={batch} L={len}");
+            }
         }
     }
 

@@ -153,6 +153,18 @@ impl TuneProblem {
         self.kv_heads * self.shape.gqa as usize
     }
 
+    /// Decode grid rows a sequence takes: its KV heads times the kernel's head groups
+    /// ([`kvq_codegen::decode_head_groups`]; 1 up to 8 query heads a KV head). The launch
+    /// heuristics count these rows as the "(sequence, KV head) pairs" of their rules.
+    pub fn grid_heads(&self) -> usize {
+        self.kv_heads * kvq_codegen::decode_head_groups(&self.spec, &self.shape) as usize
+    }
+
+    /// Query heads one decode CTA scores: the KV head's, or one head group's.
+    pub fn cta_gqa(&self) -> u32 {
+        self.shape.gqa / kvq_codegen::decode_head_groups(&self.spec, &self.shape)
+    }
+
     /// The store key of this problem.
     pub fn key(&self) -> ProblemKey {
         ProblemKey {

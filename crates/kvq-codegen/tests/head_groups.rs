@@ -1,0 +1,151 @@
+//! More than 8 query heads a KV head: the tensor-core kernel takes them in head groups, one grid
+//! row a group (`HeadGroups`), where they split into equal groups of 4 to 8; the generic kernel
+//! takes the rest.
+
+use kvq_codegen::{
+    decode_head_groups, decode_kernels, DecodeKernels, Dtype, HeadGroups, KernelShape, TuneParams,
+};
+use kvq_spec::SchemeSpec;
+
+mod common;
+use common::SCHEMES;
+
+fn render(text: &str, gqa: u32) -> (SchemeSpec, KernelShape, DecodeKernels) {
+    let spec = SchemeSpec::parse(text).unwrap();
+    let shape = KernelShape::new(128, gqa, Dtype::F16);
+    let kernels = decode_kernels(&spec, &shape, &TuneParams::default_for(&spec, &shape))
+        .unwrap_or_else(|e| panic!("{text} gqa {gqa}: {e}"));
+    (spec, shape, kernels)
+}
+
+fn is_tensor_core_kernel(source: &str) -> bool {
+    source.contains("// kernel: tensor cores")
+}
+
+/// The schemes whose kernels at GQA 8 are the tensor-core kernel (the others' layouts take the
+/// generic kernel at any GQA).
+fn tensor_core_schemes() -> Vec<&'static str> {
+    let schemes: Vec<_> = SCHEMES
+        .iter()
+        .copied()
+        .filter(|text| is_tensor_core_kernel(&render(text, 8).2.source))
+        .collect();
+    assert!(schemes.len() >= 8, "{schemes:?}");
+    schemes
+}
+
+#[test]
+fn more_than_eight_heads_take_the_tensor_cores_in_groups() {
+    for text in tensor_core_schemes() {
+        for (gqa, groups, heads) in [(12, 2, 6), (16, 2, 8), (32, 4, 8)] {
+            let (spec, shape, k) = render(text, gqa);
+            assert!(is_tensor_core_kernel(&k.source), "{text} gqa {gqa}");
+            assert_eq!(k.head_groups, groups, "{text} gqa {gqa}");
+            assert_eq!(decode_head_groups(&spec, &shape), groups);
+            assert!(k
+                .source
+                .contains(&format!("static constexpr int GQA = {heads};")));
+            assert!(k
+                .source
+                .contains(&format!("static constexpr int HEAD_GROUPS = {groups};")));
+            let rows = format!("kv_heads * {groups}");
+            assert_eq!(k.decode.grid[1], rows);
+            if let Some(range) = &k.range {
+                assert_eq!(range.grid[1], rows, "the range grid takes the same rows");
+            }
+            // The combine merges query heads, whatever the grid rows that wrote them.
+            assert_eq!(k.combine.grid[0], "q_heads");
+        }
+    }
+}
+
+#[test]
+fn a_head_group_runs_the_kernel_of_its_heads_but_for_where_it_reads_the_cache() {
+    for text in tensor_core_schemes() {
+        let (_, _, grouped) = render(text, 16);
+        let (_, _, eight) = render(text, 8);
+        let normalise = |k: &DecodeKernels| {
+            let ids = [&k.decode.name, &k.combine.name]
+                .into_iter()
+                .chain(k.range.as_ref().map(|r| &r.name))
+                .map(|name| name.rsplit('_').next().unwrap().to_string())
+                .collect::<Vec<_>>();
+            let mut source = k.source.clone();
+            for id in ids {
+                source = source.replace(&id, "ID");
+            }
+            source
+                .lines()
+                .filter(|l| !l.starts_with("// shape:") && !l.contains("HEAD_GROUPS = "))
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        assert_eq!(normalise(&grouped), normalise(&eight), "{text}");
+        // ... and every address into the cache's pools, sink and tail goes through the group's KV head.
+        let cache_reads: Vec<&str> = grouped
+            .source
+            .lines()
+            .filter(|l| {
+                ["pool + ", "sink + ", "tail + "]
+                    .iter()
+                    .any(|p| l.contains(p))
+            })
+            .collect();
+        assert!(cache_reads.len() >= 2, "{text}: {cache_reads:#?}");
+        for line in cache_reads {
+            assert!(
+                line.contains("kvh / HEAD_GROUPS") || line.contains("+ head_block *"),
+                "{text}: {line}"
+            );
+        }
+        for line in grouped
+            .source
+            .lines()
+            .filter(|l| l.contains("head_block ="))
+        {
+            assert!(line.contains("kvh / HEAD_GROUPS"), "{text}: {line}");
+        }
+        assert!(eight
+            .source
+            .contains("static constexpr int HEAD_GROUPS = 1;"));
+        assert_eq!(eight.head_groups, 1);
+        assert_eq!(eight.decode.grid[1], "kv_heads");
+    }
+}
+
+#[test]
+fn heads_that_split_into_no_groups_of_four_to_eight_take_the_generic_kernel() {
+    for text in SCHEMES.iter().copied() {
+        for gqa in [9, 11, 13] {
+            let (spec, shape, k) = render(text, gqa);
+            assert!(!is_tensor_core_kernel(&k.source), "{text} gqa {gqa}");
+            assert_eq!(k.head_groups, 1);
+            assert_eq!(decode_head_groups(&spec, &shape), 1);
+            assert_eq!(k.decode.grid[1], "kv_heads");
+            assert!(k
+                .source
+                .contains(&format!("static constexpr int GQA = {gqa};")));
+        }
+    }
+    for text in tensor_core_schemes() {
+        // Where the layouts fit the tensor cores, the header says why the generic kernel serves.
+        assert!(render(text, 11)
+            .2
+            .source
+            .contains("not in equal groups of 4 to 8"));
+    }
+    assert_eq!(HeadGroups::for_gqa(11), None);
+}
+
+#[test]
+fn stored_scores_take_the_same_floats_in_groups() {
+    let text = "k = int(1, channel), v = int(1, channel), local = 128, calibrate = calibrate(tau1 = 0.6, tau2 = 0.1)";
+    let (_, _, grouped) = render(text, 16);
+    assert!(grouped.stores_scores);
+    // A row of the group's 8 scores a token for each of the two rows of a KV head.
+    assert_eq!(
+        grouped.score_floats(2, 3, 5),
+        2 * 3 * 5 * 128 * 16 + 4,
+        "the buffer holds every query head's score of every key"
+    );
+}
