@@ -717,31 +717,24 @@ pub fn decode_kernels(
     let v = TensorCtx::new("v", spec, &spec.v, d)?;
     let id = kernel_id(spec, shape, tune);
     let calibrate = spec.calibrate;
-    let mma = mma_plan(shape, tune, &k, &v, calibrate.is_some());
     // The tensor-core kernel's CTAs take groups of the query heads; the generic kernel's take all.
-    let groups = HeadGroups::for_gqa(shape.gqa)
-        .filter(|_| mma.enabled)
-        .unwrap_or(HeadGroups {
-            groups: 1,
-            heads: shape.gqa,
-        });
-    let grid_rows = if groups.groups == 1 {
-        "kv_heads".to_string()
-    } else {
-        format!("kv_heads * {}", groups.groups)
+    let head_groups = decode_head_groups(spec, shape);
+    let grid_rows = match head_groups {
+        1 => "kv_heads".to_string(),
+        g => format!("kv_heads * {g}"),
     };
     let ctx = DecodeCtx {
         scheme_text: spec.to_string(),
         head_dim: shape.head_dim,
-        gqa: groups.heads,
-        head_groups: groups.groups,
+        gqa: shape.gqa / head_groups,
+        head_groups,
         dtype: shape.dtype.to_string(),
         page: spec.page,
         sink: spec.sink,
         threads: tune.threads,
         tile: tune.tile_tokens,
         min_ctas: tune.min_ctas_per_sm(),
-        mma,
+        mma: mma_plan(shape, tune, &k, &v, calibrate.is_some()),
         k: k.clone(),
         v: v.clone(),
         calibrate: calibrate.is_some(),
@@ -830,7 +823,7 @@ pub fn decode_kernels(
         piece_rule: ctx.mma.piece_rule,
         range,
         stores_scores: ctx.mma.stored_scores,
-        head_groups: groups.groups,
+        head_groups,
         page_tokens: spec.page,
         k_block_bytes: k.block_bytes,
         v_block_bytes: v.block_bytes,
