@@ -53,8 +53,8 @@ def load_json(path):
 def load_sample(gen_dir):
     """The manifest, the sample description and each sample buffer's bytes."""
     manifest = load_json(os.path.join(gen_dir, "manifest.json"))
-    if manifest.get("format") != "kvq-gen" or manifest.get("version") != 4:
-        raise EmbedError(f"{gen_dir}/manifest.json is not a kvq-gen version 4 manifest")
+    if manifest.get("format") != "kvq-gen" or manifest.get("version") != 5:
+        raise EmbedError(f"{gen_dir}/manifest.json is not a kvq-gen version 5 manifest")
     if manifest.get("layout_version") != LAYOUT_VERSION:
         raise EmbedError(
             f"layout {manifest.get('layout_version')!r}, this engine reads {LAYOUT_VERSION!r}"
@@ -449,12 +449,12 @@ def run_decode(engine, functions, manifest, sample, buffers, splits, pieces=0, p
     part_acc = engine.alloc(rows * parts * d * 4)
     part_ml = engine.alloc(rows * parts * 2 * 4)
     score_range = engine.alloc(rows * range_splits * 2 * 4)
-    # Stored key scores (launch.scratch): a row of gqa floats for every token a page table
-    # reaches past the sink, and 4 floats of slack; one float where the kernels store none.
+    # Stored key scores (launch.scratch): launch.score_columns floats for every token a page
+    # table reaches past the sink, and 4 floats of slack; one float where the kernels store none.
     score_floats = 1
     if manifest["launch"]["stores_scores"]:
         score_floats = (batch * h * sample["max_pages"] * manifest["layout"]["page_tokens"]
-                        * manifest["shape"]["gqa"] + 4)
+                        * manifest["launch"]["score_columns"] + 4)
     scores = engine.alloc(score_floats * 4)
     cu = engine.cu
     values = dict(ptr)

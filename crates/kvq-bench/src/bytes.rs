@@ -40,21 +40,21 @@ pub fn decode_bytes(sequences: &[&IntCache], q_heads: usize) -> u64 {
 
 /// Bytes a step moves on top of [`decode_bytes`] because of how the scheme is defined:
 /// CalibQuant's calibration needs every quantized key's score before the softmax. Where the
-/// kernels store the scores (`stores_scores`), the range pass writes `gqa` f32 scores for every
-/// quantized key and the decode kernel reads them back instead of K; otherwise the range pass
-/// reads K's page blocks once more (the FP16 sink and tail are not calibrated either way). They
-/// are not credited as effective bandwidth; they bound it: at the copy bandwidth a step reaches at
-/// most `decode / (decode + extra)` of it.
-pub fn extra_bytes(sequences: &[&IntCache], q_heads: usize, stores_scores: bool) -> u64 {
+/// kernels store the scores (`score_columns` is `Some`: `DecodeKernels::score_columns`, the KV
+/// head's query heads, or more where uneven head groups score some twice), the range pass writes
+/// that many f32 scores for every quantized key of a KV head and the decode kernel reads them back
+/// instead of K; otherwise the range pass reads K's page blocks once more (the FP16 sink and tail
+/// are not calibrated either way). They are not credited as effective bandwidth; they bound it: at
+/// the copy bandwidth a step reaches at most `decode / (decode + extra)` of it.
+pub fn extra_bytes(sequences: &[&IntCache], score_columns: Option<usize>) -> u64 {
     sequences
         .iter()
         .filter(|s| s.spec().calibrate.is_some())
         .map(|s| {
             let k = s.k();
-            if stores_scores {
-                let gqa = q_heads / k.kv_heads().max(1);
+            if let Some(columns) = score_columns {
                 let quantized = (0..k.tokens()).filter(|&t| k.is_quantized(t)).count();
-                2 * 4 * (quantized * k.kv_heads() * gqa) as u64
+                2 * 4 * (quantized * k.kv_heads() * columns) as u64
             } else {
                 page_block_bytes(k)
             }
@@ -92,10 +92,7 @@ mod tests {
         let k_blocks = page_block_bytes(calibrated.k());
         assert!(k_blocks > 0);
         // Reading K twice: its page blocks again.
-        assert_eq!(
-            extra_bytes(&[&calibrated, &calibrated], 8, false),
-            2 * k_blocks
-        );
+        assert_eq!(extra_bytes(&[&calibrated, &calibrated], None), 2 * k_blocks);
         // K's blocks are a large share of what a 1-bit K and V step reads, and less than half
         // (V's blocks are as large, and the FP16 sink and tail come on top).
         let share = k_blocks as f64 / sequence_bytes(&calibrated) as f64;
@@ -106,12 +103,17 @@ mod tests {
         let quantized = (0..k.tokens()).filter(|&t| k.is_quantized(t)).count();
         assert!(quantized > 0 && quantized < 5000);
         assert_eq!(
-            extra_bytes(&[&calibrated], 8, true),
+            extra_bytes(&[&calibrated], Some(4)),
             2 * 4 * (quantized * 2 * 4) as u64
         );
+        // Uneven head groups store every row's columns (GQA 11: two rows of 6).
+        assert_eq!(
+            extra_bytes(&[&calibrated], Some(12)),
+            2 * 4 * (quantized * 2 * 12) as u64
+        );
         for name in ["fp16", "kivi2", "kitty", "int8"] {
-            for stores in [false, true] {
-                assert_eq!(extra_bytes(&[&cache(name, 5000)], 8, stores), 0, "{name}");
+            for stores in [None, Some(4)] {
+                assert_eq!(extra_bytes(&[&cache(name, 5000)], stores), 0, "{name}");
             }
         }
     }

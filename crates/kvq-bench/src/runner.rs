@@ -391,7 +391,10 @@ impl Context<'_> {
             median_us,
             min_us: stats.min_us(),
             bytes,
-            extra_bytes: extra_bytes(&sequences, q_heads, stores_scores),
+            extra_bytes: extra_bytes(
+                &sequences,
+                stores_scores.then(|| kernel.generated().score_columns() as usize),
+            ),
             stored_scores: stores_scores,
             gbps,
             pct_of_copy: 100.0 * gbps / self.copy_gbps,

@@ -607,7 +607,7 @@ fn gen_says_where_untuned_launches_depend_on_the_gpus_memory() {
 fn gen_takes_more_than_eight_query_heads_in_head_groups() {
     let tmp = TempDir::new("head-groups");
     let (m, _, dir) = gen_and_check("calibquant1", &["--head-dim", "128", "--gqa", "16"], &tmp);
-    assert_eq!(m["version"], 4);
+    assert_eq!(m["version"], 5);
     let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
     let decode_source = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
     assert!(decode_source.contains("gqa=16 (2 head groups of 8)"));
@@ -627,12 +627,26 @@ fn gen_takes_more_than_eight_query_heads_in_head_groups() {
         .as_str()
         .unwrap()
         .contains("ctas = batch·kv_heads·2;"));
+    assert_eq!(m["launch"]["score_columns"], 16);
+    // Uneven groups: the last row starts early, and the stored scores take every row's columns.
+    let (m, _, dir) = gen_and_check("calibquant1", &["--head-dim", "128", "--gqa", "11"], &tmp);
+    let decode_source = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
+    assert!(decode_source
+        .contains("gqa=11 (2 head groups of 6, the last sharing 1 with the one before)"));
+    assert_eq!(m["kernels"][0]["grid"][1], "kv_heads * 2");
+    assert_eq!(m["launch"]["score_columns"], 12);
+    let notes = m["launch"]["notes"].to_string();
+    assert!(
+        notes.contains("the last row starts at query head gqa − 6 of its KV head"),
+        "{notes}"
+    );
     // Without head groups the manifest says nothing of them.
     let (m, _, _) = gen_and_check("calibquant1", &["--head-dim", "128", "--gqa", "8"], &tmp);
     assert_eq!(m["kernels"][0]["grid"][1], "kv_heads");
     assert!(!m["launch"]["notes"]
         .to_string()
         .contains("grid rows a KV head"));
+    assert_eq!(m["launch"]["score_columns"], 8);
     assert!(m["tune"]["default_splits"]
         .as_str()
         .unwrap()

@@ -203,6 +203,11 @@ pub(crate) struct DecodeCtx {
     pub head_dim: u32,
     /// Query heads a CTA scores: the KV head's, or one group of them ([`crate::HeadGroups`]).
     pub gqa: u32,
+    /// A KV head's query heads (`gqa × head_groups`, or fewer where the last group shares heads
+    /// with the one before: [`crate::HeadGroups::overlap`]).
+    pub q_heads: u32,
+    /// Whether `gqa × head_groups` exceeds `q_heads` (the last group starts early).
+    pub uneven_groups: bool,
     /// Grid rows a KV head (1 but where the query heads are split into groups).
     pub head_groups: u32,
     pub dtype: String,

@@ -46,6 +46,10 @@ pub struct DecodeKernels {
     /// than 1 where the tensor-core kernel splits a KV head's query heads into groups
     /// ([`HeadGroups`]), else 1.
     pub head_groups: u32,
+    /// Query heads one grid row scores: `shape.gqa` with one row a KV head, else a group's
+    /// (`head_groups × group_heads` exceeds `gqa` where the last row shares heads with the one
+    /// before, [`HeadGroups::overlap`]).
+    pub group_heads: u32,
     /// Tokens of one sequence a quantized page holds (the scheme's group).
     pub page_tokens: u32,
     /// Bytes of one K page block and one V page block of one KV head.
@@ -117,11 +121,6 @@ fn mma_unsupported_shape(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> O
     let d = shape.head_dim as usize;
     if !matches!(d, 64 | 128 | 256) {
         Some(format!("head_dim {d}"))
-    } else if HeadGroups::for_gqa(shape.gqa).is_none() {
-        Some(format!(
-            "gqa {} (more than 8 query heads a KV head, not in equal groups of 4 to 8)",
-            shape.gqa
-        ))
     } else {
         mma_unsupported(k, true, d).or_else(|| mma_unsupported(v, false, d))
     }
@@ -629,6 +628,13 @@ fn has_decode_kernel(spec: &SchemeSpec) -> bool {
 /// Rows the decode kernels' grids take a KV head ([`DecodeKernels::head_groups`], without
 /// rendering them): the tensor-core kernel's [`HeadGroups`] where it serves the shape, else 1.
 pub fn decode_head_groups(spec: &SchemeSpec, shape: &KernelShape) -> u32 {
+    decode_groups(spec, shape).groups
+}
+
+/// How the decode kernels' grid rows cover a KV head's query heads, without rendering them:
+/// the tensor-core kernel's [`HeadGroups`] where it serves the shape, else one row of all of
+/// them (the generic kernel).
+pub fn decode_groups(spec: &SchemeSpec, shape: &KernelShape) -> HeadGroups {
     let d = shape.head_dim as usize;
     let tensor_cores = has_decode_kernel(spec)
         && match (
@@ -640,7 +646,11 @@ pub fn decode_head_groups(spec: &SchemeSpec, shape: &KernelShape) -> u32 {
         };
     HeadGroups::for_gqa(shape.gqa)
         .filter(|_| tensor_cores)
-        .map_or(1, |g| g.groups)
+        .unwrap_or(HeadGroups {
+            groups: 1,
+            heads: shape.gqa,
+            gqa: shape.gqa,
+        })
 }
 
 /// Whether the decode kernel for these parameters runs pieces after its splits
@@ -656,6 +666,12 @@ pub fn decode_piece_rule(spec: &SchemeSpec, shape: &KernelShape, tune: &TunePara
 }
 
 impl DecodeKernels {
+    /// Stored scores a token of a KV head takes: every grid row's heads (`gqa`, or more where the
+    /// last head group shares heads with the one before).
+    pub fn score_columns(&self) -> u32 {
+        self.head_groups * self.group_heads
+    }
+
     /// Whether `decode`'s piece CTAs do work (`num_pieces > 0`; tensor-core kernels with a piece
     /// rule). Other kernels do all the work in their splits, and their piece CTAs mark their
     /// partials empty.
@@ -664,12 +680,13 @@ impl DecodeKernels {
     }
 
     /// Floats the `scores` buffer needs for a launch over `batch` sequences of `kv_heads` KV heads
-    /// with page tables `max_pages` wide: a row of `gqa` scores for every token a page table can
-    /// reach past the sink, plus 16 bytes the last row's copy may read past its end. 0 where the
-    /// kernels store no scores ([`stores_scores`](Self::stores_scores)).
+    /// with page tables `max_pages` wide: [`score_columns`](Self::score_columns) scores for every
+    /// token a page table can reach past the sink, plus 16 bytes the last row's copy may read past
+    /// its end. 0 where the kernels store no scores ([`stores_scores`](Self::stores_scores)).
     pub fn score_floats(&self, batch: usize, kv_heads: usize, max_pages: usize) -> usize {
         if self.stores_scores {
-            batch * kv_heads * max_pages * self.page_tokens as usize * self.shape.gqa as usize + 4
+            batch * kv_heads * max_pages * self.page_tokens as usize * self.score_columns() as usize
+                + 4
         } else {
             0
         }
@@ -718,7 +735,8 @@ pub fn decode_kernels(
     let id = kernel_id(spec, shape, tune);
     let calibrate = spec.calibrate;
     // The tensor-core kernel's CTAs take groups of the query heads; the generic kernel's take all.
-    let head_groups = decode_head_groups(spec, shape);
+    let groups = decode_groups(spec, shape);
+    let head_groups = groups.groups;
     let grid_rows = match head_groups {
         1 => "kv_heads".to_string(),
         g => format!("kv_heads * {g}"),
@@ -726,7 +744,9 @@ pub fn decode_kernels(
     let ctx = DecodeCtx {
         scheme_text: spec.to_string(),
         head_dim: shape.head_dim,
-        gqa: shape.gqa / head_groups,
+        gqa: groups.heads,
+        q_heads: shape.gqa,
+        uneven_groups: !groups.is_even(),
         head_groups,
         dtype: shape.dtype.to_string(),
         page: spec.page,
@@ -824,6 +844,7 @@ pub fn decode_kernels(
         range,
         stores_scores: ctx.mma.stored_scores,
         head_groups,
+        group_heads: groups.heads,
         page_tokens: spec.page,
         k_block_bytes: k.block_bytes,
         v_block_bytes: v.block_bytes,

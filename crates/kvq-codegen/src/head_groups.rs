@@ -2,11 +2,17 @@
 //!
 //! The tensor-core decode kernel scores a KV head's query heads as the 8 columns of its `mma`
 //! tiles (`docs/KERNELS.md`), so it serves at most 8 query heads a KV head. Models with more
-//! (Mistral Large 2 has 12, Llama 3.1 405B 16) split each KV head's query heads into groups
-//! of at most 8: the decode grid (and CalibQuant's range grid) takes one row a group, and
-//! the rows of one KV head read the same cache bytes, which the ones after the first mostly
-//! find in L2, as they run at the same time. The query, output, partial and score buffers keep
-//! their layouts: group `g` of KV head `h` holds query heads `h·gqa + g·heads ..`, consecutive.
+//! (Mistral Large 2 has 12, Llama 3.1 405B 16, Falcon 180B 29) split each KV head's query heads
+//! into groups of at most 8: the decode grid (and CalibQuant's range grid) takes one row a group,
+//! and the rows of one KV head read the same cache bytes, which the ones after the first mostly
+//! find in L2, as they run at the same time. The query, output and partial buffers keep their
+//! layouts: row `j` of KV head `h` scores query heads `h·gqa + start(j) ..` (consecutive).
+//!
+//! Where `gqa` does not split into equal groups (a prime such as 11 or 29), the groups are as
+//! large as the equal ones would be were `gqa` rounded up, and the last one starts early: it
+//! shares its first [`overlap`](HeadGroups::overlap) heads with the row before, scores them
+//! again and leaves writing them to that row. Every column of every row is then a real head of
+//! the KV head, so no query read falls past the buffer and no column needs a mask at run time.
 
 use crate::KernelShape;
 use serde::Serialize;
@@ -14,40 +20,51 @@ use serde::Serialize;
 /// Query heads one tensor-core CTA scores: the columns of a score `mma` tile.
 pub const MMA_HEAD_COLUMNS: u32 = 8;
 
-/// Fewest query heads a group takes where a KV head's query heads are split: smaller groups would
-/// read each cache byte more than `gqa / 4` times and leave most of each tile's columns empty,
-/// for shapes no measured model has (GQA 9, 11, 13, …), which the generic kernel serves instead.
-pub const MIN_GROUP_HEADS: u32 = 4;
-
 /// How a decode grid covers a KV head's `gqa` query heads: `groups` grid rows a KV head, each
-/// over `heads` consecutive query heads (`groups × heads = gqa`).
+/// over `heads` consecutive query heads (`groups × heads ≥ gqa`; equal where `gqa` allows).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct HeadGroups {
     pub groups: u32,
     pub heads: u32,
+    /// The KV head's query heads.
+    pub gqa: u32,
 }
 
 impl HeadGroups {
     /// The groups of the tensor-core kernel for `gqa` query heads a KV head: all of them in one
-    /// row up to [`MMA_HEAD_COLUMNS`]; past it the fewest groups of equal size that fit, if that
-    /// size is at least [`MIN_GROUP_HEADS`]; `None` otherwise (and for `gqa` 0).
+    /// row up to [`MMA_HEAD_COLUMNS`]; past it the fewest rows that cover them,
+    /// `⌈gqa / 8⌉`, each of `⌈gqa / rows⌉` heads. `None` for `gqa` 0.
     pub fn for_gqa(gqa: u32) -> Option<HeadGroups> {
         if gqa == 0 {
             return None;
         }
-        if gqa <= MMA_HEAD_COLUMNS {
-            return Some(HeadGroups {
-                groups: 1,
-                heads: gqa,
-            });
-        }
-        (2..=gqa)
-            .find(|&g| gqa % g == 0 && gqa / g <= MMA_HEAD_COLUMNS)
-            .map(|groups| HeadGroups {
-                groups,
-                heads: gqa / groups,
-            })
-            .filter(|g| g.heads >= MIN_GROUP_HEADS)
+        let groups = gqa.div_ceil(MMA_HEAD_COLUMNS);
+        Some(HeadGroups {
+            groups,
+            heads: gqa.div_ceil(groups),
+            gqa,
+        })
+    }
+
+    /// Whether the groups cover the query heads exactly (no row shares heads with another).
+    pub fn is_even(&self) -> bool {
+        self.groups * self.heads == self.gqa
+    }
+
+    /// Heads the last row shares with the row before it (0 where the groups are even): that row
+    /// writes their results, the last one only scores them.
+    pub fn overlap(&self) -> u32 {
+        self.groups * self.heads - self.gqa
+    }
+
+    /// The first query head (of the KV head's) that row `group` scores.
+    pub fn start(&self, group: u32) -> u32 {
+        (group * self.heads).min(self.gqa - self.heads)
+    }
+
+    /// Floats a token of a KV head takes in the stored-scores buffer: every row's columns.
+    pub fn score_columns(&self) -> u32 {
+        self.groups * self.heads
     }
 
     /// The shape one CTA of the grid sees: `shape` with `gqa` the group's heads.
@@ -66,30 +83,52 @@ mod tests {
     #[test]
     fn up_to_eight_heads_take_one_row() {
         for gqa in 1..=8 {
-            assert_eq!(
-                HeadGroups::for_gqa(gqa),
-                Some(HeadGroups {
-                    groups: 1,
-                    heads: gqa
-                })
-            );
+            let g = HeadGroups::for_gqa(gqa).unwrap();
+            assert_eq!((g.groups, g.heads, g.overlap()), (1, gqa, 0));
         }
         assert_eq!(HeadGroups::for_gqa(0), None);
     }
 
     #[test]
-    fn more_heads_split_into_the_fewest_groups_of_four_to_eight() {
-        let split = |gqa| HeadGroups::for_gqa(gqa).map(|g| (g.groups, g.heads));
-        assert_eq!(split(10), Some((2, 5)));
-        assert_eq!(split(12), Some((2, 6)));
-        assert_eq!(split(16), Some((2, 8)));
-        assert_eq!(split(20), Some((4, 5)));
-        assert_eq!(split(24), Some((3, 8)));
-        assert_eq!(split(32), Some((4, 8)));
-        assert_eq!(split(64), Some((8, 8)));
-        // Primes, and sizes whose only fitting groups are smaller than four heads.
-        for gqa in [9, 11, 13, 17, 22, 27] {
-            assert_eq!(split(gqa), None, "gqa {gqa}");
+    fn more_heads_take_the_fewest_rows_of_at_most_eight() {
+        let split = |gqa| {
+            let g = HeadGroups::for_gqa(gqa).unwrap();
+            (g.groups, g.heads, g.overlap())
+        };
+        assert_eq!(split(10), (2, 5, 0));
+        assert_eq!(split(12), (2, 6, 0));
+        assert_eq!(split(16), (2, 8, 0));
+        assert_eq!(split(24), (3, 8, 0));
+        assert_eq!(split(32), (4, 8, 0));
+        assert_eq!(split(64), (8, 8, 0));
+        // No equal split into so few rows: the last row starts early.
+        assert_eq!(split(9), (2, 5, 1));
+        assert_eq!(split(11), (2, 6, 1));
+        assert_eq!(split(13), (2, 7, 1));
+        assert_eq!(split(20), (3, 7, 1));
+        assert_eq!(split(29), (4, 8, 3));
+    }
+
+    #[test]
+    fn rows_cover_every_head_and_each_head_is_written_once() {
+        for gqa in 1..=64 {
+            let g = HeadGroups::for_gqa(gqa).unwrap();
+            assert!(g.heads <= MMA_HEAD_COLUMNS, "gqa {gqa}");
+            assert!(g.overlap() < g.heads, "gqa {gqa}");
+            let mut written = vec![0; gqa as usize];
+            for row in 0..g.groups {
+                let start = g.start(row);
+                assert!(
+                    start + g.heads <= gqa,
+                    "gqa {gqa} row {row} reads past the KV head"
+                );
+                // A row writes its heads from the end of the previous row's on.
+                let first = row * g.heads;
+                for h in first.max(start)..start + g.heads {
+                    written[h as usize] += 1;
+                }
+            }
+            assert!(written.iter().all(|&n| n == 1), "gqa {gqa}: {written:?}");
         }
     }
 }

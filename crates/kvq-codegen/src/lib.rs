@@ -24,11 +24,11 @@ mod tune;
 
 pub use cache::{cache_kernels, cache_kernels_with, CacheKernels, PageQuantizers};
 pub use decode::{
-    decode_head_groups, decode_kernels, decode_piece_rule, decode_runs_pieces,
+    decode_groups, decode_head_groups, decode_kernels, decode_piece_rule, decode_runs_pieces,
     short_staging_changes, store_scores_changes, DecodeKernels, KernelEntry, PieceRule,
 };
 pub use error::CodegenError;
-pub use head_groups::{HeadGroups, MIN_GROUP_HEADS, MMA_HEAD_COLUMNS};
+pub use head_groups::{HeadGroups, MMA_HEAD_COLUMNS};
 pub use quantizer::{QuantizerForm, QuantizerForms};
 pub use shape::{Dtype, KernelShape};
 pub use tune::TuneParams;

@@ -1,9 +1,10 @@
 //! More than 8 query heads a KV head: the tensor-core kernel takes them in head groups, one grid
-//! row a group (`HeadGroups`), where they split into equal groups of 4 to 8; the generic kernel
-//! takes the rest.
+//! row a group (`HeadGroups`), equal where the heads allow and with the last group starting early
+//! where they do not; layouts the tensor cores do not serve keep the generic kernel.
 
 use kvq_codegen::{
-    decode_head_groups, decode_kernels, DecodeKernels, Dtype, HeadGroups, KernelShape, TuneParams,
+    decode_groups, decode_head_groups, decode_kernels, DecodeKernels, Dtype, HeadGroups,
+    KernelShape, TuneParams,
 };
 use kvq_spec::SchemeSpec;
 
@@ -114,27 +115,64 @@ fn a_head_group_runs_the_kernel_of_its_heads_but_for_where_it_reads_the_cache() 
 }
 
 #[test]
-fn heads_that_split_into_no_groups_of_four_to_eight_take_the_generic_kernel() {
-    for text in SCHEMES.iter().copied() {
-        for gqa in [9, 11, 13] {
+fn heads_without_equal_groups_take_the_tensor_cores_with_the_last_group_starting_early() {
+    for text in tensor_core_schemes() {
+        for (gqa, groups, heads) in [(9, 2, 5), (11, 2, 6), (13, 2, 7), (29, 4, 8)] {
             let (spec, shape, k) = render(text, gqa);
-            assert!(!is_tensor_core_kernel(&k.source), "{text} gqa {gqa}");
-            assert_eq!(k.head_groups, 1);
-            assert_eq!(decode_head_groups(&spec, &shape), 1);
-            assert_eq!(k.decode.grid[1], "kv_heads");
+            assert!(is_tensor_core_kernel(&k.source), "{text} gqa {gqa}");
+            assert_eq!((k.head_groups, k.group_heads), (groups, heads));
+            assert_eq!(decode_head_groups(&spec, &shape), groups);
+            assert_eq!(
+                decode_groups(&spec, &shape),
+                HeadGroups::for_gqa(gqa).unwrap()
+            );
+            assert_eq!(k.decode.grid[1], format!("kv_heads * {groups}"));
+            for constant in [
+                format!("static constexpr int GQA = {heads};"),
+                format!("static constexpr int HEAD_GROUPS = {groups};"),
+                format!("static constexpr int QHEADS = {gqa};"),
+            ] {
+                assert!(k.source.contains(&constant), "{text} gqa {gqa}: {constant}");
+            }
+            // Each kernel finds its first query head through the early start, and writes only
+            // the heads it does not share with the row before.
+            let kernels = 1 + usize::from(k.range.is_some());
+            assert_eq!(
+                k.source
+                    .matches("const long head_row = kvq_head_row(seq, kvh, kv_heads);")
+                    .count(),
+                kernels,
+                "{text} gqa {gqa}"
+            );
+            assert!(k.source.contains("if (h >= kvq_heads_shared(kvh))"));
             assert!(k
                 .source
-                .contains(&format!("static constexpr int GQA = {gqa};")));
+                .contains("for (int e = kvq_heads_shared(kvh) * D + threadIdx.x;"));
+        }
+        // Equal groups keep the plain head rows.
+        let (_, _, even) = render(text, 16);
+        assert!(!even.source.contains("kvq_head_row") && !even.source.contains("QHEADS"));
+    }
+}
+
+#[test]
+fn layouts_without_tensor_core_kernels_keep_the_generic_kernel_at_any_gqa() {
+    let tensor_cores = tensor_core_schemes();
+    let generic: Vec<_> = SCHEMES
+        .iter()
+        .copied()
+        .filter(|text| !tensor_cores.contains(text))
+        .collect();
+    assert!(!generic.is_empty());
+    for text in generic {
+        for gqa in [11, 16] {
+            let (spec, shape, k) = render(text, gqa);
+            assert!(!is_tensor_core_kernel(&k.source), "{text} gqa {gqa}");
+            assert_eq!((k.head_groups, k.group_heads), (1, gqa));
+            assert_eq!(decode_head_groups(&spec, &shape), 1);
+            assert_eq!(k.decode.grid[1], "kv_heads");
         }
     }
-    for text in tensor_core_schemes() {
-        // Where the layouts fit the tensor cores, the header says why the generic kernel serves.
-        assert!(render(text, 11)
-            .2
-            .source
-            .contains("not in equal groups of 4 to 8"));
-    }
-    assert_eq!(HeadGroups::for_gqa(11), None);
 }
 
 #[test]
@@ -148,4 +186,9 @@ fn stored_scores_take_the_same_floats_in_groups() {
         2 * 3 * 5 * 128 * 16 + 4,
         "the buffer holds every query head's score of every key"
     );
+    // Uneven groups: every row's columns, the shared heads' scores twice.
+    let (_, _, uneven) = render(text, 11);
+    assert!(uneven.stores_scores);
+    assert_eq!(uneven.score_columns(), 12);
+    assert_eq!(uneven.score_floats(2, 3, 5), 2 * 3 * 5 * 128 * 12 + 4);
 }

@@ -190,6 +190,9 @@ pub(super) struct LaunchInfo {
     num_pieces: String,
     /// Whether score_range stores the keys' scores for decode (the `scores` scratch buffer).
     stores_scores: bool,
+    /// Floats `scores` holds a token of a KV head: every grid row's query heads (gqa, or more
+    /// where the last head group shares heads with the one before).
+    score_columns: u32,
     scratch: Vec<BufferInfo>,
     notes: Vec<String>,
 }
@@ -641,6 +644,7 @@ pub(super) fn launch_info(decode: &DecodeKernels, kernels: &[KernelInfo]) -> Lau
                      their partials empty (l = 0)"
             .into(),
         stores_scores: decode.stores_scores,
+        score_columns: decode.score_columns(),
         scratch: vec![
             buffer(
                 "part_acc",
@@ -670,10 +674,12 @@ pub(super) fn launch_info(decode: &DecodeKernels, kernels: &[KernelInfo]) -> Lau
                         )
                     } else {
                         format!(
-                            "[batch][kv_heads·{g}][max_pages·{}][gqa/{g}] (a row per head \
-                             group), plus 4 floats",
+                            "[batch][kv_heads·{g}][max_pages·{}][{h}] (a row per head group \
+                             of {h}; launch.score_columns = {c} floats a token), plus 4 floats",
                             decode.page_tokens,
-                            g = decode.head_groups
+                            g = decode.head_groups,
+                            h = decode.group_heads,
+                            c = decode.score_columns()
                         )
                     },
                     "f32",
@@ -708,12 +714,25 @@ pub(super) fn launch_info(decode: &DecodeKernels, kernels: &[KernelInfo]) -> Lau
         ]
         .into_iter()
         .chain((decode.head_groups > 1).then(|| {
+            let overlap = decode.score_columns() - decode.shape.gqa;
+            let last = if overlap == 0 {
+                String::new()
+            } else {
+                let heads = if overlap == 1 { "head" } else { "heads" };
+                format!(
+                    "; the last row starts at query head gqa − {h} of its KV head, scores again \
+                     the last {overlap} {heads} of the row before, and writes only the heads \
+                     after them",
+                    h = decode.group_heads
+                )
+            };
             format!(
                 "decode and score_range take {g} grid rows a KV head (gridDim.y = kv_heads · \
                  {g}): the tensor-core kernel scores at most 8 query heads a CTA, so each row \
-                 takes a group of gqa/{g} consecutive query heads, and a KV head's rows read \
+                 takes a group of {h} consecutive query heads{last}, and a KV head's rows read \
                  the same cache bytes",
-                g = decode.head_groups
+                g = decode.head_groups,
+                h = decode.group_heads
             )
         }))
         .collect(),

@@ -30,7 +30,7 @@ pub use kvq::reference::int::LAYOUT_VERSION;
 /// Identifies the manifest's format; `MANIFEST_VERSION` changes when a field changes meaning.
 pub const MANIFEST_FORMAT: &str = "kvq-gen";
 /// See [`MANIFEST_FORMAT`].
-pub const MANIFEST_VERSION: u32 = 4;
+pub const MANIFEST_VERSION: u32 = 5;
 
 /// File names inside the output folder.
 pub const DECODE_FILE: &str = "decode.cu";

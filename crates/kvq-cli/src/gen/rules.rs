@@ -2,8 +2,8 @@
 //! count, pieces, staging path, stored scores, fast memory), so an engine can reproduce them.
 
 use kvq::codegen::{
-    decode_head_groups, short_staging_changes, store_scores_changes, KernelShape, PieceRule,
-    TuneParams,
+    decode_groups, decode_head_groups, short_staging_changes, store_scores_changes, KernelShape,
+    PieceRule, TuneParams,
 };
 use kvq::SchemeSpec;
 
@@ -42,14 +42,16 @@ pub(super) fn default_store_scores_text(
     params: &TuneParams,
 ) -> String {
     if store_scores_changes(spec, shape, params) {
-        let groups = decode_head_groups(spec, shape);
+        let groups = decode_groups(spec, shape);
         let gqa = if kvq::runtime::decode::scores_stored_at_any_gqa(spec) {
             String::new()
-        } else if groups == 1 {
+        } else if groups.groups == 1 {
             format!(" and gqa ≤ {}", kvq::runtime::decode::STORED_SCORES_MAX_GQA)
         } else {
+            // The heads a grid row scores, a known number for this shape.
             format!(
-                " and gqa/{groups} ≤ {}",
+                " and a head group's {} heads ≤ {}",
+                groups.heads,
                 kvq::runtime::decode::STORED_SCORES_MAX_GQA
             )
         };

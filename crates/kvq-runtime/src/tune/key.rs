@@ -162,7 +162,7 @@ impl TuneProblem {
 
     /// Query heads one decode CTA scores: the KV head's, or one head group's.
     pub fn cta_gqa(&self) -> u32 {
-        self.shape.gqa / kvq_codegen::decode_head_groups(&self.spec, &self.shape)
+        kvq_codegen::decode_groups(&self.spec, &self.shape).heads
     }
 
     /// The store key of this problem.
