@@ -1,14 +1,10 @@
 #!/bin/bash
-# Stages as the forty-first round's stage.sh does, plus: a base bench (BASE_BENCH; this round used
-# the forty-second round's, the bench of d99bc0b, whose generic kernel serves GQA 11, 13 and 29 as
-# 9e4585b's does) as .gpu/v/base-bench, the fortieth round's call.sh, this round's step files,
-# and a no-op cargo for examples/embed/run.sh (the GPU machine has no toolchain).
+# Stages as the forty-second round's stage.sh does (the forty-first's binaries, BASE_BENCH as
+# .gpu/v/base-bench, call.sh, a no-op cargo), with this round's step files in place of that
+# round's. This round's BASE_BENCH was the forty-second round's base, the bench of d99bc0b, whose
+# generic kernel serves GQA 11, 13 and 29 as 9e4585b's does.
 set -e
 cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"
-rm -rf .gpu
-bash docs/bench/2026-11-27-r41/stage.sh
-mkdir -p .gpu/v .gpu/steps .gpu/fake
-if [ -n "${BASE_BENCH:-}" ]; then cp "$BASE_BENCH" .gpu/v/base-bench && strip .gpu/v/base-bench; fi
-cp docs/bench/2026-11-27-r40/call.sh .gpu/call.sh
+bash docs/bench/2026-11-27-r42/stage.sh
+rm -f .gpu/steps/*
 cp docs/bench/2026-11-27-r43/steps-*.txt .gpu/steps/
-printf '#!/bin/sh\nexit 0\n' > .gpu/fake/cargo && chmod +x .gpu/fake/cargo
