@@ -32,6 +32,7 @@ cases=(
     "kivi2-gqa16|kivi2|128|16|f16"
     "calibquant1-gqa12|calibquant1|128|12|bf16"
     "calibquant1-gqa11|calibquant1|128|11|f16"
+    "kivi2-mqa71|kivi2|64|71|bf16"
     "custom|k = int(3, channel), v = int(4, token, group = 32), sink = 16, local = 64|128|4|f16"
 )
 

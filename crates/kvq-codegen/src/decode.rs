@@ -616,6 +616,14 @@ pub(crate) fn raises_occupancy(spec: &SchemeSpec, shape: &KernelShape, tune: &Tu
         && mma_plan_for(spec, shape, tune).is_some()
 }
 
+/// Most query heads a KV head the decode kernels take: the tensor-core kernel's head groups
+/// cover any count (MQA models such as Falcon 7B have 71), up to 16 grid rows a KV head.
+pub const MAX_GQA: u32 = 128;
+
+/// Most query heads a KV head the generic kernel takes: it holds a thread's share of every
+/// head's query and scores in registers and static arrays.
+pub const GENERIC_MAX_GQA: u32 = 64;
+
 /// Whether the scheme's family has a GPU decode kernel (XQuant and codebook tensors run in the CPU
 /// reference only).
 fn has_decode_kernel(spec: &SchemeSpec) -> bool {
@@ -716,9 +724,9 @@ pub fn decode_kernels(
             what: format!("`{spec}` (codebook tensors; the CPU reference covers them)"),
         });
     }
-    if shape.gqa == 0 || shape.gqa > 64 {
+    if shape.gqa == 0 || shape.gqa > MAX_GQA {
         return Err(CodegenError::Shape(format!(
-            "gqa = {} (expected 1..=64)",
+            "gqa = {} (expected 1..={MAX_GQA})",
             shape.gqa
         )));
     }
@@ -732,6 +740,15 @@ pub fn decode_kernels(
     let d = shape.head_dim as usize;
     let k = TensorCtx::new("k", spec, &spec.k, d)?;
     let v = TensorCtx::new("v", spec, &spec.v, d)?;
+    if shape.gqa > GENERIC_MAX_GQA {
+        if let Some(reason) = mma_unsupported_shape(shape, &k, &v) {
+            return Err(CodegenError::Shape(format!(
+                "gqa = {}: the generic kernel, which serves this shape ({reason}), holds at \
+                 most {GENERIC_MAX_GQA} query heads a KV head in registers",
+                shape.gqa
+            )));
+        }
+    }
     let id = kernel_id(spec, shape, tune);
     let calibrate = spec.calibrate;
     // The tensor-core kernel's CTAs take groups of the query heads; the generic kernel's take all.

@@ -111,7 +111,7 @@ mod tests {
 
     #[test]
     fn rows_cover_every_head_and_each_head_is_written_once() {
-        for gqa in 1..=64 {
+        for gqa in 1..=crate::MAX_GQA {
             let g = HeadGroups::for_gqa(gqa).unwrap();
             assert!(g.heads <= MMA_HEAD_COLUMNS, "gqa {gqa}");
             assert!(g.overlap() < g.heads, "gqa {gqa}");

@@ -26,6 +26,7 @@ pub use cache::{cache_kernels, cache_kernels_with, CacheKernels, PageQuantizers}
 pub use decode::{
     decode_groups, decode_head_groups, decode_kernels, decode_piece_rule, decode_runs_pieces,
     short_staging_changes, store_scores_changes, DecodeKernels, KernelEntry, PieceRule,
+    GENERIC_MAX_GQA, MAX_GQA,
 };
 pub use error::CodegenError;
 pub use head_groups::{HeadGroups, MMA_HEAD_COLUMNS};

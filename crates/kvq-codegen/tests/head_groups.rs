@@ -3,8 +3,8 @@
 //! where they do not; layouts the tensor cores do not serve keep the generic kernel.
 
 use kvq_codegen::{
-    decode_groups, decode_head_groups, decode_kernels, DecodeKernels, Dtype, HeadGroups,
-    KernelShape, TuneParams,
+    decode_groups, decode_head_groups, decode_kernels, CodegenError, DecodeKernels, Dtype,
+    HeadGroups, KernelShape, TuneParams, GENERIC_MAX_GQA, MAX_GQA,
 };
 use kvq_spec::SchemeSpec;
 
@@ -191,4 +191,46 @@ fn stored_scores_take_the_same_floats_in_groups() {
     assert!(uneven.stores_scores);
     assert_eq!(uneven.score_columns(), 12);
     assert_eq!(uneven.score_floats(2, 3, 5), 2 * 3 * 5 * 128 * 12 + 4);
+}
+
+#[test]
+fn past_the_generic_kernels_sixty_four_heads_only_the_tensor_cores_serve() {
+    let shape_at = |d, gqa| KernelShape::new(d, gqa, Dtype::F16);
+    let render_at = |text: &str, shape: &KernelShape| {
+        let spec = SchemeSpec::parse(text).unwrap();
+        decode_kernels(&spec, shape, &TuneParams::default_for(&spec, shape))
+    };
+    for text in tensor_core_schemes() {
+        // Falcon 7B: 71 query heads over one KV head at head_dim 64; and the most taken, 128.
+        for (d, gqa, groups) in [(64, 71, 9), (128, MAX_GQA, 16)] {
+            let k = render_at(text, &shape_at(d, gqa)).unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert!(is_tensor_core_kernel(&k.source), "{text} gqa {gqa}");
+            assert_eq!(
+                (k.head_groups, k.group_heads),
+                (groups, 8),
+                "{text} gqa {gqa}"
+            );
+        }
+        let past = render_at(text, &shape_at(128, MAX_GQA + 1)).unwrap_err();
+        assert!(
+            matches!(&past, CodegenError::Shape(m) if m.contains("expected 1..=128")),
+            "{past}"
+        );
+    }
+    // A layout only the generic kernel serves stops at its 64 heads, with the reason.
+    let generic = SCHEMES
+        .iter()
+        .copied()
+        .find(|text| !is_tensor_core_kernel(&render(text, 8).2.source))
+        .unwrap();
+    assert!(render_at(generic, &shape_at(128, GENERIC_MAX_GQA)).is_ok());
+    let err = render_at(generic, &shape_at(128, GENERIC_MAX_GQA + 1)).unwrap_err();
+    let CodegenError::Shape(message) = &err else {
+        panic!("{err:?}")
+    };
+    assert!(
+        message.contains("gqa = 65: the generic kernel")
+            && message.contains("at most 64 query heads"),
+        "{message}"
+    );
 }

@@ -1,7 +1,9 @@
 //! Every built-in integer/FP16 scheme's decode kernels and cache kernels compile with real NVRTC
 //! to CUBIN for sm_80 and sm_90a: decode at every supported head_dim, both dtypes and GQA 1/4/8/16
 //! (16 in two head groups of 8), and at head_dim 128 also GQA 12 (head groups of 6), 11 (two of 6,
-//! the second starting a head early) and 29 (four of 8, the last starting three heads early);
+//! the second starting a head early) and 29 (four of 8, the last starting three heads early), and
+//! at head_dim 64 GQA 71 (Falcon 7B's multi-query attention: nine rows of 8, past the generic
+//! kernel's 64);
 //! cache kernels in every page quantizer form. Decode also for calibrated schemes whose range pass
 //! keeps the f16 path, which no built-in takes. Needs no GPU: CI installs libnvrtc from pip and sets
 //! `KVQ_REQUIRE_NVRTC=1`, so these fail there rather than skip.
@@ -32,7 +34,11 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
                 .any(|t| matches!(t, TensorQuant::Codebook(_)));
         for head_dim in [64, 96, 128, 256] {
             for dtype in [Dtype::F16, Dtype::Bf16] {
-                let more_heads: &[u32] = if head_dim == 128 { &[11, 12, 29] } else { &[] };
+                let more_heads: &[u32] = match head_dim {
+                    128 => &[11, 12, 29],
+                    64 => &[71],
+                    _ => &[],
+                };
                 for &gqa in [1, 4, 8, 16].iter().chain(more_heads) {
                     let shape = KernelShape::new(head_dim, gqa, dtype);
                     match decode_kernels(&b.spec, &shape, &TuneParams::default_for(&b.spec, &shape))
@@ -52,7 +58,7 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
     }
     assert_eq!(
         jobs.len(),
-        8 * (4 * 2 * 4 + 3 * 2),
+        8 * (4 * 2 * 4 + 3 * 2 + 2),
         "every integer/FP16 built-in renders"
     );
     // Every block shape the tuner may pick, for schemes whose staging ring changes with it (tile
