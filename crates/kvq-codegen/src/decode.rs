@@ -674,10 +674,20 @@ pub fn decode_piece_rule(spec: &SchemeSpec, shape: &KernelShape, tune: &TunePara
 }
 
 impl DecodeKernels {
+    /// How the grid rows cover a KV head's query heads ([`HeadGroups`]; one row of all of them
+    /// on the generic kernel).
+    pub fn groups(&self) -> HeadGroups {
+        HeadGroups {
+            groups: self.head_groups,
+            heads: self.group_heads,
+            gqa: self.shape.gqa,
+        }
+    }
+
     /// Stored scores a token of a KV head takes: every grid row's heads (`gqa`, or more where the
     /// last head group shares heads with the one before).
     pub fn score_columns(&self) -> u32 {
-        self.head_groups * self.group_heads
+        self.groups().score_columns()
     }
 
     /// Whether `decode`'s piece CTAs do work (`num_pieces > 0`; tensor-core kernels with a piece

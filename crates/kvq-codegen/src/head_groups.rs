@@ -57,7 +57,8 @@ impl HeadGroups {
         self.groups * self.heads - self.gqa
     }
 
-    /// The first query head (of the KV head's) that row `group` scores.
+    /// The first query head (of the KV head's) that row `group` scores: what the template's
+    /// `kvq_head_row` computes on the GPU.
     pub fn start(&self, group: u32) -> u32 {
         (group * self.heads).min(self.gqa - self.heads)
     }

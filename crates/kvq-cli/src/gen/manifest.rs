@@ -714,7 +714,7 @@ pub(super) fn launch_info(decode: &DecodeKernels, kernels: &[KernelInfo]) -> Lau
         ]
         .into_iter()
         .chain((decode.head_groups > 1).then(|| {
-            let overlap = decode.score_columns() - decode.shape.gqa;
+            let overlap = decode.groups().overlap();
             let last = if overlap == 0 {
                 String::new()
             } else {
