@@ -1,7 +1,7 @@
 //! The fused split-K decode kernels of the integer and FP16 schemes, with their launch metadata.
 
 use crate::context::{DecodeCtx, MmaCtx, StagePlan, TensorCtx};
-use crate::head_groups::HeadGroups;
+use crate::head_groups::{HeadGroups, MMA_HEAD_COLUMNS};
 use crate::templates::render;
 use crate::{CodegenError, KernelShape, TuneParams};
 use kvq_spec::{CacheSource, SchemeSpec, TensorQuant};
@@ -155,8 +155,10 @@ fn mma_plan(
     };
     let reason = mma_unsupported_shape(shape, k, v);
     let enabled = reason.is_none();
+    let head_tiles = head_tiles(shape, k, v);
     // A CTA scores one group of the KV head's query heads (head_groups.rs).
-    let shape = &HeadGroups::for_gqa(shape.gqa).map_or(*shape, |g| g.cta_shape(shape));
+    let shape =
+        &HeadGroups::for_gqa_in_tiles(shape.gqa, head_tiles).map_or(*shape, |g| g.cta_shape(shape));
     let v_token_fold = v.kind == "int" && v.axis == "token";
     // Keys of half a word a thread (1-bit at head_dim 64) take the f16 path: not the integer one.
     let low_bit_keys = k.kind == "int" && k.bits <= 2 && !half_word_codes(k, d);
@@ -204,11 +206,29 @@ fn mma_plan(
         v_subnormal: v_token_fold && v_subnormal_pays(v),
         v_channel_subnormal,
         stage_v_params: stored_scores && v_channel_subnormal && stages_v_params(k, v),
-        merge_bytes: merge_bytes(tune, d),
+        merge_bytes: merge_bytes(tune, d) * head_tiles as usize,
+        head_tiles,
         pack_heads: enabled && k_high_int && tune.pack_heads && pack_heads_pays(shape, tune),
         k_fp16_row_cap: fp16_row_cap(k, tune),
         v_fp16_row_cap: fp16_row_cap(v, tune),
         piece_rule,
+    }
+}
+
+/// Head tiles of 8 query heads a warp of the tensor-core kernel scores ([`MmaCtx::head_tiles`]):
+/// two for FP16 K and V past 8 query heads a KV head at head_dim ≤ 128, so that a CTA serves up to
+/// 16 of them and each K and V fragment it loads feeds both tiles' `mma`. With one tile a row,
+/// every group of 8 heads loaded the KV head's bytes through its own SM's L1 again: at GQA 29
+/// (four rows) FP16 took 1.79× its one-launch read floor on an H100 with the SMs' L1/TEX
+/// throughput at 93% of its peak (forty-third round). Not for quantized tensors: their kernels
+/// at head_dim 128 already use the registers a second tile's accumulators would need. Not at
+/// head_dim 256, where one tile's accumulators take 64 registers a thread.
+fn head_tiles(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> u32 {
+    let fp16 = k.kind == "fp16" && v.kind == "fp16";
+    if fp16 && shape.gqa > MMA_HEAD_COLUMNS && shape.head_dim <= 128 {
+        2
+    } else {
+        1
     }
 }
 
@@ -585,7 +605,9 @@ pub(crate) fn packs_heads(spec: &SchemeSpec, shape: &KernelShape, tune: &TunePar
 
 /// Whether the default holds the decode kernel to twelve warps an SM (see
 /// [`TuneParams::default_for`]): the tensor-core kernels of 1- and 2-bit K and V, and of FP16, at
-/// head_dim ≤ 128 (at 256 the cap spills).
+/// head_dim ≤ 128 (at 256 the cap spills), but not FP16's two-tile kernel at head_dim 128: capped
+/// at 168 registers it spilled (187 local stores, NVRTC 13.0), uncapped it takes 249 (eight warps
+/// an SM).
 pub(crate) fn twelve_warps_by_default(spec: &SchemeSpec, shape: &KernelShape) -> bool {
     if !has_decode_kernel(spec) {
         return false;
@@ -598,7 +620,7 @@ pub(crate) fn twelve_warps_by_default(spec: &SchemeSpec, shape: &KernelShape) ->
         return false;
     };
     let low_bits = k.kind == "int" && v.kind == "int" && k.bits <= 2 && v.bits <= 2;
-    let fp16 = k.kind == "fp16" && v.kind == "fp16";
+    let fp16 = k.kind == "fp16" && v.kind == "fp16" && (d <= 64 || head_tiles(shape, &k, &v) == 1);
     d <= 128 && (low_bits || fp16) && mma_unsupported_shape(shape, &k, &v).is_none()
 }
 
@@ -644,21 +666,23 @@ pub fn decode_head_groups(spec: &SchemeSpec, shape: &KernelShape) -> u32 {
 /// them (the generic kernel).
 pub fn decode_groups(spec: &SchemeSpec, shape: &KernelShape) -> HeadGroups {
     let d = shape.head_dim as usize;
-    let tensor_cores = has_decode_kernel(spec)
-        && match (
-            TensorCtx::new("k", spec, &spec.k, d),
-            TensorCtx::new("v", spec, &spec.v, d),
-        ) {
-            (Ok(k), Ok(v)) => mma_unsupported_shape(shape, &k, &v).is_none(),
-            _ => false,
-        };
-    HeadGroups::for_gqa(shape.gqa)
-        .filter(|_| tensor_cores)
-        .unwrap_or(HeadGroups {
-            groups: 1,
-            heads: shape.gqa,
-            gqa: shape.gqa,
-        })
+    let one_row = HeadGroups {
+        groups: 1,
+        heads: shape.gqa,
+        gqa: shape.gqa,
+    };
+    if !has_decode_kernel(spec) {
+        return one_row;
+    }
+    match (
+        TensorCtx::new("k", spec, &spec.k, d),
+        TensorCtx::new("v", spec, &spec.v, d),
+    ) {
+        (Ok(k), Ok(v)) if mma_unsupported_shape(shape, &k, &v).is_none() => {
+            HeadGroups::for_gqa_in_tiles(shape.gqa, head_tiles(shape, &k, &v)).unwrap_or(one_row)
+        }
+        _ => one_row,
+    }
 }
 
 /// Whether the decode kernel for these parameters runs pieces after its splits

@@ -1,9 +1,10 @@
 //! Query heads a KV head past what one tensor-core CTA scores: the grid's head groups.
 //!
 //! The tensor-core decode kernel scores a KV head's query heads as the 8 columns of its `mma`
-//! tiles (`docs/KERNELS.md`), so it serves at most 8 query heads a KV head. Models with more
-//! (Mistral Large 2 has 12, Llama 3.1 405B 16, Falcon 180B 29) split each KV head's query heads
-//! into groups of at most 8: the decode grid (and CalibQuant's range grid) takes one row a group,
+//! tiles (`docs/KERNELS.md`), so a CTA serves at most 8 query heads, or 16 where its warps hold
+//! two head tiles (FP16 K and V at head_dim ≤ 128). Models with more (Mistral Large 2 has 12,
+//! Llama 3.1 405B 16, Falcon 180B 29) split each KV head's query heads into groups of at most
+//! that many: the decode grid (and CalibQuant's range grid) takes one row a group,
 //! and the rows of one KV head read the same cache bytes, which the ones after the first mostly
 //! find in L2, as they run at the same time. The query, output and partial buffers keep their
 //! layouts: row `j` of KV head `h` scores query heads `h·gqa + start(j) ..` (consecutive).
@@ -35,10 +36,17 @@ impl HeadGroups {
     /// row up to [`MMA_HEAD_COLUMNS`]; past it the fewest rows that cover them,
     /// `⌈gqa / 8⌉`, each of `⌈gqa / rows⌉` heads. `None` for `gqa` 0.
     pub fn for_gqa(gqa: u32) -> Option<HeadGroups> {
-        if gqa == 0 {
+        Self::for_gqa_in_tiles(gqa, 1)
+    }
+
+    /// The groups of a kernel whose CTAs score `tiles` head tiles of [`MMA_HEAD_COLUMNS`] each
+    /// (two for FP16 K and V past 8 query heads: `MmaCtx::head_tiles` in kvq-codegen): the fewest
+    /// rows of at most `8 · tiles` heads. `None` for `gqa` or `tiles` 0.
+    pub fn for_gqa_in_tiles(gqa: u32, tiles: u32) -> Option<HeadGroups> {
+        if gqa == 0 || tiles == 0 {
             return None;
         }
-        let groups = gqa.div_ceil(MMA_HEAD_COLUMNS);
+        let groups = gqa.div_ceil(MMA_HEAD_COLUMNS * tiles);
         Some(HeadGroups {
             groups,
             heads: gqa.div_ceil(groups),
@@ -111,10 +119,25 @@ mod tests {
     }
 
     #[test]
+    fn two_tiles_take_rows_of_at_most_sixteen() {
+        let split = |gqa| {
+            let g = HeadGroups::for_gqa_in_tiles(gqa, 2).unwrap();
+            (g.groups, g.heads, g.overlap())
+        };
+        assert_eq!(split(8), (1, 8, 0));
+        assert_eq!(split(11), (1, 11, 0));
+        assert_eq!(split(16), (1, 16, 0));
+        assert_eq!(split(24), (2, 12, 0));
+        assert_eq!(split(29), (2, 15, 1));
+        assert_eq!(split(71), (5, 15, 4));
+        assert_eq!(HeadGroups::for_gqa_in_tiles(4, 0), None);
+    }
+
+    #[test]
     fn rows_cover_every_head_and_each_head_is_written_once() {
-        for gqa in 1..=crate::MAX_GQA {
-            let g = HeadGroups::for_gqa(gqa).unwrap();
-            assert!(g.heads <= MMA_HEAD_COLUMNS, "gqa {gqa}");
+        for (gqa, tiles) in (1..=crate::MAX_GQA).flat_map(|gqa| [(gqa, 1), (gqa, 2)]) {
+            let g = HeadGroups::for_gqa_in_tiles(gqa, tiles).unwrap();
+            assert!(g.heads <= MMA_HEAD_COLUMNS * tiles, "gqa {gqa}");
             assert!(g.overlap() < g.heads, "gqa {gqa}");
             let mut written = vec![0; gqa as usize];
             for row in 0..g.groups {

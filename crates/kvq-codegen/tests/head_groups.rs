@@ -1,12 +1,13 @@
 //! More than 8 query heads a KV head: the tensor-core kernel takes them in head groups, one grid
 //! row a group (`HeadGroups`), equal where the heads allow and with the last group starting early
-//! where they do not; layouts the tensor cores do not serve keep the generic kernel.
+//! where they do not; FP16 K and V take groups of up to 16, two head tiles a warp; layouts the
+//! tensor cores do not serve keep the generic kernel.
 
 use kvq_codegen::{
     decode_groups, decode_head_groups, decode_kernels, CodegenError, DecodeKernels, Dtype,
     HeadGroups, KernelShape, TuneParams, GENERIC_MAX_GQA, MAX_GQA,
 };
-use kvq_spec::SchemeSpec;
+use kvq_spec::{SchemeSpec, TensorQuant};
 
 mod common;
 use common::SCHEMES;
@@ -21,6 +22,25 @@ fn render(text: &str, gqa: u32) -> (SchemeSpec, KernelShape, DecodeKernels) {
 
 fn is_tensor_core_kernel(source: &str) -> bool {
     source.contains("// kernel: tensor cores")
+}
+
+/// Head tiles a warp of the scheme's tensor-core kernel holds past 8 query heads: two for FP16 K
+/// and V (at head_dim 128, as `render` gives), one for the rest.
+fn tiles_past_eight(text: &str) -> u32 {
+    let spec = SchemeSpec::parse(text).unwrap();
+    if [spec.k, spec.v]
+        .iter()
+        .all(|t| matches!(t, TensorQuant::Fp16))
+    {
+        2
+    } else {
+        1
+    }
+}
+
+/// The rows the scheme's tensor-core kernel takes for `gqa` query heads.
+fn expected_groups(text: &str, gqa: u32) -> HeadGroups {
+    HeadGroups::for_gqa_in_tiles(gqa, tiles_past_eight(text)).unwrap()
 }
 
 /// The schemes whose kernels at GQA 8 are the tensor-core kernel (the others' layouts take the
@@ -38,7 +58,8 @@ fn tensor_core_schemes() -> Vec<&'static str> {
 #[test]
 fn more_than_eight_heads_take_the_tensor_cores_in_groups() {
     for text in tensor_core_schemes() {
-        for (gqa, groups, heads) in [(12, 2, 6), (16, 2, 8), (32, 4, 8)] {
+        for gqa in [12, 16, 32] {
+            let HeadGroups { groups, heads, .. } = expected_groups(text, gqa);
             let (spec, shape, k) = render(text, gqa);
             assert!(is_tensor_core_kernel(&k.source), "{text} gqa {gqa}");
             assert_eq!(k.head_groups, groups, "{text} gqa {gqa}");
@@ -49,7 +70,10 @@ fn more_than_eight_heads_take_the_tensor_cores_in_groups() {
             assert!(k
                 .source
                 .contains(&format!("static constexpr int HEAD_GROUPS = {groups};")));
-            let rows = format!("kv_heads * {groups}");
+            let rows = match groups {
+                1 => "kv_heads".to_string(),
+                g => format!("kv_heads * {g}"),
+            };
             assert_eq!(k.decode.grid[1], rows);
             if let Some(range) = &k.range {
                 assert_eq!(range.grid[1], rows, "the range grid takes the same rows");
@@ -63,8 +87,10 @@ fn more_than_eight_heads_take_the_tensor_cores_in_groups() {
 #[test]
 fn a_head_group_runs_the_kernel_of_its_heads_but_for_where_it_reads_the_cache() {
     for text in tensor_core_schemes() {
-        let (_, _, grouped) = render(text, 16);
-        let (_, _, eight) = render(text, 8);
+        // Two rows of a CTA's heads against one: 16 and 8 heads, 32 and 16 with two tiles.
+        let row_heads = 8 * tiles_past_eight(text);
+        let (_, _, grouped) = render(text, 2 * row_heads);
+        let (_, _, eight) = render(text, row_heads);
         let normalise = |k: &DecodeKernels| {
             let ids = [&k.decode.name, &k.combine.name]
                 .into_iter()
@@ -117,15 +143,21 @@ fn a_head_group_runs_the_kernel_of_its_heads_but_for_where_it_reads_the_cache() 
 #[test]
 fn heads_without_equal_groups_take_the_tensor_cores_with_the_last_group_starting_early() {
     for text in tensor_core_schemes() {
-        for (gqa, groups, heads) in [(9, 2, 5), (11, 2, 6), (13, 2, 7), (29, 4, 8)] {
+        // Groups of 8 (two rows of 5, 6, 7; four of 8), or of 16 with two tiles (two of 15).
+        let uneven = if tiles_past_eight(text) == 2 {
+            vec![29]
+        } else {
+            vec![9, 11, 13, 29]
+        };
+        for gqa in uneven {
+            let expected = expected_groups(text, gqa);
+            let HeadGroups { groups, heads, .. } = expected;
+            assert!(!expected.is_even());
             let (spec, shape, k) = render(text, gqa);
             assert!(is_tensor_core_kernel(&k.source), "{text} gqa {gqa}");
             assert_eq!((k.head_groups, k.group_heads), (groups, heads));
             assert_eq!(decode_head_groups(&spec, &shape), groups);
-            assert_eq!(
-                decode_groups(&spec, &shape),
-                HeadGroups::for_gqa(gqa).unwrap()
-            );
+            assert_eq!(decode_groups(&spec, &shape), expected);
             assert_eq!(k.decode.grid[1], format!("kv_heads * {groups}"));
             for constant in [
                 format!("static constexpr int GQA = {heads};"),
@@ -150,7 +182,7 @@ fn heads_without_equal_groups_take_the_tensor_cores_with_the_last_group_starting
                 .contains("for (int e = kvq_heads_shared(kvh) * D + threadIdx.x;"));
         }
         // Equal groups keep the plain head rows.
-        let (_, _, even) = render(text, 16);
+        let (_, _, even) = render(text, 32);
         assert!(!even.source.contains("kvq_head_row") && !even.source.contains("QHEADS"));
     }
 }
@@ -202,12 +234,13 @@ fn past_the_generic_kernels_sixty_four_heads_only_the_tensor_cores_serve() {
     };
     for text in tensor_core_schemes() {
         // Falcon 7B: 71 query heads over one KV head at head_dim 64; and the most taken, 128.
-        for (d, gqa, groups) in [(64, 71, 9), (128, MAX_GQA, 16)] {
+        for (d, gqa) in [(64, 71), (128, MAX_GQA)] {
             let k = render_at(text, &shape_at(d, gqa)).unwrap_or_else(|e| panic!("{text}: {e}"));
             assert!(is_tensor_core_kernel(&k.source), "{text} gqa {gqa}");
+            let HeadGroups { groups, heads, .. } = expected_groups(text, gqa);
             assert_eq!(
                 (k.head_groups, k.group_heads),
-                (groups, 8),
+                (groups, heads),
                 "{text} gqa {gqa}"
             );
         }
@@ -232,5 +265,51 @@ fn past_the_generic_kernels_sixty_four_heads_only_the_tensor_cores_serve() {
         message.contains("gqa = 65: the generic kernel")
             && message.contains("at most 64 query heads"),
         "{message}"
+    );
+}
+
+#[test]
+fn fp16_takes_up_to_sixteen_heads_a_cta_in_two_head_tiles() {
+    let fp16 = "k = fp16, v = fp16";
+    let tiles = |source: &str| {
+        [
+            "static constexpr int HT = 1;",
+            "static constexpr int HT = 2;",
+        ]
+        .iter()
+        .position(|line| source.contains(line))
+        .map(|i| i + 1)
+    };
+    for (gqa, groups, heads) in [
+        (11, 1, 11),
+        (16, 1, 16),
+        (24, 2, 12),
+        (29, 2, 15),
+        (32, 2, 16),
+    ] {
+        let (_, _, k) = render(fp16, gqa);
+        assert_eq!((k.head_groups, k.group_heads), (groups, heads), "gqa {gqa}");
+        assert_eq!(tiles(&k.source), Some(2), "gqa {gqa}");
+        assert!(k
+            .source
+            .contains(&format!("static constexpr int GQA = {heads};")));
+    }
+    // Up to 8 heads, and for every quantized scheme, one tile; at head_dim 256 FP16 too.
+    assert_eq!(tiles(&render(fp16, 8).2.source), Some(1));
+    for text in tensor_core_schemes().into_iter().filter(|t| *t != fp16) {
+        let (_, _, k) = render(text, 16);
+        assert_eq!(tiles(&k.source), Some(1), "{text}");
+        assert_eq!((k.head_groups, k.group_heads), (2, 8), "{text}");
+    }
+    let spec = SchemeSpec::parse(fp16).unwrap();
+    let d256 = KernelShape::new(256, 16, Dtype::F16);
+    let k = decode_kernels(&spec, &d256, &TuneParams::default_for(&spec, &d256)).unwrap();
+    assert_eq!((k.head_groups, tiles(&k.source)), (2, Some(1)));
+    // The merge leaves both tiles' accumulators in shared memory: twice one tile's bytes.
+    let (_, _, one) = render(fp16, 8);
+    let (_, _, two) = render(fp16, 16);
+    assert_eq!(
+        two.decode.dynamic_shared_bytes,
+        2 * one.decode.dynamic_shared_bytes
     );
 }

@@ -47,6 +47,13 @@ fn fp16_d256_gqa4_f16() {
     insta::assert_snapshot!(render("k = fp16, v = fp16", 256, 4, Dtype::F16));
 }
 
+/// Falcon 180B's 29 query heads a KV head at head_dim 64 (its own is 64): FP16's two head tiles,
+/// in two rows of 15 heads, the last starting one head early.
+#[test]
+fn fp16_d64_gqa29_f16() {
+    insta::assert_snapshot!(render("k = fp16, v = fp16", 64, 29, Dtype::F16));
+}
+
 #[test]
 fn the_kernel_header_names_scheme_shape_and_tuning() {
     let src = render(

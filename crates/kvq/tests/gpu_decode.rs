@@ -35,8 +35,20 @@ const LENGTHS: &[usize] = &[1, 127, 128, 129, 4097, 33000];
 const KV_HEADS: usize = 2;
 const HEAD_DIMS: &[u32] = &[64, 128, 256];
 /// 11 and 16 take the tensor-core kernel in two head groups: of 6 query heads, the second
-/// starting a head early (sharing one with the first), and of 8.
+/// starting a head early (sharing one with the first), and of 8. FP16's kernels at head_dim ≤ 128
+/// take them in one row of two head tiles instead, and are also checked at 29 heads: two rows of
+/// 15, the second starting a head early.
 const GQAS: &[u32] = &[1, 4, 8, 11, 16];
+const FP16_GQAS: &[u32] = &[1, 4, 8, 11, 16, 29];
+
+/// The query heads a KV head each scheme (or variant) is checked at.
+fn gqas_for(name: &str) -> &'static [u32] {
+    if name.starts_with("fp16") {
+        FP16_GQAS
+    } else {
+        GQAS
+    }
+}
 const DTYPES: &[Dtype] = &[Dtype::F16, Dtype::Bf16];
 
 /// KIVI-4's kernels on the short staging path (`TuneParams::short_staging`), which untuned launches
@@ -243,7 +255,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
     for (name, spec) in &schemes {
         for &d in HEAD_DIMS {
             for &dtype in DTYPES {
-                for &gqa in GQAS {
+                for &gqa in gqas_for(name) {
                     variants.push((*name, *spec, KernelShape::new(d, gqa, dtype)));
                 }
             }
@@ -303,7 +315,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                     Dtype::F16 => 2e-3,
                     Dtype::Bf16 => 1e-2,
                 };
-                for &gqa in GQAS {
+                for &gqa in gqas_for(name) {
                     let kernel = kernel_iter.next().expect("one kernel per variant");
                     assert_eq!(kernel.generated().shape, KernelShape::new(d, gqa, dtype));
                     let q_heads = KV_HEADS * gqa as usize;
@@ -479,7 +491,7 @@ fn gpu_jit_warm_start_report() {
     for (name, spec) in integer_schemes() {
         for &d in HEAD_DIMS {
             for &dtype in DTYPES {
-                for &gqa in GQAS {
+                for &gqa in gqas_for(name) {
                     let shape = KernelShape::new(d, gqa, dtype);
                     DecodeKernel::load(
                         &jit,
