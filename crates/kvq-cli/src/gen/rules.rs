@@ -210,8 +210,8 @@ fn block_change_text(base: &TuneParams, block: &TuneParams) -> String {
 /// `SHORT_CONTEXT_BUCKET`).
 pub(super) fn default_splits_text(spec: &kvq::SchemeSpec, shape: &KernelShape) -> String {
     use kvq::runtime::decode::{min_warp_tokens, SHORT_CONTEXT_BUCKET};
-    let short = min_warp_tokens(spec, SHORT_CONTEXT_BUCKET);
-    let long = min_warp_tokens(spec, SHORT_CONTEXT_BUCKET + 1);
+    let short = min_warp_tokens(spec, shape, SHORT_CONTEXT_BUCKET);
+    let long = min_warp_tokens(spec, shape, SHORT_CONTEXT_BUCKET + 1);
     let warp_tokens = if short == long {
         long.to_string()
     } else {

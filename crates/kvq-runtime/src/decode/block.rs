@@ -9,7 +9,9 @@
 
 use std::ops::RangeInclusive;
 
-use kvq_codegen::{short_staging_changes, store_scores_changes, KernelShape, TuneParams};
+use kvq_codegen::{
+    short_staging_changes, store_scores_changes, KernelShape, TuneParams, MMA_HEAD_COLUMNS,
+};
 use kvq_spec::SchemeSpec;
 
 use crate::tune::{context_bucket, MAX_SPLITS};
@@ -38,6 +40,20 @@ pub const FP16_MIDDLE_PAIRS_BUCKETS: RangeInclusive<usize> = 0..=16384;
 /// 57.4–58.0 µs at both placement pads, where the two-warp block ran 59.4 at one and 66.6–66.9 at
 /// the other, but 65.9 µs in a checked run of every scheme.
 pub const FP16_FEW_PAIRS_BLOCK: (u32, u32) = (128, 32);
+
+/// [`FP16_FEW_PAIRS_BLOCK`] for FP16's two-tile kernels (more than 8 query heads a KV head at
+/// head_dim 128: `MmaCtx::head_tiles` in kvq-codegen): eight-warp CTAs of 32-token tiles. A
+/// two-tile CTA does two one-tile CTAs' work, and the grid has half the rows: with the one-tile
+/// kernels' block it took 19.7 µs at B=1 L=4K (GQA 16, H100) where the one-tile kernel had
+/// taken 17.2, and the tuner picked this block (16.1 µs). With it, and [`min_warp_tokens`]'s 32
+/// tokens a split warp (forty-fourth round, against the one-tile kernel's untuned launch in the
+/// same run, docs/BENCHMARKS.md): GQA 16 B=1 ×1.04 at 4K, B=2 and B=4 ×1.03–×1.08 at 1K–4K;
+/// GQA 11 alike. The one-tile blocks still take B=1 and B=2 at 1K–2K, where the two-tile
+/// kernel's grid fills the GPU worst (×0.91–×0.98), and B=8 at 1K lost ×0.92 (GQA 16): there the
+/// one-tile kernel's two rows made a whole-pairs wave of eight-warp CTAs.
+///
+/// [`min_warp_tokens`]: super::min_warp_tokens
+pub const FP16_TWO_TILE_FEW_PAIRS_BLOCK: (u32, u32) = (256, 32);
 
 /// Most (sequence, KV head) pairs a launch may have for FP16 to take a [`OneTileBlock`]: B ≤ 8 at
 /// 8 KV heads, the batches measured.
@@ -301,6 +317,11 @@ enum Family {
     EightBit,
 }
 
+/// Whether the tensor-core kernel's warps hold two head tiles (FP16 past 8 query heads a KV head).
+fn two_head_tiles(spec: &SchemeSpec, shape: &KernelShape) -> bool {
+    kvq_codegen::decode_groups(spec, shape).heads > MMA_HEAD_COLUMNS
+}
+
 fn family(spec: &SchemeSpec, shape: &KernelShape) -> Option<Family> {
     if shape.head_dim != 128 {
         return None;
@@ -341,6 +362,11 @@ fn family(spec: &SchemeSpec, shape: &KernelShape) -> Option<Family> {
 /// 4 in f16. Empty for every other scheme and shape.
 pub fn few_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<FewPairsBlock> {
     let base = TuneParams::default_for(spec, shape);
+    let fp16_block = if two_head_tiles(spec, shape) {
+        FP16_TWO_TILE_FEW_PAIRS_BLOCK
+    } else {
+        FP16_FEW_PAIRS_BLOCK
+    };
     let few = |(threads, tile_tokens), pairs, buckets, splits_from_default| FewPairsBlock {
         params: TuneParams {
             threads,
@@ -353,14 +379,9 @@ pub fn few_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<FewPairsB
     };
     match family(spec, shape) {
         Some(Family::Fp16) => vec![
+            few(fp16_block, 1..=FP16_FEW_PAIRS_MAX, 0..=usize::MAX, false),
             few(
-                FP16_FEW_PAIRS_BLOCK,
-                1..=FP16_FEW_PAIRS_MAX,
-                0..=usize::MAX,
-                false,
-            ),
-            few(
-                FP16_FEW_PAIRS_BLOCK,
+                fp16_block,
                 FP16_MIDDLE_PAIRS,
                 FP16_MIDDLE_PAIRS_BUCKETS,
                 false,
@@ -488,10 +509,12 @@ pub fn whole_pairs_blocks(spec: &SchemeSpec, shape: &KernelShape) -> Vec<WholePa
             b.params.short_staging = true;
             vec![b]
         }
+        // Twelve warps an SM where the default takes them: not in FP16's two-tile kernels (past
+        // 8 query heads a KV head), whose registers the floor would spill.
         Some(Family::Fp16) => vec![
             block(256, 32, 0, 1..=1, 0..=4096),
-            block(128, 64, 12, 2..=3, 0..=4096),
-            block(64, 64, 12, 4..=4, 0..=2048),
+            block(128, 64, base.min_warps_per_sm, 2..=3, 0..=4096),
+            block(64, 64, base.min_warps_per_sm, 4..=4, 0..=2048),
         ],
         _ => Vec::new(),
     }

@@ -297,7 +297,7 @@ impl DecodeKernel {
             max_len,
             self.resident_ctas(sm_count)?,
             self.generated.tune.warps(),
-            super::min_warp_tokens(&self.spec, max_len),
+            super::min_warp_tokens(&self.spec, &self.generated.shape, max_len),
         ))
     }
 

@@ -1,7 +1,7 @@
 //! How a decode launch divides each sequence's work: split-K partitions, and pieces launched after
 //! them for the SMs that finish first.
 
-use kvq_codegen::PieceRule;
+use kvq_codegen::{decode_groups, KernelShape, PieceRule, MMA_HEAD_COLUMNS};
 use kvq_spec::SchemeSpec;
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
@@ -109,9 +109,15 @@ pub const SHORT_WARP_TOKENS: usize = 32;
 /// contexts of 256 to 4K tokens, where the grid is otherwise too small to fill the GPU, 32 tokens
 /// a warp ran the quantized schemes ×0.99–×1.31 (CalibQuant most, at 256 tokens); at 8K Kitty ran
 /// ×0.90 and Kitty-Pro ×0.93 (warps of less than a chunk), and FP16 ×0.96–×0.99 from 1K on.
-pub fn min_warp_tokens(spec: &SchemeSpec, max_len: usize) -> usize {
+/// FP16's two-tile kernels (past 8 query heads a KV head at head_dim ≤ 128), whose warps do
+/// twice a one-tile warp's work a token and whose grids have half the rows, take 32 as well: at
+/// GQA 16 on an H100 (forty-fourth round, two calls on different machines) B=1 L=1K ran 13.6 µs
+/// instead of 16.6, B=1 L=4K 16.2 instead of 18.1 (16 splits, the tuner's choice with 64), and
+/// B ∈ {2, 4, 8} at 1K–4K within ±2%.
+pub fn min_warp_tokens(spec: &SchemeSpec, shape: &KernelShape, max_len: usize) -> usize {
     let quantized = spec.k.is_quantized() || spec.v.is_quantized();
-    if quantized && context_bucket(max_len) <= SHORT_CONTEXT_BUCKET {
+    let two_tiles = decode_groups(spec, shape).heads > MMA_HEAD_COLUMNS;
+    if (quantized || two_tiles) && context_bucket(max_len) <= SHORT_CONTEXT_BUCKET {
         SHORT_WARP_TOKENS
     } else {
         WARP_TOKENS
@@ -279,6 +285,7 @@ fn parse_pieces(text: &str, splits: usize) -> Option<Pieces> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvq_codegen::Dtype;
 
     #[test]
     fn fills_whole_waves() {
@@ -435,14 +442,22 @@ mod tests {
         let kivi2 = SchemeSpec::parse("k = int(2, channel), v = int(2, token)").unwrap();
         let fp16 = SchemeSpec::parse("k = fp16, v = fp16").unwrap();
         let fp16_k = SchemeSpec::parse("k = fp16, v = int(2, token)").unwrap();
-        assert_eq!(min_warp_tokens(&kivi2, 4096), SHORT_WARP_TOKENS);
-        assert_eq!(min_warp_tokens(&kivi2, 256), SHORT_WARP_TOKENS);
-        assert_eq!(min_warp_tokens(&fp16_k, 3000), SHORT_WARP_TOKENS);
-        assert_eq!(min_warp_tokens(&kivi2, 4097), WARP_TOKENS);
-        assert_eq!(min_warp_tokens(&fp16, 4096), WARP_TOKENS);
+        let gqa4 = KernelShape::new(128, 4, Dtype::F16);
+        assert_eq!(min_warp_tokens(&kivi2, &gqa4, 4096), SHORT_WARP_TOKENS);
+        assert_eq!(min_warp_tokens(&kivi2, &gqa4, 256), SHORT_WARP_TOKENS);
+        assert_eq!(min_warp_tokens(&fp16_k, &gqa4, 3000), SHORT_WARP_TOKENS);
+        assert_eq!(min_warp_tokens(&kivi2, &gqa4, 4097), WARP_TOKENS);
+        assert_eq!(min_warp_tokens(&fp16, &gqa4, 4096), WARP_TOKENS);
+        // FP16 in two head tiles a warp (16 heads at head_dim 128) as the quantized kernels; at
+        // head_dim 256 (one tile, two rows) as at GQA 4.
+        let gqa16 = KernelShape::new(128, 16, Dtype::F16);
+        assert_eq!(min_warp_tokens(&fp16, &gqa16, 4096), SHORT_WARP_TOKENS);
+        assert_eq!(min_warp_tokens(&fp16, &gqa16, 4097), WARP_TOKENS);
+        let d256 = KernelShape::new(256, 16, Dtype::F16);
+        assert_eq!(min_warp_tokens(&fp16, &d256, 4096), WARP_TOKENS);
         // Four-warp CTAs, three per SM (396 slots), B=1 L=4K: 32 splits instead of 16; at 8K
         // still 32 (64 tokens a warp).
-        let at = |len| default_splits(1, 8, len, 396, 4, min_warp_tokens(&kivi2, len));
+        let at = |len| default_splits(1, 8, len, 396, 4, min_warp_tokens(&kivi2, &gqa4, len));
         assert_eq!(at(4096), 32);
         assert_eq!(at(8192), 32);
     }

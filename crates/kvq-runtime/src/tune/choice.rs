@@ -91,7 +91,7 @@ impl TuneChoice {
                 problem.max_len,
                 gpu.resident_ctas,
                 params.warps(),
-                min_warp_tokens(&problem.spec, problem.max_len),
+                min_warp_tokens(&problem.spec, &problem.shape, problem.max_len),
             ),
         };
         params.short_staging = short_staging_changes(&problem.spec, &problem.shape, &params)
@@ -117,7 +117,7 @@ impl TuneChoice {
                         problem.max_len,
                         resident,
                         params.warps(),
-                        min_warp_tokens(&problem.spec, problem.max_len),
+                        min_warp_tokens(&problem.spec, &problem.shape, problem.max_len),
                     )
                 },
             )
@@ -814,12 +814,13 @@ mod tests {
     #[test]
     fn head_groups_count_as_kv_heads_of_their_group_size() {
         // 16 query heads a KV head take two grid rows of 8: the untuned launch of 8 KV heads at
-        // GQA 16 is that of 16 KV heads at GQA 8, for every family of rules.
-        for scheme in [
-            "k = fp16, v = fp16",
-            "k = int(2, channel), v = int(2, token), local = 128",
-            "k = int(4, channel), v = int(4, token), local = 128",
-            "k = int(1, channel), v = int(1, channel), local = 128, calibrate = calibrate(tau1 = 0.6, tau2 = 0.1)",
+        // GQA 16 is that of 16 KV heads at GQA 8, for every family of rules. FP16's rows hold
+        // 16 heads (two head tiles a warp): GQA 32 over 8 KV heads is GQA 16 over 16.
+        for (scheme, row_heads) in [
+            ("k = fp16, v = fp16", 16),
+            ("k = int(2, channel), v = int(2, token), local = 128", 8),
+            ("k = int(4, channel), v = int(4, token), local = 128", 8),
+            ("k = int(1, channel), v = int(1, channel), local = 128, calibrate = calibrate(tau1 = 0.6, tau2 = 0.1)", 8),
         ] {
             for (batch, len) in [(1, 32_768), (4, 4096), (16, 32_768), (64, 1024)] {
                 let of = |gqa, kv_heads| {
@@ -832,9 +833,9 @@ mod tests {
                     );
                     (p.grid_heads(), p.cta_gqa(), TuneChoice::heuristic(&p, h100(396)))
                 };
-                let (rows, heads, grouped) = of(16, 8);
-                assert_eq!((rows, heads), (16, 8), "{scheme}");
-                assert_eq!(grouped, of(8, 16).2, "{scheme} B={batch} L={len}");
+                let (rows, heads, grouped) = of(2 * row_heads, 8);
+                assert_eq!((rows, heads), (16, row_heads), "{scheme}");
+                assert_eq!(grouped, of(row_heads, 16).2, "{scheme} B={batch} L={len}");
             }
         }
     }
