@@ -309,8 +309,9 @@ pub(crate) struct MmaCtx {
     /// Dynamic shared memory where a CTA's warps leave their accumulators for the merge at the
     /// end (the ring's bytes, no longer in use by then, when they are more).
     pub merge_bytes: usize,
-    /// Head tiles of 8 query heads a warp scores: 2 where a CTA serves up to 16 query heads of
-    /// FP16 K and V (see `head_tiles` in decode.rs), else 1.
+    /// Head tiles of 8 query heads a warp scores: as many as a row's heads fill where a CTA
+    /// serves more than 8 query heads of FP16 K and V (at most 2 at head_dim 128 and 4 at 64; see
+    /// `most_head_tiles` in decode.rs), else 1.
     pub head_tiles: u32,
     /// Two 16-token subtiles share one score fragment at GQA ≤ 4: the head columns 4–7 of the
     /// `mma`, which would score heads past GQA, score heads 0–3 of the next subtile instead, so

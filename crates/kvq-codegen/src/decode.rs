@@ -155,10 +155,10 @@ fn mma_plan(
     };
     let reason = mma_unsupported_shape(shape, k, v);
     let enabled = reason.is_none();
-    let head_tiles = head_tiles(shape, k, v);
+    let groups = mma_head_groups(shape, k, v);
+    let head_tiles = head_tiles_of(groups);
     // A CTA scores one group of the KV head's query heads (head_groups.rs).
-    let shape =
-        &HeadGroups::for_gqa_in_tiles(shape.gqa, head_tiles).map_or(*shape, |g| g.cta_shape(shape));
+    let shape = &groups.map_or(*shape, |g| g.cta_shape(shape));
     let v_token_fold = v.kind == "int" && v.axis == "token";
     // Keys of half a word a thread (1-bit at head_dim 64) take the f16 path: not the integer one.
     let low_bit_keys = k.kind == "int" && k.bits <= 2 && !half_word_codes(k, d);
@@ -215,21 +215,30 @@ fn mma_plan(
     }
 }
 
-/// Head tiles of 8 query heads a warp of the tensor-core kernel scores ([`MmaCtx::head_tiles`]):
-/// two for FP16 K and V past 8 query heads a KV head at head_dim ≤ 128, so that a CTA serves up to
-/// 16 of them and each K and V fragment it loads feeds both tiles' `mma`. With one tile a row,
-/// every group of 8 heads loaded the KV head's bytes through its own SM's L1 again: at GQA 29
-/// (four rows) FP16 took 1.79× its one-launch read floor on an H100 with the SMs' L1/TEX
-/// throughput at 93% of its peak (forty-third round). Not for quantized tensors: their kernels
-/// at head_dim 128 already use the registers a second tile's accumulators would need. Not at
-/// head_dim 256, where one tile's accumulators take 64 registers a thread.
-fn head_tiles(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> u32 {
-    let fp16 = k.kind == "fp16" && v.kind == "fp16";
-    if fp16 && shape.gqa > MMA_HEAD_COLUMNS && shape.head_dim <= 128 {
-        2
-    } else {
-        1
+/// Most head tiles of 8 query heads a warp of the tensor-core kernel may hold
+/// ([`MmaCtx::head_tiles`]): for FP16 K and V two at head_dim 128 and four at head_dim 64, so
+/// that a CTA serves up to 16 or 32 query heads and each K and V fragment it loads feeds every
+/// tile's `mma`. With one tile a row, every group of 8 heads loaded the KV head's bytes through
+/// its own SM's L1 again: at GQA 29 (four rows) FP16 took 1.79× its one-launch read floor on an
+/// H100 with the SMs' L1/TEX throughput at 93% of its peak (forty-third round). Not for quantized
+/// tensors: their kernels at head_dim 128 already use the registers a second tile's accumulators
+/// would need. Not at head_dim 256, where one tile's accumulators take 64 registers a thread.
+fn most_head_tiles(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> u32 {
+    match (k.kind == "fp16" && v.kind == "fp16", shape.head_dim) {
+        (true, 64) => 4,
+        (true, 128) => 2,
+        _ => 1,
     }
+}
+
+/// The grid rows of the tensor-core kernel: the fewest of at most [`most_head_tiles`] tiles.
+fn mma_head_groups(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> Option<HeadGroups> {
+    HeadGroups::for_gqa_in_tiles(shape.gqa, most_head_tiles(shape, k, v))
+}
+
+/// Head tiles a warp holds for the rows `groups` gives: as many as a row's heads fill.
+fn head_tiles_of(groups: Option<HeadGroups>) -> u32 {
+    groups.map_or(1, |g| g.heads.div_ceil(MMA_HEAD_COLUMNS))
 }
 
 /// At most how many quantized rows of a tensor one of its FP16 rows (sink or tail window) costs
@@ -605,9 +614,10 @@ pub(crate) fn packs_heads(spec: &SchemeSpec, shape: &KernelShape, tune: &TunePar
 
 /// Whether the default holds the decode kernel to twelve warps an SM (see
 /// [`TuneParams::default_for`]): the tensor-core kernels of 1- and 2-bit K and V, and of FP16, at
-/// head_dim ≤ 128 (at 256 the cap spills), but not FP16's two-tile kernel at head_dim 128: capped
-/// at 168 registers it spilled (187 local stores, NVRTC 13.0), uncapped it takes 249 (eight warps
-/// an SM).
+/// head_dim ≤ 128 (at 256 the cap spills), but not FP16's kernels of more head tiles than fit the
+/// cap's 168 registers: two at head_dim 128 spilled (187 local stores, NVRTC 13.0; uncapped 249
+/// registers, eight warps an SM), three and four at head_dim 64 too (76 and 199–219 stores;
+/// uncapped 229 and 252 registers); two at head_dim 64 fit.
 pub(crate) fn twelve_warps_by_default(spec: &SchemeSpec, shape: &KernelShape) -> bool {
     if !has_decode_kernel(spec) {
         return false;
@@ -620,7 +630,8 @@ pub(crate) fn twelve_warps_by_default(spec: &SchemeSpec, shape: &KernelShape) ->
         return false;
     };
     let low_bits = k.kind == "int" && v.kind == "int" && k.bits <= 2 && v.bits <= 2;
-    let fp16 = k.kind == "fp16" && v.kind == "fp16" && (d <= 64 || head_tiles(shape, &k, &v) == 1);
+    let tiles = head_tiles_of(mma_head_groups(shape, &k, &v));
+    let fp16 = k.kind == "fp16" && v.kind == "fp16" && (tiles == 1 || (d <= 64 && tiles <= 2));
     d <= 128 && (low_bits || fp16) && mma_unsupported_shape(shape, &k, &v).is_none()
 }
 
@@ -679,7 +690,7 @@ pub fn decode_groups(spec: &SchemeSpec, shape: &KernelShape) -> HeadGroups {
         TensorCtx::new("v", spec, &spec.v, d),
     ) {
         (Ok(k), Ok(v)) if mma_unsupported_shape(shape, &k, &v).is_none() => {
-            HeadGroups::for_gqa_in_tiles(shape.gqa, head_tiles(shape, &k, &v)).unwrap_or(one_row)
+            mma_head_groups(shape, &k, &v).unwrap_or(one_row)
         }
         _ => one_row,
     }

@@ -1,8 +1,8 @@
 //! Query heads a KV head past what one tensor-core CTA scores: the grid's head groups.
 //!
 //! The tensor-core decode kernel scores a KV head's query heads as the 8 columns of its `mma`
-//! tiles (`docs/KERNELS.md`), so a CTA serves at most 8 query heads, or 16 where its warps hold
-//! two head tiles (FP16 K and V at head_dim ≤ 128). Models with more (Mistral Large 2 has 12,
+//! tiles (`docs/KERNELS.md`), so a CTA serves at most 8 query heads, or 8 a head tile where its
+//! warps hold several (FP16 K and V: two at head_dim 128, four at 64). Models with more (Mistral Large 2 has 12,
 //! Llama 3.1 405B 16, Falcon 180B 29) split each KV head's query heads into groups of at most
 //! that many: the decode grid (and CalibQuant's range grid) takes one row a group,
 //! and the rows of one KV head read the same cache bytes, which the ones after the first mostly
@@ -39,8 +39,8 @@ impl HeadGroups {
         Self::for_gqa_in_tiles(gqa, 1)
     }
 
-    /// The groups of a kernel whose CTAs score `tiles` head tiles of [`MMA_HEAD_COLUMNS`] each
-    /// (two for FP16 K and V past 8 query heads: `MmaCtx::head_tiles` in kvq-codegen): the fewest
+    /// The groups of a kernel whose CTAs score up to `tiles` head tiles of [`MMA_HEAD_COLUMNS`]
+    /// each (FP16 K and V past 8 query heads: `MmaCtx::head_tiles` in kvq-codegen): the fewest
     /// rows of at most `8 · tiles` heads. `None` for `gqa` or `tiles` 0.
     pub fn for_gqa_in_tiles(gqa: u32, tiles: u32) -> Option<HeadGroups> {
         if gqa == 0 || tiles == 0 {

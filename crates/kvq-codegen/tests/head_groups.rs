@@ -24,23 +24,31 @@ fn is_tensor_core_kernel(source: &str) -> bool {
     source.contains("// kernel: tensor cores")
 }
 
-/// Head tiles a warp of the scheme's tensor-core kernel holds past 8 query heads: two for FP16 K
-/// and V (at head_dim 128, as `render` gives), one for the rest.
-fn tiles_past_eight(text: &str) -> u32 {
+/// Most head tiles a warp of the scheme's tensor-core kernel holds at head_dim `d`: for FP16 K
+/// and V two at 128 (as `render` gives) and four at 64, one for the rest.
+fn most_tiles_at(text: &str, d: u32) -> u32 {
     let spec = SchemeSpec::parse(text).unwrap();
-    if [spec.k, spec.v]
+    let fp16 = [spec.k, spec.v]
         .iter()
-        .all(|t| matches!(t, TensorQuant::Fp16))
-    {
-        2
-    } else {
-        1
+        .all(|t| matches!(t, TensorQuant::Fp16));
+    match (fp16, d) {
+        (true, 64) => 4,
+        (true, 128) => 2,
+        _ => 1,
     }
 }
 
-/// The rows the scheme's tensor-core kernel takes for `gqa` query heads.
+fn tiles_past_eight(text: &str) -> u32 {
+    most_tiles_at(text, 128)
+}
+
+/// The rows the scheme's tensor-core kernel takes for `gqa` query heads at head_dim `d`.
+fn expected_groups_at(text: &str, d: u32, gqa: u32) -> HeadGroups {
+    HeadGroups::for_gqa_in_tiles(gqa, most_tiles_at(text, d)).unwrap()
+}
+
 fn expected_groups(text: &str, gqa: u32) -> HeadGroups {
-    HeadGroups::for_gqa_in_tiles(gqa, tiles_past_eight(text)).unwrap()
+    expected_groups_at(text, 128, gqa)
 }
 
 /// The schemes whose kernels at GQA 8 are the tensor-core kernel (the others' layouts take the
@@ -237,7 +245,7 @@ fn past_the_generic_kernels_sixty_four_heads_only_the_tensor_cores_serve() {
         for (d, gqa) in [(64, 71), (128, MAX_GQA)] {
             let k = render_at(text, &shape_at(d, gqa)).unwrap_or_else(|e| panic!("{text}: {e}"));
             assert!(is_tensor_core_kernel(&k.source), "{text} gqa {gqa}");
-            let HeadGroups { groups, heads, .. } = expected_groups(text, gqa);
+            let HeadGroups { groups, heads, .. } = expected_groups_at(text, d, gqa);
             assert_eq!(
                 (k.head_groups, k.group_heads),
                 (groups, heads),
@@ -269,7 +277,7 @@ fn past_the_generic_kernels_sixty_four_heads_only_the_tensor_cores_serve() {
 }
 
 #[test]
-fn fp16_takes_up_to_sixteen_heads_a_cta_in_two_head_tiles() {
+fn fp16_takes_up_to_sixteen_heads_a_cta_in_two_head_tiles_and_thirty_two_at_head_dim_64() {
     let fp16 = "k = fp16, v = fp16";
     let tiles = |source: &str| {
         [
@@ -302,9 +310,25 @@ fn fp16_takes_up_to_sixteen_heads_a_cta_in_two_head_tiles() {
         assert_eq!((k.head_groups, k.group_heads), (2, 8), "{text}");
     }
     let spec = SchemeSpec::parse(fp16).unwrap();
-    let d256 = KernelShape::new(256, 16, Dtype::F16);
-    let k = decode_kernels(&spec, &d256, &TuneParams::default_for(&spec, &d256)).unwrap();
+    let at = |d, gqa| {
+        let shape = KernelShape::new(d, gqa, Dtype::F16);
+        decode_kernels(&spec, &shape, &TuneParams::default_for(&spec, &shape)).unwrap()
+    };
+    let k = at(256, 16);
     assert_eq!((k.head_groups, tiles(&k.source)), (2, Some(1)));
+    // At head_dim 64 up to four tiles, as many as a row's heads fill: Falcon 180B's 29 heads a
+    // KV head in one row, Falcon 7B's 71 over one KV head in three rows of 24.
+    let holds =
+        |source: &str, tiles: u32| source.contains(&format!("static constexpr int HT = {tiles};"));
+    let k = at(64, 29);
+    assert_eq!((k.head_groups, k.group_heads), (1, 29));
+    assert!(holds(&k.source, 4));
+    let k = at(64, 71);
+    assert_eq!((k.head_groups, k.group_heads), (3, 24));
+    assert!(holds(&k.source, 3));
+    let k = at(64, 16);
+    assert_eq!((k.head_groups, k.group_heads), (1, 16));
+    assert!(holds(&k.source, 2));
     // The merge leaves both tiles' accumulators in shared memory: twice one tile's bytes.
     let (_, _, one) = render(fp16, 8);
     let (_, _, two) = render(fp16, 16);

@@ -47,11 +47,11 @@ fn fp16_d256_gqa4_f16() {
     insta::assert_snapshot!(render("k = fp16, v = fp16", 256, 4, Dtype::F16));
 }
 
-/// Falcon 180B's 29 query heads a KV head at head_dim 64 (its own is 64): FP16's two head tiles,
-/// in two rows of 15 heads, the last starting one head early.
+/// Falcon 7B's 71 query heads over one KV head at head_dim 64: FP16 in three head tiles a warp,
+/// three rows of 24 heads, the last starting one head early.
 #[test]
-fn fp16_d64_gqa29_f16() {
-    insta::assert_snapshot!(render("k = fp16, v = fp16", 64, 29, Dtype::F16));
+fn fp16_d64_gqa71_f16() {
+    insta::assert_snapshot!(render("k = fp16, v = fp16", 64, 71, Dtype::F16));
 }
 
 #[test]

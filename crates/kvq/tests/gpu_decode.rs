@@ -36,8 +36,8 @@ const KV_HEADS: usize = 2;
 const HEAD_DIMS: &[u32] = &[64, 128, 256];
 /// 11 and 16 take the tensor-core kernel in two head groups: of 6 query heads, the second
 /// starting a head early (sharing one with the first), and of 8. FP16's kernels at head_dim ≤ 128
-/// take them in one row of two head tiles instead, and are also checked at 29 heads: two rows of
-/// 15, the second starting a head early.
+/// take them in one row of two head tiles instead, and are also checked at 29 heads: at head_dim
+/// 128 two rows of 15 in two tiles, the second starting a head early; at 64 one row in four.
 const GQAS: &[u32] = &[1, 4, 8, 11, 16];
 const FP16_GQAS: &[u32] = &[1, 4, 8, 11, 16, 29];
 

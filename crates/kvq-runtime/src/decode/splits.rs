@@ -109,8 +109,9 @@ pub const SHORT_WARP_TOKENS: usize = 32;
 /// contexts of 256 to 4K tokens, where the grid is otherwise too small to fill the GPU, 32 tokens
 /// a warp ran the quantized schemes ×0.99–×1.31 (CalibQuant most, at 256 tokens); at 8K Kitty ran
 /// ×0.90 and Kitty-Pro ×0.93 (warps of less than a chunk), and FP16 ×0.96–×0.99 from 1K on.
-/// FP16's two-tile kernels (past 8 query heads a KV head at head_dim ≤ 128), whose warps do
-/// twice a one-tile warp's work a token and whose grids have half the rows, take 32 as well: at
+/// FP16's kernels of several head tiles (past 8 query heads a KV head at head_dim 64 and 128),
+/// whose warps do a one-tile warp's work a token once a tile and whose grids have fewer rows,
+/// take 32 as well: at
 /// GQA 16 on an H100 (forty-fourth round, two calls on different machines) B=1 L=1K ran 13.6 µs
 /// instead of 16.6, B=1 L=4K 16.2 instead of 18.1 (16 splits, the tuner's choice with 64), and
 /// B ∈ {2, 4, 8} at 1K–4K within ±2%.
