@@ -1,7 +1,7 @@
 //! The fused split-K decode kernels of the integer and FP16 schemes, with their launch metadata.
 
 use crate::context::{DecodeCtx, MmaCtx, StagePlan, TensorCtx};
-use crate::head_groups::{HeadGroups, MMA_HEAD_COLUMNS};
+use crate::head_groups::HeadGroups;
 use crate::templates::render;
 use crate::{CodegenError, KernelShape, TuneParams};
 use kvq_spec::{CacheSource, SchemeSpec, TensorQuant};
@@ -236,9 +236,9 @@ fn mma_head_groups(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> Option<
     HeadGroups::for_gqa_in_tiles(shape.gqa, most_head_tiles(shape, k, v))
 }
 
-/// Head tiles a warp holds for the rows `groups` gives: as many as a row's heads fill.
+/// Head tiles a warp holds for the rows `groups` gives ([`HeadGroups::tiles`]; 1 without rows).
 fn head_tiles_of(groups: Option<HeadGroups>) -> u32 {
-    groups.map_or(1, |g| g.heads.div_ceil(MMA_HEAD_COLUMNS))
+    groups.map_or(1, |g| g.tiles())
 }
 
 /// At most how many quantized rows of a tensor one of its FP16 rows (sink or tail window) costs
@@ -617,7 +617,7 @@ pub(crate) fn packs_heads(spec: &SchemeSpec, shape: &KernelShape, tune: &TunePar
 /// head_dim ≤ 128 (at 256 the cap spills), but not FP16's kernels of more head tiles than fit the
 /// cap's 168 registers: two at head_dim 128 spilled (187 local stores, NVRTC 13.0; uncapped 249
 /// registers, eight warps an SM), three and four at head_dim 64 too (76 and 199–219 stores;
-/// uncapped 229 and 252 registers); two at head_dim 64 fit.
+/// uncapped 229–233 and 252 registers); two at head_dim 64 fit.
 pub(crate) fn twelve_warps_by_default(spec: &SchemeSpec, shape: &KernelShape) -> bool {
     if !has_decode_kernel(spec) {
         return false;

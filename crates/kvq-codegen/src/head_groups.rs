@@ -71,6 +71,13 @@ impl HeadGroups {
         (group * self.heads).min(self.gqa - self.heads)
     }
 
+    /// Head tiles of [`MMA_HEAD_COLUMNS`] a row's heads fill: the tiles a warp of the
+    /// tensor-core kernel holds (`MmaCtx::head_tiles` in kvq-codegen; more than one only for
+    /// FP16 K and V past 8 query heads a KV head).
+    pub fn tiles(&self) -> u32 {
+        self.heads.div_ceil(MMA_HEAD_COLUMNS)
+    }
+
     /// Floats a token of a KV head takes in the stored-scores buffer: every row's columns.
     pub fn score_columns(&self) -> u32 {
         self.groups * self.heads
@@ -98,12 +105,15 @@ mod tests {
         assert_eq!(HeadGroups::for_gqa(0), None);
     }
 
+    /// Rows, heads a row and shared heads of `gqa` heads in rows of at most `tiles` tiles.
+    fn split_in(tiles: u32, gqa: u32) -> (u32, u32, u32) {
+        let g = HeadGroups::for_gqa_in_tiles(gqa, tiles).unwrap();
+        (g.groups, g.heads, g.overlap())
+    }
+
     #[test]
     fn more_heads_take_the_fewest_rows_of_at_most_eight() {
-        let split = |gqa| {
-            let g = HeadGroups::for_gqa(gqa).unwrap();
-            (g.groups, g.heads, g.overlap())
-        };
+        let split = |gqa| split_in(1, gqa);
         assert_eq!(split(10), (2, 5, 0));
         assert_eq!(split(12), (2, 6, 0));
         assert_eq!(split(16), (2, 8, 0));
@@ -120,10 +130,7 @@ mod tests {
 
     #[test]
     fn two_tiles_take_rows_of_at_most_sixteen() {
-        let split = |gqa| {
-            let g = HeadGroups::for_gqa_in_tiles(gqa, 2).unwrap();
-            (g.groups, g.heads, g.overlap())
-        };
+        let split = |gqa| split_in(2, gqa);
         assert_eq!(split(8), (1, 8, 0));
         assert_eq!(split(11), (1, 11, 0));
         assert_eq!(split(16), (1, 16, 0));
@@ -131,6 +138,10 @@ mod tests {
         assert_eq!(split(29), (2, 15, 1));
         assert_eq!(split(71), (5, 15, 4));
         assert_eq!(HeadGroups::for_gqa_in_tiles(4, 0), None);
+        // Four tiles (FP16 at head_dim 64): Falcon 7B's 71 heads in three rows of 24, three tiles.
+        assert_eq!(split_in(4, 71), (3, 24, 1));
+        assert_eq!(HeadGroups::for_gqa_in_tiles(71, 4).unwrap().tiles(), 3);
+        assert_eq!(HeadGroups::for_gqa_in_tiles(29, 4).unwrap().tiles(), 4);
     }
 
     #[test]

@@ -9,9 +9,7 @@
 
 use std::ops::RangeInclusive;
 
-use kvq_codegen::{
-    short_staging_changes, store_scores_changes, KernelShape, TuneParams, MMA_HEAD_COLUMNS,
-};
+use kvq_codegen::{short_staging_changes, store_scores_changes, KernelShape, TuneParams};
 use kvq_spec::SchemeSpec;
 
 use crate::tune::{context_bucket, MAX_SPLITS};
@@ -47,10 +45,11 @@ pub const FP16_FEW_PAIRS_BLOCK: (u32, u32) = (128, 32);
 /// kernels' block it took 19.7 µs at B=1 L=4K (GQA 16, H100) where the one-tile kernel had
 /// taken 17.2, and the tuner picked this block (16.1 µs). With it, and [`min_warp_tokens`]'s 32
 /// tokens a split warp (forty-fourth round, against the one-tile kernel's untuned launch in the
-/// same run, docs/BENCHMARKS.md): GQA 16 B=1 ×1.04 at 4K, B=2 and B=4 ×1.03–×1.08 at 1K–4K;
-/// GQA 11 alike. The one-tile blocks still take B=1 and B=2 at 1K–2K, where the two-tile
-/// kernel's grid fills the GPU worst (×0.91–×0.98), and B=8 at 1K lost ×0.92 (GQA 16): there the
-/// one-tile kernel's two rows made a whole-pairs wave of eight-warp CTAs.
+/// same run, docs/BENCHMARKS.md): GQA 16 ×1.03–×1.13 at B=1 L=4K, B=2 over 2K–4K and B ∈ {4, 8}
+/// over 1K–4K but B=8 at 1K, GQA 11 ×1.04–×1.14 there. The two-tile kernel's grid fills the
+/// GPU worst at B=1 over 1K–2K and B=2 at 1K, where the one-tile blocks (or this one) still run
+/// it ×0.91–×0.94 (GQA 16) and ×0.96–×0.98 (GQA 11), and at B=8 L=1K (×0.92 and ×0.98): there
+/// the one-tile kernel's two rows made a whole-pairs wave of eight-warp CTAs.
 ///
 /// [`min_warp_tokens`]: super::min_warp_tokens
 pub const FP16_TWO_TILE_FEW_PAIRS_BLOCK: (u32, u32) = (256, 32);
@@ -317,9 +316,10 @@ enum Family {
     EightBit,
 }
 
-/// Whether the tensor-core kernel's warps hold two head tiles (FP16 past 8 query heads a KV head).
+/// Whether the tensor-core kernel's warps hold more than one head tile (FP16 past 8 query heads a
+/// KV head; two at head_dim 128, where FP16's rules apply).
 fn two_head_tiles(spec: &SchemeSpec, shape: &KernelShape) -> bool {
-    kvq_codegen::decode_groups(spec, shape).heads > MMA_HEAD_COLUMNS
+    kvq_codegen::decode_groups(spec, shape).tiles() > 1
 }
 
 fn family(spec: &SchemeSpec, shape: &KernelShape) -> Option<Family> {

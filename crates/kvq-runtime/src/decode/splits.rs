@@ -1,7 +1,7 @@
 //! How a decode launch divides each sequence's work: split-K partitions, and pieces launched after
 //! them for the SMs that finish first.
 
-use kvq_codegen::{decode_groups, KernelShape, PieceRule, MMA_HEAD_COLUMNS};
+use kvq_codegen::{decode_groups, KernelShape, PieceRule};
 use kvq_spec::SchemeSpec;
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
@@ -113,12 +113,13 @@ pub const SHORT_WARP_TOKENS: usize = 32;
 /// whose warps do a one-tile warp's work a token once a tile and whose grids have fewer rows,
 /// take 32 as well: at
 /// GQA 16 on an H100 (forty-fourth round, two calls on different machines) B=1 L=1K ran 13.6 µs
-/// instead of 16.6, B=1 L=4K 16.2 instead of 18.1 (16 splits, the tuner's choice with 64), and
-/// B ∈ {2, 4, 8} at 1K–4K within ±2%.
+/// instead of 16.6, B=2 14.1 instead of 17.0, B=4 17.0 instead of 19.0, B=1 L=4K 16.2 instead of
+/// 18.1 (16 splits, the tuner's choice with 64), and B ∈ {2, 4, 8} at 4K and B=8 at 1K within
+/// ±2%.
 pub fn min_warp_tokens(spec: &SchemeSpec, shape: &KernelShape, max_len: usize) -> usize {
     let quantized = spec.k.is_quantized() || spec.v.is_quantized();
-    let two_tiles = decode_groups(spec, shape).heads > MMA_HEAD_COLUMNS;
-    if (quantized || two_tiles) && context_bucket(max_len) <= SHORT_CONTEXT_BUCKET {
+    let several_tiles = decode_groups(spec, shape).tiles() > 1;
+    if (quantized || several_tiles) && context_bucket(max_len) <= SHORT_CONTEXT_BUCKET {
         SHORT_WARP_TOKENS
     } else {
         WARP_TOKENS
