@@ -1,18 +1,28 @@
 //! Which shapes and schemes a run covers, parsed from flags.
 
-use kvq::codegen::Dtype;
-use kvq::schemes::{by_name, BUILTIN};
-use kvq::{CacheSource, SchemeSpec, TensorQuant};
+use kvq::codegen::{has_decode_kernel, Dtype};
+use kvq::schemes::{by_name, label, BUILTIN};
+use kvq::SchemeSpec;
 
 use crate::error::{BenchError, Result};
 
 /// One scheme under test.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Scheme {
-    /// The built-in's name (`fp16`, `kivi2`, …).
+    /// What tables, JSON and plots call it: the built-in's name (`fp16`, `kivi2`, …), or
+    /// `custom-…` for other scheme text ([`kvq::schemes::label`]).
     pub name: String,
     /// Its spec.
     pub spec: SchemeSpec,
+}
+
+impl Scheme {
+    fn new(spec: SchemeSpec) -> Scheme {
+        Scheme {
+            name: label(&spec),
+            spec,
+        }
+    }
 }
 
 /// Everything a run measures and how.
@@ -93,56 +103,73 @@ impl BenchConfig {
 pub fn gpu_schemes() -> Vec<Scheme> {
     BUILTIN
         .iter()
-        .filter(|b| b.spec.source == CacheSource::Kv)
-        .filter(|b| {
-            ![b.spec.k, b.spec.v]
-                .iter()
-                .any(|t| matches!(t, TensorQuant::Codebook(_)))
-        })
-        .map(|b| Scheme {
-            name: b.name.to_string(),
-            spec: b.spec,
-        })
+        .filter(|b| has_decode_kernel(&b.spec))
+        .map(|b| Scheme::new(b.spec))
         .collect()
 }
 
-/// `all`, or a comma-separated list of GPU built-in names. FP16 is added when missing, because
-/// every row's speedup is measured against it.
+/// The schemes of `--schemes`: entries separated by `;`, each `all` (every GPU built-in), a
+/// comma list of GPU built-in names, or scheme text (`k = int(1, channel), v = int(1, channel)`,
+/// read by the parser the attribute uses). In the order given, without repeats; FP16 comes first
+/// when missing, because every row's speedup is measured against it.
 pub fn parse_schemes(text: &str) -> Result<Vec<Scheme>> {
-    let available = gpu_schemes();
-    if text.trim().eq_ignore_ascii_case("all") {
-        return Ok(available);
-    }
     let mut out: Vec<Scheme> = Vec::new();
-    for name in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let builtin = by_name(name).ok_or_else(|| {
-            BenchError::Usage(format!(
-                "unknown scheme `{name}`; GPU schemes: {}",
-                names(&available)
-            ))
-        })?;
-        let scheme = available
-            .iter()
-            .find(|s| s.name == builtin.name)
-            .ok_or_else(|| {
-                BenchError::Usage(format!(
-                    "`{name}` runs in the CPU reference only; GPU schemes: {}",
-                    names(&available)
-                ))
-            })?;
-        if !out.contains(scheme) {
-            out.push(scheme.clone());
+    for entry in text.split(';').map(str::trim).filter(|e| !e.is_empty()) {
+        for scheme in parse_entry(entry)? {
+            if !out.contains(&scheme) {
+                out.push(scheme);
+            }
         }
     }
     if out.is_empty() {
         return Err(BenchError::Usage("no scheme selected".into()));
     }
     if !out.iter().any(|s| s.name == "fp16") {
-        if let Some(fp16) = available.iter().find(|s| s.name == "fp16") {
-            out.insert(0, fp16.clone());
+        if let Some(fp16) = by_name("fp16") {
+            out.insert(0, Scheme::new(fp16.spec));
         }
     }
     Ok(out)
+}
+
+/// One `;`-separated entry of `--schemes`.
+fn parse_entry(entry: &str) -> Result<Vec<Scheme>> {
+    if entry.eq_ignore_ascii_case("all") {
+        return Ok(gpu_schemes());
+    }
+    // Text has a key (`=`) or a call (`(`); names have neither.
+    if entry.contains('=') || entry.contains('(') {
+        let spec = SchemeSpec::parse(entry)
+            .map_err(|e| BenchError::Usage(format!("scheme text:\n{}", e.render(entry))))?;
+        return on_gpu(Scheme::new(spec), entry).map(|s| vec![s]);
+    }
+    entry
+        .split(',')
+        .map(str::trim)
+        .filter(|name| !name.is_empty())
+        .map(|name| {
+            let builtin = by_name(name).ok_or_else(|| {
+                BenchError::Usage(format!(
+                    "unknown scheme `{name}`; GPU schemes: {} (or scheme text)",
+                    names(&gpu_schemes())
+                ))
+            })?;
+            on_gpu(Scheme::new(builtin.spec), name)
+        })
+        .collect()
+}
+
+/// `scheme`, where a GPU decode kernel covers it.
+fn on_gpu(scheme: Scheme, given: &str) -> Result<Scheme> {
+    if has_decode_kernel(&scheme.spec) {
+        Ok(scheme)
+    } else {
+        Err(BenchError::Usage(format!(
+            "`{given}` runs in the CPU reference only; GPU schemes: {} (or scheme text of fp16 \
+             and int(...) tensors)",
+            names(&gpu_schemes())
+        )))
+    }
 }
 
 fn names(schemes: &[Scheme]) -> String {
@@ -235,6 +262,38 @@ mod tests {
             .to_string()
             .contains("CPU reference"));
         assert!(parse_schemes(" , ").is_err());
+    }
+
+    #[test]
+    fn scheme_text_takes_a_builtin_name_or_a_stable_custom_label() {
+        // Text equal to a built-in is that built-in; other text is labelled by its hash.
+        let s = parse_schemes("k = int(2, channel), v = int(2, token), local = 128").unwrap();
+        let names: Vec<&str> = s.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["fp16", "kivi2"]);
+        let text = "k = int(1, channel), v = int(1, channel), sink = 32, local = 128";
+        let mixed = parse_schemes(&format!("kivi2, calibquant1; {text}; kivi2")).unwrap();
+        let names: Vec<&str> = mixed.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names[..3], ["fp16", "kivi2", "calibquant1"]);
+        assert_eq!(mixed.len(), 4);
+        assert!(names[3].starts_with("custom-"), "{names:?}");
+        assert_eq!(mixed[3].spec, SchemeSpec::parse(text).unwrap());
+        assert_eq!(parse_schemes(text).unwrap()[1].name, names[3]);
+    }
+
+    #[test]
+    fn bad_scheme_text_points_at_its_column_and_cpu_only_text_is_refused() {
+        let e = parse_schemes("kivi2; k = int(5, channel), v = fp16")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("column 9") && e.contains("k = int(5, channel)"),
+            "{e}"
+        );
+        let e = parse_schemes("k = int(2, channel), v = int(2, token), source = x(latent)")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("CPU reference only"), "{e}");
+        assert!(parse_schemes(" ; ").is_err());
     }
 
     #[test]

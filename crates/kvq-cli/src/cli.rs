@@ -239,7 +239,8 @@ pub struct TuneArgs {
 /// `kvq bench` (the bench runner of `kvq-bench`).
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// `all`, or a comma list of GPU built-ins (fp16 is always added, as the baseline).
+    /// Schemes: entries separated by `;`, each `all`, a comma list of GPU built-ins, or scheme text
+    /// (`"kivi2; k = int(1, channel), v = int(1, channel)"`); fp16 is always added, as the baseline.
     #[arg(long, default_value = "all")]
     pub schemes: String,
     /// Batch sizes, comma-separated.

@@ -2,7 +2,7 @@
 //! that list the built-ins or point at the offending column.
 
 use kvq::schemes::{by_name, BUILTIN};
-use kvq::{CacheSource, SchemeSpec, TensorQuant};
+use kvq::SchemeSpec;
 
 use crate::error::{CliError, Result};
 
@@ -16,12 +16,10 @@ pub struct Resolved {
 }
 
 impl Resolved {
-    /// The built-in name, or `custom` for scheme text: what tables print.
+    /// The built-in name, or `custom-…` for other scheme text: what tables print
+    /// ([`kvq::schemes::label`]).
     pub fn label(&self) -> String {
-        self.name.map_or_else(
-            || format!("custom-{:08x}", self.spec.stable_hash() >> 32),
-            str::to_string,
-        )
+        kvq::schemes::label(&self.spec)
     }
 
     /// Whether the GPU kernels cover this scheme (integer and FP16 K/V caches; CommVQ and XQuant
@@ -31,12 +29,10 @@ impl Resolved {
     }
 }
 
-/// Whether the GPU kernels cover `spec`: K/V caches of `fp16` and `int(...)` tensors.
+/// Whether the GPU kernels cover `spec`: K/V caches of `fp16` and `int(...)` tensors
+/// ([`kvq::codegen::has_decode_kernel`]).
 pub fn has_gpu_kernel(spec: &SchemeSpec) -> bool {
-    spec.source == CacheSource::Kv
-        && ![spec.k, spec.v]
-            .iter()
-            .any(|t| matches!(t, TensorQuant::Codebook(_)))
+    kvq::codegen::has_decode_kernel(spec)
 }
 
 fn builtin_names() -> Vec<String> {

@@ -1190,4 +1190,46 @@ fn tune_and_bench_need_a_gpu_and_say_so() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
     let o = kvq(&["bench", "--pad-mib", "-1"], tmp.path());
     assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
+    // Scheme text is read before the GPU is looked for: a mistake points at its column.
+    let o = kvq(
+        &["bench", "--schemes", "kivi2; k = int(5, channel), v = fp16"],
+        tmp.path(),
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
+    assert!(text(&o).1.contains("column 9"), "{}", text(&o).1);
+}
+
+#[test]
+fn bench_takes_scheme_text_beside_builtins() {
+    if gpu_present() {
+        eprintln!(
+            "skipped: a GPU is present, so the bench would run (gpu.rs runs it with scheme text)"
+        );
+        return;
+    }
+    // Valid text gets as far as the GPU check (exit 3), as a built-in does.
+    let tmp = TempDir::new("bench-text");
+    let o = kvq(
+        &[
+            "bench",
+            "--schemes",
+            "calibquant1; k = int(1, channel), v = int(1, channel), sink = 32, local = 128",
+            "--batch",
+            "1",
+            "--context",
+            "4K",
+        ],
+        tmp.path(),
+    );
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o).1);
+    let o = kvq(
+        &[
+            "bench",
+            "--schemes",
+            "k = int(2, channel), v = int(2, token), source = x(latent)",
+        ],
+        tmp.path(),
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
+    assert!(text(&o).1.contains("CPU reference only"), "{}", text(&o).1);
 }

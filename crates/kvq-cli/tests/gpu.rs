@@ -181,11 +181,12 @@ fn gpu_bench_prints_its_table() {
     }
     let tmp = TempDir::new("bench");
     let stem = tmp.0.join("out/run");
+    // A built-in and scheme text (one-pass 1-bit K and V, which no built-in has).
     let out = ok(&kvq(
         &[
             "bench",
             "--schemes",
-            "kivi2",
+            "kivi2; k = int(1, channel), v = int(1, channel), sink = 32, local = 128",
             "--batch",
             "1",
             "--context",
@@ -213,9 +214,17 @@ fn gpu_bench_prints_its_table() {
         serde_json::from_str(&std::fs::read_to_string(tmp.0.join("out/run.json")).unwrap())
             .unwrap();
     let rows = json["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 2, "{json}");
+    assert_eq!(rows.len(), 3, "{json}");
     for row in rows {
         let floor = row["read_floor_us"].as_f64().unwrap_or(f64::NAN);
         assert!(floor.is_finite() && floor > 0.0, "{row}");
+        // Every row, the custom scheme's too, was checked against the CPU reference.
+        let err = row["max_rel_error"].as_f64().unwrap_or(f64::NAN);
+        assert!(err.is_finite() && err < 2e-3, "{row}");
     }
+    assert!(
+        rows.iter()
+            .any(|r| r["scheme"].as_str().unwrap().starts_with("custom-")),
+        "{json}"
+    );
 }

@@ -657,9 +657,10 @@ pub const MAX_GQA: u32 = 128;
 /// head's query and scores in registers and static arrays.
 pub const GENERIC_MAX_GQA: u32 = 64;
 
-/// Whether the scheme's family has a GPU decode kernel (XQuant and codebook tensors run in the CPU
-/// reference only).
-fn has_decode_kernel(spec: &SchemeSpec) -> bool {
+/// Whether the scheme's family has a GPU decode kernel: K/V caches of `fp16` and `int(...)`
+/// tensors (XQuant and codebook tensors run in the CPU reference only). The command line and the
+/// bench runner ask this before they take a scheme for the GPU.
+pub fn has_decode_kernel(spec: &SchemeSpec) -> bool {
     !matches!(spec.source, CacheSource::X(_))
         && ![spec.k, spec.v]
             .iter()

@@ -130,6 +130,24 @@ builtins! {
     "xquant-cl2" => XQuantCl2,
 }
 
+/// The name tables and files give a scheme: the built-in's whose spec it is, else `custom-`
+/// and eight hex digits of its [`stable_hash`](SchemeSpec::stable_hash), so that the same text
+/// gets the same label in every run and tool.
+///
+/// ```
+/// use kvq::schemes::label;
+/// let kivi2: kvq::SchemeSpec = "k = int(2, channel), v = int(2, token), local = 128".parse().unwrap();
+/// assert_eq!(label(&kivi2), "kivi2");
+/// let mine: kvq::SchemeSpec = "k = int(3, channel), v = int(4, token)".parse().unwrap();
+/// assert!(label(&mine).starts_with("custom-"));
+/// ```
+pub fn label(spec: &SchemeSpec) -> String {
+    BUILTIN.iter().find(|b| b.spec == *spec).map_or_else(
+        || format!("custom-{:08x}", spec.stable_hash() >> 32),
+        |b| b.name.to_string(),
+    )
+}
+
 /// Looks a built-in up by name (case-insensitive, `_` and `-` alike).
 pub fn by_name(name: &str) -> Option<&'static Builtin> {
     let norm = |s: &str| s.to_ascii_lowercase().replace('_', "-");

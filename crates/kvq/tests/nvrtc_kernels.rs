@@ -5,20 +5,20 @@
 //! at head_dim 64 GQA 71 (Falcon 7B's multi-query attention: nine rows of 8, past the generic
 //! kernel's 64);
 //! cache kernels in every page quantizer form. Decode also for calibrated schemes whose range pass
-//! keeps the f16 path, which no built-in takes. Needs no GPU: CI installs libnvrtc from pip and sets
+//! keeps the f16 path, and for the uncalibrated layouts `gpu_decode` adds, which no built-in takes. Needs no GPU: CI installs libnvrtc from pip and sets
 //! `KVQ_REQUIRE_NVRTC=1`, so these fail there rather than skip.
 
 mod common;
-use common::other_calibrated_schemes;
+use common::{other_calibrated_schemes, other_uncalibrated_schemes};
 use kvq::codegen::{
-    cache_kernels_with, decode_kernels, CodegenError, Dtype, KernelShape, QuantizerForm, TuneParams,
+    cache_kernels_with, decode_kernels, has_decode_kernel, CodegenError, Dtype, KernelShape,
+    QuantizerForm, TuneParams,
 };
 use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
 use kvq::runtime::paged::forms_or_tiled;
 use kvq::runtime::testing::require_nvrtc;
 use kvq::runtime::Arch;
 use kvq::schemes::BUILTIN;
-use kvq::{CacheSource, TensorQuant};
 
 #[test]
 fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
@@ -28,10 +28,7 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
     };
     let mut jobs = Vec::new();
     for b in BUILTIN {
-        let gpu_scheme = b.spec.source == CacheSource::Kv
-            && ![b.spec.k, b.spec.v]
-                .iter()
-                .any(|t| matches!(t, TensorQuant::Codebook(_)));
+        let gpu_scheme = has_decode_kernel(&b.spec);
         for head_dim in [64, 96, 128, 256] {
             for dtype in [Dtype::F16, Dtype::Bf16] {
                 let more_heads: &[u32] = match head_dim {
@@ -128,6 +125,16 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
             }
         }
     }
+    // Uncalibrated layouts no built-in has (FP16 keys with 2-bit values, 1-bit K and V with
+    // token- or channel-axis V), which gpu_decode runs on the GPU.
+    for (name, spec) in other_uncalibrated_schemes() {
+        for head_dim in [64, 128, 256] {
+            let shape = KernelShape::new(head_dim, 4, Dtype::Bf16);
+            let k = decode_kernels(&spec, &shape, &TuneParams::default_for(&spec, &shape))
+                .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"));
+            jobs.push((name, shape, k.source));
+        }
+    }
     compile_all(&jobs);
     println!(
         "compiled {} decode modules × 2 architectures with NVRTC {version:?}",
@@ -143,12 +150,7 @@ fn every_builtin_cache_kernel_compiles_in_every_quantizer_form() {
         return;
     };
     let mut jobs = Vec::new();
-    for b in BUILTIN.iter().filter(|b| {
-        b.spec.source == CacheSource::Kv
-            && ![b.spec.k, b.spec.v]
-                .iter()
-                .any(|t| matches!(t, TensorQuant::Codebook(_)))
-    }) {
+    for b in BUILTIN.iter().filter(|b| has_decode_kernel(&b.spec)) {
         // Every form at the benchmarked shape; the default forms at the other head_dims and bf16
         // (96: a head_dim only the naive and tiled forms cover).
         let mut seen = Vec::new();

@@ -18,7 +18,8 @@ use kvq_bench::{plot, BenchConfig, BenchError, BenchResults};
 #[derive(Parser, Debug)]
 #[command(name = "kvq-bench", version)]
 struct Args {
-    /// Schemes: `all` or a comma list of GPU built-ins (fp16 is always added, as the baseline).
+    /// Schemes: entries separated by `;`, each `all`, a comma list of GPU built-ins, or scheme text
+    /// (`"kivi2; k = int(1, channel), v = int(1, channel)"`); fp16 is always added, as the baseline.
     #[arg(long, default_value = "all")]
     schemes: String,
     /// Batch sizes, comma-separated.

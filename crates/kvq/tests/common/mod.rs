@@ -51,14 +51,20 @@ pub fn other_calibrated_schemes() -> Vec<(&'static str, SchemeSpec)> {
 
 /// Uncalibrated layouts the built-ins do not cover: FP16 keys with 2-bit values, whose centring
 /// cannot follow K pages and takes every chunk (the twenty-first round's every-other-page centring
-/// keys on them); and 1-bit K and V, whose rows at head_dim 64 give a thread half a word (16 K
-/// codes, 8 V codes; the keys take the f16 path there and the integer path at 128 and 256).
+/// keys on them); 1-bit K and V, whose rows at head_dim 64 give a thread half a word (16 K
+/// codes, 8 V codes; the keys take the f16 path there and the integer path at 128 and 256); and
+/// CalibQuant-1 without its calibration (channel-axis 1-bit V, as subnormals, in one pass), which
+/// the bench runner measures beside it (docs/BENCHMARKS.md, forty-fifth round).
 pub fn other_uncalibrated_schemes() -> Vec<(&'static str, SchemeSpec)> {
     [
         ("fp16-k-kivi2-v", "k = fp16, v = int(2, token)"),
         (
             "one-bit-kv",
             "k = int(1, channel), v = int(1, token), sink = 16, local = 64",
+        ),
+        (
+            "one-bit-channel-v",
+            "k = int(1, channel), v = int(1, channel), sink = 32, local = 128",
         ),
     ]
     .into_iter()
