@@ -1,7 +1,7 @@
 //! Which shapes and schemes a run covers, parsed from flags.
 
 use kvq::codegen::{has_decode_kernel, Dtype};
-use kvq::schemes::{by_name, label, BUILTIN};
+use kvq::schemes::{by_name, is_scheme_text, label, BUILTIN};
 use kvq::SchemeSpec;
 
 use crate::error::{BenchError, Result};
@@ -137,8 +137,7 @@ fn parse_entry(entry: &str) -> Result<Vec<Scheme>> {
     if entry.eq_ignore_ascii_case("all") {
         return Ok(gpu_schemes());
     }
-    // Text has a key (`=`) or a call (`(`); names have neither.
-    if entry.contains('=') || entry.contains('(') {
+    if is_scheme_text(entry) {
         let spec = SchemeSpec::parse(entry)
             .map_err(|e| BenchError::Usage(format!("scheme text:\n{}", e.render(entry))))?;
         return on_gpu(Scheme::new(spec), entry).map(|s| vec![s]);

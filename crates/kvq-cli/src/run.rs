@@ -23,7 +23,7 @@ use crate::gen::{self, GenRequest};
 use crate::gpu;
 use crate::info;
 use crate::sample::SampleSpec;
-use crate::scheme::{self, has_gpu_kernel, resolve, resolve_list};
+use crate::scheme::{self, resolve, resolve_list};
 use crate::table::{Align, Table};
 
 fn print(out: &mut dyn Write, text: &str) -> Result<()> {
@@ -103,7 +103,7 @@ fn schemes_cmd(a: SchemesArgs, out: &mut dyn Write) -> Result<()> {
             format!("{:.3}", m4.bits_per_element()),
             format!("{:.3}", m32.bits_per_element()),
             format!("{:.1}%", 100.0 * m32.saved_vs_fp16()),
-            if has_gpu_kernel(&b.spec) {
+            if kvq::codegen::has_decode_kernel(&b.spec) {
                 "GPU + CPU"
             } else {
                 "CPU only"

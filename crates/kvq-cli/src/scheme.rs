@@ -1,7 +1,8 @@
 //! `--scheme` arguments: a built-in name or scheme text, resolved to a [`SchemeSpec`] with errors
 //! that list the built-ins or point at the offending column.
 
-use kvq::schemes::{by_name, BUILTIN};
+use kvq::codegen::has_decode_kernel;
+use kvq::schemes::{by_name, is_scheme_text, BUILTIN};
 use kvq::SchemeSpec;
 
 use crate::error::{CliError, Result};
@@ -23,25 +24,14 @@ impl Resolved {
     }
 
     /// Whether the GPU kernels cover this scheme (integer and FP16 K/V caches; CommVQ and XQuant
-    /// run in the CPU reference only).
+    /// run in the CPU reference only: [`has_decode_kernel`]).
     pub fn has_gpu_kernel(&self) -> bool {
-        has_gpu_kernel(&self.spec)
+        has_decode_kernel(&self.spec)
     }
-}
-
-/// Whether the GPU kernels cover `spec`: K/V caches of `fp16` and `int(...)` tensors
-/// ([`kvq::codegen::has_decode_kernel`]).
-pub fn has_gpu_kernel(spec: &SchemeSpec) -> bool {
-    kvq::codegen::has_decode_kernel(spec)
 }
 
 fn builtin_names() -> Vec<String> {
     BUILTIN.iter().map(|b| b.name.to_string()).collect()
-}
-
-/// Text that looks like a scheme rather than a name: it has a key (`=`) or a call (`(`).
-fn looks_like_text(arg: &str) -> bool {
-    arg.contains('=') || arg.contains('(')
 }
 
 /// Resolves a built-in name (case-insensitive, `_` = `-`) or scheme text.
@@ -53,7 +43,7 @@ pub fn resolve(arg: &str) -> Result<Resolved> {
             spec: b.spec,
         });
     }
-    if !looks_like_text(arg) {
+    if !is_scheme_text(arg) {
         return Err(CliError::UnknownScheme {
             name: arg.to_string(),
             builtins: builtin_names(),
@@ -82,7 +72,7 @@ pub fn resolve_list(arg: &str, gpu_only: bool) -> Result<Vec<Resolved>> {
             .filter(|r| !gpu_only || r.has_gpu_kernel())
             .collect());
     }
-    if looks_like_text(arg) {
+    if is_scheme_text(arg) {
         return Ok(vec![resolve(arg)?]);
     }
     let mut out: Vec<Resolved> = Vec::new();
@@ -94,7 +84,7 @@ pub fn resolve_list(arg: &str, gpu_only: bool) -> Result<Vec<Resolved>> {
                  GPU schemes: {}",
                 BUILTIN
                     .iter()
-                    .filter(|b| has_gpu_kernel(&b.spec))
+                    .filter(|b| has_decode_kernel(&b.spec))
                     .map(|b| b.name)
                     .collect::<Vec<_>>()
                     .join(", ")

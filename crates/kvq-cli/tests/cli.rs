@@ -29,7 +29,7 @@ fn gpu_present() -> bool {
 fn gpu_builtins() -> Vec<&'static str> {
     BUILTIN
         .iter()
-        .filter(|b| kvq_cli::scheme::has_gpu_kernel(&b.spec))
+        .filter(|b| kvq::codegen::has_decode_kernel(&b.spec))
         .map(|b| b.name)
         .collect()
 }
@@ -933,7 +933,7 @@ fn demo_without_a_gpu_prints_the_cpu_table_and_exits_0() {
             .lines()
             .find(|l| l.starts_with(&format!("{} ", b.name)))
             .unwrap_or_else(|| panic!("no row for {}:\n{out}", b.name));
-        let gpu = kvq_cli::scheme::has_gpu_kernel(&b.spec);
+        let gpu = kvq::codegen::has_decode_kernel(&b.spec);
         assert_eq!(row.contains("CPU reference only"), !gpu, "{row}");
         // attn err is a number for every scheme.
         let cells: Vec<&str> = row.split_whitespace().collect();

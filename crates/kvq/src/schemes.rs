@@ -148,6 +148,12 @@ pub fn label(spec: &SchemeSpec) -> String {
     )
 }
 
+/// Whether a command-line or config argument is scheme text rather than a built-in's name: text
+/// has a key (`=`) or a call (`(`), names have neither.
+pub fn is_scheme_text(arg: &str) -> bool {
+    arg.contains('=') || arg.contains('(')
+}
+
 /// Looks a built-in up by name (case-insensitive, `_` and `-` alike).
 pub fn by_name(name: &str) -> Option<&'static Builtin> {
     let norm = |s: &str| s.to_ascii_lowercase().replace('_', "-");

@@ -5,8 +5,9 @@
 //! at head_dim 64 GQA 71 (Falcon 7B's multi-query attention: nine rows of 8, past the generic
 //! kernel's 64);
 //! cache kernels in every page quantizer form. Decode also for calibrated schemes whose range pass
-//! keeps the f16 path, and for the uncalibrated layouts `gpu_decode` adds, which no built-in takes. Needs no GPU: CI installs libnvrtc from pip and sets
-//! `KVQ_REQUIRE_NVRTC=1`, so these fail there rather than skip.
+//! keeps the f16 path, and for the uncalibrated layouts `gpu_decode` adds, which no built-in
+//! takes. Needs no GPU: CI installs libnvrtc from pip and sets `KVQ_REQUIRE_NVRTC=1`, so these
+//! fail there rather than skip.
 
 mod common;
 use common::{other_calibrated_schemes, other_uncalibrated_schemes};
