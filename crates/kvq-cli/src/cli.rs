@@ -6,6 +6,7 @@ use clap::{Args, Parser, Subcommand};
 use kvq::codegen::Dtype;
 
 use crate::eval::KvLayout;
+use crate::gen::CPrefix;
 
 /// A parsed comma-separated list (one flag value, not repeated flags).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -187,6 +188,11 @@ pub struct GenArgs {
     /// Tuning results to read (default: tune.json in the cache folder).
     #[arg(long)]
     pub tune_file: Option<PathBuf>,
+    /// Prefix of every name in the C header: `kvq` gives `kvq_decode_params`, `kvq_decode_args`,
+    /// `KVQ_DECODE_NAME`, `KVQ_HEAD_DIM`; names never carry a hash, so they stay put when the
+    /// scheme or tuning changes. Give each header its own prefix to include several in one file.
+    #[arg(long, default_value = "kvq")]
+    pub prefix: CPrefix,
     /// Also write sample/: a small batch in the device layout, queries and the reference output.
     #[arg(long)]
     pub sample: bool,

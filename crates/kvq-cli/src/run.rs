@@ -146,6 +146,7 @@ fn gen_cmd(a: GenArgs, out: &mut dyn Write) -> Result<()> {
         short_staging: a.short_staging,
         store_scores: a.store_scores,
         tune_file: a.tune_file.clone(),
+        prefix: a.prefix.clone(),
         sample: a.sample.then(|| SampleSpec {
             lengths: a.sample_lengths.0.clone(),
             kv_heads: a.sample_kv_heads,

@@ -185,9 +185,17 @@ fn gen_and_check(scheme: &str, args: &[&str], tmp: &TempDir) -> (Value, String, 
     for k in kernels {
         let name = k["name"].as_str().unwrap();
         let params = k["params"].as_array().unwrap();
+        let role = k["role"].as_str().unwrap();
         assert!(
-            header.contains(&format!("typedef struct {name}_params {{")),
-            "{name} has no parameter struct"
+            header.contains(&format!("typedef struct kvq_{role}_params {{")),
+            "{role} has no parameter struct"
+        );
+        assert!(
+            header.contains(&format!(
+                "#define KVQ_{}_NAME \"{name}\"",
+                role.to_ascii_uppercase()
+            )),
+            "{role}'s _NAME does not give the entry point {name}"
         );
         let signature: Vec<String> = params
             .iter()

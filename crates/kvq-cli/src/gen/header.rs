@@ -9,39 +9,67 @@ use super::manifest::{KernelInfo, LayoutInfo};
 use super::LAYOUT_VERSION;
 use crate::scheme::Resolved;
 
-/// A C identifier fragment: letters, digits and `_`, upper-case.
-pub(super) fn macro_tag(label: &str, shape: &KernelShape) -> String {
-    let clean: String = label
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() {
-                c.to_ascii_uppercase()
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    format!(
-        "KVQ_{clean}_D{}_G{}_{}",
-        shape.head_dim,
-        shape.gqa,
-        shape.dtype.to_string().to_ascii_uppercase()
-    )
+/// The caller-chosen prefix of every name in the generated header (`kvq` by default): a C
+/// identifier, so an engine's code names `kvq_decode_params` or `KVQ_HEAD_DIM` whatever the scheme,
+/// shape or tuning, and two headers in one translation unit differ only by the prefix they were
+/// generated with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CPrefix(String);
+
+impl CPrefix {
+    /// The lower-case form, for types and functions (`kvq`).
+    pub fn lower(&self) -> &str {
+        &self.0
+    }
+
+    /// The upper-case form, for macros (`KVQ`).
+    pub fn upper(&self) -> String {
+        self.0.to_ascii_uppercase()
+    }
+}
+
+impl Default for CPrefix {
+    fn default() -> Self {
+        CPrefix("kvq".into())
+    }
+}
+
+impl std::str::FromStr for CPrefix {
+    type Err = String;
+
+    /// Accepts `[a-z][a-z0-9_]*` up to 32 characters: lower case so that the macro form (upper
+    /// case) cannot collide with the type form, and no leading `_`, which C reserves.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let ok_start = s.chars().next().is_some_and(|c| c.is_ascii_lowercase());
+        let ok_rest = s
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        if !ok_start || !ok_rest || s.len() > 32 {
+            return Err(format!(
+                "`{s}` is not a usable C prefix: it must start with a lower-case letter and \
+                 hold only a-z, 0-9 and `_`, at most 32 characters (e.g. `kvq_kitty`)"
+            ));
+        }
+        Ok(CPrefix(s.to_string()))
+    }
 }
 
 /// The C header: layout constants, then per kernel its launch constants, a parameter struct, a
 /// helper filling `cuLaunchKernel`'s argument array, and (under nvcc) the entry point's
-/// declaration.
+/// declaration. Every name is `prefix` plus the kernel's role, never a content hash, so an engine's
+/// code survives a change of scheme or tuning; the hashed entry-point name (what
+/// `cuModuleGetFunction` needs) is the `_NAME` macro's value.
 pub(super) fn header_text(
-    tag: &str,
+    prefix: &CPrefix,
     scheme: &Resolved,
     shape: &KernelShape,
     tune: &TuneParams,
     layout: &LayoutInfo,
     kernels: &[KernelInfo],
 ) -> String {
+    let (lower, tag) = (prefix.lower(), prefix.upper());
     let mut h = String::new();
-    let guard = format!("{tag}_H");
+    let guard = format!("{tag}_KERNELS_H");
     let _ = writeln!(h, "/* kvq generated header — do not edit. */");
     let _ = writeln!(h, "/* scheme: {} */", scheme.spec);
     let _ = writeln!(
@@ -66,6 +94,17 @@ pub(super) fn header_text(
     let _ = writeln!(h, "#ifndef {guard}\n#define {guard}\n");
     let _ = writeln!(h, "#include <stdint.h>\n");
     let _ = writeln!(h, "#define {tag}_LAYOUT_VERSION \"{LAYOUT_VERSION}\"");
+    let _ = writeln!(
+        h,
+        "#define {tag}_SCHEME \"{}\"",
+        c_string(&scheme.spec.to_string())
+    );
+    let _ = writeln!(
+        h,
+        "#define {tag}_SCHEME_LABEL \"{}\"",
+        c_string(&scheme.label())
+    );
+    let _ = writeln!(h, "#define {tag}_DTYPE \"{}\"", shape.dtype);
     let _ = writeln!(h, "#define {tag}_HEAD_DIM {}", shape.head_dim);
     let _ = writeln!(h, "#define {tag}_GQA {}", shape.gqa);
     let _ = writeln!(h, "#define {tag}_PAGE_TOKENS {}", layout.page_tokens);
@@ -84,7 +123,9 @@ pub(super) fn header_text(
     );
     let _ = writeln!(h, "\n#ifdef __cplusplus\nextern \"C\" {{\n#endif");
     for k in kernels {
-        let upper = format!("{tag}_{}", k.role.to_ascii_uppercase());
+        let role = k.role.to_ascii_lowercase();
+        let upper = format!("{tag}_{}", role.to_ascii_uppercase());
+        let ty = format!("{lower}_{role}_params");
         let _ = writeln!(h, "\n/* {} ({}): {}", k.role, k.file, k.about);
         let _ = writeln!(
             h,
@@ -98,7 +139,7 @@ pub(super) fn header_text(
         if let Some(runs) = k.runs_pieces {
             let _ = writeln!(h, "#define {upper}_RUNS_PIECES {}", u8::from(runs));
         }
-        let _ = writeln!(h, "typedef struct {}_params {{", k.name);
+        let _ = writeln!(h, "typedef struct {ty} {{");
         for p in &k.params {
             let about = if p.about.is_empty() {
                 String::new()
@@ -107,16 +148,14 @@ pub(super) fn header_text(
             };
             let _ = writeln!(h, "    {} {};{about}", p.c_type, p.name);
         }
-        let _ = writeln!(h, "}} {}_params;", k.name);
+        let _ = writeln!(h, "}} {ty};");
         let _ = writeln!(
             h,
             "/* Points args[i] at parameter i of *p, for cuLaunchKernel(..., kernelParams = args, ...). */"
         );
         let _ = writeln!(
             h,
-            "static inline void {}_args({}_params* p, void* args[{}]) {{",
-            k.name,
-            k.name,
+            "static inline void {lower}_{role}_args({ty}* p, void* args[{}]) {{",
             k.params.len()
         );
         for p in &k.params {
@@ -142,6 +181,11 @@ pub(super) fn header_text(
     ascii(&h)
 }
 
+/// `text` as the body of a C string literal: quotes and backslashes escaped.
+fn c_string(text: &str) -> String {
+    text.replace('\\', "\\\\").replace('"', "\\\"")
+}
+
 /// The header in plain ASCII, so any C compiler and editor reads it as written.
 fn ascii(text: &str) -> String {
     let mut s = String::with_capacity(text.len());
@@ -163,11 +207,21 @@ fn ascii(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvq::codegen::Dtype;
 
     #[test]
-    fn macro_tags_are_identifiers() {
-        let shape = KernelShape::new(128, 4, Dtype::Bf16);
-        assert_eq!(macro_tag("kitty-pro", &shape), "KVQ_KITTY_PRO_D128_G4_BF16");
+    fn prefixes_are_lower_case_c_identifiers() {
+        assert_eq!(
+            "kvq_kitty2".parse::<CPrefix>().unwrap().upper(),
+            "KVQ_KITTY2"
+        );
+        for bad in ["", "Kvq", "_kvq", "9kvq", "kv-q", "kvq.x", &"k".repeat(33)] {
+            let e = bad.parse::<CPrefix>().unwrap_err();
+            assert!(e.contains("C prefix"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn c_strings_escape_quotes_and_backslashes() {
+        assert_eq!(c_string(r#"a"b\c"#), r#"a\"b\\c"#);
     }
 }

@@ -19,6 +19,7 @@ use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
 use kvq::runtime::tune::TuneStore;
 use kvq::runtime::{Arch, RuntimeError};
 
+pub use self::header::CPrefix;
 use self::manifest::{CompiledInfo, Manifest};
 use crate::error::{CliError, Result};
 use crate::sample::{self, SampleSpec};
@@ -60,6 +61,8 @@ pub struct GenRequest {
     pub tune_file: Option<PathBuf>,
     /// Also write a sample batch with its reference output.
     pub sample: Option<SampleSpec>,
+    /// The prefix of every name in the C header (`kvq_decode_params`, `KVQ_HEAD_DIM`, ...).
+    pub prefix: CPrefix,
 }
 
 /// What was written, for the listing and for tests.
@@ -194,8 +197,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
     if let Some(c) = &cache {
         write_file(&req.out.join(CACHE_FILE), c.source.as_bytes(), &mut files)?;
     }
-    let tag = header::macro_tag(&req.scheme.label(), shape);
-    let header = header::header_text(&tag, &req.scheme, shape, &params, &layout, &kernels);
+    let header = header::header_text(&req.prefix, &req.scheme, shape, &params, &layout, &kernels);
     write_file(&req.out.join(HEADER_FILE), header.as_bytes(), &mut files)?;
 
     // Compile before the manifest, so it records what was checked.
