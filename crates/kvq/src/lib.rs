@@ -25,11 +25,13 @@ extern crate self as kvq;
 pub use kvq_macros::scheme;
 pub use kvq_spec::*;
 
-/// CUDA source generation (scheme + shape + tuning → kernels and launch metadata).
+// The member crates are inlined so that `cargo doc -p kvq` documents them as modules of the facade
+// (a bare `pub use` line otherwise, with nothing behind it).
+#[doc(inline)]
 pub use kvq_codegen as codegen;
-/// The CPU reference: exact layouts, quantizers and decode attention for every scheme.
+#[doc(inline)]
 pub use kvq_reference as reference;
-/// The GPU runtime: NVRTC JIT with disk cache, device discovery, fused decode launches.
+#[doc(inline)]
 pub use kvq_runtime as runtime;
 
 pub mod evaluate;
