@@ -119,12 +119,7 @@ pub fn run(opts: &DemoOptions, out: &mut dyn Write) -> Result<()> {
         match gpu::open(opts.device) {
             Ok(g) => Some(g),
             Err(e) => {
-                writeln_out(
-                    out,
-                    &format!(
-                        "No usable GPU, so the table below comes from the CPU reference, without latency columns: {e}"
-                    ),
-                )?;
+                writeln_out(out, &gpu::fallback_line(&e))?;
                 None
             }
         }

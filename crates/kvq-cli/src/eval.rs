@@ -475,7 +475,7 @@ pub fn run(opts: &EvalOptions) -> Result<String> {
                 Some(g)
             }
             Err(e) => {
-                lines.push(format!("GPU: not used ({e})"));
+                lines.push(format!("GPU: not used ({}; `kvq info` says why)", e.summary()));
                 None
             }
         }

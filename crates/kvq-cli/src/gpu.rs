@@ -28,6 +28,16 @@ pub fn open(ordinal: usize) -> Result<Gpu, RuntimeError> {
     Ok(Gpu { device, jit })
 }
 
+/// The one line `kvq demo` prints when it falls back to the CPU reference: what is
+/// missing, short (the full message, with every library name tried and how to install it, is
+/// `kvq info`'s).
+pub fn fallback_line(e: &RuntimeError) -> String {
+    format!(
+        "No usable GPU ({}): CPU reference only; `kvq info` says why.",
+        e.summary()
+    )
+}
+
 /// Runs one decode of `caches` (a batch of one scheme) with queries `q_bits` (device words,
 /// `[batch][q_heads][head_dim]`) and the heuristic split count, and returns the output as f32. The
 /// output starts poisoned (NaN), so an unwritten value cannot pass for a result.
@@ -166,4 +176,45 @@ pub fn to_device_words(values: &[f32], dtype: kvq::codegen::Dtype) -> (Vec<u16>,
         .iter()
         .map(|&x| kvq::runtime::tune::synth::round_to_word(x, dtype))
         .unzip()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fallback_line;
+    use kvq::runtime::RuntimeError;
+
+    #[test]
+    fn the_fallback_line_is_short_for_every_environment_error() {
+        let tried: Vec<String> = (0..15).map(|i| format!("libnvrtc64_{i}0_0.so")).collect();
+        let errors = [
+            RuntimeError::DriverNotFound {
+                primary: "libcuda.so.1".into(),
+                tried: tried.clone(),
+            },
+            RuntimeError::NvrtcNotFound {
+                primary: "libnvrtc.so.13".into(),
+                tried,
+            },
+            RuntimeError::NoGpu {
+                ordinal: 3,
+                count: 2,
+            },
+            RuntimeError::LibraryIncomplete {
+                what: "CUDA driver library",
+                library:
+                    "libcuda.so.1 (/a/very/long/path/to/a/folder/of/fake/libraries/libcuda.so.1)"
+                        .into(),
+                symbol: "cuInit".into(),
+                others: 40,
+                advice: "x".repeat(300),
+            },
+            RuntimeError::InvalidInput("y ".repeat(200)),
+        ];
+        for e in &errors {
+            let line = fallback_line(e);
+            assert!(line.chars().count() <= 120, "{} chars: {line}", line.len());
+            assert!(!line.contains('\n'), "{line}");
+        }
+        assert!(fallback_line(&errors[0]).contains("libcuda.so.1 not found"));
+    }
 }

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use kvq::runtime::decode::{is_fast_memory, FAST_MEMORY_GBPS_PER_SM};
-use kvq::runtime::tune::{GpuKey, TuneStore, TUNE_FILE};
+use kvq::runtime::tune::{GpuKey, TunePolicy, TuneStore, KVQ_TUNE, TUNE_FILE};
 use kvq::runtime::{cache_root, device_count, driver_version, nvrtc, Device};
 
 /// Files and bytes directly inside `dir` whose name ends with one of `exts`.
@@ -40,6 +40,19 @@ fn memory_line(peak_gbps: f64, sm_count: usize) -> String {
     )
 }
 
+/// The `KVQ_TUNE` line, read by the runtime's own parser: an unknown value is shown as the error
+/// the runtime will return for it, naming the accepted values.
+fn tune_line(value: Option<&str>) -> String {
+    let shown = match TunePolicy::from_env_value(value) {
+        Ok(policy) if value.map_or(true, |v| v.trim().is_empty()) => {
+            format!("unset ({policy}: stored results, else the heuristic)")
+        }
+        Ok(policy) => policy.to_string(),
+        Err(e) => format!("invalid: {e}; the tuner refuses to start until it is fixed"),
+    };
+    format!("KVQ_TUNE:     {shown}")
+}
+
 /// The report, one `key: value` line each.
 pub fn report(ordinal: usize) -> String {
     let mut lines: Vec<String> = vec![format!("kvq {}", env!("CARGO_PKG_VERSION"))];
@@ -51,7 +64,9 @@ pub fn report(ordinal: usize) -> String {
     }
     match device_count() {
         // Said once, on the driver line.
-        Err(_) if driver.is_err() => lines.push("GPUs:         none usable (no driver)".into()),
+        Err(_) if driver.is_err() => {
+            lines.push("GPUs:         none usable (the driver line says why)".into())
+        }
         Ok(0) => lines.push("GPUs:         none (the driver reports 0 devices)".into()),
         Ok(n) => {
             lines.push(format!("GPUs:         {n}"));
@@ -143,15 +158,7 @@ pub fn report(ordinal: usize) -> String {
         }
         Err(e) => lines.push(format!("cache dir:    not available: {e}")),
     }
-    let policy = std::env::var("KVQ_TUNE").unwrap_or_default();
-    lines.push(format!(
-        "KVQ_TUNE:     {}",
-        if policy.trim().is_empty() {
-            "unset (cached: stored results, else the heuristic)".to_string()
-        } else {
-            policy
-        }
-    ));
+    lines.push(tune_line(std::env::var(KVQ_TUNE).ok().as_deref()));
     let mut s = lines.join("\n");
     s.push('\n');
     s
@@ -159,7 +166,24 @@ pub fn report(ordinal: usize) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::memory_line;
+    use super::{memory_line, tune_line};
+
+    #[test]
+    fn an_unknown_kvq_tune_is_shown_as_an_error_naming_the_accepted_values() {
+        let line = tune_line(Some("bogus"));
+        assert!(line.starts_with("KVQ_TUNE:     invalid:"), "{line}");
+        assert!(
+            line.contains("`bogus`") && line.contains("off, cached or full"),
+            "{line}"
+        );
+        assert_eq!(tune_line(Some(" FULL ")), "KVQ_TUNE:     full");
+        assert!(
+            tune_line(None).contains("unset (cached"),
+            "{}",
+            tune_line(None)
+        );
+        assert!(tune_line(Some("")).contains("unset (cached"));
+    }
 
     #[test]
     fn the_memory_line_says_which_occupancy_kivi4_takes() {

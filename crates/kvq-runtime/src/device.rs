@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::arch::Arch;
 use crate::error::{Result, RuntimeError};
-use crate::libs::ensure_driver;
+use crate::libs::{ensure_driver, guard_driver};
 
 /// The CUDA version the driver supports (`cuDriverGetVersion`: 13000 → 13.0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -34,27 +34,18 @@ impl fmt::Display for DriverVersion {
 
 /// The CUDA version of the installed driver. Needs `libcuda`, not a GPU.
 pub fn driver_version() -> Result<DriverVersion> {
-    ensure_driver()?;
-    let mut v: std::ffi::c_int = 0;
-    // SAFETY: the library is present; `v` is valid for writes. Needs no cuInit.
-    let r = unsafe { sys::cuDriverGetVersion(&mut v) };
-    r.result()
-        .map_err(|e| RuntimeError::driver("cuDriverGetVersion", e))?;
-    let v = v.max(0) as u32;
-    Ok(DriverVersion {
-        major: v / 1000,
-        minor: (v % 1000) / 10,
-    })
+    // Asked once, when the library is first checked (`cuDriverGetVersion` needs no cuInit).
+    crate::libs::driver_version()
 }
 
 /// Initialises the driver; `Ok(false)` when it reports no device at all.
 fn init_driver() -> Result<bool> {
     ensure_driver()?;
-    match cudarc::driver::result::init() {
+    guard_driver("cuInit", || match cudarc::driver::result::init() {
         Ok(()) => Ok(true),
         Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE => Ok(false),
         Err(e) => Err(RuntimeError::driver("cuInit", e)),
-    }
+    })
 }
 
 /// How many GPUs the driver reports (0 when it loads but finds none).
@@ -140,6 +131,12 @@ impl fmt::Debug for Device {
 impl Device {
     /// Opens GPU `ordinal`.
     pub fn open(ordinal: usize) -> Result<Device> {
+        // The session's first calls into the driver (context, queries): a panic inside the
+        // bindings comes back as an error, never through a host engine.
+        guard_driver("open the device", || Device::open_unguarded(ordinal))
+    }
+
+    fn open_unguarded(ordinal: usize) -> Result<Device> {
         let count = device_count()?;
         if ordinal >= count {
             return Err(RuntimeError::NoGpu { ordinal, count });

@@ -73,18 +73,91 @@ pub enum RuntimeError {
         description: String,
     },
 
-    /// The driver lacks an entry point the bindings need.
+    /// The driver library is older than an entry point kvq calls.
     #[error(
-        "the CUDA driver ({driver}) lacks `{symbol}`, which {needed_for} needs: update the NVIDIA \
-         driver (kvq is built against CUDA 13)"
+        "the CUDA driver {library} is {driver}, older than CUDA {since}, which introduced `{symbol}` \
+         that kvq calls: install the NVIDIA driver for CUDA 13 or newer (R580 or newer), or remove \
+         the folder that holds this libcuda from LD_LIBRARY_PATH if a newer driver is installed"
     )]
     DriverTooOld {
+        /// The file loaded (`libcuda.so.1 (/usr/lib/…/libcuda.so.1)`).
+        library: String,
         /// The missing symbol.
         symbol: String,
-        /// What needed it.
-        needed_for: String,
+        /// The first CUDA version that has it (`12.8`).
+        since: String,
         /// The driver's CUDA version, as far as known.
         driver: String,
+    },
+
+    /// A CUDA library loaded but lacks an entry point kvq calls, though a library of its
+    /// version should have it: a stub, a partial copy or a wrapper rather than the real thing.
+    #[error(
+        "the {what} {library} loads but lacks `{symbol}`{}, which kvq calls: it is not a complete \
+         {what}. Fix: {advice}",
+        if *others == 0 { String::new() } else { format!(" (and {others} more entry points)") }
+    )]
+    LibraryIncomplete {
+        /// `CUDA driver library` or `NVRTC library`.
+        what: &'static str,
+        /// The file loaded, with its path where the loader tells it.
+        library: String,
+        /// The first missing entry point.
+        symbol: String,
+        /// How many more are missing.
+        others: usize,
+        /// What to do.
+        advice: String,
+    },
+
+    /// A call into a CUDA library panicked inside the Rust bindings (caught: the library is
+    /// unusable in this process, nothing else is affected).
+    #[error(
+        "the {what} {library} failed in its first call `{call}` inside the CUDA bindings \
+         ({message}). Fix: {advice}"
+    )]
+    LibraryPanicked {
+        /// `CUDA driver library` or `NVRTC library`.
+        what: &'static str,
+        /// The file loaded.
+        library: String,
+        /// The call.
+        call: String,
+        /// The bindings' panic message.
+        message: String,
+        /// What to do.
+        advice: String,
+    },
+
+    /// The NVRTC found is not the major version kvq's bindings are built for.
+    #[error(
+        "the NVRTC library {library} is NVRTC {found}, but kvq is built for NVRTC \
+         {expected_major} (cudarc's CUDA {expected_major} bindings): install NVRTC for CUDA \
+         {expected_major} (`python3 -m pip install nvidia-cuda-nvrtc=={expected_major}.0.*`) and put \
+         its folder (<site-packages>/nvidia/cu{expected_major}/lib) first on LD_LIBRARY_PATH"
+    )]
+    NvrtcVersionMismatch {
+        /// The file loaded.
+        library: String,
+        /// Its version.
+        found: NvrtcVersion,
+        /// The major version kvq needs.
+        expected_major: u32,
+    },
+
+    /// The driver cannot load what the NVRTC compiles (a driver older than the NVRTC).
+    #[error(
+        "the CUDA driver supports {driver} but NVRTC is {nvrtc}: a driver cannot load {output} \
+         from a newer NVRTC. Update the NVIDIA driver to one for CUDA {nvrtc} or newer (R580 or \
+         newer for CUDA 13)"
+    )]
+    DriverOlderThanNvrtc {
+        /// The driver's CUDA version.
+        driver: crate::device::DriverVersion,
+        /// The NVRTC version.
+        nvrtc: NvrtcVersion,
+        /// `CUBIN` (needs the driver's major version at least) or `PTX` (needs its version).
+        output: &'static str,
     },
 
     /// An NVRTC call other than the compilation itself failed.
@@ -285,6 +358,18 @@ impl RuntimeError {
         }
     }
 
+    /// Whether this error means NVRTC cannot be used here at all (absent, the wrong major
+    /// version, incomplete, or failing in the bindings), as opposed to refusing one source:
+    /// callers that compile only where NVRTC exists treat all of these like its absence.
+    pub fn is_nvrtc_unusable(&self) -> bool {
+        match self {
+            RuntimeError::NvrtcNotFound { .. } | RuntimeError::NvrtcVersionMismatch { .. } => true,
+            RuntimeError::LibraryIncomplete { what, .. }
+            | RuntimeError::LibraryPanicked { what, .. } => *what == crate::libs::Lib::Nvrtc.what(),
+            _ => false,
+        }
+    }
+
     /// Whether this error means "the machine lacks CUDA" (library, driver or GPU missing), as
     /// opposed to a bug: tests use this to decide between skipping and failing.
     pub fn is_environment(&self) -> bool {
@@ -294,9 +379,72 @@ impl RuntimeError {
                 | RuntimeError::NvrtcNotFound { .. }
                 | RuntimeError::NoGpu { .. }
                 | RuntimeError::DriverTooOld { .. }
+                | RuntimeError::LibraryIncomplete { .. }
+                | RuntimeError::LibraryPanicked { .. }
+                | RuntimeError::NvrtcVersionMismatch { .. }
+                | RuntimeError::DriverOlderThanNvrtc { .. }
                 | RuntimeError::MissingHeader(_)
         )
     }
+}
+
+impl RuntimeError {
+    /// A short clause (about 60 characters at most) for a line such as "no usable GPU (…)": what is
+    /// missing, without the list of names tried or the advice, which the full message
+    /// (`Display`) and `kvq info` give. Errors without a short form are cut at a word.
+    pub fn summary(&self) -> String {
+        match self {
+            RuntimeError::DriverNotFound { primary, .. } => {
+                format!("CUDA driver library {primary} not found")
+            }
+            RuntimeError::NvrtcNotFound { primary, .. } => {
+                format!("NVRTC library {primary} not found")
+            }
+            RuntimeError::NoGpu { count: 0, .. } => "the driver reports no GPU".into(),
+            RuntimeError::NoGpu { ordinal, count } => {
+                format!("no GPU {ordinal}: the driver reports {count}")
+            }
+            RuntimeError::DriverTooOld { driver, since, .. } => {
+                format!("the CUDA driver ({driver}) is older than CUDA {since}")
+            }
+            RuntimeError::LibraryIncomplete { what, symbol, .. } => {
+                format!("{} lacks `{symbol}`", short_library(what))
+            }
+            RuntimeError::LibraryPanicked { what, call, .. } => {
+                format!("{} failed in `{call}`", short_library(what))
+            }
+            RuntimeError::NvrtcVersionMismatch {
+                found,
+                expected_major,
+                ..
+            } => format!("NVRTC is {found}, kvq needs NVRTC {expected_major}"),
+            RuntimeError::DriverOlderThanNvrtc { driver, nvrtc, .. } => {
+                format!("the driver ({driver}) is older than NVRTC {nvrtc}")
+            }
+            RuntimeError::MissingHeader(m) => format!("CUDA header `{}` not found", m.header),
+            other => shorten(&other.to_string(), 60),
+        }
+    }
+}
+
+/// `libcuda` or `libnvrtc` for the `what` of a library error.
+fn short_library(what: &str) -> &'static str {
+    if what.contains("NVRTC") {
+        "libnvrtc"
+    } else {
+        "libcuda"
+    }
+}
+
+/// The first line of `text`, cut at a word to at most `max` characters, with `…` when cut.
+fn shorten(text: &str, max: usize) -> String {
+    let line = text.lines().next().unwrap_or("");
+    if line.chars().count() <= max {
+        return line.to_string();
+    }
+    let cut: String = line.chars().take(max).collect();
+    let at = cut.rfind(' ').unwrap_or(cut.len());
+    format!("{}…", cut[..at].trim_end_matches([',', ':', ';']))
 }
 
 /// `(CUresult name, description)` of a driver error. Only called with a loaded driver (a

@@ -82,7 +82,14 @@ impl std::fmt::Debug for Jit {
 
 impl Jit {
     /// A JIT for `device` with the disk cache from the environment ([`DiskCache::from_env`]).
+    ///
+    /// Fails early, with [`RuntimeError::DriverOlderThanNvrtc`](crate::RuntimeError), when the
+    /// loaded NVRTC is newer than the driver can load (where NVRTC is unusable, the first compile
+    /// says why).
     pub fn new(device: &Device) -> Result<Jit> {
+        if let Ok(v) = nvrtc::version() {
+            crate::module::check_driver_loads(device.props().driver, v, Output::Cubin)?;
+        }
         Ok(Jit::with_disk_cache(device, Some(DiskCache::from_env()?)))
     }
 

@@ -11,7 +11,7 @@
 
 use std::ffi::c_void;
 use std::ptr;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use cudarc::driver::{
     sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError, LaunchConfig,
@@ -19,18 +19,10 @@ use cudarc::driver::{
 };
 
 /// Whether the loaded driver has `cuLaunchKernelEx` (CUDA 12.0 on). cudarc resolves driver
-/// functions when first called and panics on a missing one, so callers ask first.
+/// functions when first called and panics on a missing one, so callers ask first (the driver
+/// check already requires it: see `libs::DRIVER_ENTRY_POINTS`).
 pub(crate) fn driver_has_launch_ex() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    *PRESENT.get_or_init(|| {
-        // SAFETY: only looks the symbol up, in a library that is loaded when present.
-        unsafe {
-            sys::is_culib_present()
-                && sys::culib()
-                    .get::<unsafe extern "C" fn()>(b"cuLaunchKernelEx\0")
-                    .is_ok()
-        }
-    })
+    crate::libs::driver_has_symbol("cuLaunchKernelEx")
 }
 
 /// A kernel's arguments in parameter order: device pointers and 32-bit scalars, each in an
@@ -174,9 +166,8 @@ mod tests {
 
     #[test]
     fn asking_for_launch_ex_never_panics() {
-        // Without a driver library (CI) the answer is no; with one, whatever it has.
-        // SAFETY: only checks whether the library loads.
-        if !unsafe { sys::is_culib_present() } {
+        // Without a usable driver library (CI) the answer is no; with one, whatever it has.
+        if crate::libs::ensure_driver().is_err() {
             assert!(!driver_has_launch_ex());
         } else {
             let _ = driver_has_launch_ex();

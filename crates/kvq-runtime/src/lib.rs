@@ -28,10 +28,12 @@
 //! * [`error`]: [`RuntimeError`]; messages name what is missing and how to provide it.
 //! * [`testing`]: `require_gpu` / `require_nvrtc` for tests that skip without CUDA.
 //!
-//! cudarc loads `libcuda` and `libnvrtc` at run time and panics when one is missing; this
-//! crate checks first ([`libs`]) and returns [`RuntimeError::DriverNotFound`] /
-//! [`RuntimeError::NvrtcNotFound`] instead, so everything builds and runs on machines without
-//! CUDA.
+//! cudarc loads `libcuda` and `libnvrtc` at run time and panics when one, or any entry point
+//! it calls, is missing; this crate checks first ([`libs`]: the library, every entry point kvq
+//! reaches, the versions) and returns [`RuntimeError::DriverNotFound`] /
+//! [`RuntimeError::NvrtcNotFound`], [`RuntimeError::LibraryIncomplete`],
+//! [`RuntimeError::DriverTooOld`] or [`RuntimeError::NvrtcVersionMismatch`] instead, so
+//! everything builds and runs on machines without CUDA or with a broken install.
 //!
 //! # Compiling without a GPU
 //!

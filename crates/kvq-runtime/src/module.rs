@@ -38,6 +38,7 @@ impl Module {
         compiled: &Compiled,
         origin: Origin,
     ) -> Result<Module> {
+        check_driver_loads(device.props().driver, compiled.nvrtc, compiled.output)?;
         let module = device
             .context()
             .load_module(Ptx::from_binary(compiled.load_image()))
@@ -113,6 +114,33 @@ impl Module {
     }
 }
 
+/// Whether a driver supporting `driver` can load `output` built by NVRTC `nvrtc`: CUBIN needs a
+/// driver of the NVRTC's major version or newer (minor-version compatibility), PTX one of its
+/// version or newer (the driver compiles it, and cannot read a newer PTX ISA). Checked before
+/// `cuModuleLoadData`, whose own refusal names neither version.
+pub(crate) fn check_driver_loads(
+    driver: crate::device::DriverVersion,
+    nvrtc: crate::nvrtc::NvrtcVersion,
+    output: crate::nvrtc::Output,
+) -> Result<()> {
+    let loads = match output {
+        crate::nvrtc::Output::Cubin => driver.major >= nvrtc.major,
+        crate::nvrtc::Output::Ptx => (driver.major, driver.minor) >= (nvrtc.major, nvrtc.minor),
+    };
+    if loads {
+        Ok(())
+    } else {
+        Err(RuntimeError::DriverOlderThanNvrtc {
+            driver,
+            nvrtc,
+            output: match output {
+                crate::nvrtc::Output::Cubin => "CUBIN",
+                crate::nvrtc::Output::Ptx => "PTX",
+            },
+        })
+    }
+}
+
 fn load_hint(code: CUresult, compiled: &Compiled, device: &Device, origin: Origin) -> String {
     let image_problem = matches!(
         code,
@@ -167,4 +195,27 @@ pub(crate) fn allow_dynamic_shared(
         })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::DriverVersion;
+    use crate::nvrtc::{NvrtcVersion, Output};
+
+    #[test]
+    fn a_driver_older_than_nvrtc_is_a_typed_error() {
+        let d = |major, minor| DriverVersion { major, minor };
+        let n = |major, minor| NvrtcVersion { major, minor };
+        assert!(check_driver_loads(d(13, 0), n(13, 1), Output::Cubin).is_ok());
+        assert!(check_driver_loads(d(13, 1), n(13, 1), Output::Ptx).is_ok());
+        let e = check_driver_loads(d(13, 0), n(13, 1), Output::Ptx).unwrap_err();
+        assert!(e.is_environment(), "{e}");
+        let e = check_driver_loads(d(12, 9), n(13, 0), Output::Cubin).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("CUDA 12.9") && text.contains("NVRTC is 13.0") && text.contains("R580"),
+            "{text}"
+        );
+    }
 }

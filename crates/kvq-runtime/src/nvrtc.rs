@@ -55,28 +55,17 @@ fn check(call: &str, r: sys::nvrtcResult) -> Result<()> {
     }
 }
 
-/// Whether NVRTC can be loaded in this process.
+/// Whether NVRTC can be used in this process: it loads, is NVRTC 13 and has every entry point
+/// kvq calls ([`crate::libs::ensure_nvrtc`]).
 pub fn is_available() -> bool {
-    crate::libs::nvrtc_present()
+    ensure_nvrtc().is_ok()
 }
 
-/// The loaded NVRTC's version; [`RuntimeError::NvrtcNotFound`] if there is none.
+/// The loaded NVRTC's version; [`RuntimeError::NvrtcNotFound`] if there is none (or the error
+/// that makes it unusable).
 pub fn version() -> Result<NvrtcVersion> {
-    static VERSION: OnceLock<NvrtcVersion> = OnceLock::new();
-    if let Some(v) = VERSION.get() {
-        return Ok(*v);
-    }
-    ensure_nvrtc()?;
-    let (mut major, mut minor): (c_int, c_int) = (0, 0);
-    // SAFETY: the library is present; both pointers are valid for writes.
-    check("nvrtcVersion", unsafe {
-        sys::nvrtcVersion(&mut major, &mut minor)
-    })?;
-    let v = NvrtcVersion {
-        major: major.max(0) as u32,
-        minor: minor.max(0) as u32,
-    };
-    Ok(*VERSION.get_or_init(|| v))
+    // Asked once, when the library is first checked.
+    crate::libs::nvrtc_version()
 }
 
 /// The architectures the loaded NVRTC can target, as numbers (75, 80, …, 90, 100, 120).

@@ -76,3 +76,77 @@ pub fn require_gpu(test: &str) -> Option<Device> {
     }
     Some(device)
 }
+
+/// Set to `1` to turn skips for a missing C compiler (fake-library tests) into failures.
+pub const KVQ_REQUIRE_CC: &str = "KVQ_REQUIRE_CC";
+
+/// C source of a shared library exporting every entry point of `entries` except those in `omit`,
+/// each a stub that returns 0 (success), with `cuDriverGetVersion` and `nvrtcVersion` reporting
+/// `version` (`(13, 0)` → 13000 and 13.0). Tests load it in place of libcuda or libnvrtc to check
+/// that a broken library is a typed error, never a panic; nothing but the version calls is ever
+/// called on it.
+pub fn fake_library_source(
+    entries: &[crate::libs::EntryPoint],
+    omit: &[&str],
+    version: (u32, u32),
+) -> String {
+    let mut c = String::from("/* A fake CUDA library for kvq's tests. */\n");
+    for e in entries.iter().filter(|e| !omit.contains(&e.name)) {
+        match e.name {
+            "cuDriverGetVersion" => c.push_str(&format!(
+                "int cuDriverGetVersion(int *v) {{ *v = {}; return 0; }}\n",
+                version.0 * 1000 + version.1 * 10
+            )),
+            "nvrtcVersion" => c.push_str(&format!(
+                "int nvrtcVersion(int *major, int *minor) {{ *major = {}; *minor = {}; return 0; }}\n",
+                version.0, version.1
+            )),
+            name => c.push_str(&format!("int {name}(void) {{ return 0; }}\n")),
+        }
+    }
+    c
+}
+
+/// Compiles `c_source` into a shared library at `dir/names[0]` and copies it to the other names,
+/// with `$CC` or `cc`. `Ok(false)` (after printing a skip line for `test`) when no C compiler
+/// runs here, unless `KVQ_REQUIRE_CC=1`, which makes that a panic; `Err` when compiling fails.
+pub fn build_fake_library(
+    test: &str,
+    dir: &std::path::Path,
+    names: &[&str],
+    c_source: &str,
+) -> Result<bool, String> {
+    let first = names.first().ok_or("no file name given")?;
+    std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    let source = dir.join(format!("{first}.c"));
+    std::fs::write(&source, c_source).map_err(|e| format!("write {}: {e}", source.display()))?;
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
+    let out = match std::process::Command::new(&cc)
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(dir.join(first))
+        .arg(&source)
+        .output()
+    {
+        Ok(out) => out,
+        Err(e) => {
+            let reason = format!("no C compiler to build fake CUDA libraries (`{cc}`: {e})");
+            if env_flag(KVQ_REQUIRE_CC) {
+                panic!("{test}: {KVQ_REQUIRE_CC}=1 but {reason}");
+            }
+            skip(test, &reason);
+            return Ok(false);
+        }
+    };
+    if !out.status.success() {
+        return Err(format!(
+            "`{cc}` failed on {}:\n{}",
+            source.display(),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    for name in &names[1..] {
+        std::fs::copy(dir.join(first), dir.join(name))
+            .map_err(|e| format!("copy to {name}: {e}"))?;
+    }
+    Ok(true)
+}

@@ -68,17 +68,8 @@ pub fn timing_event(stream: &Arc<CudaStream>) -> Result<CudaEvent> {
 /// Milliseconds between two recorded events, after waiting for `end`.
 pub fn elapsed_ms(start: &CudaEvent, end: &CudaEvent) -> Result<f32> {
     // cudarc's CUDA 13 bindings call cuEventElapsedTime_v2 (drivers from CUDA 12.8 on) and panic
-    // on a driver without it: check first.
-    const SYMBOL: &str = "cuEventElapsedTime_v2";
-    if !crate::libs::driver_has_symbol(SYMBOL) {
-        return Err(RuntimeError::DriverTooOld {
-            symbol: SYMBOL.into(),
-            needed_for: "timing with CUDA events".into(),
-            driver: crate::device::driver_version()
-                .map(|v| v.to_string())
-                .unwrap_or_else(|_| "unknown version".into()),
-        });
-    }
+    // on a driver without it; the driver check covers it (`libs::DRIVER_ENTRY_POINTS`).
+    crate::libs::ensure_driver()?;
     start
         .elapsed_ms(end)
         .map_err(|e| RuntimeError::async_failure("the timed work", e))
