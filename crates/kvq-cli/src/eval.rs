@@ -16,9 +16,11 @@ use kvq::codegen::{Dtype, KernelShape, TuneParams};
 use kvq::evaluate;
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
-use kvq::reference::synth::to_head_major;
+use kvq::reference::resources;
+use kvq::reference::synth::try_to_head_major;
 use kvq::reference::KvTensor;
-use safetensors::{Dtype as StDtype, SafeTensors};
+use kvq::TensorQuant;
+use safetensors::{Dtype as StDtype, SafeTensorError, SafeTensors};
 
 use crate::error::{CliError, Result};
 use crate::gpu::{self, Gpu};
@@ -99,48 +101,208 @@ fn expected_names(i: &str) -> String {
     )
 }
 
-/// Values of a tensor as f32.
-fn to_f32(path: &Path, name: &str, dtype: StDtype, data: &[u8]) -> Result<Vec<f32>> {
-    let chunks = |n: usize| data.chunks_exact(n);
-    Ok(match dtype {
-        StDtype::F16 => chunks(2)
-            .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
-            .collect(),
-        StDtype::BF16 => chunks(2)
-            .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
-            .collect(),
-        StDtype::F32 => chunks(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        StDtype::F64 => chunks(8)
-            .map(|b| {
-                let mut a = [0u8; 8];
-                a.copy_from_slice(b);
-                f64::from_le_bytes(a) as f32
-            })
-            .collect(),
+/// Values of a tensor as f32, allocated through the memory guard; NaN, ±Inf and f64 values past
+/// f32's range are refused with their position (a cache of them would be silently broken).
+fn to_f32(
+    path: &Path,
+    name: &str,
+    dtype: StDtype,
+    shape: &[usize],
+    data: &[u8],
+) -> Result<Vec<f32>> {
+    let size = match dtype {
+        StDtype::F16 | StDtype::BF16 => 2,
+        StDtype::F32 => 4,
+        StDtype::F64 => 8,
         other => {
             return Err(input(
                 path,
                 format!("tensor `{name}` has dtype {other:?}; expected f16, bf16, f32 or f64"),
             ))
         }
+    };
+    let count = data.len() / size;
+    let mut out =
+        resources::try_with_capacity::<f32>(count, &format!("tensor `{name}` {shape:?} as f32"))
+            .map_err(|e| input(path, e.to_string()))?;
+    let chunks = data.chunks_exact(size);
+    match dtype {
+        StDtype::F16 => out.extend(
+            chunks.map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()),
+        ),
+        StDtype::BF16 => out.extend(
+            chunks.map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()),
+        ),
+        StDtype::F32 => out.extend(chunks.map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))),
+        _ => out.extend(chunks.map(|b| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(b);
+            f64::from_le_bytes(a) as f32
+        })),
+    }
+    if let Some(i) = out.iter().position(|x| !x.is_finite()) {
+        // The index in the file's own axes, so the user can find it in their capture.
+        let mut at = Vec::with_capacity(shape.len());
+        let mut rest = i;
+        for &d in shape.iter().rev() {
+            at.push(rest % d.max(1));
+            rest /= d.max(1);
+        }
+        at.reverse();
+        return Err(input(
+            path,
+            format!(
+                "tensor `{name}` holds {} at index {at:?}{}; K, V and queries must be finite",
+                out[i],
+                if dtype == StDtype::F64 {
+                    " (or a value past f32's range)"
+                } else {
+                    ""
+                }
+            ),
+        ));
+    }
+    Ok(out)
+}
+
+/// Largest K/V file `kvq eval` reads (memory is checked too): far past any one capture, so a
+/// path to a disk image or a device is refused before it is read.
+pub const KV_FILE_LIMIT: u64 = 1 << 40;
+
+/// Reads the file with its size known and checks it is a safetensors file; the errors are
+/// sentences naming the file and, where there is one, the tensor.
+fn read_safetensors(path: &Path) -> Result<Vec<u8>> {
+    resources::read_input_file(path, "the K/V file", KV_FILE_LIMIT).map_err(|e| {
+        // A missing file gets the expected contents (the user may be about to write it); a
+        // device or a directory only needs to be told apart from a file.
+        let why = if e.not_found {
+            format!(
+                "{}; expected a safetensors file with {}",
+                e.why,
+                expected_names("{i}")
+            )
+        } else {
+            e.why
+        };
+        input(path, why)
     })
+}
+
+/// The header's tensor entries, where the header is readable JSON: to name the tensor behind a
+/// safetensors error that does not.
+fn header_entries(bytes: &[u8]) -> Vec<(String, serde_json::Value)> {
+    let Some(n) = bytes
+        .get(..8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_le_bytes)
+    else {
+        return Vec::new();
+    };
+    let Some(header) = usize::try_from(n)
+        .ok()
+        .and_then(|n| n.checked_add(8))
+        .and_then(|end| bytes.get(8..end))
+    else {
+        return Vec::new();
+    };
+    match serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(header) {
+        Ok(map) => map
+            .into_iter()
+            .filter(|(k, _)| k != "__metadata__")
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The first tensor whose shape × dtype size overflows or disagrees with its data offsets.
+fn tensor_with_bad_size(bytes: &[u8], overflow: bool) -> Option<String> {
+    header_entries(bytes).into_iter().find_map(|(name, v)| {
+        let dtype: StDtype = serde_json::from_value(v.get("dtype")?.clone()).ok()?;
+        let shape: Vec<u64> = serde_json::from_value(v.get("shape")?.clone()).ok()?;
+        let (s, e): (u64, u64) = serde_json::from_value(v.get("data_offsets")?.clone()).ok()?;
+        let bytes_needed = shape
+            .iter()
+            .try_fold(dtype.size() as u64, |a, &d| a.checked_mul(d));
+        let bad = match bytes_needed {
+            None => overflow,
+            Some(b) => !overflow && Some(b) != e.checked_sub(s),
+        };
+        bad.then(|| {
+            format!("tensor `{name}` (shape {shape:?}, {dtype:?}, data_offsets [{s}, {e}])")
+        })
+    })
+}
+
+/// A safetensors error as a sentence (the crate's own are bare variant names).
+fn safetensors_problem(e: &SafeTensorError, bytes: &[u8]) -> String {
+    let len = bytes.len();
+    let header_len = bytes
+        .get(..8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_le_bytes)
+        .unwrap_or(0);
+    match e {
+        SafeTensorError::HeaderTooSmall => format!(
+            "the file is {len} bytes, shorter than the 8-byte header length a safetensors file \
+             starts with"
+        ),
+        SafeTensorError::HeaderTooLarge => format!(
+            "its first 8 bytes give a header of {header_len} bytes, more than the 100 MB \
+             safetensors allows (the file is {len} bytes)"
+        ),
+        SafeTensorError::InvalidHeaderLength => format!(
+            "its first 8 bytes give a header of {header_len} bytes, but only {} bytes follow",
+            len.saturating_sub(8)
+        ),
+        SafeTensorError::InvalidHeader => "the header is not valid UTF-8 text".into(),
+        SafeTensorError::InvalidHeaderStart => "the header does not start with `{`".into(),
+        SafeTensorError::InvalidHeaderDeserialization | SafeTensorError::JsonError(_) => {
+            let detail = usize::try_from(header_len)
+                .ok()
+                .and_then(|n| bytes.get(8..n.checked_add(8)?))
+                .and_then(|h| serde_json::from_slice::<serde_json::Value>(h).err())
+                .map_or(String::new(), |e| format!(" ({e})"));
+            format!(
+                "the header is not the JSON of a safetensors file (a map from tensor names to \
+                 dtype, shape and data_offsets){detail}"
+            )
+        }
+        SafeTensorError::TensorNotFound(name) => format!("there is no tensor `{name}`"),
+        SafeTensorError::TensorInvalidInfo => format!(
+            "{} has a shape and dtype whose size differs from its data offsets",
+            tensor_with_bad_size(bytes, false).unwrap_or_else(|| "a tensor".into())
+        ),
+        SafeTensorError::InvalidOffset(name) => format!(
+            "tensor `{name}`'s data offsets lie outside the file or do not start where the \
+             previous tensor's data ends"
+        ),
+        SafeTensorError::IoError(e) => format!("cannot read it: {e}"),
+        SafeTensorError::InvalidTensorView(dtype, shape, n) => {
+            format!("a {dtype:?} tensor of shape {shape:?} cannot hold {n} bytes")
+        }
+        SafeTensorError::MetadataIncompleteBuffer => format!(
+            "the tensors' data offsets do not cover the {} bytes of data after the header exactly",
+            (len as u64).saturating_sub(header_len.saturating_add(8))
+        ),
+        SafeTensorError::ValidationOverflow => format!(
+            "{} has a shape whose size in bytes overflows 64 bits",
+            tensor_with_bad_size(bytes, true).unwrap_or_else(|| "a tensor".into())
+        ),
+    }
 }
 
 /// Reads the layers of the file (all, or `only`).
 pub fn read_layers(path: &Path, layout: KvLayout, only: &[usize]) -> Result<Vec<Layer>> {
-    let bytes = std::fs::read(path).map_err(|e| {
+    let bytes = read_safetensors(path)?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
         input(
             path,
             format!(
-                "cannot read the K/V file ({e}); expected a safetensors file with {}",
-                expected_names("{i}")
+                "not a safetensors file: {}",
+                safetensors_problem(&e, &bytes)
             ),
         )
     })?;
-    let st = SafeTensors::deserialize(&bytes)
-        .map_err(|e| input(path, format!("not a safetensors file: {e}")))?;
     let names: BTreeSet<String> = st.names().into_iter().cloned().collect();
     let mut indices = BTreeSet::new();
     for n in &names {
@@ -195,11 +357,14 @@ pub fn read_layers(path: &Path, layout: KvLayout, only: &[usize]) -> Result<Vec<
             if !names.contains(&name) {
                 return Ok(None);
             }
-            let view = st
-                .tensor(&name)
-                .map_err(|e| input(path, format!("tensor `{name}`: {e}")))?;
+            let view = st.tensor(&name).map_err(|e| {
+                input(
+                    path,
+                    format!("tensor `{name}`: {}", safetensors_problem(&e, &bytes)),
+                )
+            })?;
             let shape = view.shape().to_vec();
-            let values = to_f32(path, &name, view.dtype(), view.data())?;
+            let values = to_f32(path, &name, view.dtype(), &shape, view.data())?;
             Ok(Some((shape, values)))
         };
         let missing = |t: &str| {
@@ -228,39 +393,80 @@ pub fn read_layers(path: &Path, layout: KvLayout, only: &[usize]) -> Result<Vec<
             KvLayout::HeadsFirst => (k_shape[1], k_shape[0], k_shape[2]),
         };
         if tokens == 0 || kv_heads == 0 || head_dim == 0 {
-            return Err(input(path, format!("layer {i}: empty K/V {k_shape:?}")));
+            return Err(input(
+                path,
+                format!(
+                    "layer {i}: K/V {k_shape:?} is empty; expected {}",
+                    expected_names(&i.to_string())
+                ),
+            ));
         }
-        let to_tensor = |flat: Vec<f32>| match layout {
-            KvLayout::TokensFirst => to_head_major(&flat, tokens, kv_heads, head_dim),
-            KvLayout::HeadsFirst => KvTensor {
-                data: flat,
-                kv_heads,
-                tokens,
-                head_dim,
-            },
+        // A file read in the other axis order swaps tokens and KV heads: a few "tokens" that no
+        // scheme quantizes, and thousands of "heads". Both checks below name --layout.
+        let (this, other) = match layout {
+            KvLayout::TokensFirst => ("tokens-first", "heads-first"),
+            KvLayout::HeadsFirst => ("heads-first", "tokens-first"),
         };
-        let (mut k, mut v) = (to_tensor(k), to_tensor(v));
-        let (q, captured) = match get("q")? {
-            Some((shape, values)) => {
-                let dims: Vec<usize> = if shape.len() == 3 && shape[0] == 1 {
-                    shape[1..].to_vec()
+        let read_as = format!(
+            "layer {i}: K and V have shape {k_shape:?}, read with --layout {this} as {tokens} \
+             token(s) × {kv_heads} KV heads × head_dim {head_dim}"
+        );
+        let q = get("q")?;
+        if let Some((shape, _)) = &q {
+            let dims: &[usize] = if shape.len() == 3 && shape[0] == 1 {
+                &shape[1..]
+            } else {
+                shape
+            };
+            if dims.len() != 2 || dims[1] != head_dim || dims[0] == 0 || dims[0] % kv_heads != 0 {
+                // `tokens` is the KV head count of the other reading.
+                let hint = if dims.len() == 2 && dims[1] == head_dim && dims[0] % tokens == 0 {
+                    format!(
+                        "; read with --layout {other} it has {tokens} KV heads, which fits: pass \
+                         --layout {other}"
+                    )
                 } else {
-                    shape.clone()
+                    String::new()
                 };
-                if dims.len() != 2 || dims[1] != head_dim || dims[0] == 0 || dims[0] % kv_heads != 0
-                {
-                    return Err(input(
-                        path,
-                        format!(
-                            "layer {i}: `layer.{i}.q` has shape {shape:?}; expected [q_heads, \
-                             {head_dim}] with q_heads a multiple of {kv_heads} KV heads"
-                        ),
-                    ));
+                return Err(input(
+                    path,
+                    format!(
+                        "{read_as}; `layer.{i}.q` has shape {shape:?}, and it must be [q_heads, \
+                         {head_dim}] with q_heads a multiple of {kv_heads} KV heads{hint}"
+                    ),
+                ));
+            }
+        }
+        if kv_heads > tokens {
+            return Err(input(
+                path,
+                format!(
+                    "{read_as}: more KV heads than tokens is how a {other} file reads this way — \
+                     pass --layout {other} (a capture with fewer tokens than KV heads is too \
+                     short to evaluate)"
+                ),
+            ));
+        }
+        let to_tensor = |flat: Vec<f32>, t: &str| -> Result<KvTensor> {
+            let name = format!("layer.{i}.{t}");
+            match layout {
+                KvLayout::TokensFirst => {
+                    try_to_head_major(&flat, tokens, kv_heads, head_dim, &format!("`{name}`"))
+                        .map_err(|e| input(path, e.to_string()))
                 }
+                KvLayout::HeadsFirst => KvTensor::new(flat, kv_heads, tokens, head_dim)
+                    .map_err(|e| input(path, format!("`{name}`: {e}"))),
+            }
+        };
+        let (mut k, mut v) = (to_tensor(k, "k")?, to_tensor(v, "v")?);
+        let (q, captured) = match q {
+            Some((_, values)) => {
+                // The shape was checked above: [q_heads, head_dim] or [1, q_heads, head_dim].
+                let q_heads = values.len() / head_dim;
                 (
                     Queries {
                         data: values,
-                        q_heads: dims[0],
+                        q_heads,
                         head_dim,
                     },
                     true,
@@ -328,6 +534,42 @@ pub fn evaluate_layer(
     let cache = IntCache::build(spec, &layer.k, &layer.v)
         .map_err(|e| input(path, format!("layer {}: {e}", layer.index)))?;
     let deq = cache.dequantize();
+    let quantized_v = (0..n).filter(|&t| cache.v().is_quantized(t)).count();
+    let quantized_k = deq.k_quantized.iter().filter(|q| **q).count();
+    // A scheme that quantizes nothing of this capture would score as FP16 does: a near-zero error
+    // that says nothing about the scheme. Refuse it, with the length that would measure something.
+    let quantizing: Vec<&TensorQuant> = [&spec.k, &spec.v]
+        .into_iter()
+        .filter(|t| t.is_quantized())
+        .collect();
+    if !quantizing.is_empty() && quantized_k == 0 && quantized_v == 0 {
+        let local = quantizing
+            .iter()
+            .map(|t| spec.local_of(t))
+            .min()
+            .unwrap_or(spec.local);
+        let needed = spec.sink as usize + local as usize + spec.page as usize;
+        let cached = if layer.captured_queries {
+            String::new()
+        } else {
+            " (one more in the file: its last key is the query)".into()
+        };
+        return Err(input(
+            path,
+            format!(
+                "layer {}: 0 tokens quantized — `{}` keeps the first {} (sink) and the last {} \
+                 (local) tokens in FP16 and quantizes whole pages of {} between them, so of the \
+                 {n} cached token(s){cached} none is quantized and the error would be FP16's, not \
+                 the scheme's; a capture needs at least {needed} cached tokens (check --layout if \
+                 the file has more)",
+                layer.index,
+                scheme.label(),
+                spec.sink,
+                local,
+                spec.page
+            ),
+        ));
+    }
     let exact = attention::exact(&layer.q, &layer.k, &layer.v)
         .map_err(|e| input(path, format!("layer {}: {e}", layer.index)))?;
     let out = attention::decode(&layer.q, &deq, spec.calibrate.as_ref())
@@ -376,7 +618,7 @@ pub fn evaluate_layer(
     Ok(LayerResult {
         index: layer.index,
         tokens: n,
-        quantized_tokens: deq.k_quantized.iter().filter(|q| **q).count(),
+        quantized_tokens: quantized_k.max(quantized_v),
         kv_heads: h,
         q_heads: layer.q.q_heads,
         head_dim: d,
@@ -475,7 +717,10 @@ pub fn run(opts: &EvalOptions) -> Result<String> {
                 Some(g)
             }
             Err(e) => {
-                lines.push(format!("GPU: not used ({}; `kvq info` says why)", e.summary()));
+                lines.push(format!(
+                    "GPU: not used ({}; `kvq info` says why)",
+                    e.summary()
+                ));
                 None
             }
         }
@@ -570,10 +815,25 @@ mod tests {
         assert_eq!(l.k.row(1, 1), &[110.0, 111.0]);
         assert_eq!(l.q.head(1), &[210.0, 211.0]);
         assert!(!l.captured_queries);
+        // Read heads-first, [3 tokens, 2 heads] is 3 heads of 2 tokens: refused, naming --layout.
+        let err = read_layers(&path, KvLayout::HeadsFirst, &[0])
+            .err()
+            .unwrap();
+        assert!(
+            err.to_string().contains("pass --layout tokens-first"),
+            "{err}"
+        );
+        // The same values as [2 heads][3 tokens][2]: head 1 token 0 = flat row 3.
+        write_file(
+            &path,
+            &[
+                ("layer.0.k", vec![2, 3, 2], vals.clone()),
+                ("layer.0.v", vec![2, 3, 2], vals.clone()),
+            ],
+        );
         let layers = read_layers(&path, KvLayout::HeadsFirst, &[0]).unwrap();
-        // Heads-first: [3 heads][2 tokens][2]: head 1 token 0 = flat row 2.
-        assert_eq!(layers[0].k.kv_heads, 3);
-        assert_eq!(layers[0].k.row(1, 0), &[100.0, 101.0]);
+        assert_eq!((layers[0].k.kv_heads, layers[0].k.tokens), (2, 2));
+        assert_eq!(layers[0].k.row(1, 0), &[110.0, 111.0]);
         let err = read_layers(&path, KvLayout::TokensFirst, &[5])
             .err()
             .unwrap();

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use kvq::codegen::{Dtype, KernelShape};
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::{IntCache, TensorStore};
+use kvq::reference::resources;
 use kvq::runtime::tune::synth::{random_kv, random_queries};
 use kvq::runtime::tune::tolerance;
 use kvq::SchemeSpec;
@@ -129,6 +130,25 @@ fn le32f(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// Refuses a sample larger than the machine's memory before any of it is generated: per sequence
+/// its f32 K and V, the quantized cache, the dequantized K̂ and V̂ the reference output comes from,
+/// and the gathered device buffers — about six f32 K/V-sized buffers in all.
+fn check_memory(s: &SampleSpec, head_dim: usize) -> Result<()> {
+    let total = s.lengths.iter().try_fold(0u64, |acc, &len| {
+        let kv = resources::bytes_of::<f32>(resources::product(&[2, s.kv_heads, len, head_dim])?)?;
+        acc.checked_add(kv.checked_mul(3)?)
+    });
+    resources::check(
+        total,
+        &format!(
+            "a sample of {:?} tokens × {} KV heads × head_dim {head_dim}",
+            s.lengths, s.kv_heads
+        ),
+    )
+    .map(|_| ())
+    .map_err(|e| CliError::Usage(format!("--sample-lengths/--sample-kv-heads: {e}")))
+}
+
 /// Writes `out/sample/`: see the module docs.
 pub fn write(
     out: &Path,
@@ -142,7 +162,16 @@ pub fn write(
             s.lengths, s.kv_heads
         )));
     }
+    // The kernels take sequence lengths as i32.
+    if let Some(&len) = s.lengths.iter().find(|&&n| i32::try_from(n).is_err()) {
+        return Err(CliError::Usage(format!(
+            "--sample-lengths: {len} tokens is more than the kernels' i32 sequence lengths hold \
+             ({})",
+            i32::MAX
+        )));
+    }
     let (h, d) = (s.kv_heads, shape.head_dim as usize);
+    check_memory(s, d)?;
     let q_heads = h * shape.gqa as usize;
     let caches: Vec<IntCache> = s
         .lengths

@@ -22,4 +22,7 @@ pub enum RefError {
     /// The scheme needs a different entry point (e.g. codebooks, or XQuant's activations).
     #[error("{0}")]
     WrongEntryPoint(String),
+    /// A size larger than the machine's memory (or than 64 bits), refused before allocating.
+    #[error(transparent)]
+    Alloc(#[from] crate::resources::AllocError),
 }

@@ -14,6 +14,7 @@ pub mod footprint;
 pub mod int;
 pub mod pack;
 pub mod regions;
+pub mod resources;
 pub mod rope;
 pub mod synth;
 mod tensor;

@@ -8,7 +8,7 @@
 
 use crate::attention::Queries;
 use crate::rope::Rope;
-use crate::KvTensor;
+use crate::{KvTensor, RefError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal, StudentT};
@@ -103,7 +103,68 @@ pub fn to_head_major(flat: &[f32], tokens: usize, kv_heads: usize, head_dim: usi
     t
 }
 
-/// Generates a layer and its K/V/queries; the same config always gives the same data.
+/// As [`to_head_major`], with the memory checked first ([`crate::resources`]) and `flat`'s length
+/// checked against the shape: an error instead of an abort or a panic.
+pub fn try_to_head_major(
+    flat: &[f32],
+    tokens: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    what: &str,
+) -> Result<KvTensor, RefError> {
+    if crate::resources::product(&[tokens, kv_heads, head_dim]) != Some(flat.len()) {
+        return Err(RefError::Mismatch(format!(
+            "{what}: {} values for [tokens {tokens}][kv_heads {kv_heads}][head_dim {head_dim}]",
+            flat.len()
+        )));
+    }
+    let mut t = KvTensor::try_zeros(kv_heads, tokens, head_dim, what)?;
+    for tok in 0..tokens {
+        for h in 0..kv_heads {
+            let src = &flat[(tok * kv_heads + h) * head_dim..(tok * kv_heads + h + 1) * head_dim];
+            t.row_mut(h, tok).copy_from_slice(src);
+        }
+    }
+    Ok(t)
+}
+
+/// Bytes [`generate`] holds at its peak for `cfg` (inputs, weights, K before and after RoPE, V,
+/// the projections' outputs, queries), or `None` when that overflows.
+pub fn generate_bytes(cfg: &SynthConfig) -> Option<u64> {
+    let (l, dm, h, d) = (
+        cfg.tokens as u64,
+        cfg.d_model as u64,
+        cfg.kv_heads as u64,
+        cfg.head_dim as u64,
+    );
+    let kvd = h.checked_mul(d)?;
+    let floats = [
+        l.checked_mul(dm)?.checked_mul(2)?,   // x, x_prev
+        dm.checked_mul(kvd)?.checked_mul(2)?, // w_k, w_v
+        l.checked_mul(kvd)?.checked_mul(5)?,  // k_pre, k, v and the two matmul outputs
+        dm.checked_mul(d)?,                   // one query head's projection
+        h.checked_mul(cfg.gqa as u64)?.checked_mul(d)?,
+    ]
+    .into_iter()
+    .try_fold(0u64, |a, b| a.checked_add(b))?;
+    floats.checked_mul(4)
+}
+
+/// [`generate`], after checking that the layer fits in the memory available: a size past it is
+/// an error naming the bytes ([`crate::resources::AllocError`]), not an abort.
+pub fn try_generate(cfg: &SynthConfig) -> Result<SynthKv, RefError> {
+    crate::resources::check(
+        generate_bytes(cfg),
+        &format!(
+            "a synthetic layer of {} tokens × {} KV heads × head_dim {} (d_model {})",
+            cfg.tokens, cfg.kv_heads, cfg.head_dim, cfg.d_model
+        ),
+    )?;
+    Ok(generate(cfg))
+}
+
+/// Generates a layer and its K/V/queries; the same config always gives the same data. A layer
+/// larger than the machine's memory aborts the process: [`try_generate`] checks first.
 pub fn generate(cfg: &SynthConfig) -> SynthKv {
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
     let (l, dm, h, d) = (cfg.tokens, cfg.d_model, cfg.kv_heads, cfg.head_dim);
@@ -297,6 +358,30 @@ mod tests {
             d_model: 96,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_layer_past_the_machine_is_an_error_naming_its_bytes() {
+        let huge = SynthConfig {
+            tokens: 100_000_000_000,
+            ..Default::default()
+        };
+        let e = try_generate(&huge).unwrap_err();
+        let s = e.to_string();
+        assert!(
+            matches!(e, RefError::Alloc(_))
+                && s.contains("100000000000 tokens")
+                && s.contains("bytes"),
+            "{s}"
+        );
+        let e = try_generate(&SynthConfig {
+            tokens: usize::MAX,
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("overflows"), "{e}");
+        let e = try_to_head_major(&[0.0; 3], 2, 1, 2, "K").unwrap_err();
+        assert!(e.to_string().contains("3 values"), "{e}");
     }
 
     #[test]

@@ -19,11 +19,12 @@ impl KvTensor {
         tokens: usize,
         head_dim: usize,
     ) -> Result<Self, RefError> {
-        if data.len() != kv_heads * tokens * head_dim {
+        let expected = crate::resources::product(&[kv_heads, tokens, head_dim]);
+        if expected != Some(data.len()) {
             return Err(RefError::Mismatch(format!(
                 "{} values for [kv_heads {kv_heads}][tokens {tokens}][head_dim {head_dim}] = {}",
                 data.len(),
-                kv_heads * tokens * head_dim
+                expected.map_or("more than 2^64".to_string(), |n| n.to_string())
             )));
         }
         Ok(Self {
@@ -42,6 +43,24 @@ impl KvTensor {
             tokens,
             head_dim,
         }
+    }
+
+    /// All zeros of the given shape, or an error when the shape is larger than the memory
+    /// available ([`crate::resources`]); `what` names the tensor in that error.
+    pub fn try_zeros(
+        kv_heads: usize,
+        tokens: usize,
+        head_dim: usize,
+        what: &str,
+    ) -> Result<Self, RefError> {
+        let count = crate::resources::product(&[kv_heads, tokens, head_dim]).unwrap_or(usize::MAX);
+        let what = format!("{what} ([kv_heads {kv_heads}][tokens {tokens}][head_dim {head_dim}])");
+        Ok(Self {
+            data: crate::resources::try_vec(count, 0.0, &what)?,
+            kv_heads,
+            tokens,
+            head_dim,
+        })
     }
 
     /// One head's `[tokens][head_dim]` block.

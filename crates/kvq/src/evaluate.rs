@@ -33,6 +33,7 @@ use crate::reference::commvq::{
 use crate::reference::footprint;
 use crate::reference::int::IntCache;
 use crate::reference::regions::TokenRegions;
+use crate::reference::resources;
 use crate::reference::synth::{self, SynthConfig, SynthKv};
 use crate::reference::xquant::{Projections, XQuantCache};
 use crate::reference::{Dequantized, KvTensor, RefError};
@@ -380,13 +381,14 @@ impl Workload {
         if cfg.tokens == 0 {
             return Err(EvalError::Workload("a workload of 0 cached tokens".into()));
         }
-        if calibration == 0 {
-            return Self::new(synth::generate(cfg));
-        }
         let tokens = cfg
             .tokens
             .checked_add(calibration)
             .ok_or_else(|| EvalError::Workload(format!("{} + {calibration} tokens", cfg.tokens)))?;
+        check_workload_memory(cfg, tokens, calibration)?;
+        if calibration == 0 {
+            return Self::new(synth::generate(cfg));
+        }
         let mut full = synth::generate(&SynthConfig { tokens, ..*cfg });
         let n = cfg.tokens;
         let held_out = HeldOut {
@@ -481,6 +483,39 @@ pub struct Evaluation {
     pub quantized_tokens: usize,
     /// This sequence's memory at the workload's shape ([`memory_with_rank`]).
     pub memory: Memory,
+}
+
+/// Refuses a workload larger than the machine's memory before any of it is allocated: the
+/// generated layer at its peak, the copies the split into cached and held-out tokens makes, the
+/// exact attention's probabilities, and one scheme's cache with its dequantized K/V.
+fn check_workload_memory(
+    cfg: &SynthConfig,
+    tokens: usize,
+    calibration: usize,
+) -> Result<(), EvalError> {
+    let kv = (tokens as u64)
+        .checked_mul(cfg.kv_heads as u64)
+        .and_then(|x| x.checked_mul(cfg.head_dim as u64))
+        .and_then(|x| x.checked_mul(4));
+    let probs = (tokens as u64)
+        .checked_mul(cfg.kv_heads as u64)
+        .and_then(|x| x.checked_mul(cfg.gqa as u64))
+        .and_then(|x| x.checked_mul(8));
+    let peak = synth::generate_bytes(&SynthConfig { tokens, ..*cfg })
+        // The split's copies of K and V, then a scheme's cache and its dequantized K and V (the
+        // generator's temporaries are gone by then): about four more K/V-sized buffers.
+        .and_then(|b| b.checked_add(kv?.checked_mul(4)?))
+        .and_then(|b| b.checked_add(probs?));
+    resources::check(
+        peak,
+        &format!(
+            "a synthetic workload of {} + {calibration} held-out tokens × {} KV heads × head_dim \
+             {} (d_model {})",
+            cfg.tokens, cfg.kv_heads, cfg.head_dim, cfg.d_model
+        ),
+    )
+    .map_err(RefError::from)?;
+    Ok(())
 }
 
 /// Builds `spec`'s cache of the workload with the CPU reference and measures its attention error.

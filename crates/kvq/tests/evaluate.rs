@@ -251,3 +251,25 @@ fn refusals_are_typed_errors() {
         Err(EvalError::Workload(_))
     ));
 }
+
+#[test]
+fn a_workload_past_the_machine_is_refused_before_it_is_allocated() {
+    // `kvq demo --cpu --tokens 100000000` asked for 102 GB and aborted. The size is checked first;
+    // 10^11 tokens is past any machine, and usize::MAX overflows the arithmetic.
+    for tokens in [100_000_000_000usize, usize::MAX - 2048] {
+        let cfg = SynthConfig {
+            tokens,
+            ..Default::default()
+        };
+        let Err(e) = Workload::generate(&cfg, 1024) else {
+            panic!("{tokens} tokens were not refused");
+        };
+        let s = e.to_string();
+        assert!(
+            matches!(e, EvalError::Reference(kvq::reference::RefError::Alloc(_)))
+                && s.contains(&format!("{tokens} + 1024 held-out tokens"))
+                && (s.contains("bytes") || s.contains("overflows")),
+            "{s}"
+        );
+    }
+}

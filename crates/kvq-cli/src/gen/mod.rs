@@ -15,6 +15,7 @@ mod rules;
 use std::path::{Path, PathBuf};
 
 use kvq::codegen::{cache_kernels, decode_kernels, KernelShape};
+use kvq::reference::resources;
 use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
 use kvq::runtime::tune::TuneStore;
 use kvq::runtime::{Arch, RuntimeError};
@@ -143,6 +144,37 @@ fn compile_sources(
     Ok((compiled, lines))
 }
 
+/// Largest tuning file `kvq gen` reads: a few hundred bytes an entry, so far more than any GPU's
+/// results, and small enough that a wrong path (a disk image, a model) is refused at once.
+pub const TUNE_FILE_LIMIT: u64 = 64 << 20;
+
+/// The tuning file the user named with `--tune-file`. Unlike the default file (a cache: absent or
+/// damaged, it is ignored with a note), a named file must exist and parse — the user meant it.
+fn named_tune_file(path: &Path) -> Result<TuneStore> {
+    resources::read_input_file(path, "the tuning file (--tune-file)", TUNE_FILE_LIMIT).map_err(
+        |e| CliError::Input {
+            path: e.path,
+            why: e.why,
+        },
+    )?;
+    let store = TuneStore::load_quietly(path);
+    match store.warning() {
+        None => Ok(store),
+        Some(w) => {
+            // The store's warning is worded for a cache it will replace; keep just the reason.
+            let prefix = format!("ignoring tuning results in {}: ", path.display());
+            let why = w
+                .strip_prefix(&prefix)
+                .and_then(|r| r.split_once("; it will be replaced"))
+                .map_or(w, |(why, _)| why);
+            Err(CliError::Input {
+                path: path.to_path_buf(),
+                why: format!("the tuning file (--tune-file) cannot be used: {why}"),
+            })
+        }
+    }
+}
+
 /// Writes the folder; see the module docs.
 pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
     let spec = &req.scheme.spec;
@@ -156,7 +188,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
         )));
     }
     let (store, tune_file) = match &req.tune_file {
-        Some(p) => (Some(TuneStore::load_quietly(p)), Some(p.clone())),
+        Some(p) => (Some(named_tune_file(p)?), Some(p.clone())),
         None => match TuneStore::default_path() {
             Ok(p) => (Some(TuneStore::load_quietly(&p)), Some(p)),
             Err(_) => (None, None),
