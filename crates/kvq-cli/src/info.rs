@@ -48,7 +48,7 @@ fn tune_line(value: Option<&str>) -> String {
             format!("unset ({policy}: stored results, else the heuristic)")
         }
         Ok(policy) => policy.to_string(),
-        Err(e) => format!("invalid: {e}; the tuner refuses to start until it is fixed"),
+        Err(e) => format!("{e}; the tuner refuses to start until it is fixed"),
     };
     format!("KVQ_TUNE:     {shown}")
 }
@@ -171,9 +171,12 @@ mod tests {
     #[test]
     fn an_unknown_kvq_tune_is_shown_as_an_error_naming_the_accepted_values() {
         let line = tune_line(Some("bogus"));
-        assert!(line.starts_with("KVQ_TUNE:     invalid:"), "{line}");
         assert!(
-            line.contains("`bogus`") && line.contains("off, cached or full"),
+            line.starts_with("KVQ_TUNE:     invalid input: KVQ_TUNE=`bogus`"),
+            "{line}"
+        );
+        assert!(
+            line.contains("off, cached or full") && line.contains("tuner refuses"),
             "{line}"
         );
         assert_eq!(tune_line(Some(" FULL ")), "KVQ_TUNE:     full");

@@ -35,9 +35,12 @@ impl TunePolicy {
     pub fn from_env_value(value: Option<&str>) -> Result<TunePolicy> {
         match value.map(str::trim) {
             None | Some("") => Ok(TunePolicy::default()),
-            Some(text) => text
-                .parse()
-                .map_err(|e: RuntimeError| RuntimeError::InvalidInput(format!("{KVQ_TUNE}: {e}"))),
+            Some(text) => parse(text).ok_or_else(|| {
+                RuntimeError::InvalidInput(format!(
+                    "{KVQ_TUNE}=`{text}` is not a tuning policy: expected {ACCEPTED} (unset \
+                     means cached)"
+                ))
+            }),
         }
     }
 
@@ -61,14 +64,25 @@ impl FromStr for TunePolicy {
     type Err = RuntimeError;
 
     fn from_str(s: &str) -> Result<TunePolicy> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "off" => Ok(TunePolicy::Off),
-            "cached" => Ok(TunePolicy::Cached),
-            "full" => Ok(TunePolicy::Full),
-            other => Err(RuntimeError::InvalidInput(format!(
-                "unknown tuning policy `{other}`: expected off, cached or full"
-            ))),
-        }
+        parse(s).ok_or_else(|| {
+            RuntimeError::InvalidInput(format!(
+                "unknown tuning policy `{}`: expected {ACCEPTED}",
+                s.trim()
+            ))
+        })
+    }
+}
+
+/// The accepted names, as messages list them.
+const ACCEPTED: &str = "off, cached or full";
+
+/// The one parser of policy names (case and surrounding spaces ignored).
+fn parse(text: &str) -> Option<TunePolicy> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "off" => Some(TunePolicy::Off),
+        "cached" => Some(TunePolicy::Cached),
+        "full" => Some(TunePolicy::Full),
+        _ => None,
     }
 }
 
@@ -101,7 +115,11 @@ mod tests {
         );
         let err = TunePolicy::from_env_value(Some("fast")).unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains("KVQ_TUNE") && msg.contains("fast"), "{msg}");
+        assert_eq!(
+            msg,
+            "invalid input: KVQ_TUNE=`fast` is not a tuning policy: expected off, cached or full \
+             (unset means cached)"
+        );
         assert!(matches!(err, RuntimeError::InvalidInput(_)));
     }
 }
