@@ -149,13 +149,9 @@ fn check_memory(s: &SampleSpec, head_dim: usize) -> Result<()> {
     .map_err(|e| CliError::Usage(format!("--sample-lengths/--sample-kv-heads: {e}")))
 }
 
-/// Writes `out/sample/`: see the module docs.
-pub fn write(
-    out: &Path,
-    spec: &SchemeSpec,
-    shape: &KernelShape,
-    s: &SampleSpec,
-) -> Result<Written> {
+/// Refuses a sample that cannot be made (empty or zero lengths, lengths past the kernels' i32,
+/// more memory than the machine has) before anything is generated or written.
+pub fn check(s: &SampleSpec, shape: &KernelShape) -> Result<()> {
     if s.lengths.is_empty() || s.lengths.contains(&0) || s.kv_heads == 0 || s.num_splits == 0 {
         return Err(CliError::Usage(format!(
             "--sample-lengths must list positive lengths and --sample-kv-heads be ≥ 1 (got {:?}, {})",
@@ -170,8 +166,18 @@ pub fn write(
             i32::MAX
         )));
     }
+    check_memory(s, shape.head_dim as usize)
+}
+
+/// Writes `out/sample/`: see the module docs.
+pub fn write(
+    out: &Path,
+    spec: &SchemeSpec,
+    shape: &KernelShape,
+    s: &SampleSpec,
+) -> Result<Written> {
+    check(s, shape)?;
     let (h, d) = (s.kv_heads, shape.head_dim as usize);
-    check_memory(s, d)?;
     let q_heads = h * shape.gqa as usize;
     let caches: Vec<IntCache> = s
         .lengths

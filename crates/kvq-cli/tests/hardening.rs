@@ -438,6 +438,10 @@ fn gen_and_demo_refuse_sizes_past_the_machine_before_allocating() {
         Duration::from_secs(60),
     );
     usage_error(&r, &["--sample-lengths", "(6144000000000 bytes) of memory"]);
+    assert!(
+        !out.join("decode.cu").exists(),
+        "a refused sample leaves no half-written folder"
+    );
     let r = kvq(
         &[
             "gen",

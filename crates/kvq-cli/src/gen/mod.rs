@@ -18,7 +18,7 @@ use kvq::codegen::{cache_kernels, decode_kernels, KernelShape};
 use kvq::reference::resources;
 use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
 use kvq::runtime::tune::TuneStore;
-use kvq::runtime::{Arch, RuntimeError};
+use kvq::runtime::Arch;
 
 pub use self::header::CPrefix;
 use self::manifest::{CompiledInfo, Manifest};
@@ -134,7 +134,9 @@ fn compile_sources(
                     bytes: c.image.len(),
                 });
             }
-            Err(e @ RuntimeError::NvrtcNotFound { .. }) => {
+            // A missing or broken NVRTC leaves the sources uncompiled, said in a note: the files
+            // an engine needs are written either way.
+            Err(e) if e.is_nvrtc_unusable() => {
                 notes.push(format!("{file} not compiled: {e}"));
                 break;
             }
@@ -186,6 +188,10 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
              or scheme text of fp16/int(...) tensors",
             req.scheme.label()
         )));
+    }
+    // A sample that cannot be made is refused before any file is written.
+    if let Some(s) = &req.sample {
+        sample::check(s, shape)?;
     }
     let (store, tune_file) = match &req.tune_file {
         Some(p) => (Some(named_tune_file(p)?), Some(p.clone())),
