@@ -201,4 +201,36 @@ mod tests {
         );
         assert_eq!(out, "error: `bits` must be 1, 2, 3, 4 or 8, got `9`");
     }
+
+    #[test]
+    fn deep_nesting_is_refused_without_deep_recursion() {
+        // On a small stack, so flattening the tokens recursively would abort the test.
+        let out = std::thread::Builder::new()
+            .stack_size(256 * 1024)
+            .spawn(|| {
+                let levels = 5_000;
+                let text = format!(
+                    "k = {}fp16{}, v = fp16",
+                    "a(".repeat(levels),
+                    ")".repeat(levels)
+                );
+                let attr: TokenStream = text.parse().expect("balanced tokens");
+                let item = quote!(
+                    struct S;
+                );
+                let tokens = token_text::TokenText::new(attr.clone());
+                assert_eq!(tokens.text, text.replace(' ', ""));
+                let out = expand_text(attr, item);
+                // Tear the deep token tree down here too, as the compiler would.
+                drop(tokens);
+                out
+            })
+            .expect("spawn")
+            .join()
+            .expect("no panic");
+        assert_eq!(
+            out,
+            "error: `a(` nests calls 33 deep; scheme text allows at most 32 (a valid scheme needs 2)"
+        );
+    }
 }

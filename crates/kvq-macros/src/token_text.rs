@@ -39,19 +39,29 @@ impl TokenText {
         self.spans.push((start..self.text.len(), span));
     }
 
+    /// Flattens `tokens` with an explicit stack of open groups rather than recursion, so however
+    /// deeply the attribute nests, the macro's stack stays flat (the parser then refuses the depth
+    /// with an error on the offending call).
     fn push_stream(&mut self, tokens: TokenStream) {
-        for tree in tokens {
+        let mut open: Vec<(proc_macro2::token_stream::IntoIter, Option<(&str, Span)>)> =
+            vec![(tokens.into_iter(), None)];
+        while let Some((iter, _)) = open.last_mut() {
+            let Some(tree) = iter.next() else {
+                if let Some((_, Some((close, span)))) = open.pop() {
+                    self.push(close, span);
+                }
+                continue;
+            };
             match tree {
                 TokenTree::Group(g) => {
-                    let (open, close) = match g.delimiter() {
+                    let (opening, close) = match g.delimiter() {
                         Delimiter::Parenthesis => ("(", ")"),
                         Delimiter::Bracket => ("[", "]"),
                         Delimiter::Brace => ("{", "}"),
                         Delimiter::None => ("", ""),
                     };
-                    self.push(open, g.span_open());
-                    self.push_stream(g.stream());
-                    self.push(close, g.span_close());
+                    self.push(opening, g.span_open());
+                    open.push((g.stream().into_iter(), Some((close, g.span_close()))));
                 }
                 TokenTree::Ident(i) => self.push(&i.to_string(), i.span()),
                 TokenTree::Punct(p) => self.push(&p.as_char().to_string(), p.span()),

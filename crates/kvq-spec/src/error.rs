@@ -45,13 +45,52 @@ impl SpecError {
             format!("column {}", column + 1)
         };
         // Tabs would shift the carets; one space per character keeps the columns aligned.
-        let line = line.replace('\t', " ");
+        let line: Vec<char> = line
+            .chars()
+            .map(|c| if c == '\t' { ' ' } else { c })
+            .collect();
+        let (shown, column, width) = window(&line, column, width);
         format!(
-            "error: {} ({place})\n  {line}\n  {}{}",
+            "error: {} ({place})\n  {shown}\n  {}{}",
             self.message,
             " ".repeat(column),
             "^".repeat(width)
         )
+    }
+}
+
+/// Characters of a line `render` shows in full; a longer line (generated or hostile text) is cut to
+/// a window around the span, so an error stays a few lines whatever the input's size.
+const SHOWN_CHARS: usize = 100;
+
+/// The part of `line` to show, and the caret column and width within it.
+fn window(line: &[char], column: usize, width: usize) -> (String, usize, usize) {
+    if line.len() <= SHOWN_CHARS {
+        return (line.iter().collect(), column, width);
+    }
+    let width = width.min(SHOWN_CHARS / 2);
+    let lo = column.saturating_sub(SHOWN_CHARS / 4).min(line.len());
+    let hi = (lo + SHOWN_CHARS).max(column + width).min(line.len());
+    let mut shown = String::new();
+    let mut column = column - lo;
+    if lo > 0 {
+        shown.push('…');
+        column += 1;
+    }
+    shown.extend(&line[lo..hi]);
+    if hi < line.len() {
+        shown.push('…');
+    }
+    (shown, column, width)
+}
+
+/// `text` as messages quote it: whole when short, else its start and an ellipsis, so a message about
+/// one enormous token stays one line.
+pub(crate) fn shown(text: &str) -> std::borrow::Cow<'_, str> {
+    const MAX: usize = 40;
+    match text.char_indices().nth(MAX) {
+        None => text.into(),
+        Some((cut, _)) => format!("{}…", &text[..cut]).into(),
     }
 }
 

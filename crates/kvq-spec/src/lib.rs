@@ -30,7 +30,8 @@ mod shape;
 mod types;
 
 pub use error::SpecError;
-pub use shape::ShapeError;
+pub use grammar::syntax::MAX_NESTING;
+pub use shape::{ShapeError, MAX_BOOSTED_HEAD_DIM};
 pub use types::*;
 
 impl SchemeSpec {

@@ -2,6 +2,15 @@
 
 use crate::types::*;
 
+/// The largest head dimension a boosted tensor can have.
+///
+/// A boosted page stores, per channel, the slot of its high-bit plane (or a sentinel for "not
+/// boosted"), and per slot the channel it belongs to, each in one byte. One byte names channels
+/// `0..=255`, so a head has at most 256 channels; slots stay below the boosted channel count, which
+/// is below `head_dim`, so they never reach the sentinel `u8::MAX`. The reference layout, the
+/// kernels and `check_shape` all use this one number.
+pub const MAX_BOOSTED_HEAD_DIM: u32 = u8::MAX as u32 + 1;
+
 /// A scheme that cannot serve a given head shape.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ShapeError {
@@ -22,6 +31,8 @@ pub enum ShapeError {
         half: u32,
         head_dim: u32,
     },
+    #[error("{tensor}: boosted tensors support head_dim at most {max}, got {head_dim}: a boosted page stores each channel index in one byte (byte value {sentinel} marks an unboosted channel)", max = MAX_BOOSTED_HEAD_DIM, sentinel = u8::MAX)]
+    BoostHeadDim { tensor: &'static str, head_dim: u32 },
     #[error("{tensor}: boost `ratio = {ratio}` of head_dim {head_dim} selects {channels} channels; it must select at least 1 and fewer than all")]
     Boost {
         tensor: &'static str,
@@ -33,26 +44,31 @@ pub enum ShapeError {
     NoCompression {
         tensor: &'static str,
         rows: u32,
-        dim: u32,
+        dim: u64,
         bits: f64,
     },
 }
 
 /// Channels a boost of `ratio` selects per page: `ratio · head_dim`, rounded to nearest.
 fn boosted_channels(ratio: f32, head_dim: u32) -> u32 {
+    // `as` saturates, so even a hand-built ratio outside (0, 1) or NaN gives a count, not a panic.
     (f64::from(ratio) * f64::from(head_dim)).round() as u32
 }
 
 impl SchemeSpec {
-    /// Scalars one codebook vector covers for a tensor with this span.
-    pub fn codebook_dim(span: CodebookSpan, head_dim: u32, kv_heads: u32) -> u32 {
+    /// Scalars one codebook vector covers for a tensor with this span. The product of two `u32`s
+    /// always fits a `u64`, so no shape can overflow it.
+    pub fn codebook_dim(span: CodebookSpan, head_dim: u32, kv_heads: u32) -> u64 {
         match span {
-            CodebookSpan::Head => head_dim,
-            CodebookSpan::Token => head_dim * kv_heads,
+            CodebookSpan::Head => u64::from(head_dim),
+            CodebookSpan::Token => u64::from(head_dim) * u64::from(kv_heads),
         }
     }
 
     /// Checks that this scheme can store heads of `head_dim` channels with `kv_heads` KV heads.
+    ///
+    /// Total over every input, including a `SchemeSpec` built by hand rather than parsed: a zero
+    /// `group` or `pairs_per_code` is reported as not dividing, never divided by.
     pub fn check_shape(&self, head_dim: u32, kv_heads: u32) -> Result<(), ShapeError> {
         if head_dim == 0 || head_dim % 32 != 0 {
             return Err(ShapeError::HeadDim(head_dim));
@@ -65,6 +81,9 @@ impl SchemeSpec {
                 TensorQuant::Fp16 => {}
                 TensorQuant::Int(q) => {
                     if let Some(b) = q.boost {
+                        if head_dim > MAX_BOOSTED_HEAD_DIM {
+                            return Err(ShapeError::BoostHeadDim { tensor, head_dim });
+                        }
                         let channels = boosted_channels(b.ratio, head_dim);
                         if channels == 0 || channels >= head_dim {
                             return Err(ShapeError::Boost {
@@ -76,7 +95,7 @@ impl SchemeSpec {
                         }
                     }
                     if let (Axis::Token, Some(group)) = (q.axis, q.group) {
-                        if head_dim % group != 0 {
+                        if head_dim.checked_rem(group) != Some(0) {
                             return Err(ShapeError::Group {
                                 tensor,
                                 group,
@@ -85,33 +104,33 @@ impl SchemeSpec {
                         }
                     }
                 }
-                TensorQuant::Codebook(c) => {
-                    let dim = Self::codebook_dim(c.span, head_dim, kv_heads);
-                    match c.codebook {
-                        Codebook::RopeCommutative { pairs_per_code, .. } => {
-                            let half = head_dim / 2;
-                            if half % pairs_per_code != 0 {
-                                return Err(ShapeError::Pairs {
-                                    tensor,
-                                    pairs: pairs_per_code,
-                                    half,
-                                    head_dim,
-                                });
-                            }
-                        }
-                        Codebook::Additive { rows } => {
-                            let bits = c.codebook.bits_per_scalar(dim);
-                            if bits >= 16.0 {
-                                return Err(ShapeError::NoCompression {
-                                    tensor,
-                                    rows,
-                                    dim,
-                                    bits,
-                                });
-                            }
+                TensorQuant::Codebook(c) => match c.codebook {
+                    Codebook::RopeCommutative { pairs_per_code, .. } => {
+                        let half = head_dim / 2;
+                        if half.checked_rem(pairs_per_code) != Some(0) {
+                            return Err(ShapeError::Pairs {
+                                tensor,
+                                pairs: pairs_per_code,
+                                half,
+                                head_dim,
+                            });
                         }
                     }
-                }
+                    Codebook::Additive { rows } => {
+                        let dim = Self::codebook_dim(c.span, head_dim, kv_heads);
+                        // Both operands convert to f64 without overflow (dim < 2^64); the
+                        // quotient only decides "compresses or not".
+                        let bits = f64::from(rows) / dim as f64;
+                        if bits >= 16.0 {
+                            return Err(ShapeError::NoCompression {
+                                tensor,
+                                rows,
+                                dim,
+                                bits,
+                            });
+                        }
+                    }
+                },
             }
         }
         Ok(())

@@ -4,76 +4,9 @@
 use kvq_spec::*;
 use proptest::prelude::*;
 
-/// The text of every `#[scheme(...)]` in the built-in schemes' source, so the runtime parser is
-/// checked on exactly what the attribute is given.
-fn builtin_texts() -> Vec<String> {
-    let src = include_str!("../../kvq/src/schemes.rs");
-    let mut out = Vec::new();
-    for (at, _) in src.match_indices("#[scheme(") {
-        let body = &src[at + "#[scheme(".len()..];
-        let mut depth = 1;
-        let end = body
-            .char_indices()
-            .find(|&(_, c)| {
-                depth += match c {
-                    '(' => 1,
-                    ')' => -1,
-                    _ => 0,
-                };
-                depth == 0
-            })
-            .map(|(i, _)| i)
-            .expect("balanced #[scheme(...)]");
-        out.push(body[..end].to_string());
-    }
-    out
-}
+mod common;
 
-/// The ```` ```text scheme ```` blocks of docs/GRAMMAR.md: (info string, text).
-fn doc_blocks() -> Vec<(String, String)> {
-    let doc = include_str!("../../../docs/GRAMMAR.md");
-    let mut out = Vec::new();
-    let mut lines = doc.lines();
-    while let Some(line) = lines.next() {
-        let Some(info) = line.strip_prefix("```text ") else {
-            continue;
-        };
-        let body: Vec<&str> = lines
-            .by_ref()
-            .take_while(|l| !l.starts_with("```"))
-            .collect();
-        out.push((info.trim().to_string(), body.join("\n")));
-    }
-    out
-}
-
-fn parse(text: &str) -> SchemeSpec {
-    SchemeSpec::parse(text).unwrap_or_else(|e| panic!("{}", e.render(text)))
-}
-
-/// The message and the text under the span of the error `text` gives.
-fn error(text: &str) -> (String, String) {
-    match SchemeSpec::parse(text) {
-        Ok(spec) => panic!("`{text}` parsed as `{spec}`"),
-        Err(e) => {
-            let under = text.get(e.span.clone()).unwrap_or_else(|| {
-                panic!("span {:?} is not inside `{text}` ({})", e.span, e.message)
-            });
-            (e.message, under.to_string())
-        }
-    }
-}
-
-/// Asserts that `text` fails with a message containing `message` on exactly the text `under`.
-#[track_caller]
-fn fails(text: &str, message: &str, under: &str) {
-    let (got, got_under) = error(text);
-    assert!(
-        got.contains(message),
-        "`{text}`: message `{got}` lacks `{message}`"
-    );
-    assert_eq!(got_under, under, "`{text}`: wrong span for `{got}`");
-}
+use common::*;
 
 const K2: &str = "k = int(2, channel)";
 
@@ -241,7 +174,7 @@ fn numbers() {
     fails(&format!("{K2}, v = fp16, sink = 2.5"), "got `2.5`", "2.5");
     fails(
         "k = int(2, channel, boost = boost(4, ratio = 1e39)), v = fp16",
-        "`ratio` is out of range, got `1e39`",
+        "boost `ratio` must lie strictly between 0 and 1, got `1e39`",
         "1e39",
     );
 }
@@ -552,28 +485,28 @@ fn int_rules() {
     // Token-axis groups are whole packed words of codes; channel-axis groups whole page tiles.
     fails(
         "k = int(2, token, group = 20), v = fp16",
-        "`group = 20` is not a multiple of 16: the number of 2-bit codes packed together",
+        "`group` must be a multiple of 16 in 16..=1048576 (2-bit codes are packed 16 together in 32-bit words), got `20`",
         "20",
     );
     fails(
         "k = int(4, token, group = 4), v = fp16",
-        "not a multiple of 8",
+        "`group` must be a multiple of 8 in 8..=1048576",
         "4",
     );
     fails(
         "k = int(3, token, group = 16), v = fp16",
-        "not a multiple of 32",
+        "`group` must be a multiple of 32 in 32..=1048576",
         "16",
     );
     parse("k = int(8, token, group = 4), v = fp16");
     fails(
         "k = int(2, channel, group = 24), v = fp16",
-        "`group = 24` is not a multiple of 16: a channel-axis group is one page",
+        "`group` must be a multiple of 16 in 16..=1048576 (a channel-axis group is one page, and pages are tiled 16 tokens at a time), got `24`",
         "24",
     );
     fails(
         "k = int(2, token, group = 0), v = fp16",
-        "`group` must be a whole number in 1..=1048576, got `0`",
+        "`group` must be a multiple of 16 in 16..=1048576 (2-bit codes are packed 16 together in 32-bit words), got `0`",
         "0",
     );
     fails(
@@ -607,12 +540,12 @@ fn boost_rules() {
     fails(&boost("1, 0.1"), "boost bits (1) must exceed", "1");
     fails(
         &boost("bits = 8, ratio = 0.1"),
-        "a 2-bit plane plus a 6-bit plane",
+        "boost `bits` must be 3, 4 or 6 (a 2-bit base plane plus a 1-, 2- or 4-bit high plane), got `8`",
         "8",
     );
     fails(
         "k = int(3, channel, boost = boost(4, 0.1)), v = fp16",
-        "a 3-bit plane plus a 1-bit plane; both must be 1, 2 or 4 bits",
+        "boosted codes are stored as a base plane plus a high plane, each 1, 2 or 4 bits: 3-bit codes cannot be boosted",
         "4",
     );
     fails(
@@ -668,12 +601,12 @@ fn codebook_rules() {
     );
     fails(
         "k = codebook(rope_commutative, levels = 12, residuals = 1, pairs_per_code = 1), v = fp16",
-        "`levels` must be a power of two",
+        "`levels` must be a power of two in 2..=65536 (codes are whole bits), got `12`",
         "12",
     );
     fails(
         "k = codebook(rope_commutative, levels = 1, residuals = 1, pairs_per_code = 1), v = fp16",
-        "`levels` must be a whole number in 2..=65536",
+        "`levels` must be a power of two in 2..=65536 (codes are whole bits), got `1`",
         "1",
     );
     fails(
@@ -683,7 +616,7 @@ fn codebook_rules() {
     );
     fails(
         "k = codebook(additive, rows = 33), v = fp16",
-        "`rows` must be a multiple of 32",
+        "`rows` must be a multiple of 32 in 32..=65536 (binary codes pack into 32-bit words), got `33`",
         "33",
     );
     fails(
@@ -735,17 +668,17 @@ fn scheme_rules() {
     );
     fails(
         &format!("{K2}, v = fp16, page = 100"),
-        "the page must be a positive multiple of 16 tokens, got 100",
+        "`page` must be a multiple of 16 in 16..=1048576 (the attention kernels tile a page 16 tokens at a time), got `100`",
         "100",
     );
     fails(
         &format!("{K2}, v = fp16, page = 0"),
-        "positive multiple of 16",
+        "`page` must be a multiple of 16 in 16..=1048576",
         "0",
     );
     fails(
         &format!("{K2}, v = fp16, page = 2_000_000"),
-        "`page` must be a whole number in 0..=1048576",
+        "`page` must be a multiple of 16 in 16..=1048576",
         "2_000_000",
     );
     fails(

@@ -5,6 +5,7 @@
 //! [`SchemeSpec::check_shape`](crate::SchemeSpec::check_shape).
 
 use super::syntax::{Arg, Value};
+use crate::error::shown;
 use crate::types::*;
 use crate::SpecError;
 use std::ops::Range;
@@ -22,6 +23,18 @@ struct Args {
     call_span: Range<usize>,
     allowed: &'static [&'static str],
     items: Vec<Option<Arg>>,
+    /// Keys already given, so that a leftover positional argument that repeats one is reported as
+    /// the key given twice rather than as something unexpected.
+    filled: Vec<Filled>,
+}
+
+/// A key that took a value, where, and which positional values it would have taken.
+struct Filled {
+    key: &'static str,
+    /// The key (`bits = ...`) or the positional value that gave it.
+    span: Range<usize>,
+    by_key: bool,
+    accepts: Box<dyn Fn(&Value) -> bool>,
 }
 
 impl Args {
@@ -39,7 +52,8 @@ impl Args {
                 return Err(SpecError::new(
                     span.clone(),
                     format!(
-                        "unknown key `{k}` in {what}; expected one of: {}",
+                        "unknown key `{}` in {what}; expected one of: {}",
+                        shown(k),
                         allowed.join(", ")
                     ),
                 ));
@@ -59,7 +73,21 @@ impl Args {
             call_span,
             allowed,
             items: args.into_iter().map(Some).collect(),
+            filled: Vec::new(),
         })
+    }
+
+    fn fill(&mut self, key: &'static str, arg: &Arg, accepts: impl Fn(&Value) -> bool + 'static) {
+        let (span, by_key) = match &arg.key {
+            Some((_, s)) => (s.clone(), true),
+            None => (arg.value.span(), false),
+        };
+        self.filled.push(Filled {
+            key,
+            span,
+            by_key,
+            accepts: Box::new(accepts),
+        });
     }
 
     fn take(&mut self, pick: impl Fn(&Arg) -> bool) -> Option<Arg> {
@@ -69,9 +97,16 @@ impl Args {
             .and_then(Option::take)
     }
 
-    fn keyed(&mut self, key: &str) -> Option<Value> {
-        self.take(|a| a.key.as_ref().is_some_and(|(k, _)| k == key))
-            .map(|a| a.value)
+    /// `key = value`. A call named after the key (`boost(...)` for `boost`) is what a positional
+    /// argument repeating it looks like.
+    fn keyed(&mut self, key: &'static str) -> Option<Value> {
+        let arg = self.take(|a| a.key.as_ref().is_some_and(|(k, _)| k == key))?;
+        self.fill(
+            key,
+            &arg,
+            move |v| matches!(v, Value::Call { name, .. } if name == key),
+        );
+        Some(arg.value)
     }
 
     /// The first positional argument accepted by `accept`.
@@ -81,26 +116,39 @@ impl Args {
     }
 
     /// `key = value`, else the first positional argument accepted by `accept`.
-    fn keyed_or(&mut self, key: &str, accept: impl Fn(&Value) -> bool) -> Option<Value> {
-        self.keyed(key).or_else(|| self.positional(accept))
+    fn keyed_or(
+        &mut self,
+        key: &'static str,
+        accept: impl Fn(&Value) -> bool + Copy + 'static,
+    ) -> Option<Value> {
+        let arg = self
+            .take(|a| a.key.as_ref().is_some_and(|(k, _)| k == key))
+            .or_else(|| self.take(|a| a.key.is_none() && accept(&a.value)))?;
+        self.fill(key, &arg, accept);
+        Some(arg.value)
     }
 
     /// A flag such as `symmetric` (alone, or `symmetric = true|false`); the span of the flag when set.
-    fn flag(&mut self, name: &str) -> Result<Option<Range<usize>>, SpecError> {
-        if let Some(arg) = self.take(|a| a.key.as_ref().is_some_and(|(k, _)| k == name)) {
-            let key_span = arg.key.map_or(0..0, |(_, s)| s);
-            return match arg.value {
-                Value::Word { name: w, span } if w == "true" => Ok(Some(key_span.start..span.end)),
-                Value::Word { name: w, .. } if w == "false" => Ok(None),
-                other => Err(SpecError::new(
-                    other.span(),
-                    format!("`{name}` is a flag: write `{name}` alone or `{name} = true|false`"),
-                )),
-            };
+    fn flag(&mut self, name: &'static str) -> Result<Option<Range<usize>>, SpecError> {
+        let is_flag = move |v: &Value| matches!(v, Value::Word { name: w, .. } if w == name);
+        let taken = self
+            .take(|a| a.key.as_ref().is_some_and(|(k, _)| k == name))
+            .or_else(|| self.take(|a| a.key.is_none() && is_flag(&a.value)));
+        let Some(arg) = taken else {
+            return Ok(None);
+        };
+        self.fill(name, &arg, is_flag);
+        let Some((_, key_span)) = arg.key else {
+            return Ok(Some(arg.value.span()));
+        };
+        match arg.value {
+            Value::Word { name: w, span } if w == "true" => Ok(Some(key_span.start..span.end)),
+            Value::Word { name: w, .. } if w == "false" => Ok(None),
+            other => Err(SpecError::new(
+                other.span(),
+                format!("`{name}` is a flag: write `{name}` alone or `{name} = true|false`"),
+            )),
         }
-        Ok(self
-            .positional(|v| matches!(v, Value::Word { name: w, .. } if w == name))
-            .map(|v| v.span()))
     }
 
     /// The first positional word left over (a misspelt flag or kind, usually).
@@ -133,8 +181,31 @@ impl Args {
     }
 
     /// Reports the first argument nothing consumed.
+    ///
+    /// A leftover positional argument that a key already given would have taken is that key given
+    /// twice: a word (words name one key's values only: `channel`, `symmetric`), or a number when the
+    /// key was also given by name (`int(2, channel, bits = 4)`). The message points at whichever of
+    /// the two comes second.
     fn finish(self) -> Result<(), SpecError> {
-        match self.items.into_iter().flatten().next() {
+        let leftover = self.items.into_iter().flatten().next();
+        if let Some(Arg { key: None, value }) = &leftover {
+            let twice = self
+                .filled
+                .iter()
+                .find(|f| (f.accepts)(value) && (f.by_key || matches!(value, Value::Word { .. })));
+            if let Some(f) = twice {
+                let at = if f.span.start > value.span().start {
+                    f.span.clone()
+                } else {
+                    value.span()
+                };
+                return Err(SpecError::new(
+                    at,
+                    format!("`{}` is given twice in {}", f.key, self.what),
+                ));
+            }
+        }
+        match leftover {
             None => Ok(()),
             Some(Arg {
                 key: None,
@@ -156,9 +227,10 @@ impl Args {
     }
 }
 
-fn number(v: &Value, what: &str) -> Result<f64, SpecError> {
+/// The digits of a number value (`_` removed), or an error naming the key that wanted a number.
+fn number_text<'v>(v: &'v Value, what: &str) -> Result<&'v str, SpecError> {
     match v {
-        Value::Number { value, .. } => Ok(*value),
+        Value::Number { text, .. } => Ok(text),
         other => Err(SpecError::new(
             other.span(),
             format!("`{what}` must be a number, got {}", other.quoted()),
@@ -166,40 +238,174 @@ fn number(v: &Value, what: &str) -> Result<f64, SpecError> {
     }
 }
 
-/// A number stored as `f32`, read from its digits so that printing and parsing round-trip exactly.
-fn number_f32(v: &Value, what: &str) -> Result<f32, SpecError> {
-    let Value::Number { text, .. } = v else {
-        return number(v, what).map(|x| x as f32);
+/// The exact value of number text (`-12`, `2.0`, `1.5e1`, `+0`) when it is a whole number below
+/// 10^30 in magnitude; `None` when it has a fractional part or is larger.
+///
+/// Read from the digits, not through `f64`: `1e-400` underflows an `f64` to 0 and
+/// `2.0000000000000001` rounds to 2, and neither is a whole number.
+pub(crate) fn exact_whole(text: &str) -> Option<i128> {
+    const MAX_DIGITS: i64 = 30;
+    let (negative, unsigned) = match text.as_bytes().first() {
+        Some(b'-') => (true, &text[1..]),
+        Some(b'+') => (false, &text[1..]),
+        _ => (false, text),
     };
-    text.parse::<f32>()
-        .ok()
-        .filter(|x| x.is_finite())
-        .ok_or_else(|| SpecError::new(v.span(), format!("`{what}` is out of range, got `{text}`")))
+    let (mantissa, exponent) = match unsigned.find(['e', 'E']) {
+        Some(i) => (&unsigned[..i], &unsigned[i + 1..]),
+        None => (unsigned, "0"),
+    };
+    let (int_part, frac_part) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let all_digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
+    if int_part.len() + frac_part.len() == 0 || !all_digits(int_part) || !all_digits(frac_part) {
+        return None;
+    }
+    let (exp_negative, exp_digits) = match exponent.as_bytes().first() {
+        Some(b'-') => (true, &exponent[1..]),
+        Some(b'+') => (false, &exponent[1..]),
+        _ => (false, exponent),
+    };
+    if exp_digits.is_empty() || !all_digits(exp_digits) {
+        return None;
+    }
+    // Saturating: any exponent past the text's length already decides the answer.
+    let exp = exp_digits.bytes().fold(0i64, |e, b| {
+        e.saturating_mul(10).saturating_add(i64::from(b - b'0'))
+    });
+    let exp = if exp_negative { -exp } else { exp };
+    // value = significant digits × 10^shift, with the significant digits free of leading and
+    // trailing zeros.
+    let digits = format!("{int_part}{frac_part}");
+    let digits = digits.trim_start_matches('0');
+    let significant = digits.trim_end_matches('0');
+    if significant.is_empty() {
+        return Some(0);
+    }
+    let trailing = (digits.len() - significant.len()) as i64;
+    let shift = exp
+        .saturating_sub(frac_part.len() as i64)
+        .saturating_add(trailing);
+    if shift < 0 || (significant.len() as i64).saturating_add(shift) > MAX_DIGITS {
+        return None;
+    }
+    let mut value: i128 = significant.parse().ok()?;
+    for _ in 0..shift {
+        value = value.checked_mul(10)?;
+    }
+    Some(if negative { -value } else { value })
 }
 
-fn integer(v: &Value, what: &str, min: u32, max: u32) -> Result<u32, SpecError> {
-    let x = number(v, what)?;
-    if x.fract() != 0.0 || x < min as f64 || x > max as f64 {
-        return Err(SpecError::new(
+/// A number stored as `f32`, read from its digits so that printing and parsing round-trip exactly.
+/// Rounds to the nearest `f32` (infinite past its range, for the caller's range check to refuse);
+/// `-0` reads as `0`, so equal schemes print, and hash, alike.
+fn number_f32(v: &Value, what: &str) -> Result<f32, SpecError> {
+    let text = number_text(v, what)?;
+    match text.parse::<f32>() {
+        Ok(x) => Ok(x + 0.0),
+        Err(_) => Err(SpecError::new(
             v.span(),
-            format!(
-                "`{what}` must be a whole number in {min}..={max}, got {}",
-                v.quoted()
-            ),
-        ));
+            format!("`{what}` must be a number, got {}", v.quoted()),
+        )),
     }
-    Ok(x as u32)
 }
+
+/// Which whole numbers in a range a key takes.
+#[derive(Clone, Copy)]
+enum Step {
+    Any,
+    MultipleOf(u32),
+    PowerOfTwo,
+}
+
+/// The values an integer key takes. The error message is written from the same rule the check
+/// applies, so the range it prints is the range accepted.
+struct Whole {
+    min: u32,
+    max: u32,
+    step: Step,
+    /// Why the step, when there is one.
+    why: Option<String>,
+}
+
+impl Whole {
+    fn range(min: u32, max: u32) -> Self {
+        Self {
+            min,
+            max,
+            step: Step::Any,
+            why: None,
+        }
+    }
+
+    /// Positive multiples of `unit` up to `max`.
+    fn multiples(unit: u32, max: u32, why: String) -> Self {
+        Self {
+            min: unit,
+            max: max - max % unit,
+            step: Step::MultipleOf(unit),
+            why: Some(why),
+        }
+    }
+
+    fn powers_of_two(min: u32, max: u32, why: &str) -> Self {
+        Self {
+            min,
+            max,
+            step: Step::PowerOfTwo,
+            why: Some(why.into()),
+        }
+    }
+
+    /// `n` as a `u32` when the rule takes it.
+    fn accept(&self, n: i128) -> Option<u32> {
+        let n = u32::try_from(n).ok()?;
+        let on_step = match self.step {
+            Step::Any => true,
+            Step::MultipleOf(unit) => n % unit == 0,
+            Step::PowerOfTwo => n.is_power_of_two(),
+        };
+        ((self.min..=self.max).contains(&n) && on_step).then_some(n)
+    }
+
+    fn describe(&self) -> String {
+        let (min, max) = (self.min, self.max);
+        let what = match self.step {
+            Step::Any => format!("a whole number in {min}..={max}"),
+            Step::MultipleOf(unit) => format!("a multiple of {unit} in {min}..={max}"),
+            Step::PowerOfTwo => format!("a power of two in {min}..={max}"),
+        };
+        match &self.why {
+            Some(why) => format!("{what} ({why})"),
+            None => what,
+        }
+    }
+}
+
+fn integer(v: &Value, what: &str, rule: &Whole) -> Result<u32, SpecError> {
+    let text = number_text(v, what)?;
+    exact_whole(text)
+        .and_then(|n| rule.accept(n))
+        .ok_or_else(|| {
+            SpecError::new(
+                v.span(),
+                format!("`{what}` must be {}, got {}", rule.describe(), v.quoted()),
+            )
+        })
+}
+
+/// The code widths `int(...)` supports.
+const INT_BITS: [i128; 5] = [1, 2, 3, 4, 8];
 
 /// The code width of `int(...)`: one message for every wrong value, whatever its kind.
 fn int_bits(v: &Value) -> Result<u8, SpecError> {
-    match v {
-        Value::Number { value, .. } if [1.0, 2.0, 3.0, 4.0, 8.0].contains(value) => {
-            Ok(*value as u8)
-        }
-        other => Err(SpecError::new(
-            other.span(),
-            format!("`bits` must be 1, 2, 3, 4 or 8, got {}", other.quoted()),
+    let exact = match v {
+        Value::Number { text, .. } => exact_whole(text),
+        _ => None,
+    };
+    match exact {
+        Some(n) if INT_BITS.contains(&n) => Ok(n as u8),
+        _ => Err(SpecError::new(
+            v.span(),
+            format!("`bits` must be 1, 2, 3, 4 or 8, got {}", v.quoted()),
         )),
     }
 }
@@ -328,30 +534,29 @@ fn int_quant(span: Range<usize>, args: Vec<Arg>) -> Result<Tensor, SpecError> {
         _ => Axis::Token,
     };
     let group = match a.keyed("group") {
-        Some(v) => Some((integer(&v, "group", 1, MAX_TOKENS)?, v.span())),
+        Some(v) => {
+            let rule = match axis {
+                Axis::Channel => Whole::multiples(
+                    PAGE_TILE,
+                    MAX_TOKENS,
+                    "a channel-axis group is one page, and pages are tiled 16 tokens at a time"
+                        .into(),
+                ),
+                Axis::Token => {
+                    let unit = packing_width(bits);
+                    Whole::multiples(
+                        unit,
+                        MAX_TOKENS,
+                        format!("{bits}-bit codes are packed {unit} together in 32-bit words"),
+                    )
+                }
+            };
+            Some((integer(&v, "group", &rule)?, v.span()))
+        }
         None => None,
     };
-    if let Some((g, g_span)) = &group {
-        let (unit, why) = match axis {
-            Axis::Channel => (
-                PAGE_TILE,
-                "a channel-axis group is one page, and pages are tiled 16 tokens at a time"
-                    .to_string(),
-            ),
-            Axis::Token => (
-                packing_width(bits),
-                format!("the number of {bits}-bit codes packed together in 32-bit words"),
-            ),
-        };
-        if g % unit != 0 {
-            return Err(SpecError::new(
-                g_span.clone(),
-                format!("`group = {g}` is not a multiple of {unit}: {why}"),
-            ));
-        }
-    }
     let local = match a.keyed("local") {
-        Some(v) => Some(integer(&v, "local", 0, MAX_TOKENS)?),
+        Some(v) => Some(integer(&v, "local", &Whole::range(0, MAX_TOKENS))?),
         None => None,
     };
     let (boost, boost_span) = match a.keyed("boost") {
@@ -384,6 +589,46 @@ fn int_quant(span: Range<usize>, args: Vec<Arg>) -> Result<Tensor, SpecError> {
     })
 }
 
+/// Bit widths of the planes boosted codes are stored in: the base plane and the high plane each
+/// take one of these.
+const PLANE_BITS: [u8; 3] = [1, 2, 4];
+
+/// The boosted width: the base plus a high plane, both of [`PLANE_BITS`].
+fn boost_bits(v: &Value, base_bits: u8) -> Result<u8, SpecError> {
+    let text = number_text(v, "bits")?;
+    let exact = exact_whole(text);
+    if let Some(n) = exact.filter(|&n| n <= i128::from(base_bits)) {
+        return Err(SpecError::new(
+            v.span(),
+            format!("boost bits ({n}) must exceed the tensor's base bits ({base_bits})"),
+        ));
+    }
+    if !PLANE_BITS.contains(&base_bits) {
+        return Err(SpecError::new(
+            v.span(),
+            format!(
+                "boosted codes are stored as a base plane plus a high plane, each 1, 2 or 4 bits: \
+                 {base_bits}-bit codes cannot be boosted"
+            ),
+        ));
+    }
+    let choices = PLANE_BITS.map(|high| base_bits + high);
+    match exact {
+        Some(n) if choices.iter().any(|&c| i128::from(c) == n) => Ok(n as u8),
+        _ => Err(SpecError::new(
+            v.span(),
+            format!(
+                "boost `bits` must be {}, {} or {} (a {base_bits}-bit base plane plus a 1-, 2- or \
+                 4-bit high plane), got {}",
+                choices[0],
+                choices[1],
+                choices[2],
+                v.quoted()
+            ),
+        )),
+    }
+}
+
 fn boost(v: Value, base_bits: u8, axis: Axis) -> Result<Boost, SpecError> {
     let (_, span, args) = call(v, "boost", &["boost"])?;
     let mut a = Args::new("boost(...)", span.clone(), args, &["bits", "ratio", "by"])?;
@@ -396,23 +641,7 @@ fn boost(v: Value, base_bits: u8, axis: Axis) -> Result<Boost, SpecError> {
     let bits_v = a
         .keyed_or("bits", is_number)
         .ok_or_else(|| a.missing("bits", "the boosted channels' bit width"))?;
-    let bits = integer(&bits_v, "bits", 1, 8)? as u8;
-    if bits <= base_bits {
-        return Err(SpecError::new(
-            bits_v.span(),
-            format!("boost bits ({bits}) must exceed the tensor's base bits ({base_bits})"),
-        ));
-    }
-    let high = bits - base_bits;
-    if ![1, 2, 4].contains(&high) || ![1, 2, 4].contains(&base_bits) {
-        return Err(SpecError::new(
-            bits_v.span(),
-            format!(
-                "boosted codes are stored as a {base_bits}-bit plane plus a {high}-bit plane; \
-                 both must be 1, 2 or 4 bits"
-            ),
-        ));
-    }
+    let bits = boost_bits(&bits_v, base_bits)?;
     let ratio_v = a
         .keyed_or("ratio", is_number)
         .ok_or_else(|| a.missing("ratio", "the fraction of channels boosted per page"))?;
@@ -472,21 +701,19 @@ fn codebook(span: Range<usize>, args: Vec<Arg>, which: &str) -> Result<CodebookQ
             let levels_v = a
                 .keyed("levels")
                 .ok_or_else(|| a.missing("levels", "codebook entries per residual round"))?;
-            let levels = integer(&levels_v, "levels", 2, 1 << 16)?;
-            if !levels.is_power_of_two() {
-                return Err(SpecError::new(
-                    levels_v.span(),
-                    format!("`levels` must be a power of two (codes are whole bits), got {levels}"),
-                ));
-            }
+            let levels = integer(
+                &levels_v,
+                "levels",
+                &Whole::powers_of_two(2, 1 << 16, "codes are whole bits"),
+            )?;
             let residuals_v = a
                 .keyed("residuals")
                 .ok_or_else(|| a.missing("residuals", "residual rounds"))?;
-            let residuals = integer(&residuals_v, "residuals", 1, 64)?;
+            let residuals = integer(&residuals_v, "residuals", &Whole::range(1, 64))?;
             let pairs_v = a
                 .keyed("pairs_per_code")
                 .ok_or_else(|| a.missing("pairs_per_code", "RoPE pairs sharing one code"))?;
-            let pairs_per_code = integer(&pairs_v, "pairs_per_code", 1, 1024)?;
+            let pairs_per_code = integer(&pairs_v, "pairs_per_code", &Whole::range(1, 1024))?;
             let cb = Codebook::RopeCommutative {
                 levels,
                 residuals,
@@ -509,13 +736,11 @@ fn codebook(span: Range<usize>, args: Vec<Arg>, which: &str) -> Result<CodebookQ
             let rows_v = a
                 .keyed("rows")
                 .ok_or_else(|| a.missing("rows", "binary code bits per vector"))?;
-            let rows = integer(&rows_v, "rows", 1, 1 << 16)?;
-            if rows % 32 != 0 {
-                return Err(SpecError::new(
-                    rows_v.span(),
-                    format!("`rows` must be a multiple of 32 (binary codes pack into 32-bit words), got {rows}"),
-                ));
-            }
+            let rows = integer(
+                &rows_v,
+                "rows",
+                &Whole::multiples(32, 1 << 16, "binary codes pack into 32-bit words".into()),
+            )?;
             Codebook::Additive { rows }
         }
         (Some(_), Some(second)) => {
@@ -545,7 +770,7 @@ fn codebook(span: Range<usize>, args: Vec<Arg>, which: &str) -> Result<CodebookQ
 fn calibration(v: Value) -> Result<(Calibration, Range<usize>), SpecError> {
     let (_, span, args) = call(v, "calibrate", &["calibrate"])?;
     let mut a = Args::new("calibrate(...)", span.clone(), args, &["tau1", "tau2"])?;
-    let mut tau = |key: &str| -> Result<f32, SpecError> {
+    let mut tau = |key: &'static str| -> Result<f32, SpecError> {
         let v = a
             .keyed(key)
             .ok_or_else(|| a.missing(key, "a score offset, fixed per model"))?;
@@ -613,15 +838,23 @@ pub(crate) fn scheme(items: Vec<Arg>, text_len: usize) -> Result<SchemeSpec, Spe
     let hint = "fp16, int(...) or codebook(...)";
     let k = tensor(a.keyed("k").ok_or_else(|| a.missing("k = ...", hint))?, "k")?;
     let v = tensor(a.keyed("v").ok_or_else(|| a.missing("v = ...", hint))?, "v")?;
-    let mut tokens = |key: &str| -> Result<Option<(u32, Range<usize>)>, SpecError> {
-        match a.keyed(key) {
-            Some(v) => Ok(Some((integer(&v, key, 0, MAX_TOKENS)?, v.span()))),
-            None => Ok(None),
-        }
-    };
-    let page_given = tokens("page")?;
-    let sink = tokens("sink")?.map_or(0, |(n, _)| n);
-    let local = tokens("local")?.map_or(0, |(n, _)| n);
+    let mut tokens =
+        |key: &'static str, rule: &Whole| -> Result<Option<(u32, Range<usize>)>, SpecError> {
+            match a.keyed(key) {
+                Some(v) => Ok(Some((integer(&v, key, rule)?, v.span()))),
+                None => Ok(None),
+            }
+        };
+    let page_given = tokens(
+        "page",
+        &Whole::multiples(
+            PAGE_TILE,
+            MAX_TOKENS,
+            "the attention kernels tile a page 16 tokens at a time".into(),
+        ),
+    )?;
+    let sink = tokens("sink", &Whole::range(0, MAX_TOKENS))?.map_or(0, |(n, _)| n);
+    let local = tokens("local", &Whole::range(0, MAX_TOKENS))?.map_or(0, |(n, _)| n);
     let calibrate = match a.keyed("calibrate") {
         Some(v) => Some(calibration(v)?),
         None => None,
@@ -650,16 +883,8 @@ pub(crate) fn scheme(items: Vec<Arg>, text_len: usize) -> Result<SchemeSpec, Spe
             _ => page = Some((*g, g_span.clone())),
         }
     }
-    let page = match page {
-        Some((p, span)) if p == 0 || p % PAGE_TILE != 0 => {
-            return Err(SpecError::new(
-                span,
-                format!("the page must be a positive multiple of {PAGE_TILE} tokens, got {p}"),
-            ))
-        }
-        Some((p, _)) => p,
-        None => DEFAULT_PAGE,
-    };
+    // `page` and a channel-axis `group` were both read as positive multiples of the page tile.
+    let page = page.map_or(DEFAULT_PAGE, |(p, _)| p);
     if let Some((_, span)) = &calibrate {
         if !k.quant.is_quantized() {
             return Err(SpecError::new(
@@ -700,4 +925,54 @@ pub(crate) fn scheme(items: Vec<Arg>, text_len: usize) -> Result<SchemeSpec, Spe
         calibrate: calibrate.map(|(c, _)| c),
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exact_whole;
+
+    #[test]
+    fn exact_whole_reads_every_spelling_of_a_whole_number() {
+        for n in [0i128, 1, 7, 10, 32, 1000, 123_456_789, 10i128.pow(29)] {
+            let d = n.to_string();
+            let spellings = [
+                d.clone(),
+                format!("+{d}"),
+                format!("{d}.000"),
+                format!("{d}e0"),
+                format!("{d}0e-1"),
+                format!("{d}E+0"),
+                format!("0{d}"),
+                format!(".{d}e{}", d.len()),
+                format!("{d}00000e-5"),
+            ];
+            for s in spellings {
+                assert_eq!(exact_whole(&s), Some(n), "{s}");
+                if !s.starts_with('+') {
+                    assert_eq!(exact_whole(&format!("-{s}")), Some(-n), "-{s}");
+                }
+            }
+        }
+        for s in [
+            "0.5",
+            "1e-400",
+            "1.0000000000000001",
+            "123e-3",
+            "1e30",
+            "1e99999999999999999999999",
+            "1e-99999999999999999999999",
+            ".",
+            "e5",
+            "1e",
+            "1e+",
+            "1.2.3",
+            "",
+            "-",
+        ] {
+            assert_eq!(exact_whole(s), None, "{s}");
+        }
+        for s in ["0e999999999999999999999999", "-0", "0.000e-400", "000"] {
+            assert_eq!(exact_whole(s), Some(0), "{s}");
+        }
+    }
 }

@@ -1,5 +1,6 @@
 //! Tokenizer and parser for the untyped scheme tree.
 
+use crate::error::shown;
 use crate::SpecError;
 use std::ops::Range;
 
@@ -35,9 +36,9 @@ impl Value {
     /// How messages quote this value: `4`, `chanel`, `boost(...)`.
     pub(crate) fn quoted(&self) -> String {
         match self {
-            Value::Number { text, .. } => format!("`{text}`"),
-            Value::Word { name, .. } => format!("`{name}`"),
-            Value::Call { name, .. } => format!("`{name}(...)`"),
+            Value::Number { text, .. } => format!("`{}`", shown(text)),
+            Value::Word { name, .. } => format!("`{}`", shown(name)),
+            Value::Call { name, .. } => format!("`{}(...)`", shown(name)),
         }
     }
 }
@@ -61,8 +62,8 @@ enum Tok {
 
 fn describe(tok: &Tok) -> String {
     match tok {
-        Tok::Word(w) => format!("`{w}`"),
-        Tok::Number(_, text) => format!("`{text}`"),
+        Tok::Word(w) => format!("`{}`", shown(w)),
+        Tok::Number(_, text) => format!("`{}`", shown(text)),
         Tok::Eq => "`=`".into(),
         Tok::Comma => "`,`".into(),
         Tok::Open => "`(`".into(),
@@ -88,7 +89,10 @@ fn number(text: &str, start: usize) -> Result<(Tok, usize), SpecError> {
     let starts_numeric = unsigned.starts_with(|c: char| c.is_ascii_digit() || c == '.');
     match digits.parse::<f64>() {
         Ok(value) if starts_numeric && value.is_finite() => Ok((Tok::Number(value, digits), i)),
-        _ => Err(SpecError::new(start..i, format!("`{raw}` is not a number"))),
+        _ => Err(SpecError::new(
+            start..i,
+            format!("`{}` is not a number", shown(raw)),
+        )),
     }
 }
 
@@ -134,9 +138,20 @@ fn tokenize(text: &str) -> Result<Vec<(Tok, Range<usize>)>, SpecError> {
     Ok(out)
 }
 
+/// The deepest nesting of calls the parser accepts.
+///
+/// The grammar's deepest valid scheme nests two calls (`k = int(..., boost = boost(...))`); 32 leaves
+/// room for any mistake a person makes to be reported as itself by the interpreter, while bounding the
+/// parser's recursion (one `value` and one `args` frame per level, well under 1 KiB together even
+/// unoptimised) to a few tens of KiB of stack. Without a bound, text nested a few thousand calls deep
+/// overflows a thread's stack and aborts the process.
+pub const MAX_NESTING: usize = 32;
+
 struct Parser {
     toks: Vec<(Tok, Range<usize>)>,
     pos: usize,
+    /// Calls open around the value being parsed.
+    depth: usize,
 }
 
 impl Parser {
@@ -183,7 +198,20 @@ impl Parser {
                 }
                 self.pos += 1;
                 let opening = span.start..self.toks[self.pos - 1].1.end;
+                if self.depth == MAX_NESTING {
+                    return Err(SpecError::new(
+                        opening,
+                        format!(
+                            "`{}(` nests calls {} deep; scheme text allows at most \
+                             {MAX_NESTING} (a valid scheme needs 2)",
+                            shown(&name),
+                            MAX_NESTING + 1
+                        ),
+                    ));
+                }
+                self.depth += 1;
                 let args = self.args(&name, opening)?;
+                self.depth -= 1;
                 Ok(Value::Call {
                     name,
                     span: span.start..self.toks[self.pos - 1].1.end,
@@ -210,7 +238,7 @@ impl Parser {
                 None => {
                     return Err(SpecError::new(
                         opening,
-                        format!("`{name}(` is never closed: expected `)`"),
+                        format!("`{}(` is never closed: expected `)`", shown(name)),
                     ))
                 }
                 _ => {}
@@ -253,15 +281,23 @@ pub(crate) fn parse_items(text: &str) -> Result<Vec<Arg>, SpecError> {
             "empty scheme: declare at least `k = ...` and `v = ...`",
         ));
     }
-    let mut p = Parser { toks, pos: 0 };
+    let mut p = Parser {
+        toks,
+        pos: 0,
+        depth: 0,
+    };
     let mut items = Vec::new();
     while p.peek().is_some() {
         let key = p.key()?;
-        let (tok, span) = p.next(&format!("`=` after `{}`", key.0))?;
+        let (tok, span) = p.next(&format!("`=` after `{}`", shown(&key.0)))?;
         if tok != Tok::Eq {
             return Err(SpecError::new(
                 span,
-                format!("expected `=` after `{}`, found {}", key.0, describe(&tok)),
+                format!(
+                    "expected `=` after `{}`, found {}",
+                    shown(&key.0),
+                    describe(&tok)
+                ),
             ));
         }
         items.push(Arg {
