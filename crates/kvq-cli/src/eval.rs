@@ -524,7 +524,7 @@ pub fn evaluate_layer(
     let spec = &scheme.spec;
     let (h, n, d) = (layer.k.kv_heads, layer.k.tokens, layer.k.head_dim);
     let gqa = layer.q.q_heads / h;
-    spec.check_shape(d as u32, h as u32).map_err(|e| {
+    spec.check_shape_usize(d, h).map_err(|e| {
         CliError::Unsupported(format!(
             "layer {}: `{}` cannot cache {h} KV heads × head_dim {d}: {e}",
             layer.index,

@@ -396,3 +396,54 @@ fn kitty_worked_example_reads_as_documented() {
     assert_eq!(slots, boosted);
     assert_eq!(block.len(), 5264);
 }
+
+/// Every public way into a store follows kvq-spec's shape rules: a boosted tensor wider than the
+/// one-byte channel index was refused by `check_shape` but reached `TensorStore::build` unchecked
+/// and panicked on decode.
+#[test]
+fn stores_follow_the_spec_shape_rules_on_every_path() {
+    let kitty = spec("k = int(2, channel, boost = boost(4, ratio = 0.125)), v = int(2, token)");
+    let x = random(1, 130, 512, 3);
+    assert!(matches!(
+        IntCache::build(&kitty, &x, &x),
+        Err(RefError::Shape(kvq_spec::ShapeError::BoostHeadDim { .. }))
+    ));
+    let e = TensorStore::build(&kitty, &kitty.k, &x, "k").unwrap_err();
+    assert!(
+        matches!(
+            e,
+            RefError::Shape(kvq_spec::ShapeError::BoostHeadDim { head_dim: 512, .. })
+        ),
+        "{e}"
+    );
+    let x = random(1, 130, 256, 3);
+    let store = TensorStore::build(&kitty, &kitty.k, &x, "k").unwrap();
+    assert_eq!(store.dequantize().head_dim, 256);
+}
+
+/// A size past `u32` is refused, not truncated to a shape that passes (2^32 + 128 would read as 128).
+#[test]
+fn sizes_past_u32_are_refused_not_truncated() {
+    let s = spec("k = int(2, channel), v = int(2, token)");
+    let e = s.check_shape_usize((1usize << 32) + 128, 1).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            kvq_spec::ShapeError::TooLarge {
+                what: "head_dim",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("4294967424"), "{e}");
+    let e = s.check_shape_usize(128, (1usize << 32) + 1).unwrap_err();
+    assert!(matches!(
+        e,
+        kvq_spec::ShapeError::TooLarge {
+            what: "kv_heads",
+            ..
+        }
+    ));
+    assert!(s.check_shape_usize(128, 8).is_ok());
+}

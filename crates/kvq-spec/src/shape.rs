@@ -18,6 +18,8 @@ pub enum ShapeError {
     HeadDim(u32),
     #[error("kv_heads must be at least 1")]
     KvHeads,
+    #[error("{what} {value} is too large: shapes are counted in 32 bits (at most {max})", max = u32::MAX)]
+    TooLarge { what: &'static str, value: u64 },
     #[error("{tensor}: token-axis `group = {group}` does not divide head_dim {head_dim}")]
     Group {
         tensor: &'static str,
@@ -65,73 +67,99 @@ impl SchemeSpec {
         }
     }
 
+    /// [`check_shape`](Self::check_shape) for sizes held as `usize` (tensor shapes): a size past
+    /// `u32` is [`ShapeError::TooLarge`], never truncated into a smaller shape that would pass.
+    pub fn check_shape_usize(&self, head_dim: usize, kv_heads: usize) -> Result<(), ShapeError> {
+        let narrow = |what, value: usize| {
+            u32::try_from(value).map_err(|_| ShapeError::TooLarge {
+                what,
+                value: value as u64,
+            })
+        };
+        self.check_shape(narrow("head_dim", head_dim)?, narrow("kv_heads", kv_heads)?)
+    }
+
     /// Checks that this scheme can store heads of `head_dim` channels with `kv_heads` KV heads.
     ///
     /// Total over every input, including a `SchemeSpec` built by hand rather than parsed: a zero
     /// `group` or `pairs_per_code` is reported as not dividing, never divided by.
     pub fn check_shape(&self, head_dim: u32, kv_heads: u32) -> Result<(), ShapeError> {
+        for (tensor, t) in [("k", &self.k), ("v", &self.v)] {
+            Self::check_tensor_shape(tensor, t, head_dim, kv_heads)?;
+        }
+        Ok(())
+    }
+
+    /// The rules for one tensor stored with `t` in heads of `head_dim` channels and `kv_heads` KV
+    /// heads (the shape itself, boost width, token groups, RoPE pairs, codebook compression):
+    /// [`check_shape`](Self::check_shape) applies it to K and V, and stores of other tensors
+    /// (XQuant's latents) to theirs, so every store follows the same rules.
+    pub fn check_tensor_shape(
+        tensor: &'static str,
+        t: &TensorQuant,
+        head_dim: u32,
+        kv_heads: u32,
+    ) -> Result<(), ShapeError> {
         if head_dim == 0 || head_dim % 32 != 0 {
             return Err(ShapeError::HeadDim(head_dim));
         }
         if kv_heads == 0 {
             return Err(ShapeError::KvHeads);
         }
-        for (tensor, t) in [("k", &self.k), ("v", &self.v)] {
-            match t {
-                TensorQuant::Fp16 => {}
-                TensorQuant::Int(q) => {
-                    if let Some(b) = q.boost {
-                        if head_dim > MAX_BOOSTED_HEAD_DIM {
-                            return Err(ShapeError::BoostHeadDim { tensor, head_dim });
-                        }
-                        let channels = boosted_channels(b.ratio, head_dim);
-                        if channels == 0 || channels >= head_dim {
-                            return Err(ShapeError::Boost {
-                                tensor,
-                                ratio: b.ratio,
-                                head_dim,
-                                channels,
-                            });
-                        }
+        match t {
+            TensorQuant::Fp16 => {}
+            TensorQuant::Int(q) => {
+                if let Some(b) = q.boost {
+                    if head_dim > MAX_BOOSTED_HEAD_DIM {
+                        return Err(ShapeError::BoostHeadDim { tensor, head_dim });
                     }
-                    if let (Axis::Token, Some(group)) = (q.axis, q.group) {
-                        if head_dim.checked_rem(group) != Some(0) {
-                            return Err(ShapeError::Group {
-                                tensor,
-                                group,
-                                head_dim,
-                            });
-                        }
+                    let channels = boosted_channels(b.ratio, head_dim);
+                    if channels == 0 || channels >= head_dim {
+                        return Err(ShapeError::Boost {
+                            tensor,
+                            ratio: b.ratio,
+                            head_dim,
+                            channels,
+                        });
                     }
                 }
-                TensorQuant::Codebook(c) => match c.codebook {
-                    Codebook::RopeCommutative { pairs_per_code, .. } => {
-                        let half = head_dim / 2;
-                        if half.checked_rem(pairs_per_code) != Some(0) {
-                            return Err(ShapeError::Pairs {
-                                tensor,
-                                pairs: pairs_per_code,
-                                half,
-                                head_dim,
-                            });
-                        }
+                if let (Axis::Token, Some(group)) = (q.axis, q.group) {
+                    if head_dim.checked_rem(group) != Some(0) {
+                        return Err(ShapeError::Group {
+                            tensor,
+                            group,
+                            head_dim,
+                        });
                     }
-                    Codebook::Additive { rows } => {
-                        let dim = Self::codebook_dim(c.span, head_dim, kv_heads);
-                        // Both operands convert to f64 without overflow (dim < 2^64); the
-                        // quotient only decides "compresses or not".
-                        let bits = f64::from(rows) / dim as f64;
-                        if bits >= 16.0 {
-                            return Err(ShapeError::NoCompression {
-                                tensor,
-                                rows,
-                                dim,
-                                bits,
-                            });
-                        }
-                    }
-                },
+                }
             }
+            TensorQuant::Codebook(c) => match c.codebook {
+                Codebook::RopeCommutative { pairs_per_code, .. } => {
+                    let half = head_dim / 2;
+                    if half.checked_rem(pairs_per_code) != Some(0) {
+                        return Err(ShapeError::Pairs {
+                            tensor,
+                            pairs: pairs_per_code,
+                            half,
+                            head_dim,
+                        });
+                    }
+                }
+                Codebook::Additive { rows } => {
+                    let dim = Self::codebook_dim(c.span, head_dim, kv_heads);
+                    // Both operands convert to f64 without overflow (dim < 2^64); the
+                    // quotient only decides "compresses or not".
+                    let bits = f64::from(rows) / dim as f64;
+                    if bits >= 16.0 {
+                        return Err(ShapeError::NoCompression {
+                            tensor,
+                            rows,
+                            dim,
+                            bits,
+                        });
+                    }
+                }
+            },
         }
         Ok(())
     }

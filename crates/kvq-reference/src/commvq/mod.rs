@@ -61,7 +61,7 @@ pub(crate) fn check_inputs(spec: &SchemeSpec, k: &KvTensor, v: &KvTensor) -> Res
             k.kv_heads, k.tokens, k.head_dim, v.kv_heads, v.tokens, v.head_dim
         )));
     }
-    spec.check_shape(k.head_dim as u32, k.kv_heads as u32)?;
+    spec.check_shape_usize(k.head_dim, k.kv_heads)?;
     // NaN/Inf, or beyond the f16 range of the FP16 tokens: the integer schemes' rule.
     crate::int::check_cacheable(k, "k")?;
     crate::int::check_cacheable(v, "v")?;

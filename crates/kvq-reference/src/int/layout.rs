@@ -18,6 +18,10 @@ pub const ALIGN: usize = 16;
 /// Sentinel of the boost index map: the channel is not boosted.
 pub const NOT_BOOSTED: u8 = 0xFF;
 
+// A boosted page stores each boosted channel's number in one byte (the slot table) and each slot
+// number below the sentinel (the map); kvq-spec refuses boosted heads wider than both can address.
+const _: () = assert!(kvq_spec::MAX_BOOSTED_HEAD_DIM <= NOT_BOOSTED as u32 + 1);
+
 /// Rounds up to a multiple of [`ALIGN`].
 pub fn align(bytes: usize) -> usize {
     bytes.div_ceil(ALIGN) * ALIGN

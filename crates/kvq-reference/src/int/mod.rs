@@ -70,7 +70,7 @@ impl IntCache {
                 k.kv_heads, k.tokens, k.head_dim, v.kv_heads, v.tokens, v.head_dim
             )));
         }
-        spec.check_shape(k.head_dim as u32, k.kv_heads as u32)?;
+        spec.check_shape_usize(k.head_dim, k.kv_heads)?;
         check_cacheable(k, "k")?;
         check_cacheable(v, "v")?;
         Ok(Self {

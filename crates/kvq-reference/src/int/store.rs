@@ -7,7 +7,7 @@ use super::quantize::F16_MAX;
 use crate::regions::TokenRegions;
 use crate::{KvTensor, RefError};
 use half::f16;
-use kvq_spec::{Axis, SchemeSpec, ShapeError, TensorQuant};
+use kvq_spec::{SchemeSpec, ShapeError, TensorQuant};
 
 /// A quantized tensor's storage besides its page pool.
 #[derive(Debug, Clone, PartialEq)]
@@ -58,32 +58,25 @@ pub fn check_cacheable(x: &KvTensor, name: &'static str) -> Result<(), RefError>
     }
 }
 
-/// Shape rules of one tensor (head_dim a multiple of 32, at least one head, token groups dividing
-/// head_dim); per tensor so XQuant's latents of different widths can be stored too.
+/// Shape rules of one tensor: kvq-spec's, the same [`SchemeSpec::check_tensor_shape`] that
+/// `check_shape` applies to K and V, here for any tensor (XQuant's latents of other widths too).
 pub fn check_tensor_shape(
     quant: &TensorQuant,
     x: &KvTensor,
     name: &'static str,
 ) -> Result<(), RefError> {
-    let d = x.head_dim as u32;
-    if x.head_dim == 0 || x.head_dim % 32 != 0 {
-        return Err(ShapeError::HeadDim(d).into());
-    }
-    if x.kv_heads == 0 {
-        return Err(ShapeError::KvHeads.into());
-    }
-    if let TensorQuant::Int(q) = quant {
-        if let (Axis::Token, Some(group)) = (q.axis, q.group) {
-            if group == 0 || d % group != 0 {
-                return Err(ShapeError::Group {
-                    tensor: name,
-                    group,
-                    head_dim: d,
-                }
-                .into());
-            }
-        }
-    }
+    let narrow = |what, value: usize| {
+        u32::try_from(value).map_err(|_| ShapeError::TooLarge {
+            what,
+            value: value as u64,
+        })
+    };
+    SchemeSpec::check_tensor_shape(
+        name,
+        quant,
+        narrow("head_dim", x.head_dim)?,
+        narrow("kv_heads", x.kv_heads)?,
+    )?;
     Ok(())
 }
 

@@ -147,7 +147,7 @@ impl PagedKvCache {
                 "an empty cache: {cfg:?}"
             )));
         }
-        spec.check_shape(cfg.head_dim as u32, cfg.kv_heads as u32)
+        spec.check_shape_usize(cfg.head_dim, cfg.kv_heads)
             .map_err(|e| RuntimeError::InvalidInput(e.to_string()))?;
         let kernels = CacheFunctions::load(jit, spec, cfg.head_dim as u32, cfg.input_dtype, forms)?;
         let book = PageBook::new(*spec, cfg.max_seqs, cfg.pool_pages, cfg.max_tokens);
