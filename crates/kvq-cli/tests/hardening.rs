@@ -527,3 +527,49 @@ fn gen_refuses_a_named_tune_file_that_is_missing_or_unusable() {
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// Boosted schemes past head_dim 256 panicked in `eval` and `gen --sample`, and `gen --arch`
+/// compiled a kernel for a layout the reference cannot store: every command now refuses the shape
+/// with kvq-spec's one reason.
+#[test]
+fn boosted_schemes_past_head_dim_256_are_refused_everywhere() {
+    let tmp = TempDir::new("hard-boost-width");
+    let reason = "boosted tensors support head_dim at most 256, got 512";
+    let out = tmp.path().join("gen");
+    for extra in [&["--sample"][..], &["--arch", "sm_90a"][..]] {
+        let mut args = vec![
+            "gen",
+            "--scheme",
+            "kitty",
+            "--head-dim",
+            "512",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        usage_error(&kvq(&args, tmp.path()), &[reason]);
+        assert!(!out.join("decode.cu").exists(), "{extra:?} wrote sources");
+    }
+    let file = tmp.path().join("wide.safetensors");
+    for d in [288usize, 512, 544] {
+        write_f16(
+            &file,
+            &[
+                ("layer.0.k", vec![300, 1, d]),
+                ("layer.0.v", vec![300, 1, d]),
+            ],
+        );
+        let o = kvq(
+            &[
+                "eval",
+                "--scheme",
+                "kitty",
+                "--kv",
+                file.to_str().unwrap(),
+                "--cpu",
+            ],
+            tmp.path(),
+        );
+        usage_error(&o, &[&format!("at most 256, got {d}")]);
+    }
+}
