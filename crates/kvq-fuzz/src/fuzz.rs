@@ -37,6 +37,9 @@ pub struct Config {
     pub limit: Duration,
     /// Shrink each new finding's input while it still gives the same finding.
     pub minimize: bool,
+    /// Largest single allocation the child processes allow (`--max-alloc`; enforced by the
+    /// binary's allocator).
+    pub max_alloc: usize,
 }
 
 /// One distinct finding of a run.
@@ -323,6 +326,7 @@ pub fn supervise(cfg: &Config, exe: &Path) -> std::io::Result<Report> {
             .args(["--start", &report.next.to_string()])
             .args(["--limit", &format!("{:.3}", cfg.limit.as_secs_f64())])
             .args(["--stack", &cfg.stack.to_string()])
+            .args(["--max-alloc", &cfg.max_alloc.to_string()])
             .arg("--findings")
             .arg(&cfg.findings);
         if let Some(n) = inputs_left {

@@ -178,6 +178,7 @@ fn main() -> ExitCode {
         stack: args.stack,
         limit,
         minimize: !args.no_minimize,
+        max_alloc: args.max_alloc,
     };
     if args.child {
         let report = fuzz::run_in_process(&cfg, true);

@@ -47,6 +47,11 @@ pub static PARSED: AtomicU64 = AtomicU64::new(0);
 /// The target's check; see the module docs.
 pub fn check(input: &[u8]) -> Result<(), String> {
     let text = String::from_utf8_lossy(input);
+    // The command line's `--scheme` path: a built-in name or scheme text, with its messages.
+    if let Err(e) = kvq_cli::scheme::resolve(&text) {
+        let _ = e.report();
+    }
+    let _ = kvq_cli::scheme::resolve_list(&text, false);
     match SchemeSpec::parse(&text) {
         Err(e) => {
             if e.span.start > e.span.end || e.span.end > text.len() {

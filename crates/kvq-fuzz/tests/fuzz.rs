@@ -170,3 +170,27 @@ fn a_window_of_1e_minus_400_is_not_silently_zero() {
         replay_in_child(Target::Scheme, "tiny-window", text.as_bytes());
     }
 }
+
+#[test]
+fn memory_accounting_of_absurd_sizes_returns_without_overflow() {
+    // Found by the scheme target: `evaluate::memory` multiplies lengths, heads and widths
+    // unchecked (kvq-reference `footprint::tensor`, kvq `evaluate::commvq_tensor`), a panic in
+    // debug builds and a wrapped, wrong size in release. An absurd size is an error or a
+    // saturated count, never an overflow.
+    run_check(|_| {
+        for text in [
+            "k = fp16, v = fp16",
+            "k = int(2, channel), v = int(2, token), local = 128",
+            "k = codebook(rope_commutative, levels = 64, residuals = 21, pairs_per_code = 64, span = token), v = codebook(additive, rows = 256)",
+            "k = int(2, channel), v = int(2, token), source = x(latent)",
+        ] {
+            let spec: SchemeSpec = text.parse().map_err(|e| format!("{e}"))?;
+            for kv_heads in [1, u32::MAX] {
+                for len in [1u64 << 60, u64::MAX] {
+                    let _ = kvq::evaluate::memory(&spec, 128, kv_heads, len);
+                }
+            }
+        }
+        Ok(())
+    });
+}
