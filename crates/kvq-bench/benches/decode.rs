@@ -48,7 +48,8 @@ fn bench_all(c: &mut Criterion) -> Result<(), RuntimeError> {
         config.head_dim as usize,
         config.dtype,
         1,
-    );
+    )
+    .map_err(usage)?;
     let mut group = c.benchmark_group("decode");
     group
         .sample_size(20)

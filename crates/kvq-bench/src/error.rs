@@ -25,6 +25,9 @@ pub enum BenchError {
         #[source]
         source: std::io::Error,
     },
+    /// A size the machine cannot give (a context or batch past its memory).
+    #[error(transparent)]
+    Memory(#[from] kvq::reference::resources::AllocError),
     /// The plot could not be drawn.
     #[error("plot: {0}")]
     Plot(String),

@@ -1,11 +1,17 @@
 //! The results of a run and their markdown and JSON forms.
 
+use kvq::reference::resources::read_input_file;
 use kvq::runtime::tune::TuneChoice;
 use kvq::runtime::DeviceProps;
 use serde::{Deserialize, Serialize};
 
 use crate::copy::CopyResult;
 use crate::grid::format_tokens;
+
+/// The largest results file read. A full run's grid is a few hundred rows, well under a megabyte
+/// of JSON; 64 MiB leaves room for far larger grids while a stray huge file is refused before it
+/// is read into memory.
+pub const MAX_RESULTS_FILE_BYTES: u64 = 64 << 20;
 
 /// A tuned configuration measured beside the default.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -284,6 +290,15 @@ impl BenchResults {
         serde_json::from_str(text).map_err(|e| e.to_string())
     }
 
+    /// Reads the results file at `path` (see [`BenchResults::from_json`]); `Err` says why, without
+    /// the path. The file goes through [`read_input_file`]: a FIFO, device node or directory is
+    /// refused without being opened, and a file past [`MAX_RESULTS_FILE_BYTES`] without being read.
+    pub fn read_json_file(path: &std::path::Path) -> Result<BenchResults, String> {
+        let bytes =
+            read_input_file(path, "the results file", MAX_RESULTS_FILE_BYTES).map_err(|e| e.why)?;
+        serde_json::from_slice(&bytes).map_err(|e| e.to_string())
+    }
+
     /// Pretty JSON of everything.
     pub fn json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
@@ -439,6 +454,55 @@ pub(crate) mod tests {
         let back = BenchResults::from_json(&r.json()).unwrap();
         assert_eq!(back.rows, r.rows);
         assert_eq!(back.markdown(), md);
+    }
+
+    /// `kvq-bench --replot` reads its file through the guard: a FIFO (which would block the open
+    /// forever), a device node (which would read without end) and an oversized file are errors
+    /// at once, naming what the path is.
+    #[cfg(unix)]
+    #[test]
+    fn a_fifo_device_or_oversized_results_file_is_an_error_promptly() {
+        let dir = std::env::temp_dir().join(format!("kvq-bench-read-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("results.json");
+        let read = |path: &std::path::Path| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let path = path.to_path_buf();
+            std::thread::spawn(move || {
+                let _ = tx.send(BenchResults::read_json_file(&path));
+            });
+            rx.recv_timeout(std::time::Duration::from_secs(10))
+                .expect("reading the results did not return within 10 s")
+        };
+
+        let r = sample();
+        std::fs::write(&path, r.json()).unwrap();
+        assert_eq!(read(&path).unwrap().rows, r.rows);
+
+        std::fs::remove_file(&path).unwrap();
+        let made = std::process::Command::new("mkfifo").arg(&path).status();
+        assert!(made.is_ok_and(|s| s.success()), "mkfifo {}", path.display());
+        let e = read(&path).unwrap_err();
+        assert!(e.contains("a FIFO"), "{e}");
+
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+        let e = read(&path).unwrap_err();
+        assert!(e.contains("a character device"), "{e}");
+
+        // Sparse: only the stated size is past the limit.
+        std::fs::remove_file(&path).unwrap();
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(MAX_RESULTS_FILE_BYTES + 1)
+            .unwrap();
+        let e = read(&path).unwrap_err();
+        assert!(
+            e.contains(&format!("{} bytes", MAX_RESULTS_FILE_BYTES + 1)),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// Stored scores are named as such, and results written before the field was renamed

@@ -97,7 +97,7 @@ pub fn run(
             config.head_dim as usize,
             config.dtype,
             config.seed,
-        ),
+        )?,
         copy_gbps: copy.gbps,
         read_floor: ReadFloor::new(jit)?,
         tuner,

@@ -8,8 +8,9 @@
 use kvq::codegen::Dtype;
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
+use kvq::reference::resources::AllocError;
 use kvq::runtime::tune::check::default_rows;
-use kvq::runtime::tune::synth::{random_kv, random_queries};
+use kvq::runtime::tune::synth::{try_random_kv, try_random_queries};
 
 use crate::error::{BenchError, Result};
 use crate::grid::{BenchConfig, Scheme};
@@ -36,21 +37,28 @@ pub struct QueryRows {
 }
 
 impl QueryRows {
-    /// Random queries for `batch` rows of `q_heads × head_dim`.
+    /// Random queries for `batch` rows of `q_heads × head_dim`; sizes past the machine are a
+    /// [`BenchError::Memory`] naming the bytes.
     pub fn new(
         batch: usize,
         q_heads: usize,
         head_dim: usize,
         dtype: Dtype,
         seed: u64,
-    ) -> QueryRows {
-        let row_len = q_heads * head_dim;
-        let (bits, values) = random_queries(batch * row_len, dtype, seed);
-        QueryRows {
+    ) -> Result<QueryRows> {
+        let too_many = || AllocError {
+            what: format!("the queries ({batch} rows × {q_heads} heads × {head_dim} channels)"),
+            bytes: None,
+            available: None,
+        };
+        let row_len = q_heads.checked_mul(head_dim).ok_or_else(too_many)?;
+        let count = batch.checked_mul(row_len).ok_or_else(too_many)?;
+        let (bits, values) = try_random_queries(count, dtype, seed)?;
+        Ok(QueryRows {
             bits,
             values,
             row_len,
-        }
+        })
     }
 
     /// The first `batch` rows' device words.
@@ -77,7 +85,7 @@ pub fn prepare(
 ) -> Result<Vec<Prepared>> {
     let (kv_heads, head_dim, check) = (config.kv_heads, config.head_dim as usize, config.check);
     let seed = config.seed ^ (len as u64).rotate_left(32);
-    let (k, v) = random_kv(kv_heads, len, head_dim, seed);
+    let (k, v) = try_random_kv(kv_heads, len, head_dim, seed)?;
     let q_heads = queries.row_len / head_dim.max(1);
     let build = |scheme: &Scheme| -> Result<Prepared> {
         let cache = IntCache::build(&scheme.spec, &k, &v)
@@ -142,7 +150,7 @@ mod tests {
         config.schemes = parse_schemes("kivi2,int8").unwrap();
         config.kv_heads = 2;
         config.head_dim = 64;
-        let q = QueryRows::new(2, 4, 64, Dtype::F16, 9);
+        let q = QueryRows::new(2, 4, 64, Dtype::F16, 9).unwrap();
         let prepared = prepare(&config, 300, &q, &[0, 1]).unwrap();
         assert_eq!(prepared.len(), 3);
         for p in &prepared {
@@ -155,5 +163,23 @@ mod tests {
         config.check = false;
         let unchecked = prepare(&config, 300, &q, &[0, 1]).unwrap();
         assert!(unchecked.iter().all(|p| p.reference.is_empty()));
+    }
+
+    #[test]
+    fn sizes_past_the_machine_are_errors_naming_the_bytes() {
+        let e = QueryRows::new(usize::MAX, 4, 64, Dtype::F16, 1)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("the queries"), "{e}");
+        let mut config = BenchConfig::standard();
+        config.schemes = parse_schemes("int8").unwrap();
+        config.kv_heads = 8;
+        config.head_dim = 128;
+        let q = QueryRows::new(1, 8, 128, Dtype::F16, 1).unwrap();
+        let e = prepare(&config, 100_000_000, &q, &[]).err().unwrap();
+        assert!(
+            matches!(e, BenchError::Memory(_)) && e.to_string().contains("819200000000 bytes"),
+            "{e}"
+        );
     }
 }

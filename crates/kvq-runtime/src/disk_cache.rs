@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use kvq_reference::resources::read_input_file;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -34,6 +35,11 @@ use crate::nvrtc::{self, CompileOptions, Compiled, NvrtcVersion, Output, Resolve
 pub const KVQ_CACHE_DIR: &str = "KVQ_CACHE_DIR";
 
 const MAGIC: &[u8] = b"KVQ-MODULE 1\n";
+
+/// The largest entry read. A decode kernel's cubin or PTX is well under a megabyte and the
+/// biggest module kvq compiles a few megabytes, so 256 MiB is far past any real entry while a
+/// stray huge file at an entry's path is refused before it is read into memory.
+pub const MAX_ENTRY_BYTES: u64 = 256 << 20;
 const KEY_DOMAIN: &[u8] = b"kvq-runtime module cache v1";
 
 /// kvq's cache folder: `$KVQ_CACHE_DIR` if set and non-empty, else `<user cache dir>/kvq`.
@@ -186,6 +192,8 @@ pub struct DiskCache {
     corrupt: AtomicU64,
     write_errors: AtomicU64,
     warned: AtomicBool,
+    read_warned: AtomicBool,
+    note: std::sync::Mutex<Option<String>>,
 }
 
 impl DiskCache {
@@ -209,6 +217,8 @@ impl DiskCache {
             corrupt: AtomicU64::new(0),
             write_errors: AtomicU64::new(0),
             warned: AtomicBool::new(false),
+            read_warned: AtomicBool::new(false),
+            note: std::sync::Mutex::new(None),
         })
     }
 
@@ -270,15 +280,33 @@ impl DiskCache {
         Ok((compiled, Origin::Compiled))
     }
 
+    /// Why the last entry that could not be read was passed over (a FIFO, device node or
+    /// directory at its path, a file past [`MAX_ENTRY_BYTES`], a permission error), if one was.
+    pub fn note(&self) -> Option<String> {
+        self.note.lock().map_or(None, |n| n.clone())
+    }
+
     /// Reads and checks an entry; `None` when absent or damaged (damaged ones are counted and
     /// removed).
+    ///
+    /// The read goes through [`read_input_file`]: a path that is not a regular file is never
+    /// opened (opening a FIFO blocks until a writer comes) and a file's size is checked before
+    /// it is read, so such an entry is a counted miss with a [`DiskCache::note`] (and one warning
+    /// on stderr), and the compiled module replaces it.
     pub fn read(&self, key: &CacheKey, output: Output) -> Option<Compiled> {
         let path = self.entry_path(key, output);
-        let bytes = match fs::read(&path) {
+        let bytes = match read_input_file(&path, "the cache entry", MAX_ENTRY_BYTES) {
             Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
-            Err(_) => {
+            Err(e) if e.not_found => return None,
+            Err(e) => {
                 self.corrupt.fetch_add(1, Ordering::Relaxed);
+                let note = format!("ignoring the compiled-module cache entry {e}");
+                if !self.read_warned.swap(true, Ordering::Relaxed) {
+                    eprintln!("kvq: warning: {note}; the module is compiled again");
+                }
+                if let Ok(mut slot) = self.note.lock() {
+                    *slot = Some(note);
+                }
                 return None;
             }
         };
@@ -528,6 +556,63 @@ mod tests {
             .collect();
         assert!(leftovers.is_empty());
         assert_eq!(cache.clear().unwrap(), 1);
+        let _ = fs::remove_dir_all(cache.dir());
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_fifo_device_or_oversized_entry_is_a_miss_with_a_note_never_a_hang() {
+        use crate::tune::store::tests::{make_fifo, promptly};
+        let cache = std::sync::Arc::new(temp_cache("special"));
+        let opts = CompileOptions::default().include_dirs(IncludeDirs::None);
+        let k = key("special", &opts);
+        let path = cache.entry_path(&k, Output::Cubin);
+        let compile_through = |cache: &std::sync::Arc<DiskCache>| {
+            let (cache, k) = (cache.clone(), k.clone());
+            promptly(move || {
+                cache
+                    .get_or_compile(&k, Output::Cubin, "k.cu", || Ok(fake(b"image")))
+                    .map(|(c, origin)| (c.image, origin))
+            })
+            .unwrap()
+        };
+
+        make_fifo(&path);
+        assert_eq!(
+            compile_through(&cache),
+            (b"image".to_vec(), Origin::Compiled)
+        );
+        let note = cache.note().unwrap_or_default();
+        assert!(
+            note.contains("a FIFO") && note.contains(&path.display().to_string()),
+            "{note}"
+        );
+        // The compiled module replaced the FIFO: the next lookup is a hit.
+        assert_eq!(
+            compile_through(&cache),
+            (b"image".to_vec(), Origin::DiskCache)
+        );
+
+        fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+        assert_eq!(compile_through(&cache).1, Origin::Compiled);
+        let note = cache.note().unwrap_or_default();
+        assert!(note.contains("a character device"), "{note}");
+
+        // Sparse: only the stated size is past the limit.
+        fs::remove_file(&path).unwrap();
+        fs::File::create(&path)
+            .unwrap()
+            .set_len(MAX_ENTRY_BYTES + 1)
+            .unwrap();
+        assert_eq!(compile_through(&cache).1, Origin::Compiled);
+        let note = cache.note().unwrap_or_default();
+        assert!(
+            note.contains(&format!("{} bytes", MAX_ENTRY_BYTES + 1)),
+            "{note}"
+        );
+        let s = cache.stats();
+        assert_eq!((s.hits, s.misses, s.corrupt), (1, 3, 3));
         let _ = fs::remove_dir_all(cache.dir());
     }
 

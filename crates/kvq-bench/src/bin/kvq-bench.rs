@@ -133,10 +133,7 @@ fn write_outputs(stem: &std::path::Path, results: &BenchResults, json: bool) {
 }
 
 fn replot(json: &std::path::Path, out: Option<&std::path::Path>) -> ExitCode {
-    let results = match std::fs::read_to_string(json)
-        .map_err(|e| e.to_string())
-        .and_then(|t| BenchResults::from_json(&t))
-    {
+    let results = match BenchResults::read_json_file(json) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("kvq-bench: cannot read {}: {e}", json.display());

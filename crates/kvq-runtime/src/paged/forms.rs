@@ -10,13 +10,13 @@
 //!        4× L2; gate: a small prefill bit-exact with the CPU reference; winner: fastest that passed
 //! ```
 
-use std::fs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 use kvq_codegen::{Dtype, QuantizerForm, QuantizerForms};
 use kvq_reference::int::IntCache;
+use kvq_reference::resources::read_input_file;
 use kvq_reference::KvTensor;
 use kvq_spec::SchemeSpec;
 use serde::{Deserialize, Serialize};
@@ -80,14 +80,26 @@ fn store_path() -> Result<PathBuf> {
     Ok(cache_root()?.join(FORMS_FILE))
 }
 
+/// The largest quantizer-forms file read. An entry (with its candidates' timings) is a few
+/// kilobytes of JSON, so 64 MiB holds thousands of tuned (GPU, scheme, shape) problems, while a
+/// stray huge file at the path is refused before it is read into memory.
+pub const MAX_FORMS_FILE_BYTES: u64 = 64 << 20;
+
 /// Stored entries; a missing or unreadable file is empty (it is a cache of measurements).
 fn load_entries() -> Vec<FormsEntry> {
-    let Ok(path) = store_path() else {
-        return Vec::new();
-    };
-    fs::read_to_string(path)
+    match store_path() {
+        Ok(path) => load_entries_from(&path),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The entries of the file at `path`. It is read through [`read_input_file`], so a FIFO, device
+/// node or directory there, or a file past [`MAX_FORMS_FILE_BYTES`], counts as unreadable (empty)
+/// instead of blocking the open or reading without end.
+fn load_entries_from(path: &Path) -> Vec<FormsEntry> {
+    read_input_file(path, "the quantizer tuning file", MAX_FORMS_FILE_BYTES)
         .ok()
-        .and_then(|text| serde_json::from_str::<FormsFile>(&text).ok())
+        .and_then(|bytes| serde_json::from_slice::<FormsFile>(&bytes).ok())
         .map(|f| f.entries)
         .unwrap_or_default()
 }
@@ -335,4 +347,68 @@ pub fn tune_forms(
         tuned_at_unix: unix_now(),
         kvq_version: env!("CARGO_PKG_VERSION").to_string(),
     })
+}
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::*;
+    use crate::device::DriverVersion;
+    use crate::tune::store::tests::{make_fifo, promptly};
+
+    fn entry() -> FormsEntry {
+        FormsEntry {
+            gpu: GpuKey {
+                name: "NVIDIA H100 80GB HBM3".into(),
+                compute_capability: (9, 0),
+                sm_count: 132,
+                driver: DriverVersion {
+                    major: 13,
+                    minor: 0,
+                },
+            },
+            scheme: "k = int(2, channel), v = int(2, token)".into(),
+            head_dim: 128,
+            dtype: Dtype::F16,
+            forms: QuantizerForms::both(QuantizerForm::Tiled),
+            candidates: Vec::new(),
+            tuned_at_unix: 1_700_000_000,
+            kvq_version: "0.1.0".into(),
+        }
+    }
+
+    #[test]
+    fn a_fifo_device_or_oversized_forms_file_is_empty_promptly_never_a_hang() {
+        let dir = std::env::temp_dir().join(format!("kvq-forms-special-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(FORMS_FILE);
+        let load = |path: &Path| {
+            let path = path.to_path_buf();
+            promptly(move || load_entries_from(&path))
+        };
+
+        let text = serde_json::to_string(&FormsFile {
+            entries: vec![entry()],
+        })
+        .unwrap();
+        std::fs::write(&path, text).unwrap();
+        assert_eq!(load(&path), vec![entry()]);
+
+        std::fs::remove_file(&path).unwrap();
+        make_fifo(&path);
+        assert!(load(&path).is_empty());
+
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+        assert!(load(&path).is_empty());
+
+        // Sparse: only the stated size is past the limit.
+        std::fs::remove_file(&path).unwrap();
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(MAX_FORMS_FILE_BYTES + 1)
+            .unwrap();
+        assert!(load(&path).is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -143,14 +143,26 @@ impl TuneProblem {
                 self.kv_heads, self.shape.gqa, self.batch, self.max_len
             )));
         }
+        // The scheme checks shapes in u32 and the query count is kv_heads × gqa: a count past
+        // either would be checked (or sized) wrapped.
+        let kv_heads = u32::try_from(self.kv_heads)
+            .ok()
+            .filter(|_| self.kv_heads.checked_mul(self.shape.gqa as usize).is_some())
+            .ok_or_else(|| {
+                RuntimeError::InvalidInput(format!(
+                    "tuning: {} KV heads × gqa {} is more query heads than kvq counts",
+                    self.kv_heads, self.shape.gqa
+                ))
+            })?;
         self.spec
-            .check_shape(self.shape.head_dim, self.kv_heads as u32)
+            .check_shape(self.shape.head_dim, kv_heads)
             .map_err(|e| RuntimeError::InvalidInput(format!("scheme `{}`: {e}", self.spec)))
     }
 
     /// Query heads per sequence.
     pub fn q_heads(&self) -> usize {
-        self.kv_heads * self.shape.gqa as usize
+        // Saturates rather than wraps: `check` refuses a product this large.
+        self.kv_heads.saturating_mul(self.shape.gqa as usize)
     }
 
     /// Decode grid rows a sequence takes: its KV heads times the kernel's head groups
@@ -185,6 +197,17 @@ mod tests {
 
     fn kivi2() -> SchemeSpec {
         "k = int(2, channel), v = int(2, token)".parse().unwrap()
+    }
+
+    #[test]
+    fn kv_head_counts_past_u32_are_refused_not_checked_wrapped() {
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        // 2^32 + 8 would pass the scheme's check as 8 KV heads if it were truncated.
+        let e = TuneProblem::new(kivi2(), shape, (1usize << 32) + 8, 1, 1)
+            .check()
+            .unwrap_err();
+        assert!(e.to_string().contains("4294967304 KV heads"), "{e}");
+        assert!(TuneProblem::new(kivi2(), shape, 8, 1, 1).check().is_ok());
     }
 
     #[test]

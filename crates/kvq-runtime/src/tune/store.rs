@@ -11,6 +11,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use kvq_reference::resources::read_input_file;
 use serde::{Deserialize, Serialize};
 
 use super::choice::TuneChoice;
@@ -105,12 +106,24 @@ fn parse(text: &str) -> std::result::Result<Vec<TuneEntry>, String> {
     Ok(file.entries)
 }
 
+/// The largest tuning file read. An entry is under a kilobyte of JSON, so 64 MiB holds tens of
+/// thousands of tuned problems — more than any machine accumulates — while a file past it (or a
+/// stray multi-gigabyte file at the path) is refused before it is read into memory.
+pub const MAX_TUNE_FILE_BYTES: u64 = 64 << 20;
+
 /// Reads `path`: `Ok(entries)` (empty when absent) or `Err(warning)` when it cannot be used.
+///
+/// The read goes through [`read_input_file`], so a FIFO, device node or directory at the path, or
+/// a file past [`MAX_TUNE_FILE_BYTES`], is reported like a damaged file instead of blocking on
+/// the open or reading without end.
 fn read(path: &Path) -> std::result::Result<Vec<TuneEntry>, String> {
-    match fs::read_to_string(path) {
-        Ok(text) => parse(&text),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-        Err(e) => Err(format!("cannot be read ({e})")),
+    match read_input_file(path, "the tuning file", MAX_TUNE_FILE_BYTES) {
+        Ok(bytes) => match String::from_utf8(bytes) {
+            Ok(text) => parse(&text),
+            Err(e) => Err(format!("not valid UTF-8 ({e})")),
+        },
+        Err(e) if e.not_found => Ok(Vec::new()),
+        Err(e) => Err(e.why),
     }
 }
 
@@ -267,7 +280,7 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::device::DriverVersion;
     use kvq_codegen::{Dtype, TuneParams};
@@ -474,6 +487,73 @@ mod tests {
             assert!(back.warning().is_none());
             assert_eq!(back.entries().len(), 1);
         }
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// `f()` on another thread, failing the test when it takes more than 10 s (a read that blocks
+    /// on a FIFO would otherwise hang the test run).
+    pub(crate) fn promptly<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the load did not return within 10 s")
+    }
+
+    /// A FIFO at `path` (nothing ever writes to it, so opening it to read blocks forever).
+    #[cfg(unix)]
+    pub(crate) fn make_fifo(path: &Path) {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+        // SAFETY: `c` is a valid NUL-terminated path that outlives the call.
+        let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
+        assert_eq!(rc, 0, "mkfifo {}", path.display());
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_fifo_device_or_oversized_store_is_a_warning_promptly_never_a_hang() {
+        let dir = temp_dir("special");
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(TUNE_FILE);
+
+        make_fifo(&path);
+        let p = path.clone();
+        let store = promptly(move || TuneStore::load_quietly(p));
+        assert!(store.entries().is_empty());
+        let warning = store.warning().unwrap_or_default().to_string();
+        assert!(
+            warning.contains("a FIFO") && warning.contains(&path.display().to_string()),
+            "{warning}"
+        );
+        // A save reads the file to merge, then replaces the FIFO with a real file.
+        let mut store = store;
+        store.insert(entry(gpu(132), problem(16), 3));
+        promptly(move || store.save()).unwrap();
+        let back = TuneStore::load_quietly(&path);
+        assert!(back.warning().is_none() && back.entries().len() == 1);
+
+        fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+        let p = path.clone();
+        let store = promptly(move || TuneStore::load_quietly(p));
+        let warning = store.warning().unwrap_or_default().to_string();
+        assert!(warning.contains("a character device"), "{warning}");
+
+        // Sparse, so the test writes nothing: only its stated size is past the limit.
+        fs::remove_file(&path).unwrap();
+        fs::File::create(&path)
+            .unwrap()
+            .set_len(MAX_TUNE_FILE_BYTES + 1)
+            .unwrap();
+        let p = path.clone();
+        let store = promptly(move || TuneStore::load_quietly(p));
+        let warning = store.warning().unwrap_or_default().to_string();
+        assert!(
+            warning.contains(&format!("{} bytes", MAX_TUNE_FILE_BYTES + 1)),
+            "{warning}"
+        );
         let _ = fs::remove_dir_all(&dir);
     }
 

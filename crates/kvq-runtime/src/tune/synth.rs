@@ -7,6 +7,7 @@
 
 use half::{bf16, f16};
 use kvq_codegen::Dtype;
+use kvq_reference::resources::{self, AllocError};
 use kvq_reference::KvTensor;
 
 /// SplitMix64: one multiply-xorshift chain per value.
@@ -36,24 +37,38 @@ impl SynthRng {
 
 /// Random K and V of one sequence, `[kv_heads][tokens][head_dim]`: uniform values with a per-token
 /// offset; one K channel in 16 is amplified eightfold.
-pub fn random_kv(
+///
+/// The sizes come from callers' flags and shapes, so the memory is checked and reserved before
+/// any is taken: a size past the machine (or past 64 bits) is an [`AllocError`] naming the bytes,
+/// never an allocation abort.
+pub fn try_random_kv(
     kv_heads: usize,
     tokens: usize,
     head_dim: usize,
     seed: u64,
-) -> (KvTensor, KvTensor) {
+) -> Result<(KvTensor, KvTensor), AllocError> {
+    let count = resources::product(&[kv_heads, tokens, head_dim]);
+    let what = format!(
+        "the synthetic K and V ({kv_heads} KV heads × {tokens} tokens × {head_dim} channels)"
+    );
+    // K and V are both held at once, so both are checked before either is taken.
+    let both = count
+        .and_then(resources::bytes_of::<f32>)
+        .and_then(|b| b.checked_mul(2));
+    resources::check(both, &what)?;
+    let count = count.unwrap_or(usize::MAX);
+    let gains_len = kv_heads.saturating_mul(head_dim);
     let mut rng = SynthRng::new(seed);
-    let mut fill = |outliers: bool| {
-        let gains: Vec<f32> = (0..kv_heads * head_dim)
-            .map(|_| {
-                if outliers && rng.next_u64() % 16 == 0 {
-                    8.0
-                } else {
-                    1.0
-                }
-            })
-            .collect();
-        let mut data = Vec::with_capacity(kv_heads * tokens * head_dim);
+    let mut fill = |outliers: bool| -> Result<KvTensor, AllocError> {
+        let mut gains = resources::try_with_capacity::<f32>(gains_len, &what)?;
+        gains.extend((0..gains_len).map(|_| {
+            if outliers && rng.next_u64() % 16 == 0 {
+                8.0
+            } else {
+                1.0
+            }
+        }));
+        let mut data = resources::try_with_capacity::<f32>(count, &what)?;
         for h in 0..kv_heads {
             let gains = &gains[h * head_dim..(h + 1) * head_dim];
             for _ in 0..tokens {
@@ -61,24 +76,64 @@ pub fn random_kv(
                 data.extend(gains.iter().map(|g| (rng.symmetric() + offset) * g));
             }
         }
-        KvTensor {
+        Ok(KvTensor {
             data,
             kv_heads,
             tokens,
             head_dim,
-        }
+        })
     };
-    let k = fill(true);
-    let v = fill(false);
-    (k, v)
+    let k = fill(true)?;
+    let v = fill(false)?;
+    Ok((k, v))
 }
 
-/// `n` random query values rounded to `dtype`: the device words and the values the reference sees.
-pub fn random_queries(n: usize, dtype: Dtype, seed: u64) -> (Vec<u16>, Vec<f32>) {
+/// [`try_random_kv`] for sizes the caller has already checked (tests, fixed shapes).
+///
+/// # Panics
+/// When the memory cannot be had; use [`try_random_kv`] for sizes a user chose.
+pub fn random_kv(
+    kv_heads: usize,
+    tokens: usize,
+    head_dim: usize,
+    seed: u64,
+) -> (KvTensor, KvTensor) {
+    match try_random_kv(kv_heads, tokens, head_dim, seed) {
+        Ok(kv) => kv,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// `n` random query values rounded to `dtype`: the device words and the values the reference sees,
+/// with the memory checked first as in [`try_random_kv`].
+pub fn try_random_queries(
+    n: usize,
+    dtype: Dtype,
+    seed: u64,
+) -> Result<(Vec<u16>, Vec<f32>), AllocError> {
+    let what = format!("the synthetic queries ({n} values)");
+    let per_value = (std::mem::size_of::<u16>() + std::mem::size_of::<f32>()) as u64;
+    resources::check((n as u64).checked_mul(per_value), &what)?;
+    let mut bits = resources::try_with_capacity::<u16>(n, &what)?;
+    let mut values = resources::try_with_capacity::<f32>(n, &what)?;
     let mut rng = SynthRng::new(seed ^ 0x5155_4552_5951); // distinct stream from K/V's
-    (0..n)
-        .map(|_| round_to_word(1.5 * rng.symmetric(), dtype))
-        .unzip()
+    for _ in 0..n {
+        let (b, v) = round_to_word(1.5 * rng.symmetric(), dtype);
+        bits.push(b);
+        values.push(v);
+    }
+    Ok((bits, values))
+}
+
+/// [`try_random_queries`] for sizes the caller has already checked.
+///
+/// # Panics
+/// When the memory cannot be had; use [`try_random_queries`] for sizes a user chose.
+pub fn random_queries(n: usize, dtype: Dtype, seed: u64) -> (Vec<u16>, Vec<f32>) {
+    match try_random_queries(n, dtype, seed) {
+        Ok(q) => q,
+        Err(e) => panic!("{e}"),
+    }
 }
 
 /// `x` rounded to `dtype` (nearest even): the device word and the value it holds, which is what
@@ -131,5 +186,30 @@ mod tests {
         }
         let (b16, _) = random_queries(100, Dtype::F16, 3);
         assert_ne!(b16, bits);
+    }
+
+    #[test]
+    fn sizes_past_the_machine_are_errors_naming_the_bytes_not_aborts() {
+        // 100M tokens × 8 heads × 128 channels × 4 bytes × 2 tensors: 819.2 GB.
+        let e = try_random_kv(8, 100_000_000, 128, 1).unwrap_err();
+        let s = e.to_string();
+        assert!(
+            s.contains("synthetic K and V") && s.contains("819200000000 bytes"),
+            "{s}"
+        );
+        // Past 64 bits.
+        let e = try_random_kv(usize::MAX, 2, 2, 1).unwrap_err();
+        assert_eq!(e.bytes, None, "{e}");
+        let e = try_random_queries(usize::MAX / 2, Dtype::F16, 1).unwrap_err();
+        assert!(e.to_string().contains("synthetic queries"), "{e}");
+        // Sizes that fit are unchanged by the checks.
+        assert_eq!(
+            try_random_kv(2, 50, 64, 7).unwrap(),
+            random_kv(2, 50, 64, 7)
+        );
+        assert_eq!(
+            try_random_queries(10, Dtype::F16, 3).unwrap(),
+            random_queries(10, Dtype::F16, 3)
+        );
     }
 }
