@@ -70,7 +70,7 @@ mod tests {
 
     fn cache(name: &str, tokens: usize) -> IntCache {
         let spec = by_name(name).unwrap().spec;
-        let (k, v) = random_kv(2, tokens, 64, 1);
+        let (k, v) = random_kv(2, tokens, 64, 1).unwrap();
         IntCache::build(&spec, &k, &v).unwrap()
     }
 

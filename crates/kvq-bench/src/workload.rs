@@ -10,7 +10,7 @@ use kvq::reference::attention::{self, Queries};
 use kvq::reference::int::IntCache;
 use kvq::reference::resources::AllocError;
 use kvq::runtime::tune::check::default_rows;
-use kvq::runtime::tune::synth::{try_random_kv, try_random_queries};
+use kvq::runtime::tune::synth::{random_kv, random_queries};
 
 use crate::error::{BenchError, Result};
 use crate::grid::{BenchConfig, Scheme};
@@ -53,7 +53,7 @@ impl QueryRows {
         };
         let row_len = q_heads.checked_mul(head_dim).ok_or_else(too_many)?;
         let count = batch.checked_mul(row_len).ok_or_else(too_many)?;
-        let (bits, values) = try_random_queries(count, dtype, seed)?;
+        let (bits, values) = random_queries(count, dtype, seed)?;
         Ok(QueryRows {
             bits,
             values,
@@ -85,7 +85,7 @@ pub fn prepare(
 ) -> Result<Vec<Prepared>> {
     let (kv_heads, head_dim, check) = (config.kv_heads, config.head_dim as usize, config.check);
     let seed = config.seed ^ (len as u64).rotate_left(32);
-    let (k, v) = try_random_kv(kv_heads, len, head_dim, seed)?;
+    let (k, v) = random_kv(kv_heads, len, head_dim, seed)?;
     let q_heads = queries.row_len / head_dim.max(1);
     let build = |scheme: &Scheme| -> Result<Prepared> {
         let cache = IntCache::build(&scheme.spec, &k, &v)

@@ -125,7 +125,8 @@ impl CliError {
             CliError::Eval(EvalError::Unsupported(_))
             | CliError::Eval(EvalError::Workload(_))
             | CliError::Eval(EvalError::Reference(_)) => EXIT_USAGE,
-            CliError::Runtime(RuntimeError::InvalidInput(_)) => EXIT_USAGE,
+            CliError::Runtime(RuntimeError::InvalidInput(_))
+            | CliError::Runtime(RuntimeError::Memory(_)) => EXIT_USAGE,
             CliError::NoGpu(_) => EXIT_NO_GPU,
             _ => EXIT_FAILURE,
         }

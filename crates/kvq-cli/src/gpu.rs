@@ -123,7 +123,7 @@ pub fn measure(
     let stream = gpu.device.default_stream();
     let q_heads = problem.q_heads();
     let d = shape.head_dim as usize;
-    let (q_bits, q_vals) = random_queries(caches.len() * q_heads * d, shape.dtype, seed);
+    let (q_bits, q_vals) = random_queries(caches.len() * q_heads * d, shape.dtype, seed)?;
     let check = ReferenceCheck::new(
         caches,
         &q_vals,

@@ -184,11 +184,12 @@ pub fn write(
         .iter()
         .enumerate()
         .map(|(i, &len)| {
-            let (k, v) = random_kv(h, len, d, s.seed.wrapping_add(i as u64));
+            let (k, v) = random_kv(h, len, d, s.seed.wrapping_add(i as u64))
+                .map_err(|e| CliError::Usage(format!("--sample-lengths: {e}")))?;
             IntCache::build(spec, &k, &v)
+                .map_err(|e| CliError::Unsupported(format!("sample cache: {e}")))
         })
-        .collect::<std::result::Result<_, _>>()
-        .map_err(|e| CliError::Unsupported(format!("sample cache: {e}")))?;
+        .collect::<Result<_>>()?;
 
     // Logical page slots per sequence; physical pages handed out from the top down.
     let counts: Vec<usize> = caches
@@ -215,7 +216,8 @@ pub fn write(
     let v = gather(&vs, &slots, physical, h);
     let seq_lens: Vec<i32> = s.lengths.iter().map(|&n| n as i32).collect();
     let n = caches.len() * q_heads * d;
-    let (q_bits, q_vals) = random_queries(n, shape.dtype, s.seed);
+    let (q_bits, q_vals) = random_queries(n, shape.dtype, s.seed)
+        .map_err(|e| CliError::Usage(format!("--sample-lengths: {e}")))?;
     let mut expected = Vec::with_capacity(n);
     for (b, c) in caches.iter().enumerate() {
         let per = q_heads * d;

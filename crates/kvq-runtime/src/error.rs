@@ -266,6 +266,11 @@ pub enum RuntimeError {
     #[error("invalid input: {0}")]
     InvalidInput(String),
 
+    /// Host memory for a request (synthetic data, a tuning workload) is more than the machine has;
+    /// refused before any of it was taken.
+    #[error(transparent)]
+    Memory(#[from] kvq_reference::resources::AllocError),
+
     /// The page pool cannot hold what a step needs. Nothing was changed.
     #[error(
         "page pool exhausted: this step needs {needed} more page(s) but {free} of {total} are free; \

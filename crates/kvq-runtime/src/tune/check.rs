@@ -143,11 +143,11 @@ mod tests {
     #[test]
     fn accepts_the_reference_and_rejects_wrong_or_unwritten_outputs() {
         let spec = "k = int(4, channel), v = int(4, token)".parse().unwrap();
-        let (k, v) = random_kv(2, 300, 64, 11);
+        let (k, v) = random_kv(2, 300, 64, 11).unwrap();
         let cache = IntCache::build(&spec, &k, &v).unwrap();
         let batch = [&cache, &cache, &cache];
         let q_heads = 4;
-        let (_, q) = random_queries(3 * q_heads * 64, Dtype::F16, 5);
+        let (_, q) = random_queries(3 * q_heads * 64, Dtype::F16, 5).unwrap();
         let rows = default_rows(3);
         assert_eq!(rows, vec![0, 2]);
         let check = ReferenceCheck::new(&batch, &q, q_heads, Dtype::F16, &rows).unwrap();
@@ -176,7 +176,7 @@ mod tests {
     #[test]
     fn bad_inputs_are_typed_errors() {
         let spec = "k = int(4, channel), v = int(4, token)".parse().unwrap();
-        let (k, v) = random_kv(1, 40, 32, 1);
+        let (k, v) = random_kv(1, 40, 32, 1).unwrap();
         let cache = IntCache::build(&spec, &k, &v).unwrap();
         assert!(ReferenceCheck::new(&[], &[], 1, Dtype::F16, &[0]).is_err());
         assert!(ReferenceCheck::new(&[&cache], &[0.0; 31], 1, Dtype::F16, &[0]).is_err());

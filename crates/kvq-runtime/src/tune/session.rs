@@ -15,7 +15,7 @@ use super::choice::{candidates, TuneChoice};
 use super::key::{GpuKey, TuneProblem};
 use super::progress::Progress;
 use super::rotate::{batch_device_bytes, plan_copies, RotatingBatch};
-use super::synth::try_random_queries;
+use super::synth::random_queries;
 use super::timer::QueuedTimer;
 use super::tuner::{
     coarse_runs_within, fine_runs_within, occupancy_kernel, residency, select_winner,
@@ -156,8 +156,7 @@ impl<'a> Session<'a> {
         let queries =
             kvq_reference::resources::product(&[p.batch, p.q_heads(), p.shape.head_dim as usize])
                 .unwrap_or(usize::MAX);
-        let (q_bits, q_vals) = try_random_queries(queries, p.shape.dtype, self.options.seed)
-            .map_err(|e| RuntimeError::InvalidInput(format!("tuning queries: {e}")))?;
+        let (q_bits, q_vals) = random_queries(queries, p.shape.dtype, self.options.seed)?;
         let mut bench = self.upload(sequences, &q_bits, kernels)?;
 
         // 3. First pass: every candidate, default first, with run counts fitted to 60% of the

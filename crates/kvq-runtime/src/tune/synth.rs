@@ -41,7 +41,7 @@ impl SynthRng {
 /// The sizes come from callers' flags and shapes, so the memory is checked and reserved before
 /// any is taken: a size past the machine (or past 64 bits) is an [`AllocError`] naming the bytes,
 /// never an allocation abort.
-pub fn try_random_kv(
+pub fn random_kv(
     kv_heads: usize,
     tokens: usize,
     head_dim: usize,
@@ -88,25 +88,9 @@ pub fn try_random_kv(
     Ok((k, v))
 }
 
-/// [`try_random_kv`] for sizes the caller has already checked (tests, fixed shapes).
-///
-/// # Panics
-/// When the memory cannot be had; use [`try_random_kv`] for sizes a user chose.
-pub fn random_kv(
-    kv_heads: usize,
-    tokens: usize,
-    head_dim: usize,
-    seed: u64,
-) -> (KvTensor, KvTensor) {
-    match try_random_kv(kv_heads, tokens, head_dim, seed) {
-        Ok(kv) => kv,
-        Err(e) => panic!("{e}"),
-    }
-}
-
 /// `n` random query values rounded to `dtype`: the device words and the values the reference sees,
-/// with the memory checked first as in [`try_random_kv`].
-pub fn try_random_queries(
+/// with the memory checked first as in [`random_kv`].
+pub fn random_queries(
     n: usize,
     dtype: Dtype,
     seed: u64,
@@ -123,17 +107,6 @@ pub fn try_random_queries(
         values.push(v);
     }
     Ok((bits, values))
-}
-
-/// [`try_random_queries`] for sizes the caller has already checked.
-///
-/// # Panics
-/// When the memory cannot be had; use [`try_random_queries`] for sizes a user chose.
-pub fn random_queries(n: usize, dtype: Dtype, seed: u64) -> (Vec<u16>, Vec<f32>) {
-    match try_random_queries(n, dtype, seed) {
-        Ok(q) => q,
-        Err(e) => panic!("{e}"),
-    }
 }
 
 /// `x` rounded to `dtype` (nearest even): the device word and the value it holds, which is what
@@ -165,8 +138,8 @@ mod tests {
 
     #[test]
     fn seeded_nonzero_and_bounded() {
-        let (k, v) = random_kv(2, 50, 64, 7);
-        let (k2, _) = random_kv(2, 50, 64, 7);
+        let (k, v) = random_kv(2, 50, 64, 7).unwrap();
+        let (k2, _) = random_kv(2, 50, 64, 7).unwrap();
         assert_eq!(k, k2);
         assert_eq!(k.data.len(), 2 * 50 * 64);
         assert!(k
@@ -180,36 +153,27 @@ mod tests {
             "outlier channels present"
         );
         assert!(v.data.iter().all(|x| x.abs() <= 1.26));
-        let (bits, vals) = random_queries(100, Dtype::Bf16, 3);
+        let (bits, vals) = random_queries(100, Dtype::Bf16, 3).unwrap();
         for (b, v) in bits.iter().zip(&vals) {
             assert_eq!(word_to_f32(*b, Dtype::Bf16), *v);
         }
-        let (b16, _) = random_queries(100, Dtype::F16, 3);
+        let (b16, _) = random_queries(100, Dtype::F16, 3).unwrap();
         assert_ne!(b16, bits);
     }
 
     #[test]
     fn sizes_past_the_machine_are_errors_naming_the_bytes_not_aborts() {
         // 100M tokens × 8 heads × 128 channels × 4 bytes × 2 tensors: 819.2 GB.
-        let e = try_random_kv(8, 100_000_000, 128, 1).unwrap_err();
+        let e = random_kv(8, 100_000_000, 128, 1).unwrap_err();
         let s = e.to_string();
         assert!(
             s.contains("synthetic K and V") && s.contains("819200000000 bytes"),
             "{s}"
         );
         // Past 64 bits.
-        let e = try_random_kv(usize::MAX, 2, 2, 1).unwrap_err();
+        let e = random_kv(usize::MAX, 2, 2, 1).unwrap_err();
         assert_eq!(e.bytes, None, "{e}");
-        let e = try_random_queries(usize::MAX / 2, Dtype::F16, 1).unwrap_err();
+        let e = random_queries(usize::MAX / 2, Dtype::F16, 1).unwrap_err();
         assert!(e.to_string().contains("synthetic queries"), "{e}");
-        // Sizes that fit are unchanged by the checks.
-        assert_eq!(
-            try_random_kv(2, 50, 64, 7).unwrap(),
-            random_kv(2, 50, 64, 7)
-        );
-        assert_eq!(
-            try_random_queries(10, Dtype::F16, 3).unwrap(),
-            random_queries(10, Dtype::F16, 3)
-        );
     }
 }

@@ -12,7 +12,7 @@ use super::key::{GpuKey, ProblemKey, TuneProblem};
 use super::policy::TunePolicy;
 use super::session::Session;
 use super::store::{unix_now, TuneEntry, TuneStore};
-use super::synth::try_random_kv;
+use super::synth::random_kv;
 use crate::decode::is_fast_memory;
 use crate::decode::DecodeKernel;
 use crate::error::{Result, RuntimeError};
@@ -289,13 +289,12 @@ impl<'j> Tuner<'j> {
     pub fn tune(&mut self, problem: &TuneProblem) -> Result<TuneReport> {
         let started = Instant::now();
         problem.check()?;
-        let (k, v) = try_random_kv(
+        let (k, v) = random_kv(
             problem.kv_heads,
             problem.max_len,
             problem.shape.head_dim as usize,
             self.options.seed,
-        )
-        .map_err(|e| RuntimeError::InvalidInput(format!("tuning workload: {e}")))?;
+        )?;
         let cache = IntCache::build(&problem.spec, &k, &v)
             .map_err(|e| RuntimeError::InvalidInput(format!("reference cache for tuning: {e}")))?;
         drop((k, v));
@@ -303,8 +302,7 @@ impl<'j> Tuner<'j> {
             problem.batch,
             &cache,
             &format!("the tuning batch ({} sequences)", problem.batch),
-        )
-        .map_err(|e| RuntimeError::InvalidInput(format!("tuning workload: {e}")))?;
+        )?;
         self.tune_batch(problem.shape, &batch, started)
     }
 
