@@ -283,19 +283,51 @@ pub fn run_in_process(cfg: &Config, marker: bool) -> Report {
     report
 }
 
-/// The last lines of a child's stderr that say why it died.
-fn death_message(stderr: &str, status: &std::process::ExitStatus) -> String {
+/// Why a child died, from its stderr: the runtime's last words (failed allocation, stack
+/// overflow) and, where a backtrace was printed, the first frame in kvq's code outside this crate.
+fn death(stderr: &str, status: &std::process::ExitStatus) -> (String, Option<String>) {
     let lines: Vec<&str> = stderr
         .lines()
         .map(str::trim)
         .filter(|l| !l.is_empty())
         .collect();
-    let tail = lines[lines.len().saturating_sub(2)..].join(" / ");
-    if tail.is_empty() {
+    const LAST_WORDS: [&str; 4] = [
+        "memory allocation of",
+        "has overflowed its stack",
+        "fatal runtime error",
+        "panicked at",
+    ];
+    let said = |l: &str| LAST_WORDS.iter().any(|w| l.contains(w));
+    // The start of the last run of such lines (an overflow is two: the thread's, the runtime's).
+    let key = lines.iter().rposition(|l| said(l)).map(|mut i| {
+        while i > 0 && said(lines[i - 1]) {
+            i -= 1;
+        }
+        i
+    });
+    let words = match key {
+        Some(i) => lines[i..]
+            .iter()
+            .take(2)
+            .copied()
+            .collect::<Vec<_>>()
+            .join(" / "),
+        None => lines[lines.len().saturating_sub(2)..].join(" / "),
+    };
+    let location = key.and_then(|i| {
+        lines[i..]
+            .iter()
+            .filter_map(|l| l.strip_prefix("at "))
+            .map(|l| l.trim_start_matches("./"))
+            .find(|l| l.starts_with("crates/") && !l.starts_with("crates/kvq-fuzz/"))
+            .map(str::to_string)
+    });
+    let message = if words.is_empty() {
         format!("the process died ({status})")
     } else {
-        format!("the process died ({status}): {tail}")
-    }
+        format!("the process died ({status}): {words}")
+    };
+    (message, location)
 }
 
 /// Runs the loop in child processes of `exe` (this program, with `--child`), restarting after an
@@ -398,15 +430,16 @@ pub fn supervise(cfg: &Config, exe: &Path) -> std::io::Result<Report> {
                 if bytes.len() < 8 {
                     return Err(std::io::Error::other(format!(
                         "the fuzz child died before its first input: {}",
-                        death_message(&stderr, &out.status)
+                        death(&stderr, &out.status).0
                     )));
                 }
                 let index = u64::from_le_bytes(bytes[..8].try_into().unwrap_or([0; 8]));
                 let input = bytes[8..].to_vec();
+                let (message, location) = death(&stderr, &out.status);
                 let finding = Finding {
                     kind: Kind::Abort,
-                    message: death_message(&stderr, &out.status),
-                    location: None,
+                    message,
+                    location,
                 };
                 let signature = finding.signature();
                 report.executed += index + 1 - report.next.min(index + 1);
@@ -457,4 +490,35 @@ pub fn print_child_report(report: &Report) {
 pub fn replay(target: Target, input: &[u8], stack: usize, limit: Duration) -> Result<(), Finding> {
     let mut exec = Executor::new(stack, limit);
     exec.run(target.check(), input)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt;
+
+    #[test]
+    fn a_death_names_the_runtime_words_and_kvq_frame() {
+        let stderr = "\n=== finding (scheme): panic: attempt to multiply with overflow\n\
+            memory allocation of 4294967296 bytes failed\nstack backtrace:\n\
+            0: std::alloc::rust_oom\n at /rustc/x/library/std/src/alloc.rs:424:5\n\
+            9: kvq_reference::int::store::TensorStore::build_int\n\
+            at ./crates/kvq-reference/src/int/store.rs:153:26\n\
+            13: kvq_fuzz::scheme::check_at\n at ./crates/kvq-fuzz/src/scheme.rs:349:25\n";
+        let (message, location) = death(stderr, &std::process::ExitStatus::from_raw(6));
+        assert!(
+            message.contains("memory allocation of 4294967296 bytes failed"),
+            "{message}"
+        );
+        assert_eq!(
+            location.as_deref(),
+            Some("crates/kvq-reference/src/int/store.rs:153:26")
+        );
+        let (message, location) = death(
+            "thread 'kvq-fuzz-worker' has overflowed its stack\nfatal runtime error: stack overflow, aborting\n",
+            &std::process::ExitStatus::from_raw(6),
+        );
+        assert!(message.contains("has overflowed its stack"), "{message}");
+        assert_eq!(location, None);
+    }
 }

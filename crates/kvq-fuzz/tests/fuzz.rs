@@ -194,3 +194,16 @@ fn memory_accounting_of_absurd_sizes_returns_without_overflow() {
         Ok(())
     });
 }
+
+#[test]
+fn a_page_of_a_million_tokens_is_not_allocated_whole_for_one_token() {
+    // Found by the scheme target: `page = 1048576` passes the grammar and `check_shape`, and the
+    // reference then allocates a whole page block for a 1-token sequence (4 GiB at head_dim
+    // 1024, `TensorStore::build_int`), which aborts where memory is short. The replay's
+    // allocator refuses single allocations over 2 GiB, as a smaller machine would.
+    replay_in_child(
+        Target::Scheme,
+        "page-1048576",
+        b"v = fp16, k = int(4, channel), page = 1048576",
+    );
+}
