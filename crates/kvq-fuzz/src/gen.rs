@@ -441,23 +441,22 @@ pub fn valid_scheme<R: Rng>(rng: &mut R) -> Vec<u8> {
         ),
     };
     let mut items = vec![format!("k = {k}"), format!("v = {v}")];
-    let page = page.or_else(|| {
-        rng.random_bool(0.4)
-            .then(|| [16u32, 32, 64, 128, 256][rng.random_range(0..5)])
-    });
+    // Now and then the grammar's largest values, which the reference must store or refuse.
+    const PAGES: [u32; 12] = [16, 32, 64, 128, 256, 16, 32, 64, 128, 256, 4096, 1048576];
+    let page = page.or_else(|| rng.random_bool(0.4).then(|| PAGES[rng.random_range(0..12)]));
     if let Some(p) = page {
         items.push(format!("page = {p}"));
     }
     if rng.random_bool(0.4) {
         items.push(format!(
             "sink = {}",
-            [0u32, 1, 4, 32, 100][rng.random_range(0..5)]
+            [0u32, 1, 4, 32, 100, 0, 1, 4, 32, 1048576][rng.random_range(0..10)]
         ));
     }
     if rng.random_bool(0.4) {
         items.push(format!(
             "local = {}",
-            [0u32, 16, 128, 200][rng.random_range(0..4)]
+            [0u32, 16, 128, 200, 0, 16, 128, 1048576][rng.random_range(0..8)]
         ));
     }
     if k != "fp16" && rng.random_bool(0.2) {

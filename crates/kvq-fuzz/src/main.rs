@@ -18,7 +18,7 @@ use rand_chacha::ChaCha8Rng;
 /// machine driven into swap. Code that checks with `try_reserve` sees an ordinary failure.
 struct Guard;
 
-static MAX_ALLOC: AtomicUsize = AtomicUsize::new(2 << 30);
+static MAX_ALLOC: AtomicUsize = AtomicUsize::new(1 << 30);
 
 unsafe impl GlobalAlloc for Guard {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
@@ -80,7 +80,7 @@ struct Args {
     #[arg(long, default_value_t = DEFAULT_STACK)]
     stack: usize,
     /// Largest single allocation, in bytes; a larger one aborts the run (a finding).
-    #[arg(long, default_value_t = 2 << 30)]
+    #[arg(long, default_value_t = 1 << 30)]
     max_alloc: usize,
     /// Keep each finding's input as found (skip shrinking it).
     #[arg(long)]

@@ -200,7 +200,7 @@ fn a_page_of_a_million_tokens_is_not_allocated_whole_for_one_token() {
     // Found by the scheme target: `page = 1048576` passes the grammar and `check_shape`, and the
     // reference then allocates a whole page block for a 1-token sequence (4 GiB at head_dim
     // 1024, `TensorStore::build_int`), which aborts where memory is short. The replay's
-    // allocator refuses single allocations over 2 GiB, as a smaller machine would.
+    // allocator refuses single allocations over 1 GiB, as a smaller machine would.
     replay_in_child(
         Target::Scheme,
         "page-1048576",
