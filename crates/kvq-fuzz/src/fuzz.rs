@@ -84,8 +84,12 @@ fn fnv(bytes: &[u8]) -> u64 {
     })
 }
 
+/// Bytes before the input in a marker file.
+const MARKER_HEAD: usize = 24;
+
 /// The file a child writes each input to before running it, for the supervisor to read after
-/// an abort: the index (8 bytes, little-endian) and the input.
+/// an abort: the input's index, the inputs the child saw accepted and repeated so far (8 bytes
+/// each, little-endian), then the input.
 pub fn marker_path(findings: &Path, target: Target) -> PathBuf {
     findings.join(format!(".current-{}", target.name()))
 }
@@ -204,7 +208,10 @@ pub fn run_in_process(cfg: &Config, marker: bool) -> Report {
         let mut rng = ChaCha8Rng::seed_from_u64(input_seed(cfg.seed, i));
         let input = cfg.target.generate(&mut rng, &corpus);
         if marker {
+            let accepted = cfg.target.accepted() - accepted_before;
             let mut bytes = i.to_le_bytes().to_vec();
+            bytes.extend_from_slice(&accepted.to_le_bytes());
+            bytes.extend_from_slice(&report.repeats.to_le_bytes());
             bytes.extend_from_slice(&input);
             let _ = fs::write(&marker_file, bytes);
         }
@@ -427,14 +434,20 @@ pub fn supervise(cfg: &Config, exe: &Path) -> std::io::Result<Report> {
             None => {
                 // Died: the marker holds the input it was running.
                 let bytes = fs::read(&marker).unwrap_or_default();
-                if bytes.len() < 8 {
+                if bytes.len() < MARKER_HEAD {
                     return Err(std::io::Error::other(format!(
                         "the fuzz child died before its first input: {}",
                         death(&stderr, &out.status).0
                     )));
                 }
-                let index = u64::from_le_bytes(bytes[..8].try_into().unwrap_or([0; 8]));
-                let input = bytes[8..].to_vec();
+                let word = |k: usize| {
+                    u64::from_le_bytes(bytes[8 * k..8 * k + 8].try_into().unwrap_or([0; 8]))
+                };
+                let index = word(0);
+                // What the child counted before it died.
+                report.accepted += word(1);
+                report.repeats += word(2);
+                let input = bytes[MARKER_HEAD..].to_vec();
                 let (message, location) = death(&stderr, &out.status);
                 let finding = Finding {
                     kind: Kind::Abort,
