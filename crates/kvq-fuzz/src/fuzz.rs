@@ -315,7 +315,7 @@ fn death(stderr: &str, status: &std::process::ExitStatus) -> (String, Option<Str
     let words = match key {
         Some(i) => lines[i..]
             .iter()
-            .take(2)
+            .take_while(|l| said(l))
             .copied()
             .collect::<Vec<_>>()
             .join(" / "),
