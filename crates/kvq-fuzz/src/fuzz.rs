@@ -358,7 +358,9 @@ pub fn supervise(cfg: &Config, exe: &Path) -> std::io::Result<Report> {
         }
         let _ = fs::remove_file(&marker);
         let mut cmd = Command::new(exe);
-        cmd.arg(cfg.target.name())
+        // A backtrace on an abort gives the finding its location in kvq's code.
+        cmd.env("RUST_BACKTRACE", "1")
+            .arg(cfg.target.name())
             .arg("--child")
             .args(["--seconds", &format!("{left:.3}")])
             .args(["--seed", &cfg.seed.to_string()])

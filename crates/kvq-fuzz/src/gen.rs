@@ -936,7 +936,7 @@ pub fn safetensors_input<R: Rng>(rng: &mut R) -> Vec<u8> {
                 2,
                 7,
                 8,
-                len - 1.min(len),
+                len.saturating_sub(1),
                 len + 1,
                 len + data.len() as u64,
                 len + data.len() as u64 + 1,
