@@ -325,8 +325,9 @@ fn death(stderr: &str, status: &std::process::ExitStatus) -> (String, Option<Str
         lines[i..]
             .iter()
             .filter_map(|l| l.strip_prefix("at "))
-            .map(|l| l.trim_start_matches("./"))
-            .find(|l| l.starts_with("crates/") && !l.starts_with("crates/kvq-fuzz/"))
+            // Relative (`./crates/…`) or absolute (`/work/…/crates/…`), as the build left it.
+            .filter_map(|l| l.find("crates/").map(|at| &l[at..]))
+            .find(|l| !l.starts_with("crates/kvq-fuzz/"))
             .map(str::to_string)
     });
     let message = if words.is_empty() {
