@@ -130,6 +130,9 @@ fn summary(target: Target, report: &Report) -> String {
 fn main() -> ExitCode {
     let args = Args::parse();
     MAX_ALLOC.store(args.max_alloc, Ordering::Relaxed);
+    // The library's own guard gets the same bound, so a request past it is the typed error a
+    // machine of that size would give, and only an allocation that skips the guard aborts.
+    kvq::reference::resources::set_memory_limit(Some(args.max_alloc as u64));
     let limit = args
         .limit
         .map(Duration::from_secs_f64)

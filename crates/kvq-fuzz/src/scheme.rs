@@ -358,6 +358,8 @@ pub fn check_at(spec: &SchemeSpec, head_dim: u32, kv_heads: u32, salt: u64) -> R
                     ));
                 }
             }
+            // Memory past the bound is the machine's limit, not a shape the reference refuses.
+            Err(EvalError::Reference(kvq::reference::RefError::Alloc(_))) => {}
             Err(EvalError::Reference(r)) if kv_heads == 1 => {
                 refused = Some((tokens, r.to_string()))
             }

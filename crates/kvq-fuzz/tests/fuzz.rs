@@ -175,8 +175,8 @@ fn a_window_of_1e_minus_400_is_not_silently_zero() {
 fn memory_accounting_of_absurd_sizes_returns_without_overflow() {
     // Found by the scheme target: `evaluate::memory` multiplies lengths, heads and widths
     // unchecked (kvq-reference `footprint::tensor`, kvq `evaluate::commvq_tensor`), a panic in
-    // debug builds and a wrapped, wrong size in release. An absurd size is an error or a
-    // saturated count, never an overflow.
+    // debug builds and a wrapped, wrong size in release. An absurd size is an error naming
+    // the shape, never an overflow.
     run_check(|_| {
         for text in [
             "k = fp16, v = fp16",
@@ -187,7 +187,9 @@ fn memory_accounting_of_absurd_sizes_returns_without_overflow() {
             let spec: SchemeSpec = text.parse().map_err(|e| format!("{e}"))?;
             for kv_heads in [1, u32::MAX] {
                 for len in [1u64 << 60, u64::MAX] {
-                    let _ = kvq::evaluate::memory(&spec, 128, kv_heads, len);
+                    if let Ok(m) = kvq::evaluate::memory(&spec, 128, kv_heads, len) {
+                        return Err(format!("{text}: {kv_heads} heads × {len} tokens counted as {} bytes", m.bytes()));
+                    }
                 }
             }
         }
@@ -196,11 +198,12 @@ fn memory_accounting_of_absurd_sizes_returns_without_overflow() {
 }
 
 #[test]
-fn a_page_of_a_million_tokens_is_not_allocated_whole_for_one_token() {
+fn a_page_of_a_million_tokens_past_the_memory_bound_is_an_error_not_an_abort() {
     // Found by the scheme target: `page = 1048576` passes the grammar and `check_shape`, and the
-    // reference then allocates a whole page block for a 1-token sequence (4 GiB at head_dim
-    // 1024, `TensorStore::build_int`), which aborts where memory is short. The replay's
-    // allocator refuses single allocations over 1 GiB, as a smaller machine would.
+    // reference allocates its page and FP16 buffers whole, as a device cache holds them (4 GiB
+    // at head_dim 1024 for a 1-token sequence), which aborted where memory is short. The
+    // replay's allocator refuses single allocations over 1 GiB, as a smaller machine would, and
+    // the library's guard (bounded alike) must refuse first with a typed error.
     replay_in_child(
         Target::Scheme,
         "page-1048576",

@@ -55,6 +55,24 @@ impl TensorFootprint {
             + self.other
     }
 
+    /// [`bytes`](Self::bytes), or `None` when the sum does not fit 64 bits.
+    pub fn checked_bytes(&self) -> Option<u64> {
+        [
+            self.codes,
+            self.high_bits,
+            self.index_maps,
+            self.scales,
+            self.zeros,
+            self.padding,
+            self.fp16_pages,
+            self.sink_buffer,
+            self.tail_buffer,
+            self.other,
+        ]
+        .iter()
+        .try_fold(0u64, |a, &x| a.checked_add(x))
+    }
+
     /// Quantization metadata: scales, zeros, index maps.
     pub fn metadata_bytes(&self) -> u64 {
         self.scales + self.zeros + self.index_maps
@@ -134,15 +152,20 @@ pub fn tensor(
     if page == 0 {
         return Err(RefError::Mismatch("a page of 0 tokens".into()));
     }
-    let elements = len * h * d;
-    match quant {
-        TensorQuant::Fp16 => Ok(TensorFootprint {
-            fp16_pages: len.div_ceil(page)
-                * h
-                * fp16_block_bytes(head_dim as usize, page as usize) as u64,
+    // Every size is a product of user-given numbers: checked, so an absurd shape is an error
+    // naming it rather than a wrapped (release) or panicking (debug) count.
+    let mul = |xs: &[u64]| checked_product(xs, head_dim, kv_heads, len);
+    let elements = mul(&[len, h, d])?;
+    let f = match quant {
+        TensorQuant::Fp16 => TensorFootprint {
+            fp16_pages: mul(&[
+                len.div_ceil(page),
+                h,
+                fp16_block_bytes(head_dim as usize, page as usize) as u64,
+            ])?,
             elements,
             ..Default::default()
-        }),
+        },
         TensorQuant::Int(q) => {
             let l = IntLayout::new(q, head_dim as usize, spec.page as usize)?;
             let local = spec.local_of(quant) as u64;
@@ -152,24 +175,51 @@ pub fn tensor(
                 local as usize,
                 page as usize,
             );
-            let blocks = r.pages as u64 * h;
-            Ok(TensorFootprint {
-                codes: blocks * l.codes.bytes as u64,
-                high_bits: blocks * l.high.bytes as u64,
-                index_maps: blocks * (l.map.bytes + l.slots.bytes) as u64,
-                scales: blocks * l.scales.bytes as u64,
-                zeros: blocks * l.zeros.bytes as u64,
-                padding: blocks * l.padding() as u64,
-                sink_buffer: h * spec.sink as u64 * d * 2,
-                tail_buffer: h * (local + page) * d * 2,
+            let blocks = mul(&[r.pages as u64, h])?;
+            TensorFootprint {
+                codes: mul(&[blocks, l.codes.bytes as u64])?,
+                high_bits: mul(&[blocks, l.high.bytes as u64])?,
+                index_maps: mul(&[blocks, (l.map.bytes + l.slots.bytes) as u64])?,
+                scales: mul(&[blocks, l.scales.bytes as u64])?,
+                zeros: mul(&[blocks, l.zeros.bytes as u64])?,
+                padding: mul(&[blocks, l.padding() as u64])?,
+                sink_buffer: mul(&[h, spec.sink as u64, d, 2])?,
+                tail_buffer: mul(&[h, local + page, d, 2])?,
                 elements,
                 ..Default::default()
-            })
+            }
         }
-        TensorQuant::Codebook(_) => Err(RefError::WrongEntryPoint(
-            "codebook tensors are accounted by kvq_reference::commvq".into(),
-        )),
-    }
+        TensorQuant::Codebook(_) => {
+            return Err(RefError::WrongEntryPoint(
+                "codebook tensors are accounted by kvq_reference::commvq".into(),
+            ))
+        }
+    };
+    // bytes() adds the fields unchecked: a footprint is only made once their sum is known to fit.
+    f.checked_bytes()
+        .ok_or_else(|| overflow(head_dim, kv_heads, len))?;
+    Ok(f)
+}
+
+/// The product of `xs`, or the error of a cache too large to count in 64 bits.
+pub fn checked_product(
+    xs: &[u64],
+    head_dim: u32,
+    kv_heads: u32,
+    len: u64,
+) -> Result<u64, RefError> {
+    xs.iter()
+        .try_fold(1u64, |a, &x| a.checked_mul(x))
+        .ok_or_else(|| overflow(head_dim, kv_heads, len))
+}
+
+/// A cache whose size overflows 64 bits.
+pub fn overflow(head_dim: u32, kv_heads: u32, len: u64) -> RefError {
+    RefError::Alloc(crate::resources::AllocError {
+        what: format!("a cache of {len} tokens × {kv_heads} KV heads × head_dim {head_dim}"),
+        bytes: None,
+        available: None,
+    })
 }
 
 /// Footprint of a K/V cache of `len` tokens for an integer or FP16 scheme.
@@ -180,11 +230,17 @@ pub fn scheme(
     len: u64,
 ) -> Result<Footprint, RefError> {
     spec.check_shape(head_dim, kv_heads)?;
-    Ok(Footprint {
+    let f = Footprint {
         k: tensor(spec, &spec.k, head_dim, kv_heads, len)?,
         v: tensor(spec, &spec.v, head_dim, kv_heads, len)?,
         shared: 0,
-    })
+    };
+    // total_bytes() and elements() add unchecked: both sums are checked here.
+    f.k.bytes()
+        .checked_add(f.v.bytes())
+        .and(f.k.elements.checked_add(f.v.elements))
+        .ok_or_else(|| overflow(head_dim, kv_heads, len))?;
+    Ok(f)
 }
 
 #[cfg(test)]

@@ -33,6 +33,14 @@ impl fmt::Display for AllocError {
                 "{} would need more than 2^64 bytes of memory (the size overflows)",
                 self.what
             ),
+            (Some(b), Some(a)) if b > a && memory_limit() == Some(a) => write!(
+                f,
+                "{} needs {} ({b} bytes) of memory, more than this process's limit of {} \
+                 (resources::set_memory_limit)",
+                self.what,
+                human_bytes(b),
+                human_bytes(a)
+            ),
             (Some(b), Some(a)) if b > a => write!(
                 f,
                 "{} needs {} ({b} bytes) of memory, more than the {} this machine has available",
@@ -75,8 +83,36 @@ pub fn product(dims: &[usize]) -> Option<usize> {
     dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d))
 }
 
-/// Memory the machine can give now: `MemAvailable` on Linux, `None` where unknown.
+/// A process-wide bound on any one request, below what the machine has (0: none). An engine that
+/// shares the host with other work, or a fuzzer, sets it so that a scheme whose fixed buffers are
+/// huge (a 2^20-token page or window) is an error rather than gigabytes taken for one token.
+static LIMIT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Bounds every later request checked here (by [`check`], [`try_with_capacity`], [`try_vec`],
+/// [`read_input_file`]) to `bytes`, or lifts the bound with `None`.
+pub fn set_memory_limit(bytes: Option<u64>) {
+    LIMIT.store(bytes.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The bound set by [`set_memory_limit`], if any.
+pub fn memory_limit() -> Option<u64> {
+    match LIMIT.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => None,
+        b => Some(b),
+    }
+}
+
+/// Memory a request may take now: `MemAvailable` on Linux (`None` where unknown), lowered to the
+/// bound of [`set_memory_limit`].
 pub fn available_memory() -> Option<u64> {
+    match (machine_available_memory(), memory_limit()) {
+        (Some(a), Some(l)) => Some(a.min(l)),
+        (a, l) => a.or(l),
+    }
+}
+
+/// Memory the machine can give now: `MemAvailable` on Linux, `None` where unknown.
+fn machine_available_memory() -> Option<u64> {
     // /proc/meminfo is a few hundred bytes of procfs text, not user input.
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;

@@ -176,14 +176,18 @@ fn from_footprint(t: &footprint::TensorFootprint) -> Memory {
     }
 }
 
-fn plus(a: Memory, b: Memory) -> Memory {
-    Memory {
-        payload: a.payload + b.payload,
-        metadata: a.metadata + b.metadata,
-        fp16: a.fp16 + b.fp16,
-        codebooks: a.codebooks + b.codebooks,
-        elements: a.elements + b.elements,
-    }
+/// K's and V's memory together, or `None` when a sum (or the per-sequence total that
+/// [`Memory::bytes`] adds unchecked) does not fit 64 bits.
+fn plus(a: Memory, b: Memory) -> Option<Memory> {
+    let m = Memory {
+        payload: a.payload.checked_add(b.payload)?,
+        metadata: a.metadata.checked_add(b.metadata)?,
+        fp16: a.fp16.checked_add(b.fp16)?,
+        codebooks: a.codebooks.checked_add(b.codebooks)?,
+        elements: a.elements.checked_add(b.elements)?,
+    };
+    m.payload.checked_add(m.metadata)?.checked_add(m.fp16)?;
+    Some(m)
 }
 
 /// Memory of a `len`-token sequence of a layer with `kv_heads` KV heads of `head_dim` channels.
@@ -210,7 +214,13 @@ pub fn memory_with_rank(
 ) -> Result<Memory, EvalError> {
     spec.check_shape(head_dim, kv_heads)
         .map_err(RefError::from)?;
-    let elements = (2 * kv_heads as u64 * head_dim as u64).saturating_mul(len);
+    let overflow = || EvalError::from(footprint::overflow(head_dim, kv_heads, len));
+    let elements = footprint::checked_product(
+        &[2, kv_heads.into(), head_dim.into(), len],
+        head_dim,
+        kv_heads,
+        len,
+    )?;
     let mem = match Family::of(spec)? {
         Family::Int => {
             let f = footprint::scheme(spec, head_dim, kv_heads, len)?;
@@ -231,10 +241,12 @@ pub fn memory_with_rank(
                 source: CacheSource::Kv,
                 ..*spec
             };
-            let t = |q| footprint::tensor(&latent, q, rank as u32, 1, len);
+            let rank = u32::try_from(rank).map_err(|_| overflow())?;
+            let t = |q| footprint::tensor(&latent, q, rank, 1, len);
             plus(from_footprint(&t(&spec.k)?), from_footprint(&t(&spec.v)?))
         }
-    };
+    }
+    .ok_or_else(overflow)?;
     Ok(Memory { elements, ..mem })
 }
 
@@ -276,7 +288,8 @@ fn commvq_tensor(
         CodebookSpan::Head => h,
         CodebookSpan::Token => 1,
     };
-    let dim = SchemeSpec::codebook_dim(c.span, head_dim, kv_heads) as usize;
+    let dim = SchemeSpec::codebook_dim(c.span, head_dim, kv_heads);
+    let mul = |xs: &[u64]| footprint::checked_product(xs, head_dim, kv_heads, len);
     let (layout, codebook_values) = match c.codebook {
         Codebook::RopeCommutative {
             levels,
@@ -289,21 +302,23 @@ fn commvq_tensor(
             let code_bits = 2 * levels.trailing_zeros();
             (
                 TensorLayout::rope(page, h, groups, rounds, code_bits, books),
-                h * groups * rounds * levels * g * 2,
+                mul(&[h, groups, rounds, levels, g, 2].map(|x| x as u64))?,
             )
         }
         // Table, per-channel scale σ and mean μ per book.
         Codebook::Additive { rows } => (
             TensorLayout::additive(page, books, rows as usize),
-            books * (rows as usize + 2) * dim,
+            mul(&[books as u64, rows as u64 + 2, dim])?,
         ),
     };
-    let fp16_rows = h as u64 * (spec.sink as u64 + spec.local_of(t) as u64 + page as u64);
+    let layout =
+        layout.ok_or_else(|| EvalError::from(footprint::overflow(head_dim, kv_heads, len)))?;
+    let window = spec.sink as u64 + spec.local_of(t) as u64 + page as u64;
     Ok(Memory {
-        payload: r.pages as u64 * layout.code_words as u64 * 4,
-        metadata: r.pages as u64 * layout.scales as u64 * 2,
-        fp16: fp16_rows * d as u64 * 2,
-        codebooks: codebook_values as u64 * 2,
+        payload: mul(&[r.pages as u64, layout.code_words as u64, 4])?,
+        metadata: mul(&[r.pages as u64, layout.scales as u64, 2])?,
+        fp16: mul(&[h as u64, window, d as u64, 2])?,
+        codebooks: mul(&[codebook_values, 2])?,
         elements: 0,
     })
 }

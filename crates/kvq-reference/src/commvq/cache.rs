@@ -319,7 +319,8 @@ fn encode_rope(
         CodebookSpan::Head => h,
         CodebookSpan::Token => 1,
     };
-    let layout = TensorLayout::rope(page, h, groups, rounds, bits, vectors_per_token);
+    let layout = TensorLayout::rope(page, h, groups, rounds, bits, vectors_per_token)
+        .ok_or_else(|| RefError::Mismatch("the key codes' page layout overflows".into()))?;
     let all_scales = vectors::key_scales(k, span)?;
     let scale_of =
         |head: usize, tok: usize| all_scales[vectors::key_scale_index(span, h, len, head, tok)];
@@ -373,7 +374,8 @@ fn encode_additive(
     regions: &TokenRegions,
 ) -> Result<Packed, RefError> {
     let (books, rows, dim, page) = (cb.books(), cb.rows, cb.dim(), regions.page);
-    let layout = TensorLayout::additive(page, books, rows);
+    let layout = TensorLayout::additive(page, books, rows)
+        .ok_or_else(|| RefError::Mismatch("the value codes' page layout overflows".into()))?;
     let words = rows / 32;
     // Per book: [page][word][token in page] codes and [page][token in page] factors.
     let per_book = par::map(books, 0, |b| -> Result<(Vec<u32>, Vec<u16>), RefError> {

@@ -80,19 +80,24 @@ impl TensorLayout {
         residuals: usize,
         code_bits: u32,
         vectors: usize,
-    ) -> Self {
-        Self {
-            code_words: kv_heads * groups * residuals * stream_words(page, code_bits),
-            scales: vectors * page,
-        }
+    ) -> Option<Self> {
+        // Checked: memory accounting asks for shapes no cache could hold.
+        let words = page.checked_mul(code_bits as usize)?.div_ceil(32);
+        Some(Self {
+            code_words: kv_heads
+                .checked_mul(groups)?
+                .checked_mul(residuals)?
+                .checked_mul(words)?,
+            scales: vectors.checked_mul(page)?,
+        })
     }
 
     /// A binary additive tensor: `books · rows/32` words per token plus one factor per vector.
-    pub fn additive(page: usize, books: usize, rows: usize) -> Self {
-        Self {
-            code_words: books * rows / 32 * page,
-            scales: books * page,
-        }
+    pub fn additive(page: usize, books: usize, rows: usize) -> Option<Self> {
+        Some(Self {
+            code_words: books.checked_mul(rows / 32)?.checked_mul(page)?,
+            scales: books.checked_mul(page)?,
+        })
     }
 }
 

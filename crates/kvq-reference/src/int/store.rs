@@ -5,6 +5,7 @@ use super::layout::{fp16_block_bytes, IntLayout};
 use super::page;
 use super::quantize::F16_MAX;
 use crate::regions::TokenRegions;
+use crate::resources;
 use crate::{KvTensor, RefError};
 use half::f16;
 use kvq_spec::{SchemeSpec, ShapeError, TensorQuant};
@@ -80,6 +81,16 @@ pub fn check_tensor_shape(
     Ok(())
 }
 
+/// A buffer of `dims` elements of `T` set to zero, its size checked against the memory available.
+fn zeroed<T: Clone + Default>(dims: &[usize], what: &str) -> Result<Vec<T>, RefError> {
+    let count = resources::product(dims).ok_or_else(|| resources::AllocError {
+        what: what.to_string(),
+        bytes: None,
+        available: resources::available_memory(),
+    })?;
+    Ok(resources::try_vec(count, T::default(), what)?)
+}
+
 impl TensorStore {
     /// Stores `x` as the scheme stores `quant`: sink, pages and tail from `spec` (page, sink, local).
     /// `name` ("k", "v", or a latent's name) labels errors.
@@ -96,7 +107,7 @@ impl TensorStore {
             return Err(RefError::Mismatch("a page of 0 tokens".into()));
         }
         match quant {
-            TensorQuant::Fp16 => Ok(Self::build_fp16(quant, x, page)),
+            TensorQuant::Fp16 => Self::build_fp16(quant, x, page),
             TensorQuant::Int(q) => {
                 let layout = IntLayout::new(q, x.head_dim, page)?;
                 Self::build_int(spec, quant, layout, x)
@@ -107,11 +118,11 @@ impl TensorStore {
         }
     }
 
-    fn build_fp16(quant: &TensorQuant, x: &KvTensor, page: usize) -> Self {
+    fn build_fp16(quant: &TensorQuant, x: &KvTensor, page: usize) -> Result<Self, RefError> {
         let (h, d) = (x.kv_heads, x.head_dim);
         let pages = x.tokens.div_ceil(page);
         let block_bytes = fp16_block_bytes(d, page);
-        let mut pool = vec![0u8; pages * h * block_bytes];
+        let mut pool = zeroed(&[pages, h, block_bytes], "the FP16 page pool")?;
         for head in 0..h {
             for t in 0..x.tokens {
                 let at = ((t / page) * h + head) * block_bytes + (t % page) * d * 2;
@@ -119,7 +130,7 @@ impl TensorStore {
                     .expect("an f16 row fits its slot in the page");
             }
         }
-        Self {
+        Ok(Self {
             quant: *quant,
             kv_heads: h,
             tokens: x.tokens,
@@ -129,7 +140,7 @@ impl TensorStore {
             pool,
             block_bytes,
             int: None,
-        }
+        })
     }
 
     fn build_int(
@@ -147,10 +158,12 @@ impl TensorStore {
         );
         let sink_capacity = spec.sink as usize;
         let tail_capacity = spec.local_of(quant) as usize + page;
-        let mut sink = vec![f16::ZERO; h * sink_capacity * d];
-        let mut tail = vec![f16::ZERO; h * tail_capacity * d];
-        let mut pool = vec![0u8; regions.pages * h * layout.block_bytes];
-        let mut values = vec![0.0f32; page * d];
+        // The FP16 buffers are allocated whole, as a device cache holds them: a scheme's sink,
+        // window and page sizes (up to 2^20 tokens each) decide these, not the sequence.
+        let mut sink = zeroed(&[h, sink_capacity, d], "the FP16 sink buffer")?;
+        let mut tail = zeroed(&[h, tail_capacity, d], "the FP16 tail ring")?;
+        let mut pool = zeroed(&[regions.pages, h, layout.block_bytes], "the page pool")?;
+        let mut values = zeroed(&[page, d], "one page of values")?;
         for head in 0..h {
             for t in regions.sink() {
                 let at = (head * sink_capacity + t) * d;
