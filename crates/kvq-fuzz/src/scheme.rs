@@ -274,14 +274,7 @@ fn prefix_layer(tokens: usize, head_dim: u32, kv_heads: u32) -> SynthKv {
         layer
     });
     let mut s = (*base).clone();
-    let n = tokens.min(s.k.tokens);
-    let dm = s.layer.d_model;
-    s.k_pre_rope = s.k_pre_rope.prefix(n);
-    s.k = s.k.prefix(n);
-    s.v = s.v.prefix(n);
-    s.layer.x.truncate(n * dm);
-    s.layer.x_prev.truncate(n * dm);
-    s.config.tokens = n;
+    s.truncate(tokens);
     s
 }
 

@@ -74,6 +74,21 @@ pub struct SynthKv {
     pub layer: SynthLayer,
 }
 
+impl SynthKv {
+    /// The first `n` tokens of the layer (all of them when it holds fewer): K before and after
+    /// RoPE, V and the layer inputs cut alike. The queries stay those of the full layer.
+    pub fn truncate(&mut self, n: usize) {
+        let n = n.min(self.k.tokens);
+        let dm = self.layer.d_model;
+        self.k_pre_rope = self.k_pre_rope.prefix(n);
+        self.k = self.k.prefix(n);
+        self.v = self.v.prefix(n);
+        self.layer.x.truncate(n * dm);
+        self.layer.x_prev.truncate(n * dm);
+        self.config.tokens = n;
+    }
+}
+
 /// `[rows][inner] × [inner][cols]` row-major.
 pub fn matmul(a: &[f32], b: &[f32], rows: usize, inner: usize, cols: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; rows * cols];

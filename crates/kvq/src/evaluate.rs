@@ -410,13 +410,7 @@ impl Workload {
             k_pre_rope: suffix(&full.k_pre_rope, n),
             v: suffix(&full.v, n),
         };
-        let dm = full.layer.d_model;
-        full.k_pre_rope = full.k_pre_rope.prefix(n);
-        full.k = full.k.prefix(n);
-        full.v = full.v.prefix(n);
-        full.layer.x.truncate(n * dm);
-        full.layer.x_prev.truncate(n * dm);
-        full.config.tokens = n;
+        full.truncate(n);
         Self::with_calibration(full, held_out)
     }
 
