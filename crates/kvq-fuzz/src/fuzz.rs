@@ -325,7 +325,7 @@ fn death(stderr: &str, status: &std::process::ExitStatus) -> (String, Option<Str
         lines[i..]
             .iter()
             .filter_map(|l| l.strip_prefix("at "))
-            // Relative (`./crates/…`) or absolute (`/work/…/crates/…`), as the build left it.
+            // Relative (`./crates/…`) or absolute (`/home/…/crates/…`), as the build left it.
             .filter_map(|l| l.find("crates/").map(|at| &l[at..]))
             .find(|l| !l.starts_with("crates/kvq-fuzz/"))
             .map(str::to_string)
