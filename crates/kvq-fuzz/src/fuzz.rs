@@ -131,6 +131,30 @@ pub fn write_finding(
     file
 }
 
+/// Writes a new finding's files and prints it.
+fn record(cfg: &Config, finding: Finding, signature: String, input: Vec<u8>) -> Recorded {
+    let file = write_finding(&cfg.findings, cfg.target, &finding, &signature, &input);
+    let r = Recorded {
+        finding,
+        signature,
+        input,
+        file,
+    };
+    print_finding(cfg.target, &r);
+    r
+}
+
+/// Adds a finding's signature to the session file, so a restarted child counts it as seen.
+fn remember(session: &Path, signature: &str) {
+    if let Ok(mut f) = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(session)
+    {
+        let _ = writeln!(f, "{signature}");
+    }
+}
+
 /// Prints a finding for the terminal.
 pub fn print_finding(target: Target, r: &Recorded) {
     eprintln!(
@@ -249,15 +273,7 @@ pub fn run_in_process(cfg: &Config, marker: bool) -> Report {
                     } else {
                         input
                     };
-                    let file =
-                        write_finding(&cfg.findings, cfg.target, &finding, &signature, &input);
-                    let r = Recorded {
-                        finding,
-                        signature: signature.clone(),
-                        input,
-                        file,
-                    };
-                    print_finding(cfg.target, &r);
+                    let r = record(cfg, finding, signature, input);
                     if marker {
                         // Now, not at the end: the child may yet die of a later input.
                         println!(
@@ -266,13 +282,7 @@ pub fn run_in_process(cfg: &Config, marker: bool) -> Report {
                             r.file.display(),
                             r.signature
                         );
-                        if let Ok(mut f) = fs::OpenOptions::new()
-                            .create(true)
-                            .append(true)
-                            .open(&session)
-                        {
-                            let _ = writeln!(f, "{signature}");
-                        }
+                        remember(&session, &r.signature);
                     }
                     report.findings.push(r);
                 } else {
@@ -461,22 +471,8 @@ pub fn supervise(cfg: &Config, exe: &Path) -> std::io::Result<Report> {
                 report.executed += index + 1 - report.next.min(index + 1);
                 report.next = index + 1;
                 if seen.insert(signature.clone()) {
-                    let file =
-                        write_finding(&cfg.findings, cfg.target, &finding, &signature, &input);
-                    let r = Recorded {
-                        finding,
-                        signature: signature.clone(),
-                        input,
-                        file,
-                    };
-                    print_finding(cfg.target, &r);
-                    if let Ok(mut f) = fs::OpenOptions::new()
-                        .create(true)
-                        .append(true)
-                        .open(&session)
-                    {
-                        let _ = writeln!(f, "{signature}");
-                    }
+                    let r = record(cfg, finding, signature, input);
+                    remember(&session, &r.signature);
                     report.findings.push(r);
                 } else {
                     report.repeats += 1;
