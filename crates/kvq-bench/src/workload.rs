@@ -46,10 +46,10 @@ impl QueryRows {
         dtype: Dtype,
         seed: u64,
     ) -> Result<QueryRows> {
-        let too_many = || AllocError {
-            what: format!("the queries ({batch} rows × {q_heads} heads × {head_dim} channels)"),
-            bytes: None,
-            available: None,
+        let too_many = || {
+            AllocError::overflow(format!(
+                "the queries ({batch} rows × {q_heads} heads × {head_dim} channels)"
+            ))
         };
         let row_len = q_heads.checked_mul(head_dim).ok_or_else(too_many)?;
         let count = batch.checked_mul(row_len).ok_or_else(too_many)?;

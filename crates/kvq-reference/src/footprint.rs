@@ -215,11 +215,9 @@ pub fn checked_product(
 
 /// A cache whose size overflows 64 bits.
 pub fn overflow(head_dim: u32, kv_heads: u32, len: u64) -> RefError {
-    RefError::Alloc(crate::resources::AllocError {
-        what: format!("a cache of {len} tokens × {kv_heads} KV heads × head_dim {head_dim}"),
-        bytes: None,
-        available: None,
-    })
+    RefError::Alloc(crate::resources::AllocError::overflow(format!(
+        "a cache of {len} tokens × {kv_heads} KV heads × head_dim {head_dim}"
+    )))
 }
 
 /// Footprint of a K/V cache of `len` tokens for an integer or FP16 scheme.

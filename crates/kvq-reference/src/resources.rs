@@ -25,6 +25,17 @@ pub struct AllocError {
     pub available: Option<u64>,
 }
 
+impl AllocError {
+    /// A request whose size does not fit 64 bits (or `usize`): `what` names it.
+    pub fn overflow(what: impl Into<String>) -> Self {
+        AllocError {
+            what: what.into(),
+            bytes: None,
+            available: None,
+        }
+    }
+}
+
 impl fmt::Display for AllocError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match (self.bytes, self.available) {
@@ -161,6 +172,13 @@ pub fn try_with_capacity<T>(count: usize, what: &str) -> Result<Vec<T>, AllocErr
         available: available_memory(),
     })?;
     Ok(v)
+}
+
+/// A tensor of shape `dims` filled with `value`: the element count is multiplied out checked,
+/// then allocated as [`try_vec`] does.
+pub fn try_vec_of<T: Clone>(dims: &[usize], value: T, what: &str) -> Result<Vec<T>, AllocError> {
+    let count = product(dims).ok_or_else(|| AllocError::overflow(what))?;
+    try_vec(count, value, what)
 }
 
 /// `count` copies of `value`, allocated as [`try_with_capacity`] does.

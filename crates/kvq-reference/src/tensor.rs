@@ -53,10 +53,9 @@ impl KvTensor {
         head_dim: usize,
         what: &str,
     ) -> Result<Self, RefError> {
-        let count = crate::resources::product(&[kv_heads, tokens, head_dim]).unwrap_or(usize::MAX);
         let what = format!("{what} ([kv_heads {kv_heads}][tokens {tokens}][head_dim {head_dim}])");
         Ok(Self {
-            data: crate::resources::try_vec(count, 0.0, &what)?,
+            data: crate::resources::try_vec_of(&[kv_heads, tokens, head_dim], 0.0, &what)?,
             kv_heads,
             tokens,
             head_dim,

@@ -81,16 +81,6 @@ pub fn check_tensor_shape(
     Ok(())
 }
 
-/// A buffer of `dims` elements of `T` set to zero, its size checked against the memory available.
-fn zeroed<T: Clone + Default>(dims: &[usize], what: &str) -> Result<Vec<T>, RefError> {
-    let count = resources::product(dims).ok_or_else(|| resources::AllocError {
-        what: what.to_string(),
-        bytes: None,
-        available: resources::available_memory(),
-    })?;
-    Ok(resources::try_vec(count, T::default(), what)?)
-}
-
 impl TensorStore {
     /// Stores `x` as the scheme stores `quant`: sink, pages and tail from `spec` (page, sink, local).
     /// `name` ("k", "v", or a latent's name) labels errors.
@@ -122,7 +112,7 @@ impl TensorStore {
         let (h, d) = (x.kv_heads, x.head_dim);
         let pages = x.tokens.div_ceil(page);
         let block_bytes = fp16_block_bytes(d, page);
-        let mut pool = zeroed(&[pages, h, block_bytes], "the FP16 page pool")?;
+        let mut pool = resources::try_vec_of(&[pages, h, block_bytes], 0u8, "the FP16 page pool")?;
         for head in 0..h {
             for t in 0..x.tokens {
                 let at = ((t / page) * h + head) * block_bytes + (t % page) * d * 2;
@@ -160,10 +150,16 @@ impl TensorStore {
         let tail_capacity = spec.local_of(quant) as usize + page;
         // The FP16 buffers are allocated whole, as a device cache holds them: a scheme's sink,
         // window and page sizes (up to 2^20 tokens each) decide these, not the sequence.
-        let mut sink = zeroed(&[h, sink_capacity, d], "the FP16 sink buffer")?;
-        let mut tail = zeroed(&[h, tail_capacity, d], "the FP16 tail ring")?;
-        let mut pool = zeroed(&[regions.pages, h, layout.block_bytes], "the page pool")?;
-        let mut values = zeroed(&[page, d], "one page of values")?;
+        let mut sink =
+            resources::try_vec_of(&[h, sink_capacity, d], f16::ZERO, "the FP16 sink buffer")?;
+        let mut tail =
+            resources::try_vec_of(&[h, tail_capacity, d], f16::ZERO, "the FP16 tail ring")?;
+        let mut pool = resources::try_vec_of(
+            &[regions.pages, h, layout.block_bytes],
+            0u8,
+            "the page pool",
+        )?;
+        let mut values = resources::try_vec_of(&[page, d], 0.0f32, "one page of values")?;
         for head in 0..h {
             for t in regions.sink() {
                 let at = (head * sink_capacity + t) * d;
