@@ -18,13 +18,6 @@ use cudarc::driver::{
     SyncOnDrop,
 };
 
-/// Whether the loaded driver has `cuLaunchKernelEx` (CUDA 12.0 on). cudarc resolves driver
-/// functions when first called and panics on a missing one, so callers ask first (the driver
-/// check already requires it: see `libs::DRIVER_ENTRY_POINTS`).
-pub(crate) fn driver_has_launch_ex() -> bool {
-    crate::libs::driver_has_symbol("cuLaunchKernelEx")
-}
-
 /// A kernel's arguments in parameter order: device pointers and 32-bit scalars, each in an
 /// 8-byte slot, with the buffers' stream-order guards (dropped after the launch, which records
 /// the buffers' use on the stream as cudarc's launch builder does).
@@ -66,7 +59,7 @@ impl<'a> Args<'a> {
     }
 
     /// Launches `func` on the stream; with `overlap`, allowed to overlap the stream's previous
-    /// kernel (needs [`driver_has_launch_ex`]).
+    /// kernel (`cuLaunchKernelEx`, which every driver kvq accepts exports).
     ///
     /// # Safety
     /// The arguments match `func`'s parameters in number, order and type, and every buffer is
@@ -163,16 +156,6 @@ unsafe fn launch_ex_overlapping(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn asking_for_launch_ex_never_panics() {
-        // Without a usable driver library (CI) the answer is no; with one, whatever it has.
-        if crate::libs::ensure_driver().is_err() {
-            assert!(!driver_has_launch_ex());
-        } else {
-            let _ = driver_has_launch_ex();
-        }
-    }
 
     #[test]
     fn int_arguments_occupy_the_first_four_bytes_of_their_slot() {

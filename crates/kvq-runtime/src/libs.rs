@@ -564,14 +564,6 @@ pub(crate) fn guard_driver<T>(call: &str, f: impl FnOnce() -> Result<T>) -> Resu
     })
 }
 
-/// Whether the loaded driver exports `symbol` (false without a driver).
-pub(crate) fn driver_has_symbol(symbol: &str) -> bool {
-    match driver_probe() {
-        Ok(l) => symbol_address(&l._handle, symbol).is_some(),
-        Err(_) => false,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

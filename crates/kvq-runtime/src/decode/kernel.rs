@@ -10,7 +10,7 @@ use super::layout::CacheView;
 use super::splits::Pieces;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
-use crate::launch::{driver_has_launch_ex, Args};
+use crate::launch::Args;
 use crate::module::allow_dynamic_shared;
 use crate::nvrtc::{CompileOptions, Source};
 
@@ -224,7 +224,9 @@ impl DecodeKernel {
             (Some(f), Some(entry)) => ctas_per_sm(f, entry)?,
             _ => 0,
         };
-        let can_overlap = jit.arch().sm() >= 90 && driver_has_launch_ex();
+        // Any driver kvq accepts exports cuLaunchKernelEx (libs::DRIVER_ENTRY_POINTS), so the
+        // architecture alone decides whether launches may overlap.
+        let can_overlap = jit.arch().sm() >= 90;
         Ok(DecodeKernel {
             spec: *spec,
             generated,
