@@ -1,7 +1,7 @@
 //! The cache-maintenance kernels of the integer and FP16 schemes: append, commit, prefill copy, and
 //! the page quantizers (from a prefill's input, or from the tail ring when an append fills a page).
 
-use crate::context::TensorCtx;
+use crate::context::{CodeAxis, TensorCtx, TensorKind};
 use crate::decode::KernelEntry;
 use crate::quantizer::{fold_shape, register_shape, QuantizerForm, QuantizerForms};
 use crate::templates::render;
@@ -35,7 +35,7 @@ impl CacheTensorCtx {
         // Registers per thread the register forms fit in without spilling (page data 32, the rest
         // parameters and packing), measured with ptxas: more CTAs per SM hide more load latency.
         let budget = match (tensor.axis, tensor.boost) {
-            ("token", _) => 48,
+            (CodeAxis::Token, _) => 48,
             (_, false) => 80,
             (_, true) => 84,
         };
@@ -269,7 +269,7 @@ pub fn cache_kernels_with(
     ];
     copy_params.extend(store_params());
     let quantizers = |t: &CacheTensorCtx| {
-        (t.tensor.kind == "int").then(|| {
+        (t.tensor.kind == TensorKind::Int).then(|| {
             let (threads, smem) = quantizer_launch(t, d, spec.page as usize);
             PageQuantizers {
                 from_input: KernelEntry {

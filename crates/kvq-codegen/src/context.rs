@@ -8,13 +8,40 @@ use kvq_reference::pack;
 use kvq_spec::{Axis, BoostCriterion, SchemeSpec, TensorQuant};
 use serde::Serialize;
 
+/// How a cached tensor stores its rows in pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum TensorKind {
+    /// FP16/BF16 rows, as the model wrote them.
+    Fp16,
+    /// Integer codes with scales (and zeros) per group.
+    Int,
+}
+
+/// The axis a tensor's quantization groups run along.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum CodeAxis {
+    /// One scale per channel over a page's tokens.
+    Channel,
+    /// Scales per group of a token's channels.
+    Token,
+}
+
+/// How a boosted plane picks its channels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum BoostBy {
+    Magnitude,
+    Variance,
+}
+
 /// One cached tensor (K or V) as the kernel sees it: its kind and its page layout in bytes.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct TensorCtx {
     /// Name prefix of the emitted functions: "k" or "v".
     pub prefix: &'static str,
-    /// "fp16" or "int".
-    pub kind: &'static str,
+    pub kind: TensorKind,
     pub description: String,
     pub block_bytes: usize,
     pub local: u32,
@@ -23,8 +50,7 @@ pub(crate) struct TensorCtx {
     pub per_word: u32,
     pub mask: u32,
     pub low_plane_words: usize,
-    /// "channel" or "token".
-    pub axis: &'static str,
+    pub axis: CodeAxis,
     pub symmetric: bool,
     pub offset: u32,
     pub group: usize,
@@ -45,8 +71,7 @@ pub(crate) struct TensorCtx {
     pub levels: u32,
     pub boost_levels: u32,
     pub boost_channels: usize,
-    /// "magnitude" or "variance".
-    pub boost_by: &'static str,
+    pub boost_by: BoostBy,
     /// Scale (and zero) entries per page block.
     pub scale_count: usize,
     /// Byte ranges of a block that no section covers (alignment padding), as `[offset, len]`.
@@ -73,7 +98,7 @@ impl TensorCtx {
         let local = spec.local_of(quant);
         let mut ctx = TensorCtx {
             prefix,
-            kind: "fp16",
+            kind: TensorKind::Fp16,
             description: quant.to_string(),
             block_bytes: fp16_block_bytes(head_dim, page),
             local,
@@ -82,7 +107,7 @@ impl TensorCtx {
             per_word: 0,
             mask: 0,
             low_plane_words: 0,
-            axis: "channel",
+            axis: CodeAxis::Channel,
             symmetric: false,
             offset: 0,
             group: head_dim,
@@ -102,7 +127,7 @@ impl TensorCtx {
             levels: 0,
             boost_levels: 0,
             boost_channels: 0,
-            boost_by: "magnitude",
+            boost_by: BoostBy::Magnitude,
             scale_count: 0,
             padding: Vec::new(),
             token_warp_reduce: false,
@@ -115,7 +140,7 @@ impl TensorCtx {
             TensorQuant::Int(q) => {
                 let l = IntLayout::new(q, head_dim, page)?;
                 let plane = |bits: u8| 32 / u32::from(if bits == 3 { 2 } else { bits });
-                ctx.kind = "int";
+                ctx.kind = TensorKind::Int;
                 ctx.block_bytes = l.block_bytes;
                 ctx.bits = q.bits;
                 ctx.per_word = plane(q.bits);
@@ -126,8 +151,8 @@ impl TensorCtx {
                     l.row_words
                 };
                 ctx.axis = match q.axis {
-                    Axis::Channel => "channel",
-                    Axis::Token => "token",
+                    Axis::Channel => CodeAxis::Channel,
+                    Axis::Token => CodeAxis::Token,
                 };
                 ctx.symmetric = q.symmetric;
                 ctx.offset = l.quant.offset();
@@ -175,8 +200,8 @@ impl TensorCtx {
                     ctx.boost_levels = Quantizer::new(b.bits, q.symmetric)?.levels();
                     ctx.boost_channels = b.channels;
                     ctx.boost_by = match b.by {
-                        BoostCriterion::Magnitude => "magnitude",
-                        BoostCriterion::Variance => "variance",
+                        BoostCriterion::Magnitude => BoostBy::Magnitude,
+                        BoostCriterion::Variance => BoostBy::Variance,
                     };
                     ctx.high_bits = b.high_bits;
                     ctx.high_per_word = 32 / u32::from(b.high_bits);

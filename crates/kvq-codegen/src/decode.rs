@@ -1,6 +1,6 @@
 //! The fused split-K decode kernels of the integer and FP16 schemes, with their launch metadata.
 
-use crate::context::{DecodeCtx, MmaCtx, StagePlan, TensorCtx};
+use crate::context::{CodeAxis, DecodeCtx, MmaCtx, StagePlan, TensorCtx, TensorKind};
 use crate::head_groups::HeadGroups;
 use crate::templates::render;
 use crate::{CodegenError, KernelShape, TuneParams};
@@ -79,7 +79,7 @@ fn kernel_id(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> Strin
 /// ([`half_word_codes`]), folds channel-axis K scales into the query, and folds token-axis V
 /// scales into the probabilities only when one group spans the whole row.
 fn mma_unsupported(t: &TensorCtx, is_k: bool, head_dim: usize) -> Option<String> {
-    if t.kind == "fp16" {
+    if t.kind == TensorKind::Fp16 {
         return None;
     }
     let name = t.prefix;
@@ -94,10 +94,10 @@ fn mma_unsupported(t: &TensorCtx, is_k: bool, head_dim: usize) -> Option<String>
             "{name}: a boosted plane over 1-bit codes at head_dim 64"
         ));
     }
-    if is_k && t.axis != "channel" {
+    if is_k && t.axis != CodeAxis::Channel {
         return Some(format!("{name}: token-axis keys"));
     }
-    if !is_k && t.axis == "token" && t.group != head_dim {
+    if !is_k && t.axis == CodeAxis::Token && t.group != head_dim {
         return Some(format!("{name}: token groups smaller than a row"));
     }
     if t.boost && (!is_k || t.symmetric || t.high_bits != 2 || t.high_row_words > 4) {
@@ -113,7 +113,7 @@ fn mma_unsupported(t: &TensorCtx, is_k: bool, head_dim: usize) -> Option<String>
 /// kernel ran CalibQuant-1 at head_dim 64 at 0.13–0.19× FP16's speed (H100, twenty-second and
 /// thirty-sixth rounds, docs/BENCHMARKS.md).
 fn half_word_codes(t: &TensorCtx, head_dim: usize) -> bool {
-    t.kind == "int" && t.bits == 1 && head_dim == 64
+    t.kind == TensorKind::Int && t.bits == 1 && head_dim == 64
 }
 
 /// Why the tensor-core kernel cannot serve this shape and these layouts, if it cannot.
@@ -136,7 +136,7 @@ fn mma_plan(
 ) -> MmaCtx {
     let d = shape.head_dim as usize;
     let bits = |t: &TensorCtx| {
-        if t.kind == "fp16" {
+        if t.kind == TensorKind::Fp16 {
             16
         } else {
             u32::from(t.bits)
@@ -147,7 +147,7 @@ fn mma_plan(
     // then stays small instead of nearly cancelling Σ p·z over long spans (measured: relative
     // errors 2.5e-3–5.7e-3 at 26K tokens per split with codes from 0, 4e-4 at 6K).
     let offset = |t: &TensorCtx, token_fold: bool| {
-        if t.kind == "int" && (t.symmetric || token_fold) {
+        if t.kind == TensorKind::Int && (t.symmetric || token_fold) {
             1u32 << (t.bits - 1)
         } else {
             0
@@ -159,14 +159,15 @@ fn mma_plan(
     let head_tiles = head_tiles_of(groups);
     // A CTA scores one group of the KV head's query heads (head_groups.rs).
     let shape = &groups.map_or(*shape, |g| g.cta_shape(shape));
-    let v_token_fold = v.kind == "int" && v.axis == "token";
+    let v_token_fold = v.kind == TensorKind::Int && v.axis == CodeAxis::Token;
     // Keys of half a word a thread (1-bit at head_dim 64) take the f16 path: not the integer one.
-    let low_bit_keys = k.kind == "int" && k.bits <= 2 && !half_word_codes(k, d);
+    let low_bit_keys = k.kind == TensorKind::Int && k.bits <= 2 && !half_word_codes(k, d);
     // Not at head_dim 256: there Kitty-Pro's kernel (255 registers, uncapped) took 6 spill
     // instructions at GQA 1 with it.
     let k_high_int = low_bit_keys && !calibrated && k.boost && d <= 128;
     let k_int = low_bit_keys && (!calibrated || k_fine_pays(k));
-    let v_channel_subnormal = v.kind == "int" && v.axis == "channel" && v_channel_subnormal_pays(v);
+    let v_channel_subnormal =
+        v.kind == TensorKind::Int && v.axis == CodeAxis::Channel && v_channel_subnormal_pays(v);
     let stored_scores = enabled && calibrated && tune.store_scores && stored_scores_pay(k);
     let piece_rule = if enabled {
         piece_rule(k, v, calibrated)
@@ -191,7 +192,7 @@ fn mma_plan(
         v_bits: bits(v),
         k_offset: offset(k, false),
         v_offset: offset(v, v_token_fold),
-        k_quant: k.kind == "int",
+        k_quant: k.kind == TensorKind::Int,
         k_int,
         k_fine: low_bit_keys && calibrated && k_fine_pays(k),
         k_planes_in_place: k_planes_in_place(k, calibrated),
@@ -201,7 +202,7 @@ fn mma_plan(
         stored_scores,
         range_query_kept: stored_scores && !k_int,
         range_packed: stored_scores && !k_int && range_packs_halves(shape, k),
-        v_quant: v.kind == "int",
+        v_quant: v.kind == TensorKind::Int,
         v_token_fold,
         v_subnormal: v_token_fold && v_subnormal_pays(v),
         v_channel_subnormal,
@@ -224,7 +225,10 @@ fn mma_plan(
 /// tensors: their kernels at head_dim 128 already use the registers a second tile's accumulators
 /// would need. Not at head_dim 256, where one tile's accumulators take 64 registers a thread.
 fn most_head_tiles(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> u32 {
-    match (k.kind == "fp16" && v.kind == "fp16", shape.head_dim) {
+    match (
+        k.kind == TensorKind::Fp16 && v.kind == TensorKind::Fp16,
+        shape.head_dim,
+    ) {
         (true, 64) => 4,
         (true, 128) => 2,
         _ => 1,
@@ -254,7 +258,7 @@ fn head_tiles_of(groups: Option<HeadGroups>) -> u32 {
 /// not timed, seven warps get exactly 17 32-token chunks with 3 and some get 18 with 4.5), so
 /// those keep 3.
 fn fp16_row_cap(t: &TensorCtx, tune: &TuneParams) -> String {
-    if t.kind == "int" && t.bits <= 2 && tune.warps() <= 4 {
+    if t.kind == TensorKind::Int && t.bits <= 2 && tune.warps() <= 4 {
         "4.5f".to_string()
     } else {
         "3.f".to_string()
@@ -290,7 +294,7 @@ fn pack_heads_pays(shape: &KernelShape, tune: &TuneParams) -> bool {
 /// ×1.017–×1.039 at B ≥ 4 and L ≥ 32K, 1-bit keys (CalibQuant-1, eight byte planes a word)
 /// ×0.955–×0.984, so only 2-bit keys.
 fn k_fine_pays(k: &TensorCtx) -> bool {
-    k.kind == "int" && k.bits == 2
+    k.kind == TensorKind::Int && k.bits == 2
 }
 
 /// How many byte planes of an integer key word are masked in place per shift
@@ -307,7 +311,7 @@ fn k_fine_pays(k: &TensorCtx) -> bool {
 /// ×0.974–×1.021; four planes a group put kivi2 (no shift) and 1-bit keys (one shift a word)
 /// past the tolerance.
 fn k_planes_in_place(k: &TensorCtx, calibrated: bool) -> u32 {
-    if k.kind == "int" && k.bits == 2 && calibrated {
+    if k.kind == TensorKind::Int && k.bits == 2 && calibrated {
         2
     } else {
         1
@@ -325,7 +329,7 @@ fn k_planes_in_place(k: &TensorCtx, calibrated: bool) -> u32 {
 /// largest half at the same bit position. It applies to CalibQuant-1, whose range pass (which scores every key, with
 /// stored scores) is bound by its instruction stream.
 fn k_subnormal_pays(k: &TensorCtx) -> bool {
-    k.kind == "int" && k.bits == 1 && !k.symmetric && !k.boost
+    k.kind == TensorKind::Int && k.bits == 1 && !k.symmetric && !k.boost
 }
 
 /// Whether CalibQuant's range pass takes the integer path for keys ([`MmaCtx::range_int`]): keys
@@ -335,7 +339,7 @@ fn k_subnormal_pays(k: &TensorCtx) -> bool {
 /// every `gpu_decode` output within its dtype's tolerance and the largest errors as in earlier
 /// rounds on the f16 path (CalibQuant-1 1.8e-3, CalibQuant-2 1.9e-3; before, 1.8e-3–2.1e-3).
 fn range_int_pays(k: &TensorCtx) -> bool {
-    k.kind == "int" && k.bits <= 2 && !k.boost
+    k.kind == TensorKind::Int && k.bits <= 2 && !k.boost
 }
 
 /// Whether a calibrated scheme's range pass can store the keys' scores for its decode kernel
@@ -345,7 +349,7 @@ fn range_int_pays(k: &TensorCtx) -> bool {
 /// writing and reading `gqa` floats a key and of the decode grid's first copies waiting for the
 /// range grid's end.
 fn stored_scores_pay(k: &TensorCtx) -> bool {
-    k.kind == "int"
+    k.kind == TensorKind::Int
 }
 
 /// Bytes a stored key's scores take in the decode kernel's stage (they take K's rows' place
@@ -373,7 +377,7 @@ fn stored_score_row_bytes(shape: &KernelShape, stored_scores: bool) -> usize {
 /// to 294 instructions a chunk with unchanged errors, yet it ran ×0.977 at B=16 L=32K and
 /// ×0.967–×0.983 at L=128K (twenty-fourth round), so keys keep the magic-number conversion too.
 fn v_subnormal_pays(v: &TensorCtx) -> bool {
-    v.kind == "int" && v.bits <= 2
+    v.kind == TensorKind::Int && v.bits <= 2
 }
 
 /// Whether channel-axis V codes enter P·V as f16 subnormals ([`MmaCtx::v_channel_subnormal`]):
@@ -385,7 +389,7 @@ fn v_subnormal_pays(v: &TensorCtx) -> bool {
 /// (CalibQuant-2, with its fine limb, ×1.084–×1.088 and ×1.047). CalibQuant-1's error against the
 /// reference rose at L ≥ 32K (at most 8.5e-4 against 3.0e-4; tolerance 2e-3), CalibQuant-2's fell.
 fn v_channel_subnormal_pays(v: &TensorCtx) -> bool {
-    v.kind == "int" && v.bits <= 2 && !v.symmetric
+    v.kind == TensorKind::Int && v.bits <= 2 && !v.symmetric
 }
 
 /// Whether the range pass with stored scores on the f16 path meets the query's high and low halves
@@ -437,7 +441,7 @@ pub enum PieceRule {
 /// while at 24 and 99 splits (B=4, B=1) pieces lost ×0.60–×0.96. Calibrated schemes keep none:
 /// with the piece logic CalibQuant-1's decode kernel had 17 spill instructions against 12.
 fn piece_rule(k: &TensorCtx, v: &TensorCtx, calibrated: bool) -> PieceRule {
-    let int = k.kind == "int" && v.kind == "int";
+    let int = k.kind == TensorKind::Int && v.kind == TensorKind::Int;
     if int && k.bits >= 8 && v.bits >= 8 {
         PieceRule::LongShares
     } else if int && k.bits <= 2 && v.bits <= 2 && !calibrated {
@@ -499,7 +503,7 @@ fn stage_plan(
     v_token_fold: bool,
     score_row_bytes: usize,
 ) -> StagePlan {
-    if k.kind != "int" || v.kind != "int" {
+    if k.kind != TensorKind::Int || v.kind != TensorKind::Int {
         return StagePlan::default();
     }
     debug_assert!(k.block_bytes % 16 == 0 && v.block_bytes % 16 == 0 && k.scales_offset % 16 == 0);
@@ -629,9 +633,12 @@ pub(crate) fn twelve_warps_by_default(spec: &SchemeSpec, shape: &KernelShape) ->
     ) else {
         return false;
     };
-    let low_bits = k.kind == "int" && v.kind == "int" && k.bits <= 2 && v.bits <= 2;
+    let low_bits =
+        k.kind == TensorKind::Int && v.kind == TensorKind::Int && k.bits <= 2 && v.bits <= 2;
     let tiles = head_tiles_of(mma_head_groups(shape, &k, &v));
-    let fp16 = k.kind == "fp16" && v.kind == "fp16" && (tiles == 1 || (d <= 64 && tiles <= 2));
+    let fp16 = k.kind == TensorKind::Fp16
+        && v.kind == TensorKind::Fp16
+        && (tiles == 1 || (d <= 64 && tiles <= 2));
     d <= 128 && (low_bits || fp16) && mma_unsupported_shape(shape, &k, &v).is_none()
 }
 
@@ -911,7 +918,15 @@ pub fn decode_kernels(
         page_tokens: spec.page,
         k_block_bytes: k.block_bytes,
         v_block_bytes: v.block_bytes,
-        k_tail_capacity: if k.kind == "int" { k.tail_capacity } else { 0 },
-        v_tail_capacity: if v.kind == "int" { v.tail_capacity } else { 0 },
+        k_tail_capacity: if k.kind == TensorKind::Int {
+            k.tail_capacity
+        } else {
+            0
+        },
+        v_tail_capacity: if v.kind == TensorKind::Int {
+            v.tail_capacity
+        } else {
+            0
+        },
     })
 }
