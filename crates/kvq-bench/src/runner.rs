@@ -194,7 +194,13 @@ fn compile_defaults(jit: &Jit, schemes: &[Scheme], shape: KernelShape) -> Result
             .map(|sc| {
                 s.spawn(move || {
                     let params = TuneParams::default_for(&sc.spec, &shape);
-                    DecodeKernel::load(jit, &sc.spec, &shape, &params)
+                    DecodeKernel::load_with(
+                        jit,
+                        &sc.spec,
+                        &shape,
+                        &params,
+                        kvq::runtime::DecodeOptions::ALLOW_SLOW_PATH,
+                    )
                 })
             })
             .collect();
@@ -322,11 +328,12 @@ impl Context<'_> {
         let mut tuned = None;
         if let Some(tuner) = self.tuner.as_mut() {
             let report = tuner.tune_on(self.shape, &sequences)?;
-            let tk = DecodeKernel::load(
+            let tk = DecodeKernel::load_with(
                 self.jit,
                 &prep.scheme.spec,
                 &self.shape,
                 &report.chosen.params,
+                kvq::runtime::DecodeOptions::ALLOW_SLOW_PATH,
             )?;
             let mut ts = DecodeScratch::with_pieces(
                 &stream,

@@ -51,7 +51,14 @@ pub fn decode_once(
     let first = caches
         .first()
         .ok_or_else(|| RuntimeError::InvalidInput("an empty batch".into()))?;
-    let kernel = DecodeKernel::load(&gpu.jit, first.spec(), shape, params)?;
+    let kernel = DecodeKernel::load_with(
+        &gpu.jit,
+        first.spec(),
+        shape,
+        params,
+        kvq::runtime::DecodeOptions::ALLOW_SLOW_PATH,
+    )?;
+    warn_slow_path(&kernel);
     let stream = gpu.device.default_stream();
     let cache = GpuCache::upload(&stream, caches)?;
     let q_heads = cache.kv_heads() * shape.gqa as usize;
@@ -119,7 +126,14 @@ pub fn measure(
     let problem = TuneProblem::new(spec, *shape, kv_heads, caches.len(), max_len);
     let selection = tuner.choose(&problem)?;
     let choice = selection.choice;
-    let kernel = DecodeKernel::load(&gpu.jit, &spec, shape, &choice.params)?;
+    let kernel = DecodeKernel::load_with(
+        &gpu.jit,
+        &spec,
+        shape,
+        &choice.params,
+        kvq::runtime::DecodeOptions::ALLOW_SLOW_PATH,
+    )?;
+    warn_slow_path(&kernel);
     let stream = gpu.device.default_stream();
     let q_heads = problem.q_heads();
     let d = shape.head_dim as usize;
@@ -216,5 +230,18 @@ mod tests {
             assert!(!line.contains('\n'), "{line}");
         }
         assert!(fallback_line(&errors[0]).contains("libcuda.so.1 not found"));
+    }
+}
+
+/// The command line runs every shape it is given, and says on stderr when the generic CUDA-core
+/// kernel serves it (the tensor-core kernel cannot: `kvq_codegen::SlowPath`).
+fn warn_slow_path(kernel: &DecodeKernel) {
+    let generated = kernel.generated();
+    if let Some(reason) = generated.slow_path {
+        eprintln!(
+            "warning: {} at head_dim {} takes the generic CUDA-core decode kernel ({reason}), \
+             several times slower than the tensor-core kernel",
+            generated.scheme, generated.shape.head_dim
+        );
     }
 }

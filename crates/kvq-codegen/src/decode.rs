@@ -31,6 +31,8 @@ pub struct DecodeKernels {
     pub source: String,
     /// Split-K decode: writes per-split partial results.
     pub decode: KernelEntry,
+    /// Why the generic CUDA-core kernel serves this shape; `None` on the tensor-core kernel.
+    pub slow_path: Option<SlowPath>,
     /// Merges the splits (and pieces) into the output.
     pub combine: KernelEntry,
     /// Where the runtime's default launches this kernel with pieces; `PieceRule::None` for a
@@ -73,35 +75,80 @@ fn kernel_id(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> Strin
     format!("{h:016x}")
 }
 
+/// Why the generic CUDA-core decode kernel serves a shape instead of the tensor-core kernel.
+/// [`DecodeKernels::slow_path`] carries it, and the runtime refuses to load such a kernel unless
+/// its caller opts in: the generic kernel runs several times slower, so taking it is a choice the
+/// caller makes knowingly, never a silent fallback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum SlowPath {
+    /// The tensor-core kernel is written for head_dim 64, 128 and 256.
+    HeadDim(u32),
+    /// Codes of a width the tensor-core kernel does not read (it reads 1, 2, 4 and 8 bits).
+    CodeBits { tensor: char, bits: u8 },
+    /// A thread's share of a row is less than a 32-bit word (`head_dim·bits < 128`).
+    NarrowRows { tensor: char },
+    /// A boosted plane over 1-bit keys at head_dim 64 (half a word a thread).
+    BoostedHalfWordKeys { tensor: char },
+    /// Token-axis keys (the kernel folds channel-axis key scales into the query).
+    TokenAxisKeys { tensor: char },
+    /// Token-axis V groups smaller than a row (the kernel folds one scale a token).
+    TokenGroupsBelowRow { tensor: char },
+    /// A boosted plane the kernel does not read (V, symmetric, or not 2-bit high codes in at
+    /// most four words a row).
+    BoostLayout { tensor: char },
+}
+
+impl std::fmt::Display for SlowPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SlowPath::HeadDim(d) => write!(f, "head_dim {d}"),
+            SlowPath::CodeBits { tensor, bits } => write!(f, "{tensor}: {bits}-bit codes"),
+            SlowPath::NarrowRows { tensor } => write!(f, "{tensor}: head_dim·bits < 128"),
+            SlowPath::BoostedHalfWordKeys { tensor } => {
+                write!(
+                    f,
+                    "{tensor}: a boosted plane over 1-bit codes at head_dim 64"
+                )
+            }
+            SlowPath::TokenAxisKeys { tensor } => write!(f, "{tensor}: token-axis keys"),
+            SlowPath::TokenGroupsBelowRow { tensor } => {
+                write!(f, "{tensor}: token groups smaller than a row")
+            }
+            SlowPath::BoostLayout { tensor } => write!(f, "{tensor}: this boost layout"),
+        }
+    }
+}
+
 /// Why one tensor cannot use the tensor-core kernel, if it cannot: the kernel reads whole 32-bit
 /// words of 1/2/4/8-bit codes (a thread's share of a row is `head_dim·bits/4` bits for K and
 /// `head_dim·bits/8` for V, so `head_dim·bits >= 128`) except for 1-bit codes at head_dim 64
 /// ([`half_word_codes`]), folds channel-axis K scales into the query, and folds token-axis V
 /// scales into the probabilities only when one group spans the whole row.
-fn mma_unsupported(t: &TensorCtx, is_k: bool, head_dim: usize) -> Option<String> {
+fn mma_unsupported(t: &TensorCtx, is_k: bool, head_dim: usize) -> Option<SlowPath> {
     if t.kind == TensorKind::Fp16 {
         return None;
     }
-    let name = t.prefix;
+    let tensor = if is_k { 'k' } else { 'v' };
     if ![1, 2, 4, 8].contains(&t.bits) {
-        return Some(format!("{name}: {}-bit codes", t.bits));
+        return Some(SlowPath::CodeBits {
+            tensor,
+            bits: t.bits,
+        });
     }
     if head_dim * (t.bits as usize) < 128 && !half_word_codes(t, head_dim) {
-        return Some(format!("{name}: head_dim·bits < 128"));
+        return Some(SlowPath::NarrowRows { tensor });
     }
     if is_k && half_word_codes(t, head_dim) && t.boost {
-        return Some(format!(
-            "{name}: a boosted plane over 1-bit codes at head_dim 64"
-        ));
+        return Some(SlowPath::BoostedHalfWordKeys { tensor });
     }
     if is_k && t.axis != CodeAxis::Channel {
-        return Some(format!("{name}: token-axis keys"));
+        return Some(SlowPath::TokenAxisKeys { tensor });
     }
     if !is_k && t.axis == CodeAxis::Token && t.group != head_dim {
-        return Some(format!("{name}: token groups smaller than a row"));
+        return Some(SlowPath::TokenGroupsBelowRow { tensor });
     }
     if t.boost && (!is_k || t.symmetric || t.high_bits != 2 || t.high_row_words > 4) {
-        return Some(format!("{name}: this boost layout"));
+        return Some(SlowPath::BoostLayout { tensor });
     }
     None
 }
@@ -117,10 +164,10 @@ fn half_word_codes(t: &TensorCtx, head_dim: usize) -> bool {
 }
 
 /// Why the tensor-core kernel cannot serve this shape and these layouts, if it cannot.
-fn mma_unsupported_shape(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> Option<String> {
+fn mma_unsupported_shape(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> Option<SlowPath> {
     let d = shape.head_dim as usize;
     if !matches!(d, 64 | 128 | 256) {
-        Some(format!("head_dim {d}"))
+        Some(SlowPath::HeadDim(shape.head_dim))
     } else {
         mma_unsupported(k, true, d).or_else(|| mma_unsupported(v, false, d))
     }
@@ -187,7 +234,7 @@ fn mma_plan(
             StagePlan::default()
         },
         enabled,
-        reason: reason.unwrap_or_default(),
+        reason: reason.map(|r| r.to_string()).unwrap_or_default(),
         k_bits: bits(k),
         v_bits: bits(v),
         k_offset: offset(k, false),
@@ -710,6 +757,19 @@ pub fn decode_runs_pieces(spec: &SchemeSpec, shape: &KernelShape, tune: &TunePar
     decode_piece_rule(spec, shape, tune) != PieceRule::None
 }
 
+/// Why the generic CUDA-core kernel would serve this scheme and shape
+/// ([`DecodeKernels::slow_path`], without rendering it); `None` where the tensor-core kernel does
+/// or the scheme has no GPU kernel.
+pub fn decode_slow_path(spec: &SchemeSpec, shape: &KernelShape) -> Option<SlowPath> {
+    if !has_decode_kernel(spec) {
+        return None;
+    }
+    let d = shape.head_dim as usize;
+    let k = TensorCtx::new("k", spec, &spec.k, d).ok()?;
+    let v = TensorCtx::new("v", spec, &spec.v, d).ok()?;
+    mma_unsupported_shape(shape, &k, &v)
+}
+
 /// The piece rule of the decode kernel for these parameters ([`DecodeKernels::piece_rule`],
 /// without rendering it).
 pub fn decode_piece_rule(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> PieceRule {
@@ -909,6 +969,7 @@ pub fn decode_kernels(
         tune: *tune,
         source,
         decode,
+        slow_path: mma_unsupported_shape(shape, &k, &v),
         combine,
         piece_rule: ctx.mma.piece_rule,
         range,

@@ -25,6 +25,7 @@ mod tune;
 pub use cache::{cache_kernels, cache_kernels_with, CacheKernels, PageQuantizers};
 pub use decode::{
     decode_groups, decode_head_groups, decode_kernels, decode_piece_rule, decode_runs_pieces,
+    decode_slow_path, SlowPath,
     has_decode_kernel, short_staging_changes, store_scores_changes, DecodeKernels, KernelEntry,
     PieceRule, GENERIC_MAX_GQA, MAX_GQA,
 };

@@ -1,7 +1,8 @@
 //! Every decode-kernel variant renders; set KVQ_DUMP_DIR to write the sources out (for NVRTC checks).
 
 use kvq_codegen::{
-    decode_kernels, short_staging_changes, store_scores_changes, Dtype, KernelShape, TuneParams,
+    decode_kernels, decode_slow_path, short_staging_changes, store_scores_changes, Dtype,
+    KernelShape, SlowPath, TuneParams,
 };
 use kvq_spec::SchemeSpec;
 
@@ -33,6 +34,30 @@ fn every_variant_renders() {
             }
         }
     }
+}
+
+/// The generic kernel is never a silent choice: the kernels say why it serves a shape, the same
+/// reason `decode_slow_path` gives without rendering, and the tensor-core kernel's shapes have none.
+#[test]
+fn slow_path_is_typed_and_matches_the_kernels() {
+    let kivi2 = SchemeSpec::parse("k = int(2, channel), v = int(2, token), local = 128").unwrap();
+    let kivi2_token_k = SchemeSpec::parse("k = int(2, token), v = int(2, token)").unwrap();
+    let cases = [
+        (&kivi2, 128, None),
+        (&kivi2, 96, Some(SlowPath::HeadDim(96))),
+        (
+            &kivi2_token_k,
+            128,
+            Some(SlowPath::TokenAxisKeys { tensor: 'k' }),
+        ),
+    ];
+    for (spec, head_dim, want) in cases {
+        let shape = KernelShape::new(head_dim, 4, Dtype::F16);
+        let k = decode_kernels(spec, &shape, &TuneParams::default_for(spec, &shape)).unwrap();
+        assert_eq!(k.slow_path, want, "{spec} d{head_dim}");
+        assert_eq!(decode_slow_path(spec, &shape), want, "{spec} d{head_dim}");
+    }
+    assert_eq!(SlowPath::HeadDim(96).to_string(), "head_dim 96");
 }
 
 /// Dynamic shared memory of the tensor-core decode kernel's merge: each warp's accumulators

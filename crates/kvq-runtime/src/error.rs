@@ -304,6 +304,24 @@ pub enum RuntimeError {
         max: usize,
     },
 
+    /// Only the generic CUDA-core decode kernel serves this scheme and shape, and the caller did
+    /// not opt in to it (`DecodeOptions::allow_slow_path`).
+    #[error(
+        "decode of `{scheme}` at head_dim {head_dim}, GQA {gqa} would take the generic CUDA-core \
+         kernel ({reason}), several times slower than the tensor-core kernel; opt in with \
+         DecodeOptions::allow_slow_path"
+    )]
+    SlowPath {
+        /// The scheme, as text.
+        scheme: String,
+        /// The shape's head_dim.
+        head_dim: u32,
+        /// The shape's query heads a KV head.
+        gqa: u32,
+        /// Why the tensor-core kernel cannot serve it.
+        reason: kvq_codegen::SlowPath,
+    },
+
     /// No kernel could be generated for this scheme and shape.
     #[error(transparent)]
     Codegen(#[from] kvq_codegen::CodegenError),

@@ -273,8 +273,14 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                 s.spawn(move || {
                     part.iter()
                         .map(|(name, spec, shape)| {
-                            DecodeKernel::load(jit, spec, shape, &params_for(name, spec, shape))
-                                .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"))
+                            DecodeKernel::load_with(
+                                jit,
+                                spec,
+                                shape,
+                                &params_for(name, spec, shape),
+                                kvq::runtime::DecodeOptions::ALLOW_SLOW_PATH,
+                            )
+                            .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"))
                         })
                         .collect::<Vec<_>>()
                 })
@@ -493,11 +499,12 @@ fn gpu_jit_warm_start_report() {
             for &dtype in DTYPES {
                 for &gqa in gqas_for(name) {
                     let shape = KernelShape::new(d, gqa, dtype);
-                    DecodeKernel::load(
+                    DecodeKernel::load_with(
                         &jit,
                         &spec,
                         &shape,
                         &TuneParams::default_for(&spec, &shape),
+                        kvq::runtime::DecodeOptions::ALLOW_SLOW_PATH,
                     )
                     .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"));
                     n += 1;

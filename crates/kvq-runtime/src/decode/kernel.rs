@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
-use kvq_codegen::{decode_kernels, DecodeKernels, KernelShape, TuneParams};
+use kvq_codegen::{decode_kernels, decode_slow_path, DecodeKernels, KernelShape, TuneParams};
 use kvq_spec::SchemeSpec;
 
 use super::layout::CacheView;
@@ -30,6 +30,23 @@ pub struct DecodeKernel {
     can_overlap: bool,
     /// `attend` does so (see [`DecodeKernel::overlaps_launches`]).
     overlap: bool,
+}
+
+/// What [`DecodeKernel::load_with`] may load.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DecodeOptions {
+    /// Load the generic CUDA-core kernel where the tensor-core kernel cannot serve the scheme and
+    /// shape ([`kvq_codegen::SlowPath`] says why). It runs several times slower, so without this
+    /// such a load fails with [`RuntimeError::SlowPath`] instead of falling back silently.
+    pub allow_slow_path: bool,
+}
+
+impl DecodeOptions {
+    /// Options that take the generic kernel where it is the only one (tools and tests that run
+    /// every shape on purpose).
+    pub const ALLOW_SLOW_PATH: DecodeOptions = DecodeOptions {
+        allow_slow_path: true,
+    };
 }
 
 /// Whether decode steps overlap by default: wherever the GPU can, unless `KVQ_PDL=off` (a switch
@@ -175,17 +192,42 @@ impl DecodeScratch {
 }
 
 impl DecodeKernel {
-    /// Generates, compiles (through the JIT's caches) and loads the kernels.
+    /// Generates, compiles (through the JIT's caches) and loads the kernels; refuses a scheme and
+    /// shape that only the generic CUDA-core kernel serves ([`RuntimeError::SlowPath`];
+    /// [`load_with`](Self::load_with) and [`DecodeOptions::allow_slow_path`] opt in).
     pub fn load(
         jit: &Jit,
         spec: &SchemeSpec,
         shape: &KernelShape,
         tune: &TuneParams,
     ) -> Result<DecodeKernel> {
+        Self::load_with(jit, spec, shape, tune, DecodeOptions::default())
+    }
+
+    /// As [`load`](Self::load), with `options` saying whether the generic kernel may serve.
+    pub fn load_with(
+        jit: &Jit,
+        spec: &SchemeSpec,
+        shape: &KernelShape,
+        tune: &TuneParams,
+        options: DecodeOptions,
+    ) -> Result<DecodeKernel> {
+        if let (Some(reason), false) = (decode_slow_path(spec, shape), options.allow_slow_path) {
+            return Err(RuntimeError::SlowPath {
+                scheme: spec.to_string(),
+                head_dim: shape.head_dim,
+                gqa: shape.gqa,
+                reason,
+            });
+        }
         let generated = decode_kernels(spec, shape, tune)?;
-        let source = Source::new(
-            format!("{}.cu", generated.decode.name),
-            generated.source.clone(),
+        // The unit includes kvq's kernel headers; NVRTC gets them in memory.
+        let source = kvq_codegen::kernel_headers().iter().fold(
+            Source::new(
+                format!("{}.cu", generated.decode.name),
+                generated.source.clone(),
+            ),
+            |s, (name, text)| s.with_header(*name, *text),
         );
         let mut names = vec![
             generated.decode.name.as_str(),

@@ -230,8 +230,14 @@ impl<'a> Session<'a> {
                         s.spawn(move || {
                             part.iter()
                                 .map(|t| {
-                                    let k = DecodeKernel::load(jit, &p.spec, &p.shape, t)
-                                        .map_err(|e| format!("does not build: {e}"));
+                                    let k = DecodeKernel::load_with(
+                                        jit,
+                                        &p.spec,
+                                        &p.shape,
+                                        t,
+                                        crate::decode::DecodeOptions::ALLOW_SLOW_PATH,
+                                    )
+                                    .map_err(|e| format!("does not build: {e}"));
                                     (*t, k)
                                 })
                                 .collect::<Vec<_>>()

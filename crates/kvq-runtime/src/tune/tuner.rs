@@ -425,11 +425,12 @@ pub(super) fn occupancy_kernel(
     problem: &TuneProblem,
     sm_count: usize,
 ) -> Result<DecodeKernel> {
-    DecodeKernel::load(
+    DecodeKernel::load_with(
         jit,
         &problem.spec,
         &problem.shape,
         &TuneChoice::occupancy_block(problem, sm_count),
+        crate::decode::DecodeOptions::ALLOW_SLOW_PATH,
     )
 }
 
@@ -443,7 +444,13 @@ pub fn default_launch(jit: &Jit, problem: &TuneProblem) -> Result<(TuneChoice, D
     let kernel = if choice.params == occupancy.generated().tune {
         occupancy
     } else {
-        DecodeKernel::load(jit, &problem.spec, &problem.shape, &choice.params)?
+        DecodeKernel::load_with(
+            jit,
+            &problem.spec,
+            &problem.shape,
+            &choice.params,
+            crate::decode::DecodeOptions::ALLOW_SLOW_PATH,
+        )?
     };
     Ok((choice, kernel))
 }
