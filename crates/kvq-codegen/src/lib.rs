@@ -1,8 +1,10 @@
 //! Scheme + kernel shape + tuning parameters in, CUDA C++ source and launch metadata out.
 //!
-//! No I/O and no GPU: everything here runs (and is tested) on a CPU. Templates live in the
-//! workspace's `templates/` folder and are embedded at compile time. The generated source is
-//! header-free (its own half/bf16 conversions through PTX), so the driver and libnvrtc suffice.
+//! No I/O and no GPU: everything here runs (and is tested) on a CPU. The kernels' algorithms are
+//! CUDA headers in the workspace's `kernels/include/kvq/` ([`KERNEL_HEADERS`]); templates in
+//! `templates/` render thin units that include them. Both are embedded at compile time. A unit
+//! compiles with [`KERNEL_HEADERS`] as its only headers (no CUDA toolkit header: its own half/bf16
+//! conversions through PTX), so the driver and libnvrtc suffice.
 //!
 //! ```
 //! use kvq_codegen::{decode_kernels, Dtype, KernelShape, TuneParams};
@@ -17,6 +19,7 @@ mod context;
 mod decode;
 mod error;
 mod head_groups;
+mod headers;
 mod quantizer;
 mod shape;
 mod templates;
@@ -31,6 +34,7 @@ pub use decode::{
 };
 pub use error::CodegenError;
 pub use head_groups::{HeadGroups, MMA_HEAD_COLUMNS};
+pub use headers::{kernel_headers, KERNEL_HEADERS};
 pub use quantizer::{QuantizerForm, QuantizerForms};
 pub use shape::{Dtype, KernelShape};
 pub use tune::TuneParams;

@@ -14,7 +14,6 @@ macro_rules! embedded {
 
 /// Every template, by name; embedded so nothing reads the source tree at run time.
 pub(crate) const TEMPLATES: &[(&str, &str)] = embedded![
-    "common.cuh.tera",
     "tensor.cuh.tera",
     "quantize.cuh.tera",
     "quantize_regs.cuh.tera",

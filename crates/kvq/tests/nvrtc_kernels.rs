@@ -187,7 +187,10 @@ fn compile_all<W: std::fmt::Debug + Sync>(jobs: &[(&str, W, String)]) {
             s.spawn(move || {
                 for (name, what, source) in part {
                     for arch in [Arch::SM_80, Arch::SM_90A] {
-                        let src = Source::new(format!("{name}.cu"), source.clone());
+                        let src = kvq::codegen::kernel_headers().iter().fold(
+                            Source::new(format!("{name}.cu"), source.clone()),
+                            |s, (header, text)| s.with_header(*header, *text),
+                        );
                         nvrtc::compile(&src, arch, Output::Cubin, &CompileOptions::default())
                             .unwrap_or_else(|e| panic!("{name} {what:?} {arch}: {e}"));
                     }

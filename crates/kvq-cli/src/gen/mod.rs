@@ -116,7 +116,11 @@ fn compile_sources(
     let mut compiled = Vec::new();
     let mut lines = Vec::new();
     for &(file, code) in sources {
-        let source = Source::new(file, code.to_string());
+        let source = kvq::codegen::kernel_headers()
+            .iter()
+            .fold(Source::new(file, code.to_string()), |s, (header, text)| {
+                s.with_header(*header, *text)
+            });
         match nvrtc::compile(&source, arch, Output::Cubin, &CompileOptions::default()) {
             Ok(c) => {
                 let stem = file.trim_end_matches(".cu");

@@ -39,9 +39,13 @@ impl CacheFunctions {
         forms: QuantizerForms,
     ) -> Result<Self> {
         let generated = cache_kernels_with(spec, head_dim, dtype, forms)?;
-        let source = Source::new(
-            format!("{}.cu", generated.append.name),
-            generated.source.clone(),
+        // The unit includes kvq's kernel headers; NVRTC gets them in memory.
+        let source = kvq_codegen::kernel_headers().iter().fold(
+            Source::new(
+                format!("{}.cu", generated.append.name),
+                generated.source.clone(),
+            ),
+            |s, (name, text)| s.with_header(*name, *text),
         );
         let module = jit.module(&source, &CompileOptions::default())?;
         let load = |entry: &KernelEntry| -> Result<Loaded> {

@@ -1,12 +1,30 @@
-{#- Header-free helpers shared by every kvq kernel: 16-bit float conversions through PTX, warp
-    reductions. Only the driver and libnvrtc are needed to compile kvq's kernels. -#}
+// kvq/common.cuh — helpers every kvq kernel shares: 16-bit float conversions through PTX, warp
+// reductions, programmatic dependent launch, and the enums the units' traits are written in.
+//
+// Header-free on purpose: only the driver and libnvrtc are needed to compile kvq's kernels, so
+// nothing here includes a CUDA header. Nothing here depends on a unit's constants either; the
+// per-unit pieces (the I/O dtype, the cached tensors' layouts) live in kvq/tensor.cuh.
+#pragma once
+
 // Helpers a variant does not use are fine: silence "declared but never referenced".
 #pragma nv_diag_suppress 177
+
 typedef unsigned char kvq_u8;
 typedef unsigned short kvq_u16;
 typedef unsigned int kvq_u32;
 typedef int kvq_i32;
 #define KVQ_NEG_INF __int_as_float(0xff800000)
+
+// The 16-bit float format of a unit's queries and outputs (decode) or of the K/V it is handed
+// (cache kernels). The cache's own FP16 regions are always IEEE half.
+enum class KvqDtype { F16, Bf16 };
+// How a cached tensor is stored: FP16 pages, or integer codes with per-group scales (and zeros).
+enum class KvqKind { Fp16, Int };
+// The axis an integer tensor's groups run along: a channel over a page's tokens, or a slice of
+// one token's channels.
+enum class KvqAxis { Channel, Token };
+// What ranks Kitty's boosted channels: the sum of |x| or the variance over the page.
+enum class KvqBoostBy { Magnitude, Variance };
 
 static __device__ __forceinline__ float kvq_f16_to_f32(kvq_u16 h) {
     float f;
@@ -41,27 +59,18 @@ static __device__ __forceinline__ kvq_u16 kvq_f32_to_bf16(float f) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
-{% if dtype == "f16" %}
-// Queries and outputs are IEEE half.
-static __device__ __forceinline__ float kvq_io_to_f32(kvq_u16 x) { return kvq_f16_to_f32(x); }
-static __device__ __forceinline__ kvq_u16 kvq_f32_to_io(float x) { return kvq_f32_to_f16(x); }
-{% else %}
-// Queries and outputs are bfloat16.
-static __device__ __forceinline__ float kvq_io_to_f32(kvq_u16 x) { return kvq_bf16_to_f32(x); }
-static __device__ __forceinline__ kvq_u16 kvq_f32_to_io(float x) { return kvq_f32_to_bf16(x); }
-{% endif %}
-// One output value from a query row's unnormalised sum and softmax denominator (0 where no token
-// was seen): the combine kernel's last step, which a decode launch of one part takes itself.
-static __device__ __forceinline__ kvq_u16 kvq_output_value(float sum, float total) {
-    return kvq_f32_to_io(total > 0.f ? sum / total : 0.f);
+// A 16-bit float of format T to f32 and back (round to nearest even).
+template <KvqDtype T>
+static __device__ __forceinline__ float kvq_to_f32(kvq_u16 x) {
+    if constexpr (T == KvqDtype::Bf16) return kvq_bf16_to_f32(x);
+    else return kvq_f16_to_f32(x);
 }
-{% if input_dtype is defined %}{% if input_dtype == "f16" %}
-// Cache inputs (new K/V) are IEEE half.
-static __device__ __forceinline__ float kvq_in_to_f32(kvq_u16 x) { return kvq_f16_to_f32(x); }
-{% else %}
-// Cache inputs (new K/V) are bfloat16.
-static __device__ __forceinline__ float kvq_in_to_f32(kvq_u16 x) { return kvq_bf16_to_f32(x); }
-{% endif %}{% endif %}
+template <KvqDtype T>
+static __device__ __forceinline__ kvq_u16 kvq_from_f32(float x) {
+    if constexpr (T == KvqDtype::Bf16) return kvq_f32_to_bf16(x);
+    else return kvq_f32_to_f16(x);
+}
+
 static __device__ __forceinline__ float kvq_warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
