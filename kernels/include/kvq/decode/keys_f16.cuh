@@ -1,0 +1,111 @@
+#pragma once
+// Keys on the f16 tensor cores: query pairs and a chunk's raw scores.
+
+// Row t of a chunk of n tokens: clamped to the last one where the chunk's rows end there (global
+// memory, GUARD); a staged chunk reads its stage's TILE rows as they are (rows past n hold finite
+// codes whose scores are masked, so they add nothing).
+template <bool GUARD>
+static __device__ __forceinline__ int kvq_row(int t, int n) {
+    return GUARD ? min(t, n - 1) : t;
+}
+
+// Query pairs of column g's head (zero past GQA) over this thread's K block r, in the pair order of
+// a BITS-bit row (f16; bf16 queries are converted, exact in range). `first`: the head of column 0
+// (8t for head tile t).
+template <int BITS>
+static __device__ __forceinline__ void kvq_query_pairs(const kvq_u16* q, long head_row, int g, int r, kvq_u32 (&out)[KPAIRS],
+                                                       int first = 0) {
+    kvq_u32 w[D / 8];
+    const int head = first + kvq_col_head(g);
+    if (head < GQA) {
+        kvq_load<D / 2>((const kvq_u8*)(q + (head_row + head) * D + r * (D / 4)), w);
+        if constexpr (IO == KvqDtype::Bf16) {
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i)
+            w[i] = kvq_h2_pack(__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xffff0000u));
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) w[i] = 0u;
+    }
+#pragma unroll
+    for (int p = 0; p < KPAIRS; ++p) out[p] = kvq_half_pair(w, kvq_pair_lo<BITS>(p), kvq_pair_hi<BITS>(p));
+}
+
+// K rows as thread (g, r) feeds them to mma: per 16-token subtile, tokens g and g+8 of channel
+// block r (KB bytes each, rows ROW bytes apart). Subtiles are loaded PRE at a time ahead of their
+// use, as many as keep the loaded words at 32 or fewer.
+static __host__ __device__ constexpr int kvq_preload_subtiles(int kw) {
+    return (2 * kw * NSUB <= 32) ? NSUB : ((32 / (2 * kw)) > 0 ? (32 / (2 * kw)) : 1);
+}
+// Whether subtile s of a chunk of n tokens is read (all are, unguarded: see kvq_row).
+template <bool GUARD>
+static __device__ __forceinline__ bool kvq_subtile_live(int s, int n) {
+    return s < NSUB && (!GUARD || s * 16 < n);
+}
+template <int KB, int ROW, int PRE, bool GUARD>
+static __device__ __forceinline__ void kvq_load_subtiles(const kvq_u8* rows, int s0, int n, int g, int r,
+                                                         kvq_u32 (&raw)[PRE][2][KB >= 4 ? KB / 4 : 1]) {
+#pragma unroll
+    for (int s = 0; s < PRE; ++s) {
+        if (kvq_subtile_live<GUARD>(s0 + s, n)) {
+            const int ta = kvq_row<GUARD>((s0 + s) * 16 + g, n), tb = kvq_row<GUARD>((s0 + s) * 16 + g + 8, n);
+            kvq_load<KB>(rows + (long)ta * ROW + r * KB, raw[s][0]);
+            kvq_load<KB>(rows + (long)tb * ROW + r * KB, raw[s][1]);
+        }
+    }
+}
+
+// Raw scores (q·k, unscaled) of a chunk: sc[t][s] = S^T fragment of subtile s for head tile t —
+// (token g, heads 2r, 2r+1), (token g+8, heads 2r, 2r+1) of the tile. K rows are read directly into
+// mma A fragments (thread (g, r): tokens g and g+8, channel block r), once for every tile: tile t
+// takes the query pairs of folds[t] (`qh`, and `ql`, the low halves of a split query, with LO).
+// SUB: codes as f16 subnormals (K_SUB), the sums then in the fold's units (KvqFold::unit).
+template <int BITS, int OFF, bool LO, bool GUARD, bool SUB = false, int TILES, class Fold>
+static __device__ __forceinline__ void kvq_chunk_scores(const kvq_u8* rows, int n, int g, int r,
+    const Fold (&folds)[TILES], float (&sc)[TILES][NSUB][4])
+{
+    constexpr int KB = D * BITS / 32;   // bytes of a thread's block of one row
+    constexpr int KW = KB >= 4 ? KB / 4 : 1;
+    constexpr bool HALF_WORD = KB == 2;  // 1-bit keys at head_dim 64: 8 pairs from one half
+    static_assert(KB >= 4 || (HALF_WORD && BITS == 1), "a thread's block is whole words or 16 1-bit codes");
+    constexpr int PRE = kvq_preload_subtiles(KW);
+#pragma unroll
+    for (int s0 = 0; s0 < NSUB; s0 += PRE) {
+        kvq_u32 raw[PRE][2][KW];
+        kvq_load_subtiles<KB, BITS == 16 ? D * 2 : K_ROW_BYTES, PRE, GUARD>(rows, s0, n, g, r, raw);
+#pragma unroll
+        for (int s = 0; s < PRE; ++s) {
+            if (kvq_subtile_live<GUARD>(s0 + s, n)) {
+                kvq_u32 kp[2][KPAIRS];
+#pragma unroll
+                for (int t = 0; t < 2; ++t) {
+                    if constexpr (HALF_WORD) {
+                        KvqPairs<BITS, OFF>::template get<SUB, 8>(kvq_spread_half_word(raw[s][t][0]), kp[t]);
+                    } else {
+#pragma unroll
+                        for (int w = 0; w < KW; ++w) KvqPairs<BITS, OFF>::template get<SUB>(raw[s][t][w], &kp[t][w * KvqPairs<BITS, OFF>::PER_WORD]);
+                    }
+                }
+#pragma unroll
+                for (int t = 0; t < TILES; ++t) {
+                    const kvq_u32 (&qh)[KPAIRS] = folds[t].qh;
+                    const kvq_u32 (&ql)[KPAIRS] = folds[t].ql;
+                    // Two independent accumulator chains (even/odd k-steps, or high/low query halves).
+                    float c[4] = {0.f, 0.f, 0.f, 0.f}, c2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                    for (int kk = 0; kk < D / 16; ++kk) {
+                        if (LO) {
+                            kvq_mma(c, kp[0][2 * kk], kp[1][2 * kk], kp[0][2 * kk + 1], kp[1][2 * kk + 1], qh[2 * kk], qh[2 * kk + 1]);
+                            kvq_mma(c2, kp[0][2 * kk], kp[1][2 * kk], kp[0][2 * kk + 1], kp[1][2 * kk + 1], ql[2 * kk], ql[2 * kk + 1]);
+                        } else {
+                            kvq_mma((kk & 1) ? c2 : c, kp[0][2 * kk], kp[1][2 * kk], kp[0][2 * kk + 1], kp[1][2 * kk + 1], qh[2 * kk], qh[2 * kk + 1]);
+                        }
+                    }
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) sc[t][s0 + s][i] = c[i] + c2[i];
+                }
+            }
+        }
+    }
+}
