@@ -195,6 +195,7 @@ pub fn cache_kernels_with(
         });
     }
     spec.check_shape(head_dim, 1)?;
+    crate::decode::gpu_head_dim("cache", head_dim)?;
     if head_dim > 256 {
         return Err(CodegenError::Shape(format!(
             "cache kernels stage a page in shared memory: head_dim {head_dim} > 256"

@@ -814,6 +814,22 @@ impl DecodeKernels {
     }
 }
 
+/// Refuses a head_dim the spec accepts (a multiple of 16) but the GPU kernels do not serve yet: they
+/// split a row into 32-channel units (the generic decode kernel's `D/32` channels a lane, the cache
+/// kernels' warp over a row), so at `head_dim % 32 != 0` they would read the wrong channels.
+pub(crate) fn gpu_head_dim(family: &'static str, head_dim: u32) -> Result<(), CodegenError> {
+    if head_dim % 32 == 0 {
+        return Ok(());
+    }
+    Err(CodegenError::Unsupported {
+        family,
+        what: format!(
+            "head_dim {head_dim}: GPU kernels need head_dim a multiple of 32 for now; the CPU \
+             reference runs it"
+        ),
+    })
+}
+
 /// Renders the decode kernels for a scheme, shape and tuning.
 pub fn decode_kernels(
     spec: &SchemeSpec,
@@ -844,6 +860,7 @@ pub fn decode_kernels(
         )));
     }
     spec.check_shape(shape.head_dim, 1)?;
+    gpu_head_dim("decode", shape.head_dim)?;
     if shape.head_dim > 512 {
         return Err(CodegenError::Shape(format!(
             "head_dim = {} (at most 512)",

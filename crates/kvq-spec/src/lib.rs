@@ -31,7 +31,7 @@ mod types;
 
 pub use error::SpecError;
 pub use grammar::syntax::MAX_NESTING;
-pub use shape::{ShapeError, MAX_BOOSTED_HEAD_DIM};
+pub use shape::{ShapeError, HEAD_DIM_MULTIPLE, MAX_BOOSTED_HEAD_DIM};
 pub use types::*;
 
 impl SchemeSpec {

@@ -11,10 +11,19 @@ use crate::types::*;
 /// kernels and `check_shape` all use this one number.
 pub const MAX_BOOSTED_HEAD_DIM: u32 = u8::MAX as u32 + 1;
 
+/// Head dimensions are multiples of this many channels.
+///
+/// Sixteen keeps every section of a page block a whole number of 16-byte vectors without padding
+/// (a page is a multiple of 16 tokens; per-channel f16 scales and the boost map are `2·head_dim` and
+/// `head_dim` bytes), keeps `head_dim / 2` RoPE pairs whole, and admits the models whose heads are
+/// 80 or 112 channels wide (Phi-2, StableLM). Code rows of `head_dim` codes need not fill whole
+/// 32-bit words: the last word of a row is zero-padded (docs/LAYOUT.md §2).
+pub const HEAD_DIM_MULTIPLE: u32 = 16;
+
 /// A scheme that cannot serve a given head shape.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ShapeError {
-    #[error("head_dim {0} is not supported: it must be a positive multiple of 32")]
+    #[error("head_dim {0} is not supported: it must be a positive multiple of {m}", m = HEAD_DIM_MULTIPLE)]
     HeadDim(u32),
     #[error("kv_heads must be at least 1")]
     KvHeads,
@@ -100,7 +109,7 @@ impl SchemeSpec {
         head_dim: u32,
         kv_heads: u32,
     ) -> Result<(), ShapeError> {
-        if head_dim == 0 || head_dim % 32 != 0 {
+        if head_dim == 0 || head_dim % HEAD_DIM_MULTIPLE != 0 {
             return Err(ShapeError::HeadDim(head_dim));
         }
         if kv_heads == 0 {
