@@ -199,7 +199,7 @@ fn compile_defaults(jit: &Jit, schemes: &[Scheme], shape: KernelShape) -> Result
                         &sc.spec,
                         &shape,
                         &params,
-                        kvq::runtime::DecodeOptions::ALLOW_SLOW_PATH,
+                        kvq::runtime::LoadOptions::ALLOW_SLOW_PATH,
                     )
                 })
             })
@@ -333,7 +333,7 @@ impl Context<'_> {
                 &prep.scheme.spec,
                 &self.shape,
                 &report.chosen.params,
-                kvq::runtime::DecodeOptions::ALLOW_SLOW_PATH,
+                kvq::runtime::LoadOptions::ALLOW_SLOW_PATH,
             )?;
             let mut ts = DecodeScratch::with_pieces(
                 &stream,

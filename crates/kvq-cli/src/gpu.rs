@@ -56,7 +56,7 @@ pub fn decode_once(
         first.spec(),
         shape,
         params,
-        kvq::runtime::DecodeOptions::ALLOW_SLOW_PATH,
+        kvq::runtime::LoadOptions::ALLOW_SLOW_PATH,
     )?;
     warn_slow_path(&kernel);
     let stream = gpu.device.default_stream();
@@ -131,7 +131,7 @@ pub fn measure(
         &spec,
         shape,
         &choice.params,
-        kvq::runtime::DecodeOptions::ALLOW_SLOW_PATH,
+        kvq::runtime::LoadOptions::ALLOW_SLOW_PATH,
     )?;
     warn_slow_path(&kernel);
     let stream = gpu.device.default_stream();

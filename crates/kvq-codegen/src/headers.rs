@@ -23,6 +23,7 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/decode/keys_boost.cuh",
     "kvq/decode/values.cuh",
     "kvq/decode/shares.cuh",
+    "kvq/decode/params.cuh",
 ];
 
 /// [`KERNEL_HEADERS`]: what a compile site passes to NVRTC beside a generated unit.

@@ -20,19 +20,10 @@ pub(crate) const TEMPLATES: &[(&str, &str)] = embedded![
     "combine.cu.tera",
     "decode.cu.tera",
     "decode_mma.cuh.tera",
-    "decode_mma/constants.cuh.tera",
-    "decode_mma/helpers.cuh.tera",
-    "decode_mma/sources.cuh.tera",
     "decode_mma/ring.cuh.tera",
-    "decode_mma/keys_f16.cuh.tera",
     "decode_mma/keys_int.cuh.tera",
-    "decode_mma/keys_fp16_rows.cuh.tera",
-    "decode_mma/keys_boost.cuh.tera",
-    "decode_mma/values.cuh.tera",
-    "decode_mma/shares.cuh.tera",
     "decode_mma/fold.cuh.tera",
     "decode_mma/softmax.cuh.tera",
-    "decode_mma/params.cuh.tera",
     "decode_mma/calibrated.cuh.tera",
     "decode_mma/decode_kernel.cuh.tera",
     "cache.cu.tera",
@@ -75,19 +66,16 @@ mod tests {
             .1
     }
 
-    /// The index includes every part once, in order, and each part keeps the seam rule the index
-    /// states: it opens with a comment line and ends without a final newline, so the parts join
-    /// into the source the single file rendered (a stray newline would add a blank line at every
-    /// seam, and every kernel's cache key with it).
+    /// The tensor-core unit includes every embedded part once, in the order TEMPLATES lists
+    /// them, and each part opens with a comment line (never rendered).
     #[test]
-    fn decode_mma_parts_join_without_seams() {
+    fn decode_mma_parts_are_each_included_once() {
         let index = template("decode_mma.cuh.tera");
         let included: Vec<&str> = index
             .lines()
             .filter_map(|line| line.split("include \"decode_mma/").nth(1))
             .filter_map(|rest| rest.split(".cuh.tera").next())
             .collect();
-        // The embedded parts, in the order TEMPLATES lists them.
         let parts: Vec<&str> = TEMPLATES
             .iter()
             .filter_map(|(name, _)| name.strip_prefix("decode_mma/"))
@@ -97,12 +85,6 @@ mod tests {
         for part in &parts {
             let text = template(&format!("decode_mma/{part}.cuh.tera"));
             assert!(text.starts_with("{#- "), "{part} opens with a comment line");
-            let last = parts.last() == Some(part);
-            assert_eq!(
-                text.ends_with('\n'),
-                last,
-                "{part}: only the last part ends with a newline"
-            );
         }
     }
 }

@@ -111,14 +111,21 @@ fn a_head_group_runs_the_kernel_of_its_heads_but_for_where_it_reads_the_cache() 
             }
             source
                 .lines()
-                .filter(|l| !l.starts_with("// shape:") && !l.contains("HEAD_GROUPS = "))
+                .filter(|l| {
+                    !l.starts_with("// shape:")
+                        && !l.contains("HEAD_GROUPS = ")
+                        && !l.contains("QHEADS = ")
+                })
                 .collect::<Vec<_>>()
                 .join("\n")
         };
         assert_eq!(normalise(&grouped), normalise(&eight), "{text}");
         // ... and every address into the cache's pools, sink and tail goes through the group's KV head.
-        let cache_reads: Vec<&str> = grouped
-            .source
+        // The unit and the headers it includes.
+        let text: String = std::iter::once(grouped.source.as_str())
+            .chain(kvq_codegen::kernel_headers().iter().map(|(_, t)| *t))
+            .collect();
+        let cache_reads: Vec<&str> = text
             .lines()
             .filter(|l| {
                 ["pool + ", "sink + ", "tail + "]
@@ -133,11 +140,7 @@ fn a_head_group_runs_the_kernel_of_its_heads_but_for_where_it_reads_the_cache() 
                 "{text}: {line}"
             );
         }
-        for line in grouped
-            .source
-            .lines()
-            .filter(|l| l.contains("head_block ="))
-        {
+        for line in text.lines().filter(|l| l.contains("head_block =")) {
             assert!(line.contains("kvh / HEAD_GROUPS"), "{text}: {line}");
         }
         assert!(eight
@@ -191,7 +194,10 @@ fn heads_without_equal_groups_take_the_tensor_cores_with_the_last_group_starting
         }
         // Equal groups keep the plain head rows.
         let (_, _, even) = render(text, 32);
-        assert!(!even.source.contains("kvq_head_row") && !even.source.contains("QHEADS"));
+        assert!(even
+            .source
+            .contains("static constexpr bool UNEVEN_GROUPS = false;"));
+        assert!(!even.source.contains("kvq_head_row(seq, kvh, kv_heads);"));
     }
 }
 

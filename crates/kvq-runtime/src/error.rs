@@ -305,11 +305,11 @@ pub enum RuntimeError {
     },
 
     /// Only the generic CUDA-core decode kernel serves this scheme and shape, and the caller did
-    /// not opt in to it (`DecodeOptions::allow_slow_path`).
+    /// not opt in to it (`LoadOptions::allow_slow_path`).
     #[error(
         "decode of `{scheme}` at head_dim {head_dim}, GQA {gqa} would take the generic CUDA-core \
          kernel ({reason}), several times slower than the tensor-core kernel; opt in with \
-         DecodeOptions::allow_slow_path"
+         LoadOptions::allow_slow_path"
     )]
     SlowPath {
         /// The scheme, as text.

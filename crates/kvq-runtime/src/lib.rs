@@ -117,8 +117,8 @@ pub use cudarc;
 
 pub use arch::{Arch, ArchVariant};
 pub use decode::{
-    default_pieces, default_splits, min_warp_tokens, CacheView, DecodeKernel, DecodeOptions,
-    DecodeScratch, GpuCache, Pieces,
+    default_pieces, default_splits, min_warp_tokens, CacheView, DecodeKernel, DecodeScratch,
+    GpuCache, LoadOptions, Pieces,
 };
 pub use device::{device_count, driver_version, Device, DeviceProps, DriverVersion};
 pub use disk_cache::{cache_root, CacheKey, CacheStats, DiskCache, Origin};

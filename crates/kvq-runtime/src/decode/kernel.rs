@@ -34,17 +34,17 @@ pub struct DecodeKernel {
 
 /// What [`DecodeKernel::load_with`] may load.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DecodeOptions {
+pub struct LoadOptions {
     /// Load the generic CUDA-core kernel where the tensor-core kernel cannot serve the scheme and
     /// shape ([`kvq_codegen::SlowPath`] says why). It runs several times slower, so without this
     /// such a load fails with [`RuntimeError::SlowPath`] instead of falling back silently.
     pub allow_slow_path: bool,
 }
 
-impl DecodeOptions {
+impl LoadOptions {
     /// Options that take the generic kernel where it is the only one (tools and tests that run
     /// every shape on purpose).
-    pub const ALLOW_SLOW_PATH: DecodeOptions = DecodeOptions {
+    pub const ALLOW_SLOW_PATH: LoadOptions = LoadOptions {
         allow_slow_path: true,
     };
 }
@@ -194,14 +194,14 @@ impl DecodeScratch {
 impl DecodeKernel {
     /// Generates, compiles (through the JIT's caches) and loads the kernels; refuses a scheme and
     /// shape that only the generic CUDA-core kernel serves ([`RuntimeError::SlowPath`];
-    /// [`load_with`](Self::load_with) and [`DecodeOptions::allow_slow_path`] opt in).
+    /// [`load_with`](Self::load_with) and [`LoadOptions::allow_slow_path`] opt in).
     pub fn load(
         jit: &Jit,
         spec: &SchemeSpec,
         shape: &KernelShape,
         tune: &TuneParams,
     ) -> Result<DecodeKernel> {
-        Self::load_with(jit, spec, shape, tune, DecodeOptions::default())
+        Self::load_with(jit, spec, shape, tune, LoadOptions::default())
     }
 
     /// As [`load`](Self::load), with `options` saying whether the generic kernel may serve.
@@ -210,7 +210,7 @@ impl DecodeKernel {
         spec: &SchemeSpec,
         shape: &KernelShape,
         tune: &TuneParams,
-        options: DecodeOptions,
+        options: LoadOptions,
     ) -> Result<DecodeKernel> {
         if let (Some(reason), false) = (decode_slow_path(spec, shape), options.allow_slow_path) {
             return Err(RuntimeError::SlowPath {

@@ -26,7 +26,7 @@ pub use fast_memory::{
     fast_memory_applies, fast_memory_block, is_fast_memory, FAST_MEMORY_GBPS_PER_SM,
     FAST_MEMORY_MIN_WARP_TOKENS, FAST_MEMORY_TILE64_MIN_WARP_TOKENS,
 };
-pub use kernel::{DecodeKernel, DecodeOptions, DecodeScratch, RANGE_SCALE_MAX_SPLITS};
+pub use kernel::{DecodeKernel, DecodeScratch, LoadOptions, RANGE_SCALE_MAX_SPLITS};
 pub(crate) use layout::CacheBuffers;
 pub use layout::CacheView;
 pub(crate) use splits::context_bucket;

@@ -235,7 +235,7 @@ impl<'a> Session<'a> {
                                         &p.spec,
                                         &p.shape,
                                         t,
-                                        crate::decode::DecodeOptions::ALLOW_SLOW_PATH,
+                                        crate::decode::LoadOptions::ALLOW_SLOW_PATH,
                                     )
                                     .map_err(|e| format!("does not build: {e}"));
                                     (*t, k)

@@ -430,7 +430,7 @@ pub(super) fn occupancy_kernel(
         &problem.spec,
         &problem.shape,
         &TuneChoice::occupancy_block(problem, sm_count),
-        crate::decode::DecodeOptions::ALLOW_SLOW_PATH,
+        crate::decode::LoadOptions::ALLOW_SLOW_PATH,
     )
 }
 
@@ -449,7 +449,7 @@ pub fn default_launch(jit: &Jit, problem: &TuneProblem) -> Result<(TuneChoice, D
             &problem.spec,
             &problem.shape,
             &choice.params,
-            crate::decode::DecodeOptions::ALLOW_SLOW_PATH,
+            crate::decode::LoadOptions::ALLOW_SLOW_PATH,
         )?
     };
     Ok((choice, kernel))
