@@ -5,8 +5,9 @@
 //! - **error**: a seeded synthetic layer from `kvq_reference::synth` (outlier channels, attention
 //!   sinks, RoPE, queries aligned with keys) evaluated by `kvq::evaluate` on the CPU reference, and,
 //!   with a GPU, decoded by the generated kernel and compared with the same exact attention;
-//! - **latency**: random heavy-tailed K/V at a long context (cheap to generate at 32K tokens ×
-//!   8 heads), every GPU scheme's cache built from the same values, timed as the tuner does.
+//! - **latency**: random heavy-tailed K/V at a long context from the reference's fast generator
+//!   (`synth::random_kv` with `Tails::Laplace`, cheap at 32K tokens × 8 heads), every GPU
+//!   scheme's cache built from the same values, timed as the tuner does.
 
 use std::io::Write;
 use std::time::Instant;
@@ -15,9 +16,7 @@ use kvq::codegen::{Dtype, KernelShape, TuneParams};
 use kvq::evaluate::{self, Evaluation, Memory, Workload};
 use kvq::reference::attention;
 use kvq::reference::int::IntCache;
-use kvq::reference::synth::SynthConfig;
-use kvq::reference::KvTensor;
-use kvq::runtime::tune::synth::SynthRng;
+use kvq::reference::synth::{self, SynthConfig, Tails};
 use kvq::runtime::tune::{ChoiceSource, TunePolicy, Tuner};
 use kvq::runtime::RuntimeError;
 
@@ -62,48 +61,6 @@ struct Row {
 
 fn progress(line: &str) {
     eprintln!("[kvq demo] {line}");
-}
-
-/// Heavy-tailed K/V `[kv_heads][tokens][head_dim]`: Laplace values plus a per-channel bias, one key
-/// channel in 16 amplified eightfold (the outlier channels KIVI and Kitty are designed around);
-/// fast enough for 128K-token contexts.
-pub fn heavy_tailed_kv(
-    kv_heads: usize,
-    tokens: usize,
-    head_dim: usize,
-    seed: u64,
-) -> (KvTensor, KvTensor) {
-    let mut rng = SynthRng::new(seed);
-    let mut fill = |outliers: bool| {
-        let channel: Vec<(f32, f32)> = (0..kv_heads * head_dim)
-            .map(|_| {
-                let outlier = outliers && rng.next_u64() % 16 == 0;
-                let gain = if outlier { 8.0 } else { 1.0 };
-                (gain, 0.5 * rng.symmetric() * gain)
-            })
-            .collect();
-        let mut data = Vec::with_capacity(kv_heads * tokens * head_dim);
-        for h in 0..kv_heads {
-            let ch = &channel[h * head_dim..(h + 1) * head_dim];
-            for _ in 0..tokens {
-                data.extend(ch.iter().map(|(gain, bias)| {
-                    let u = (rng.symmetric() + 1.0) * 0.5; // [0, 1)
-                    let magnitude = -(1.0 - u).max(f32::MIN_POSITIVE).ln() * 0.4;
-                    let sign = if rng.next_u64() & 1 == 0 { 1.0 } else { -1.0 };
-                    (sign * magnitude * gain + bias).clamp(-60000.0, 60000.0)
-                }));
-            }
-        }
-        KvTensor {
-            data,
-            kv_heads,
-            tokens,
-            head_dim,
-        }
-    };
-    let k = fill(true);
-    let v = fill(false);
-    (k, v)
 }
 
 /// Runs the demo, writing the table to `out` (progress goes to stderr).
@@ -229,12 +186,14 @@ fn gpu_columns(
         opts.batch, opts.context, opts.kv_heads, opts.head_dim, opts.gqa, opts.dtype
     ));
     let t = Instant::now();
-    let (k, v) = heavy_tailed_kv(
+    let (k, v) = synth::random_kv(
         opts.kv_heads,
         opts.context,
         opts.head_dim as usize,
         opts.seed,
-    );
+        Tails::Laplace,
+    )
+    .map_err(RuntimeError::Memory)?;
     let specs: Vec<_> = gpu_rows.iter().map(|&i| rows[i].scheme.spec).collect();
     let threads = std::thread::available_parallelism()
         .map_or(2, |n| n.get())
@@ -441,25 +400,4 @@ fn render(
     }
     writeln_out(out, "")?;
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn heavy_tailed_kv_is_seeded_finite_and_has_outliers() {
-        let (k, v) = heavy_tailed_kv(2, 300, 64, 5);
-        let (k2, _) = heavy_tailed_kv(2, 300, 64, 5);
-        assert_eq!(k, k2);
-        assert!(k.data.iter().chain(&v.data).all(|x| x.is_finite()));
-        let max_k = k.data.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let max_v = v.data.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        assert!(
-            max_k > 2.0 * max_v,
-            "K outlier channels: {max_k} vs {max_v}"
-        );
-        // Heavy tails: some values several scales out.
-        assert!(v.data.iter().any(|x| x.abs() > 2.0));
-    }
 }

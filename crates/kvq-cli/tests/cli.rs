@@ -3,11 +3,12 @@
 //! `info`, and the messages and exit codes of mistakes.
 
 mod common;
-use common::{kvq, TempDir};
+use common::{kvq, kvq_without_gpu, needs, plain, run_trials, TempDir};
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use kvq::runtime::testing::require_nvrtc;
+use kvq::reference::synth::{random_kv, Tails};
+use kvq::runtime::testing::Need;
 use kvq::runtime::tune::{GpuKey, ProblemKey, TuneChoice, TuneEntry, TuneStore};
 use kvq::runtime::DriverVersion;
 use kvq::schemes::BUILTIN;
@@ -15,15 +16,92 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::Value;
 
+/// Runs under its own harness (`harness = false`) so the test that needs NVRTC shows as ignored,
+/// with the reason, where NVRTC is missing (a failure under `KVQ_REQUIRE_NVRTC=1`).
+fn main() {
+    run_trials(vec![
+        plain(
+            "help_lists_every_subcommand_and_bad_flags_exit_2",
+            help_lists_every_subcommand_and_bad_flags_exit_2,
+        ),
+        plain(
+            "schemes_lists_every_builtin_with_text_and_bits",
+            schemes_lists_every_builtin_with_text_and_bits,
+        ),
+        plain(
+            "unknown_names_list_the_builtins_and_grammar_errors_point_at_the_column",
+            unknown_names_list_the_builtins_and_grammar_errors_point_at_the_column,
+        ),
+        plain(
+            "gen_writes_sources_header_and_manifest_for_every_gpu_builtin",
+            gen_writes_sources_header_and_manifest_for_every_gpu_builtin,
+        ),
+        plain(
+            "gen_uses_tuned_block_parameters_from_the_tune_file",
+            gen_uses_tuned_block_parameters_from_the_tune_file,
+        ),
+        plain(
+            "gen_packs_kittys_score_fragments_unless_the_flag_says_not_to",
+            gen_packs_kittys_score_fragments_unless_the_flag_says_not_to,
+        ),
+        plain(
+            "gen_takes_kivi4s_short_staging_path_only_when_the_flag_says_so",
+            gen_takes_kivi4s_short_staging_path_only_when_the_flag_says_so,
+        ),
+        plain(
+            "gen_stores_calibrated_scores_unless_the_flag_says_not_to",
+            gen_stores_calibrated_scores_unless_the_flag_says_not_to,
+        ),
+        plain(
+            "gen_says_where_untuned_launches_depend_on_the_gpus_memory",
+            gen_says_where_untuned_launches_depend_on_the_gpus_memory,
+        ),
+        plain(
+            "gen_takes_more_than_eight_query_heads_in_head_groups",
+            gen_takes_more_than_eight_query_heads_in_head_groups,
+        ),
+        plain(
+            "gen_names_the_block_of_untuned_launches_by_batch_and_context",
+            gen_names_the_block_of_untuned_launches_by_batch_and_context,
+        ),
+        needs(
+            Need::Nvrtc,
+            "gen_output_compiles_with_nvrtc_for_every_gpu_builtin",
+            gen_output_compiles_with_nvrtc_for_every_gpu_builtin,
+        ),
+        plain(
+            "gen_sample_matches_the_manifest_layout",
+            gen_sample_matches_the_manifest_layout,
+        ),
+        plain(
+            "demo_without_a_gpu_prints_the_cpu_table_and_exits_0",
+            demo_without_a_gpu_prints_the_cpu_table_and_exits_0,
+        ),
+        plain(
+            "eval_reads_a_safetensors_capture_and_reports_every_layer_and_head",
+            eval_reads_a_safetensors_capture_and_reports_every_layer_and_head,
+        ),
+        plain("eval_names_what_is_missing", eval_names_what_is_missing),
+        plain(
+            "info_reports_every_piece_and_never_fails",
+            info_reports_every_piece_and_never_fails,
+        ),
+        plain(
+            "tune_and_bench_need_a_gpu_and_say_so",
+            tune_and_bench_need_a_gpu_and_say_so,
+        ),
+        plain(
+            "bench_takes_scheme_text_beside_builtins",
+            bench_takes_scheme_text_beside_builtins,
+        ),
+    ]);
+}
+
 fn text(o: &Output) -> (String, String) {
     (
         String::from_utf8_lossy(&o.stdout).into_owned(),
         String::from_utf8_lossy(&o.stderr).into_owned(),
     )
-}
-
-fn gpu_present() -> bool {
-    kvq::runtime::Device::open(0).is_ok()
 }
 
 fn gpu_builtins() -> Vec<&'static str> {
@@ -34,7 +112,6 @@ fn gpu_builtins() -> Vec<&'static str> {
         .collect()
 }
 
-#[test]
 fn help_lists_every_subcommand_and_bad_flags_exit_2() {
     let tmp = TempDir::new("help");
     let o = kvq(&["--help"], tmp.path());
@@ -69,7 +146,6 @@ fn help_lists_every_subcommand_and_bad_flags_exit_2() {
     assert_eq!(o.status.code(), Some(2));
 }
 
-#[test]
 fn schemes_lists_every_builtin_with_text_and_bits() {
     let tmp = TempDir::new("schemes");
     let o = kvq(&["schemes"], tmp.path());
@@ -86,7 +162,6 @@ fn schemes_lists_every_builtin_with_text_and_bits() {
     assert!(out.contains("CPU only") && out.contains("GPU + CPU"));
 }
 
-#[test]
 fn unknown_names_list_the_builtins_and_grammar_errors_point_at_the_column() {
     let tmp = TempDir::new("errors");
     let dir = tmp.path().join("out");
@@ -301,39 +376,25 @@ fn check_pieces(m: &Value, dir: &Path) {
     let runs = decode["runs_pieces"]
         .as_bool()
         .expect("decode has runs_pieces");
-    // The default pieces an engine reproduces: the kernel's rule where it runs pieces (two per
-    // split where warp shares are long for 8-bit codes, two per (sequence, KV head) where splits
-    // are few for uncalibrated codes of at most 2 bits), none else.
-    let default_pieces = m["tune"]["default_pieces"].as_str().unwrap();
-    let long_shares = default_pieces.contains("≥ 4096 then num_pieces = 2·num_splits");
-    let few_splits = default_pieces.contains(
-        "num_splits·warps ≤ 16 and bucket / (num_splits·warps) ≥ 256 then num_pieces = 2",
-    );
-    assert_eq!(long_shares || few_splits, runs, "{default_pieces}");
+    // The default pieces an engine reproduces: the kernel's piece rule where it runs pieces (per
+    // split where warp shares are long for 8-bit codes, per (sequence, KV head) where splits are
+    // few for uncalibrated codes of at most 2 bits), none else.
+    let rules = &m["tune"]["rules"];
+    let pieces = rules["pieces"].as_str().unwrap();
+    assert_eq!(pieces != "none", runs, "{pieces}");
     if runs {
         let bits = |t: &str| m["layout"][t]["bits"].as_u64();
         let (kb, vb) = (bits("k"), bits("v"));
         assert_eq!(
-            long_shares,
+            pieces == "long_shares",
             kb.is_some_and(|b| b >= 8) && vb.is_some_and(|b| b >= 8),
-            "{default_pieces} {kb:?} {vb:?}"
+            "{pieces} {kb:?} {vb:?}"
         );
     }
-    assert_eq!(
-        default_pieces.contains("runs no pieces"),
-        !runs,
-        "{default_pieces}"
-    );
-    // The split formula names the scheme's fewest tokens per split warp: half a chunk for
-    // quantized K or V at buckets up to 4096 tokens (min_warp_tokens).
-    let default_splits = m["tune"]["default_splits"].as_str().unwrap();
-    let quantized = ["k", "v"].iter().any(|t| m["layout"][*t]["bits"].is_u64());
-    assert_eq!(
-        default_splits.contains("warp_tokens = 32 if bucket ≤ 4096, else 64;"),
-        quantized,
-        "{default_splits}"
-    );
-    assert!(default_splits.contains("most = clamp(bucket / (warp_tokens·block / 32), 1, 256)"));
+    // Split warps of quantized kernels may take half a chunk at short buckets.
+    if ["k", "v"].iter().any(|t| m["layout"][*t]["bits"].is_u64()) {
+        assert_eq!(rules["short_warps"], true, "{rules}");
+    }
     let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
     assert!(
         header.contains(&format!("_DECODE_RUNS_PIECES {}\n", u8::from(runs))),
@@ -351,7 +412,6 @@ fn check_pieces(m: &Value, dir: &Path) {
         .contains("num_pieces = 0"));
 }
 
-#[test]
 fn gen_writes_sources_header_and_manifest_for_every_gpu_builtin() {
     let tmp = TempDir::new("gen");
     for name in gpu_builtins() {
@@ -402,7 +462,6 @@ fn gen_writes_sources_header_and_manifest_for_every_gpu_builtin() {
     assert!(out.contains("no cache kernels written"), "{out}");
 }
 
-#[test]
 fn gen_uses_tuned_block_parameters_from_the_tune_file() {
     let tmp = TempDir::new("tuned");
     let spec = kvq::schemes::by_name("kivi2").unwrap().spec;
@@ -426,6 +485,10 @@ fn gen_uses_tuned_block_parameters_from_the_tune_file() {
             kv_heads: 8,
             batch_bucket: 16,
             context_bucket: 32768,
+            candidates: kvq::runtime::tune::candidates_checksum(
+                &spec,
+                &kvq::codegen::KernelShape::new(128, 4, kvq::codegen::Dtype::F16),
+            ),
         },
         scheme: spec.to_string(),
         choice: TuneChoice {
@@ -511,7 +574,6 @@ fn gen_with_tune_flag(
     (m, decode)
 }
 
-#[test]
 fn gen_packs_kittys_score_fragments_unless_the_flag_says_not_to() {
     let tmp = TempDir::new("pack");
     for (flag, packs, source) in [
@@ -523,7 +585,6 @@ fn gen_packs_kittys_score_fragments_unless_the_flag_says_not_to() {
     }
 }
 
-#[test]
 fn gen_takes_kivi4s_short_staging_path_only_when_the_flag_says_so() {
     let tmp = TempDir::new("staging");
     for (flag, short, source) in [
@@ -534,18 +595,14 @@ fn gen_takes_kivi4s_short_staging_path_only_when_the_flag_says_so() {
         // The general path keeps each section's skew in the stage header; the short one has none.
         assert_eq!(decode.contains("kvq_u8 k_skew, kh_skew"), !short);
         // The runtime's untuned rule, for engines that pick between the two builds.
-        let rule = m["tune"]["default_short_staging"].as_str().unwrap();
-        assert!(
-            rule.contains("bucket / (num_splits·warps) ≥ 4096"),
-            "{rule}"
-        );
+        let rules = &m["tune"]["rules"];
+        assert_eq!(rules["default"]["short_staging_choice"], true, "{rules}");
+        assert_eq!(rules["constants"]["short_staging_min_warp_tokens"], 4096);
     }
     let (m, _) = gen_with_tune_flag("kivi2", &[], "short_staging", false, "default", &tmp);
-    let rule = m["tune"]["default_short_staging"].as_str().unwrap();
-    assert!(rule.starts_with("false"), "{rule}");
+    assert_eq!(m["tune"]["rules"]["default"]["short_staging_choice"], false);
 }
 
-#[test]
 fn gen_stores_calibrated_scores_unless_the_flag_says_not_to() {
     let tmp = TempDir::new("stored");
     for (flag, stored, source) in [
@@ -564,54 +621,41 @@ fn gen_stores_calibrated_scores_unless_the_flag_says_not_to() {
             stored,
             "{scores}"
         );
-        let rule = m["tune"]["default_store_scores"].as_str().unwrap();
-        assert!(rule.contains("where bucket > 4096"), "{rule}");
+        let rules = &m["tune"]["rules"];
+        assert_eq!(rules["default"]["store_scores"], true, "{rules}");
+        assert_eq!(rules["constants"]["short_context_bucket"], 4096);
     }
     // Past GQA 4 only 1-bit keys keep storing their scores by default.
-    for (scheme, only_to_gqa4) in [("calibquant2", true), ("calibquant1", false)] {
+    for (scheme, any_gqa) in [("calibquant2", false), ("calibquant1", true)] {
         let (m, _, _) = gen_and_check(scheme, &["--head-dim", "128", "--gqa", "8"], &tmp);
-        let rule = m["tune"]["default_store_scores"].as_str().unwrap();
-        assert_eq!(
-            rule.contains(" and gqa ≤ 4,"),
-            only_to_gqa4,
-            "{scheme}: {rule}"
-        );
+        let rules = &m["tune"]["rules"];
+        assert_eq!(rules["stored_scores_any_gqa"], any_gqa, "{scheme}");
+        assert_eq!(rules["cta_gqa"], 8, "{scheme}");
+        assert_eq!(rules["constants"]["stored_scores_max_gqa"], 4, "{scheme}");
     }
     let (m, _) = gen_with_tune_flag("kivi2", &[], "store_scores", false, "default", &tmp);
     assert_eq!(m["launch"]["stores_scores"], false);
-    let rule = m["tune"]["default_store_scores"].as_str().unwrap();
-    assert!(rule.starts_with("false"), "{rule}");
+    assert_eq!(m["tune"]["rules"]["default"]["store_scores"], false);
 }
 
-#[test]
 fn gen_says_where_untuned_launches_depend_on_the_gpus_memory() {
     let tmp = TempDir::new("fast-memory");
-    let rule_of = |scheme: &str, head_dim: &str| {
+    // Whether any block of the scheme's rules changes on fast memory.
+    let fast_of = |scheme: &str, head_dim: &str| {
         let args = ["--head-dim", head_dim, "--gqa", "4"];
         let (m, _, _) = gen_and_check(scheme, &args, &tmp);
-        m["tune"]["default_fast_memory"]
-            .as_str()
-            .unwrap()
-            .to_string()
+        let rules = &m["tune"]["rules"];
+        assert_eq!(rules["constants"]["fast_memory_gbps_per_sm"], 30.0);
+        std::iter::once(&rules["default"])
+            .chain(rules["rules"].as_array().unwrap().iter().map(|r| &r["block"]))
+            .any(|b| b["fast_memory"].as_array().is_some_and(|f| !f.is_empty()))
     };
-    let kivi4 = rule_of("kivi4", "128");
-    assert!(
-        kivi4.starts_with("where 2·memory_clock·bus_width / 8 / sm_count ≥ 30 GB/s")
-            && kivi4.contains(
-                "min_warps_per_sm 12 and short_staging true (sources generated with \
-                 --min-warps-per-sm 12 --short-staging true)"
-            )
-            && kivi4.contains("slots = (12 / warps)·sm_count")
-            && kivi4.contains("bucket / (num_splits·warps) ≥ 512")
-            && kivi4.contains("tile_tokens 64 where that share is ≥ 1024"),
-        "{kivi4}"
-    );
-    let none = "none (these launches do not depend on the GPU's memory)";
-    assert_eq!(rule_of("kivi2", "128"), none);
-    assert_eq!(rule_of("int8", "128"), none);
+    assert!(fast_of("kivi4", "128"));
+    assert!(!fast_of("kivi4", "64"));
+    assert!(!fast_of("kivi2", "128"));
+    assert!(!fast_of("int8", "128"));
 }
 
-#[test]
 fn gen_takes_more_than_eight_query_heads_in_head_groups() {
     let tmp = TempDir::new("head-groups");
     let (m, _, dir) = gen_and_check("calibquant1", &["--head-dim", "128", "--gqa", "16"], &tmp);
@@ -631,10 +675,7 @@ fn gen_takes_more_than_eight_query_heads_in_head_groups() {
     }
     let notes = m["launch"]["notes"].to_string();
     assert!(notes.contains("2 grid rows a KV head"), "{notes}");
-    assert!(m["tune"]["default_splits"]
-        .as_str()
-        .unwrap()
-        .contains("ctas = batch·kv_heads·2;"));
+    assert_eq!(m["tune"]["rules"]["grid_rows"], 2);
     assert_eq!(m["launch"]["score_columns"], 16);
     // Uneven groups: the last row starts early, and the stored scores take every row's columns.
     let (m, _, dir) = gen_and_check("calibquant1", &["--head-dim", "128", "--gqa", "11"], &tmp);
@@ -655,139 +696,215 @@ fn gen_takes_more_than_eight_query_heads_in_head_groups() {
         .to_string()
         .contains("grid rows a KV head"));
     assert_eq!(m["launch"]["score_columns"], 8);
-    assert!(m["tune"]["default_splits"]
-        .as_str()
-        .unwrap()
-        .contains("ctas = batch·kv_heads;"));
+    assert_eq!(m["tune"]["rules"]["grid_rows"], 1);
 }
 
-/// How `tune.default_block` opens its whole-pairs rules.
-const WHOLE_PAIRS_HEAD: &str = "waves = ceil(batch·kv_heads / sm_count); where batch·kv_heads ≥ \
-                                0.9·waves·sm_count, with num_splits = 1 and num_pieces = 0: ";
+/// A count of `v` (a JSON number).
+fn count(v: &Value) -> usize {
+    v.as_u64().unwrap_or_else(|| panic!("not a count: {v}")) as usize
+}
 
-/// How `tune.default_block` names a block of `threads` and `tile` tokens (and an occupancy floor
-/// where it differs from the codegen default's) with the `kvq gen` flags that generate it.
-fn block_text(threads: u32, tile: u32, floor: Option<u32>) -> String {
-    match floor {
-        None => format!(
-            "threads {threads} and tile_tokens {tile} (sources generated with --threads \
-             {threads} --tile-tokens {tile})"
-        ),
-        Some(f) => format!(
-            "threads {threads}, tile_tokens {tile} and min_warps_per_sm {f} (sources generated \
-             with --threads {threads} --tile-tokens {tile} --min-warps-per-sm {f})"
-        ),
+/// Whether `x` is in the span `{min, max?}`.
+fn within(span: &Value, x: usize) -> bool {
+    x >= count(&span["min"]) && span.get("max").map_or(true, |m| x <= count(m))
+}
+
+/// The next power of two at least `x`.
+fn pow2(x: usize) -> usize {
+    x.next_power_of_two()
+}
+
+/// The untuned launch `tune.rules` gives, evaluated from the JSON alone as
+/// `tune.rules_evaluation` says (as an engine would): (threads, tile_tokens, min_warps_per_sm,
+/// pack_heads, short_staging, store_scores, num_splits, num_pieces, piece_permille).
+/// `per_sm`: CTAs an SM of the occupancy block's kernel.
+#[allow(clippy::too_many_arguments)]
+fn evaluate_rules(
+    r: &Value,
+    batch: usize,
+    kv_heads: usize,
+    max_len: usize,
+    sms: usize,
+    per_sm: usize,
+    fast: bool,
+) -> (u64, u64, u64, bool, bool, bool, usize, usize, usize) {
+    let c = &r["constants"];
+    let k = |name: &str| count(&c[name]);
+    let pairs = batch * kv_heads * count(&r["grid_rows"]);
+    let bucket = pow2(max_len.max(1));
+    let rule_bucket = pow2(max_len.max(k("min_rule_bucket")));
+    let warps_of = |b: &Value| count(&b["threads"]) / 32;
+    let (mut rule, mut how) = (None, "");
+    for row in r["rules"].as_array().unwrap() {
+        let (w, b) = (&row["when"], &row["block"]);
+        let applies = match w["kind"].as_str().unwrap() {
+            "whole_pairs" => {
+                let waves = pairs.div_ceil(sms);
+                pairs > 0
+                    && 1000 * pairs >= k("whole_pairs_fill_permille") * waves * sms
+                    && within(&w["waves"], waves)
+                    && within(&w["buckets"], rule_bucket)
+            }
+            "one_tile" => {
+                let s = rule_bucket / (count(&b["tile_tokens"]) * warps_of(b));
+                let floor = (count(&b["min_warps_per_sm"]) / warps_of(b)).max(1);
+                within(&w["pairs"], pairs)
+                    && (1..=k("max_splits")).contains(&s)
+                    && pairs * s <= floor * sms
+            }
+            _ => within(&w["pairs"], pairs) && within(&w["buckets"], rule_bucket),
+        };
+        if applies {
+            how = w["kind"].as_str().unwrap();
+            if how == "few_pairs" && w["splits_from_default"] == true {
+                how = "few_pairs_default";
+            }
+            rule = Some(b);
+            break;
+        }
     }
+    let block = rule.unwrap_or(&r["default"]);
+    let warps = warps_of(block);
+    let warp_tokens = if r["short_warps"] == true && bucket <= k("short_context_bucket") {
+        k("short_warp_tokens")
+    } else {
+        k("warp_tokens")
+    };
+    let splits_for = |slots: usize, warps: usize| {
+        let most = (bucket / (warp_tokens * warps)).clamp(1, k("most_splits"));
+        let lo = (k("fill_permille") * slots)
+            .div_ceil(1000 * pairs)
+            .clamp(1, most);
+        (lo..=(2 * lo).min(most))
+            .max_by_key(|&s| {
+                let waves = (pairs * s).div_ceil(slots);
+                (1000 * pairs * s / (waves * slots), std::cmp::Reverse(s))
+            })
+            .unwrap()
+    };
+    let mut splits = match how {
+        "whole_pairs" => 1,
+        "one_tile" => rule_bucket / (count(&block["tile_tokens"]) * warps),
+        _ => splits_for(per_sm * sms, warps),
+    };
+    let short = block["short_staging_choice"] == true
+        && (block["short_staging"] == true
+            || bucket / (splits * warps) >= k("short_staging_min_warp_tokens"));
+    let stored = block["store_scores"] == true
+        && (how == "whole_pairs"
+            || (bucket > k("short_context_bucket")
+                && (count(&r["cta_gqa"]) <= k("stored_scores_max_gqa")
+                    || r["stored_scores_any_gqa"] == true)));
+    let (mut floor, mut tile, mut short) = (
+        block["min_warps_per_sm"].as_u64().unwrap(),
+        block["tile_tokens"].as_u64().unwrap(),
+        short,
+    );
+    let entry = block["fast_memory"].as_array().and_then(|f| {
+        f.iter()
+            .find(|e| e["short_staging"] == short && e["store_scores"] == stored)
+    });
+    if let Some(e) = entry.filter(|_| fast && !["whole_pairs", "one_tile"].contains(&how)) {
+        let twelve = k("fast_memory_warps_per_sm");
+        let s12 = splits_for(sms * (twelve / warps), warps).max(1);
+        let share = bucket / (s12 * warps);
+        if share >= k("fast_memory_min_warp_tokens") {
+            floor = twelve as u64;
+            short = true;
+            if e["tile64"] == true && share >= k("fast_memory_tile64_min_warp_tokens") {
+                tile = 64;
+            }
+            splits = s12;
+        }
+    }
+    let share = bucket / (splits * warps);
+    let (pieces, permille) = match r["pieces"].as_str().unwrap() {
+        _ if how == "whole_pairs" => (0, 0),
+        "long_shares" if share >= k("long_shares_min_warp_tokens") => (
+            k("long_shares_per_split") * splits,
+            k("long_shares_permille"),
+        ),
+        "few_splits"
+            if splits * warps <= k("few_splits_max_warps")
+                && share >= k("few_splits_min_warp_tokens") =>
+        {
+            (k("few_splits_count"), k("few_splits_permille"))
+        }
+        _ => (0, 0),
+    };
+    (
+        block["threads"].as_u64().unwrap(),
+        tile,
+        floor,
+        block["pack_heads"] == true,
+        short,
+        stored,
+        splits,
+        pieces,
+        permille,
+    )
 }
 
-#[test]
+/// `kvq gen` writes the untuned launch rules as data (`tune.rules`): evaluated from the JSON alone,
+/// as `tune.rules_evaluation` says, they give the runtime's untuned launch (block, split count,
+/// pieces, staging path, stored scores, fast-memory occupancy) over a grid of batches, lengths,
+/// SM counts, occupancies and memory speeds, for every GPU built-in at several shapes.
 fn gen_names_the_block_of_untuned_launches_by_batch_and_context() {
+    use kvq::runtime::tune::{Residency, TuneProblem};
     let tmp = TempDir::new("block");
-    let at_gqa4 = ["--head-dim", "128", "--gqa", "4"];
-    let rule_of = |scheme: &str| {
-        let (m, _, _) = gen_and_check(scheme, &at_gqa4, &tmp);
-        let rule = m["tune"]["default_block"].as_str().unwrap().to_string();
-        let otherwise = format!(
-            "threads {} and tile_tokens {}",
-            m["tune"]["threads"], m["tune"]["tile_tokens"]
-        );
-        (rule, otherwise)
-    };
-    // FP16: whole pairs, then one tile a warp (16-token tiles first), then four-warp tiles of 32.
-    let (rule, otherwise) = rule_of("fp16");
-    let whole = format!(
-        "{WHOLE_PAIRS_HEAD}{} where waves = 1 and bucket ≤ 4096, {} where 2 ≤ waves ≤ 3 and \
-         bucket ≤ 4096, {} where waves = 4 and bucket ≤ 2048; ",
-        block_text(256, 32, Some(0)),
-        block_text(128, 64, None),
-        block_text(64, 64, None),
-    );
-    let one_tile = |tile: u32| {
-        format!(
-            "{} with num_splits = bucket / {} (one tile a warp) where batch·kv_heads ≤ 64 and \
-             batch·kv_heads·num_splits ≤ 3·sm_count; ",
-            block_text(128, tile, None),
-            4 * tile
-        )
-    };
-    let few = format!(
-        "{0} where batch·kv_heads ≤ 16 and any bucket; {0} where 17 ≤ batch·kv_heads ≤ 64 and \
-         bucket ≤ 16384; else ",
-        block_text(128, 32, None)
-    );
-    assert_eq!(
-        rule,
-        format!("{whole}{}{}{few}{otherwise}", one_tile(16), one_tile(32))
-    );
-    // KIVI-4: whole pairs at one wave up to 1K (eight warps, 16-token tiles, short staging),
-    // then the few-pairs blocks.
-    let (rule, otherwise) = rule_of("kivi4");
-    let whole = format!(
-        "{WHOLE_PAIRS_HEAD}threads 256, tile_tokens 16 and short_staging true (sources generated \
-         with --threads 256 --tile-tokens 16 --short-staging true) where waves = 1 and bucket ≤ \
-         1024; "
-    );
-    let rule = rule
-        .strip_prefix(&whole)
-        .unwrap_or_else(|| panic!("KIVI-4's rule starts with its whole-pairs block: {rule}"));
-    assert!(
-        rule.starts_with("threads 128, tile_tokens 32 and short_staging true (sources generated")
-            && rule.contains("--tile-tokens 32 --short-staging true)")
-            && rule.contains("where batch·kv_heads ≤ 64 and bucket ≥ 4096, with default_splits")
-            && rule.contains("where 64 ≤ batch·kv_heads ≤ 256 and 1024 ≤ bucket ≤ 8192, with")
-            && rule.contains(&format!("occupancy of the {otherwise}").replace(" and ", " "))
-            && rule.ends_with(&otherwise),
-        "{rule}"
-    );
-    // kivi2: whole pairs first (four blocks by waves and bucket), then unpacked tiles of 32 at
-    // middle batches.
-    let (rule, otherwise) = rule_of("kivi2");
-    let whole = format!(
-        "{WHOLE_PAIRS_HEAD}{} where waves = 1 and bucket ≤ 4096, {} where 2 ≤ waves ≤ 3 and \
-         bucket ≤ 2048, {} where 2 ≤ waves ≤ 3 and 4096 ≤ bucket ≤ 8192, {} where waves = 4 and \
-         bucket ≤ 8192; ",
-        block_text(256, 32, Some(0)),
-        block_text(128, 32, None),
-        block_text(128, 64, None),
-        block_text(64, 64, None),
-    );
-    let few = "threads 128, tile_tokens 32 and pack_heads false (sources generated with \
-               --threads 128 --tile-tokens 32 --pack-heads false) where 32 ≤ batch·kv_heads ≤ 64 \
-               and 2048 ≤ bucket ≤ 8192; else ";
-    assert_eq!(rule, format!("{whole}{few}{otherwise}"));
-    // INT8 and CalibQuant: whole-pairs blocks only (KIVI-4 has none); CalibQuant's say
-    // whether they store scores.
-    let (rule, otherwise) = rule_of("int8");
-    assert!(
-        rule.contains("num_pieces = 0: threads 256 and tile_tokens 16 (sources generated")
-            && rule.contains("where waves = 1 and bucket ≤ 8192; else")
-            && rule.ends_with(&otherwise),
-        "{rule}"
-    );
-    let (rule, otherwise) = rule_of("calibquant2");
-    assert!(
-        rule.contains("min_warps_per_sm 0 and store_scores false (sources generated with")
-            && rule.contains("--store-scores false) where waves = 1 and bucket ≤ 1024, threads")
-            && rule.contains("where waves = 1 and 2048 ≤ bucket ≤ 8192, threads 128")
-            && rule.contains(
-                "min_warps_per_sm 0 (sources generated with --threads 128 --tile-tokens 64 \
-                 --min-warps-per-sm 0) where waves = 2 and 4096 ≤ bucket ≤ 8192"
-            )
-            && rule.ends_with(&format!(
-                "where waves = 4 and bucket ≤ 4096; else {otherwise}"
-            )),
-        "{rule}"
-    );
-    // A scheme outside the measured families keeps the codegen default everywhere.
-    let (rule, otherwise) = rule_of("k = int(3, channel), v = int(3, token)");
-    assert_eq!(rule, format!("{otherwise} at every batch and context"));
+    let mut compared = 0;
+    for name in gpu_builtins() {
+        for (head_dim, gqa) in [(128, 4), (128, 16), (64, 8), (256, 4)] {
+            let args = [
+                "--head-dim",
+                &head_dim.to_string(),
+                "--gqa",
+                &gqa.to_string(),
+            ];
+            let (m, _, _) = gen_and_check(name, &args, &tmp);
+            let rules = &m["tune"]["rules"];
+            assert!(
+                m["tune"]["rules_evaluation"]
+                    .as_array()
+                    .is_some_and(|e| !e.is_empty()),
+                "{name}"
+            );
+            let spec = kvq::schemes::by_name(name).unwrap().spec;
+            let shape = kvq::codegen::KernelShape::new(head_dim, gqa, kvq::codegen::Dtype::F16);
+            for batch in [1, 2, 4, 8, 16, 24, 32, 64] {
+                for max_len in [100, 512, 1024, 2048, 4096, 8192, 32768, 131072] {
+                    for (sms, per_sm, fast) in [(132, 3, false), (132, 2, true), (114, 6, false)] {
+                        let p = TuneProblem::new(spec, shape, 8, batch, max_len);
+                        let h = kvq::runtime::tune::TuneChoice::heuristic(
+                            &p,
+                            Residency::new(sms, per_sm * sms).with_fast_memory(fast),
+                        );
+                        let want = (
+                            u64::from(h.params.threads),
+                            u64::from(h.params.tile_tokens),
+                            u64::from(h.params.min_warps_per_sm),
+                            h.params.pack_heads,
+                            h.params.short_staging,
+                            h.params.store_scores,
+                            h.splits,
+                            h.pieces.count,
+                            h.pieces.permille as usize,
+                        );
+                        assert_eq!(
+                            evaluate_rules(rules, batch, 8, max_len, sms, per_sm, fast),
+                            want,
+                            "{name} d{head_dim} gqa {gqa} B={batch} L={max_len} {sms} SMs"
+                        );
+                        compared += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(compared > 1000, "{compared}");
 }
 
-#[test]
 fn gen_output_compiles_with_nvrtc_for_every_gpu_builtin() {
-    if require_nvrtc("gen_output_compiles_with_nvrtc_for_every_gpu_builtin").is_none() {
-        return;
-    }
     let tmp = TempDir::new("nvrtc");
     for name in gpu_builtins() {
         let (m, out, dir) = gen_and_check(
@@ -822,7 +939,6 @@ fn gen_output_compiles_with_nvrtc_for_every_gpu_builtin() {
     assert!(text(&o).1.contains("--arch"), "{}", text(&o).1);
 }
 
-#[test]
 fn gen_sample_matches_the_manifest_layout() {
     let tmp = TempDir::new("sample");
     let (m, _, dir) = gen_and_check(
@@ -906,10 +1022,9 @@ fn gen_sample_matches_the_manifest_layout() {
         .all(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()));
 }
 
-#[test]
 fn demo_without_a_gpu_prints_the_cpu_table_and_exits_0() {
     let tmp = TempDir::new("demo");
-    let mut args = vec![
+    let args = [
         "demo",
         "--tokens",
         "384",
@@ -918,17 +1033,12 @@ fn demo_without_a_gpu_prints_the_cpu_table_and_exits_0() {
         "--context",
         "4K",
     ];
-    if gpu_present() {
-        args.push("--cpu");
-    }
-    let o = kvq(&args, tmp.path());
+    // The GPUs hidden: the CPU table whatever the machine has.
+    let o = kvq_without_gpu(&args, tmp.path());
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
     let first = out.lines().next().unwrap();
-    assert!(
-        first.starts_with("No usable GPU") || first.starts_with("GPU not used (--cpu)"),
-        "{first}"
-    );
+    assert!(first.starts_with("No usable GPU"), "{first}");
     assert!(first.contains("CPU reference"));
     let header = out
         .lines()
@@ -958,8 +1068,8 @@ fn f16_bytes(values: &[f32]) -> Vec<u8> {
 
 /// Writes a two-layer capture: layer 0 with queries, layer 1 without (the last-key proxy).
 fn write_capture(path: &Path, tokens: usize, kv_heads: usize, head_dim: usize) {
-    let (k0, v0) = kvq_cli::demo::heavy_tailed_kv(kv_heads, tokens, head_dim, 1);
-    let (k1, v1) = kvq_cli::demo::heavy_tailed_kv(kv_heads, tokens, head_dim, 2);
+    let (k0, v0) = random_kv(kv_heads, tokens, head_dim, 1, Tails::Laplace).unwrap();
+    let (k1, v1) = random_kv(kv_heads, tokens, head_dim, 2, Tails::Laplace).unwrap();
     // [kv_heads][tokens][head_dim] → [tokens][kv_heads][head_dim].
     let tokens_first = |t: &kvq::reference::KvTensor| {
         let mut out = Vec::with_capacity(t.data.len());
@@ -1020,7 +1130,6 @@ fn attn_err_of_layer(out: &str, layer: usize) -> f64 {
     row.split_whitespace().nth(7).unwrap().parse().unwrap()
 }
 
-#[test]
 fn eval_reads_a_safetensors_capture_and_reports_every_layer_and_head() {
     let tmp = TempDir::new("eval");
     let file = tmp.path().join("kv.safetensors");
@@ -1080,7 +1189,6 @@ fn eval_reads_a_safetensors_capture_and_reports_every_layer_and_head() {
     assert!(out.contains("1 layer(s)"), "{out}");
 }
 
-#[test]
 fn eval_names_what_is_missing() {
     let tmp = TempDir::new("eval-missing");
     let missing = tmp.path().join("nope.safetensors");
@@ -1145,7 +1253,6 @@ fn eval_names_what_is_missing() {
     assert!(text(&o).1.contains("layer input"), "{}", text(&o).1);
 }
 
-#[test]
 fn info_reports_every_piece_and_never_fails() {
     let tmp = TempDir::new("info");
     let o = kvq(&["info"], tmp.path());
@@ -1165,11 +1272,8 @@ fn info_reports_every_piece_and_never_fails() {
     assert!(out.contains("0 tuned entries"), "{out}");
 }
 
-#[test]
+/// Runs with the GPUs hidden, so it checks the same on a machine with one.
 fn tune_and_bench_need_a_gpu_and_say_so() {
-    if gpu_present() {
-        return;
-    }
     let tmp = TempDir::new("nogpu");
     for args in [
         &["tune", "--scheme", "kivi2", "--context", "4K"][..],
@@ -1185,21 +1289,21 @@ fn tune_and_bench_need_a_gpu_and_say_so() {
             "40",
         ][..],
     ] {
-        let o = kvq(args, tmp.path());
+        let o = kvq_without_gpu(args, tmp.path());
         let (_, err) = text(&o);
         assert_eq!(o.status.code(), Some(3), "{args:?}: {err}");
         assert!(err.contains("needs a GPU"), "{err}");
     }
     // Usage errors come first, GPU or not.
-    let o = kvq(&["tune", "--scheme", "commvq2"], tmp.path());
+    let o = kvq_without_gpu(&["tune", "--scheme", "commvq2"], tmp.path());
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).1.contains("CPU reference only"), "{}", text(&o).1);
-    let o = kvq(&["bench", "--q-heads", "30"], tmp.path());
+    let o = kvq_without_gpu(&["bench", "--q-heads", "30"], tmp.path());
     assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
-    let o = kvq(&["bench", "--pad-mib", "-1"], tmp.path());
+    let o = kvq_without_gpu(&["bench", "--pad-mib", "-1"], tmp.path());
     assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
     // Scheme text is read before the GPU is looked for: a mistake points at its column.
-    let o = kvq(
+    let o = kvq_without_gpu(
         &["bench", "--schemes", "kivi2; k = int(5, channel), v = fp16"],
         tmp.path(),
     );
@@ -1207,17 +1311,11 @@ fn tune_and_bench_need_a_gpu_and_say_so() {
     assert!(text(&o).1.contains("column 9"), "{}", text(&o).1);
 }
 
-#[test]
+/// Runs with the GPUs hidden (gpu.rs runs the bench with scheme text on a GPU).
 fn bench_takes_scheme_text_beside_builtins() {
-    if gpu_present() {
-        eprintln!(
-            "skipped: a GPU is present, so the bench would run (gpu.rs runs it with scheme text)"
-        );
-        return;
-    }
     // Valid text gets as far as the GPU check (exit 3), as a built-in does.
     let tmp = TempDir::new("bench-text");
-    let o = kvq(
+    let o = kvq_without_gpu(
         &[
             "bench",
             "--schemes",
@@ -1230,7 +1328,7 @@ fn bench_takes_scheme_text_beside_builtins() {
         tmp.path(),
     );
     assert_eq!(o.status.code(), Some(3), "{}", text(&o).1);
-    let o = kvq(
+    let o = kvq_without_gpu(
         &[
             "bench",
             "--schemes",

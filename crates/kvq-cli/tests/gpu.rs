@@ -1,13 +1,39 @@
 //! The GPU paths of the `kvq` binary: `demo` adds the kernel's error and latency columns, `eval`
 //! adds the GPU column, `tune` stores a result that `tune` then reports as stored and `gen` and
-//! `info` pick up, `bench` prints its table. Each test skips without a GPU (and fails under
-//! `KVQ_REQUIRE_GPU=1`).
+//! `info` pick up, `bench` prints its table. Runs under its own harness: without a GPU each test
+//! shows as ignored, with the reason; `KVQ_REQUIRE_GPU=1` makes that a failure.
 
 mod common;
-use common::{kvq, ok, TempDir};
+use common::{kvq, needs, ok, run_trials, TempDir};
 
-use kvq::runtime::testing::require_gpu;
+use kvq::reference::synth::{random_kv, Tails};
+use kvq::runtime::testing::Need;
 use serde_json::Value;
+
+fn main() {
+    run_trials(vec![
+        needs(
+            Need::Gpu,
+            "gpu_demo_adds_kernel_error_and_latency",
+            gpu_demo_adds_kernel_error_and_latency,
+        ),
+        needs(
+            Need::Gpu,
+            "gpu_eval_adds_the_kernel_column",
+            gpu_eval_adds_the_kernel_column,
+        ),
+        needs(
+            Need::Gpu,
+            "gpu_tune_stores_a_result_that_gen_and_info_pick_up",
+            gpu_tune_stores_a_result_that_gen_and_info_pick_up,
+        ),
+        needs(
+            Need::Gpu,
+            "gpu_bench_prints_its_table",
+            gpu_bench_prints_its_table,
+        ),
+    ]);
+}
 
 /// The cells of the row starting with `name`.
 fn row<'a>(out: &'a str, name: &str) -> Vec<&'a str> {
@@ -18,11 +44,7 @@ fn row<'a>(out: &'a str, name: &str) -> Vec<&'a str> {
         .collect()
 }
 
-#[test]
 fn gpu_demo_adds_kernel_error_and_latency() {
-    if require_gpu("gpu_demo_adds_kernel_error_and_latency").is_none() {
-        return;
-    }
     let tmp = TempDir::new("demo");
     let out = ok(&kvq(
         &[
@@ -67,13 +89,9 @@ fn gpu_demo_adds_kernel_error_and_latency() {
     assert!(out.contains("JIT: compiled"), "{out}");
 }
 
-#[test]
 fn gpu_eval_adds_the_kernel_column() {
-    if require_gpu("gpu_eval_adds_the_kernel_column").is_none() {
-        return;
-    }
     let tmp = TempDir::new("eval");
-    let (k, v) = kvq_cli::demo::heavy_tailed_kv(2, 700, 128, 3);
+    let (k, v) = random_kv(2, 700, 128, 3, Tails::Laplace).unwrap();
     let bytes = |t: &kvq::reference::KvTensor| -> Vec<u8> {
         // heads-first layout: the tensor's own order.
         t.data
@@ -122,11 +140,7 @@ fn gpu_eval_adds_the_kernel_column() {
     );
 }
 
-#[test]
 fn gpu_tune_stores_a_result_that_gen_and_info_pick_up() {
-    if require_gpu("gpu_tune_stores_a_result_that_gen_and_info_pick_up").is_none() {
-        return;
-    }
     let tmp = TempDir::new("tune");
     let args = [
         "tune",
@@ -174,11 +188,7 @@ fn gpu_tune_stores_a_result_that_gen_and_info_pick_up() {
     assert_eq!(m["tune"]["tuned"][0]["context_bucket"], 4096);
 }
 
-#[test]
 fn gpu_bench_prints_its_table() {
-    if require_gpu("gpu_bench_prints_its_table").is_none() {
-        return;
-    }
     let tmp = TempDir::new("bench");
     let stem = tmp.0.join("out/run");
     // A built-in and scheme text (one-pass 1-bit K and V, which no built-in has).

@@ -5,13 +5,145 @@
 //!
 //! K and V come from an explicit layer (`K = RoPE(X·W_k)`, `V = X·W_v`), so XQuant's rematerialisation
 //! can be checked on the same data; `x_prev` is the previous layer's input for XQuant-CL.
+//!
+//! For sizes where that layer costs too much (a 128K-token cache is 268M values), [`random_kv`]
+//! draws K/V directly from [`SynthRng`]: fast, seeded, never zero, with a few large-magnitude key
+//! channels. It is the one fast generator the tuner, the bench, `kvq demo`, `kvq gen`'s sample
+//! and the GPU tests share, so "the same seed" means the same data everywhere.
 
 use crate::attention::Queries;
+use crate::resources::{self, AllocError};
 use crate::rope::Rope;
 use crate::{KvTensor, RefError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal, StudentT};
+
+/// SplitMix64: one multiply-xorshift chain per value. Speed matters more than statistical
+/// quality for [`random_kv`], hence no cryptographic or crate-provided generator.
+#[derive(Clone, Debug)]
+pub struct SynthRng(u64);
+
+impl SynthRng {
+    /// A generator for `seed`.
+    pub fn new(seed: u64) -> SynthRng {
+        SynthRng(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[-1, 1)`.
+    pub fn symmetric(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// The distribution of [`random_kv`]'s values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tails {
+    /// Uniform values in `[-1, 1)` plus a per-token offset in `[-0.25, 0.25)`: what the tuner
+    /// and the bench time and check kernels on.
+    Uniform,
+    /// Laplace values (scale 0.4) plus a per-channel bias in `[-0.5, 0.5)` times the channel's
+    /// gain: heavy tails, so quantization groups hold values several scales out (the demo's
+    /// latency workload, the CLI's captures, the GPU tests).
+    Laplace,
+}
+
+/// Random K and V of one sequence, `[kv_heads][tokens][head_dim]`, with values drawn as `tails`
+/// says and one K channel in 16 amplified eightfold (the outlier channels KIVI and Kitty are
+/// designed around). The same arguments always give the same data.
+///
+/// The sizes come from callers' flags and shapes, so the memory is checked and reserved before
+/// any is taken: a size past the machine (or past 64 bits) is an [`AllocError`] naming the bytes,
+/// never an allocation abort.
+pub fn random_kv(
+    kv_heads: usize,
+    tokens: usize,
+    head_dim: usize,
+    seed: u64,
+    tails: Tails,
+) -> Result<(KvTensor, KvTensor), AllocError> {
+    let count = resources::product(&[kv_heads, tokens, head_dim]);
+    let what = format!(
+        "the synthetic K and V ({kv_heads} KV heads × {tokens} tokens × {head_dim} channels)"
+    );
+    // K and V are both held at once, so both are checked before either is taken.
+    let both = count
+        .and_then(resources::bytes_of::<f32>)
+        .and_then(|b| b.checked_mul(2));
+    resources::check(both, &what)?;
+    let count = count.unwrap_or(usize::MAX);
+    let gains_len = kv_heads.saturating_mul(head_dim);
+    let mut rng = SynthRng::new(seed);
+    let mut fill = |outliers: bool| -> Result<KvTensor, AllocError> {
+        let mut data = resources::try_with_capacity::<f32>(count, &what)?;
+        let mut channels = resources::try_with_capacity::<(f32, f32)>(gains_len, &what)?;
+        match tails {
+            Tails::Uniform => {
+                channels.extend((0..gains_len).map(|_| {
+                    let gain = if outliers && rng.next_u64() % 16 == 0 {
+                        8.0
+                    } else {
+                        1.0
+                    };
+                    (gain, 0.0)
+                }));
+                for h in 0..kv_heads {
+                    let ch = &channels[h * head_dim..(h + 1) * head_dim];
+                    for _ in 0..tokens {
+                        let offset = 0.25 * rng.symmetric();
+                        data.extend(ch.iter().map(|(g, _)| (rng.symmetric() + offset) * g));
+                    }
+                }
+            }
+            Tails::Laplace => {
+                channels.extend((0..gains_len).map(|_| {
+                    let outlier = outliers && rng.next_u64() % 16 == 0;
+                    let gain = if outlier { 8.0 } else { 1.0 };
+                    (gain, 0.5 * rng.symmetric() * gain)
+                }));
+                for h in 0..kv_heads {
+                    let ch = &channels[h * head_dim..(h + 1) * head_dim];
+                    for _ in 0..tokens {
+                        data.extend(ch.iter().map(|(gain, bias)| {
+                            let u = (rng.symmetric() + 1.0) * 0.5; // [0, 1)
+                            let magnitude = -(1.0 - u).max(f32::MIN_POSITIVE).ln() * 0.4;
+                            let sign = if rng.next_u64() & 1 == 0 { 1.0 } else { -1.0 };
+                            (sign * magnitude * gain + bias).clamp(-60000.0, 60000.0)
+                        }));
+                    }
+                }
+            }
+        }
+        Ok(KvTensor {
+            data,
+            kv_heads,
+            tokens,
+            head_dim,
+        })
+    };
+    let k = fill(true)?;
+    let v = fill(false)?;
+    Ok((k, v))
+}
+
+/// `n` random query values, uniform in `[-1.5, 1.5)`, from a stream distinct from
+/// [`random_kv`]'s for the same seed (callers round them to their kernel's dtype).
+pub fn random_query_values(n: usize, seed: u64) -> Result<Vec<f32>, AllocError> {
+    let what = format!("the synthetic queries ({n} values)");
+    let mut values = resources::try_with_capacity::<f32>(n, &what)?;
+    let mut rng = SynthRng::new(seed ^ 0x5155_4552_5951);
+    values.extend((0..n).map(|_| 1.5 * rng.symmetric()));
+    Ok(values)
+}
 
 /// Shape and structure of a synthetic layer.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -397,6 +529,32 @@ mod tests {
         assert!(e.to_string().contains("overflows"), "{e}");
         let e = try_to_head_major(&[0.0; 3], 2, 1, 2, "K").unwrap_err();
         assert!(e.to_string().contains("3 values"), "{e}");
+    }
+
+    #[test]
+    fn random_kv_is_seeded_finite_and_has_outlier_key_channels() {
+        for tails in [Tails::Uniform, Tails::Laplace] {
+            let (k, v) = random_kv(2, 300, 64, 5, tails).unwrap();
+            let (k2, v2) = random_kv(2, 300, 64, 5, tails).unwrap();
+            assert_eq!((&k, &v), (&k2, &v2), "{tails:?}");
+            assert_ne!(k, random_kv(2, 300, 64, 6, tails).unwrap().0, "{tails:?}");
+            assert!(k.data.iter().chain(&v.data).all(|x| x.is_finite()));
+            assert!(
+                k.data.iter().filter(|x| **x == 0.0).count() < 5,
+                "{tails:?}"
+            );
+            let max = |t: &KvTensor| t.data.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            assert!(max(&k) > 2.0 * max(&v), "{tails:?}: K outlier channels");
+        }
+        // Heavy tails: some values several scales out; uniform values stay within their range.
+        let (_, v) = random_kv(2, 300, 64, 5, Tails::Laplace).unwrap();
+        assert!(v.data.iter().any(|x| x.abs() > 2.0));
+        let (_, v) = random_kv(2, 300, 64, 5, Tails::Uniform).unwrap();
+        assert!(v.data.iter().all(|x| x.abs() <= 1.25));
+        let q = random_query_values(100, 3).unwrap();
+        assert!(q.iter().all(|x| x.abs() <= 1.5) && q != random_query_values(100, 4).unwrap());
+        let e = random_kv(8, 100_000_000, 128, 1, Tails::Laplace).unwrap_err();
+        assert!(e.to_string().contains("819200000000 bytes"), "{e}");
     }
 
     #[test]

@@ -189,10 +189,16 @@ fn bad_inputs_are_typed_errors() {
         CommVqCache::build(&spec, &narrow, &narrow, s.rope, &cb),
         Err(RefError::Mismatch(_))
     ));
-    let odd = KvTensor::zeros(2, 128, 48);
+    // 48 channels are a valid shape (24 pairs, three codes of 8) for codebooks trained on 64.
+    let other_width = KvTensor::zeros(2, 128, 48);
+    assert!(matches!(
+        CommVqCache::build(&spec, &other_width, &other_width, s.rope, &cb),
+        Err(RefError::Mismatch(_))
+    ));
+    let odd = KvTensor::zeros(2, 128, 40);
     assert!(matches!(
         CommVqCache::build(&spec, &odd, &odd, s.rope, &cb),
-        Err(RefError::Shape(_))
+        Err(RefError::Shape(kvq_spec::ShapeError::HeadDim(40)))
     ));
     let v_other = KvTensor::zeros(2, 100, 64);
     assert!(matches!(

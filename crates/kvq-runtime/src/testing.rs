@@ -10,6 +10,11 @@
 //!
 //! Skip lines are written to the process's stderr directly, past libtest's output capture, so
 //! they show in a plain `cargo test` run.
+//!
+//! Test files with their own harness (`harness = false`, libtest-mimic) ask [`Need::gate`] once
+//! before running: [`Gate::Run`] runs the test, [`Gate::Skip`] reports it as ignored with the
+//! reason (so the summary counts it as ignored, not passed), [`Gate::Fail`] fails it with the
+//! reason (a skip under `KVQ_REQUIRE_GPU=1` / `KVQ_REQUIRE_NVRTC=1`).
 
 use std::fmt::Display;
 use std::io::Write;
@@ -32,6 +37,50 @@ pub fn env_flag(name: &str) -> bool {
             )
         })
         .unwrap_or(false)
+}
+
+/// What a test needs from the machine beyond a CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    /// NVRTC loads (compile-only tests).
+    Nvrtc,
+    /// A GPU opens and NVRTC loads (every kvq GPU test JIT-compiles).
+    Gpu,
+}
+
+/// What a test with a [`Need`] does on this machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Gate {
+    /// Everything it needs is here.
+    Run,
+    /// Something is missing: report the test as ignored, with this reason.
+    Skip(String),
+    /// Something is missing and the environment requires it: fail with this reason.
+    Fail(String),
+}
+
+impl Need {
+    /// Looks at the machine (opens device 0, loads NVRTC) and the `KVQ_REQUIRE_*` flags.
+    pub fn gate(self) -> Gate {
+        let nvrtc_missing = nvrtc::version()
+            .err()
+            .map(|e| format!("NVRTC is unusable: {e}"));
+        let gpu_missing = match self {
+            Need::Nvrtc => None,
+            Need::Gpu => Device::open(0).err().map(|e| format!("no usable GPU: {e}")),
+        };
+        let set = |flag: &'static str| env_flag(flag).then_some(flag);
+        let required = match (&gpu_missing, &nvrtc_missing) {
+            (None, None) => return Gate::Run,
+            (Some(_), _) => set(KVQ_REQUIRE_GPU),
+            (None, Some(_)) => set(KVQ_REQUIRE_NVRTC).or_else(|| set(KVQ_REQUIRE_GPU)),
+        };
+        let reason = gpu_missing.or(nvrtc_missing).unwrap_or_default();
+        match required {
+            Some(flag) => Gate::Fail(format!("{flag}=1 but {reason}")),
+            None => Gate::Skip(reason),
+        }
+    }
 }
 
 /// Prints `skipping <test>: <reason>` to stderr, uncaptured.

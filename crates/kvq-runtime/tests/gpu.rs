@@ -1,13 +1,55 @@
 //! On a GPU: compile, load and launch through the JIT, with outputs poisoned before each launch
 //! and checked after; the in-process and disk caches; typed launch and lookup errors; event
-//! timing. Skips with a printed reason without a GPU (or NVRTC); fails under KVQ_REQUIRE_GPU=1.
+//! timing. Runs under its own harness: without a GPU (or NVRTC) each test shows as ignored, with the
+//! reason; KVQ_REQUIRE_GPU=1 makes that a failure.
 
 use std::sync::Arc;
 
 use kvq_runtime::cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use kvq_runtime::nvrtc::{CompileOptions, IncludeDirs, Source};
-use kvq_runtime::testing::require_gpu;
+use kvq_runtime::testing::{Gate, Need};
 use kvq_runtime::{time_gpu, Device, DiskCache, Jit, Origin, Output, RuntimeError};
+
+/// Every test of this file, by name.
+const TESTS: &[(&str, fn())] = &[
+    (
+        "jit_compiles_loads_and_launches_with_poisoned_outputs",
+        jit_compiles_loads_and_launches_with_poisoned_outputs,
+    ),
+    (
+        "concurrent_requests_compile_once",
+        concurrent_requests_compile_once,
+    ),
+    (
+        "event_timing_measures_a_copy_bound_kernel",
+        event_timing_measures_a_copy_bound_kernel,
+    ),
+    ("device_errors_are_typed", device_errors_are_typed),
+];
+
+/// Runs the tests under libtest's command line: each shows as `ignored (reason)` without a GPU,
+/// and fails with the reason under `KVQ_REQUIRE_GPU=1`.
+fn main() {
+    let gate = std::sync::OnceLock::new();
+    let gate = std::sync::Arc::new(gate);
+    let trials = TESTS
+        .iter()
+        .map(|&(name, test)| {
+            let gate = std::sync::Arc::clone(&gate);
+            libtest_mimic::Trial::ignorable_test(name, move || {
+                match gate.get_or_init(|| Need::Gpu.gate()) {
+                    Gate::Run => {
+                        test();
+                        Ok(libtest_mimic::Completion::Completed)
+                    }
+                    Gate::Skip(reason) => Ok(libtest_mimic::Completion::ignored_with(reason)),
+                    Gate::Fail(reason) => Err(reason.into()),
+                }
+            })
+        })
+        .collect();
+    libtest_mimic::run(&libtest_mimic::Arguments::from_args(), trials).exit()
+}
 
 const KERNELS: &str = r#"// kvq-runtime GPU test kernels (header-free)
 extern "C" __global__ void fill(float* out, float value, unsigned n) {
@@ -61,11 +103,8 @@ fn launch_fill(
         .map_err(|e| RuntimeError::launch("fill", e))
 }
 
-#[test]
 fn jit_compiles_loads_and_launches_with_poisoned_outputs() {
-    let Some(device) = require_gpu("jit_compiles_loads_and_launches_with_poisoned_outputs") else {
-        return;
-    };
+    let device = Device::open(0).expect("GPU");
     println!("{}", device.props());
     assert_eq!(
         device.arch(),
@@ -159,11 +198,8 @@ fn jit_compiles_loads_and_launches_with_poisoned_outputs() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[test]
 fn concurrent_requests_compile_once() {
-    let Some(device) = require_gpu("concurrent_requests_compile_once") else {
-        return;
-    };
+    let device = Device::open(0).expect("GPU");
     let jit = Jit::with_disk_cache(&device, None);
     let source = Source::new("threads.cu", KERNELS.replace("fill", "fill_threads"));
     std::thread::scope(|s| {
@@ -176,11 +212,8 @@ fn concurrent_requests_compile_once() {
     assert_eq!(stats.memory_hits, 7, "{stats}");
 }
 
-#[test]
 fn event_timing_measures_a_copy_bound_kernel() {
-    let Some(device) = require_gpu("event_timing_measures_a_copy_bound_kernel") else {
-        return;
-    };
+    let device = Device::open(0).expect("GPU");
     let jit = Jit::with_disk_cache(&device, None);
     let fill = jit
         .function(&Source::new("kernels.cu", KERNELS), "fill", &options())
@@ -210,11 +243,8 @@ fn event_timing_measures_a_copy_bound_kernel() {
     );
 }
 
-#[test]
 fn device_errors_are_typed() {
-    let Some(_device) = require_gpu("device_errors_are_typed") else {
-        return;
-    };
+    let _device = Device::open(0).expect("GPU");
     let count = kvq_runtime::device_count().unwrap();
     let err = Device::open(count + 3).unwrap_err();
     assert!(matches!(err, RuntimeError::NoGpu { .. }), "{err}");

@@ -3,15 +3,46 @@
 //! reference check, is never slower than the default it was timed against, tuning takes under
 //! 30 s, the result is stored, and the policies read it back. Prints a line per shape.
 //!
-//! Skips with a printed reason without a GPU; fails when `KVQ_REQUIRE_GPU=1`.
+//! Runs under its own harness: without a GPU the test shows as ignored, with the reason;
+//! `KVQ_REQUIRE_GPU=1` makes that a failure.
 
 use std::time::Duration;
 
 use kvq_codegen::{Dtype, KernelShape};
-use kvq_runtime::testing::require_gpu;
+use kvq_runtime::testing::{Gate, Need};
 use kvq_runtime::tune::{tolerance, ChoiceSource, TunePolicy, TuneProblem, TuneStore, Tuner};
-use kvq_runtime::Jit;
+use kvq_runtime::{Device, Jit};
 use kvq_spec::SchemeSpec;
+
+/// Every test of this file, by name.
+const TESTS: &[(&str, fn())] = &[(
+    "gpu_tuning_picks_a_correct_configuration_no_slower_than_the_default",
+    gpu_tuning_picks_a_correct_configuration_no_slower_than_the_default,
+)];
+
+/// Runs the tests under libtest's command line: each shows as `ignored (reason)` without a GPU,
+/// and fails with the reason under `KVQ_REQUIRE_GPU=1`.
+fn main() {
+    let gate = std::sync::OnceLock::new();
+    let gate = std::sync::Arc::new(gate);
+    let trials = TESTS
+        .iter()
+        .map(|&(name, test)| {
+            let gate = std::sync::Arc::clone(&gate);
+            libtest_mimic::Trial::ignorable_test(name, move || {
+                match gate.get_or_init(|| Need::Gpu.gate()) {
+                    Gate::Run => {
+                        test();
+                        Ok(libtest_mimic::Completion::Completed)
+                    }
+                    Gate::Skip(reason) => Ok(libtest_mimic::Completion::ignored_with(reason)),
+                    Gate::Fail(reason) => Err(reason.into()),
+                }
+            })
+        })
+        .collect();
+    libtest_mimic::run(&libtest_mimic::Arguments::from_args(), trials).exit()
+}
 
 fn temp_store(tag: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("kvq-tune-gpu-{tag}-{}", std::process::id()));
@@ -19,13 +50,8 @@ fn temp_store(tag: &str) -> std::path::PathBuf {
     dir.join("tune.json")
 }
 
-#[test]
 fn gpu_tuning_picks_a_correct_configuration_no_slower_than_the_default() {
-    let Some(device) =
-        require_gpu("gpu_tuning_picks_a_correct_configuration_no_slower_than_the_default")
-    else {
-        return;
-    };
+    let device = Device::open(0).expect("GPU");
     println!("{}", device.props());
     let jit = Jit::new(&device).expect("JIT");
     let path = temp_store("contract");

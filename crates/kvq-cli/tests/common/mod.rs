@@ -3,6 +3,44 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+use kvq::runtime::testing::{Gate, Need};
+use libtest_mimic::{Arguments, Completion, Trial};
+
+/// Runs `trials` under libtest's command line (name filters, `--exact`, `--list`) and exits with
+/// its status.
+pub fn run_trials(trials: Vec<Trial>) -> ! {
+    libtest_mimic::run(&Arguments::from_args(), trials).exit()
+}
+
+/// A test that needs `need`: runs where it is here, shows as `ignored (reason)` where it is not,
+/// and fails with the reason where a `KVQ_REQUIRE_*` flag says it must run. The machine is
+/// looked at once per process.
+pub fn needs(need: Need, name: &str, test: fn()) -> Trial {
+    static GPU: OnceLock<Gate> = OnceLock::new();
+    static NVRTC: OnceLock<Gate> = OnceLock::new();
+    let gate = move || match need {
+        Need::Gpu => GPU.get_or_init(|| need.gate()),
+        Need::Nvrtc => NVRTC.get_or_init(|| need.gate()),
+    };
+    Trial::ignorable_test(name, move || match gate() {
+        Gate::Run => {
+            test();
+            Ok(Completion::Completed)
+        }
+        Gate::Skip(reason) => Ok(Completion::ignored_with(reason)),
+        Gate::Fail(reason) => Err(reason.into()),
+    })
+}
+
+/// A test that needs nothing but the CPU.
+pub fn plain(name: &str, test: fn()) -> Trial {
+    Trial::test(name, move || {
+        test();
+        Ok(())
+    })
+}
 
 /// A fresh folder under the system temp dir, removed when dropped.
 pub struct TempDir(pub PathBuf);
@@ -29,12 +67,27 @@ impl Drop for TempDir {
 /// Runs `kvq args…` with its cache folder in `cache` (so no user state leaks in). `KVQ_BIN` runs a
 /// staged binary instead (the GPU machine has no cargo).
 pub fn kvq(args: &[&str], cache: &Path) -> Output {
-    Command::new(std::env::var("KVQ_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvq").to_string()))
-        .args(args)
-        .env("KVQ_CACHE_DIR", cache)
-        .env_remove("KVQ_TUNE")
+    command(args, cache).output().expect("run kvq")
+}
+
+/// As [`kvq`], with every GPU hidden from the process (`CUDA_VISIBLE_DEVICES=-1`: an invalid
+/// first index leaves no device visible), so what `kvq` does without a GPU is checked on any
+/// machine, the GPU machine included.
+pub fn kvq_without_gpu(args: &[&str], cache: &Path) -> Output {
+    command(args, cache)
+        .env("CUDA_VISIBLE_DEVICES", "-1")
         .output()
         .expect("run kvq")
+}
+
+fn command(args: &[&str], cache: &Path) -> Command {
+    let mut c = Command::new(
+        std::env::var("KVQ_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvq").to_string()),
+    );
+    c.args(args)
+        .env("KVQ_CACHE_DIR", cache)
+        .env_remove("KVQ_TUNE");
+    c
 }
 
 /// Stdout of a run that must have succeeded (stdout and stderr in the failure message).

@@ -2,8 +2,10 @@
 //! `W = U Σ Bᵀ`, with `down = U` (orthonormal, `d_model × r`) and `up = Σ Bᵀ` (`r × kv_heads·head_dim`).
 //! The cache holds `X·down`; `X·W = (X·down)·up` rematerialises K (before RoPE) or V exactly.
 //!
-//! `r = min(d_model, kv_heads·head_dim)`, padded with zero channels to a multiple of 32 (the integer
-//! store's head width unit); padding channels are always zero.
+//! `r = min(d_model, kv_heads·head_dim)`, padded with zero channels to a multiple of 32; padding
+//! channels are always zero. The integer store takes any multiple of 16, but at 32 a latent row of
+//! any code width fills whole 32-bit words (no padded word), it is a width the GPU kernels serve,
+//! and real layers (`d_model`, `kv_heads·head_dim` multiples of 128) never pad at all.
 
 use super::svd::svd;
 use crate::RefError;
