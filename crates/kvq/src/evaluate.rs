@@ -193,14 +193,18 @@ fn plus(a: Memory, b: Memory) -> Option<Memory> {
 /// Memory of a `len`-token sequence of a layer with `kv_heads` KV heads of `head_dim` channels.
 ///
 /// XQuant assumes the GQA form: latents `kv_heads · head_dim` wide (a layer input at least that wide,
-/// as in LLaMA-3.1-8B's 4096 against 8 × 128); [`memory_with_rank`] takes the latent width.
+/// as in LLaMA-3.1-8B's 4096 against 8 × 128), padded to a multiple of 32 as the projections pad
+/// them (one KV head of 80 channels has 96-wide latents); [`memory_with_rank`] takes the latent width.
 pub fn memory(
     spec: &SchemeSpec,
     head_dim: u32,
     kv_heads: u32,
     len: u64,
 ) -> Result<Memory, EvalError> {
-    let rank = head_dim as usize * kv_heads as usize;
+    // Two u32 factors leave room below u64::MAX for the rounding.
+    let rank = (u64::from(head_dim) * u64::from(kv_heads)).next_multiple_of(32);
+    let rank = usize::try_from(rank)
+        .map_err(|_| EvalError::from(footprint::overflow(head_dim, kv_heads, len)))?;
     memory_with_rank(spec, head_dim, kv_heads, rank, len)
 }
 

@@ -315,3 +315,49 @@ fn xquant_cl_beats_xquant_at_two_bits() {
     );
     assert!(cl_err.is_finite() && cl_err < plain_err);
 }
+
+/// CommVQ at head_dim 80 and 112 (40 and 56 RoPE pairs): a key codebook of 8 pairs a code divides
+/// both and evaluates like any other shape; the built-ins' 64 pairs a code do not, and say so.
+#[test]
+fn commvq_at_head_dims_that_are_not_multiples_of_32() {
+    use kvq::evaluate::{self, EvalError, Workload};
+    let spec: kvq::SchemeSpec = "k = codebook(rope_commutative, levels = 16, residuals = 2, \
+         pairs_per_code = 8, span = token), v = codebook(additive, rows = 64)"
+        .parse()
+        .unwrap();
+    for d in [80, 112] {
+        let cfg = SynthConfig {
+            tokens: 256,
+            kv_heads: 1,
+            head_dim: d,
+            d_model: 96,
+            ..SynthConfig::default()
+        };
+        let w = Workload::generate(&cfg, 256).unwrap();
+        let e = evaluate::evaluate(&spec, &w).unwrap_or_else(|e| panic!("d{d}: {e}"));
+        assert!(
+            e.output_error.is_finite() && e.output_error < 1.0,
+            "d{d}: {e:?}"
+        );
+        assert!(
+            e.k_rel_mse.is_finite() && e.v_rel_mse.is_finite(),
+            "d{d}: {e:?}"
+        );
+        assert_eq!(
+            evaluate::memory(&spec, d as u32, 1, 256).unwrap(),
+            e.memory,
+            "d{d}"
+        );
+        for builtin in [CommVq1::SPEC, CommVq2::SPEC] {
+            let err = evaluate::evaluate(&builtin, &w).unwrap_err();
+            assert!(matches!(err, EvalError::Reference(_)), "d{d}: {err:?}");
+            assert_eq!(
+                err.to_string(),
+                format!(
+                    "k: `pairs_per_code = 64` does not divide the {} RoPE pairs of head_dim {d}",
+                    d / 2
+                ),
+            );
+        }
+    }
+}

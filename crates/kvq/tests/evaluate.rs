@@ -273,3 +273,89 @@ fn a_workload_past_the_machine_is_refused_before_it_is_allocated() {
         );
     }
 }
+
+/// Head dims that are multiples of 16, with those that are not multiples of 32 (48, 80, 112, …).
+const DIMS_16: [usize; 11] = [16, 48, 80, 96, 112, 160, 176, 192, 208, 240, 256];
+
+/// Every built-in through `evaluate` at every multiple of 16 from 16 to 256, on one KV head (so
+/// XQuant's latents are `head_dim` wide, padded to 32 at 16 and 80): finite errors, FP16 nearly
+/// exact, memory equal to the bytes the reference allocates and to `memory`'s accounting. CommVQ's
+/// built-ins code 64 RoPE pairs at a time, so they serve head_dim 128 and 256 only and say so
+/// elsewhere.
+#[test]
+fn every_built_in_evaluates_at_every_multiple_of_16() {
+    for d in DIMS_16 {
+        let cfg = SynthConfig {
+            tokens: 384,
+            kv_heads: 1,
+            head_dim: d,
+            d_model: 256,
+            ..SynthConfig::default()
+        };
+        let w = Workload::generate(&cfg, CALIBRATION).expect("workload");
+        let s = w.data();
+        for b in BUILTIN {
+            let family = Family::of(&b.spec).unwrap();
+            let evaluated = evaluate::evaluate(&b.spec, &w);
+            if family == Family::CommVq && (d / 2) % 64 != 0 {
+                match evaluated {
+                    Err(EvalError::Reference(kvq::reference::RefError::Shape(
+                        kvq::ShapeError::Pairs { pairs: 64, .. },
+                    ))) => {}
+                    other => panic!("{} d{d}: {other:?}", b.name),
+                }
+                continue;
+            }
+            if family == Family::CommVq && d != 256 {
+                // d = 128 is every other test's shape in this file.
+                continue;
+            }
+            let e = evaluated.unwrap_or_else(|e| panic!("{} d{d}: {e}", b.name));
+            for x in [e.output_error, e.softmax_mse, e.k_rel_mse, e.v_rel_mse] {
+                assert!(x.is_finite() && x >= 0.0, "{} d{d}: {e:?}", b.name);
+            }
+            assert_eq!(e.family, family);
+            match family {
+                Family::Int => {
+                    let cache = IntCache::build(&b.spec, &s.k, &s.v).unwrap();
+                    assert_eq!(
+                        e.memory.bytes(),
+                        cache.allocated_bytes() as u64,
+                        "{} d{d}",
+                        b.name
+                    );
+                    if b.name != "fp16" {
+                        assert!(e.quantized_tokens >= 128, "{} d{d}: {e:?}", b.name);
+                    }
+                }
+                Family::XQuant | Family::XQuantCrossLayer => {
+                    let p = w.projections().unwrap();
+                    assert_eq!(p.k.rank, d.next_multiple_of(32), "d{d}");
+                    let cache = match family {
+                        Family::XQuant => XQuantCache::build(&b.spec, &s.layer.x, p, s.rope),
+                        _ => {
+                            let zeros = vec![0.0; s.layer.x.len()];
+                            XQuantCache::build_cross_layer(&b.spec, &s.layer.x, &zeros, p, s.rope)
+                                .map(|c| c.0)
+                        }
+                    }
+                    .unwrap();
+                    assert_eq!(
+                        e.memory.bytes(),
+                        cache.allocated_bytes() as u64,
+                        "{} d{d}",
+                        b.name
+                    );
+                }
+                Family::CommVq => {}
+            }
+            let m = evaluate::memory(&b.spec, d as u32, 1, cfg.tokens as u64).unwrap();
+            if family != Family::CommVq {
+                assert_eq!(m, e.memory, "{} d{d}", b.name);
+            }
+            if b.name == "fp16" {
+                assert!(e.output_error < 1e-3, "d{d}: {e:?}");
+            }
+        }
+    }
+}

@@ -359,3 +359,95 @@ fn non_finite_input_is_refused_by_every_built_in() {
         }
     }
 }
+
+/// The values of one page quantized group by group with `Quantizer` directly (boosted channels
+/// chosen by `select_boosted`), without packing: what the stored bytes must decode to.
+fn direct_page(q: &kvq::IntQuant, values: &[f32], page: usize, d: usize) -> Vec<f32> {
+    use kvq::reference::int::{boosted_channels, select_boosted, Quantizer};
+    let mut out = vec![0.0f32; values.len()];
+    let decode = |quant: Quantizer, x: &[f32]| -> Vec<f32> {
+        let p = quant.params(x).unwrap();
+        x.iter()
+            .map(|&v| quant.decode(quant.encode(v, p), p))
+            .collect()
+    };
+    match q.axis {
+        kvq::Axis::Token => {
+            let g = q.group.map_or(d, |g| g as usize);
+            let quant = Quantizer::new(q.bits, q.symmetric).unwrap();
+            for (x, o) in values.chunks_exact(g).zip(out.chunks_exact_mut(g)) {
+                o.copy_from_slice(&decode(quant, x));
+            }
+        }
+        kvq::Axis::Channel => {
+            let boosted = q.boost.map_or(vec![false; d], |b| {
+                select_boosted(values, page, d, boosted_channels(b.ratio, d), b.by)
+            });
+            for c in 0..d {
+                let bits = match q.boost {
+                    Some(b) if boosted[c] => b.bits,
+                    _ => q.bits,
+                };
+                let column: Vec<f32> = (0..page).map(|t| values[t * d + c]).collect();
+                let quant = Quantizer::new(bits, q.symmetric).unwrap();
+                for (t, v) in decode(quant, &column).into_iter().enumerate() {
+                    out[t * d + c] = v;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Every integer built-in at every multiple of 16 from 16 to 256: quantize → pack → unpack →
+/// dequantize through the store equals quantizing each group directly, FP16 windows are f16-exact,
+/// and the footprint is the bytes the store allocates.
+#[test]
+fn built_ins_round_trip_through_the_store_at_every_multiple_of_16() {
+    for d in [16, 48, 80, 96, 112, 160, 176, 192, 208, 240, 256] {
+        let s = layers(SynthConfig {
+            tokens: 420,
+            kv_heads: 1,
+            head_dim: d,
+            d_model: 96,
+            ..Default::default()
+        });
+        for (name, spec) in builtins() {
+            let cache = IntCache::build(&spec, &s.k, &s.v).unwrap();
+            let deq = cache.dequantize();
+            let mut pages = 0;
+            for (store, x, xh) in [(cache.k(), &s.k, &deq.k), (cache.v(), &s.v, &deq.v)] {
+                let page = store.page();
+                for t in 0..x.tokens {
+                    if !store.is_quantized(t) {
+                        let want: Vec<f32> = x
+                            .row(0, t)
+                            .iter()
+                            .map(|v| f16::from_f32(*v).to_f32())
+                            .collect();
+                        assert_eq!(xh.row(0, t), &want[..], "{name} d{d} token {t}");
+                    }
+                }
+                let kvq::TensorQuant::Int(q) = *store.quant() else {
+                    continue;
+                };
+                for p in 0..store.pages() {
+                    let tokens = store.regions().unwrap().page_tokens(p);
+                    let span = tokens.start * d..tokens.end * d;
+                    let want = direct_page(&q, &x.head(0)[span.clone()], page, d);
+                    assert_eq!(&xh.head(0)[span], &want[..], "{name} d{d} page {p}");
+                    pages += 1;
+                }
+            }
+            if name != "fp16" {
+                assert!(pages >= 2, "{name} d{d}: {pages} pages");
+            }
+            let f = kvq::reference::footprint::scheme(&spec, d as u32, 1, 420).unwrap();
+            assert_eq!(
+                f.total_bytes(),
+                cache.allocated_bytes() as u64,
+                "{name} d{d}"
+            );
+        }
+    }
+}
