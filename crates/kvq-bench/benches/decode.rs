@@ -1,19 +1,18 @@
 //! Criterion benches of fused decode for a few representative shapes, timed on the GPU with CUDA
 //! events through `iter_custom` (criterion's wall clock would time the host's enqueueing).
 //!
-//! Each sample holds the stream with the spin kernel, queues `iters` decodes on rotating copies
-//! of the batch between two events, and reports the device time between them. Without a GPU (or
-//! NVRTC) the benches print why and measure nothing.
+//! Each sample is [`GpuTimer::total`]: the stream held by the spin kernel, `iters` decodes on
+//! rotating copies of the batch queued between two events, the device time between them. Without
+//! a GPU (or NVRTC) the benches print why and measure nothing.
 
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use kvq::codegen::KernelShape;
-use kvq::runtime::timing::{elapsed_ms, timing_event};
 use kvq::runtime::tune::{
-    batch_device_bytes, default_launch, plan_copies, QueuedTimer, RotatingBatch, TuneProblem,
+    batch_device_bytes, default_launch, plan_copies, RotatingBatch, TuneProblem,
 };
-use kvq::runtime::{nvrtc, DecodeScratch, Device, Jit, RuntimeError};
+use kvq::runtime::{nvrtc, DecodeScratch, Device, GpuTimer, Jit, RuntimeError};
 use kvq_bench::grid::{parse_schemes, BenchConfig};
 use kvq_bench::workload::{prepare, QueryRows};
 
@@ -36,7 +35,7 @@ fn bench_all(c: &mut Criterion) -> Result<(), RuntimeError> {
     nvrtc::version()?;
     let jit = Jit::new(&device)?;
     let stream = device.default_stream();
-    let timer = QueuedTimer::new(&jit)?;
+    let timer = GpuTimer::new(&jit)?;
     let mut config = BenchConfig::standard();
     config.check = false;
     config.schemes =
@@ -79,7 +78,7 @@ fn bench_all(c: &mut Criterion) -> Result<(), RuntimeError> {
         let mut failure = None;
         group.bench_function(id, |b| {
             b.iter_custom(|iters| {
-                match sample(&timer, &stream, iters, |s| {
+                match timer.total(&stream, iters, |s| {
                     rotation.attend_next(s, &kernel, &mut scratch)
                 }) {
                     Ok(d) => d,
@@ -96,35 +95,6 @@ fn bench_all(c: &mut Criterion) -> Result<(), RuntimeError> {
     }
     group.finish();
     Ok(())
-}
-
-/// Device time of `iters` runs of `work`, queued behind the spin kernel.
-fn sample<F>(
-    timer: &QueuedTimer,
-    stream: &std::sync::Arc<kvq::runtime::cudarc::driver::CudaStream>,
-    iters: u64,
-    mut work: F,
-) -> Result<Duration, RuntimeError>
-where
-    F: FnMut(&std::sync::Arc<kvq::runtime::cudarc::driver::CudaStream>) -> Result<(), RuntimeError>,
-{
-    let start = timing_event(stream)?;
-    let end = timing_event(stream)?;
-    let hold = Duration::from_micros(20).saturating_mul(iters.min(u32::MAX as u64) as u32);
-    timer.spin(
-        stream,
-        hold.clamp(Duration::from_micros(200), Duration::from_millis(250)),
-    )?;
-    start
-        .record(stream)
-        .map_err(|e| RuntimeError::driver("cuEventRecord", e))?;
-    for _ in 0..iters {
-        work(stream)?;
-    }
-    end.record(stream)
-        .map_err(|e| RuntimeError::driver("cuEventRecord", e))?;
-    let ms = elapsed_ms(&start, &end)?;
-    Ok(Duration::from_secs_f64(ms as f64 * 1e-3))
 }
 
 fn usage<E: std::fmt::Display>(e: E) -> RuntimeError {

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use kvq::runtime::cudarc::driver::{CudaSlice, CudaStream};
-use kvq::runtime::{time_gpu, RuntimeError};
+use kvq::runtime::{GpuTimer, RuntimeError};
 use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
@@ -21,8 +21,14 @@ pub struct CopyResult {
 }
 
 /// Copies `bytes` (rounded up to 64 MiB) from one device buffer to another `runs` times (after
-/// two warm-ups) and reports the median. The source holds a random pattern, never zeros.
-pub fn copy_bandwidth(stream: &Arc<CudaStream>, bytes: u64, runs: usize) -> Result<CopyResult> {
+/// two warm-ups), timed with `timer`, and reports the median. The source holds a random pattern,
+/// never zeros.
+pub fn copy_bandwidth(
+    stream: &Arc<CudaStream>,
+    timer: &GpuTimer,
+    bytes: u64,
+    runs: usize,
+) -> Result<CopyResult> {
     let total = (bytes as usize).div_ceil(PATTERN) * PATTERN;
     let driver = |what: &'static str| move |e| RuntimeError::driver(what, e);
     // SAFETY: fill_random writes every byte of `src` before it is read; `dst` is only written.
@@ -31,7 +37,7 @@ pub fn copy_bandwidth(stream: &Arc<CudaStream>, bytes: u64, runs: usize) -> Resu
     let mut dst: CudaSlice<u8> =
         unsafe { stream.alloc(total) }.map_err(driver("allocate the copy destination"))?;
     fill_random(stream, &mut src)?;
-    let timing = time_gpu(stream, 2, runs.max(1), |s| {
+    let timing = timer.time(stream, 2, runs.max(1), |s| {
         s.memcpy_dtod(&src, &mut dst)
             .map_err(|e| RuntimeError::driver("device-to-device copy", e))
     })?;

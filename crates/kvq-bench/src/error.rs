@@ -25,12 +25,26 @@ pub enum BenchError {
         #[source]
         source: std::io::Error,
     },
+    /// A results file could not be read back (`kvq bench --replot`).
+    #[error("could not read {}: {why}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        why: String,
+    },
     /// A size the machine cannot give (a context or batch past its memory).
     #[error(transparent)]
     Memory(#[from] kvq::reference::resources::AllocError),
     /// The plot could not be drawn.
     #[error("plot: {0}")]
     Plot(String),
+}
+
+impl From<kvq::runtime::JitError> for BenchError {
+    fn from(e: kvq::runtime::JitError) -> BenchError {
+        BenchError::Runtime(e.into())
+    }
 }
 
 /// `Result` with [`BenchError`].

@@ -55,9 +55,9 @@ pub struct BenchConfig {
     /// Bytes of the device-to-device copy that measures bandwidth.
     pub copy_bytes: u64,
     /// Device bytes set aside before anything else is allocated, so that every buffer of the run
-    /// lands at other addresses. Where buffers land changed some shapes' times by up to 15% on
-    /// an H100 (BENCHMARKS.md, nineteenth round); timing a comparison at a few pads tells a
-    /// kernel's change from a change of placement.
+    /// lands at other addresses. Where buffers land changes some shapes' times by up to 15% on
+    /// an H100; timing a comparison at a few pads tells a kernel's change from a change of
+    /// placement.
     pub placement_pad: u64,
     /// Seed of the random K/V and queries.
     pub seed: u64,

@@ -1,10 +1,11 @@
-//! kvq's decode benchmarks.
+//! kvq's decode benchmarks: the library behind `kvq bench`.
 //!
-//! The `kvq-bench` binary measures every GPU scheme over a grid of batch sizes and context
-//! lengths and writes a table (markdown + JSON) and a latency plot (SVG); `benches/decode.rs` is a
-//! criterion bench of a few shapes. Both time with CUDA events on rotating copies of the batch
-//! (bigger than L2 together) with the runs queued behind a spin kernel, exactly as the autotuner
-//! does ([`kvq::runtime::tune`]), so a table and a tuning result measure the same thing.
+//! `kvq bench` (kvq-cli) measures every GPU scheme over a grid of batch sizes and context lengths
+//! with [`run`] and writes a table (markdown + JSON) and a latency plot (SVG) with [`output`];
+//! `benches/decode.rs` is a criterion bench of a few shapes on the same workload. Both time with
+//! the one GPU timer ([`kvq::runtime::GpuTimer`]: CUDA events, runs queued behind a spin kernel)
+//! on rotating copies of the batch (bigger than L2 together), exactly as the autotuner does, so a
+//! table and a tuning result measure the same thing.
 //!
 //! * [`grid`]: schemes and shapes, parsed from flags;
 //! * [`workload`]: random K/V once per context length, every scheme's reference cache in parallel;
@@ -12,7 +13,8 @@
 //! * [`copy`]: the device-to-device copy bandwidth of the same run;
 //! * [`read_floor`]: the least time one launch takes to read a step's bytes (its floor at small
 //!   batches, where launching and ramping up cost as much as the bytes);
-//! * [`runner`]: the measurement loop; [`report`] and [`plot`]: its outputs.
+//! * [`runner`]: the measurement loop; [`report`] and [`plot`]: its outputs; [`output`]: their
+//!   files, and drawing them again from saved JSON.
 
 #![warn(missing_docs)]
 
@@ -21,6 +23,7 @@ pub mod copy;
 pub mod date;
 pub mod error;
 pub mod grid;
+pub mod output;
 pub mod plot;
 pub mod read_floor;
 pub mod report;

@@ -15,8 +15,7 @@ use kvq::runtime::cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 use kvq::runtime::nvrtc::IncludeDirs;
-use kvq::runtime::tune::QueuedTimer;
-use kvq::runtime::{CompileOptions, Jit, RuntimeError, Source};
+use kvq::runtime::{CompileOptions, GpuTimer, Jit, RuntimeError, Source};
 
 use crate::copy::fill_random;
 use crate::error::Result;
@@ -82,7 +81,7 @@ impl ReadFloor {
     pub fn median_us(
         &self,
         stream: &Arc<CudaStream>,
-        timer: &QueuedTimer,
+        timer: &GpuTimer,
         bytes: u64,
         copies: usize,
         warmup: usize,
@@ -114,8 +113,9 @@ impl ReadFloor {
             b.arg(&view).arg(&words).arg(&mut sink);
             // SAFETY: the kernel reads `words` 16-byte words of `view` (pitch ≥ 16·words) and
             // writes at most one u32 per CTA of `sink`, which holds one per CTA.
-            unsafe { b.launch(config) }.map_err(|e| RuntimeError::launch(NAME, e))?;
-            Ok(())
+            unsafe { b.launch(config) }
+                .map(drop)
+                .map_err(|e| RuntimeError::launch(NAME, e))
         })?;
         Ok(timing.median_us())
     }

@@ -456,7 +456,7 @@ pub(crate) mod tests {
         assert_eq!(back.markdown(), md);
     }
 
-    /// `kvq-bench --replot` reads its file through the guard: a FIFO (which would block the open
+    /// `kvq bench --replot` reads its file through the guard: a FIFO (which would block the open
     /// forever), a device node (which would read without end) and an oversized file are errors
     /// at once, naming what the path is.
     #[cfg(unix)]

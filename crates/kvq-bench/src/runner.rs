@@ -7,10 +7,10 @@ use std::sync::Arc;
 use kvq::codegen::{KernelShape, TuneParams};
 use kvq::runtime::cudarc::driver::{CudaSlice, CudaStream};
 use kvq::runtime::tune::{
-    batch_device_bytes, default_launch, plan_copies, QueuedTimer, ReferenceCheck, RotatingBatch,
-    TunePolicy, TuneProblem, TuneStore, Tuner,
+    batch_device_bytes, default_launch, plan_copies, ReferenceCheck, RotatingBatch, TunePolicy,
+    TuneProblem, TuneStore, Tuner,
 };
-use kvq::runtime::{DecodeKernel, DecodeScratch, Jit, RuntimeError};
+use kvq::runtime::{DecodeKernel, DecodeScratch, GpuTimer, Jit, RuntimeError, Timing};
 
 use crate::bytes::{decode_bytes, extra_bytes};
 use crate::copy::copy_bandwidth;
@@ -39,7 +39,7 @@ struct Context<'a> {
     jit: &'a Jit,
     stream: Arc<CudaStream>,
     shape: KernelShape,
-    timer: QueuedTimer,
+    timer: GpuTimer,
     queries: QueryRows,
     copy_gbps: f64,
     read_floor: ReadFloor,
@@ -67,7 +67,8 @@ pub fn run(
     log(&format!("{props}"));
     let _pad = set_aside(&stream, config.placement_pad, log)?;
 
-    let copy = copy_bandwidth(&stream, config.copy_bytes, 10)?;
+    let timer = GpuTimer::new(jit)?;
+    let copy = copy_bandwidth(&stream, &timer, config.copy_bytes, 10)?;
     log(&format!(
         "copy bandwidth: {:.0} GB/s ({:.1} GiB device-to-device, median {:.0} µs)",
         copy.gbps,
@@ -90,7 +91,7 @@ pub fn run(
         jit,
         stream,
         shape,
-        timer: QueuedTimer::new(jit)?,
+        timer,
         queries: QueryRows::new(
             max_batch,
             config.q_heads,
@@ -370,12 +371,12 @@ impl Context<'_> {
                 fast.extend(t.samples_us);
             }
         }
-        let stats = kvq::runtime::Timing { samples_us: base };
+        let stats = Timing { samples_us: base };
         let median_us = stats.median_us();
         let bytes = decode_bytes(&sequences, q_heads);
         let gbps = bytes as f64 / (median_us * 1e-6) / 1e9;
         let tuned = tuned.map(|(report, _, _)| {
-            let t = kvq::runtime::Timing { samples_us: fast }.median_us();
+            let t = Timing { samples_us: fast }.median_us();
             TunedResult {
                 choice: report.chosen,
                 median_us: t,

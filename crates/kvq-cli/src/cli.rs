@@ -242,7 +242,7 @@ pub struct TuneArgs {
     pub device: usize,
 }
 
-/// `kvq bench` (the bench runner of `kvq-bench`).
+/// `kvq bench`: the benchmark front end (kvq-bench's runner and outputs).
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
     /// Schemes: entries separated by `;`, each `all`, a comma list of GPU built-ins, or scheme text
@@ -301,6 +301,10 @@ pub struct BenchArgs {
     /// GPU ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
+    /// Measure nothing: read a results JSON written by `--out` and write its table and plot again
+    /// (to `--out`, or beside the JSON). Needs no GPU.
+    #[arg(long, value_name = "JSON")]
+    pub replot: Option<PathBuf>,
 }
 
 /// `kvq info`.

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use kvq::codegen::CodegenError;
 use kvq::evaluate::EvalError;
-use kvq::runtime::RuntimeError;
+use kvq::runtime::{JitError, RuntimeError};
 use kvq_bench::BenchError;
 
 /// Exit status of a failure the user must fix in the command or its inputs.
@@ -126,6 +126,7 @@ impl CliError {
             | CliError::Eval(EvalError::Workload(_))
             | CliError::Eval(EvalError::Reference(_)) => EXIT_USAGE,
             CliError::Runtime(RuntimeError::InvalidInput(_))
+            | CliError::Runtime(RuntimeError::Jit(JitError::InvalidInput(_)))
             | CliError::Runtime(RuntimeError::Memory(_)) => EXIT_USAGE,
             CliError::NoGpu(_) => EXIT_NO_GPU,
             _ => EXIT_FAILURE,

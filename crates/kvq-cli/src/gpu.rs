@@ -9,10 +9,12 @@ use kvq::runtime::device::synchronize_stream;
 use kvq::runtime::tune::check::default_rows;
 use kvq::runtime::tune::synth::{random_queries, word_to_f32};
 use kvq::runtime::tune::{
-    batch_device_bytes, plan_copies, ChoiceSource, QueuedTimer, ReferenceCheck, RotatingBatch,
-    TuneChoice, TuneProblem, Tuner,
+    batch_device_bytes, plan_copies, ChoiceSource, ReferenceCheck, RotatingBatch, TuneChoice,
+    TuneProblem, Tuner,
 };
-use kvq::runtime::{nvrtc, DecodeKernel, DecodeScratch, Device, GpuCache, Jit, RuntimeError};
+use kvq::runtime::{
+    nvrtc, DecodeKernel, DecodeScratch, Device, GpuCache, GpuTimer, Jit, RuntimeError,
+};
 
 /// An opened GPU with its JIT.
 pub struct Gpu {
@@ -171,7 +173,7 @@ pub fn measure(
             "`{spec}`: the GPU output disagrees with the CPU reference ({why}); not timed"
         ))
     })?;
-    let timer = QueuedTimer::new(&gpu.jit)?;
+    let timer = GpuTimer::new(&gpu.jit)?;
     let timing = timer.time(&stream, warmup, runs.max(1), |s| {
         batch.attend_next(s, &kernel, &mut scratch)
     })?;
@@ -192,47 +194,6 @@ pub fn to_device_words(values: &[f32], dtype: kvq::codegen::Dtype) -> (Vec<u16>,
         .unzip()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::fallback_line;
-    use kvq::runtime::RuntimeError;
-
-    #[test]
-    fn the_fallback_line_is_short_for_every_environment_error() {
-        let tried: Vec<String> = (0..15).map(|i| format!("libnvrtc64_{i}0_0.so")).collect();
-        let errors = [
-            RuntimeError::DriverNotFound {
-                primary: "libcuda.so.1".into(),
-                tried: tried.clone(),
-            },
-            RuntimeError::NvrtcNotFound {
-                primary: "libnvrtc.so.13".into(),
-                tried,
-            },
-            RuntimeError::NoGpu {
-                ordinal: 3,
-                count: 2,
-            },
-            RuntimeError::LibraryIncomplete {
-                what: "CUDA driver library",
-                library:
-                    "libcuda.so.1 (/a/very/long/path/to/a/folder/of/fake/libraries/libcuda.so.1)"
-                        .into(),
-                symbol: "cuInit".into(),
-                others: 40,
-                advice: "x".repeat(300),
-            },
-            RuntimeError::InvalidInput("y ".repeat(200)),
-        ];
-        for e in &errors {
-            let line = fallback_line(e);
-            assert!(line.chars().count() <= 120, "{} chars: {line}", line.len());
-            assert!(!line.contains('\n'), "{line}");
-        }
-        assert!(fallback_line(&errors[0]).contains("libcuda.so.1 not found"));
-    }
-}
-
 /// The command line runs every shape it is given, and says on stderr when the generic CUDA-core
 /// kernel serves it (the tensor-core kernel cannot: `kvq_codegen::SlowPath`).
 fn warn_slow_path(kernel: &DecodeKernel) {
@@ -243,5 +204,50 @@ fn warn_slow_path(kernel: &DecodeKernel) {
              several times slower than the tensor-core kernel",
             generated.scheme, generated.shape.head_dim
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fallback_line;
+    use kvq::runtime::{JitError, RuntimeError};
+
+    #[test]
+    fn the_fallback_line_is_short_for_every_environment_error() {
+        let tried: Vec<String> = (0..15).map(|i| format!("libnvrtc64_{i}0_0.so")).collect();
+        let errors: [RuntimeError; 5] = [
+            JitError::DriverNotFound {
+                primary: "libcuda.so.1".into(),
+                tried: tried.clone(),
+            }
+            .into(),
+            JitError::NvrtcNotFound {
+                primary: "libnvrtc.so.13".into(),
+                tried,
+            }
+            .into(),
+            JitError::NoGpu {
+                ordinal: 3,
+                count: 2,
+            }
+            .into(),
+            JitError::LibraryIncomplete {
+                what: "CUDA driver library",
+                library:
+                    "libcuda.so.1 (/a/very/long/path/to/a/folder/of/fake/libraries/libcuda.so.1)"
+                        .into(),
+                symbol: "cuInit".into(),
+                others: 40,
+                advice: "x".repeat(300),
+            }
+            .into(),
+            RuntimeError::InvalidInput("y ".repeat(200)),
+        ];
+        for e in &errors {
+            let line = fallback_line(e);
+            assert!(line.chars().count() <= 120, "{} chars: {line}", line.len());
+            assert!(!line.contains('\n'), "{line}");
+        }
+        assert!(fallback_line(&errors[0]).contains("libcuda.so.1 not found"));
     }
 }

@@ -2,13 +2,13 @@
 //! prints the result; every failure comes back as a [`CliError`].
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use kvq::codegen::KernelShape;
 use kvq::evaluate;
 use kvq::runtime::tune::{TuneOptions, TuneProblem, Tuner};
-use kvq::runtime::{Arch, RuntimeError};
+use kvq::runtime::{Arch, InvalidArch};
 use kvq::schemes::BUILTIN;
 use kvq_bench::grid::{format_tokens, parse_schemes, parse_token_list, parse_usize_list};
 use kvq_bench::BenchConfig;
@@ -126,7 +126,7 @@ fn schemes_cmd(a: SchemesArgs, out: &mut dyn Write) -> Result<()> {
 
 fn parse_arch(text: &str) -> Result<Arch> {
     text.parse::<Arch>()
-        .map_err(|e: RuntimeError| CliError::Usage(format!("--arch: {e}")))
+        .map_err(|e: InvalidArch| CliError::Usage(format!("--arch: {e}")))
 }
 
 fn gen_cmd(a: GenArgs, out: &mut dyn Write) -> Result<()> {
@@ -279,14 +279,14 @@ fn tune_cmd(a: TuneArgs, out: &mut dyn Write) -> Result<()> {
     )
 }
 
-fn with_extension(stem: &Path, ext: &str) -> PathBuf {
-    let mut s = stem.as_os_str().to_owned();
-    s.push(".");
-    s.push(ext);
-    PathBuf::from(s)
-}
-
 fn bench_cmd(a: BenchArgs, out: &mut dyn Write) -> Result<()> {
+    if let Some(json) = &a.replot {
+        let (results, written) = kvq_bench::output::replot(json, a.out.as_deref())?;
+        for path in written {
+            eprintln!("[kvq bench] wrote {}", path.display());
+        }
+        return print(out, &format!("{}\n", results.markdown()));
+    }
     let gib = |x: f64| (x.max(0.0) * (1u64 << 30) as f64) as u64;
     let config = BenchConfig {
         schemes: parse_schemes(&a.schemes)?,
@@ -309,26 +309,14 @@ fn bench_cmd(a: BenchArgs, out: &mut dyn Write) -> Result<()> {
     let g = gpu::open(a.device)?;
     let mut log = |line: &str| eprintln!("[kvq bench] {line}");
     let results = kvq_bench::run(&config, &g.jit, a.label.clone(), &mut log)?;
-    let markdown = results.markdown();
     if let Some(stem) = &a.out {
-        if let Some(dir) = stem.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|source| CliError::Write {
-                path: dir.to_path_buf(),
-                source,
-            })?;
-        }
-        for (ext, text) in [("md", &markdown), ("json", &results.json())] {
-            let path = with_extension(stem, ext);
-            std::fs::write(&path, text.as_bytes())
-                .map_err(|source| CliError::Write { path, source })?;
-        }
-        kvq_bench::plot::write_svg(&results, &with_extension(stem, "svg"))?;
+        kvq_bench::output::write_files(stem, &results, true)?;
         eprintln!(
             "[kvq bench] wrote {}.{{md,json,svg}}",
             stem.as_os_str().to_string_lossy()
         );
     }
-    print(out, &format!("{markdown}\n"))
+    print(out, &format!("{}\n", results.markdown()))
 }
 
 fn info_cmd(a: InfoArgs, out: &mut dyn Write) -> Result<()> {

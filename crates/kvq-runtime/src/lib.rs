@@ -1,69 +1,23 @@
-//! kvq's JIT runtime: CUDA source → NVRTC → disk cache → module → kernel, plus GPU timing.
+//! kvq's runtime: the decode and cache kernels of a scheme, launched; the paged KV cache; the
+//! autotuner.
 //!
-//! kvq-codegen renders CUDA C++ specialised for a scheme and shape; this crate turns that text
-//! into kernels the caller launches with cudarc:
+//! kvq-codegen renders CUDA specialised for a scheme and shape; [`kvq_jit`] (re-exported here
+//! module by module) compiles it with NVRTC, caches it on disk, loads it and times it; this crate
+//! decides how to launch it and launches it:
 //!
-//! ```text
-//! Source (name, code, in-memory headers) + CompileOptions
-//!   │  CompileOptions::resolve(arch): --std=c++17 --gpu-architecture=sm_90a [--use_fast_math]
-//!   │  [--generate-line-info] [-D…] [--include-path=… from KVQ_CUDA_INCLUDE / CUDA_HOME / /usr/local/cuda]
-//!   ▼
-//! CacheKey = SHA-256(source, resolved options, arch, output kind, NVRTC version)
-//!   │  Jit: loaded in this process already? ── yes ──▶ Module (no work)
-//!   ▼  no
-//! DiskCache ($KVQ_CACHE_DIR or ~/.cache/kvq, modules/<key>.cubin): valid entry? ── yes ─┐
-//!   ▼  no (absent or corrupt)                                                            │
-//! nvrtc::compile → PTX / CUBIN (needs libnvrtc, not a GPU) → written atomically to disk  │
-//!   ▼ ◀───────────────────────────────────────────────────────────────────────────────────┘
-//! Module::load (cuModuleLoadData on the Device's context) → Module::function(name) → CudaFunction
-//! ```
-//!
-//! * [`device`]: [`Device::open`] and [`DeviceProps`] (name, compute capability, SMs, L2,
-//!   memory, driver version); [`Arch`] (`sm_80`, `sm_90a`, …).
-//! * [`nvrtc`]: compile to PTX or CUBIN for an explicit [`Arch`]; NVRTC version and targets.
-//! * [`disk_cache`]: the compiled-module cache and its hit/miss counters.
-//! * [`jit`] / [`module`]: [`Jit`] (per device, thread-safe, in-process cache) and [`Module`].
-//! * [`timing`]: median of N runs timed with CUDA events.
+//! * [`decode`]: [`DecodeKernel`] (a scheme's fused decode kernels for one shape),
+//!   [`DecodeScratch`], [`GpuCache`] / [`CacheView`] (caches uploaded in the reference layout).
+//! * [`paged`]: [`PagedKvCache`], a paged cache with the GPU quantizers.
 //! * [`tune`]: the autotuner ([`Tuner`], `KVQ_TUNE`) and its JSON store of results per GPU.
-//! * [`error`]: [`RuntimeError`]; messages name what is missing and how to provide it.
+//! * [`error`]: [`RuntimeError`], which wraps [`JitError`] (`RuntimeError::Jit`) and adds what
+//!   only launches and the paged cache can get wrong.
+//! * From kvq-jit: [`device`], [`arch`], [`nvrtc`], [`include`], [`diagnostics`], [`disk_cache`],
+//!   [`module`], [`jit`], [`libs`], [`timing`] ([`GpuTimer`], the one GPU timer) and [`version`].
 //! * [`testing`]: `require_gpu` / `require_nvrtc` for tests that skip without CUDA.
 //!
-//! cudarc loads `libcuda` and `libnvrtc` at run time and panics when one, or any entry point
-//! it calls, is missing; this crate checks first ([`libs`]: the library, every entry point kvq
-//! reaches, the versions) and returns [`RuntimeError::DriverNotFound`] /
-//! [`RuntimeError::NvrtcNotFound`], [`RuntimeError::LibraryIncomplete`],
-//! [`RuntimeError::DriverTooOld`] or [`RuntimeError::NvrtcVersionMismatch`] instead, so
-//! everything builds and runs on machines without CUDA or with a broken install.
-//!
-//! # Compiling without a GPU
-//!
-//! Compilation needs only libnvrtc. This example compiles a kernel for Hopper; on a machine
-//! without NVRTC it shows the error a user gets instead.
-//!
-//! ```
-//! use kvq_runtime::nvrtc::{self, CompileOptions, Output, Source};
-//! use kvq_runtime::{Arch, RuntimeError};
-//!
-//! let source = Source::new(
-//!     "axpy.cu",
-//!     r#"extern "C" __global__ void axpy(float a, const float* x, float* y, unsigned n) {
-//!         unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-//!         if (i < n) y[i] = a * x[i] + y[i];
-//!     }"#,
-//! );
-//! match nvrtc::compile(&source, Arch::SM_90A, Output::Cubin, &CompileOptions::default()) {
-//!     Ok(cubin) => println!("{} bytes of sm_90a code from NVRTC {}", cubin.image.len(), cubin.nvrtc),
-//!     Err(e @ RuntimeError::NvrtcNotFound { .. }) => println!("cannot compile here: {e}"),
-//!     Err(e) => panic!("{e}"),
-//! }
-//! ```
-//!
-//! # Running a kernel
-//!
 //! ```no_run
-//! use cudarc::driver::{LaunchConfig, PushKernelArg};
 //! use kvq_runtime::nvrtc::{CompileOptions, Source};
-//! use kvq_runtime::{Device, Jit, RuntimeError};
+//! use kvq_runtime::{Device, GpuTimer, Jit, RuntimeError};
 //!
 //! # fn main() -> Result<(), RuntimeError> {
 //! let device = Device::open(0)?;
@@ -77,55 +31,56 @@
 //! );
 //! let fill = jit.function(&source, "fill", &CompileOptions::default())?;
 //! let stream = device.default_stream();
-//! let n = 1000u32;
+//! let n = 1 << 26;
 //! let mut out = stream
 //!     .alloc_zeros::<f32>(n as usize)
 //!     .map_err(|e| RuntimeError::driver("alloc", e))?;
-//! let mut launch = stream.launch_builder(&fill);
-//! launch.arg(&mut out).arg(&1.5f32).arg(&n);
-//! // SAFETY: the arguments match the kernel's signature and `out` holds n floats.
-//! unsafe { launch.launch(LaunchConfig::for_num_elems(n)) }
-//!     .map_err(|e| RuntimeError::launch("fill", e))?;
-//! kvq_runtime::device::synchronize_stream(&stream, "fill")?;
-//! println!("{}", jit.stats()); // "compiled 1 module (0 cache hits)", or on a warm start "compiled 0 modules (1 cache hit)"
+//! let timer = GpuTimer::new(&jit)?;
+//! let timing = timer.time(&stream, 3, 20, |s| {
+//!     use cudarc::driver::{LaunchConfig, PushKernelArg};
+//!     let mut launch = s.launch_builder(&fill);
+//!     launch.arg(&mut out).arg(&1.5f32).arg(&n);
+//!     // SAFETY: the arguments match the kernel's signature and `out` holds n floats.
+//!     unsafe { launch.launch(LaunchConfig::for_num_elems(n)) }
+//!         .map_err(|e| RuntimeError::launch("fill", e))?;
+//!     Ok::<(), RuntimeError>(())
+//! })?;
+//! println!("median {:.1} µs; {}", timing.median_us(), jit.stats());
 //! # Ok(())
 //! # }
 //! ```
 
 #![warn(missing_docs)]
 
-pub mod arch;
 pub mod decode;
-pub mod device;
-pub mod diagnostics;
-pub mod disk_cache;
 pub mod error;
-pub mod include;
-pub mod jit;
 mod launch;
-pub mod libs;
-pub mod module;
-pub mod nvrtc;
 pub mod paged;
 #[doc(hidden)]
 pub mod testing;
-pub mod timing;
 pub mod tune;
 
-/// The cudarc this crate is built on (launch kernels and move data with it).
-pub use cudarc;
+/// The JIT layer under this crate, and its modules where this crate's users have always found
+/// them (`kvq_runtime::nvrtc`, `kvq_runtime::device`, …).
+pub use kvq_jit;
+pub use kvq_jit::{
+    arch, device, diagnostics, disk_cache, include, jit, libs, module, nvrtc, timing, version,
+};
 
-pub use arch::{Arch, ArchVariant};
+/// The cudarc this crate is built on (launch kernels and move data with it).
+pub use kvq_jit::cudarc;
+
+pub use arch::{Arch, ArchVariant, InvalidArch};
 pub use decode::{
     default_pieces, default_splits, min_warp_tokens, CacheView, DecodeKernel, DecodeScratch,
     GpuCache, LoadOptions, Pieces,
 };
 pub use device::{device_count, driver_version, Device, DeviceProps, DriverVersion};
 pub use disk_cache::{cache_root, CacheKey, CacheStats, DiskCache, Origin};
-pub use error::{CompileFailure, MissingHeader, Result, RuntimeError};
+pub use error::{CompileFailure, JitError, MissingHeader, Result, RuntimeError};
 pub use jit::{Jit, JitStats};
 pub use module::Module;
 pub use nvrtc::{CompileOptions, Compiled, NvrtcVersion, Output, Source};
 pub use paged::{CacheConfig, MemoryReport, PagedKvCache, QuantizeTiming, SeqId, SequenceSnapshot};
-pub use timing::{time_gpu, Timing};
+pub use timing::{GpuTimer, Timing};
 pub use tune::{TuneChoice, TunePolicy, TuneProblem, TuneStore, Tuner};

@@ -12,7 +12,7 @@ use std::process::Command;
 use kvq_runtime::libs::{self, DRIVER_ENTRY_POINTS, NVRTC_ENTRY_POINTS};
 use kvq_runtime::nvrtc::{self, CompileOptions, IncludeDirs, Output, Source};
 use kvq_runtime::testing::{build_fake_library, fake_library_source};
-use kvq_runtime::{Arch, Device, RuntimeError};
+use kvq_runtime::{Arch, Device, JitError};
 
 const CHILD: &str = "KVQ_RUNTIME_BROKEN_LIB_CHILD";
 const FAKE_DIR: &str = "KVQ_RUNTIME_FAKE_DIR";
@@ -89,7 +89,7 @@ fn child_incomplete() {
     let message = err.to_string();
     println!("driver: {message}");
     assert!(
-        matches!(err, RuntimeError::LibraryIncomplete { ref symbol, .. } if symbol == "cuInit"),
+        matches!(err, JitError::LibraryIncomplete { ref symbol, .. } if symbol == "cuInit"),
         "{err:?}"
     );
     assert!(err.is_environment());
@@ -108,7 +108,7 @@ fn child_incomplete() {
         kvq_runtime::device_count().unwrap_err(),
         kvq_runtime::driver_version().unwrap_err(),
     ] {
-        assert!(matches!(e, RuntimeError::LibraryIncomplete { .. }), "{e:?}");
+        assert!(matches!(e, JitError::LibraryIncomplete { .. }), "{e:?}");
     }
     assert!(
         kvq_runtime::testing::require_gpu("require_gpu with a broken driver (expected)").is_none()
@@ -118,7 +118,7 @@ fn child_incomplete() {
     let message = err.to_string();
     println!("nvrtc: {message}");
     assert!(
-        matches!(err, RuntimeError::LibraryIncomplete { ref symbol, .. } if symbol == "nvrtcVersion"),
+        matches!(err, JitError::LibraryIncomplete { ref symbol, .. } if symbol == "nvrtcVersion"),
         "{err:?}"
     );
     assert!(err.is_nvrtc_unusable() && err.is_environment());
@@ -138,7 +138,7 @@ fn child_incomplete() {
         nvrtc::supported_archs().unwrap_err(),
         nvrtc::compile(&source, Arch::SM_90A, Output::Cubin, &options).unwrap_err(),
     ] {
-        assert!(matches!(e, RuntimeError::LibraryIncomplete { .. }), "{e:?}");
+        assert!(matches!(e, JitError::LibraryIncomplete { .. }), "{e:?}");
     }
     let summary = err.summary();
     assert!(summary.len() < 80, "{summary}");
@@ -165,7 +165,7 @@ fn child_old() {
     let err = Device::open(0).unwrap_err();
     let message = err.to_string();
     println!("driver: {message}");
-    assert!(matches!(err, RuntimeError::DriverTooOld { .. }), "{err:?}");
+    assert!(matches!(err, JitError::DriverTooOld { .. }), "{err:?}");
     assert!(err.is_environment());
     for want in [
         dir.as_str(),
@@ -181,7 +181,7 @@ fn child_old() {
     let message = err.to_string();
     println!("nvrtc: {message}");
     assert!(
-        matches!(err, RuntimeError::NvrtcVersionMismatch { .. }),
+        matches!(err, JitError::NvrtcVersionMismatch { .. }),
         "{err:?}"
     );
     assert!(err.is_nvrtc_unusable());

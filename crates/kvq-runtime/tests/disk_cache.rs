@@ -135,10 +135,7 @@ fn compile_errors_are_not_cached() {
         let err = cache
             .compile(&bad, Arch::SM_80, Output::Cubin, &options)
             .unwrap_err();
-        assert!(
-            matches!(err, kvq_runtime::RuntimeError::Compile(_)),
-            "{err}"
-        );
+        assert!(matches!(err, kvq_runtime::JitError::Compile(_)), "{err}");
     }
     assert_eq!(cache.stats(), stats(0, 2, 0));
     assert_eq!(fs::read_dir(&dir).unwrap().count(), 0);

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use kvq_runtime::cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use kvq_runtime::nvrtc::{CompileOptions, IncludeDirs, Source};
 use kvq_runtime::testing::{Gate, Need};
-use kvq_runtime::{time_gpu, Device, DiskCache, Jit, Origin, Output, RuntimeError};
+use kvq_runtime::{Device, DiskCache, GpuTimer, Jit, JitError, Origin, Output, RuntimeError};
 
 /// Every test of this file, by name.
 const TESTS: &[(&str, fn())] = &[
@@ -163,13 +163,13 @@ fn jit_compiles_loads_and_launches_with_poisoned_outputs() {
 
     // Typed errors: unknown kernel; impossible block size.
     let err = m1.function("nope").unwrap_err();
-    assert!(
-        matches!(err, RuntimeError::FunctionNotFound { .. }),
-        "{err}"
-    );
+    assert!(matches!(err, JitError::FunctionNotFound { .. }), "{err}");
     let mut y = upload(&stream, &poison);
     let err = launch_fill(&stream, fill, &mut y, 1.0, n, 4096).unwrap_err();
-    assert!(matches!(err, RuntimeError::Launch { .. }), "{err}");
+    assert!(
+        matches!(err, RuntimeError::Jit(JitError::Launch { .. })),
+        "{err}"
+    );
     println!("launch error: {err}");
     device.synchronize("after the failed launch").unwrap();
 
@@ -221,10 +221,12 @@ fn event_timing_measures_a_copy_bound_kernel() {
     let stream = device.new_stream().unwrap();
     let n: u32 = 64 << 20; // 256 MiB of f32: larger than any L2
     let mut buf = stream.alloc_zeros::<f32>(n as usize).unwrap();
-    let timing = time_gpu(&stream, 3, 20, |s| {
-        launch_fill(s, &fill, &mut buf, 1.0, n, 256)
-    })
-    .unwrap();
+    let timer = GpuTimer::new(&jit).unwrap();
+    let timing = timer
+        .time(&stream, 3, 20, |s| {
+            launch_fill(s, &fill, &mut buf, 1.0, n, 256)
+        })
+        .unwrap();
     assert_eq!(timing.samples_us.len(), 20);
     assert!(timing.samples_us.iter().all(|&t| t > 0.0 && t.is_finite()));
     let gbps = n as f64 * 4.0 / (timing.median_us() * 1e-6) / 1e9;
@@ -247,7 +249,7 @@ fn device_errors_are_typed() {
     let _device = Device::open(0).expect("GPU");
     let count = kvq_runtime::device_count().unwrap();
     let err = Device::open(count + 3).unwrap_err();
-    assert!(matches!(err, RuntimeError::NoGpu { .. }), "{err}");
+    assert!(matches!(err, JitError::NoGpu { .. }), "{err}");
     assert!(
         err.to_string().contains("out of range") || err.to_string().contains("ordinal"),
         "{err}"

@@ -7,7 +7,7 @@
 use std::process::Command;
 
 use kvq_runtime::nvrtc::{self, CompileOptions, IncludeDirs, Output, Source};
-use kvq_runtime::{Arch, Device, DiskCache, RuntimeError};
+use kvq_runtime::{Arch, Device, DiskCache, JitError};
 
 const CHILD: &str = "KVQ_RUNTIME_TEST_CHILD";
 
@@ -60,7 +60,7 @@ fn child_without_libraries() {
         );
     } else {
         let err = nvrtc::compile(&source, Arch::SM_90A, Output::Cubin, &options).unwrap_err();
-        assert!(matches!(err, RuntimeError::NvrtcNotFound { .. }), "{err:?}");
+        assert!(matches!(err, JitError::NvrtcNotFound { .. }), "{err:?}");
         let message = err.to_string();
         assert!(message.contains("libnvrtc.so.13"), "{message}");
         assert!(message.contains("LD_LIBRARY_PATH"), "{message}");
@@ -69,18 +69,18 @@ fn child_without_libraries() {
 
         assert!(matches!(
             nvrtc::version(),
-            Err(RuntimeError::NvrtcNotFound { .. })
+            Err(JitError::NvrtcNotFound { .. })
         ));
         assert!(matches!(
             nvrtc::supported_archs(),
-            Err(RuntimeError::NvrtcNotFound { .. })
+            Err(JitError::NvrtcNotFound { .. })
         ));
         let dir = std::env::temp_dir().join(format!("kvq-nolib-{}", std::process::id()));
         let cache = DiskCache::open(&dir).unwrap();
         let err = cache
             .compile(&source, Arch::SM_80, Output::Ptx, &options)
             .unwrap_err();
-        assert!(matches!(err, RuntimeError::NvrtcNotFound { .. }), "{err:?}");
+        assert!(matches!(err, JitError::NvrtcNotFound { .. }), "{err:?}");
         let _ = std::fs::remove_dir_all(&dir);
         assert!(
             kvq_runtime::testing::require_nvrtc("require_nvrtc without NVRTC (expected)").is_none()
@@ -94,20 +94,17 @@ fn child_without_libraries() {
         );
     } else {
         let err = Device::open(0).unwrap_err();
-        assert!(
-            matches!(err, RuntimeError::DriverNotFound { .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, JitError::DriverNotFound { .. }), "{err:?}");
         let message = err.to_string();
         assert!(message.contains("libcuda.so.1"), "{message}");
         println!("driver error: {message}");
         assert!(matches!(
             kvq_runtime::device_count(),
-            Err(RuntimeError::DriverNotFound { .. })
+            Err(JitError::DriverNotFound { .. })
         ));
         assert!(matches!(
             kvq_runtime::driver_version(),
-            Err(RuntimeError::DriverNotFound { .. })
+            Err(JitError::DriverNotFound { .. })
         ));
         assert!(
             kvq_runtime::testing::require_gpu("require_gpu without a driver (expected)").is_none()
@@ -159,7 +156,7 @@ fn child_missing_headers() {
     .unwrap_err();
     let message = err.to_string();
     println!("missing header error: {message}");
-    assert!(matches!(err, RuntimeError::MissingHeader(_)), "{message}");
+    assert!(matches!(err, JitError::MissingHeader(_)), "{message}");
     for expected in [
         "CUDA header `cuda_bf16.h` not found (included from needs_headers.cu line 2)",
         "KVQ_CUDA_INCLUDE: /nonexistent/kvq-a (does not exist)",

@@ -3,7 +3,7 @@
 
 use kvq_runtime::nvrtc::{self, CompileOptions, IncludeDirs, Output, Source};
 use kvq_runtime::testing::require_nvrtc;
-use kvq_runtime::{Arch, RuntimeError};
+use kvq_runtime::{Arch, JitError};
 
 const AXPY: &str = r#"// header-free: no #include at all
 extern "C" __global__ void axpy(float a, const float* __restrict__ x, float* __restrict__ y,
@@ -56,6 +56,18 @@ fn compiles_header_free_kernel_to_ptx_and_cubin() {
 }
 
 #[test]
+fn the_timers_spin_kernel_compiles() {
+    let Some(_) = require_nvrtc("the_timers_spin_kernel_compiles") else {
+        return;
+    };
+    let source = kvq_runtime::timing::spin_source();
+    for arch in [Arch::SM_80, Arch::SM_90A] {
+        let cubin = nvrtc::compile(&source, arch, Output::Cubin, &header_free_options()).unwrap();
+        assert!(!cubin.image.is_empty(), "{arch}");
+    }
+}
+
+#[test]
 fn fast_math_and_line_info_reach_nvrtc() {
     if require_nvrtc("fast_math_and_line_info_reach_nvrtc").is_none() {
         return;
@@ -90,7 +102,7 @@ fn broken_kernel_error_quotes_the_numbered_source_line() {
     let source = Source::new("broken.cu", BROKEN);
     let err =
         nvrtc::compile(&source, Arch::SM_90A, Output::Cubin, &header_free_options()).unwrap_err();
-    let RuntimeError::Compile(failure) = &err else {
+    let JitError::Compile(failure) = &err else {
         panic!("expected a compile error, got {err:?}");
     };
     assert_eq!(failure.code, "NVRTC_ERROR_COMPILATION");
@@ -146,7 +158,7 @@ fn errors_in_in_memory_headers_are_quoted_from_the_header() {
     let err =
         nvrtc::compile(&source, Arch::SM_80, Output::Ptx, &header_free_options()).unwrap_err();
     let message = err.to_string();
-    assert!(matches!(err, RuntimeError::Compile(_)), "{message}");
+    assert!(matches!(err, JitError::Compile(_)), "{message}");
     assert!(message.contains("helpers.cuh(3): error"), "{message}");
     assert!(message.contains("  > 3 |   return x * two;"), "{message}");
 
@@ -173,7 +185,7 @@ fn missing_cuda_header_names_the_searched_folders() {
     let err = nvrtc::compile(&source, Arch::SM_80, Output::Ptx, &options).unwrap_err();
     let message = err.to_string();
     eprintln!("--- missing header as a user sees it ---\n{message}\n---");
-    let RuntimeError::MissingHeader(missing) = &err else {
+    let JitError::MissingHeader(missing) = &err else {
         panic!("expected MissingHeader, got {message}");
     };
     assert_eq!(missing.header, "cuda_fp16.h");
@@ -242,7 +254,7 @@ fn unsupported_architecture_is_a_typed_error() {
         &header_free_options(),
     )
     .unwrap_err();
-    assert!(matches!(err, RuntimeError::UnsupportedArch { .. }), "{err}");
+    assert!(matches!(err, JitError::UnsupportedArch { .. }), "{err}");
     assert!(
         err.to_string().contains("cannot compile for sm_35"),
         "{err}"
@@ -261,7 +273,7 @@ fn without_nvrtc_compile_is_a_typed_error() {
         &header_free_options(),
     )
     .unwrap_err();
-    assert!(matches!(err, RuntimeError::NvrtcNotFound { .. }), "{err}");
+    assert!(matches!(err, JitError::NvrtcNotFound { .. }), "{err}");
     assert!(err.to_string().contains("libnvrtc.so.13"), "{err}");
     assert!(err.is_environment());
 }

@@ -33,6 +33,8 @@ pub use kvq_codegen as codegen;
 pub use kvq_reference as reference;
 #[doc(inline)]
 pub use kvq_runtime as runtime;
+#[doc(inline)]
+pub use kvq_runtime::kvq_jit as jit;
 
 pub mod evaluate;
 pub mod schemes;

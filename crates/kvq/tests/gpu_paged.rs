@@ -431,11 +431,13 @@ fn gpu_prefill_quantize_bandwidth() {
     let n = 1usize << 30; // u16 elements: 2 GiB
     let src = s.alloc_zeros::<u16>(n).expect("copy source");
     let mut dst = s.alloc_zeros::<u16>(n).expect("copy destination");
-    let copy = kvq::runtime::time_gpu(&s, 2, 10, |st| {
-        st.memcpy_dtod(&src, &mut dst)
-            .map_err(|e| RuntimeError::driver("memcpy_dtod", e))
-    })
-    .expect("copy timing");
+    let timer = kvq::runtime::GpuTimer::new(&jit).expect("GPU timer");
+    let copy = timer
+        .time(&s, 2, 10, |st| {
+            st.memcpy_dtod(&src, &mut dst)
+                .map_err(|e| RuntimeError::driver("memcpy_dtod", e))
+        })
+        .expect("copy timing");
     drop((src, dst));
     let copy_gbps = 4.0 * (1u64 << 30) as f64 / (copy.median_us() * 1e3);
     println!(

@@ -144,7 +144,7 @@ fn compile_sources(
                 notes.push(format!("{file} not compiled: {e}"));
                 break;
             }
-            Err(e) => return Err(CliError::Runtime(e)),
+            Err(e) => return Err(CliError::Runtime(e.into())),
         }
     }
     Ok((compiled, lines))

@@ -10,8 +10,7 @@ use super::layout::CacheView;
 use super::splits::Pieces;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
-use crate::launch::Args;
-use crate::module::allow_dynamic_shared;
+use crate::launch::{allow_dynamic_shared, Args};
 use crate::nvrtc::{CompileOptions, Source};
 
 /// The compiled decode kernels of one scheme × shape × tuning.

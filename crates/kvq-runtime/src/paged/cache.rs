@@ -470,7 +470,8 @@ impl PagedKvCache {
             launches.push((which, pages, dev_list));
         }
         let stream = self.stream.clone();
-        let timing = crate::timing::time_gpu(&stream, 2, runs, |s| {
+        let timer = crate::timing::GpuTimer::back_to_back();
+        let timing = timer.time::<_, RuntimeError>(&stream, 2, runs, |s| {
             for (which, pages, list) in &launches {
                 let (q, pool, x) = match which {
                     Tensor::K => (self.kernels.k.as_ref(), &mut self.buffers.k_pool, k),

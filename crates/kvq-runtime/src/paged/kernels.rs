@@ -6,7 +6,7 @@ use kvq_spec::SchemeSpec;
 
 use crate::error::Result;
 use crate::jit::Jit;
-use crate::module::allow_dynamic_shared;
+use crate::launch::allow_dynamic_shared;
 use crate::nvrtc::{CompileOptions, Source};
 
 /// A loaded kernel and its launch metadata.

@@ -21,8 +21,8 @@
 //!   context buckets), [`TuneProblem`].
 //! * [`choice`]: [`TuneChoice`], the heuristic default and the candidate set.
 //! * [`store`]: the JSON file ([`TuneStore`]); atomic, merging writes; damaged files ignored.
-//! * [`rotate`], [`timer`], [`check`], [`synth`]: buffers that defeat L2, device-side timing,
-//!   the correctness gate and synthetic inputs — also used by the benchmarks, so both measure the
+//! * [`rotate`], [`check`], [`synth`]: buffers that defeat L2, the correctness gate and
+//!   synthetic inputs (timing is [`crate::timing::GpuTimer`]) — also used by the benchmarks, so both measure the
 //!   same way.
 //! * [`tuner`]: [`Tuner`] and its [`TuneReport`]; a session's steps (compile, time, check, re-time)
 //!   are in `session.rs`.
@@ -55,7 +55,6 @@ pub mod rotate;
 mod session;
 pub mod store;
 pub mod synth;
-pub mod timer;
 pub mod tuner;
 
 pub use check::{tolerance, ReferenceCheck};
@@ -64,7 +63,6 @@ pub use key::{batch_bucket, context_bucket, GpuKey, ProblemKey, TuneProblem, MIN
 pub use policy::{TunePolicy, KVQ_TUNE};
 pub use rotate::{batch_device_bytes, plan_copies, rotation_copies, RotatingBatch};
 pub use store::{TuneEntry, TuneStore, TUNE_FILE};
-pub use timer::QueuedTimer;
 pub use tuner::{
     coarse_runs_within, default_launch, fine_runs_within, select_winner, CandidateResult,
     ChoiceSource, Selection, TuneOptions, TuneReport, Tuner,

@@ -16,7 +16,6 @@ use super::key::{GpuKey, TuneProblem};
 use super::progress::Progress;
 use super::rotate::{batch_device_bytes, plan_copies, RotatingBatch};
 use super::synth::random_queries;
-use super::timer::QueuedTimer;
 use super::tuner::{
     coarse_runs_within, fine_runs_within, occupancy_kernel, residency, select_winner,
     CandidateResult, TuneOptions, TuneReport,
@@ -24,7 +23,7 @@ use super::tuner::{
 use crate::decode::{DecodeKernel, DecodeScratch, Pieces};
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
-use crate::timing::Timing;
+use crate::timing::{GpuTimer, Timing};
 
 /// Each block shape's kernel, or why it does not build.
 type Kernels = HashMap<TuneParams, std::result::Result<DecodeKernel, String>>;
@@ -54,7 +53,7 @@ struct Bench<'a> {
     kernels: Kernels,
     stream: Arc<CudaStream>,
     batch: RotatingBatch,
-    timer: QueuedTimer,
+    timer: GpuTimer,
     scratches: HashMap<(usize, Pieces), DecodeScratch>,
 }
 
@@ -284,7 +283,7 @@ impl<'a> Session<'a> {
         Ok(Bench {
             problem: self.problem,
             kernels,
-            timer: QueuedTimer::new(self.jit)?,
+            timer: GpuTimer::new(self.jit)?,
             stream,
             batch,
             scratches: HashMap::new(),

@@ -3,7 +3,7 @@
 //! [`Device::open`] checks that `libcuda` loads, initialises the driver, checks the ordinal
 //! against the device count, retains the device's primary context (cudarc's [`CudaContext`])
 //! and reads the properties kvq's code generator, autotuner and benchmarks need
-//! ([`DeviceProps`]). Each failure is a typed [`RuntimeError`]: no driver library, no GPU,
+//! ([`DeviceProps`]). Each failure is a typed [`JitError`]: no driver library, no GPU,
 //! ordinal out of range, or the driver call that failed.
 
 use std::fmt;
@@ -14,23 +14,9 @@ use cudarc::driver::{CudaContext, CudaStream};
 use serde::{Deserialize, Serialize};
 
 use crate::arch::Arch;
-use crate::error::{Result, RuntimeError};
+use crate::error::{JitError, Result};
 use crate::libs::{ensure_driver, guard_driver};
-
-/// The CUDA version the driver supports (`cuDriverGetVersion`: 13000 → 13.0).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub struct DriverVersion {
-    /// Major.
-    pub major: u32,
-    /// Minor.
-    pub minor: u32,
-}
-
-impl fmt::Display for DriverVersion {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "CUDA {}.{}", self.major, self.minor)
-    }
-}
+pub use crate::version::DriverVersion;
 
 /// The CUDA version of the installed driver. Needs `libcuda`, not a GPU.
 pub fn driver_version() -> Result<DriverVersion> {
@@ -44,7 +30,7 @@ fn init_driver() -> Result<bool> {
     guard_driver("cuInit", || match cudarc::driver::result::init() {
         Ok(()) => Ok(true),
         Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE => Ok(false),
-        Err(e) => Err(RuntimeError::driver("cuInit", e)),
+        Err(e) => Err(JitError::driver("cuInit", e)),
     })
 }
 
@@ -56,7 +42,7 @@ pub fn device_count() -> Result<usize> {
     match cudarc::driver::result::device::get_count() {
         Ok(n) => Ok(n.max(0) as usize),
         Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE => Ok(0),
-        Err(e) => Err(RuntimeError::driver("cuDeviceGetCount", e)),
+        Err(e) => Err(JitError::driver("cuDeviceGetCount", e)),
     }
 }
 
@@ -139,26 +125,26 @@ impl Device {
     fn open_unguarded(ordinal: usize) -> Result<Device> {
         let count = device_count()?;
         if ordinal >= count {
-            return Err(RuntimeError::NoGpu { ordinal, count });
+            return Err(JitError::NoGpu { ordinal, count });
         }
         let driver = driver_version()?;
         let ctx = CudaContext::new(ordinal)
-            .map_err(|e| RuntimeError::driver(format!("create a context on GPU {ordinal}"), e))?;
+            .map_err(|e| JitError::driver(format!("create a context on GPU {ordinal}"), e))?;
         let attr = |a: CUdevice_attribute, what: &str| -> Result<u32> {
             ctx.attribute(a)
                 .map(|v| v.max(0) as u32)
-                .map_err(|e| RuntimeError::driver(format!("cuDeviceGetAttribute({what})"), e))
+                .map_err(|e| JitError::driver(format!("cuDeviceGetAttribute({what})"), e))
         };
         let name = ctx
             .name()
-            .map_err(|e| RuntimeError::driver("cuDeviceGetName", e))?;
+            .map_err(|e| JitError::driver("cuDeviceGetName", e))?;
         let (major, minor) = ctx
             .compute_capability()
-            .map_err(|e| RuntimeError::driver("cuDeviceGetAttribute(compute capability)", e))?;
+            .map_err(|e| JitError::driver("cuDeviceGetAttribute(compute capability)", e))?;
         let (major, minor) = (major.max(0) as u32, minor.max(0) as u32);
         let total_memory_bytes =
             ctx.total_mem()
-                .map_err(|e| RuntimeError::driver("cuDeviceTotalMem", e))? as u64;
+                .map_err(|e| JitError::driver("cuDeviceTotalMem", e))? as u64;
         let props = DeviceProps {
             ordinal,
             name,
@@ -222,15 +208,15 @@ impl Device {
     pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
         self.ctx
             .new_stream()
-            .map_err(|e| RuntimeError::driver("cuStreamCreate", e))
+            .map_err(|e| JitError::driver("cuStreamCreate", e))
     }
 
     /// Waits for all work on the device; a kernel fault shows up here as
-    /// [`RuntimeError::Launch`] naming `after` (what was launched before).
+    /// [`JitError::Launch`] naming `after` (what was launched before).
     pub fn synchronize(&self, after: &str) -> Result<()> {
         self.ctx
             .synchronize()
-            .map_err(|e| RuntimeError::async_failure(after, e))
+            .map_err(|e| JitError::async_failure(after, e))
     }
 }
 
@@ -238,5 +224,5 @@ impl Device {
 pub fn synchronize_stream(stream: &CudaStream, after: &str) -> Result<()> {
     stream
         .synchronize()
-        .map_err(|e| RuntimeError::async_failure(after, e))
+        .map_err(|e| JitError::async_failure(after, e))
 }

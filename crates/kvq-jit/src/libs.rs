@@ -8,7 +8,7 @@
 //! resolve every entry point in [`DRIVER_ENTRY_POINTS`] / [`NVRTC_ENTRY_POINTS`], and make the
 //! first call (`cuDriverGetVersion` / `nvrtcVersion`) under [`std::panic::catch_unwind`]. A
 //! missing library, a missing entry point, a version kvq cannot use, or a panic inside the
-//! bindings becomes a typed [`RuntimeError`] naming the file, the symbol and what to do.
+//! bindings becomes a typed [`JitError`] naming the file, the symbol and what to do.
 //!
 //! The answer is computed once per process: the dynamic loader reads `LD_LIBRARY_PATH` at program
 //! start, so it cannot change later.
@@ -17,9 +17,8 @@ use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
 
-use crate::device::DriverVersion;
-use crate::error::{Result, RuntimeError};
-use crate::nvrtc::NvrtcVersion;
+use crate::error::{JitError, Result, DRIVER_LIBRARY, NVRTC_LIBRARY};
+use crate::version::{DriverVersion, NvrtcVersion};
 
 /// The CUDA major version cudarc's bindings are built for (its `cuda-13000` feature): the NVRTC
 /// kvq loads must be this major, and the driver at least this major to load what it compiles.
@@ -52,7 +51,7 @@ const fn entry(name: &'static str, major: u32, minor: u32) -> EntryPoint {
 /// `driver/safe/*.rs`, including the `Drop` impls and the event tracking behind
 /// `device_ptr`), and add each under the name its `load::<_F>("…")` gets in `driver/sys/mod.rs`
 /// for the enabled `cuda-*` feature. A unit test checks that every `sys::cu*` call written in
-/// this crate's own source is listed.
+/// the workspace's sources (this crate's and its siblings') is listed.
 pub const DRIVER_ENTRY_POINTS: &[EntryPoint] = &[
     // Start-up and error text (`device_count`, `driver_version`, `DriverError` descriptions).
     entry("cuInit", 2, 0),
@@ -155,8 +154,8 @@ impl Lib {
     /// What the library is, in messages.
     pub(crate) fn what(self) -> &'static str {
         match self {
-            Lib::Driver => "CUDA driver library",
-            Lib::Nvrtc => "NVRTC library",
+            Lib::Driver => DRIVER_LIBRARY,
+            Lib::Nvrtc => NVRTC_LIBRARY,
         }
     }
 }
@@ -203,7 +202,7 @@ struct Loaded {
     _handle: libloading::Library,
 }
 
-/// Why a library cannot be used; turned into a [`RuntimeError`] on every ask.
+/// Why a library cannot be used; turned into a [`JitError`] on every ask.
 #[derive(Clone, Debug)]
 enum Failure {
     NotFound,
@@ -397,14 +396,14 @@ fn probe(lib: Lib) -> Probe {
     })
 }
 
-fn failure_error(lib: Lib, failure: &Failure) -> RuntimeError {
+fn failure_error(lib: Lib, failure: &Failure) -> JitError {
     match failure {
         Failure::NotFound => match lib {
-            Lib::Driver => RuntimeError::DriverNotFound {
+            Lib::Driver => JitError::DriverNotFound {
                 primary: primary_name(Lib::Driver),
                 tried: candidates(Lib::Driver),
             },
-            Lib::Nvrtc => RuntimeError::NvrtcNotFound {
+            Lib::Nvrtc => JitError::NvrtcNotFound {
                 primary: primary_name(Lib::Nvrtc),
                 tried: candidates(Lib::Nvrtc),
             },
@@ -419,7 +418,7 @@ fn failure_error(lib: Lib, failure: &Failure) -> RuntimeError {
             let too_old =
                 version.and_then(|v| missing.iter().find(|e| e.since > v).map(|e| (v, e)));
             match (lib, too_old) {
-                (Lib::Driver, Some((v, e))) => RuntimeError::DriverTooOld {
+                (Lib::Driver, Some((v, e))) => JitError::DriverTooOld {
                     library: file.clone(),
                     symbol: e.name.to_string(),
                     since: format!("{}.{}", e.since.0, e.since.1),
@@ -429,7 +428,7 @@ fn failure_error(lib: Lib, failure: &Failure) -> RuntimeError {
                     }
                     .to_string(),
                 },
-                _ => RuntimeError::LibraryIncomplete {
+                _ => JitError::LibraryIncomplete {
                     what: lib.what(),
                     library: file.clone(),
                     symbol: missing[0].name.to_string(),
@@ -442,14 +441,14 @@ fn failure_error(lib: Lib, failure: &Failure) -> RuntimeError {
             file,
             call,
             message,
-        } => RuntimeError::LibraryPanicked {
+        } => JitError::LibraryPanicked {
             what: lib.what(),
             library: file.clone(),
             call: call.to_string(),
             message: message.clone(),
             advice: install_advice(lib),
         },
-        Failure::NvrtcMajor { file, version } => RuntimeError::NvrtcVersionMismatch {
+        Failure::NvrtcMajor { file, version } => JitError::NvrtcVersionMismatch {
             library: file.clone(),
             found: NvrtcVersion {
                 major: version.0,
@@ -496,16 +495,16 @@ pub fn nvrtc_present() -> bool {
 }
 
 /// `Ok` when `libcuda` loads and exports every entry point of [`DRIVER_ENTRY_POINTS`]; else
-/// [`RuntimeError::DriverNotFound`], [`RuntimeError::DriverTooOld`],
-/// [`RuntimeError::LibraryIncomplete`] or [`RuntimeError::LibraryPanicked`].
+/// [`JitError::DriverNotFound`], [`JitError::DriverTooOld`],
+/// [`JitError::LibraryIncomplete`] or [`JitError::LibraryPanicked`].
 pub fn ensure_driver() -> Result<()> {
     check(Lib::Driver).map(|_| ())
 }
 
 /// `Ok` when `libnvrtc` loads, is NVRTC [`CUDA_MAJOR`] and exports every entry point of
-/// [`NVRTC_ENTRY_POINTS`]; else [`RuntimeError::NvrtcNotFound`],
-/// [`RuntimeError::NvrtcVersionMismatch`], [`RuntimeError::LibraryIncomplete`] or
-/// [`RuntimeError::LibraryPanicked`].
+/// [`NVRTC_ENTRY_POINTS`]; else [`JitError::NvrtcNotFound`],
+/// [`JitError::NvrtcVersionMismatch`], [`JitError::LibraryIncomplete`] or
+/// [`JitError::LibraryPanicked`].
 pub fn ensure_nvrtc() -> Result<()> {
     check(Lib::Nvrtc).map(|_| ())
 }
@@ -517,7 +516,7 @@ pub(crate) fn driver_version() -> Result<DriverVersion> {
             major: *major,
             minor: *minor,
         }),
-        Err((code, description)) => Err(RuntimeError::Driver {
+        Err((code, description)) => Err(JitError::Driver {
             call: "cuDriverGetVersion".into(),
             code: code.clone(),
             description: description.clone(),
@@ -532,7 +531,7 @@ pub(crate) fn nvrtc_version() -> Result<NvrtcVersion> {
             major: *major,
             minor: *minor,
         }),
-        Err((code, _)) => Err(RuntimeError::Nvrtc {
+        Err((code, _)) => Err(JitError::Nvrtc {
             call: "nvrtcVersion".into(),
             code: code.clone(),
         }),
@@ -549,12 +548,12 @@ pub(crate) fn driver_file() -> String {
 
 /// Runs `f`, a call into `libcuda` through cudarc's safe API that starts a GPU session (cuInit,
 /// context creation), turning a panic inside the bindings into
-/// [`RuntimeError::LibraryPanicked`]. The entry-point check makes such a panic unexpected; this
+/// [`JitError::LibraryPanicked`]. The entry-point check makes such a panic unexpected; this
 /// keeps a library bug or an unlisted entry point from taking down a host engine. Not for hot
 /// calls.
 pub(crate) fn guard_driver<T>(call: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
     catch(f).unwrap_or_else(|message| {
-        Err(RuntimeError::LibraryPanicked {
+        Err(JitError::LibraryPanicked {
             what: Lib::Driver.what(),
             library: driver_file(),
             call: call.to_string(),
@@ -584,10 +583,10 @@ mod tests {
         assert_eq!(c.len(), dedup.len());
     }
 
-    /// Every `sys::cu*(` / `sys::nvrtc*(` call written in this crate's source is in the lists
+    /// Every `sys::cu*(` / `sys::nvrtc*(` call written in the workspace's sources is in the lists
     /// (calls through cudarc's safe API are listed by reading cudarc: see the lists' docs).
     #[test]
-    fn direct_calls_in_this_crate_are_listed() {
+    fn direct_calls_in_the_workspace_are_listed() {
         fn visit(dir: &std::path::Path, found: &mut Vec<(String, String)>) {
             let Ok(entries) = std::fs::read_dir(dir) else {
                 return;
@@ -613,10 +612,17 @@ mod tests {
             }
         }
         let mut found = Vec::new();
-        visit(
-            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
-            &mut found,
-        );
+        let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        visit(&here.join("src"), &mut found);
+        // The crates beside this one in the workspace (kvq-runtime and its dependants) reach the
+        // driver through the same checks, so their direct calls must be listed too.
+        if let Some(Ok(siblings)) = here.parent().map(std::fs::read_dir) {
+            for crate_dir in siblings.flatten().map(|e| e.path()) {
+                if crate_dir != here {
+                    visit(&crate_dir.join("src"), &mut found);
+                }
+            }
+        }
         assert!(found.iter().any(|(_, n)| n == "nvrtcCompileProgram"));
         assert!(found.iter().any(|(_, n)| n == "cuLaunchKernelEx"));
         for (file, name) in found {
@@ -652,7 +658,7 @@ mod tests {
                 version: Some((12, 4)),
             },
         );
-        assert!(matches!(old, RuntimeError::DriverTooOld { .. }), "{old}");
+        assert!(matches!(old, JitError::DriverTooOld { .. }), "{old}");
         let text = old.to_string();
         assert!(
             text.contains("cuEventElapsedTime_v2") && text.contains("12.8"),
@@ -667,7 +673,7 @@ mod tests {
             },
         );
         assert!(
-            matches!(broken, RuntimeError::LibraryIncomplete { .. }),
+            matches!(broken, JitError::LibraryIncomplete { .. }),
             "{broken}"
         );
         assert!(broken.is_environment());

@@ -12,7 +12,6 @@
 //! (by default those [`IncludeSearch`] finds; none are needed for header-free sources).
 
 use std::ffi::{c_char, c_int, CString};
-use std::fmt;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -21,24 +20,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::arch::Arch;
 use crate::diagnostics::{annotate_log, parse_log};
-use crate::error::{CompileFailure, MissingHeader, Result, RuntimeError};
+use crate::error::{CompileFailure, JitError, MissingHeader, Result};
 use crate::include::{CandidateStatus, IncludeCandidate, IncludeSearch};
 use crate::libs::ensure_nvrtc;
-
-/// The NVRTC library's version (`nvrtcVersion`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct NvrtcVersion {
-    /// Major version (13 for CUDA 13.x).
-    pub major: u32,
-    /// Minor version.
-    pub minor: u32,
-}
-
-impl fmt::Display for NvrtcVersion {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}.{}", self.major, self.minor)
-    }
-}
+pub use crate::version::NvrtcVersion;
 
 fn nvrtc_code(r: sys::nvrtcResult) -> String {
     format!("{r:?}")
@@ -48,7 +33,7 @@ fn check(call: &str, r: sys::nvrtcResult) -> Result<()> {
     if r == sys::nvrtcResult::NVRTC_SUCCESS {
         Ok(())
     } else {
-        Err(RuntimeError::Nvrtc {
+        Err(JitError::Nvrtc {
             call: call.to_string(),
             code: nvrtc_code(r),
         })
@@ -61,7 +46,7 @@ pub fn is_available() -> bool {
     ensure_nvrtc().is_ok()
 }
 
-/// The loaded NVRTC's version; [`RuntimeError::NvrtcNotFound`] if there is none (or the error
+/// The loaded NVRTC's version; [`JitError::NvrtcNotFound`] if there is none (or the error
 /// that makes it unusable).
 pub fn version() -> Result<NvrtcVersion> {
     // Asked once, when the library is first checked.
@@ -284,7 +269,7 @@ pub struct ResolvedOptions {
     pub arch: Arch,
     /// The arguments, in the order NVRTC gets them. Part of the cache key.
     pub args: Vec<String>,
-    /// How the include folders were found (named in [`RuntimeError::MissingHeader`]).
+    /// How the include folders were found (named in [`JitError::MissingHeader`]).
     pub include_search: IncludeSearch,
 }
 
@@ -345,7 +330,7 @@ pub fn compile_resolved(
     let arch = options.arch;
     let supported = supported_archs()?;
     if !supported.is_empty() && !supported.contains(&arch.sm()) {
-        return Err(RuntimeError::UnsupportedArch {
+        return Err(JitError::UnsupportedArch {
             arch,
             nvrtc,
             supported,
@@ -383,7 +368,7 @@ pub fn compile_resolved(
         Output::Cubin => program.cubin()?,
     };
     if image.is_empty() {
-        return Err(RuntimeError::Nvrtc {
+        return Err(JitError::Nvrtc {
             call: format!("nvrtcGet{}", output.extension().to_uppercase()),
             code: format!("empty {} for {arch}", output.extension()),
         });
@@ -400,7 +385,7 @@ pub fn compile_resolved(
 
 fn c_string(text: &str, what: &str) -> Result<CString> {
     CString::new(text).map_err(|e| {
-        RuntimeError::InvalidInput(format!(
+        JitError::InvalidInput(format!(
             "{what} contains a NUL byte at offset {}",
             e.nul_position()
         ))
@@ -429,11 +414,11 @@ fn compile_error(
     nvrtc: NvrtcVersion,
     code: String,
     log: String,
-) -> RuntimeError {
+) -> JitError {
     if let Some((header, included_from)) = missing_header(&log) {
         let in_memory = source.headers.iter().any(|h| h.name == header);
         if !in_memory {
-            return RuntimeError::MissingHeader(Box::new(MissingHeader {
+            return JitError::MissingHeader(Box::new(MissingHeader {
                 header,
                 included_from,
                 searched: options.include_search.candidates.clone(),
@@ -448,7 +433,7 @@ fn compile_error(
             .iter()
             .map(|h| (h.name.as_str(), h.contents.as_str())),
     );
-    RuntimeError::Compile(Box::new(CompileFailure {
+    JitError::Compile(Box::new(CompileFailure {
         source_name: source.name.clone(),
         arch: options.arch,
         nvrtc: Some(nvrtc),
@@ -627,7 +612,7 @@ mod tests {
     #[test]
     fn nul_in_source_is_a_typed_error() {
         let e = c_string("a\0b", "source `x.cu`").unwrap_err();
-        assert!(matches!(e, RuntimeError::InvalidInput(_)));
+        assert!(matches!(e, JitError::InvalidInput(_)));
         assert!(e.to_string().contains("offset 1"));
     }
 }

@@ -83,7 +83,7 @@ impl std::fmt::Debug for Jit {
 impl Jit {
     /// A JIT for `device` with the disk cache from the environment ([`DiskCache::from_env`]).
     ///
-    /// Fails early, with [`RuntimeError::DriverOlderThanNvrtc`](crate::RuntimeError), when the
+    /// Fails early, with [`JitError::DriverOlderThanNvrtc`](crate::JitError), when the
     /// loaded NVRTC is newer than the driver can load (where NVRTC is unusable, the first compile
     /// says why).
     pub fn new(device: &Device) -> Result<Jit> {

@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::arch::Arch;
-use crate::error::{Result, RuntimeError};
+use crate::error::{JitError, Result};
 use crate::nvrtc::{self, CompileOptions, Compiled, NvrtcVersion, Output, ResolvedOptions, Source};
 
 /// The environment variable that overrides the cache folder.
@@ -49,7 +49,7 @@ pub fn cache_root() -> Result<PathBuf> {
         Some(dir) if !dir.is_empty() => Ok(PathBuf::from(dir)),
         _ => dirs::cache_dir()
             .map(|d| d.join("kvq"))
-            .ok_or(RuntimeError::NoCacheDir),
+            .ok_or(JitError::NoCacheDir),
     }
 }
 
@@ -205,7 +205,7 @@ impl DiskCache {
     /// The cache in `dir`, created if missing.
     pub fn open(dir: impl Into<PathBuf>) -> Result<DiskCache> {
         let dir = dir.into();
-        fs::create_dir_all(&dir).map_err(|source| RuntimeError::CacheIo {
+        fs::create_dir_all(&dir).map_err(|source| JitError::CacheIo {
             action: "create the cache directory",
             path: dir.clone(),
             source,
@@ -337,7 +337,7 @@ impl DiskCache {
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
         };
-        let json = serde_json::to_string(&header).map_err(|e| RuntimeError::CacheIo {
+        let json = serde_json::to_string(&header).map_err(|e| JitError::CacheIo {
             action: "encode the entry header for",
             path: path.clone(),
             source: std::io::Error::other(e),
@@ -353,7 +353,7 @@ impl DiskCache {
 
     /// Deletes every entry; returns how many.
     pub fn clear(&self) -> Result<usize> {
-        let io = |source| RuntimeError::CacheIo {
+        let io = |source| JitError::CacheIo {
             action: "list",
             path: self.dir.clone(),
             source,
@@ -413,7 +413,7 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     })();
     result.map_err(|source| {
         let _ = fs::remove_file(&tmp);
-        RuntimeError::CacheIo {
+        JitError::CacheIo {
             action: "write the cache entry",
             path: path.to_path_buf(),
             source,
@@ -562,7 +562,26 @@ mod tests {
     #[cfg(unix)]
     #[test]
     fn a_fifo_device_or_oversized_entry_is_a_miss_with_a_note_never_a_hang() {
-        use crate::tune::store::tests::{make_fifo, promptly};
+        // A lookup that blocked on the FIFO would hang the test run: each one runs on a thread
+        // the test waits for at most 10 s.
+        fn promptly<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || tx.send(f()));
+            rx.recv_timeout(std::time::Duration::from_secs(10))
+                .expect("a cache lookup blocked for 10 s")
+        }
+        // Nothing ever writes to it, so opening it to read would block forever.
+        fn make_fifo(path: &Path) {
+            use std::os::unix::ffi::OsStrExt;
+            let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+            // SAFETY: `c` is a NUL-terminated path alive through the call.
+            assert_eq!(
+                unsafe { libc::mkfifo(c.as_ptr(), 0o600) },
+                0,
+                "{}",
+                path.display()
+            );
+        }
         let cache = std::sync::Arc::new(temp_cache("special"));
         let opts = CompileOptions::default().include_dirs(IncludeDirs::None);
         let k = key("special", &opts);
@@ -625,10 +644,10 @@ mod tests {
         );
         let e = cache
             .get_or_compile(&k, Output::Cubin, "k.cu", || {
-                Err(RuntimeError::InvalidInput("x".into()))
+                Err(JitError::InvalidInput("x".into()))
             })
             .unwrap_err();
-        assert!(matches!(e, RuntimeError::InvalidInput(_)));
+        assert!(matches!(e, JitError::InvalidInput(_)));
         assert!(!cache.entry_path(&k, Output::Cubin).exists());
         let _ = fs::remove_dir_all(cache.dir());
     }

@@ -1,7 +1,7 @@
 //! A compiled image loaded into a device's context, and its kernels.
 //!
 //! [`Module::load`] hands a PTX or CUBIN image to `cuModuleLoadData` (through cudarc) and turns
-//! a refusal into [`RuntimeError::ModuleLoad`] with a hint (the usual cause: a driver older than
+//! a refusal into [`JitError::ModuleLoad`] with a hint (the usual cause: a driver older than
 //! the NVRTC that built the image). [`Module::function`] looks kernels up by their unmangled
 //! (`extern "C"`) names, once each.
 
@@ -15,7 +15,7 @@ use cudarc::nvrtc::Ptx;
 use crate::arch::Arch;
 use crate::device::Device;
 use crate::disk_cache::{CacheKey, Origin};
-use crate::error::{describe_driver_error, Result, RuntimeError};
+use crate::error::{describe_driver_error, JitError, Result};
 use crate::nvrtc::Compiled;
 
 /// A loaded module.
@@ -45,7 +45,7 @@ impl Module {
             .map_err(|e| {
                 let (code, description) = describe_driver_error(e);
                 let hint = load_hint(e.0, compiled, device, origin);
-                RuntimeError::ModuleLoad {
+                JitError::ModuleLoad {
                     module: name.to_string(),
                     arch: compiled.arch,
                     code,
@@ -66,7 +66,7 @@ impl Module {
     /// The kernel `name` (declared `extern "C" __global__`).
     pub fn function(&self, name: &str) -> Result<CudaFunction> {
         if name.contains('\0') {
-            return Err(RuntimeError::InvalidInput(format!(
+            return Err(JitError::InvalidInput(format!(
                 "kernel name {name:?} contains a NUL byte"
             )));
         }
@@ -76,12 +76,12 @@ impl Module {
         }
         let f = self.module.load_function(name).map_err(|e| {
             if e.0 == CUresult::CUDA_ERROR_NOT_FOUND {
-                RuntimeError::FunctionNotFound {
+                JitError::FunctionNotFound {
                     module: self.name.clone(),
                     function: name.to_string(),
                 }
             } else {
-                RuntimeError::driver(format!("cuModuleGetFunction({name})"), e)
+                JitError::driver(format!("cuModuleGetFunction({name})"), e)
             }
         })?;
         functions.insert(name.to_string(), f.clone());
@@ -119,8 +119,8 @@ impl Module {
 /// version or newer (the driver compiles it, and cannot read a newer PTX ISA). Checked before
 /// `cuModuleLoadData`, whose own refusal names neither version.
 pub(crate) fn check_driver_loads(
-    driver: crate::device::DriverVersion,
-    nvrtc: crate::nvrtc::NvrtcVersion,
+    driver: crate::version::DriverVersion,
+    nvrtc: crate::version::NvrtcVersion,
     output: crate::nvrtc::Output,
 ) -> Result<()> {
     let loads = match output {
@@ -130,7 +130,7 @@ pub(crate) fn check_driver_loads(
     if loads {
         Ok(())
     } else {
-        Err(RuntimeError::DriverOlderThanNvrtc {
+        Err(JitError::DriverOlderThanNvrtc {
             driver,
             nvrtc,
             output: match output {
@@ -171,28 +171,23 @@ fn load_hint(code: CUresult, compiled: &Compiled, device: &Device, origin: Origi
     hint
 }
 
-/// Lets `f` take the dynamic shared memory its `entry` declares: the driver refuses launches whose
-/// static plus dynamic shared memory passes 48 KiB until the function's limit is raised, so it is
-/// raised for any dynamic amount (head_dim-256 decode kernels with 41–48 KiB of stages beside
-/// 8–9 KiB of static arrays failed while it was raised only above 48 KiB of stages).
-pub(crate) fn allow_dynamic_shared(
-    f: &CudaFunction,
-    entry: &kvq_codegen::KernelEntry,
-) -> Result<()> {
-    if entry.dynamic_shared_bytes > 0 {
+/// Lets kernel `f` (named `name` in messages) take `bytes` of dynamic shared memory: the driver
+/// refuses launches whose static plus dynamic shared memory passes 48 KiB until the function's
+/// limit is raised, so it is raised for any dynamic amount (head_dim-256 decode kernels with
+/// 41–48 KiB of stages beside 8–9 KiB of static arrays failed while it was raised only above
+/// 48 KiB of stages).
+pub fn allow_dynamic_shared(f: &CudaFunction, name: &str, bytes: u32) -> Result<()> {
+    if bytes > 0 {
+        let limit = i32::try_from(bytes).map_err(|_| {
+            JitError::InvalidInput(format!(
+                "{name} asks for {bytes} bytes of shared memory, more than a GPU has"
+            ))
+        })?;
         f.set_attribute(
             cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            entry.dynamic_shared_bytes as i32,
+            limit,
         )
-        .map_err(|e| {
-            RuntimeError::driver(
-                format!(
-                    "allow {} bytes of shared memory for {}",
-                    entry.dynamic_shared_bytes, entry.name
-                ),
-                e,
-            )
-        })?;
+        .map_err(|e| JitError::driver(format!("allow {bytes} bytes of shared memory for {name}"), e))?;
     }
     Ok(())
 }
@@ -200,8 +195,8 @@ pub(crate) fn allow_dynamic_shared(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::DriverVersion;
-    use crate::nvrtc::{NvrtcVersion, Output};
+    use crate::nvrtc::Output;
+    use crate::version::{DriverVersion, NvrtcVersion};
 
     #[test]
     fn a_driver_older_than_nvrtc_is_a_typed_error() {

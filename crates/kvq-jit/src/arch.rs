@@ -11,7 +11,15 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::RuntimeError;
+/// An architecture name that does not parse.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid GPU architecture `{text}`: {reason} (expected a name like sm_80 or sm_90a)")]
+pub struct InvalidArch {
+    /// The text given.
+    pub text: String,
+    /// Why it was rejected.
+    pub reason: String,
+}
 
 /// The suffix of an architecture name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -107,11 +115,11 @@ impl fmt::Display for Arch {
 }
 
 impl FromStr for Arch {
-    type Err = RuntimeError;
+    type Err = InvalidArch;
 
     /// Parses `sm_80`, `sm_90a`, `sm_100f`; also `compute_90a` and bare `90a`.
-    fn from_str(text: &str) -> Result<Arch, RuntimeError> {
-        let invalid = |reason: &str| RuntimeError::InvalidArch {
+    fn from_str(text: &str) -> Result<Arch, InvalidArch> {
+        let invalid = |reason: &str| InvalidArch {
             text: text.to_string(),
             reason: reason.to_string(),
         };
@@ -159,6 +167,7 @@ impl<'de> Deserialize<'de> for Arch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::JitError;
 
     #[test]
     fn parse_and_display_round_trip() {
@@ -181,11 +190,10 @@ mod tests {
     fn bad_names_are_typed_errors() {
         for bad in ["", "sm_", "sm_9x", "sm_8", "gfx90a", "sm_20", "sm_90b"] {
             let err = bad.parse::<Arch>().unwrap_err();
-            assert!(
-                matches!(err, RuntimeError::InvalidArch { .. }),
-                "{bad}: {err}"
-            );
+            assert_eq!(err.text, bad);
             assert!(err.to_string().contains("sm_90a"), "{err}");
+            // Wrapped in the crate's error, the message is unchanged.
+            assert_eq!(JitError::from(err.clone()).to_string(), err.to_string());
         }
     }
 
