@@ -276,12 +276,11 @@ pub(crate) struct MmaCtx {
     /// Quantized keys of at most 2 bits meet the query on the integer tensor cores (codes to
     /// bytes, mma u8 × s8). Measured on an H100 at B=16: 2–6% faster for kivi2, Kitty and
     /// Kitty-Pro. 4- and 8-bit keys ran slower on that path (kivi4 248 against 226–239 µs, int8
-    /// 409 against 396–406 at L=32K), so they keep the f16 path (docs/BENCHMARKS.md, sixth
-    /// round).
+    /// 409 against 396–406 at L=32K), so they keep the f16 path.
     pub k_int: bool,
     /// Integer keys with a third, fine query limb (about 24 bits instead of 16): calibrated
-    /// schemes, whose calibration can magnify score errors (16 bits missed the tolerance there,
-    /// seventh round; see `k_fine_pays` in decode.rs).
+    /// schemes, whose calibration can magnify score errors (16 bits missed the tolerance there;
+    /// see `k_fine_pays` in decode.rs).
     pub k_fine: bool,
     /// Integer keys' byte planes masked in place, in groups of this many planes a shift (1: every
     /// plane shifted down); see `k_planes_in_place` in decode.rs.
@@ -294,7 +293,7 @@ pub(crate) struct MmaCtx {
     /// integer `mma` against the boosted slots' query limbs, summed with the low plane before one
     /// conversion (integer keys without the fine limb, head_dim ≤ 128). Against two f16 `mma` a word on the
     /// plane in real units: Kitty-Pro ×1.074, Kitty ×1.028 at B=16 L=32K on an H100, errors
-    /// against the reference as before (docs/BENCHMARKS.md, twenty-third round).
+    /// against the reference as before.
     pub k_high_int: bool,
     /// CalibQuant's score-range pass meets 1- and 2-bit keys on the integer tensor cores with two
     /// limbs, where its decode kernel keeps the f16 path or adds the fine limb: the range only sets
@@ -308,7 +307,7 @@ pub(crate) struct MmaCtx {
     pub stored_scores: bool,
     /// The range pass with stored scores on the f16 path keeps its query's pairs in registers for
     /// every page's fold instead of loading and permuting them again per page (CalibQuant-1
-    /// ×1.036–×1.053 at L ≥ 32K on an H100, twenty-ninth round; 96 → 124 registers before the
+    /// ×1.036–×1.053 at L ≥ 32K on an H100; 96 → 124 registers before the
     /// halves were packed, `range_packed`, which took them back to 96).
     pub range_query_kept: bool,
     /// The range pass with stored scores on the f16 path at GQA ≤ 4 (no boosted plane) meets the

@@ -157,8 +157,7 @@ fn mma_unsupported(t: &TensorCtx, is_k: bool, head_dim: usize) -> Option<SlowPat
 /// row is half a word: 16 K codes, which the load spreads over the word's two halves
 /// (`kvq_spread_half_word`), or 8 V codes, one byte. Such keys take the f16 path (the integer
 /// path's byte planes assume whole words). Before the tensor-core kernel took them, the generic
-/// kernel ran CalibQuant-1 at head_dim 64 at 0.13–0.19× FP16's speed (H100, twenty-second and
-/// thirty-sixth rounds, docs/BENCHMARKS.md).
+/// kernel ran CalibQuant-1 at head_dim 64 at 0.13–0.19× FP16's speed (H100).
 fn half_word_codes(t: &TensorCtx, head_dim: usize) -> bool {
     t.kind == TensorKind::Int && t.bits == 1 && head_dim == 64
 }
@@ -268,7 +267,7 @@ fn mma_plan(
 /// that a CTA serves up to 16 or 32 query heads and each K and V fragment it loads feeds every
 /// tile's `mma`. With one tile a row, every group of 8 heads loaded the KV head's bytes through
 /// its own SM's L1 again: at GQA 29 (four rows) FP16 took 1.79× its one-launch read floor on an
-/// H100 with the SMs' L1/TEX throughput at 93% of its peak (forty-third round). Not for quantized
+/// H100 with the SMs' L1/TEX throughput at 93% of its peak. Not for quantized
 /// tensors: their kernels at head_dim 128 already use the registers a second tile's accumulators
 /// would need. Not at head_dim 256, where one tile's accumulators take 64 registers a thread.
 fn most_head_tiles(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> u32 {
@@ -296,10 +295,10 @@ fn head_tiles_of(groups: Option<HeadGroups>) -> u32 {
 /// when the decode kernel divides a sequence among its split warps by cost (`kvq_share_range`),
 /// as a C++ float literal. An FP16 row costs its bytes, but a warp reads the sink and the tail a
 /// subtile at a time, a round trip each, while a quantized row costs the time its codes take to
-/// convert. Per-warp timestamps at B=1 L=128K on an H100 (docs/BENCHMARKS.md, thirty-eighth
-/// round) put kivi2's FP16 rows at about 0.18 µs a row against 0.039 µs a quantized row (4.7
+/// convert. Per-warp timestamps at B=1 L=128K on an H100 put kivi2's FP16 rows at about
+/// 0.18 µs a row against 0.039 µs a quantized row (4.7
 /// rows), and the warp holding each KV head's 128-row tail ended 3–6 µs after the median warp;
-/// KIVI-4's tail warps ended with the others at 3 (tenth round). With 4.5 for codes of at most
+/// KIVI-4's tail warps ended with the others at 3. With 4.5 for codes of at most
 /// 2 bits the 1- and 2-bit built-ins ran ×1.005–×1.094 at B=1 L ≥ 32K and ×1.007–×1.139 at B=4,
 /// but ×0.94–×1.00 at B=16 L=4K in eight-warp CTAs (one split a pair; by the division's arithmetic,
 /// not timed, seven warps get exactly 17 32-token chunks with 3 and some get 18 with 4.5), so
@@ -320,12 +319,12 @@ fn fp16_row_cap(t: &TensorCtx, tune: &TuneParams) -> String {
 /// take the place of subtile `2i`'s: the `mma` stay as many, the softmax's code a 64-token chunk
 /// falls from 122 to 78 instructions, and the accumulators' columns 4–7 hold heads 0–3's sums over
 /// the odd subtiles until the CTA's merge. Needs an even number of subtiles a chunk (tiles of 32 or
-/// 64 tokens). Measured on an H100 (docs/BENCHMARKS.md, twenty-fifth round) at 32 query heads, 8
+/// 64 tokens). Measured on an H100 at 32 query heads, 8
 /// KV heads: Kitty ×1.015–×1.019 and Kitty-Pro ×1.006–×1.013 at B=16 L=32K, but ×0.975–×0.990
 /// for Kitty at B=4 L=4K; for every other scheme no gain where the targets are (KIVI-4
 /// ×0.973 at B=16 L=32K, kivi2 ×1.001, CalibQuant-2 ×0.995, INT8 ×0.998, FP16 ×1.001), so the
 /// other kernels keep one subtile a fragment. With the select moved onto the integer sums
-/// (twenty-sixth round) packing still gains at B=16 L=32K (Kitty ×1.020, Kitty-Pro ×1.010) and
+/// packing still gains at B=16 L=32K (Kitty ×1.020, Kitty-Pro ×1.010) and
 /// still loses at B=4 L=4K (×0.975, ×0.966), where the tuner turns it off
 /// ([`TuneParams::pack_heads`]).
 fn pack_heads_pays(shape: &KernelShape, tune: &TuneParams) -> bool {
@@ -336,8 +335,8 @@ fn pack_heads_pays(shape: &KernelShape, tune: &TuneParams) -> bool {
 /// ([`MmaCtx::k_fine`]) rather than the f16 path. Calibration g(x) = a·x + b scales score errors
 /// by |a| = |1 + (τ1 − τ2)/(δ − γ)|, unbounded as a head's score range shrinks: two limbs (16
 /// bits of max|q⊙s|) put CalibQuant-1 at head_dim 256 past the tolerance on one seed (2.26e-3
-/// against 2e-3; seventh round, docs/BENCHMARKS.md), which passed on the f16 path (22 bits); the
-/// fine limb gives about 24. Measured on an H100 (seventeenth round): 2-bit keys (CalibQuant-2)
+/// against 2e-3), which passed on the f16 path (22 bits); the
+/// fine limb gives about 24. Measured on an H100: 2-bit keys (CalibQuant-2)
 /// ×1.017–×1.039 at B ≥ 4 and L ≥ 32K, 1-bit keys (CalibQuant-1, eight byte planes a word)
 /// ×0.955–×0.984, so only 2-bit keys.
 fn k_fine_pays(k: &TensorCtx) -> bool {
@@ -351,7 +350,7 @@ fn k_fine_pays(k: &TensorCtx) -> bool {
 /// of two before rounding it to its integer limbs: the shift is gone, and the plane's query keeps
 /// b·j bits fewer. Pairs of 2-bit planes (one shift a word instead of three) for calibrated keys,
 /// whose decode kernels carry the fine limb (22 bits left of 24) and whose range pass only sets the
-/// calibration's constants. Measured on an H100 (docs/BENCHMARKS.md, thirty-seventh round):
+/// calibration's constants. Measured on an H100:
 /// CalibQuant-2 ×1.02–×1.04 at L ≥ 32K. Uncalibrated 2-bit keys (two limbs, 14 bits left of 16)
 /// lost the gain to precision and placement: kivi2's largest f16 error against the reference rose
 /// from about 4e-4 to 1.1e-3, and it ran ×1.024–×1.047 at B=16 but ×0.966 at B=1 L=128K, Kitty
@@ -381,7 +380,7 @@ fn k_subnormal_pays(k: &TensorCtx) -> bool {
 
 /// Whether CalibQuant's range pass takes the integer path for keys ([`MmaCtx::range_int`]): keys
 /// of at most 2 bits, as for uncalibrated schemes, and no boost (the range pass's integer fold has
-/// no high plane). Measured on an H100 (fourteenth round, docs/BENCHMARKS.md): CalibQuant-1
+/// no high plane). Measured on an H100: CalibQuant-1
 /// ×1.020–×1.033, CalibQuant-2 ×1.026–×1.058 over B ∈ {1, 4, 16} × L ∈ {4K, 32K, 128K}, with
 /// every `gpu_decode` output within its dtype's tolerance and the largest errors as in earlier
 /// rounds on the f16 path (CalibQuant-1 1.8e-3, CalibQuant-2 1.9e-3; before, 1.8e-3–2.1e-3).
@@ -414,15 +413,15 @@ fn stored_score_row_bytes(shape: &KernelShape, stored_scores: bool) -> usize {
 /// where the magic-number conversion took an AND-OR and an exact `fma` to remove 1024 and the
 /// offset (128 fewer instructions a 64-token chunk at head_dim 128). The sums are centred per
 /// chunk against Σ p' (one more `mma` per subtile, one `fma` per accumulator), which keeps them
-/// those of the magic-number path. Measured on an H100 (sixteenth round, docs/BENCHMARKS.md):
+/// those of the magic-number path. Measured on an H100:
 /// kivi2 ×1.031, Kitty ×1.032, Kitty-Pro ×1.023 at B=16 L=32K; KIVI-4 (4-bit V) ×0.991 and
 /// ×1.007 in two runs, no gain, so it keeps the magic-number path. The price: the error against
 /// the reference at L ≥ 32K is about 1.5× the magic-number path's (4.9e-4 against 3.1e-4 for
-/// kivi2 at B=16 L=32K; tolerance 2e-3), the eighth round's finding for the same arithmetic.
+/// kivi2 at B=16 L=32K; tolerance 2e-3), as for the same arithmetic on the f16 path.
 /// Keys on the f16 path were tried the same way (4-bit asymmetric keys masked in place, the fold
 /// scaling each pair's query by 2^−p, the score taking 2^24): KIVI-4's scores block fell from 431
 /// to 294 instructions a chunk with unchanged errors, yet it ran ×0.977 at B=16 L=32K and
-/// ×0.967–×0.983 at L=128K (twenty-fourth round), so keys keep the magic-number conversion too.
+/// ×0.967–×0.983 at L=128K, so keys keep the magic-number conversion too.
 fn v_subnormal_pays(v: &TensorCtx) -> bool {
     v.kind == TensorKind::Int && v.bits <= 2
 }
@@ -431,8 +430,7 @@ fn v_subnormal_pays(v: &TensorCtx) -> bool {
 /// asymmetric codes of at most 2 bits. Each pair then costs one AND instead of the magic-number
 /// conversion's AND-OR, its exact code fix and the dequantising `fma` with the channel's scale and
 /// zero; the page's scales move onto the f32 accumulators (a rescale per V page) and its zeros
-/// into one `fma` per accumulator per chunk against Σ p. Measured on an H100 (seventeenth round,
-/// docs/BENCHMARKS.md): CalibQuant-1 ×1.072–×1.078 at B=16 L=32K, ×1.045 over the bench grid
+/// into one `fma` per accumulator per chunk against Σ p. Measured on an H100: CalibQuant-1 ×1.072–×1.078 at B=16 L=32K, ×1.045 over the bench grid
 /// (CalibQuant-2, with its fine limb, ×1.084–×1.088 and ×1.047). CalibQuant-1's error against the
 /// reference rose at L ≥ 32K (at most 8.5e-4 against 3.0e-4; tolerance 2e-3), CalibQuant-2's fell.
 fn v_channel_subnormal_pays(v: &TensorCtx) -> bool {
@@ -445,7 +443,7 @@ fn v_channel_subnormal_pays(v: &TensorCtx) -> bool {
 /// one shuffle adds lane `r ^ 2`'s sums to lane `r`'s: 32 `mma` a 64-token chunk instead of 64, 16
 /// shuffles more, 96 registers instead of 124. Not with a boosted plane, whose scores are added
 /// per head column. CalibQuant-1 on an H100: ×1.017 at B=16 L=32K, ×1.020 at L=128K, ×1.016 at
-/// B=4 L=128K, ×0.993–×1.007 at B=1 (twenty-ninth round, docs/BENCHMARKS.md).
+/// B=4 L=128K, ×0.993–×1.007 at B=1.
 fn range_packs_halves(shape: &KernelShape, k: &TensorCtx) -> bool {
     shape.gqa <= 4 && !k.boost
 }
@@ -457,9 +455,8 @@ fn range_packs_halves(shape: &KernelShape, k: &TensorCtx) -> bool {
 /// kernel's largest stall: 14.5% of CalibQuant-1's warp samples at B=16 L=32K on an H100 (ncu
 /// source counters). Staged, CalibQuant-1 ran ×1.027–×1.033 at B=16 L ≥ 32K and ×0.990–×1.015
 /// elsewhere; CalibQuant-2 (2-bit V) ×1.009–×1.025 at B=16 but ×0.954 at B=1 L=128K and ×0.966
-/// at B=4 L=32K, for a reason not found, so 2-bit V keeps the load (twenty-ninth round,
-/// docs/BENCHMARKS.md; the seventeenth round's staging in a section of its own, before stored
-/// scores, had lost ×0.95 for CalibQuant-2 at B=16 L=4K).
+/// at B=4 L=32K, for a reason not found, so 2-bit V keeps the load (staging
+/// in a section of its own, without stored scores, lost ×0.95 for CalibQuant-2 at B=16 L=4K).
 fn stages_v_params(k: &TensorCtx, v: &TensorCtx) -> bool {
     v.bits == 1 && v.block_bytes - v.scales_offset <= k.block_bytes - k.scales_offset
 }
@@ -479,11 +476,10 @@ pub enum PieceRule {
     FewSplits,
 }
 
-/// The kernel's piece rule. Measured on an H100 at B=16 L=32K (thirteenth round,
-/// docs/BENCHMARKS.md): INT8 ran ×1.01–×1.03 with pieces; KIVI-4 ×0.93–×0.97, and with the piece
+/// The kernel's piece rule. Measured on an H100 at B=16 L=32K: INT8 ran ×1.01–×1.03 with pieces; KIVI-4 ×0.93–×0.97, and with the piece
 /// logic compiled in but unused it took 8 more registers and ran ×0.96; FP16 ×0.99. kivi2 and
-/// Kitty-Pro lost with 1–4 pieces per split over 10–25% (×0.89–×0.98), but with the 2-bit kernels
-/// of the twenty-first round two pieces per (sequence, KV head) over 5% ran kivi2 ×1.01, Kitty
+/// Kitty-Pro lost with 1–4 pieces per split over 10–25% (×0.89–×0.98), but with the current 2-bit
+/// kernels two pieces per (sequence, KV head) over 5% ran kivi2 ×1.01, Kitty
 /// ×1.01, Kitty-Pro ×1.02 at B=16 L=32K (six splits), and over 4% ×1.16 for kivi2 at B=16 L=4K,
 /// while at 24 and 99 splits (B=4, B=1) pieces lost ×0.60–×0.96. Calibrated schemes keep none:
 /// with the piece logic CalibQuant-1's decode kernel had 17 spill instructions against 12.
@@ -502,7 +498,7 @@ fn piece_rule(k: &TensorCtx, v: &TensorCtx, calibrated: bool) -> PieceRule {
 /// lane) in register order, rows of 32 lanes padded to 33 words so that neither the warps' stores
 /// nor the reads of whole output rows conflict on banks. The merge it replaced added each warp's
 /// values into one `[heads][head_dim]` array in turn, 8-way bank conflicts and a barrier per warp:
-/// 3.1–3.5 µs at the end of every 64-thread CTA, 6.4 µs for 128 threads (H100, twelfth round).
+/// 3.1–3.5 µs at the end of every 64-thread CTA, 6.4 µs for 128 threads (H100).
 fn merge_bytes(tune: &TuneParams, head_dim: usize) -> usize {
     let warps = tune.threads as usize / 32;
     warps * (head_dim / 16) * 4 * 33 * 4
@@ -522,7 +518,7 @@ const MAX_STAGE_CTA_BYTES: usize = 72 * 1024;
 /// Alignments a stage's sections may start at in shared memory, most preferred first: the largest
 /// whose ring fits [`aligned_ring_room`]. On an H100, every section at a multiple of 128 bytes
 /// instead of 16 ran INT8 ×1.046, Kitty-Pro ×1.049, KIVI-4 ×1.032 and kivi2 ×1.015 at B=16
-/// L=32K (docs/BENCHMARKS.md, twenty-seventh round); likely because a `cp.async` whose
+/// L=32K; likely because a `cp.async` whose
 /// shared-memory destination sits at another offset within 128 bytes than its global source
 /// (page blocks and their row sections are 128-byte aligned for most schemes) takes more
 /// shared-memory wavefronts (not profiled).
@@ -598,10 +594,10 @@ fn aligned_stage_plan(
             0
         },
         k_params: round(k.block_bytes - k.scales_offset),
-        // Measured on the H100 over the bench grid (docs/BENCHMARKS.md, eleventh round):
+        // Measured on the H100 over the bench grid:
         // ×1.035–×1.063 for the 1- and 2-bit schemes, ×1.004 for INT8, but ×0.983 for KIVI-4
-        // (why is not known; without the short path it stays at ×0.999), ×0.981 for KIVI-4
-        // again with the twelfth round's kernels and ×0.98 with the eighteenth's; with 128-byte
+        // (why is not known; without the short path it stays at ×0.999), ×0.981 and ×0.98 for
+        // KIVI-4 again with later kernels; with 128-byte
         // sections it wins where warps' shares are long (TuneParams::short_staging).
         quant_fast_path: !(k.bits == 4 && v.bits == 4) || tune.short_staging,
         align,
