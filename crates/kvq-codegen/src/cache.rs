@@ -9,50 +9,85 @@ use crate::{CodegenError, Dtype};
 use kvq_spec::{CacheSource, SchemeSpec, TensorQuant};
 use serde::Serialize;
 
-/// A cached tensor as the cache templates see it: its layout and its page quantizer's form.
+/// The page quantizer of one integer tensor as `cache.cu.tera` renders its traits struct
+/// (kvq/quantize.cuh lists the members) and its two entry points.
 #[derive(Debug, Clone, Serialize)]
-struct CacheTensorCtx {
-    #[serde(flatten)]
-    tensor: TensorCtx,
-    /// "naive", "tiled", "coarsened" or "vectorized" (FP16 tensors: "tiled", unused).
-    form: &'static str,
+struct QuantizerCtx {
+    /// The traits struct the unit defines (`KQuant` / `VQuant`) and the tensor's layout struct
+    /// it extends (`KTensor` / `VTensor`).
+    name: &'static str,
+    tensor: &'static str,
+    /// The tensor's prefix, "k" or "v".
     #[serde(skip)]
-    typed_form: QuantizerForm,
-    /// Register forms: threads per CTA and rows per thread.
-    reg_threads: u32,
-    reg_iter: u32,
-    /// Register forms: CTAs per SM the compiler must leave room for (caps registers per thread).
+    prefix: &'static str,
+    form: QuantizerForm,
+    /// The kernel's block and its `__launch_bounds__` minimum of CTAs per SM.
+    threads: u32,
     min_blocks: u32,
+    /// Register forms: rows per thread.
+    reg_iter: u32,
     /// Naive/tiled forms: row classes and rows per class of Kitty's score fold.
     fold_rows: u32,
     fold_iter: u32,
+    token_warp_reduce: bool,
+    lanes_per_group: usize,
+    fast_pack: bool,
+    needs_code_buffer: bool,
+    /// The block's alignment gaps as the C++ type `KvqGaps<KvqGap<offset, len>, …>`.
+    padding: String,
+    from_input_name: String,
+    from_ring_name: String,
 }
 
-impl CacheTensorCtx {
-    fn new(tensor: TensorCtx, form: QuantizerForm, head_dim: u32, page: u32) -> Self {
+/// Threads of a naive or tiled page quantizer.
+const QUANTIZER_THREADS: u32 = 256;
+
+impl QuantizerCtx {
+    fn new(
+        (name, tensor): (&'static str, &'static str),
+        t: &TensorCtx,
+        form: QuantizerForm,
+        head_dim: u32,
+        page: u32,
+        names: (String, String),
+    ) -> Self {
         let (reg_threads, reg_iter) = register_shape(head_dim, page).unwrap_or((0, 0));
         let (fold_rows, fold_iter) = fold_shape(page);
         // Registers per thread the register forms fit in without spilling (page data 32, the rest
         // parameters and packing), measured with ptxas: more CTAs per SM hide more load latency.
-        let budget = match (tensor.axis, tensor.boost) {
+        let budget = match (t.axis, t.boost) {
             (CodeAxis::Token, _) => 48,
             (_, false) => 80,
             (_, true) => 84,
         };
-        let min_blocks = if reg_threads == 0 {
-            1
+        let (threads, min_blocks) = if form.in_registers() && reg_threads > 0 {
+            let min_blocks = (65_536 / (reg_threads * budget)).clamp(1, 2048 / reg_threads);
+            (reg_threads, min_blocks)
         } else {
-            (65_536 / (reg_threads * budget)).clamp(1, 2048 / reg_threads)
+            (QUANTIZER_THREADS, 1)
         };
-        CacheTensorCtx {
+        let gaps: Vec<String> = t
+            .padding
+            .iter()
+            .map(|[offset, len]| format!("KvqGap<{offset}, {len}>"))
+            .collect();
+        QuantizerCtx {
+            name,
             tensor,
-            form: form.as_str(),
-            typed_form: form,
-            reg_threads,
-            reg_iter,
+            prefix: t.prefix,
+            form,
+            threads,
             min_blocks,
+            reg_iter,
             fold_rows,
             fold_iter,
+            token_warp_reduce: t.token_warp_reduce,
+            lanes_per_group: t.lanes_per_group,
+            fast_pack: t.fast_pack,
+            needs_code_buffer: t.needs_code_buffer,
+            padding: format!("KvqGaps<{}>", gaps.join(", ")),
+            from_input_name: names.0,
+            from_ring_name: names.1,
         }
     }
 }
@@ -63,19 +98,16 @@ struct CacheCtx {
     scheme_text: String,
     head_dim: u32,
     /// Element type of the K/V the engine hands in (the cache's FP16 regions are always f16).
-    dtype: String,
-    input_dtype: String,
+    io: Dtype,
     page: u32,
     sink: u32,
-    k: CacheTensorCtx,
-    v: CacheTensorCtx,
+    k: TensorCtx,
+    v: TensorCtx,
+    /// The integer tensors' page quantizers (none for FP16 tensors).
+    quantizers: Vec<QuantizerCtx>,
     append_name: String,
     commit_name: String,
     prefill_copy_name: String,
-    /// Suffix of the per-tensor quantizers: `k_<name>` / `v_<name>`.
-    quantize_input_name: String,
-    quantize_ring_name: String,
-    input_is_bf16: bool,
 }
 
 /// A page quantizer of one tensor and the dynamic shared memory it needs.
@@ -116,20 +148,16 @@ fn kernel_id(spec: &SchemeSpec, head_dim: u32, dtype: Dtype, forms: QuantizerFor
     format!("{h:016x}")
 }
 
-/// Threads of a naive or tiled page quantizer (the template's `*_QTHREADS`).
-const QUANTIZER_THREADS: usize = 256;
-
-/// Threads and dynamic shared memory of a page quantizer of this tensor. Register forms use a
-/// few KB of static shared memory only. The others mirror the template's carving in
-/// `*_quantize_with`: the staged page (tiled), the code buffer, min/max partials, boost scores,
-/// f16 scales and zeros, f32 (scale, reciprocal, zero) per group, and the boost map.
-fn quantizer_launch(t: &CacheTensorCtx, head_dim: usize, page: usize) -> (u32, u32) {
-    if t.typed_form.in_registers() {
-        return (t.reg_threads, 0);
+/// Dynamic shared memory of a page quantizer of tensor `c`. Register forms use a few KB of
+/// static shared memory only. The others mirror `kvq_quantize_with` in kvq/cache.cuh: the staged
+/// page (tiled), the code buffer, min/max partials, boost scores, f16 scales and zeros, f32
+/// (scale, reciprocal, zero) per group, and the boost map.
+fn quantizer_shared_bytes(q: &QuantizerCtx, c: &TensorCtx, head_dim: usize, page: usize) -> u32 {
+    if q.form.in_registers() {
+        return 0;
     }
-    let c = &t.tensor;
-    let partials = c.scale_count.max(QUANTIZER_THREADS);
-    let staged = if t.typed_form == QuantizerForm::Tiled {
+    let partials = c.scale_count.max(QUANTIZER_THREADS as usize);
+    let staged = if q.form == QuantizerForm::Tiled {
         page * head_dim * 2
     } else {
         0
@@ -153,7 +181,7 @@ fn quantizer_launch(t: &CacheTensorCtx, head_dim: usize, page: usize) -> (u32, u
         + 12 * c.scale_count
         + ranks
         + head_dim;
-    (QUANTIZER_THREADS as u32, smem as u32)
+    smem as u32
 }
 
 /// Renders the cache kernels for a scheme, head_dim and input dtype, with each tensor's default
@@ -213,34 +241,39 @@ pub fn cache_kernels_with(
             });
         }
     }
-    let k = CacheTensorCtx::new(
-        TensorCtx::new("k", spec, &spec.k, d)?,
-        forms.k,
-        head_dim,
-        spec.page,
-    );
-    let v = CacheTensorCtx::new(
-        TensorCtx::new("v", spec, &spec.v, d)?,
-        forms.v,
-        head_dim,
-        spec.page,
-    );
+    let k = TensorCtx::new("k", spec, &spec.k, d)?;
+    let v = TensorCtx::new("v", spec, &spec.v, d)?;
     let id = kernel_id(spec, head_dim, input_dtype, forms);
+    let quantizers = [
+        (("KQuant", "KTensor"), &k, forms.k),
+        (("VQuant", "VTensor"), &v, forms.v),
+    ]
+    .into_iter()
+    .filter(|(_, t, _)| t.kind == TensorKind::Int)
+    .map(|(names, t, form)| {
+        let entry = |what: &str| format!("{}_quantize_{what}_{id}", t.prefix);
+        QuantizerCtx::new(
+            names,
+            t,
+            form,
+            head_dim,
+            spec.page,
+            (entry("input"), entry("ring")),
+        )
+    })
+    .collect();
     let ctx = CacheCtx {
         scheme_text: spec.to_string(),
         head_dim,
-        dtype: input_dtype.to_string(),
-        input_dtype: input_dtype.to_string(),
+        io: input_dtype,
         page: spec.page,
         sink: spec.sink,
-        k: k.clone(),
-        v: v.clone(),
+        k,
+        v,
+        quantizers,
         append_name: format!("kvq_append_{id}"),
         commit_name: format!("kvq_commit_{id}"),
         prefill_copy_name: format!("kvq_prefill_copy_{id}"),
-        quantize_input_name: format!("quantize_input_{id}"),
-        quantize_ring_name: format!("quantize_ring_{id}"),
-        input_is_bf16: input_dtype == Dtype::Bf16,
     };
     let source = render("cache.cu.tera", &ctx)?;
     let store_params = || {
@@ -269,40 +302,39 @@ pub fn cache_kernels_with(
         param("int32_t", "slot"),
     ];
     copy_params.extend(store_params());
-    let quantizers = |t: &CacheTensorCtx| {
-        (t.tensor.kind == TensorKind::Int).then(|| {
-            let (threads, smem) = quantizer_launch(t, d, spec.page as usize);
-            PageQuantizers {
-                from_input: KernelEntry {
-                    name: format!("{}_{}", t.tensor.prefix, ctx.quantize_input_name),
-                    params: vec![
-                        param("const uint16_t*", "x"),
-                        param("const int32_t*", "jobs"),
-                        param("uint8_t*", "pool"),
-                    ],
-                    grid: [
-                        "kv_heads".into(),
-                        "jobs (at most 65535 a launch)".into(),
-                        "1".into(),
-                    ],
-                    block: threads,
-                    dynamic_shared_bytes: smem,
-                },
-                from_ring: KernelEntry {
-                    name: format!("{}_{}", t.tensor.prefix, ctx.quantize_ring_name),
-                    params: vec![
-                        param("const int32_t*", "slots"),
-                        param("const int32_t*", "seq_lens"),
-                        param("uint8_t*", "pool"),
-                        param("const int32_t*", "page_table"),
-                        param("int32_t", "max_pages"),
-                        param("const uint16_t*", "tail"),
-                    ],
-                    grid: ["n".into(), "kv_heads".into(), "1".into()],
-                    block: threads,
-                    dynamic_shared_bytes: smem,
-                },
-            }
+    let page_quantizers = |t: &TensorCtx| {
+        let q = ctx.quantizers.iter().find(|q| q.prefix == t.prefix)?;
+        let smem = quantizer_shared_bytes(q, t, d, spec.page as usize);
+        Some(PageQuantizers {
+            from_input: KernelEntry {
+                name: q.from_input_name.clone(),
+                params: vec![
+                    param("const uint16_t*", "x"),
+                    param("const int32_t*", "jobs"),
+                    param("uint8_t*", "pool"),
+                ],
+                grid: [
+                    "kv_heads".into(),
+                    "jobs (at most 65535 a launch)".into(),
+                    "1".into(),
+                ],
+                block: q.threads,
+                dynamic_shared_bytes: smem,
+            },
+            from_ring: KernelEntry {
+                name: q.from_ring_name.clone(),
+                params: vec![
+                    param("const int32_t*", "slots"),
+                    param("const int32_t*", "seq_lens"),
+                    param("uint8_t*", "pool"),
+                    param("const int32_t*", "page_table"),
+                    param("int32_t", "max_pages"),
+                    param("const uint16_t*", "tail"),
+                ],
+                grid: ["n".into(), "kv_heads".into(), "1".into()],
+                block: q.threads,
+                dynamic_shared_bytes: smem,
+            },
         })
     };
     Ok(CacheKernels {
@@ -335,8 +367,8 @@ pub fn cache_kernels_with(
             block: 128,
             dynamic_shared_bytes: 0,
         },
-        k_quantizers: quantizers(&k),
-        v_quantizers: quantizers(&v),
+        k_quantizers: page_quantizers(&ctx.k),
+        v_quantizers: page_quantizers(&ctx.v),
         source,
     })
 }

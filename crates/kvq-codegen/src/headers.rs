@@ -24,6 +24,9 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/decode/values.cuh",
     "kvq/decode/shares.cuh",
     "kvq/decode/params.cuh",
+    "kvq/quantize.cuh",
+    "kvq/quantize_regs.cuh",
+    "kvq/cache.cuh",
 ];
 
 /// [`KERNEL_HEADERS`]: what a compile site passes to NVRTC beside a generated unit.

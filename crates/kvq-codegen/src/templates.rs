@@ -15,8 +15,6 @@ macro_rules! embedded {
 /// Every template, by name; embedded so nothing reads the source tree at run time.
 pub(crate) const TEMPLATES: &[(&str, &str)] = embedded![
     "tensor.cuh.tera",
-    "quantize.cuh.tera",
-    "quantize_regs.cuh.tera",
     "combine.cu.tera",
     "decode.cu.tera",
     "decode_mma.cuh.tera",
