@@ -95,15 +95,34 @@ fn schemes_cmd(a: SchemesArgs, out: &mut dyn Write) -> Result<()> {
         ("runs on", Align::Left),
         ("scheme text", Align::Left),
     ]);
+    let mut refused = Vec::new();
     for b in BUILTIN {
         let at = |len| evaluate::memory(&b.spec, a.head_dim, a.kv_heads, len);
-        let (m4, m32) = (at(4096)?, at(32768)?);
+        let cells = match (at(4096), at(32768)) {
+            (Ok(m4), Ok(m32)) => [
+                format!("{:.3}", m4.bits_per_element()),
+                format!("{:.3}", m32.bits_per_element()),
+                format!("{:.1}%", 100.0 * m32.saved_vs_fp16()),
+            ],
+            // A rule of this scheme alone (CommVQ's codes of 64 RoPE pairs need head_dim a
+            // multiple of 128) empties its row; a head_dim no scheme takes stays an error.
+            (Err(evaluate::EvalError::Reference(kvq::reference::RefError::Shape(e))), _)
+                if !matches!(e, kvq::ShapeError::HeadDim(_)) =>
+            {
+                refused.push(format!("{}: {e}", b.name));
+                ["–".into(), "–".into(), "–".into()]
+            }
+            (Err(e), _) | (_, Err(e)) => return Err(e.into()),
+        };
+        let [bits4, bits32, saved] = cells;
         t.row(vec![
             b.name.to_string(),
-            format!("{:.3}", m4.bits_per_element()),
-            format!("{:.3}", m32.bits_per_element()),
-            format!("{:.1}%", 100.0 * m32.saved_vs_fp16()),
-            if kvq::codegen::has_decode_kernel(&b.spec) {
+            bits4,
+            bits32,
+            saved,
+            // The GPU kernels serve head_dims that are multiples of 32 for now (codegen refuses
+            // the others with that reason).
+            if kvq::codegen::has_decode_kernel(&b.spec) && a.head_dim % 32 == 0 {
                 "GPU + CPU"
             } else {
                 "CPU only"
@@ -121,7 +140,11 @@ fn schemes_cmd(a: SchemesArgs, out: &mut dyn Write) -> Result<()> {
         a.head_dim,
         t.render()
     );
-    print(out, &text)
+    let notes: String = refused
+        .iter()
+        .map(|r| format!("not at this shape: {r}\n"))
+        .collect();
+    print(out, &(text + &notes))
 }
 
 fn parse_arch(text: &str) -> Result<Arch> {

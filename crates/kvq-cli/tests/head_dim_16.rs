@@ -1,0 +1,214 @@
+//! Heads of 80 channels (Phi-2, StableLM): `kvq eval` measures them with the CPU reference, and
+//! `kvq gen` refuses them with the reason (the GPU kernels need a multiple of 32 for now) instead
+//! of writing a kernel that reads the wrong channels.
+
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const REASON: &str =
+    "GPU kernels need head_dim a multiple of 32 for now; the CPU reference runs it";
+
+/// A fresh folder under the system temp dir, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        let p = std::env::temp_dir().join(format!("kvq-cli-hd16-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `kvq args…` with its cache folder in `cache`; `KVQ_BIN` runs a staged binary instead.
+fn kvq(args: &[&str], cache: &Path, hide_gpu: bool) -> Output {
+    let mut c = Command::new(
+        std::env::var("KVQ_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvq").to_string()),
+    );
+    c.args(args)
+        .env("KVQ_CACHE_DIR", cache)
+        .env_remove("KVQ_TUNE");
+    if hide_gpu {
+        c.env("CUDA_VISIBLE_DEVICES", "-1");
+    }
+    c.output().expect("run kvq")
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// One layer `[tokens][kv_heads][head_dim]` of smooth K/V with a few large key channels.
+fn write_capture(path: &Path, tokens: usize, kv_heads: usize, head_dim: usize) {
+    let value = |seed: usize, i: usize| {
+        let x = ((i * 7919 + seed * 104_729) % 10_007) as f32 / 10_007.0;
+        let outlier = if i % head_dim == 3 { 8.0 } else { 1.0 };
+        (x * 6.283).sin() * outlier
+    };
+    let n = tokens * kv_heads * head_dim;
+    let f16_bytes = |seed: usize, n: usize| -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| half::f16::from_f32(value(seed, i)).to_bits().to_le_bytes())
+            .collect()
+    };
+    let data = [
+        (
+            "layer.0.k",
+            vec![tokens, kv_heads, head_dim],
+            f16_bytes(1, n),
+        ),
+        (
+            "layer.0.v",
+            vec![tokens, kv_heads, head_dim],
+            f16_bytes(2, n),
+        ),
+        (
+            "layer.0.q",
+            vec![2 * kv_heads, head_dim],
+            f16_bytes(3, 2 * kv_heads * head_dim),
+        ),
+    ];
+    let views: Vec<(String, TensorView<'_>)> = data
+        .iter()
+        .map(|(name, shape, bytes)| {
+            (
+                name.to_string(),
+                TensorView::new(Dtype::F16, shape.clone(), bytes).unwrap(),
+            )
+        })
+        .collect();
+    std::fs::write(path, safetensors::serialize(views, &None).unwrap()).unwrap();
+}
+
+#[test]
+fn eval_measures_heads_of_80_and_112_channels_on_the_cpu() {
+    let tmp = TempDir::new("eval");
+    for d in [80, 112] {
+        let file = tmp.0.join(format!("kv{d}.safetensors"));
+        write_capture(&file, 400, 2, d);
+        let f = file.to_str().unwrap();
+        for scheme in ["kivi2", "kitty", "int8", "fp16"] {
+            let o = kvq(
+                &["eval", "--scheme", scheme, "--kv", f, "--cpu"],
+                &tmp.0,
+                false,
+            );
+            let (out, err) = text(&o);
+            assert!(o.status.success(), "{scheme} d{d}: {out}\n{err}");
+            assert!(out.contains("1 layer(s)"), "{scheme} d{d}: {out}");
+            assert!(out.contains("mean attention error"), "{scheme} d{d}: {out}");
+        }
+        // Without `--cpu` and without a GPU, the CPU reference still answers.
+        let o = kvq(&["eval", "--scheme", "kivi2", "--kv", f], &tmp.0, true);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "d{d}: {out}\n{err}");
+    }
+}
+
+#[test]
+fn eval_still_refuses_head_dims_off_the_grid_of_16() {
+    let tmp = TempDir::new("eval-odd");
+    let file = tmp.0.join("kv72.safetensors");
+    write_capture(&file, 64, 1, 72);
+    let o = kvq(
+        &[
+            "eval",
+            "--scheme",
+            "kivi2",
+            "--kv",
+            file.to_str().unwrap(),
+            "--cpu",
+        ],
+        &tmp.0,
+        false,
+    );
+    let (out, err) = text(&o);
+    assert!(!o.status.success(), "{out}");
+    assert!(err.contains("must be a positive multiple of 16"), "{err}");
+}
+
+#[test]
+fn gen_refuses_head_dim_80_and_names_why() {
+    let tmp = TempDir::new("gen");
+    for d in ["80", "112"] {
+        let out_dir = tmp.0.join(format!("out{d}"));
+        let o = kvq(
+            &[
+                "gen",
+                "--scheme",
+                "kivi2",
+                "--head-dim",
+                d,
+                "--out",
+                out_dir.to_str().unwrap(),
+            ],
+            &tmp.0,
+            true,
+        );
+        let (out, err) = text(&o);
+        assert!(!o.status.success(), "d{d}: {out}");
+        assert!(err.contains(REASON), "d{d}: {err}");
+        assert!(err.contains(&format!("head_dim {d}")), "d{d}: {err}");
+    }
+    // 96 passes that guard (it is a multiple of 32).
+    let out_dir = tmp.0.join("out96");
+    let o = kvq(
+        &[
+            "gen",
+            "--scheme",
+            "kivi2",
+            "--head-dim",
+            "96",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ],
+        &tmp.0,
+        true,
+    );
+    let (_, err) = text(&o);
+    assert!(!err.contains(REASON), "{err}");
+}
+
+#[test]
+fn schemes_at_head_dim_80_lists_every_built_in_and_says_which_cannot() {
+    let tmp = TempDir::new("schemes");
+    let o = kvq(&["schemes", "--head-dim", "80"], &tmp.0, true);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    for name in ["kivi2", "kitty", "int8", "xquant2"] {
+        let row = out
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no row for {name}:\n{out}"));
+        assert!(row.contains("CPU only"), "{row}");
+        assert!(!row.contains('–'), "{row}");
+    }
+    assert!(
+        out.contains(
+            "not at this shape: commvq2: k: `pairs_per_code = 64` does not divide the 40 RoPE \
+             pairs of head_dim 80"
+        ),
+        "{out}"
+    );
+    // At 128 the GPU column is back and nothing is refused.
+    let o = kvq(&["schemes", "--head-dim", "128"], &tmp.0, true);
+    let (out, _) = text(&o);
+    assert!(
+        out.contains("GPU + CPU") && !out.contains("not at this shape"),
+        "{out}"
+    );
+    // A head_dim no scheme takes is still an error.
+    let o = kvq(&["schemes", "--head-dim", "72"], &tmp.0, true);
+    assert!(!o.status.success());
+}
