@@ -54,7 +54,7 @@ fn write_capture(path: &Path, tokens: usize, kv_heads: usize, head_dim: usize) {
     let value = |seed: usize, i: usize| {
         let x = ((i * 7919 + seed * 104_729) % 10_007) as f32 / 10_007.0;
         let outlier = if i % head_dim == 3 { 8.0 } else { 1.0 };
-        (x * 6.283).sin() * outlier
+        (x * std::f32::consts::TAU).sin() * outlier
     };
     let n = tokens * kv_heads * head_dim;
     let f16_bytes = |seed: usize, n: usize| -> Vec<u8> {
