@@ -21,6 +21,7 @@ mod error;
 mod head_groups;
 mod headers;
 mod quantizer;
+pub mod rules;
 mod shape;
 mod templates;
 mod tune;

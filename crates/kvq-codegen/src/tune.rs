@@ -4,8 +4,9 @@ use crate::decode::{
     packs_heads, raises_occupancy, short_staging_changes, store_scores_changes,
     twelve_warps_by_default, uses_stage_ring,
 };
+use crate::rules::default_block_away_from_128;
 use crate::{CodegenError, KernelShape};
-use kvq_spec::{SchemeSpec, TensorQuant};
+use kvq_spec::SchemeSpec;
 use serde::{Deserialize, Serialize};
 
 /// Block-level choices that change speed, never results (beyond float reassociation).
@@ -27,8 +28,8 @@ pub struct TuneParams {
     /// Whether a kernel that can hold two 16-token subtiles in one score fragment does so
     /// (`MmaCtx::pack_heads`: Kitty's boosted plane on the integer path at GQA ≤ 4, tiles of 32
     /// or 64 tokens; every other kernel renders the same either way). On an H100 packing ran
-    /// Kitty ×1.020 and Kitty-Pro ×1.010 at B=16 L=32K but ×0.975 and ×0.966 at B=4 L=4K
-    /// (docs/BENCHMARKS.md, twenty-sixth round), so the default packs and the tuner tries both.
+    /// Kitty ×1.020 and Kitty-Pro ×1.010 at B=16 L=32K but ×0.975 and ×0.966 at B=4 L=4K, so
+    /// the default packs and the tuner tries both.
     /// Absent in results stored before the parameter existed: true, as those kernels did.
     #[serde(default = "packs_heads_by_default")]
     pub pack_heads: bool,
@@ -36,19 +37,18 @@ pub struct TuneParams {
     /// inside quantized pages, as every other ring kernel always does (`StagePlan::quant_fast_path`).
     /// On an H100 with 128-byte stage sections it ran KIVI-4 ×1.009 at B=16 L=32K and ×1.005 at
     /// L=128K, where a warp's share of the context is 4096 tokens and more, but ×0.967 at B=16
-    /// L=4K and ×0.970 at B=1 L=128K (docs/BENCHMARKS.md, twenty-seventh round): the heuristic
-    /// choice (`TuneChoice::heuristic` in kvq-runtime) takes it by the warp's share, and with
-    /// 32-token tiles at small batches (`few_pairs_blocks` in kvq-runtime; thirty-second round),
-    /// and the tuner tries both. Absent in results stored before the parameter existed: false, as those kernels did.
+    /// L=4K and ×0.970 at B=1 L=128K: the launch rules ([`crate::rules`]) take it by the warp's
+    /// share, and with 32-token tiles at small batches, and the tuner tries both. Absent in
+    /// results stored before the parameter existed: false, as those kernels did.
     #[serde(default)]
     pub short_staging: bool,
     /// Whether a calibrated scheme's range pass stores its keys' scores for the decode kernel,
     /// which then reads them instead of the keys (`MmaCtx::stored_scores`: quantized keys on the
     /// tensor-core kernel; every other kernel renders the same either way). Each key is scored
     /// once a step instead of twice. On an H100 it ran CalibQuant-1 ×1.23 and CalibQuant-2 ×1.12
-    /// at B=16 L=32K, ×1.15 and ×1.02 at B=1 L=128K, but ×0.95–×1.00 at L=4K
-    /// (docs/BENCHMARKS.md, twenty-eighth round): the default stores them, the heuristic choice
-    /// (`TuneChoice::heuristic` in kvq-runtime) not for short contexts, and the tuner tries both.
+    /// at B=16 L=32K, ×1.15 and ×1.02 at B=1 L=128K, but ×0.95–×1.00 at L=4K: the default
+    /// stores them, the launch rules ([`crate::rules`]) not for short contexts, and the tuner
+    /// tries both.
     /// Absent in results stored before the parameter existed: false, as those kernels did.
     #[serde(default)]
     pub store_scores: bool,
@@ -56,61 +56,6 @@ pub struct TuneParams {
 
 fn packs_heads_by_default() -> bool {
     true
-}
-
-/// Which of kvq's kernel families a scheme's decode kernels belong to, as far as the block
-/// defaults away from head_dim 128 tell them apart (uncalibrated schemes only: CalibQuant's
-/// kernels keep the general default there). The runtime's block rules at head_dim 128 tell their
-/// families apart from this default (`kvq_runtime::decode`), so they cannot share this one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum BlockFamily {
-    /// FP16 K and V.
-    Fp16,
-    /// Integer K and V of 8 bits.
-    EightBit,
-    /// Integer K and V of 4 bits or more, not both 8 (KIVI-4).
-    FourBit,
-    /// Keys with Kitty's boosted channels.
-    BoostedKeys,
-}
-
-fn block_family(spec: &SchemeSpec) -> Option<BlockFamily> {
-    if spec.calibrate.is_some() {
-        return None;
-    }
-    let fp16 = |t: &TensorQuant| matches!(t, TensorQuant::Fp16);
-    match (spec.k.as_int(), spec.v.as_int()) {
-        (Some(k), Some(_)) if k.boost.is_some() => Some(BlockFamily::BoostedKeys),
-        (Some(k), Some(v)) if k.bits >= 8 && v.bits >= 8 => Some(BlockFamily::EightBit),
-        (Some(k), Some(v)) if k.bits >= 4 && v.bits >= 4 => Some(BlockFamily::FourBit),
-        _ if fp16(&spec.k) && fp16(&spec.v) => Some(BlockFamily::Fp16),
-        _ => None,
-    }
-}
-
-/// Threads and tile of the default block at head_dim 64 and 256 where a block other than head_dim
-/// 128's measured faster over the whole grid (H100, GQA 4, f16, B ∈ {1, 4, 16} × L ∈ {1K, 4K,
-/// 32K}, against the block of head_dim 128's rules in the same call; docs/BENCHMARKS.md,
-/// thirty-sixth round). A tile's bytes grow with head_dim, and the tuner's choices shrank the
-/// tile as head_dim grew:
-/// - head_dim 256: INT8 and KIVI-4 four-warp CTAs of 16-token tiles (geomeans ×1.32 and ×1.20,
-///   at least ×1.11 and ×0.95), FP16 two-warp CTAs of 16-token tiles (×1.06, at least ×1.01),
-///   Kitty and Kitty-Pro four-warp CTAs of 32-token tiles (×1.15 and ×1.17, at least ×0.96 and
-///   ×1.00). kivi2 and CalibQuant keep theirs: kivi2 and CalibQuant-1 lost ×0.70–×0.94 at B=16
-///   L=32K with each smaller tile tried, CalibQuant-2 ×0.88–×0.96 over the grid. Against the
-///   old blocks at GQA 8 and in bf16 the new ones ran ×0.96–×1.66 (least: KIVI-4 at B=1 L=1K).
-/// - head_dim 64: FP16 and INT8 four-warp CTAs of 32-token tiles (×1.05 and ×1.03, at least
-///   ×1.02 and ×1.00); with them the 1-, 2- and 4-bit kernels lost ×0.82–×0.91 at B ≥ 4 L=32K,
-///   and four-warp CTAs of 64-token tiles moved them ×0.99–×1.04.
-fn block_away_from_128(spec: &SchemeSpec, shape: &KernelShape) -> Option<(u32, u32)> {
-    let family = block_family(spec)?;
-    match (shape.head_dim, family) {
-        (256, BlockFamily::EightBit | BlockFamily::FourBit) => Some((128, 16)),
-        (256, BlockFamily::Fp16) => Some((64, 16)),
-        (256, BlockFamily::BoostedKeys) => Some((128, 32)),
-        (64, BlockFamily::Fp16 | BlockFamily::EightBit) => Some((128, 32)),
-        _ => None,
-    }
 }
 
 impl TuneParams {
@@ -126,19 +71,18 @@ impl TuneParams {
     ///
     /// - 1-, 2- and 4-bit codes whose tensor-core kernel stages 64-token chunks through its
     ///   `cp.async` ring at head_dim 128: 128-thread CTAs. Measured on an H100 against 64-thread
-    ///   CTAs (the split count halves, so the warps stay as many; docs/BENCHMARKS.md,
-    ///   twenty-second round): geomeans ×1.013–×1.022 over B ∈ {1, 4, 16} × L ∈ {4K, 32K,
-    ///   128K} for KIVI-4, Kitty, Kitty-Pro and CalibQuant, ×1.03–×1.05 at GQA 8 in bf16; kivi2
-    ///   ×1.022 at B=16 L=32K (127.3 → 124.6 µs) but ×0.93 at B=4 L=4K, which the tuner
-    ///   recovers. The ninth round had found the opposite (64 threads up to ×1.17 faster), before
-    ///   the twelfth round took the serial merge of a CTA's warps out.
-    /// - Everything else keeps 64-thread CTAs with 64-token tiles (ninth round: ×1.00–×1.17 over
-    ///   128 threads), except schemes with 8-bit codes, which keep 128 threads with 32-token
+    ///   CTAs (the split count halves, so the warps stay as many): geomeans ×1.013–×1.022 over
+    ///   B ∈ {1, 4, 16} × L ∈ {4K, 32K, 128K} for KIVI-4, Kitty, Kitty-Pro and CalibQuant,
+    ///   ×1.03–×1.05 at GQA 8 in bf16; kivi2 ×1.022 at B=16 L=32K (127.3 → 124.6 µs) but ×0.93
+    ///   at B=4 L=4K, which the tuner recovers. (64 threads had been up to ×1.17 faster while a
+    ///   CTA's warps still merged serially.)
+    /// - Everything else keeps 64-thread CTAs with 64-token tiles (×1.00–×1.17 over 128
+    ///   threads), except schemes with 8-bit codes, which keep 128 threads with 32-token
     ///   tiles: only those let the ring fit in shared memory at 128 threads (INT8 at B=16 L=32K:
     ///   75.5% of copy at 64-token tiles, 89% at 32).
     /// - At head_dim 256 INT8, KIVI-4, FP16, Kitty and Kitty-Pro take smaller tiles, and at
-    ///   head_dim 64 FP16 and INT8 four-warp CTAs of 32-token tiles (`block_away_from_128`,
-    ///   thirty-sixth round).
+    ///   head_dim 64 FP16 and INT8 four-warp CTAs of 32-token tiles
+    ///   ([`crate::rules::table::DEFAULT_BLOCKS`]).
     /// - Calibrated schemes on the tensor-core kernel store their keys' scores
     ///   ([`TuneParams::store_scores`]).
     /// - Twelve warps an SM ([`TuneParams::min_warps_per_sm`]) for the tensor-core kernels of 1-
@@ -146,7 +90,7 @@ impl TuneParams {
     ///   more warps hide more latency than the few registers the cap costs (an uncapped FP16 kernel
     ///   took 173 registers and ran ×0.98 at B=16). The 4- and 8-bit kernels run uncapped (176–186
     ///   registers, eight warps): capped they ran ×0.95 (KIVI-4) and ×0.975 (INT8) at B=16 L=32K on
-    ///   an H100 (twenty-third round), so the tuner offers the cap and each GPU decides.
+    ///   an H100, so the tuner offers the cap and each GPU decides.
     ///
     /// ```
     /// use kvq_codegen::{Dtype, KernelShape, TuneParams};
@@ -198,7 +142,7 @@ impl TuneParams {
             short_staging: false,
             store_scores: false,
         };
-        if let Some((threads, tile_tokens)) = block_away_from_128(spec, shape) {
+        if let Some((threads, tile_tokens)) = default_block_away_from_128(spec, shape.head_dim) {
             return TuneParams {
                 threads,
                 tile_tokens,
@@ -227,8 +171,8 @@ impl TuneParams {
         }
     }
 
-    /// Warps per CTA (`default_splits` keeps at least 32 or 64 bucket tokens per warp of a split:
-    /// `min_warp_tokens` in kvq-runtime).
+    /// Warps per CTA (the split rule keeps at least 32 or 64 bucket tokens per warp of a split:
+    /// [`crate::rules::LaunchRules::min_warp_tokens`]).
     pub fn warps(&self) -> usize {
         self.threads as usize / 32
     }

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use kvq::codegen::rules::LaunchRules;
 use kvq::codegen::{CacheKernels, DecodeKernels, Dtype, KernelEntry, KernelShape, TuneParams};
 use kvq::reference::int::{fp16_block_bytes, IntLayout, Section};
 use kvq::runtime::tune::TuneEntry;
@@ -161,21 +162,12 @@ pub(super) struct TuneInfo {
     /// `default`, `tuned` or `flags`.
     source: String,
     tune_file: Option<String>,
-    /// The block (threads, tile) of the runtime's untuned launches, by batch shape and context.
-    default_block: String,
-    /// Split-K count when no tuned entry covers the launch (`sm_count` of the GPU).
-    default_splits: String,
-    /// `num_pieces` and `piece_permille` when no tuned entry covers the launch.
-    default_pieces: String,
-    /// When the runtime's untuned launches take the short staging path (kernels generated with
-    /// `short_staging` true).
-    default_short_staging: String,
-    /// When the runtime's untuned launches store a calibrated scheme's key scores (kernels
-    /// generated with `store_scores` true).
-    default_store_scores: String,
-    /// Where the runtime's untuned launches depend on the GPU's memory bandwidth an SM (KIVI-4's
-    /// twelve warps an SM on fast memory).
-    default_fast_memory: String,
+    /// The rules of the runtime's untuned launches as data (`kvq_codegen::rules::LaunchRules`):
+    /// the blocks, the conditions that pick them and the numbers of the split, piece, staging,
+    /// stored-score and fast-memory rules, which an engine evaluates as `rules_evaluation` says.
+    rules: LaunchRules,
+    /// How to evaluate `rules`.
+    rules_evaluation: Vec<String>,
     tuned: Vec<TunedInfo>,
 }
 
@@ -622,7 +614,7 @@ pub(super) fn launch_info(decode: &DecodeKernels, kernels: &[KernelInfo]) -> Lau
             .collect(),
         num_splits: "any value ≥ 1 (decode's gridDim.x is num_splits + num_pieces, \
                      combine's num_parts too); tune.tuned gives measured values, \
-                     tune.default_splits the heuristic"
+                     tune.rules the heuristic"
             .into(),
         range_splits: format!(
             "any value ≥ 1: gridDim.x of score_range, passed to decode as range_splits (it \
@@ -747,7 +739,6 @@ pub(super) fn tune_info(
     params: &TuneParams,
     params_source: &str,
     tune_file: Option<&Path>,
-    decode: &DecodeKernels,
     tuned: &[TuneEntry],
 ) -> TuneInfo {
     TuneInfo {
@@ -759,12 +750,8 @@ pub(super) fn tune_info(
         store_scores: params.store_scores,
         source: params_source.into(),
         tune_file: tune_file.map(|p| p.display().to_string()),
-        default_block: rules::default_block_text(spec, shape),
-        default_splits: rules::default_splits_text(spec, shape),
-        default_short_staging: rules::default_short_staging_text(spec, shape, params),
-        default_store_scores: rules::default_store_scores_text(spec, shape, params),
-        default_fast_memory: rules::default_fast_memory_text(spec, shape),
-        default_pieces: rules::default_pieces_text(decode.piece_rule),
+        rules: rules::launch_rules(spec, shape),
+        rules_evaluation: rules::evaluation(),
         tuned: tuned
             .iter()
             .map(|e| TunedInfo {

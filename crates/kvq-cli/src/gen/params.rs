@@ -2,19 +2,21 @@
 //! codegen default.
 
 use kvq::codegen::{KernelShape, TuneParams};
-use kvq::runtime::tune::{TuneEntry, TuneStore};
+use kvq::runtime::tune::{candidates_checksum, TuneEntry, TuneStore};
 use kvq::SchemeSpec;
 
 use super::GenRequest;
 use crate::error::{CliError, Result};
 
-/// Entries of the tune store for this scheme and kernel shape (any GPU, any bucket).
+/// Entries of the tune store for this scheme and kernel shape (any GPU, any bucket) chosen from
+/// this kvq's candidate set (the key's checksum).
 pub(super) fn tuned_entries(
     store: &TuneStore,
     spec: &SchemeSpec,
     shape: &KernelShape,
 ) -> Vec<TuneEntry> {
     let hash = format!("{:016x}", spec.stable_hash());
+    let candidates = candidates_checksum(spec, shape);
     store
         .entries()
         .iter()
@@ -23,6 +25,7 @@ pub(super) fn tuned_entries(
                 && e.problem.head_dim == shape.head_dim
                 && e.problem.gqa == shape.gqa
                 && e.problem.dtype == shape.dtype
+                && e.problem.candidates == candidates
                 && e.choice.check().is_ok()
         })
         .cloned()

@@ -48,12 +48,6 @@ impl LoadOptions {
     };
 }
 
-/// Whether decode steps overlap by default: wherever the GPU can, unless `KVQ_PDL=off` (a switch
-/// for measuring the difference, or for a driver that misbehaves).
-fn overlap_by_default() -> bool {
-    std::env::var("KVQ_PDL").map_or(true, |v| v != "off")
-}
-
 /// Per-launch scratch (split and piece partials, calibration ranges, stored key scores), reusable
 /// across steps of the same batch size, KV heads, split count and pieces. The stored scores grow
 /// with the first launch that needs more (batch × KV heads × page-table width × page × gqa
@@ -277,7 +271,7 @@ impl DecodeKernel {
             decode_per_sm,
             range_per_sm,
             can_overlap,
-            overlap: can_overlap && overlap_by_default(),
+            overlap: can_overlap,
         })
     }
 
@@ -285,7 +279,8 @@ impl DecodeKernel {
     /// before it (programmatic dependent launch): the combine grid the decode grid, and for
     /// calibrated schemes the decode grid the score-range grid; each waits for its predecessor's
     /// results in its own code. On by default from compute capability 9.0 with a driver that has
-    /// `cuLaunchKernelEx` (CUDA 12.0 on); off with `KVQ_PDL=off`.
+    /// `cuLaunchKernelEx` (CUDA 12.0 on); a bench turns it off with
+    /// [`set_overlap_launches`](Self::set_overlap_launches) (`DecodeOptions::pdl`).
     pub fn overlaps_launches(&self) -> bool {
         self.overlap
     }

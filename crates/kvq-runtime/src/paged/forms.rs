@@ -1,53 +1,86 @@
 //! Which form each page quantizer takes (naive, tiled, coarsened, vectorized — they write the same
-//! bytes at different speeds), chosen per GPU like the decode kernels' configuration:
+//! bytes at different speeds), chosen per GPU by the same tuner and store as the decode kernels'
+//! configuration:
 //!
 //! ```text
 //! choose_forms(policy)
 //!   off    ─▶ QuantizerForms::default_for (vectorized where the layout allows, else tiled)
-//!   cached ─▶ stored result for (GPU, scheme, head_dim, dtype) in <cache dir>/tune-quantizers.json
+//!   cached ─▶ stored result for (GPU, scheme, head_dim, dtype, candidate checksum) in
+//!             <cache dir>/tune.json, else the default
 //!   full   ─▶ stored result, else tune_forms now and store it:
 //!        every form (tiled where a tensor's layout does not support it), on a prefill larger than
 //!        4× L2; gate: a small prefill bit-exact with the CPU reference; winner: fastest that passed
 //! ```
 
-use std::path::{Path, PathBuf};
+use std::fmt;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 use kvq_codegen::{Dtype, QuantizerForm, QuantizerForms};
 use kvq_reference::int::IntCache;
-use kvq_reference::resources::read_input_file;
 use kvq_reference::KvTensor;
 use kvq_spec::SchemeSpec;
 use serde::{Deserialize, Serialize};
 
 use super::cache::{CacheConfig, PagedKvCache};
-use crate::disk_cache::cache_root;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
-use crate::tune::store::{unix_now, write_atomically};
+use crate::tune::store::{checksum, unix_now};
 use crate::tune::synth::{round_to_word, word_to_f32, SynthRng};
-use crate::tune::{GpuKey, TunePolicy};
-
-/// Name of the file under the cache root.
-pub const FORMS_FILE: &str = "tune-quantizers.json";
+use crate::tune::{GpuKey, TunePolicy, TuneStore};
 
 /// KV heads of the tuning workload (the forms' speed does not depend on it: one CTA per head-page).
 const TUNE_KV_HEADS: usize = 8;
 /// Timed repetitions per form.
 const TUNE_RUNS: usize = 10;
 
+/// What a quantizer-forms result was measured for: the scheme, head size and input dtype, and a
+/// checksum of the candidate forms ([`forms_candidates`]).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct FormsKey {
+    /// `SchemeSpec::stable_hash` as 16 hex digits.
+    pub scheme_hash: String,
+    /// Channels per head.
+    pub head_dim: u32,
+    /// Input dtype of the prefilled K/V.
+    pub dtype: Dtype,
+    /// Checksum of the candidate set.
+    pub candidates: String,
+}
+
+impl FormsKey {
+    /// The key of `spec`'s page quantizers at `head_dim` and `dtype`.
+    pub fn of(spec: &SchemeSpec, head_dim: u32, dtype: Dtype) -> FormsKey {
+        let set = forms_candidates(spec, head_dim);
+        FormsKey {
+            scheme_hash: format!("{:016x}", spec.stable_hash()),
+            head_dim,
+            dtype,
+            candidates: checksum(serde_json::to_string(&set).unwrap_or_default().as_bytes()),
+        }
+    }
+}
+
+impl fmt::Display for FormsKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "quantizers of scheme {} d{} {} candidates {}",
+            self.scheme_hash, self.head_dim, self.dtype, self.candidates
+        )
+    }
+}
+
 /// One tuned result: the fastest correct forms of a scheme's page quantizers on one GPU.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct FormsEntry {
     /// Where it was measured.
     pub gpu: GpuKey,
-    /// The scheme's canonical text.
+    /// What it was measured for.
+    pub problem: FormsKey,
+    /// The scheme's canonical text (for people reading the file; matching uses the hash).
     pub scheme: String,
-    /// Channels per head.
-    pub head_dim: u32,
-    /// Input dtype of the prefilled K/V.
-    pub dtype: Dtype,
     /// The winner.
     pub forms: QuantizerForms,
     /// Every candidate timed.
@@ -71,80 +104,58 @@ pub struct FormTiming {
     pub bit_exact: bool,
 }
 
-#[derive(Debug, Default, Serialize, Deserialize)]
-struct FormsFile {
-    entries: Vec<FormsEntry>,
+/// Every candidate the tuner times for `spec`'s page quantizers at `head_dim`: each form for both
+/// tensors, tiled where a tensor's layout does not support it, without repeats.
+pub fn forms_candidates(spec: &SchemeSpec, head_dim: u32) -> Vec<QuantizerForms> {
+    let mut out: Vec<QuantizerForms> = QuantizerForm::ALL
+        .into_iter()
+        .map(|f| forms_or_tiled(spec, head_dim, f))
+        .collect();
+    out.dedup();
+    out
 }
 
-fn store_path() -> Result<PathBuf> {
-    Ok(cache_root()?.join(FORMS_FILE))
+/// Whether `forms` still suits `spec`'s tensors at `head_dim`.
+fn supported(forms: &QuantizerForms, spec: &SchemeSpec, head_dim: u32) -> bool {
+    let ok = |form: QuantizerForm, t: &kvq_spec::TensorQuant| {
+        !t.is_quantized() || form.supports(t, head_dim, spec.page)
+    };
+    ok(forms.k, &spec.k) && ok(forms.v, &spec.v)
 }
 
-/// The largest quantizer-forms file read. An entry (with its candidates' timings) is a few
-/// kilobytes of JSON, so 64 MiB holds thousands of tuned (GPU, scheme, shape) problems, while a
-/// stray huge file at the path is refused before it is read into memory.
-pub const MAX_FORMS_FILE_BYTES: u64 = 64 << 20;
+/// The stored forms in `store` for this GPU and problem, if they are still supported.
+pub fn stored_forms_in(
+    store: &TuneStore,
+    gpu: &GpuKey,
+    spec: &SchemeSpec,
+    head_dim: u32,
+    dtype: Dtype,
+) -> Option<QuantizerForms> {
+    store
+        .lookup_forms(gpu, &FormsKey::of(spec, head_dim, dtype))
+        .map(|e| e.forms)
+        .filter(|f| supported(f, spec, head_dim))
+}
 
-/// Stored entries; a missing or unreadable file is empty (it is a cache of measurements).
-fn load_entries() -> Vec<FormsEntry> {
-    match store_path() {
-        Ok(path) => load_entries_from(&path),
-        Err(_) => Vec::new(),
+/// The default store (`<cache dir>/tune.json`), empty without a cache folder.
+fn default_store() -> TuneStore {
+    match TuneStore::default_path() {
+        Ok(path) => TuneStore::load_quietly(path),
+        Err(_) => TuneStore::empty(PathBuf::new()),
     }
 }
 
-/// The entries of the file at `path`. It is read through [`read_input_file`], so a FIFO, device
-/// node or directory there, or a file past [`MAX_FORMS_FILE_BYTES`], counts as unreadable (empty)
-/// instead of blocking the open or reading without end.
-fn load_entries_from(path: &Path) -> Vec<FormsEntry> {
-    read_input_file(path, "the quantizer tuning file", MAX_FORMS_FILE_BYTES)
-        .ok()
-        .and_then(|bytes| serde_json::from_slice::<FormsFile>(&bytes).ok())
-        .map(|f| f.entries)
-        .unwrap_or_default()
-}
-
-/// Adds (or replaces) an entry; written atomically (temporary file, then rename).
-fn save_entry(entry: FormsEntry) -> Result<()> {
-    let path = store_path()?;
-    let mut entries = load_entries();
-    entries.retain(|e| !same_problem(e, &entry.gpu, &entry.scheme, entry.head_dim, entry.dtype));
-    entries.push(entry);
-    let text = serde_json::to_string_pretty(&FormsFile { entries }).map_err(|e| {
-        RuntimeError::CacheIo {
-            action: "encode quantizer tuning results for",
-            path: path.clone(),
-            source: std::io::Error::other(e),
-        }
-    })?;
-    write_atomically(&path, text.as_bytes())
-}
-
-fn same_problem(e: &FormsEntry, gpu: &GpuKey, scheme: &str, head_dim: u32, dtype: Dtype) -> bool {
-    e.gpu == *gpu && e.scheme == scheme && e.head_dim == head_dim && e.dtype == dtype
-}
-
-/// The stored forms for this GPU and problem, if they are still supported.
+/// The stored forms for this GPU and problem in the default store, if they are still supported.
 pub fn stored_forms(
     gpu: &GpuKey,
     spec: &SchemeSpec,
     head_dim: u32,
     dtype: Dtype,
 ) -> Option<QuantizerForms> {
-    let scheme = spec.to_string();
-    load_entries()
-        .into_iter()
-        .find(|e| same_problem(e, gpu, &scheme, head_dim, dtype))
-        .map(|e| e.forms)
-        .filter(|f| {
-            let ok = |form: QuantizerForm, t: &kvq_spec::TensorQuant| {
-                !t.is_quantized() || form.supports(t, head_dim, spec.page)
-            };
-            ok(f.k, &spec.k) && ok(f.v, &spec.v)
-        })
+    stored_forms_in(&default_store(), gpu, spec, head_dim, dtype)
 }
 
-/// The forms `policy` selects (see the module docs).
+/// The forms `policy` selects (see the module docs), from the default store.
 pub fn choose_forms(
     jit: &Jit,
     stream: &Arc<CudaStream>,
@@ -153,12 +164,26 @@ pub fn choose_forms(
     dtype: Dtype,
     policy: TunePolicy,
 ) -> Result<QuantizerForms> {
+    let mut store = default_store();
+    choose_forms_in(&mut store, policy, jit, stream, spec, head_dim, dtype)
+}
+
+/// The forms `policy` selects with `store`'s results; a result tuned now is saved there.
+pub fn choose_forms_in(
+    store: &mut TuneStore,
+    policy: TunePolicy,
+    jit: &Jit,
+    stream: &Arc<CudaStream>,
+    spec: &SchemeSpec,
+    head_dim: u32,
+    dtype: Dtype,
+) -> Result<QuantizerForms> {
     let default = QuantizerForms::default_for(spec, head_dim);
     if policy == TunePolicy::Off || !(spec.k.is_quantized() || spec.v.is_quantized()) {
         return Ok(default);
     }
     let gpu = GpuKey::of(jit.device().props());
-    if let Some(forms) = stored_forms(&gpu, spec, head_dim, dtype) {
+    if let Some(forms) = stored_forms_in(store, &gpu, spec, head_dim, dtype) {
         return Ok(forms);
     }
     if policy == TunePolicy::Cached {
@@ -166,7 +191,8 @@ pub fn choose_forms(
     }
     let entry = tune_forms(jit, stream, spec, head_dim, dtype)?;
     let forms = entry.forms;
-    save_entry(entry)?;
+    store.insert_forms(entry);
+    store.save()?;
     Ok(forms)
 }
 
@@ -308,13 +334,8 @@ pub fn tune_forms(
     let kb = synthetic_words(tokens, TUNE_KV_HEADS, d, dtype, 1);
     let vb = synthetic_words(tokens, TUNE_KV_HEADS, d, dtype, 2);
     let (k, v) = (upload(stream, &kb)?, upload(stream, &vb)?);
-    let mut candidates: Vec<QuantizerForms> = QuantizerForm::ALL
-        .into_iter()
-        .map(|f| forms_or_tiled(spec, head_dim, f))
-        .collect();
-    candidates.dedup();
     let mut timings = Vec::new();
-    for forms in candidates {
+    for forms in forms_candidates(spec, head_dim) {
         let exact = bit_exact(jit, stream, spec, head_dim, dtype, forms)?;
         let (mut cache, id) =
             one_sequence(jit, stream, spec, TUNE_KV_HEADS, d, tokens, dtype, forms)?;
@@ -339,9 +360,8 @@ pub fn tune_forms(
         })?;
     Ok(FormsEntry {
         gpu: GpuKey::of(props),
+        problem: FormsKey::of(spec, head_dim, dtype),
         scheme: spec.to_string(),
-        head_dim,
-        dtype,
         forms: best,
         candidates: timings,
         tuned_at_unix: unix_now(),
@@ -349,26 +369,28 @@ pub fn tune_forms(
     })
 }
 
-#[cfg(all(test, unix))]
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::device::DriverVersion;
-    use crate::tune::store::tests::{make_fifo, promptly};
 
-    fn entry() -> FormsEntry {
-        FormsEntry {
-            gpu: GpuKey {
-                name: "NVIDIA H100 80GB HBM3".into(),
-                compute_capability: (9, 0),
-                sm_count: 132,
-                driver: DriverVersion {
-                    major: 13,
-                    minor: 0,
-                },
+    fn gpu() -> GpuKey {
+        GpuKey {
+            name: "NVIDIA H100 80GB HBM3".into(),
+            compute_capability: (9, 0),
+            sm_count: 132,
+            driver: DriverVersion {
+                major: 13,
+                minor: 0,
             },
-            scheme: "k = int(2, channel), v = int(2, token)".into(),
-            head_dim: 128,
-            dtype: Dtype::F16,
+        }
+    }
+
+    fn entry(spec: &SchemeSpec, key: FormsKey) -> FormsEntry {
+        FormsEntry {
+            gpu: gpu(),
+            problem: key,
+            scheme: spec.to_string(),
             forms: QuantizerForms::both(QuantizerForm::Tiled),
             candidates: Vec::new(),
             tuned_at_unix: 1_700_000_000,
@@ -377,38 +399,55 @@ mod tests {
     }
 
     #[test]
-    fn a_fifo_device_or_oversized_forms_file_is_empty_promptly_never_a_hang() {
-        let dir = std::env::temp_dir().join(format!("kvq-forms-special-{}", std::process::id()));
+    fn forms_share_the_decode_store_and_miss_when_the_candidates_change() {
+        let dir = std::env::temp_dir().join(format!("kvq-forms-store-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(FORMS_FILE);
-        let load = |path: &Path| {
-            let path = path.to_path_buf();
-            promptly(move || load_entries_from(&path))
-        };
+        let path = dir.join(crate::tune::TUNE_FILE);
+        let spec: SchemeSpec = "k = int(2, channel), v = int(2, token)".parse().unwrap();
+        let key = FormsKey::of(&spec, 128, Dtype::F16);
+        let mut store = TuneStore::empty(&path);
+        store.insert_forms(entry(&spec, key.clone()));
+        store.save().unwrap();
+        let back = TuneStore::load_quietly(&path);
+        assert!(back.warning().is_none(), "{:?}", back.warning());
+        assert_eq!(back.forms_entries().len(), 1);
+        assert_eq!(
+            stored_forms_in(&back, &gpu(), &spec, 128, Dtype::F16),
+            Some(QuantizerForms::both(QuantizerForm::Tiled))
+        );
+        // Another head size or dtype is another problem.
+        assert_eq!(stored_forms_in(&back, &gpu(), &spec, 64, Dtype::F16), None);
+        assert_eq!(
+            stored_forms_in(&back, &gpu(), &spec, 128, Dtype::Bf16),
+            None
+        );
+        // A result chosen from another candidate set is not read.
+        let mut stale = TuneStore::empty(&path);
+        let mut other = key.clone();
+        other.candidates = "0000000000000000".into();
+        stale.insert_forms(entry(&spec, other));
+        assert_eq!(
+            stored_forms_in(&stale, &gpu(), &spec, 128, Dtype::F16),
+            None
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
-        let text = serde_json::to_string(&FormsFile {
-            entries: vec![entry()],
-        })
-        .unwrap();
-        std::fs::write(&path, text).unwrap();
-        assert_eq!(load(&path), vec![entry()]);
-
-        std::fs::remove_file(&path).unwrap();
-        make_fifo(&path);
-        assert!(load(&path).is_empty());
-
-        std::fs::remove_file(&path).unwrap();
-        std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
-        assert!(load(&path).is_empty());
-
-        // Sparse: only the stated size is past the limit.
-        std::fs::remove_file(&path).unwrap();
-        std::fs::File::create(&path)
-            .unwrap()
-            .set_len(MAX_FORMS_FILE_BYTES + 1)
+    #[test]
+    fn the_candidate_checksum_follows_the_candidate_set() {
+        let kivi2: SchemeSpec = "k = int(2, channel), v = int(2, token)".parse().unwrap();
+        let int8: SchemeSpec = "k = int(8, channel, symmetric), v = int(8, channel, symmetric)"
+            .parse()
             .unwrap();
-        assert!(load(&path).is_empty());
-        let _ = std::fs::remove_dir_all(&dir);
+        let same = |a: &SchemeSpec, b: &SchemeSpec| {
+            FormsKey::of(a, 128, Dtype::F16).candidates
+                == FormsKey::of(b, 128, Dtype::F16).candidates
+        };
+        assert!(same(&kivi2, &kivi2));
+        assert_eq!(
+            same(&kivi2, &int8),
+            forms_candidates(&kivi2, 128) == forms_candidates(&int8, 128)
+        );
+        assert_eq!(FormsKey::of(&kivi2, 128, Dtype::F16).candidates.len(), 16);
     }
 }

@@ -12,6 +12,7 @@ mod pages;
 
 pub use cache::{CacheConfig, MemoryReport, PagedKvCache, QuantizeTiming, SequenceSnapshot};
 pub use forms::{
-    choose_forms, forms_or_tiled, stored_forms, tune_forms, FormTiming, FormsEntry, FORMS_FILE,
+    choose_forms, choose_forms_in, forms_candidates, forms_or_tiled, stored_forms, stored_forms_in,
+    tune_forms, FormTiming, FormsEntry, FormsKey,
 };
 pub use pages::{PageBook, SeqId};

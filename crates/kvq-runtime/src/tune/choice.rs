@@ -1,21 +1,20 @@
 //! A launch configuration ([`TuneChoice`]: kernel block parameters plus the split-K count), the
-//! heuristic default, and the candidates the tuner searches.
+//! heuristic default (the launch rules of [`kvq_codegen::rules`]), and the candidates the tuner
+//! searches.
 
-use kvq_codegen::{decode_piece_rule, short_staging_changes, TuneParams};
+use kvq_codegen::rules::{table::CONSTANTS, Gpu, Launch, LaunchRules};
+use kvq_codegen::{decode_piece_rule, TuneParams};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
 use super::key::TuneProblem;
 #[cfg(doc)]
 use crate::decode::is_fast_memory;
-use crate::decode::{
-    context_bucket, default_pieces, default_splits, fast_memory_block, min_warp_tokens, rule_block,
-    short_staging_by_default, store_scores_by_default, BlockSplits, Pieces, RuleBlock,
-};
+use crate::decode::{default_pieces, Pieces};
 use crate::error::{Result, RuntimeError};
 
 /// Most split-K partitions any configuration may use (the scratch grows with it).
-pub const MAX_SPLITS: usize = 1024;
+pub const MAX_SPLITS: usize = CONSTANTS.max_splits;
 
 /// Everything the tuner chooses for one launch: the kernel's compile-time block parameters, and
 /// how many ways each sequence's tokens are split (a launch-time value, so it costs no compile).
@@ -32,7 +31,7 @@ pub struct TuneChoice {
 }
 
 /// What the heuristic needs of the GPU: its SM count (the block rules count waves of one CTA an
-/// SM, `kvq_runtime::decode::rule_block`), how many CTAs of the kernel of
+/// SM), how many CTAs of the kernel of
 /// [`TuneChoice::occupancy_block`] it holds at once
 /// ([`DecodeKernel::resident_ctas`](crate::DecodeKernel::resident_ctas)), and whether its memory
 /// is fast for its SMs ([`is_fast_memory`]).
@@ -43,8 +42,7 @@ pub struct Residency {
     /// CTAs of the occupancy block's kernel resident on the whole GPU at once.
     pub resident_ctas: usize,
     /// Peak DRAM bandwidth an SM at or past [`FAST_MEMORY_GBPS_PER_SM`](crate::decode::FAST_MEMORY_GBPS_PER_SM)
-    /// (an H200, not an H100): KIVI-4's kernels then take twelve warps an SM
-    /// ([`fast_memory_block`]).
+    /// (an H200, not an H100): KIVI-4's kernels then take twelve warps an SM.
     pub fast_memory: bool,
 }
 
@@ -68,92 +66,43 @@ impl Residency {
 }
 
 impl TuneChoice {
-    /// The untuned default: [`TuneChoice::default_block`] for the block; one split and no pieces
-    /// where that block takes whole (sequence, KV head) pairs ([`BlockSplits::OnePerPair`]), the
-    /// block's own count where each warp takes one tile ([`BlockSplits::OneTilePerWarp`]), else
-    /// [`default_splits`] for the grid, which fills whole waves of the GPU's resident CTAs, and
-    /// [`default_pieces`] for the pieces after the splits; the short staging path where the
-    /// kernel has a choice and the block or [`short_staging_by_default`] says so; a calibrated
-    /// scheme's key scores stored as the block says, unless [`store_scores_by_default`] says not
-    /// (a whole-pairs block's say is final); on a GPU of fast memory ([`Residency::fast_memory`]),
-    /// twelve warps an SM for KIVI-4's kernels where [`fast_memory_block`] says so, with the split
-    /// count of that occupancy.
+    /// The untuned default: the launch rules of `problem`'s scheme and kernel shape
+    /// ([`LaunchRules::choose`]) on this GPU: the first block rule that applies to the batch shape
+    /// and context bucket, else the codegen default; its split count (one for a whole-pairs
+    /// block, one tile a warp for a one-tile block, else whole waves of the resident CTAs); the
+    /// short staging path and stored scores where the kernel has a choice and the rules say so;
+    /// on fast memory twelve warps an SM for KIVI-4's kernels where the rule says so; and the
+    /// kernel's pieces. It depends only on the batch shape and the bucket, so a captured CUDA
+    /// graph stays valid while sequences grow within their bucket.
     pub fn heuristic(problem: &TuneProblem, gpu: Residency) -> TuneChoice {
-        let rule = rule_taken(problem, gpu.sm_count);
-        let mut params = rule.map_or_else(|| codegen_default(problem), |r| r.params);
-        let one_per_pair = rule.is_some_and(|r| r.splits == BlockSplits::OnePerPair);
-        let splits = match rule.map(|r| r.splits) {
-            Some(BlockSplits::OnePerPair) => 1,
-            Some(BlockSplits::OneTilePerWarp(splits)) => splits,
-            _ => default_splits(
-                problem.batch,
-                problem.grid_heads(),
-                problem.max_len,
-                gpu.resident_ctas,
-                params.warps(),
-                min_warp_tokens(&problem.spec, &problem.shape, problem.max_len),
-            ),
-        };
-        params.short_staging = short_staging_changes(&problem.spec, &problem.shape, &params)
-            && (params.short_staging
-                || short_staging_by_default(problem.max_len, splits, params.warps()));
-        // A whole-pairs block says itself whether it stores scores.
-        params.store_scores = params.store_scores
-            && (one_per_pair
-                || store_scores_by_default(&problem.spec, problem.max_len, problem.cta_gqa()));
-        let (params, splits) = match rule.map(|r| r.splits) {
-            Some(BlockSplits::OnePerPair | BlockSplits::OneTilePerWarp(_)) => (params, splits),
-            _ if !gpu.fast_memory => (params, splits),
-            _ => fast_memory_block(
-                &problem.spec,
-                &problem.shape,
-                &params,
-                context_bucket(problem.max_len),
-                gpu.sm_count,
-                |resident| {
-                    default_splits(
-                        problem.batch,
-                        problem.grid_heads(),
-                        problem.max_len,
-                        resident,
-                        params.warps(),
-                        min_warp_tokens(&problem.spec, &problem.shape, problem.max_len),
-                    )
-                },
-            )
-            .unwrap_or((params, splits)),
-        };
-        let pieces = if one_per_pair {
-            Pieces::NONE
-        } else {
-            rule_pieces(problem, &params, splits)
-        };
+        let c = rules_of(problem).choose(
+            &launch_of(problem),
+            &Gpu {
+                sm_count: gpu.sm_count,
+                resident_ctas: gpu.resident_ctas,
+                fast_memory: gpu.fast_memory,
+            },
+        );
         TuneChoice {
-            params,
-            splits,
-            pieces,
+            params: c.params,
+            splits: c.splits,
+            pieces: c.pieces,
         }
     }
 
     /// The block of [`TuneChoice::heuristic`] on a GPU of `sm_count` SMs, before its
-    /// launch-dependent variants (short staging, stored scores, and on fast memory KIVI-4's
-    /// occupancy, [`fast_memory_block`]): the scheme's
-    /// [`rule_block`] where one applies to the problem's batch shape and context bucket, else
-    /// [`TuneParams::default_for`]. Like the split count it depends only on the batch shape and
-    /// the bucket, so a captured graph stays valid while sequences grow within their bucket.
+    /// launch-dependent variants (short staging, stored scores, fast memory): the first block
+    /// rule's that applies, else [`TuneParams::default_for`].
     pub fn default_block(problem: &TuneProblem, sm_count: usize) -> TuneParams {
-        rule_taken(problem, sm_count).map_or_else(|| codegen_default(problem), |r| r.params)
+        rules_of(problem).default_block(&launch_of(problem), sm_count)
     }
 
     /// The block whose kernel's occupancy (CTAs an SM) the heuristic's split count fills:
     /// [`TuneChoice::default_block`]'s own, except where its rule counts splits by the codegen
-    /// default's ([`BlockSplits::DefaultOccupancy`]). Load its kernel for the
-    /// [`Residency::resident_ctas`] [`TuneChoice::heuristic`] takes (a block of
-    /// [`BlockSplits::OnePerPair`] takes none, but it is the kernel the launch runs).
+    /// default's. Load its kernel for the [`Residency::resident_ctas`] [`TuneChoice::heuristic`]
+    /// takes.
     pub fn occupancy_block(problem: &TuneProblem, sm_count: usize) -> TuneParams {
-        rule_taken(problem, sm_count)
-            .filter(|r| r.splits != BlockSplits::DefaultOccupancy)
-            .map_or_else(|| codegen_default(problem), |r| r.params)
+        rules_of(problem).occupancy_block(&launch_of(problem), sm_count)
     }
 
     /// Checks the block parameters against the ranges the templates declare and the split count
@@ -199,21 +148,18 @@ impl fmt::Display for TuneChoice {
     }
 }
 
-/// The block a rule gives `problem` on a GPU of `sm_count` SMs ([`rule_block`]).
-fn rule_taken(problem: &TuneProblem, sm_count: usize) -> Option<RuleBlock> {
-    rule_block(
-        &problem.spec,
-        &problem.shape,
-        problem.batch,
-        problem.grid_heads(),
-        problem.max_len,
-        sm_count,
-    )
+/// The launch rules of `problem`'s scheme and kernel shape.
+fn rules_of(problem: &TuneProblem) -> LaunchRules {
+    LaunchRules::for_kernel(&problem.spec, &problem.shape)
 }
 
-/// The codegen's block for `problem`'s scheme and kernel shape.
-fn codegen_default(problem: &TuneProblem) -> TuneParams {
-    TuneParams::default_for(&problem.spec, &problem.shape)
+/// `problem`'s launch as the rules see it.
+fn launch_of(problem: &TuneProblem) -> Launch {
+    Launch {
+        batch: problem.batch,
+        kv_heads: problem.kv_heads,
+        max_len: problem.max_len,
+    }
 }
 
 /// The pieces [`default_pieces`] gives a launch of `splits` splits of the kernel `params` renders.
@@ -226,25 +172,29 @@ fn rule_pieces(problem: &TuneProblem, params: &TuneParams, splits: usize) -> Pie
     )
 }
 
-/// Split counts to try around the heuristic `default`: ½, ¾, 1, 1½, 2, 3 and 4 times it, within
-/// `1..=max`, ascending, without repeats. The default is always included (clamped), so the tuner
-/// can only match or beat it. The range reaches 4× because on an H200 the winners of the first
-/// sessions sat at the old 2× edge.
+/// The multiples of the heuristic split count the tuner tries, as (numerator, denominator):
+/// ½, ¾, 1, 1½, 2, 3 and 4. The range reaches 4× because on an H200 tuned winners sat at a 2×
+/// edge. Part of the candidate set's checksum ([`candidates_checksum`](super::candidates_checksum)).
+pub const SPLIT_FACTORS: [(usize, usize); 7] =
+    [(1, 2), (3, 4), (1, 1), (3, 2), (2, 1), (3, 1), (4, 1)];
+
+/// Split counts to try around the heuristic `default`: [`SPLIT_FACTORS`] times it (halves
+/// rounded down, 1½ up), within `1..=max`, ascending, without repeats. The default is always
+/// included (clamped), so the tuner can only match or beat it.
 pub fn split_candidates(default: usize, max: usize) -> Vec<usize> {
     let max = max.clamp(1, MAX_SPLITS);
     let d = default.max(1);
-    let mut out: Vec<usize> = [
-        d / 2,
-        (3 * d) / 4,
-        d,
-        (3 * d).div_ceil(2),
-        2 * d,
-        3 * d,
-        4 * d,
-    ]
-    .into_iter()
-    .map(|s| s.clamp(1, max))
-    .collect();
+    let mut out: Vec<usize> = SPLIT_FACTORS
+        .iter()
+        .map(|&(n, m)| {
+            if (n, m) == (3, 2) {
+                (n * d).div_ceil(m)
+            } else {
+                n * d / m
+            }
+        })
+        .map(|s| s.clamp(1, max))
+        .collect();
     out.sort_unstable();
     out.dedup();
     out
@@ -255,8 +205,7 @@ pub fn split_candidates(default: usize, max: usize) -> Vec<usize> {
 /// than the longest sequence has tiles), each with the pieces [`default_pieces`] gives it; and
 /// where that gives one split pieces, the one split without them too, a launch whose decode
 /// kernel writes the output itself and needs no combine (on an H100 Kitty's kernels ran ×1.03
-/// that way at B=128 L=4K and kivi2 ×0.99; docs/BENCHMARKS.md, twenty-seventh round). The
-/// heuristic default comes first.
+/// that way at B=128 L=4K and kivi2 ×0.99). The heuristic default comes first.
 pub fn candidates(problem: &TuneProblem, gpu: Residency) -> Vec<TuneChoice> {
     let default = TuneChoice::heuristic(problem, gpu);
     let mut out = vec![default];
@@ -395,10 +344,6 @@ mod tests {
             16,
             32768,
         );
-        if std::env::var_os("KVQ_PIECES").is_some() {
-            eprintln!("skipped: KVQ_PIECES is set, so it decides the pieces instead of the rule");
-            return;
-        }
         let all = candidates(&int8, h100(264));
         assert_eq!(all[0].splits, 2);
         assert_eq!(
@@ -415,7 +360,7 @@ mod tests {
         }
         // 2-bit keys and values: two per (sequence, KV head) wherever the splits are few.
         for c in candidates(&problem(16, 32768), h100(396)) {
-            let few = c.splits * c.params.warps() <= crate::decode::PIECES_MAX_FEW_SPLIT_WARPS;
+            let few = c.splits * c.params.warps() <= CONSTANTS.few_splits_max_warps;
             let one_part = c.splits == 1 && !c.pieces.is_some();
             assert_eq!(c.pieces.is_some(), few && !one_part, "{c}");
             if few && !one_part {
@@ -546,10 +491,14 @@ mod tests {
             );
         }
         let (one_bit, two_bit) = (&calibrated(1, 8, 1, 1).spec, &calibrated(2, 8, 1, 1).spec);
-        assert!(store_scores_by_default(two_bit, 32_768, 4));
-        assert!(!store_scores_by_default(two_bit, 32_768, 8));
-        assert!(store_scores_by_default(one_bit, 32_768, 8));
-        assert!(!store_scores_by_default(one_bit, 4096, 1));
+        let stores = |spec: &kvq_spec::SchemeSpec, len, gqa| {
+            LaunchRules::for_kernel(spec, &KernelShape::new(128, gqa, Dtype::F16))
+                .store_scores_by_default(len)
+        };
+        assert!(stores(two_bit, 32_768, 4));
+        assert!(!stores(two_bit, 32_768, 8));
+        assert!(stores(one_bit, 32_768, 8));
+        assert!(!stores(one_bit, 4096, 1));
     }
 
     #[test]

@@ -2,13 +2,29 @@
 //! batch size and context length rounded up to power-of-two buckets so nearby shapes share one
 //! result (and one captured launch shape, see `default_splits`).
 
-use kvq_codegen::{Dtype, KernelShape};
+use kvq_codegen::rules::LaunchRules;
+use kvq_codegen::{Dtype, KernelShape, TuneParams};
 use kvq_spec::SchemeSpec;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
+use super::choice::SPLIT_FACTORS;
+use super::store::checksum;
 use crate::device::{DeviceProps, DriverVersion};
 use crate::error::{Result, RuntimeError};
+
+/// The checksum of the decode candidate set the tuner times for `spec` at `shape`: the block
+/// candidates ([`TuneParams::candidates_for`]), the launch rules that give the default and its
+/// split count ([`LaunchRules::for_kernel`]) and the split multiples around it
+/// ([`SPLIT_FACTORS`]). Results stored under another checksum were chosen from another set.
+pub fn candidates_checksum(spec: &SchemeSpec, shape: &KernelShape) -> String {
+    let set = (
+        TuneParams::candidates_for(spec, shape),
+        LaunchRules::for_kernel(spec, shape),
+        SPLIT_FACTORS,
+    );
+    checksum(serde_json::to_string(&set).unwrap_or_default().as_bytes())
+}
 
 /// Contexts shorter than this share one bucket: below it a single split is the only sensible
 /// choice, so separate results would only repeat themselves.
@@ -84,20 +100,23 @@ pub struct ProblemKey {
     pub batch_bucket: usize,
     /// [`context_bucket`] of the longest sequence.
     pub context_bucket: usize,
+    /// [`candidates_checksum`] of the scheme and kernel shape.
+    pub candidates: String,
 }
 
 impl fmt::Display for ProblemKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "scheme {} d{} gqa{} {} kv_heads {} batch≤{} context≤{}",
+            "scheme {} d{} gqa{} {} kv_heads {} batch≤{} context≤{} candidates {}",
             self.scheme_hash,
             self.head_dim,
             self.gqa,
             self.dtype,
             self.kv_heads,
             self.batch_bucket,
-            self.context_bucket
+            self.context_bucket,
+            self.candidates
         )
     }
 }
@@ -187,6 +206,7 @@ impl TuneProblem {
             kv_heads: self.kv_heads,
             batch_bucket: batch_bucket(self.batch),
             context_bucket: context_bucket(self.max_len),
+            candidates: candidates_checksum(&self.spec, &self.shape),
         }
     }
 }

@@ -58,12 +58,15 @@ pub mod synth;
 pub mod tuner;
 
 pub use check::{tolerance, ReferenceCheck};
-pub use choice::{candidates, split_candidates, Residency, TuneChoice, MAX_SPLITS};
-pub use key::{batch_bucket, context_bucket, GpuKey, ProblemKey, TuneProblem, MIN_CONTEXT_BUCKET};
+pub use choice::{candidates, split_candidates, Residency, TuneChoice, MAX_SPLITS, SPLIT_FACTORS};
+pub use key::{
+    batch_bucket, candidates_checksum, context_bucket, GpuKey, ProblemKey, TuneProblem,
+    MIN_CONTEXT_BUCKET,
+};
 pub use policy::{TunePolicy, KVQ_TUNE};
 pub use rotate::{batch_device_bytes, plan_copies, rotation_copies, RotatingBatch};
-pub use store::{TuneEntry, TuneStore, TUNE_FILE};
+pub use store::{checksum, Stored, TuneEntry, TuneStore, TUNE_FILE};
 pub use tuner::{
-    coarse_runs_within, default_launch, fine_runs_within, select_winner, CandidateResult,
-    ChoiceSource, Selection, TuneOptions, TuneReport, Tuner,
+    coarse_runs_within, default_launch, default_launch_with, fine_runs_within, select_winner,
+    CandidateResult, ChoiceSource, Selection, TuneOptions, TuneReport, Tuner,
 };

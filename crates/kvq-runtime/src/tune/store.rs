@@ -1,5 +1,7 @@
-//! The persistent tuning results: one JSON file (`<cache dir>/tune.json`) of entries keyed by GPU
-//! and problem.
+//! The persistent tuning results: one JSON file (`<cache dir>/tune.json`) of the tuner's results,
+//! decode launches ([`TuneEntry`]) and page-quantizer forms ([`FormsEntry`]), each keyed by GPU
+//! and problem, and the problem key by a checksum of the candidate set the result was chosen from
+//! (a changed candidate set misses its old results instead of reading them).
 //!
 //! The file is a cache of measurements, so nothing about it may stop a program: a missing file is
 //! empty, a damaged or foreign one is ignored with a warning (and replaced at the next save), and
@@ -7,6 +9,7 @@
 //! so processes tuning different shapes at once lose nothing but a simultaneous result for the
 //! same key; the write is atomic (temporary file in the same folder, then rename).
 
+use std::fmt;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -18,15 +21,97 @@ use super::choice::TuneChoice;
 use super::key::{GpuKey, ProblemKey};
 use crate::disk_cache::cache_root;
 use crate::error::{Result, RuntimeError};
+use crate::paged::{FormsEntry, FormsKey};
 
 /// Name of the file under the cache root.
 pub const TUNE_FILE: &str = "tune.json";
 /// Marker in the file, so an unrelated `tune.json` is recognised as such.
 pub const FORMAT: &str = "kvq-tune";
 /// Layout version of the file; other versions are ignored (and replaced at the next save).
-/// Version 2 added `min_warps_per_sm` to the choice: a version-1 result, read with that field
-/// absent, would name an uncapped kernel where the 1- and 2-bit and FP16 kernels were capped.
-pub const VERSION: u32 = 2;
+/// Version 3 keys every result by a checksum of its candidate set and holds the quantizer forms'
+/// results too (`forms`); version 2 added `min_warps_per_sm` to the choice.
+pub const VERSION: u32 = 3;
+
+/// FNV-1a of `bytes` as 16 hex digits: the checksum of a candidate set.
+pub fn checksum(bytes: &[u8]) -> String {
+    let h = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    format!("{h:016x}")
+}
+
+/// A result the store holds, keyed by GPU and problem: a decode launch ([`TuneEntry`]) or the
+/// forms of a scheme's page quantizers ([`FormsEntry`]).
+pub trait Stored: Clone {
+    /// What the result was measured for (including the candidate set's checksum).
+    type Key: PartialEq + fmt::Display;
+    /// Where it was measured.
+    fn gpu(&self) -> &GpuKey;
+    /// What it was measured for.
+    fn key(&self) -> &Self::Key;
+    /// Whether this kvq can still use it (entries written by another version may name
+    /// parameters this one no longer declares).
+    fn check(&self) -> std::result::Result<(), String>;
+}
+
+impl Stored for TuneEntry {
+    type Key = ProblemKey;
+    fn gpu(&self) -> &GpuKey {
+        &self.gpu
+    }
+    fn key(&self) -> &ProblemKey {
+        &self.problem
+    }
+    fn check(&self) -> std::result::Result<(), String> {
+        self.choice.check().map_err(|e| e.to_string())
+    }
+}
+
+impl Stored for FormsEntry {
+    type Key = FormsKey;
+    fn gpu(&self) -> &GpuKey {
+        &self.gpu
+    }
+    fn key(&self) -> &FormsKey {
+        &self.problem
+    }
+    fn check(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
+}
+
+/// The entry of `list` for `gpu` and `key` that still checks (a warning names one that does not).
+fn lookup_in<'a, T: Stored>(
+    list: &'a [T],
+    gpu: &GpuKey,
+    key: &T::Key,
+    path: &Path,
+) -> Option<&'a T> {
+    let entry = list.iter().find(|e| e.gpu() == gpu && e.key() == key)?;
+    match entry.check() {
+        Ok(()) => Some(entry),
+        Err(e) => {
+            warn(&format!(
+                "ignoring the stored tuning result for {key} in {}: {e}",
+                path.display()
+            ));
+            None
+        }
+    }
+}
+
+/// `list` with `entry` in place of any entry of the same GPU and key.
+fn insert_in<T: Stored>(list: &mut Vec<T>, entry: T) {
+    list.retain(|e| !(e.gpu() == entry.gpu() && e.key() == entry.key()));
+    list.push(entry);
+}
+
+/// `old` without the keys `new` has, then `new`.
+fn merged<T: Stored>(mut old: Vec<T>, new: &[T]) -> Vec<T> {
+    old.retain(|o| !new.iter().any(|e| e.gpu() == o.gpu() && e.key() == o.key()));
+    old.extend(new.iter().cloned());
+    old
+}
 
 /// One measured result.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -65,11 +150,15 @@ impl TuneEntry {
 }
 
 /// The on-disk document.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 struct TuneFile {
     format: String,
     version: u32,
+    /// Decode launches.
     entries: Vec<TuneEntry>,
+    /// Page-quantizer forms.
+    #[serde(default)]
+    forms: Vec<FormsEntry>,
 }
 
 /// Tuning results in memory, backed by a JSON file.
@@ -77,6 +166,7 @@ struct TuneFile {
 pub struct TuneStore {
     path: PathBuf,
     entries: Vec<TuneEntry>,
+    forms: Vec<FormsEntry>,
     warning: Option<String>,
 }
 
@@ -88,7 +178,7 @@ pub fn unix_now() -> u64 {
 }
 
 /// Parses a file's text; `Err` says why it is not usable.
-fn parse(text: &str) -> std::result::Result<Vec<TuneEntry>, String> {
+fn parse(text: &str) -> std::result::Result<TuneFile, String> {
     let value: serde_json::Value =
         serde_json::from_str(text).map_err(|e| format!("not valid JSON ({e})"))?;
     let format = value.get("format").and_then(|f| f.as_str());
@@ -101,9 +191,7 @@ fn parse(text: &str) -> std::result::Result<Vec<TuneEntry>, String> {
             "tuning file version {version:?}, this kvq reads version {VERSION}"
         ));
     }
-    let file: TuneFile =
-        serde_json::from_value(value).map_err(|e| format!("malformed entries ({e})"))?;
-    Ok(file.entries)
+    serde_json::from_value(value).map_err(|e| format!("malformed entries ({e})"))
 }
 
 /// The largest tuning file read. An entry is under a kilobyte of JSON, so 64 MiB holds tens of
@@ -111,18 +199,18 @@ fn parse(text: &str) -> std::result::Result<Vec<TuneEntry>, String> {
 /// stray multi-gigabyte file at the path) is refused before it is read into memory.
 pub const MAX_TUNE_FILE_BYTES: u64 = 64 << 20;
 
-/// Reads `path`: `Ok(entries)` (empty when absent) or `Err(warning)` when it cannot be used.
+/// Reads `path`: `Ok(file)` (empty when absent) or `Err(warning)` when it cannot be used.
 ///
 /// The read goes through [`read_input_file`], so a FIFO, device node or directory at the path, or
 /// a file past [`MAX_TUNE_FILE_BYTES`], is reported like a damaged file instead of blocking on
 /// the open or reading without end.
-fn read(path: &Path) -> std::result::Result<Vec<TuneEntry>, String> {
+fn read(path: &Path) -> std::result::Result<TuneFile, String> {
     match read_input_file(path, "the tuning file", MAX_TUNE_FILE_BYTES) {
         Ok(bytes) => match String::from_utf8(bytes) {
             Ok(text) => parse(&text),
             Err(e) => Err(format!("not valid UTF-8 ({e})")),
         },
-        Err(e) if e.not_found => Ok(Vec::new()),
+        Err(e) if e.not_found => Ok(TuneFile::default()),
         Err(e) => Err(e.why),
     }
 }
@@ -150,10 +238,10 @@ impl TuneStore {
     /// As [`TuneStore::open`], without printing the warning.
     pub fn load_quietly(path: impl Into<PathBuf>) -> TuneStore {
         let path = path.into();
-        let (entries, warning) = match read(&path) {
-            Ok(entries) => (entries, None),
+        let (file, warning) = match read(&path) {
+            Ok(file) => (file, None),
             Err(why) => (
-                Vec::new(),
+                TuneFile::default(),
                 Some(format!(
                     "ignoring tuning results in {}: {why}; it will be replaced when a new result is saved",
                     path.display()
@@ -162,7 +250,8 @@ impl TuneStore {
         };
         TuneStore {
             path,
-            entries,
+            entries: file.entries,
+            forms: file.forms,
             warning,
         }
     }
@@ -172,6 +261,7 @@ impl TuneStore {
         TuneStore {
             path: path.into(),
             entries: Vec::new(),
+            forms: Vec::new(),
             warning: None,
         }
     }
@@ -186,49 +276,46 @@ impl TuneStore {
         self.warning.as_deref()
     }
 
-    /// Every entry, in file order.
+    /// Every decode entry, in file order.
     pub fn entries(&self) -> &[TuneEntry] {
         &self.entries
     }
 
-    /// The entry for `gpu` and `problem` whose configuration still validates (entries written by
-    /// another kvq version may name parameters this one no longer declares).
+    /// Every quantizer-forms entry, in file order.
+    pub fn forms_entries(&self) -> &[FormsEntry] {
+        &self.forms
+    }
+
+    /// The decode entry for `gpu` and `problem` whose configuration still validates (entries
+    /// written by another kvq version may name parameters this one no longer declares).
     pub fn lookup(&self, gpu: &GpuKey, problem: &ProblemKey) -> Option<&TuneEntry> {
-        let entry = self.entries.iter().find(|e| e.matches(gpu, problem))?;
-        match entry.choice.check() {
-            Ok(()) => Some(entry),
-            Err(e) => {
-                warn(&format!(
-                    "ignoring the stored tuning result for {problem} in {}: {e}",
-                    self.path.display()
-                ));
-                None
-            }
-        }
+        lookup_in(&self.entries, gpu, problem, &self.path)
+    }
+
+    /// The quantizer-forms entry for `gpu` and `key`.
+    pub fn lookup_forms(&self, gpu: &GpuKey, key: &FormsKey) -> Option<&FormsEntry> {
+        lookup_in(&self.forms, gpu, key, &self.path)
     }
 
     /// Adds `entry`, replacing any entry with the same GPU and problem.
     pub fn insert(&mut self, entry: TuneEntry) {
-        self.entries
-            .retain(|e| !e.matches(&entry.gpu, &entry.problem));
-        self.entries.push(entry);
+        insert_in(&mut self.entries, entry);
+    }
+
+    /// Adds a quantizer-forms `entry`, replacing any with the same GPU and key.
+    pub fn insert_forms(&mut self, entry: FormsEntry) {
+        insert_in(&mut self.forms, entry);
     }
 
     /// Writes the store: re-reads the file, keeps its entries for keys this store lacks, adds all
     /// of this store's entries, and replaces the file atomically.
     pub fn save(&mut self) -> Result<()> {
-        let mut merged = read(&self.path).unwrap_or_default();
-        merged.retain(|old| {
-            !self
-                .entries
-                .iter()
-                .any(|e| e.matches(&old.gpu, &old.problem))
-        });
-        merged.extend(self.entries.iter().cloned());
+        let old = read(&self.path).unwrap_or_default();
         let file = TuneFile {
             format: FORMAT.into(),
             version: VERSION,
-            entries: merged,
+            entries: merged(old.entries, &self.entries),
+            forms: merged(old.forms, &self.forms),
         };
         let json = serde_json::to_string_pretty(&file).map_err(|e| RuntimeError::CacheIo {
             action: "encode tuning results for",
@@ -237,6 +324,7 @@ impl TuneStore {
         })?;
         write_atomically(&self.path, json.as_bytes())?;
         self.entries = file.entries;
+        self.forms = file.forms;
         self.warning = None;
         Ok(())
     }
@@ -318,6 +406,7 @@ pub(crate) mod tests {
             kv_heads: 8,
             batch_bucket,
             context_bucket: 32_768,
+            candidates: "00000000000000aa".into(),
         }
     }
 
@@ -456,7 +545,7 @@ pub(crate) mod tests {
         let path = dir.join(TUNE_FILE);
         for (text, why) in [
             (
-                "{\"format\": \"kvq-tune\", \"version\": 2, \"entries\": [",
+                "{\"format\": \"kvq-tune\", \"version\": 3, \"entries\": [",
                 "not valid JSON",
             ),
             ("[1, 2, 3]", "not a kvq tuning file"),
@@ -470,7 +559,11 @@ pub(crate) mod tests {
                 "version",
             ),
             (
-                "{\"format\": \"kvq-tune\", \"version\": 2, \"entries\": [{\"gpu\": 1}]}",
+                "{\"format\": \"kvq-tune\", \"version\": 2, \"entries\": []}",
+                "version",
+            ),
+            (
+                "{\"format\": \"kvq-tune\", \"version\": 3, \"entries\": [{\"gpu\": 1}]}",
                 "malformed entries",
             ),
             ("\u{0}\u{1}binary", "not valid JSON"),

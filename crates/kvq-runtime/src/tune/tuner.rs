@@ -1,11 +1,15 @@
-//! The autotuner: chooses a [`TuneChoice`] for a decode problem by policy, times candidates on the
-//! GPU, gates them on correctness, and remembers the winner per GPU and problem.
+//! The autotuner: chooses a [`TuneChoice`] for a decode problem (and the forms of a scheme's page
+//! quantizers) by policy, times candidates on the GPU, gates them on correctness, and remembers
+//! the winner per GPU and problem in one store.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvq_codegen::KernelShape;
+use cudarc::driver::CudaStream;
+use kvq_codegen::{Dtype, KernelShape, QuantizerForms};
 use kvq_reference::int::IntCache;
+use kvq_spec::SchemeSpec;
 
 use super::choice::{Residency, TuneChoice};
 use super::key::{GpuKey, ProblemKey, TuneProblem};
@@ -13,8 +17,7 @@ use super::policy::TunePolicy;
 use super::session::Session;
 use super::store::{unix_now, TuneEntry, TuneStore};
 use super::synth::random_kv;
-use crate::decode::is_fast_memory;
-use crate::decode::DecodeKernel;
+use crate::decode::{is_fast_memory, DecodeKernel, DecodeOptions};
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
 
@@ -284,6 +287,27 @@ impl<'j> Tuner<'j> {
         })
     }
 
+    /// The forms of `spec`'s page quantizers at `head_dim` for inputs of `dtype`, by this tuner's
+    /// policy and from its store (the decode results' file): the default under `off`, a stored
+    /// result under `cached` (else the default), tuned now and stored under `full`.
+    pub fn choose_forms(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        spec: &SchemeSpec,
+        head_dim: u32,
+        dtype: Dtype,
+    ) -> Result<QuantizerForms> {
+        crate::paged::choose_forms_in(
+            &mut self.store,
+            self.policy,
+            self.jit,
+            stream,
+            spec,
+            head_dim,
+            dtype,
+        )
+    }
+
     /// Tunes `problem` on synthetic inputs of its size (one random sequence of `max_len` tokens,
     /// repeated `batch` times) and stores the result, whatever the policy.
     pub fn tune(&mut self, problem: &TuneProblem) -> Result<TuneReport> {
@@ -438,10 +462,20 @@ pub(super) fn occupancy_kernel(
 /// kernel of [`TuneChoice::occupancy_block`] is loaded for its occupancy, then the one the
 /// heuristic launches if that differs. Kernels come through the JIT's caches.
 pub fn default_launch(jit: &Jit, problem: &TuneProblem) -> Result<(TuneChoice, DecodeKernel)> {
+    default_launch_with(jit, problem, &DecodeOptions::default())
+}
+
+/// [`default_launch`] with a bench's measurement switches: pieces other than the rule's
+/// ([`DecodeOptions::pieces`]) and overlapped launches on or off ([`DecodeOptions::pdl`]).
+pub fn default_launch_with(
+    jit: &Jit,
+    problem: &TuneProblem,
+    options: &DecodeOptions,
+) -> Result<(TuneChoice, DecodeKernel)> {
     let sm_count = jit.device().props().sm_count as usize;
     let occupancy = occupancy_kernel(jit, problem, sm_count)?;
-    let choice = TuneChoice::heuristic(problem, residency(jit, &occupancy)?);
-    let kernel = if choice.params == occupancy.generated().tune {
+    let mut choice = TuneChoice::heuristic(problem, residency(jit, &occupancy)?);
+    let mut kernel = if choice.params == occupancy.generated().tune {
         occupancy
     } else {
         DecodeKernel::load_with(
@@ -452,6 +486,10 @@ pub fn default_launch(jit: &Jit, problem: &TuneProblem) -> Result<(TuneChoice, D
             crate::decode::LoadOptions::ALLOW_SLOW_PATH,
         )?
     };
+    choice.pieces = options.pieces(kernel.piece_rule(), choice.pieces, choice.splits);
+    if let Some(on) = options.pdl {
+        kernel.set_overlap_launches(on);
+    }
     Ok((choice, kernel))
 }
 
