@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """An engine embedding kvq's generated decode kernels without kvq.
 
-Reads the output of `kvq gen ... --sample --out DIR`, compiles DIR/decode.cu with NVRTC, loads it
-with the CUDA driver API, puts the sample batch (page pools, page table, FP16 sink and tail rings,
+Reads the output of `kvq gen ... --sample --out DIR`, compiles DIR/decode.cu with NVRTC (the kernel
+headers it includes from DIR/include, as DIR/README.md says), loads it with the CUDA driver API, puts the sample batch (page pools, page table, FP16 sink and tail rings,
 lengths, queries) in device buffers it allocates itself, launches the decode kernels on its own
 stream exactly as manifest.json describes them, and checks the output against the CPU reference's
 (DIR/sample/expected.bin), for several split counts: each without pieces, then with piece CTAs
@@ -11,7 +11,8 @@ empty), launched twice on the same scratch, the second output bit for bit the fi
 
 Only the Python standard library is used (ctypes, struct, json): the machine needs libcuda (the
 NVIDIA driver) and libnvrtc. With --check-only it stops before the driver: it validates the sample's
-buffers against the layout in the manifest and compiles the source, which needs no GPU.
+buffers against the layout in the manifest and compiles the sources (DIR/cache.cu too), which needs
+no GPU.
 
     python3 examples/embed/embed.py DIR [--check-only] [--arch sm_90a] [--splits 3,1,7]
         [--pieces-per-split 2] [--permille 300]
@@ -191,8 +192,8 @@ class Nvrtc:
         self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
         self.version = f"{major.value}.{minor.value}"
 
-    def compile(self, source, name, arch):
-        """CUDA C++ → CUBIN for `arch` (e.g. sm_90a)."""
+    def compile(self, source, name, arch, include_dir):
+        """CUDA C++ → CUBIN for `arch` (e.g. sm_90a); `#include "kvq/…"` found under include_dir."""
         lib = self.lib
         prog = ctypes.c_void_p()
         status = lib.nvrtcCreateProgram(
@@ -201,7 +202,11 @@ class Nvrtc:
         if status != 0:
             raise EmbedError(f"nvrtcCreateProgram failed ({status})")
         try:
-            opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
+            opts = [
+                f"--gpu-architecture={arch}".encode(),
+                b"--std=c++17",
+                f"--include-path={include_dir}".encode(),
+            ]
             status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
             if status != 0:
                 size = ctypes.c_size_t()
@@ -219,23 +224,30 @@ class Nvrtc:
             lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def decode_image(gen_dir, arch, log):
-    """CUBIN of decode.cu for `arch`: compiled with NVRTC, else the one `kvq gen --arch` wrote."""
-    with open(os.path.join(gen_dir, "decode.cu"), "r", encoding="utf-8") as f:
+def unit_image(gen_dir, unit, arch, log):
+    """CUBIN of the unit (decode.cu, cache.cu) for `arch`: compiled with NVRTC, the kernel headers
+    from gen_dir/include, else the one `kvq gen --arch` wrote."""
+    with open(os.path.join(gen_dir, unit), "r", encoding="utf-8") as f:
         source = f.read()
+    stem = unit[: -len(".cu")]
     try:
         nvrtc = Nvrtc()
     except EmbedError as e:
-        prebuilt = os.path.join(gen_dir, f"decode.{arch}.cubin")
+        prebuilt = os.path.join(gen_dir, f"{stem}.{arch}.cubin")
         if os.path.exists(prebuilt):
             log(f"no NVRTC ({e}); using {prebuilt} from `kvq gen --arch {arch}`")
             with open(prebuilt, "rb") as f:
                 return f.read()
         raise
-    image = nvrtc.compile(source, "decode.cu", arch)
-    log(f"compiled decode.cu for {arch} with NVRTC {nvrtc.version} ({nvrtc.path}): "
+    image = nvrtc.compile(source, unit, arch, os.path.join(gen_dir, "include"))
+    log(f"compiled {unit} for {arch} with NVRTC {nvrtc.version} ({nvrtc.path}): "
         f"{len(image)} bytes of CUBIN")
     return image
+
+
+def decode_image(gen_dir, arch, log):
+    """CUBIN of decode.cu for `arch` (see unit_image)."""
+    return unit_image(gen_dir, "decode.cu", arch, log)
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,6 +374,17 @@ class Engine:
             self.cu("cuModuleGetFunction", ctypes.byref(f), self.module, n.encode())
             functions[n] = f
         return functions
+
+    def check_entry_points(self, image, names):
+        """Loads a module, looks every name up, and unloads it again."""
+        module = ctypes.c_void_p()
+        self.cu("cuModuleLoadData", ctypes.byref(module), image)
+        try:
+            for n in names:
+                f = ctypes.c_void_p()
+                self.cu("cuModuleGetFunction", ctypes.byref(f), module, n.encode())
+        finally:
+            self.cu("cuModuleUnload", module)
 
     def alloc(self, nbytes):
         ptr = CUdeviceptr()
@@ -549,12 +572,21 @@ def main():
             f"{' -> '.join(manifest['launch']['decode_steps'])}; the decode kernel "
             + ("runs pieces" if runs_pieces
                else "runs no pieces (its splits do all the work, its piece CTAs stay empty)"))
+        has_cache = os.path.exists(os.path.join(args.gen_dir, "cache.cu"))
         if args.check_only:
             decode_image(args.gen_dir, args.arch or "sm_90a", log)
+            if has_cache:
+                unit_image(args.gen_dir, "cache.cu", args.arch or "sm_90a", log)
             log("check-only: stopping before the driver")
             return 0
         engine = Engine(args.device, log)
         try:
+            if has_cache:
+                # The cache unit is not launched here; it compiles and every entry point loads.
+                cache_image = unit_image(args.gen_dir, "cache.cu", args.arch or engine.arch, log)
+                engine.check_entry_points(
+                    cache_image,
+                    [k["name"] for k in manifest["kernels"] if k.get("file") == "cache.cu"])
             image = decode_image(args.gen_dir, args.arch or engine.arch, log)
             steps = manifest["launch"]["decode_steps"]
             kernels = {k["role"]: k for k in manifest["kernels"]}

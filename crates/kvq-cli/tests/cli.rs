@@ -69,6 +69,11 @@ fn main() {
             "gen_output_compiles_with_nvrtc_for_every_gpu_builtin",
             gen_output_compiles_with_nvrtc_for_every_gpu_builtin,
         ),
+        needs(
+            Need::Nvrtc,
+            "gen_output_compiles_from_its_files_as_the_readme_says",
+            gen_output_compiles_from_its_files_as_the_readme_says,
+        ),
         plain(
             "gen_sample_matches_the_manifest_layout",
             gen_sample_matches_the_manifest_layout,
@@ -937,6 +942,45 @@ fn gen_output_compiles_with_nvrtc_for_every_gpu_builtin() {
     );
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).1.contains("--arch"), "{}", text(&o).1);
+}
+
+/// What an engine does with the output: kitty at d128, its units compiled with NVRTC from the
+/// written files alone, the headers found through `--include-path=<out>/include` as the README
+/// says (no in-memory header), for sm_80 and sm_90a.
+fn gen_output_compiles_from_its_files_as_the_readme_says() {
+    use kvq::runtime::nvrtc::{compile, IncludeDirs};
+    use kvq::runtime::{Arch, CompileOptions, Output, Source};
+    let tmp = TempDir::new("gen-files");
+    let (m, _, dir) = gen_and_check("kitty", &["--head-dim", "128", "--gqa", "4"], &tmp);
+    assert_eq!(m["files"]["include"], "include/");
+    let readme = std::fs::read_to_string(dir.join(m["files"]["readme"].as_str().unwrap())).unwrap();
+    assert!(
+        readme.contains("--include-path=<this folder>/include"),
+        "{readme}"
+    );
+    let include = dir.join("include");
+    // Every kernel header is written, byte for byte the one kvq compiles with.
+    let mut shipped = 0;
+    for (name, text) in kvq::codegen::kernel_headers() {
+        let written = std::fs::read_to_string(include.join(name)).unwrap();
+        assert_eq!(&written, text, "{name}");
+        shipped += 1;
+    }
+    assert!(shipped >= 5, "{shipped} headers");
+    let options = CompileOptions::default().include_dirs(IncludeDirs::Only(vec![include]));
+    for file in ["decode.cu", "cache.cu"] {
+        let code = std::fs::read_to_string(dir.join(file)).unwrap();
+        assert!(
+            code.contains("#include \"kvq/"),
+            "{file} includes no kvq header"
+        );
+        let source = Source::new(file, code);
+        for arch in [Arch::SM_80, Arch::SM_90A] {
+            let c = compile(&source, arch, Output::Cubin, &options)
+                .unwrap_or_else(|e| panic!("{file} for {arch} from the written files: {e}"));
+            assert!(!c.image.is_empty());
+        }
+    }
 }
 
 fn gen_sample_matches_the_manifest_layout() {

@@ -1,11 +1,12 @@
 //! `kvq gen`: everything another engine needs to run kvq's kernels without kvq — the generated
-//! CUDA sources, a C header with each entry point and a parameter struct per kernel, and a
-//! `manifest.json` with launch shapes, the page-block layout and tuned values. Works without a GPU;
-//! `--arch` also compiles the sources with NVRTC (where it loads) to check them.
+//! CUDA units, the kernel headers they include (`include/kvq/…`), a C header with each entry point
+//! and a parameter struct per kernel, a `manifest.json` with launch shapes, the page-block layout
+//! and tuned values, and a README saying how to compile the units. Works without a GPU; `--arch`
+//! also compiles the units with NVRTC (where it loads) to check them.
 //!
 //! This module runs the steps ([`generate`]); `params` chooses the block parameters, `manifest`
-//! and `header` write the two descriptions of the kernels, and `rules` gives the manifest the
-//! runtime's untuned launch rules as data.
+//! and `header` write the two descriptions of the kernels, and `rules` states the runtime's untuned
+//! launch rules for the manifest.
 
 mod header;
 mod manifest;
@@ -42,6 +43,11 @@ pub const CACHE_FILE: &str = "cache.cu";
 pub const HEADER_FILE: &str = "kvq_kernels.h";
 /// See [`DECODE_FILE`].
 pub const MANIFEST_FILE: &str = "manifest.json";
+/// See [`DECODE_FILE`]: how to compile the units.
+pub const README_FILE: &str = "README.md";
+/// The folder the kernel headers go to: a unit's `#include "kvq/common.cuh"` finds
+/// `include/kvq/common.cuh` with `include` on the include path.
+pub const INCLUDE_DIR: &str = "include";
 
 /// What `kvq gen` was asked for.
 #[derive(Debug, Clone)]
@@ -84,10 +90,75 @@ fn write_file(path: &Path, bytes: &[u8], files: &mut Vec<(PathBuf, u64)>) -> Res
     Ok(())
 }
 
+/// Writes the kernel headers under `out/include/`, each at the path units include it by.
+fn write_headers(out: &Path, files: &mut Vec<(PathBuf, u64)>) -> Result<()> {
+    for (name, text) in kvq::codegen::kernel_headers() {
+        let path = out.join(INCLUDE_DIR).join(name);
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|source| CliError::Write {
+                path: dir.to_path_buf(),
+                source,
+            })?;
+        }
+        write_file(&path, text.as_bytes(), files)?;
+    }
+    Ok(())
+}
+
+/// The output's README: what each file is and how to compile the units (NVRTC with the headers
+/// on the include path or in memory, or nvcc).
+fn readme_text(req: &GenRequest, writes_cache: bool) -> String {
+    let arch = req
+        .arch
+        .map_or_else(|| "sm_90a".to_string(), |a| a.to_string());
+    let mut units = format!("`{DECODE_FILE}`");
+    if writes_cache {
+        units.push_str(&format!(" and `{CACHE_FILE}`"));
+    }
+    format!(
+        "# kvq generated kernels
+
+scheme: `{scheme}`; head_dim {head_dim}, GQA {gqa}, {dtype}.
+
+- `{DECODE_FILE}`: the decode unit (decode, combine and, for calibrated schemes, the score-range \
+pass).
+{cache_line}- `{INCLUDE_DIR}/kvq/`: the kernels' code, CUDA headers the units `#include \"kvq/…\"`.
+- `{HEADER_FILE}`: C header with launch constants and a parameter struct per kernel.
+- `{MANIFEST_FILE}`: entry points, launch shapes, the page-block layout, tuning.
+
+## Compiling
+
+Each unit ({units}) is C++17 and needs the headers under `{INCLUDE_DIR}/` and no CUDA toolkit \
+header. Compile it for the GPU's architecture (`{arch}` below; `sm_90a` on Hopper, `sm_80` on \
+Ampere), load the CUBIN with `cuModuleLoadData` and look the entry points up by the names in \
+`{MANIFEST_FILE}`.
+
+- NVRTC with an include path: options `--std=c++17 --gpu-architecture={arch} \
+--include-path=<this folder>/{INCLUDE_DIR}`.
+- NVRTC with in-memory headers: hand every file under `{INCLUDE_DIR}/` to `nvrtcCreateProgram` as \
+a header named by its path below `{INCLUDE_DIR}/` (`kvq/common.cuh`, ...); no option needed.
+- nvcc: `nvcc -std=c++17 -arch={arch} -cubin -I {INCLUDE_DIR} {DECODE_FILE} -o decode.cubin`.
+",
+        scheme = req.scheme.spec,
+        head_dim = req.shape.head_dim,
+        gqa = req.shape.gqa,
+        dtype = req.shape.dtype,
+        cache_line = if writes_cache {
+            format!(
+                "- `{CACHE_FILE}`: the cache unit (append, commit, prefill copy, page quantizers).\n"
+            )
+        } else {
+            String::new()
+        },
+    )
+}
+
 /// Removes outputs of an earlier `kvq gen` into the same folder that this run will not rewrite
-/// (CUBINs, a cache source, a sample), so the folder never mixes two schemes. Only kvq's own file
-/// names are touched; failures are ignored (the files are then simply left).
+/// (CUBINs, a cache source, a sample, kernel headers of another kvq), so the folder never mixes two
+/// schemes. Only kvq's own file names are touched; failures are ignored (the files are then simply
+/// left).
 fn remove_stale(out: &Path, writes_cache: bool, writes_sample: bool) {
+    let _ = std::fs::remove_dir_all(out.join(INCLUDE_DIR).join("kvq"));
     if let Ok(entries) = std::fs::read_dir(out) {
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
@@ -239,6 +310,9 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
     if let Some(c) = &cache {
         write_file(&req.out.join(CACHE_FILE), c.source.as_bytes(), &mut files)?;
     }
+    write_headers(&req.out, &mut files)?;
+    let readme = readme_text(req, cache.is_some());
+    write_file(&req.out.join(README_FILE), readme.as_bytes(), &mut files)?;
     let header = header::header_text(&req.prefix, &req.scheme, shape, &params, &layout, &kernels);
     write_file(&req.out.join(HEADER_FILE), header.as_bytes(), &mut files)?;
 
@@ -272,7 +346,12 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
         layout_version: LAYOUT_VERSION.into(),
         scheme: manifest::scheme_info(&req.scheme),
         shape: *shape,
-        files: manifest::file_names(cache.is_some()),
+        files: {
+            let mut names = manifest::file_names(cache.is_some());
+            names.insert("include".into(), format!("{INCLUDE_DIR}/"));
+            names.insert("readme".into(), README_FILE.into());
+            names
+        },
         launch: manifest::launch_info(&decode, &kernels),
         kernels,
         layout,
@@ -282,6 +361,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             &params,
             params_source,
             tune_file.as_deref(),
+            &decode,
             &tuned,
         ),
         compiled,
