@@ -250,6 +250,9 @@ pub(crate) struct DecodeCtx {
     pub calibrate: bool,
     pub tau1: f32,
     pub tau2: f32,
+    /// `tau1` and `tau2` as C++ float literals (`0.0f` without calibration).
+    pub tau1_literal: String,
+    pub tau2_literal: String,
     pub decode_name: String,
     pub range_name: String,
     pub combine_name: String,

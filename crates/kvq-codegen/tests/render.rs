@@ -110,7 +110,7 @@ fn dynamic_shared_memory_holds_the_ring_and_then_the_merge() {
                     bytes, 0,
                     "{text}: the generic kernel merges in static arrays"
                 );
-                assert!(!k.source.contains("cp.async.commit_group"), "{text}");
+                assert!(!stages(&k.source), "{text}");
             }
         }
     }
@@ -120,11 +120,11 @@ fn dynamic_shared_memory_holds_the_ring_and_then_the_merge() {
         let tune = tune_for(text, tile);
         let k = render_with(text, &tune);
         assert_eq!(
-            k.source.contains("cp.async.commit_group"),
+            stages(&k.source),
             k.decode.dynamic_shared_bytes > merge_bytes(&tune, 128),
             "{text} at {tile}-token tiles"
         );
-        k.source.contains("cp.async.commit_group")
+        stages(&k.source)
     };
     assert!(staged(SCHEMES[1], 64));
     // 2-bit K and V (capped, three four-warp CTAs an SM) and 4-bit K and V (uncapped, two) align
@@ -143,31 +143,47 @@ fn dynamic_shared_memory_holds_the_ring_and_then_the_merge() {
 }
 
 /// The section alignment a rendered decode kernel's ring states (`None`: no ring).
-fn ring_alignment(source: &str) -> Option<usize> {
-    let at = source.find("each starting at a multiple of ")?;
-    let rest = &source[at + "each starting at a multiple of ".len()..];
-    rest.split_whitespace().next()?.parse().ok()
+/// Whether the unit's kernel stages chunks through the cp.async ring (`KVQ_STAGES > 0`).
+fn stages(source: &str) -> bool {
+    unit_constant(source, "KVQ_STAGES").unwrap_or(0) > 0
 }
 
-/// The value of a ring offset constant (`static constexpr int NAME = A + B + …;`), summed through
-/// the earlier constants it names.
+fn ring_alignment(source: &str) -> Option<usize> {
+    unit_constant(source, "ST_ALIGN").filter(|_| unit_constant(source, "KVQ_STAGES") > Some(0))
+}
+
+/// The value of an integer constant the unit defines (`NAME = value` in a `static constexpr`
+/// declaration).
+fn unit_constant(source: &str, name: &str) -> Option<usize> {
+    let decl = format!(" {name} = ");
+    let at = source.find(&decl)?;
+    let rest = &source[at + decl.len()..];
+    let end = rest.find(|c: char| !c.is_ascii_digit())?;
+    rest[..end].parse().ok()
+}
+
+/// Where a ring section starts in a stage (`ST_K`, …; `ST_BYTES` the stage's size), from the
+/// section sizes the unit defines.
 fn stage_offset(source: &str, name: &str) -> usize {
-    let decl = format!("static constexpr int {name} = ");
-    let at = source
-        .find(&decl)
-        .unwrap_or_else(|| panic!("{name} not rendered"));
-    let expr = &source[at + decl.len()..];
-    let expr = &expr[..expr.find(';').unwrap()];
-    expr.split('+')
-        .map(|term| {
-            let term = term.trim();
-            term.parse().unwrap_or_else(|_| {
-                if term == "0" {
-                    0
-                } else {
-                    stage_offset(source, term)
-                }
-            })
+    let sizes = [
+        ("ST_K", "ST_HEADER_BYTES"),
+        ("ST_KH", "ST_K_ROWS_BYTES"),
+        ("ST_V", "ST_K_HIGH_BYTES"),
+        ("ST_VS", "ST_V_ROWS_BYTES"),
+        ("ST_VZ", "ST_V_SCALES_BYTES"),
+        ("ST_KP", "ST_V_ZEROS_BYTES"),
+    ];
+    if name == "ST_BYTES" {
+        return unit_constant(source, "ST_BYTES").unwrap_or_else(|| panic!("{name} not rendered"));
+    }
+    let upto = sizes
+        .iter()
+        .position(|(n, _)| *n == name)
+        .unwrap_or_else(|| panic!("{name}"));
+    sizes[..=upto]
+        .iter()
+        .map(|(_, size)| {
+            unit_constant(source, size).unwrap_or_else(|| panic!("{size} not rendered"))
         })
         .sum()
 }

@@ -10,7 +10,7 @@ static constexpr int NSUB = TILE / 16;             // 16-token subtiles per chun
 // 8-head tiles a warp scores (MmaCtx::head_tiles): more than one where a CTA serves more than 8
 // query heads of FP16 K and V (up to 2 at head_dim 128, 4 at 64), every K and V fragment it loads
 // feeding every tile's mma. Tile t holds heads 8t .. 8t + 7 (columns past GQA score a zero query).
-static_assert(HT == 1 || (!K_QUANT && !V_QUANT && !KVQ_PACK && RING_STAGES == 0),
+static_assert(HT == 1 || (!K_QUANT && !V_QUANT && !KVQ_PACK && KVQ_STAGES == 0),
               "several head tiles: FP16 K and V, read without the ring");
 static_assert(!KVQ_PACK || (GQA <= 4 && NSUB % 2 == 0), "packed heads need GQA <= 4 and an even number of subtiles");
 static constexpr int NPS = KVQ_PACK ? NSUB / 2 : NSUB;   // score fragments a chunk's softmax works on
