@@ -11,8 +11,13 @@
 //!
 //! Codegen does no I/O and needs no GPU; the caller supplies the GPU's numbers (the resident CTAs
 //! of the kernel of [`LaunchRules::occupancy_block`] come from the driver's occupancy query).
+//!
+//! Beside the launch rules, `variants` holds the rules that choose a kernel's code paths at
+//! render time (the `*_pays` predicates: integer or f16 keys, subnormal codes, packed score
+//! fragments, pieces, head tiles).
 
 pub mod table;
+pub(crate) mod variants;
 
 use serde::{Deserialize, Serialize};
 
