@@ -5,8 +5,8 @@
 //! also compiles the units with NVRTC (where it loads) to check them.
 //!
 //! This module runs the steps ([`generate`]); `params` chooses the block parameters, `manifest`
-//! and `header` write the two descriptions of the kernels, and `rules` states the runtime's untuned
-//! launch rules for the manifest.
+//! and `header` write the two descriptions of the kernels, and `rules` gives the manifest the
+//! runtime's untuned launch rules as data.
 
 mod header;
 mod manifest;
@@ -361,7 +361,6 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             &params,
             params_source,
             tune_file.as_deref(),
-            &decode,
             &tuned,
         ),
         compiled,
