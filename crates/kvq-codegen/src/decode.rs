@@ -168,7 +168,11 @@ fn half_word_codes(t: &TensorCtx, head_dim: usize) -> bool {
 }
 
 /// Why the tensor-core kernel cannot serve this shape and these layouts, if it cannot.
-fn mma_unsupported_shape(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> Option<SlowPath> {
+pub(crate) fn mma_unsupported_shape(
+    shape: &KernelShape,
+    k: &TensorCtx,
+    v: &TensorCtx,
+) -> Option<SlowPath> {
     let d = shape.head_dim as usize;
     if !matches!(d, 64 | 128 | 256) {
         Some(SlowPath::HeadDim(shape.head_dim))
@@ -268,12 +272,16 @@ fn mma_plan(
 }
 
 /// The grid rows of the tensor-core kernel: the fewest of at most [`most_head_tiles`] tiles.
-fn mma_head_groups(shape: &KernelShape, k: &TensorCtx, v: &TensorCtx) -> Option<HeadGroups> {
+pub(crate) fn mma_head_groups(
+    shape: &KernelShape,
+    k: &TensorCtx,
+    v: &TensorCtx,
+) -> Option<HeadGroups> {
     HeadGroups::for_gqa_in_tiles(shape.gqa, most_head_tiles(shape, k, v))
 }
 
 /// Head tiles a warp holds for the rows `groups` gives ([`HeadGroups::tiles`]; 1 without rows).
-fn head_tiles_of(groups: Option<HeadGroups>) -> u32 {
+pub(crate) fn head_tiles_of(groups: Option<HeadGroups>) -> u32 {
     groups.map_or(1, |g| g.tiles())
 }
 
@@ -465,32 +473,6 @@ pub fn store_scores_changes(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneP
 /// ([`MmaCtx::pack_heads`]); with [`TuneParams::pack_heads`] false, none does.
 pub(crate) fn packs_heads(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> bool {
     mma_plan_for(spec, shape, tune).is_some_and(|plan| plan.pack_heads)
-}
-
-/// Whether the default holds the decode kernel to twelve warps an SM (see
-/// [`TuneParams::default_for`]): the tensor-core kernels of 1- and 2-bit K and V, and of FP16, at
-/// head_dim ≤ 128 (at 256 the cap spills), but not FP16's kernels of more head tiles than fit the
-/// cap's 168 registers: two at head_dim 128 spilled (187 local stores, NVRTC 13.0; uncapped 249
-/// registers, eight warps an SM), three and four at head_dim 64 too (76 and 199–219 stores;
-/// uncapped 229–233 and 252 registers); two at head_dim 64 fit.
-pub(crate) fn twelve_warps_by_default(spec: &SchemeSpec, shape: &KernelShape) -> bool {
-    if !has_decode_kernel(spec) {
-        return false;
-    }
-    let d = shape.head_dim as usize;
-    let (Ok(k), Ok(v)) = (
-        TensorCtx::new("k", spec, &spec.k, d),
-        TensorCtx::new("v", spec, &spec.v, d),
-    ) else {
-        return false;
-    };
-    let low_bits =
-        k.kind == TensorKind::Int && v.kind == TensorKind::Int && k.bits <= 2 && v.bits <= 2;
-    let tiles = head_tiles_of(mma_head_groups(shape, &k, &v));
-    let fp16 = k.kind == TensorKind::Fp16
-        && v.kind == TensorKind::Fp16
-        && (tiles == 1 || (d <= 64 && tiles <= 2));
-    d <= 128 && (low_bits || fp16) && mma_unsupported_shape(shape, &k, &v).is_none()
 }
 
 /// Whether twelve warps an SM change the decode kernel for `tune`'s block: a tensor-core kernel at

@@ -1,10 +1,10 @@
 //! The tunable parameters of the decode kernel, their valid ranges, and the untuned default.
 
 use crate::decode::{
-    packs_heads, raises_occupancy, short_staging_changes, store_scores_changes,
-    twelve_warps_by_default, uses_stage_ring,
+    packs_heads, raises_occupancy, short_staging_changes, store_scores_changes, uses_stage_ring,
 };
 use crate::rules::default_block_away_from_128;
+use crate::rules::variants::twelve_warps_by_default;
 use crate::{CodegenError, KernelShape};
 use kvq_spec::SchemeSpec;
 use serde::{Deserialize, Serialize};

@@ -7,7 +7,9 @@
 #[cfg(doc)]
 use crate::context::MmaCtx;
 use crate::context::{TensorCtx, TensorKind};
+use crate::decode::{head_tiles_of, mma_head_groups, mma_unsupported_shape};
 use crate::{KernelShape, PieceRule, TuneParams};
+use kvq_spec::SchemeSpec;
 
 /// Most head tiles of 8 query heads a warp of the tensor-core kernel may hold
 /// ([`MmaCtx::head_tiles`]): for FP16 K and V two at head_dim 128 and four at head_dim 64, so
@@ -204,4 +206,30 @@ pub(crate) fn piece_rule(k: &TensorCtx, v: &TensorCtx, calibrated: bool) -> Piec
     } else {
         PieceRule::None
     }
+}
+
+/// Whether the default holds the decode kernel to twelve warps an SM (see
+/// [`TuneParams::default_for`]): the tensor-core kernels of 1- and 2-bit K and V, and of FP16, at
+/// head_dim ≤ 128 (at 256 the cap spills), but not FP16's kernels of more head tiles than fit the
+/// cap's 168 registers: two at head_dim 128 spilled (187 local stores, NVRTC 13.0; uncapped 249
+/// registers, eight warps an SM), three and four at head_dim 64 too (76 and 199–219 stores;
+/// uncapped 229–233 and 252 registers); two at head_dim 64 fit.
+pub(crate) fn twelve_warps_by_default(spec: &SchemeSpec, shape: &KernelShape) -> bool {
+    if !crate::has_decode_kernel(spec) {
+        return false;
+    }
+    let d = shape.head_dim as usize;
+    let (Ok(k), Ok(v)) = (
+        TensorCtx::new("k", spec, &spec.k, d),
+        TensorCtx::new("v", spec, &spec.v, d),
+    ) else {
+        return false;
+    };
+    let low_bits =
+        k.kind == TensorKind::Int && v.kind == TensorKind::Int && k.bits <= 2 && v.bits <= 2;
+    let tiles = head_tiles_of(mma_head_groups(shape, &k, &v));
+    let fp16 = k.kind == TensorKind::Fp16
+        && v.kind == TensorKind::Fp16
+        && (tiles == 1 || (d <= 64 && tiles <= 2));
+    d <= 128 && (low_bits || fp16) && mma_unsupported_shape(shape, &k, &v).is_none()
 }
