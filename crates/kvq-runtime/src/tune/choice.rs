@@ -673,8 +673,8 @@ mod tests {
                 assert_eq!(h, slow, "B={batch} L={len}");
             }
         }
-        // The H100's launches at the thirty-ninth round's measured shapes (its tuned table's
-        // default column: tile, splits), which the fast-memory rules leave as they were.
+        // The H100's launches at the shapes the fast-memory rule was measured at (tile, splits),
+        // which that rule leaves as they were.
         for (batch, len, tile, splits) in [
             (1, 4096, 32, 32),
             (4, 4096, 32, 8),
