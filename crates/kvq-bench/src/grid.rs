@@ -1,6 +1,7 @@
 //! Which shapes and schemes a run covers, parsed from flags.
 
 use kvq::codegen::{has_decode_kernel, Dtype};
+use kvq::runtime::decode::DecodeOptions;
 use kvq::schemes::{by_name, is_scheme_text, label, BUILTIN};
 use kvq::SchemeSpec;
 
@@ -61,6 +62,9 @@ pub struct BenchConfig {
     pub placement_pad: u64,
     /// Seed of the random K/V and queries.
     pub seed: u64,
+    /// Measurement switches for the untuned launches (pieces, overlapped launches); the default
+    /// runs what the library runs.
+    pub launch: DecodeOptions,
 }
 
 impl BenchConfig {
@@ -83,6 +87,7 @@ impl BenchConfig {
             copy_bytes: 4 << 30,
             placement_pad: 0,
             seed: 2024,
+            launch: DecodeOptions::default(),
         }
     }
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use kvq::codegen::{KernelShape, TuneParams};
 use kvq::runtime::cudarc::driver::{CudaSlice, CudaStream};
 use kvq::runtime::tune::{
-    batch_device_bytes, default_launch, plan_copies, ReferenceCheck, RotatingBatch, TunePolicy,
-    TuneProblem, TuneStore, Tuner,
+    batch_device_bytes, default_launch_with, plan_copies, ReferenceCheck, RotatingBatch,
+    TunePolicy, TuneProblem, TuneStore, Tuner,
 };
 use kvq::runtime::{DecodeKernel, DecodeScratch, GpuTimer, Jit, RuntimeError, Timing};
 
@@ -299,7 +299,7 @@ impl Context<'_> {
         // The heuristic's block and its variant depend on the batch shape and the context
         // bucket (FP16's and KIVI-4's blocks at few pairs, KIVI-4's short staging path where
         // warps' shares are long).
-        let (default, kernel) = default_launch(self.jit, &problem)?;
+        let (default, kernel) = default_launch_with(self.jit, &problem, &config.launch)?;
         let kernel = &kernel;
         let stores_scores = kernel.generated().stores_scores;
         let mut scratch =

@@ -302,6 +302,14 @@ pub struct BenchArgs {
     /// GPU ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
+    /// Measurement switch: pieces for the kernels that run them, instead of the launch rules'
+    /// (`off`, `PER_SPLIT,PERMILLE` or `COUNT/PERMILLE`).
+    #[arg(long, value_name = "PIECES")]
+    pub pieces: Option<String>,
+    /// Measurement switch: overlapped (programmatic dependent) launches `on` or `off` instead of
+    /// the library's default.
+    #[arg(long, value_name = "on|off")]
+    pub pdl: Option<String>,
     /// Measure nothing: read a results JSON written by `--out` and write its table and plot again
     /// (to `--out`, or beside the JSON). Needs no GPU.
     #[arg(long, value_name = "JSON")]

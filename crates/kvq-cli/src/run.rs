@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use kvq::codegen::KernelShape;
 use kvq::evaluate;
+use kvq::runtime::decode::{DecodeOptions, PiecesOverride};
 use kvq::runtime::tune::{TuneOptions, TuneProblem, Tuner};
 use kvq::runtime::{Arch, InvalidArch};
 use kvq::schemes::BUILTIN;
@@ -302,6 +303,31 @@ fn tune_cmd(a: TuneArgs, out: &mut dyn Write) -> Result<()> {
     )
 }
 
+/// `--pieces` and `--pdl`: the measurement switches a bench may set, which the library itself
+/// never reads from the environment.
+fn bench_switches(a: &BenchArgs) -> Result<DecodeOptions> {
+    let pieces = match &a.pieces {
+        None => None,
+        Some(text) => Some(PiecesOverride::parse(text).ok_or_else(|| {
+            CliError::Usage(format!(
+                "--pieces `{text}`: expected `off`, `PER_SPLIT,PERMILLE` or `COUNT/PERMILLE` \
+                 (PERMILLE in 1..999)"
+            ))
+        })?),
+    };
+    let pdl = match a.pdl.as_deref() {
+        None => None,
+        Some("on") => Some(true),
+        Some("off") => Some(false),
+        Some(other) => {
+            return Err(CliError::Usage(format!(
+                "--pdl `{other}`: expected `on` or `off`"
+            )))
+        }
+    };
+    Ok(DecodeOptions { pieces, pdl })
+}
+
 fn bench_cmd(a: BenchArgs, out: &mut dyn Write) -> Result<()> {
     if let Some(json) = &a.replot {
         let (results, written) = kvq_bench::output::replot(json, a.out.as_deref())?;
@@ -327,6 +353,7 @@ fn bench_cmd(a: BenchArgs, out: &mut dyn Write) -> Result<()> {
         copy_bytes: gib(a.copy_gib).max(1 << 20),
         placement_pad: a.pad_mib.saturating_mul(1 << 20),
         seed: a.seed,
+        launch: bench_switches(&a)?,
     };
     config.gqa()?;
     let g = gpu::open(a.device)?;

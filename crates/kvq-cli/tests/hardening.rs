@@ -573,3 +573,13 @@ fn boosted_schemes_past_head_dim_256_are_refused_everywhere() {
         usage_error(&o, &[&format!("at most 256, got {d}")]);
     }
 }
+
+/// The bench's measurement switches are flags, checked before any GPU is opened.
+#[test]
+fn bench_switches_refuse_bad_text_before_opening_a_gpu() {
+    let tmp = TempDir::new("hard-switches");
+    let o = kvq(&["bench", "--pieces", "7,1500"], tmp.path());
+    usage_error(&o, &["--pieces `7,1500`", "PER_SPLIT,PERMILLE"]);
+    let o = kvq(&["bench", "--pdl", "maybe"], tmp.path());
+    usage_error(&o, &["--pdl `maybe`", "`on` or `off`"]);
+}
