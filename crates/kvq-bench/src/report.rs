@@ -86,9 +86,21 @@ pub struct Row {
     pub read_floor_us: Option<f64>,
     /// With `--tune`.
     pub tuned: Option<TunedResult>,
+    /// Why the generic CUDA-core kernel ran instead of the tensor-core one, where it did
+    /// (`kvq_codegen::SlowPath`); the table marks such rows.
+    #[serde(default)]
+    pub slow_path: Option<String>,
 }
 
 impl Row {
+    /// The scheme cell of the table: the name, marked where the slow generic kernel ran.
+    pub fn scheme_text(&self) -> String {
+        match &self.slow_path {
+            None => self.scheme.clone(),
+            Some(why) => format!("{} (generic kernel: {why})", self.scheme),
+        }
+    }
+
     /// The most "% of copy" this step can show when every byte it reads moves at the copy
     /// bandwidth: 100 unless it reads bytes twice.
     pub fn ceiling_pct_of_copy(&self) -> f64 {
@@ -201,7 +213,7 @@ impl BenchResults {
         for r in &self.rows {
             s.push_str(&format!(
                 "| {} | {} | {} | {:.1} | {:.0} | {:.1} | {} | {} | {} | {} | {} |",
-                r.scheme,
+                r.scheme_text(),
                 r.batch,
                 format_tokens(r.context),
                 r.median_us,
@@ -342,6 +354,7 @@ pub(crate) mod tests {
             copies: 1,
             read_floor_us: None,
             tuned: None,
+            slow_path: None,
         };
         let mut rows = vec![
             row("fp16", 1, 4096, 20.0),
@@ -454,6 +467,21 @@ pub(crate) mod tests {
         let back = BenchResults::from_json(&r.json()).unwrap();
         assert_eq!(back.rows, r.rows);
         assert_eq!(back.markdown(), md);
+    }
+
+    /// A row the generic kernel ran says so in its scheme cell, and the reason survives JSON.
+    #[test]
+    fn slow_path_rows_are_marked() {
+        let mut r = sample();
+        r.rows[1].slow_path = Some("head_dim 96".into());
+        let md = r.markdown();
+        assert!(
+            md.contains("| kivi2 (generic kernel: head_dim 96) | 1 | 4K |"),
+            "{md}"
+        );
+        assert_eq!(md.matches("generic kernel").count(), 1, "{md}");
+        let back = BenchResults::from_json(&r.json()).unwrap();
+        assert_eq!(back.rows[1].slow_path.as_deref(), Some("head_dim 96"));
     }
 
     /// `kvq bench --replot` reads its file through the guard: a FIFO (which would block the open

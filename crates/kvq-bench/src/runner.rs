@@ -386,7 +386,9 @@ impl Context<'_> {
                 rejected: report.rejected(),
             }
         });
+        let slow_path = kernel.generated().slow_path.map(|why| why.to_string());
         Ok(Outcome::Measured(Box::new(Row {
+            slow_path,
             scheme: prep.scheme.name.clone(),
             batch,
             context: len,
