@@ -19,7 +19,6 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/decode/helpers.cuh",
     "kvq/decode/sources.cuh",
     "kvq/decode/ring.cuh",
-    "kvq/decode/ring.cuh",
     "kvq/decode/keys_f16.cuh",
     "kvq/decode/keys_fp16_rows.cuh",
     "kvq/decode/keys_boost.cuh",
