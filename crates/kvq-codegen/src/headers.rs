@@ -20,6 +20,7 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/decode/sources.cuh",
     "kvq/decode/ring.cuh",
     "kvq/decode/keys_f16.cuh",
+    "kvq/decode/keys_int.cuh",
     "kvq/decode/keys_fp16_rows.cuh",
     "kvq/decode/keys_boost.cuh",
     "kvq/decode/values.cuh",

@@ -1,5 +1,7 @@
-{#- 1- and 2-bit keys on the integer tensor cores: byte planes against the folded query's s8 limbs. -#}
-{% if mma.k_int or mma.range_int %}
+#pragma once
+// 1- and 2-bit keys on the integer tensor cores: byte planes against the folded query's s8 limbs.
+// Declared in every configuration (the decode kernels use it where MmaCtx::k_int or range_int);
+// templates and `if constexpr` keep what a scheme without integer keys cannot compile out of reach.
 // ---- Integer keys. Codes become bytes (at most one shift and one AND per byte plane of a word: 4 codes)
 // and meet the folded query on the integer tensor cores, mma m16n8k32 u8 × s8 with s32
 // accumulators, where the products are exact. The query q⊙s of each head and page is an integer
@@ -7,12 +9,10 @@
 static constexpr int KSTEPS = D / 32;     // k-steps of 32 channels
 static constexpr int KREGS = D / 16;      // byte registers of one row a thread holds (2 per k-step)
 static constexpr int K_CENTRE = K_OFF != 0 ? K_OFF : (1 << (KBITS - 1));  // codes are summed about it
-// Calibrated schemes' decode kernels on this path (2-bit keys; MmaCtx::k_fine) add a third, fine limb
-// F ≈ (q⊙s·up − X)·KVQ_FINE_STEPS, |F| <= 127, so the query carries about 24 bits instead of 16:
-// calibration multiplies score errors by |1 + (τ1 − τ2)/(δ − γ)|, unbounded as a head's score
-// range narrows, and 16 bits missed the tolerance there (docs/BENCHMARKS.md, seventh round) where
-// the f16 path's 22 did not.
-static constexpr bool K_FINE = {{ mma.k_fine }};
+// Calibrated schemes' decode kernels on this path (2-bit keys; K_FINE, MmaCtx::k_fine) add a third,
+// fine limb F ≈ (q⊙s·up − X)·KVQ_FINE_STEPS, |F| <= 127, so the query carries about 24 bits instead
+// of 16: calibration multiplies score errors by |1 + (τ1 − τ2)/(δ − γ)|, unbounded as a head's score
+// range narrows, and 16 bits missed the decode tolerance there where the f16 path's 22 did not.
 static constexpr float KVQ_FINE_STEPS = 254.f;   // |residual| <= 1/2, so |F| <= 127
 // D += A·B, m16n8k32, u8 A (codes), s8 B (query limbs), s32 accumulators.
 static __device__ __forceinline__ void kvq_imma(int (&c)[4], kvq_u32 a0, kvq_u32 a1, kvq_u32 a2, kvq_u32 a3,
@@ -26,7 +26,6 @@ static __device__ __forceinline__ void kvq_imma(int (&c)[4], kvq_u32 a0, kvq_u32
 // masked in place in groups of K_PLANES_IN_PLACE (MmaCtx::k_planes_in_place): one shift a group
 // instead of one a plane, plane j's bytes then worth 2^(BITS·(j mod K_PLANES_IN_PLACE)) codes,
 // which the fold takes out of that plane's query limbs.
-static constexpr int K_PLANES_IN_PLACE = {{ mma.k_planes_in_place }};
 // The codes' worth of a byte in plane j, or in byte register x of a row (plane x mod PLANES,
 // kvq_byte_channel): the same, since PLANES is a multiple of K_PLANES_IN_PLACE.
 template <int BITS>
@@ -162,37 +161,44 @@ static __device__ __forceinline__ void kvq_chunk_scores_int(const kvq_u8* rows, 
 // the upper half of its block for head g - 4 instead, and its partner (lane ^ 16) the lower half.
 // That needs the upper half's limbs to be the lower half's k-steps plus KSTEPS / 2 (a channel shift
 // of D / 8), true where KSTEPS is a multiple of the byte planes.
-static constexpr bool KVQ_FOLD_SPLIT = GQA <= 4 && KSTEPS % (8 / KBITS) == 0;
+// (Declared for every KBITS: wider codes than a byte never take this path.)
+static constexpr bool KVQ_FOLD_SPLIT = GQA <= 4 && KBITS <= 8 && KSTEPS % (KBITS <= 8 ? 8 / KBITS : 1) == 0;
 static constexpr int KVQ_FOLD_XC = KVQ_FOLD_SPLIT ? D / 8 : D / 4;  // channels whose q⊙s a thread works out
 
 // The query as the integer fold reads it, staged once per CTA (kvq_stage_query): lane (g, r) finds
 // in words [0, KVQ_FOLD_XC) its channels of q for x = q⊙s as f32, in the next D / 8 the f16 pairs
 // of its block r of head g for the bias mma (bf16 queries converted). Each fold of a K page loaded
-// these from global memory, selected and converted them: ncu put 15% of kivi2's stall samples in
-// the fold, its most-sampled instruction waiting on that load (H100, eighteenth round).
-struct KvqIntQuery {
-    static constexpr int WORDS = KVQ_FOLD_XC + D / 8;
-    static constexpr int RAW = D / 8;   // words of lane (g, r)'s block of its head's query, as stored
+// these from global memory, selected and converted them: on an H100, ncu put 15% of kivi2's stall
+// samples in the fold, its most-sampled instruction waiting on that load.
+// The members live in KvqIntQueryData, whose specialisations hold the raw queries only for boosted
+// keys (K_BOOST), in the same order and layout as one struct would.
+template <int WORDS, bool RAW>
+struct KvqIntQueryData {
     kvq_u32 w[WORDS / 4][32][4];   // [word / 4][lane][word % 4]: a warp's 16-byte reads hit every bank once
-{%- if k.boost %}
+    static constexpr int RAW_WORDS = 1;
+};
+template <int WORDS>
+struct KvqIntQueryData<WORDS, true> {
+    kvq_u32 w[WORDS / 4][32][4];
     kvq_u16 raw[GQA * D];          // the heads' queries as given, for the boosted slots' gather
     static constexpr int RAW_WORDS = (GQA * D / 2 + THREADS - 1) / THREADS;   // a thread's share of them
-{%- else %}
-    static constexpr int RAW_WORDS = 1;
-{%- endif %}
+};
+struct KvqIntQuery : KvqIntQueryData<KVQ_FOLD_XC + D / 8, K_BOOST> {
+    static constexpr int WORDS = KVQ_FOLD_XC + D / 8;
+    static constexpr int RAW = D / 8;   // words of lane (g, r)'s block of its head's query, as stored
     // This thread's share of the raw queries (boosted keys): loads only, before the first copies
     // like the lane's block, so the barrier after them does not wait for a load issued after the
     // page table's.
     static __device__ __forceinline__ void fetch_raw(const kvq_u16* q, long head_row, kvq_u32 (&rw)[RAW_WORDS]) {
-{%- if k.boost %}
+        if constexpr (K_BOOST) {
 #pragma unroll
-        for (int i = 0; i < RAW_WORDS; ++i) {
-            const int at = threadIdx.x + i * THREADS;
-            rw[i] = at < GQA * D / 2 ? ((const kvq_u32*)(q + head_row * D))[at] : 0u;
+            for (int i = 0; i < RAW_WORDS; ++i) {
+                const int at = threadIdx.x + i * THREADS;
+                rw[i] = at < GQA * D / 2 ? ((const kvq_u32*)(q + head_row * D))[at] : 0u;
+            }
+        } else {
+            rw[0] = 0u;
         }
-{%- else %}
-        rw[0] = 0u;
-{%- endif %}
     }
     // Lane (g, r)'s block of the query from global memory: loads only, issued before the first
     // chunks' copies so that their latency overlaps them.
@@ -217,11 +223,10 @@ struct KvqIntQuery {
         }
 #pragma unroll
         for (int i = 0; i < CB / 2; ++i) {
-{%- if dtype == "bf16" %}
-            w[KVQ_FOLD_XC + i] = kvq_h2_pack(__uint_as_float(qw[i] << 16), __uint_as_float(qw[i] & 0xffff0000u));
-{%- else %}
-            w[KVQ_FOLD_XC + i] = qw[i];
-{%- endif %}
+            if constexpr (IO == KvqDtype::Bf16)
+                w[KVQ_FOLD_XC + i] = kvq_h2_pack(__uint_as_float(qw[i] << 16), __uint_as_float(qw[i] & 0xffff0000u));
+            else
+                w[KVQ_FOLD_XC + i] = qw[i];
         }
     }
 };
@@ -243,7 +248,8 @@ struct KvqIntFold {
 // ONE_CHAIN (the decode kernels): the bias's two sums in one mma chain; the range pass keeps two
 // chains (see kvq_range_chunk). FINE: also the fine limb `bf` and its centring term `osumf`.
 // Returns the multiplier `up` of lane (g, r)'s head (0 for a zero query), for the boosted slots' limbs.
-template <bool ONE_CHAIN, bool FINE, class F>
+// BITS is KBITS, a parameter so that the checks below wait for a scheme that folds integer keys.
+template <bool ONE_CHAIN, bool FINE, class F, int BITS = KBITS>
 static __device__ __forceinline__ float kvq_fold_int(F& f, const kvq_u8* params, const KvqIntQuery& qt, int g, int r)
 {
     constexpr int CB = D / 4;  // channels of the thread's block
@@ -273,7 +279,7 @@ static __device__ __forceinline__ float kvq_fold_int(F& f, const kvq_u8* params,
     // fma(x, up, 1.5·2^23 + 128) rounds x·up to the nearest integer X and adds 128 in the low
     // bits of the result (its ulp is 1): byte 1 of those bits is hi, byte 0 is lo ^ 0x80.
     constexpr int XSTEPS = SPLIT ? KSTEPS / 2 : KSTEPS;
-    static_assert(kvq_byte_channel<KBITS>(2 * XSTEPS - 1, 3) < XC, "the limbs worked out here need only this thread's channels");
+    static_assert(kvq_byte_channel<BITS>(2 * XSTEPS - 1, 3) < XC, "the limbs worked out here need only this thread's channels");
 #pragma unroll
     for (int kk = 0; kk < XSTEPS; ++kk)
 #pragma unroll
@@ -281,10 +287,10 @@ static __device__ __forceinline__ float kvq_fold_int(F& f, const kvq_u8* params,
             kvq_u32 b[4], fb[4];
             // The plane's bytes are worth `scale` codes (KvqBytes), so its limbs hold x·up / scale
             // (a power of two: exact), rounded to the nearest integer as every other plane's.
-            const float up_plane = up * (1.f / kvq_plane_scale<KBITS>(2 * kk + h));
+            const float up_plane = up * (1.f / kvq_plane_scale<BITS>(2 * kk + h));
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const float xc = x[kvq_byte_channel<KBITS>(2 * kk + h, i)];
+                const float xc = x[kvq_byte_channel<BITS>(2 * kk + h, i)];
                 const float v = fmaf(xc, up_plane, 12583040.f);
                 b[i] = __float_as_uint(v);
                 // The residual x·up − X (exact to well below the fine step) in steps of
@@ -340,35 +346,34 @@ static __device__ __forceinline__ float kvq_fold_int(F& f, const kvq_u8* params,
 #pragma unroll
         for (int j = 0; j < 2; ++j) f.osumf[j] = of[j];
     }
-{%- if k.symmetric %}
+    if constexpr (KTensor::SYMMETRIC) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) f.bias[j] = 0.f;  // symmetric codes: K_CENTRE is their offset
-{%- else %}
-    // Bias q·z + K_CENTRE·(q·s) with A rows of zeros and of scales (f16 products, exact, in f32).
-    kvq_u32 zw[CB / 2], sw[CB / 2], qw[CB / 2];
-    kvq_load<CB * 2>(params + {{ k.zeros_offset - k.scales_offset }} + r * CB * 2, zw);
-    kvq_load<CB * 2>(params + r * CB * 2, sw);
-    kvq_query_read<XC, CB / 2>(qt, lane, qw);
-    if constexpr (ONE_CHAIN) {
-        // A rows g are the zeros and rows g + 8 the scales, so one mma chain gives q·z in c[0..1]
-        // and q·s in c[2..3] (each row's products and order as in a chain of its own): half the
-        // mma, and no A fragments of repeated registers to build.
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) kvq_mma(c, zw[2 * kk], sw[2 * kk], zw[2 * kk + 1], sw[2 * kk + 1], qw[2 * kk], qw[2 * kk + 1]);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) f.bias[j] = fmaf((float)K_CENTRE, c[2 + j], c[j]);
+        for (int j = 0; j < 2; ++j) f.bias[j] = 0.f;  // symmetric codes: K_CENTRE is their offset
     } else {
-        float cz[4] = {0.f, 0.f, 0.f, 0.f}, cs[4] = {0.f, 0.f, 0.f, 0.f};
+        // Bias q·z + K_CENTRE·(q·s) with A rows of zeros and of scales (f16 products, exact, in f32).
+        kvq_u32 zw[CB / 2], sw[CB / 2], qw[CB / 2];
+        kvq_load<CB * 2>(params + (KTensor::ZEROS_OFFSET - KTensor::SCALES_OFFSET) + r * CB * 2, zw);
+        kvq_load<CB * 2>(params + r * CB * 2, sw);
+        kvq_query_read<XC, CB / 2>(qt, lane, qw);
+        if constexpr (ONE_CHAIN) {
+            // A rows g are the zeros and rows g + 8 the scales, so one mma chain gives q·z in c[0..1]
+            // and q·s in c[2..3] (each row's products and order as in a chain of its own): half the
+            // mma, and no A fragments of repeated registers to build.
+            float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            kvq_mma(cz, zw[2 * kk], zw[2 * kk], zw[2 * kk + 1], zw[2 * kk + 1], qw[2 * kk], qw[2 * kk + 1]);
-            kvq_mma(cs, sw[2 * kk], sw[2 * kk], sw[2 * kk + 1], sw[2 * kk + 1], qw[2 * kk], qw[2 * kk + 1]);
+            for (int kk = 0; kk < D / 16; ++kk) kvq_mma(c, zw[2 * kk], sw[2 * kk], zw[2 * kk + 1], sw[2 * kk + 1], qw[2 * kk], qw[2 * kk + 1]);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) f.bias[j] = fmaf((float)K_CENTRE, c[2 + j], c[j]);
+        } else {
+            float cz[4] = {0.f, 0.f, 0.f, 0.f}, cs[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                kvq_mma(cz, zw[2 * kk], zw[2 * kk], zw[2 * kk + 1], zw[2 * kk + 1], qw[2 * kk], qw[2 * kk + 1]);
+                kvq_mma(cs, sw[2 * kk], sw[2 * kk], sw[2 * kk + 1], sw[2 * kk + 1], qw[2 * kk], qw[2 * kk + 1]);
+            }
+#pragma unroll
+            for (int j = 0; j < 2; ++j) f.bias[j] = fmaf((float)K_CENTRE, cs[j], cz[j]);
         }
-#pragma unroll
-        for (int j = 0; j < 2; ++j) f.bias[j] = fmaf((float)K_CENTRE, cs[j], cz[j]);
     }
-{%- endif %}
     return up;
 }
-{% endif %}
