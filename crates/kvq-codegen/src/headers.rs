@@ -25,6 +25,8 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/decode/keys_boost.cuh",
     "kvq/decode/values.cuh",
     "kvq/decode/shares.cuh",
+    "kvq/decode/fold.cuh",
+    "kvq/decode/softmax.cuh",
     "kvq/decode/params.cuh",
     "kvq/quantize.cuh",
     "kvq/quantize_regs.cuh",

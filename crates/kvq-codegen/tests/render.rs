@@ -261,14 +261,12 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
 ) {
     const DECODE_INTEGER: &str = "K_INT = true,";
     const RANGE_INTEGER: &str = "KVQ_RANGE_INT = true,";
-    const DECODE_INT: &str = "kvq_chunk_scores_int<GUARD, true, ";
     // Kitty's boosted plane joins the integer sums where the keys take the integer path without
     // the fine limb.
-    const HIGH_INT: &str = "kvq_chunk_scores_int<GUARD, true, false, true>(qrows";
+    const HIGH_INT: &str = "K_HIGH_INT = true;";
     // The bias's sums in one mma chain in the decode kernel, two in the range pass (CalibQuant-2's
     // range pass is slower with one).
-    const DECODE_FOLD: &str = "kvq_fold_int<true, K_FINE>(f,";
-    const FINE: &str = "K_FINE = true;";
+    const FINE: &str = "K_FINE = true,";
     const RANGE_FOLD: &str = "kvq_fold_int<false, false>(fold,";
     const RANGE_INT: &str = "typedef KvqIntFold KvqRangeFold;";
     const DECODE_TABLE: &str = "__shared__ __align__(16) KvqFoldQuery s_query;";
@@ -290,8 +288,6 @@ fn only_keys_of_at_most_two_bits_take_the_integer_tensor_cores_and_calibrated_on
         for (marker, expected) in [
             (DECODE_INTEGER, decode),
             (RANGE_INTEGER, range),
-            (DECODE_INT, decode),
-            (DECODE_FOLD, decode),
             (FINE, fine),
             (RANGE_INT, range),
             (RANGE_FOLD, range),
@@ -461,7 +457,7 @@ fn calibrated_kernels_scoring_keys_twice_keep_the_range_pass_on_its_own_path() {
 /// there with it) it keeps the f16 `mma` in real units.
 #[test]
 fn the_boosted_plane_takes_the_integer_path_up_to_head_dim_128() {
-    const HIGH_INT: &str = "kvq_chunk_scores_int<GUARD, true, false, true>(qrows";
+    const HIGH_INT: &str = "K_HIGH_INT = true;";
     let spec = SchemeSpec::parse(
         "k = int(2, channel, boost = boost(4, ratio = 0.25, by = magnitude)), v = int(2, token)",
     )
@@ -470,7 +466,7 @@ fn the_boosted_plane_takes_the_integer_path_up_to_head_dim_128() {
         let source = source_at(&spec, head_dim, 4, None);
         assert_eq!(source.contains(HIGH_INT), expected, "head_dim {head_dim}");
         assert_eq!(
-            source.contains("kvq_chunk_high_scores<GUARD>(qhigh"),
+            source.contains("K_BOOST = true;") && !source.contains(HIGH_INT),
             !expected,
             "head_dim {head_dim}: the f16 high plane where the integer one is off"
         );
@@ -563,11 +559,6 @@ fn only_one_bit_asymmetric_keys_on_the_f16_path_enter_the_scores_as_subnormals()
             if q.bits == 1 && q.axis == kvq_spec::Axis::Channel && !q.symmetric && q.boost.is_none());
         let expected = tensor_core_kernel && one_bit_asymmetric && spec.calibrate.is_some();
         assert_eq!(source.contains(KEY_SUB), expected, "{text}");
-        assert_eq!(
-            source.contains("kvq_fold_subnormal_keys(f, g, r);"),
-            expected,
-            "{text}: the fold scales the query halves only where the keys are subnormal"
-        );
         subnormal += usize::from(expected);
     }
     assert_eq!(subnormal, 1, "CalibQuant-1's shape takes the path");
@@ -581,7 +572,7 @@ fn only_one_bit_asymmetric_keys_on_the_f16_path_enter_the_scores_as_subnormals()
 #[test]
 fn stored_scores_kernels_stage_one_bit_v_parameters_and_keep_the_range_query() {
     const STAGE_VP: &str = "static constexpr bool KVQ_STAGE_VP = true;";
-    const KEPT: &str = "KVQ_RANGE_PACKED ? (g & 3) : g, r, fold.qk);";
+    const KEPT: &str = "KVQ_RANGE_QUERY_KEPT = true;";
     let (mut staged, mut kept) = (0, 0);
     for text in SCHEMES {
         let (spec, source) = default_source(text);
@@ -603,13 +594,13 @@ fn stored_scores_kernels_stage_one_bit_v_parameters_and_keep_the_range_query() {
         assert_eq!(source.contains(KEPT), stored && f16_keys, "{text}");
         // At GQA 4 that range pass also meets both query halves in one mma (columns 4..7 the low ones).
         assert_eq!(
-            source.contains("static constexpr bool KVQ_RANGE_PACKED = true;"),
+            source.contains("static constexpr bool KVQ_RANGE_PACKED = true,"),
             stored && f16_keys,
             "{text}"
         );
         assert!(
             !source_at(&spec, 128, 8, None)
-                .contains("static constexpr bool KVQ_RANGE_PACKED = true;"),
+                .contains("static constexpr bool KVQ_RANGE_PACKED = true,"),
             "{text}: eight heads fill the columns"
         );
         staged += usize::from(stored && one_bit_channel_v);

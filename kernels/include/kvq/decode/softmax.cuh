@@ -1,4 +1,6 @@
-{#- A chunk's scores, then the online softmax and its probabilities. -#}
+#pragma once
+// A chunk's scores, then the online softmax and its probabilities. Declared in every
+// configuration; `if constexpr` on the unit's traits picks each scheme's key path.
 // Per-warp online-softmax state for heads 2r, 2r+1, in log2 units. Scores arrive already less m, a
 // finite reference (0 until the first score): kvq_scores folds it into the additive term it has
 // anyway, so a probability is one exp2 with no subtraction. `top` is the running max less m: −inf
@@ -28,92 +30,89 @@ static __device__ __forceinline__ void kvq_scores(
     KvqFold& fold = folds[0];   // quantized keys: one tile
     const float (&mref)[2] = st[0].m;
     float (&sc)[NSUB][4] = scores[0];
-{%- if mma.k_quant %}
-    if (quant) {
-        if (page != folded_page) {
-            kvq_fold_page(fold, params, qt, q, head_row, g, r);
-            folded_page = page;
-        }
-{%- if mma.k_int and (not k.boost or mma.k_high_int) %}
-        // No high plane to add in real units (none, or Kitty's summed with the low plane's
-        // integers): the integer sums go straight to log2 units, x·(mul·cmul) + (bias·cmul + cadd),
-        // one fma each; a partial chunk is masked after.
-        const float mc[2] = {fold.mul[0] * cmul[0], fold.mul[1] * cmul[1]};
-        const float badd[2] = {fmaf(fold.bias[0], cmul[0], cadd[0] - mref[0]), fmaf(fold.bias[1], cmul[1], cadd[1] - mref[1])};
-{%- if mma.k_high_int %}
-        kvq_chunk_scores_int<GUARD, true, false, true>(qrows, n, g, r, fold.bh, fold.bl, fold.osum, fold.bh, fold.osum, mc, badd, sc,
-                                                       qhigh, fold.hbh, fold.hbl);
-{%- else %}
-        kvq_chunk_scores_int<GUARD, true, K_FINE>(qrows, n, g, r, fold.bh, fold.bl, fold.osum, {% if mma.k_fine %}fold.bf, fold.osumf{% else %}fold.bh, fold.osum{% endif %}, mc, badd, sc);
-{%- endif %}
-        if (n == TILE) return;
+    if constexpr (K_QUANT) {
+        if (quant) {
+            if (page != folded_page) {
+                kvq_fold_page(fold, params, qt, q, head_row, g, r);
+                folded_page = page;
+            }
+            if constexpr (K_INT && (!K_BOOST || K_HIGH_INT)) {
+                // No high plane to add in real units (none, or Kitty's summed with the low plane's
+                // integers): the integer sums go straight to log2 units, x·(mul·cmul) + (bias·cmul + cadd),
+                // one fma each; a partial chunk is masked after.
+                const float mc[2] = {fold.mul[0] * cmul[0], fold.mul[1] * cmul[1]};
+                const float badd[2] = {fmaf(fold.bias[0], cmul[0], cadd[0] - mref[0]), fmaf(fold.bias[1], cmul[1], cadd[1] - mref[1])};
+                if constexpr (K_HIGH_INT)
+                    kvq_chunk_scores_int<GUARD, true, false, true>(qrows, n, g, r, fold.bh, fold.bl, fold.osum, fold.bh, fold.osum, mc, badd, sc,
+                                                                   qhigh, fold.hbh, fold.hbl);
+                else if constexpr (K_FINE)
+                    kvq_chunk_scores_int<GUARD, true, K_FINE>(qrows, n, g, r, fold.bh, fold.bl, fold.osum, fold.bf, fold.osumf, mc, badd, sc);
+                else
+                    kvq_chunk_scores_int<GUARD, true, K_FINE>(qrows, n, g, r, fold.bh, fold.bl, fold.osum, fold.bh, fold.osum, mc, badd, sc);
+                if (n == TILE) return;
 #pragma unroll
-        for (int s = 0; s < NPS; ++s)   // packed (KVQ_PACK): fragment s is the lane's subtile of pair s
+                for (int s = 0; s < NPS; ++s)   // packed (KVQ_PACK): fragment s is the lane's subtile of pair s
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                if ((KVQ_PACK ? 2 * s + (r >> 1) : s) * 16 + g + (i >> 1) * 8 >= n) sc[s][i] = KVQ_NEG_INF;
-        return;
-{%- else %}
-{%- if mma.k_int %}
-        // Real units, the page bias added after the high plane's scores (an fma with zero: the
-        // form measured in the fifteenth round; a plain product schedules differently).
-        const float zero[2] = {0.f, 0.f};
-        kvq_chunk_scores_int<GUARD, true, K_FINE>(qrows, n, g, r, fold.bh, fold.bl, fold.osum, {% if mma.k_fine %}fold.bf, fold.osumf{% else %}fold.bh, fold.osum{% endif %}, fold.mul, zero, sc);
-{%- else %}
-{%- if mma.range_packed %}
-        // One mma a k-step for both halves (columns 4..7 the low ones), then lane r ^ 2's sums added.
-        kvq_chunk_scores<KBITS, K_OFF, false, GUARD, K_SUB>(qrows, n, g, r, kvq_one(fold), kvq_one(sc));
+                    for (int i = 0; i < 4; ++i)
+                        if ((KVQ_PACK ? 2 * s + (r >> 1) : s) * 16 + g + (i >> 1) * 8 >= n) sc[s][i] = KVQ_NEG_INF;
+                return;
+            } else {
+                if constexpr (K_INT) {
+                    // Real units, the page bias added after the high plane's scores (an fma with zero: a
+                    // plain product schedules differently, and slower).
+                    const float zero[2] = {0.f, 0.f};
+                    if constexpr (K_FINE)
+                        kvq_chunk_scores_int<GUARD, true, K_FINE>(qrows, n, g, r, fold.bh, fold.bl, fold.osum, fold.bf, fold.osumf, fold.mul, zero, sc);
+                    else
+                        kvq_chunk_scores_int<GUARD, true, K_FINE>(qrows, n, g, r, fold.bh, fold.bl, fold.osum, fold.bh, fold.osum, fold.mul, zero, sc);
+                } else if constexpr (KVQ_RANGE_PACKED) {
+                    // One mma a k-step for both halves (columns 4..7 the low ones), then lane r ^ 2's sums added.
+                    kvq_chunk_scores<KBITS, K_OFF, false, GUARD, K_SUB>(qrows, n, g, r, kvq_one(fold), kvq_one(sc));
 #pragma unroll
-        for (int s = 0; s < NSUB; ++s)
+                    for (int s = 0; s < NSUB; ++s)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) sc[s][i] += __shfl_xor_sync(0xffffffffu, sc[s][i], 2);
-{%- else %}
-        kvq_chunk_scores<KBITS, K_OFF, true, GUARD, K_SUB>(qrows, n, g, r, kvq_one(fold), kvq_one(sc));
-{%- endif %}
-{%- endif %}
-{%- if mma.k_subnormal %}
-        const float kmul[2] = {cmul[0] * fold.unit[0], cmul[1] * fold.unit[1]};   // sums in the fold's units
-{%- else %}
-        const float (&kmul)[2] = cmul;
-{%- endif %}
-{%- if k.boost %}
-        kvq_chunk_high_scores<GUARD>(qhigh, n, g, r, fold.hh, fold.hl, sc);
-{%- endif %}
-        // Low bits: (x + bias)·cmul + cadd as one fma, and whole chunks (nearly all) need no mask
-        // (H100, twelfth round: Kitty-Pro ×1.024, CalibQuant-1 ×1.019, kivi2 ×1.009, Kitty ×1.007,
-        // CalibQuant-2 ×0.995 from 16 bytes of spills; INT8 took 4 more registers and ×0.997).
-        if constexpr (KVQ_LOW_BITS) {
-            const float badd[2] = {fmaf(fold.bias[0], cmul[0], cadd[0] - mref[0]), fmaf(fold.bias[1], cmul[1], cadd[1] - mref[1])};
-            if (n == TILE) {
+                        for (int i = 0; i < 4; ++i) sc[s][i] += __shfl_xor_sync(0xffffffffu, sc[s][i], 2);
+                } else {
+                    kvq_chunk_scores<KBITS, K_OFF, true, GUARD, K_SUB>(qrows, n, g, r, kvq_one(fold), kvq_one(sc));
+                }
+                // With K_SUB the sums are in the fold's units.
+                const float kmul[2] = {K_SUB ? cmul[0] * fold.unit[0] : cmul[0], K_SUB ? cmul[1] * fold.unit[1] : cmul[1]};
+                if constexpr (K_BOOST) kvq_chunk_high_scores<GUARD>(qhigh, n, g, r, fold.hh, fold.hl, sc);
+                // Low bits: (x + bias)·cmul + cadd as one fma, and whole chunks (nearly all) need no mask
+                // (on an H100: Kitty-Pro ×1.024, CalibQuant-1 ×1.019, kivi2 ×1.009, Kitty ×1.007,
+                // CalibQuant-2 ×0.995 from 16 bytes of spills; INT8 took 4 more registers and ×0.997).
+                if constexpr (KVQ_LOW_BITS) {
+                    const float badd[2] = {fmaf(fold.bias[0], cmul[0], cadd[0] - mref[0]), fmaf(fold.bias[1], cmul[1], cadd[1] - mref[1])};
+                    if (n == TILE) {
+#pragma unroll
+                        for (int s = 0; s < NSUB; ++s)
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) sc[s][i] = fmaf(sc[s][i], kmul[i & 1], badd[i & 1]);
+                        return;
+                    }
+#pragma unroll
+                    for (int s = 0; s < NSUB; ++s)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const int tok = s * 16 + g + (i >> 1) * 8;
+                            sc[s][i] = tok < n ? fmaf(sc[s][i], kmul[i & 1], badd[i & 1]) : KVQ_NEG_INF;
+                        }
+                    return;
+                }
 #pragma unroll
                 for (int s = 0; s < NSUB; ++s)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) sc[s][i] = fmaf(sc[s][i], kmul[i & 1], badd[i & 1]);
+                    for (int i = 0; i < 4; ++i) {
+                        const int tok = s * 16 + g + (i >> 1) * 8;
+                        sc[s][i] = tok < n ? (K_SUB ? fmaf(sc[s][i], fold.unit[i & 1], fold.bias[i & 1]) : sc[s][i] + fold.bias[i & 1]) * cmul[i & 1] + (cadd[i & 1] - mref[i & 1]) : KVQ_NEG_INF;
+                    }
                 return;
             }
-#pragma unroll
-            for (int s = 0; s < NSUB; ++s)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int tok = s * 16 + g + (i >> 1) * 8;
-                    sc[s][i] = tok < n ? fmaf(sc[s][i], kmul[i & 1], badd[i & 1]) : KVQ_NEG_INF;
-                }
-            return;
         }
-#pragma unroll
-        for (int s = 0; s < NSUB; ++s)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int tok = s * 16 + g + (i >> 1) * 8;
-                sc[s][i] = tok < n ? ({% if mma.k_subnormal %}fmaf(sc[s][i], fold.unit[i & 1], fold.bias[i & 1]){% else %}sc[s][i] + fold.bias[i & 1]{% endif %}) * cmul[i & 1] + (cadd[i & 1] - mref[i & 1]) : KVQ_NEG_INF;
-            }
-        return;
-{%- endif %}
+        kvq_chunk_scores_lean(frows, n, g, r, q, head_row, sc);
+    } else {
+        kvq_chunk_scores<16, 0, false, true>(frows, n, g, r, folds, scores);
     }
-    kvq_chunk_scores_lean(frows, n, g, r, q, head_row, sc);
-{%- else %}
-    kvq_chunk_scores<16, 0, false, true>(frows, n, g, r, folds, scores);
-{%- endif %}
 #pragma unroll
     for (int t = 0; t < HT; ++t)
 #pragma unroll
@@ -142,12 +141,8 @@ template <bool FULL>
 static __device__ __forceinline__ void kvq_probabilities(KvqSoftmax& st, float (&sc)[NPS][4], bool v_quant, const kvq_u8* v_scales,
     const kvq_u8* v_zeros, int n, int g, bool odd, kvq_u32 (&pb)[NSUB][2])
 {
-{%- if mma.v_token_fold %}
     const kvq_u16* vsc = (const kvq_u16*)v_scales;
-{%- if not v.symmetric %}
     const kvq_u16* vzr = (const kvq_u16*)v_zeros;
-{%- endif %}
-{%- endif %}
 #pragma unroll
     for (int s = 0; s < NPS; ++s) {
         const int sub = KVQ_PACK ? 2 * s + (odd ? 1 : 0) : s;   // the subtile of this lane's tokens
@@ -157,21 +152,21 @@ static __device__ __forceinline__ void kvq_probabilities(KvqSoftmax& st, float (
             p[i] = kvq_exp2(sc[s][i]);
             st.l[i & 1] += p[i];
         }
-{%- if mma.v_token_fold %}
-        if (FULL || (v_quant && sub * 16 < n)) {
+        if constexpr (V_TOKEN_FOLD) {
+            if (FULL || (v_quant && sub * 16 < n)) {
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int row = FULL ? sub * 16 + g + 8 * j : min(sub * 16 + g + 8 * j, n - 1);
-                const float sv = kvq_f16_to_f32(vsc[row]);
-{%- if not v.symmetric %}
-                // Codes arrive centred (c − V_OFF), so the zero term carries s·V_OFF.
-                const float zv = fmaf(sv, (float)V_OFF, kvq_f16_to_f32(vzr[row]));
-                st.zs[0] += p[2 * j] * zv; st.zs[1] += p[2 * j + 1] * zv;
-{%- endif %}
-                p[2 * j] *= sv; p[2 * j + 1] *= sv;
+                for (int j = 0; j < 2; ++j) {
+                    const int row = FULL ? sub * 16 + g + 8 * j : min(sub * 16 + g + 8 * j, n - 1);
+                    const float sv = kvq_f16_to_f32(vsc[row]);
+                    if constexpr (!VTensor::SYMMETRIC) {
+                        // Codes arrive centred (c − V_OFF), so the zero term carries s·V_OFF.
+                        const float zv = fmaf(sv, (float)V_OFF, kvq_f16_to_f32(vzr[row]));
+                        st.zs[0] += p[2 * j] * zv; st.zs[1] += p[2 * j + 1] * zv;
+                    }
+                    p[2 * j] *= sv; p[2 * j + 1] *= sv;
+                }
             }
         }
-{%- endif %}
         const kvq_u32 t0 = kvq_trans8x8(kvq_h2_pack(p[0], p[1])), t1 = kvq_trans8x8(kvq_h2_pack(p[2], p[3]));
         if constexpr (KVQ_PACK) {
             // Transposed, lane (g, r) holds column g: heads 0..3 of subtile 2s for g < 4, of
@@ -233,12 +228,12 @@ static __device__ __forceinline__ void kvq_softmax(KvqSoftmax& st, float (&acc)[
 #pragma unroll
             for (int j = 0; j < 4; ++j) st.ps[j] *= alpha[j & 1];
     }
-{%- if mma.v_token_fold %}
     // Whole chunks of quantized V (nearly all) take their rows unclamped, at constant offsets: for
-    // 1- and 2-bit codes; KIVI-4 lost ×0.97–×0.99 at B >= 4 with it (H100, fifteenth round).
-    if (KVQ_LOW_BITS && v_quant && n == TILE) kvq_probabilities<true>(st, sc, true, v_scales, v_zeros, n, g, odd, pb);
-    else kvq_probabilities<false>(st, sc, v_quant, v_scales, v_zeros, n, g, odd, pb);
-{%- else %}
-    kvq_probabilities<false>(st, sc, v_quant, v_scales, v_zeros, n, g, odd, pb);
-{%- endif %}
+    // 1- and 2-bit codes; KIVI-4 lost ×0.97–×0.99 at B >= 4 with it on an H100.
+    if constexpr (V_TOKEN_FOLD) {
+        if (KVQ_LOW_BITS && v_quant && n == TILE) kvq_probabilities<true>(st, sc, true, v_scales, v_zeros, n, g, odd, pb);
+        else kvq_probabilities<false>(st, sc, v_quant, v_scales, v_zeros, n, g, odd, pb);
+    } else {
+        kvq_probabilities<false>(st, sc, v_quant, v_scales, v_zeros, n, g, odd, pb);
+    }
 }
