@@ -28,6 +28,7 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/decode/fold.cuh",
     "kvq/decode/softmax.cuh",
     "kvq/decode/params.cuh",
+    "kvq/decode/calibrated.cuh",
     "kvq/quantize.cuh",
     "kvq/quantize_regs.cuh",
     "kvq/cache.cuh",
