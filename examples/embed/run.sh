@@ -6,6 +6,7 @@
 #
 #   bash examples/embed/run.sh                 # on a GPU machine: everything
 #   bash examples/embed/run.sh --check-only    # anywhere with libnvrtc: layout checks + compile
+#   KVQ_BIN=path/to/kvq bash examples/embed/run.sh   # a prebuilt kvq (a GPU machine without cargo)
 #
 # Outputs go to target/embed/<name>/. Exit status 0 only if every case passes.
 set -euo pipefail
@@ -16,14 +17,19 @@ if [ "${1:-}" = "--check-only" ]; then
     mode=(--check-only)
 fi
 
-cargo build --release -p kvq-cli --bin kvq
-kvq=target/release/kvq
+if [ -n "${KVQ_BIN:-}" ]; then
+    kvq=$KVQ_BIN
+else
+    cargo build --release -p kvq-cli --bin kvq
+    kvq=target/release/kvq
+fi
 out=target/embed
 rm -rf "$out"
 
 # name | scheme | head_dim | gqa | dtype
 cases=(
     "kivi2|kivi2|128|4|f16"
+    "kivi4|kivi4|128|4|f16"
     "kitty-bf16|kitty|128|4|bf16"
     "kitty-pro-gqa8|kitty-pro|128|8|f16"
     "calibquant2-d64|calibquant2|64|8|f16"
