@@ -29,6 +29,7 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/decode/softmax.cuh",
     "kvq/decode/params.cuh",
     "kvq/decode/calibrated.cuh",
+    "kvq/decode/decode_kernel.cuh",
     "kvq/quantize.cuh",
     "kvq/quantize_regs.cuh",
     "kvq/cache.cuh",

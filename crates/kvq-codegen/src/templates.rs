@@ -18,7 +18,6 @@ pub(crate) const TEMPLATES: &[(&str, &str)] = embedded![
     "combine.cu.tera",
     "decode.cu.tera",
     "decode_mma.cuh.tera",
-    "decode_mma/decode_kernel.cuh.tera",
     "cache.cu.tera",
 ];
 
