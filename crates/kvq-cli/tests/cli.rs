@@ -652,7 +652,13 @@ fn gen_says_where_untuned_launches_depend_on_the_gpus_memory() {
         let rules = &m["tune"]["rules"];
         assert_eq!(rules["constants"]["fast_memory_gbps_per_sm"], 30.0);
         std::iter::once(&rules["default"])
-            .chain(rules["rules"].as_array().unwrap().iter().map(|r| &r["block"]))
+            .chain(
+                rules["rules"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|r| &r["block"]),
+            )
             .any(|b| b["fast_memory"].as_array().is_some_and(|f| !f.is_empty()))
     };
     assert!(fast_of("kivi4", "128"));

@@ -11,7 +11,7 @@
 //! * [`tune`]: the autotuner ([`Tuner`], `KVQ_TUNE`) and its JSON store of results per GPU.
 //! * [`error`]: [`RuntimeError`], which wraps [`JitError`] (`RuntimeError::Jit`) and adds what
 //!   only launches and the paged cache can get wrong.
-//! * From kvq-jit: [`device`], [`arch`], [`nvrtc`], [`include`], [`diagnostics`], [`disk_cache`],
+//! * From kvq-jit: [`device`], [`arch`], [`nvrtc`], [`include`](mod@include), [`diagnostics`], [`disk_cache`],
 //!   [`module`], [`jit`], [`libs`], [`timing`] ([`GpuTimer`], the one GPU timer) and [`version`].
 //! * [`testing`]: `require_gpu` / `require_nvrtc` for tests that skip without CUDA.
 //!
