@@ -30,6 +30,7 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/decode/params.cuh",
     "kvq/decode/calibrated.cuh",
     "kvq/decode/decode_kernel.cuh",
+    "kvq/decode_generic.cuh",
     "kvq/quantize.cuh",
     "kvq/quantize_regs.cuh",
     "kvq/cache.cuh",

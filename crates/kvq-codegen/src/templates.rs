@@ -58,25 +58,24 @@ mod tests {
             .1
     }
 
-    /// The tensor-core unit includes every embedded part once, in the order TEMPLATES lists
-    /// them, and each part opens with a comment line (never rendered).
+    /// The tensor-core unit holds no Tera part (its code lives in the headers) and includes each
+    /// kvq/decode header once, in the order headers.rs lists them.
     #[test]
-    fn decode_mma_parts_are_each_included_once() {
-        let index = template("decode_mma.cuh.tera");
-        let included: Vec<&str> = index
+    fn decode_mma_unit_includes_each_decode_header_once() {
+        let unit = template("decode_mma.cuh.tera");
+        assert!(!unit.contains("{% include"), "a Tera part is back");
+        let included: Vec<&str> = unit
             .lines()
-            .filter_map(|line| line.split("include \"decode_mma/").nth(1))
-            .filter_map(|rest| rest.split(".cuh.tera").next())
+            .filter_map(|line| line.strip_prefix("#include \""))
+            .filter_map(|rest| rest.strip_suffix('"'))
+            .filter(|name| name.starts_with("kvq/decode/"))
             .collect();
-        let parts: Vec<&str> = TEMPLATES
+        let listed: Vec<&str> = crate::headers::KERNEL_HEADERS
             .iter()
-            .filter_map(|(name, _)| name.strip_prefix("decode_mma/"))
-            .filter_map(|rest| rest.strip_suffix(".cuh.tera"))
+            .map(|(name, _)| *name)
+            .filter(|name| name.starts_with("kvq/decode/"))
             .collect();
-        assert_eq!(included, parts);
-        for part in &parts {
-            let text = template(&format!("decode_mma/{part}.cuh.tera"));
-            assert!(text.starts_with("{#- "), "{part} opens with a comment line");
-        }
+        assert!(!listed.is_empty());
+        assert_eq!(included, listed);
     }
 }

@@ -652,9 +652,8 @@ fn eight_bit_and_uncalibrated_low_bit_tensor_core_kernels_run_pieces_and_every_k
                 );
                 assert!(
                     k.source
-                        .contains("const bool direct = parts == 1 && out != nullptr;")
-                        || k.source
-                            .contains("#include \"kvq/decode/decode_kernel.cuh\""),
+                        .contains("#include \"kvq/decode/decode_kernel.cuh\"")
+                        || k.source.contains("#include \"kvq/decode_generic.cuh\""),
                     "{text}: the one-part output"
                 );
                 assert_eq!(k.decode.grid[0], "num_splits + num_pieces");
