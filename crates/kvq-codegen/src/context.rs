@@ -352,6 +352,9 @@ pub(crate) struct MmaCtx {
     /// `KVQ_RUNS_PIECES`) after its splits unless it is `PieceRule::None`; then its piece CTAs find
     /// their shares empty and the splits cover every token.
     pub piece_rule: crate::decode::PieceRule,
+    /// Whether the kernel runs pieces after its splits (`KVQ_RUNS_PIECES`): `piece_rule` is not
+    /// `PieceRule::None`.
+    pub runs_pieces: bool,
 }
 
 impl MmaCtx {

@@ -268,6 +268,7 @@ fn mma_plan(
         k_fp16_row_cap: fp16_row_cap(k, tune),
         v_fp16_row_cap: fp16_row_cap(v, tune),
         piece_rule,
+        runs_pieces: piece_rule != PieceRule::None,
     }
 }
 
