@@ -1,0 +1,17 @@
+#pragma once
+// The decode unit's traits read by both decode kernels, as the unit states them:
+//   GQA          query heads a CTA scores (a KV head's, or a group of them);
+//   HEAD_GROUPS  grid rows a KV head of the cache (head_groups.rs in kvq-codegen): row kvh scores
+//                query heads [kvh·GQA, (kvh + 1)·GQA) against the cache's KV head kvh / HEAD_GROUPS;
+//   QHEADS       a KV head's query heads; where fewer than its rows' columns (UNEVEN_GROUPS), the
+//                last row starts early, at QHEADS − GQA (kvq_head_row, kvq_heads_shared).
+static constexpr int CPL = D / 32;                                   // channels per lane (scores)
+static constexpr int TGROUPS = D >= THREADS ? 1 : THREADS / D;       // token groups (P·V)
+static constexpr int CPT = (D + THREADS - 1) / THREADS;              // channels per thread (P·V)
+static constexpr int KIND_F16_ROW = 0, KIND_PAGE = 1;
+
+// Per-sequence token split of a quantized tensor (mirrors kvq_reference::regions::TokenRegions).
+static __device__ __forceinline__ int kvq_quant_end(int len, int sink_end, int local) {
+    const int rest = len - sink_end - local;
+    return sink_end + (rest > 0 ? rest / PAGE : 0) * PAGE;
+}
