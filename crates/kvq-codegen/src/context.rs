@@ -260,8 +260,8 @@ pub(crate) struct DecodeCtx {
     pub combine_threads: u32,
 }
 
-/// What the tensor-core decode kernel (`decode_mma.cuh.tera` and its parts in `decode_mma/`) needs
-/// beyond the tensors' layouts.
+/// What the tensor-core decode kernel (the unit `decode_mma.cuh.tera`, the headers in
+/// `kvq/decode/`) needs beyond the tensors' layouts.
 /// `enabled == false` renders the generic CUDA-core kernel; `reason` says why (in the source header).
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct MmaCtx {

@@ -324,8 +324,8 @@ fn merge_bytes(tune: &TuneParams, head_dim: usize) -> usize {
 /// Eight warps per combine CTA: at B = 1 a head's 50-odd splits take one batch of loads per warp.
 const COMBINE_THREADS: u32 = 256;
 
-/// Bytes of a stage's chunk descriptor (`KvqChunk` in decode_mma/ring.cuh.tera: two pointers, three
-/// ints, five skews; rounded up to the stage's section alignment in the layout).
+/// Bytes of a stage's chunk descriptor (`KvqChunk` in kernels/include/kvq/decode/ring.cuh: two
+/// pointers, three ints, five skews; rounded up to the stage's section alignment in the layout).
 const STAGE_HEADER_BYTES: usize = 48;
 
 /// Most dynamic shared memory a CTA's stages may take: three CTAs still fit an SM of 228 KiB
