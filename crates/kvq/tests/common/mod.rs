@@ -248,9 +248,12 @@ pub fn expected(
     for kv in 0..deq.v.kv_heads {
         let rv = rounding_magnitudes(&deq.v, kv, &spec.v, page);
         let rk = rounding_magnitudes(&deq.k, kv, &spec.k, page);
-        let rk_max: Vec<f64> = (0..d)
-            .map(|i| (0..n).map(|t| rk[t * d + i]).fold(0.0, f64::max))
-            .collect();
+        let mut rk_max = vec![0.0f64; d];
+        for row in rk.chunks(d) {
+            for (m, &r) in rk_max.iter_mut().zip(row) {
+                *m = m.max(r);
+            }
+        }
         for h in kv * group..(kv + 1) * group {
             let ph = &p[h * n..(h + 1) * n];
             let qh = q.head(h);
@@ -273,23 +276,37 @@ pub fn expected(
                 .sum::<f64>()
                 .sqrt();
             let tiny = |t: usize| dtype == Dtype::F16 && ph[t] < 2f64.powi(-14) * p_max;
-            for c in 0..d {
-                let o = f64::from(want[h * d + c]);
-                let (mut v1, mut v2, mut s1, mut w, mut sub) = (0.0, 0.0, 0.0, 0.0, 0.0);
-                for t in 0..n {
-                    let r = rv[t * d + c];
-                    let spread = ph[t] * (f64::from(deq.v.row(kv, t)[c]) - o).abs();
-                    v1 += ph[t] * r;
-                    v2 += (ph[t] * r).powi(2);
-                    s1 += spread * ds[t];
-                    w += spread;
-                    if tiny(t) {
-                        sub += r;
+            // Token-major sums (each row read once, contiguously): the per-channel loop over
+            // tokens strided through the rows and made the check slower than the kernels' runs.
+            let o: Vec<f64> = (0..d).map(|c| f64::from(want[h * d + c])).collect();
+            let (mut v1, mut v2, mut s1, mut w, mut sub) = (
+                vec![0.0f64; d],
+                vec![0.0f64; d],
+                vec![0.0f64; d],
+                vec![0.0f64; d],
+                vec![0.0f64; d],
+            );
+            for t in 0..n {
+                let row = deq.v.row(kv, t);
+                let rt = &rv[t * d..(t + 1) * d];
+                let (pt, dst, tiny_t) = (ph[t], ds[t], tiny(t));
+                for c in 0..d {
+                    let r = rt[c];
+                    let spread = pt * (f64::from(row[c]) - o[c]).abs();
+                    v1[c] += pt * r;
+                    v2[c] += (pt * r) * (pt * r);
+                    s1[c] += spread * dst;
+                    w[c] += spread;
+                    if tiny_t {
+                        sub[c] += r;
                     }
                 }
-                let values = (3.0 * u * v1).min(LAMBDA * u * (3.0 * v2).sqrt());
-                let scores = s1.min(LAMBDA * kappa * u * w * q_rk / root_d);
-                bound[h * d + c] = u * o.abs() + values + scores + 2f64.powi(-25) * p_max * sub;
+            }
+            for c in 0..d {
+                let values = (3.0 * u * v1[c]).min(LAMBDA * u * (3.0 * v2[c]).sqrt());
+                let scores = s1[c].min(LAMBDA * kappa * u * w[c] * q_rk / root_d);
+                bound[h * d + c] =
+                    u * o[c].abs() + values + scores + 2f64.powi(-25) * p_max * sub[c];
             }
         }
     }
