@@ -446,8 +446,8 @@ fn the_boosted_plane_takes_the_integer_path_up_to_head_dim_128() {
 }
 
 /// Two subtiles share a score fragment only where the boosted plane takes the integer path, at
-/// GQA ≤ 4 and with an even number of 16-token subtiles a chunk (twenty-fifth round: the other
-/// kernels gained nothing from it at B=16 L=32K, KIVI-4 lost).
+/// GQA ≤ 4 and with an even number of 16-token subtiles a chunk (measured: the other kernels
+/// gained nothing from it at B=16 L=32K, KIVI-4 lost).
 #[test]
 fn only_kitty_kernels_pack_two_subtiles_into_a_score_fragment_at_gqa_of_at_most_four() {
     const PACK: &str = "static constexpr bool KVQ_PACK = true;";
@@ -578,7 +578,7 @@ fn stored_scores_kernels_stage_one_bit_v_parameters_and_keep_the_range_query() {
 }
 
 /// Token-axis V of 1 or 2 bits enters P·V as f16 subnormals (one AND a pair); 4-bit V measured no
-/// gain on that path (sixteenth round) and keeps the magic-number conversion.
+/// gain on that path and keeps the magic-number conversion.
 #[test]
 fn only_token_axis_values_of_at_most_two_bits_enter_pv_as_subnormals() {
     const SUBNORMAL: &str = "static constexpr bool V_SUBNORMAL = true;";

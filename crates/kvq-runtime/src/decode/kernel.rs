@@ -81,8 +81,8 @@ fn ctas_per_sm(f: &CudaFunction, entry: &kvq_codegen::KernelEntry) -> Result<usi
 }
 
 /// Most decode splits at which the range grid takes more splits than the decode grid
-/// ([`DecodeKernel::range_splits`]). Measured on an H100 with CalibQuant-1 and -2 at head_dim 128
-/// (docs/BENCHMARKS.md, thirty-first round): scaled from three splits to five at B=16 and from
+/// ([`DecodeKernel::range_splits`]). Measured on an H100 with CalibQuant-1 and -2 at head_dim 128:
+/// scaled from three splits to five at B=16 and from
 /// twelve to twenty at B=4, ×1.00–×1.04; from 32 and 49 to 53 and 81 at B=1, ×0.90–×1.00 at
 /// L ≤ 32K and ×1.01–×1.02 at L=128K (likely, not profiled: range warps of 19–101 tokens pay
 /// more in fixed costs than the filled slots gain).

@@ -94,11 +94,11 @@ pub fn other_calibrated_schemes() -> Vec<(&'static str, SchemeSpec)> {
 }
 
 /// Uncalibrated layouts the built-ins do not cover: FP16 keys with 2-bit values, whose centring
-/// cannot follow K pages and takes every chunk (the twenty-first round's every-other-page centring
-/// keys on them); 1-bit K and V, whose rows at head_dim 64 give a thread half a word (16 K
+/// cannot follow K pages and takes every chunk (an every-other-page centring keyed on K
+/// pages would not fit them); 1-bit K and V, whose rows at head_dim 64 give a thread half a word (16 K
 /// codes, 8 V codes; the keys take the f16 path there and the integer path at 128 and 256); and
 /// CalibQuant-1 without its calibration (channel-axis 1-bit V, as subnormals, in one pass), which
-/// the bench runner measures beside it (docs/BENCHMARKS.md, forty-fifth round).
+/// the bench runner measures beside it.
 pub fn other_uncalibrated_schemes() -> Vec<(&'static str, SchemeSpec)> {
     [
         ("fp16-k-kivi2-v", "k = fp16, v = int(2, token)"),

@@ -34,8 +34,7 @@ static_assert(!KVQ_STAGE_VP || VTensor::BLOCK_BYTES - VTensor::SCALES_OFFSET <= 
 // starts 16-byte aligned. Kept where the kernel has no short staging path (4-bit K and V):
 // without them ptxas gave KIVI-4 168 registers instead of 176, so six CTAs fit an SM instead
 // of four (twelve warps instead of eight: a warp's registers come from one of the SM's four
-// 16K-register quarters), and it ran ×0.96 at B=16 L=32K on an H100 (×1.17 on an H200;
-// twenty-first and twenty-second rounds).
+// 16K-register quarters), and it ran ×0.96 at B=16 L=32K on an H100 (×1.17 on an H200).
 template <bool STORED, bool SKEWS>
 struct KvqChunkT {
     const kvq_u8* k;   // K's first FP16 row (a quantized K page is all in the stage)

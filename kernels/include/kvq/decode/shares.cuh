@@ -6,8 +6,8 @@
 // with their page parameters: a block's bytes over its tokens); an FP16 row of the sink or the
 // tail window costs its bytes too, but at most K_ROW_CAP / V_ROW_CAP quantized rows of its tensor:
 // the low-bit paths spend more time per byte on conversion than the FP16 rows' path, which takes a
-// round trip a subtile (3, tenth round; 4.5 for 1- and 2-bit codes in CTAs of at most four warps,
-// thirty-eighth round; `fp16_row_cap` in kvq-codegen). Dividing by tokens alone left the warp
+// round trip a subtile (3; 4.5 for 1- and 2-bit codes in CTAs of at most four warps;
+// `fp16_row_cap` in kvq-codegen). Dividing by tokens alone left the warp
 // holding a kivi4 sequence's FP16 tail the last of the grid to finish. The arithmetic is in float: it sits
 // on every warp's critical path before the first load, and 64-bit divisions cost a B=1 step up
 // to 3 µs; float's rounding moves a boundary by at most a token before the grid rounding below.
@@ -79,7 +79,7 @@ static __device__ __forceinline__ void kvq_warp_range(int len, int split, int nu
 // are the splits of every (sequence, KV head), the rest its pieces (part num_splits + piece). The
 // GPU starts CTAs in that order as others end, so the pieces — small, the last `permille` of each
 // sequence's cost — go to the SMs that finish their splits first: some SMs run 15–30% faster than
-// others whatever they hold (H100, twelfth round), and a fixed division waits for the slowest.
+// others whatever they hold (measured on an H100), and a fixed division waits for the slowest.
 // Kernels generated without pieces (MmaCtx::pieces) take the grid as it is: their piece CTAs, if
 // launched, find their shares empty (kvq_share_range) and write empty partials.
 struct KvqPart { int part, kvh, seq; };
