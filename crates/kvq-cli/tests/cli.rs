@@ -551,7 +551,10 @@ fn gen_uses_tuned_block_parameters_from_the_tune_file() {
     assert_eq!(m["tune"]["min_warps_per_sm"], 0);
     assert_eq!(m["tune"]["tuned"][0]["min_warps_per_sm"], 0);
     let decode = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
-    assert!(decode.contains("static constexpr int MIN_CTAS = 1;"));
+    assert!(
+        decode.contains("static constexpr int MIN_CTAS = 1,"),
+        "{decode}"
+    );
     assert!(decode.contains("min_ctas_per_sm=1"));
     let (m, _, _) = gen_and_check("kivi2", &["--head-dim", "64"], &tmp);
     assert_eq!(m["tune"]["source"], "default");
