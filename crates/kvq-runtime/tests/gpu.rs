@@ -3,11 +3,12 @@
 //! timing. Runs under its own harness: without a GPU (or NVRTC) each test shows as ignored, with the
 //! reason; KVQ_REQUIRE_GPU=1 makes that a failure.
 
+mod gated;
+
 use std::sync::Arc;
 
 use kvq_runtime::cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use kvq_runtime::nvrtc::{CompileOptions, IncludeDirs, Source};
-use kvq_runtime::testing::{Gate, Need};
 use kvq_runtime::{Device, DiskCache, GpuTimer, Jit, JitError, Origin, Output, RuntimeError};
 
 /// Every test of this file, by name.
@@ -27,28 +28,8 @@ const TESTS: &[(&str, fn())] = &[
     ("device_errors_are_typed", device_errors_are_typed),
 ];
 
-/// Runs the tests under libtest's command line: each shows as `ignored (reason)` without a GPU,
-/// and fails with the reason under `KVQ_REQUIRE_GPU=1`.
 fn main() {
-    let gate = std::sync::OnceLock::new();
-    let gate = std::sync::Arc::new(gate);
-    let trials = TESTS
-        .iter()
-        .map(|&(name, test)| {
-            let gate = std::sync::Arc::clone(&gate);
-            libtest_mimic::Trial::ignorable_test(name, move || {
-                match gate.get_or_init(|| Need::Gpu.gate()) {
-                    Gate::Run => {
-                        test();
-                        Ok(libtest_mimic::Completion::Completed)
-                    }
-                    Gate::Skip(reason) => Ok(libtest_mimic::Completion::ignored_with(reason)),
-                    Gate::Fail(reason) => Err(reason.into()),
-                }
-            })
-        })
-        .collect();
-    libtest_mimic::run(&libtest_mimic::Arguments::from_args(), trials).exit()
+    gated::run_gpu_tests(TESTS)
 }
 
 const KERNELS: &str = r#"// kvq-runtime GPU test kernels (header-free)

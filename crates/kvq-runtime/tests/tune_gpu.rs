@@ -6,10 +6,11 @@
 //! Runs under its own harness: without a GPU the test shows as ignored, with the reason;
 //! `KVQ_REQUIRE_GPU=1` makes that a failure.
 
+mod gated;
+
 use std::time::Duration;
 
 use kvq_codegen::{Dtype, KernelShape};
-use kvq_runtime::testing::{Gate, Need};
 use kvq_runtime::tune::{tolerance, ChoiceSource, TunePolicy, TuneProblem, TuneStore, Tuner};
 use kvq_runtime::{Device, Jit};
 use kvq_spec::SchemeSpec;
@@ -20,28 +21,8 @@ const TESTS: &[(&str, fn())] = &[(
     gpu_tuning_picks_a_correct_configuration_no_slower_than_the_default,
 )];
 
-/// Runs the tests under libtest's command line: each shows as `ignored (reason)` without a GPU,
-/// and fails with the reason under `KVQ_REQUIRE_GPU=1`.
 fn main() {
-    let gate = std::sync::OnceLock::new();
-    let gate = std::sync::Arc::new(gate);
-    let trials = TESTS
-        .iter()
-        .map(|&(name, test)| {
-            let gate = std::sync::Arc::clone(&gate);
-            libtest_mimic::Trial::ignorable_test(name, move || {
-                match gate.get_or_init(|| Need::Gpu.gate()) {
-                    Gate::Run => {
-                        test();
-                        Ok(libtest_mimic::Completion::Completed)
-                    }
-                    Gate::Skip(reason) => Ok(libtest_mimic::Completion::ignored_with(reason)),
-                    Gate::Fail(reason) => Err(reason.into()),
-                }
-            })
-        })
-        .collect();
-    libtest_mimic::run(&libtest_mimic::Arguments::from_args(), trials).exit()
+    gated::run_gpu_tests(TESTS)
 }
 
 fn temp_store(tag: &str) -> std::path::PathBuf {
