@@ -120,20 +120,3 @@ impl ReadFloor {
         Ok(timing.median_us())
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn read_kernel_compiles_when_nvrtc_is_present() {
-        use kvq::runtime::testing::require_nvrtc;
-        use kvq::runtime::{nvrtc::compile, Arch, Output};
-        let Some(_) = require_nvrtc("read_kernel_compiles_when_nvrtc_is_present") else {
-            return;
-        };
-        let options = CompileOptions::default().include_dirs(IncludeDirs::None);
-        let cubin = compile(&read_floor_source(), Arch::SM_90A, Output::Cubin, &options).unwrap();
-        assert!(!cubin.image.is_empty());
-    }
-}

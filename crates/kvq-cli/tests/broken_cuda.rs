@@ -3,17 +3,36 @@
 //! back to the CPU with a short reason, `info` prints the full one, `tune` exits 3 with it.
 //! Also `KVQ_TUNE` with an unknown value, which `info` reports as the runtime's error.
 //!
-//! The fakes are built with the C compiler at test time (skipped with a visible line where there
-//! is none, unless `KVQ_REQUIRE_CC=1`); their folder goes first on `LD_LIBRARY_PATH`.
+//! The fakes are built with the C compiler at test time; their folder goes first on
+//! `LD_LIBRARY_PATH`. Runs under its own harness: without a C compiler (or, for the test of a
+//! machine without CUDA, with libcuda on the system path) a test shows as ignored, with the
+//! reason; `KVQ_REQUIRE_CC=1` makes a missing compiler a failure.
 
 mod common;
 
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::TempDir;
+use common::{checked, plain, run_trials, TempDir};
 use kvq::runtime::libs::{DRIVER_ENTRY_POINTS, NVRTC_ENTRY_POINTS};
-use kvq::runtime::testing::{build_fake_library, fake_library_source};
+use kvq::runtime::testing::{build_fake_library, c_compiler, fake_library_source, Skip};
+
+fn main() {
+    run_trials(vec![
+        checked(
+            "broken_cuda_libraries_never_panic_the_cli",
+            broken_cuda_libraries_never_panic_the_cli,
+        ),
+        checked(
+            "without_cuda_demo_says_why_in_one_short_line",
+            without_cuda_demo_says_why_in_one_short_line,
+        ),
+        plain(
+            "info_reports_an_unknown_kvq_tune_as_an_error",
+            info_reports_an_unknown_kvq_tune_as_an_error,
+        ),
+    ])
+}
 
 /// Runs `kvq args…` with `LD_LIBRARY_PATH` = `lib_path` (prepended to the current one when
 /// `prepend`) and the extra environment `envs`.
@@ -80,20 +99,16 @@ fn no_panic(what: &str, o: &Output) {
     assert!(!err.contains("panicked"), "{what} panicked:\n{out}\n{err}");
 }
 
-#[test]
-fn broken_cuda_libraries_never_panic_the_cli() {
-    const TEST: &str = "broken_cuda_libraries_never_panic_the_cli";
+fn broken_cuda_libraries_never_panic_the_cli() -> Result<(), Skip> {
+    let cc = c_compiler()?;
     let tmp = TempDir::new("broken-cuda");
     let fakes = tmp.path().join("lib");
     // `libcuda.so` / `libnvrtc.so` are the names cudarc tries first, so the fakes win over any
     // real library on the system path.
     let driver = fake_library_source(DRIVER_ENTRY_POINTS, &["cuInit"], (13, 0));
     let nvrtc = fake_library_source(NVRTC_ENTRY_POINTS, &["nvrtcVersion"], (13, 0));
-    if !build_fake_library(TEST, &fakes, &["libcuda.so", "libcuda.so.1"], &driver).unwrap()
-        || !build_fake_library(TEST, &fakes, &["libnvrtc.so", "libnvrtc.so.13"], &nvrtc).unwrap()
-    {
-        return;
-    }
+    build_fake_library(&cc, &fakes, &["libcuda.so", "libcuda.so.1"], &driver).unwrap();
+    build_fake_library(&cc, &fakes, &["libnvrtc.so", "libnvrtc.so.13"], &nvrtc).unwrap();
     let lib = fakes.to_str().unwrap();
     let run = |args: &[&str]| kvq_with(args, tmp.path(), lib, true, &[]);
 
@@ -181,19 +196,15 @@ fn broken_cuda_libraries_never_panic_the_cli() {
         "{out}\n{err}"
     );
     assert!(out_dir.join("decode.cu").is_file());
+    Ok(())
 }
 
-#[test]
-fn without_cuda_demo_says_why_in_one_short_line() {
-    let tmp = TempDir::new("no-cuda-demo");
+fn without_cuda_demo_says_why_in_one_short_line() -> Result<(), Skip> {
     // No LD_LIBRARY_PATH folder holds CUDA here; a machine whose system path does is skipped.
     if kvq::runtime::libs::driver_present() {
-        kvq::runtime::testing::skip(
-            "without_cuda_demo_says_why_in_one_short_line",
-            &"libcuda is on the system library path",
-        );
-        return;
+        return Err(Skip::because("libcuda is on the system library path"));
     }
+    let tmp = TempDir::new("no-cuda-demo");
     let demo = kvq_with(
         &[
             "demo",
@@ -232,9 +243,9 @@ fn without_cuda_demo_says_why_in_one_short_line() {
     );
     let (out, _) = text(&info);
     assert!(out.contains("Names tried: libcuda.so"), "{out}");
+    Ok(())
 }
 
-#[test]
 fn info_reports_an_unknown_kvq_tune_as_an_error() {
     let tmp = TempDir::new("bogus-tune");
     let info = kvq_with(

@@ -13,7 +13,8 @@
 //!   only launches and the paged cache can get wrong.
 //! * From kvq-jit: [`device`], [`arch`], [`nvrtc`], [`include`](mod@include), [`diagnostics`], [`disk_cache`],
 //!   [`module`], [`jit`], [`libs`], [`timing`] ([`GpuTimer`], the one GPU timer) and [`version`].
-//! * [`testing`]: `require_gpu` / `require_nvrtc` for tests that skip without CUDA.
+//! * [`testing`]: what kvq's tests need of the machine (GPU, NVRTC, a C compiler), reported as a
+//!   visible skip where it is missing; with the `testing` feature, `testing::harness` runs them.
 //!
 //! ```no_run
 //! use kvq_runtime::nvrtc::{CompileOptions, Source};

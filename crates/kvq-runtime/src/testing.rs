@@ -1,26 +1,29 @@
-//! Helpers GPU and NVRTC tests call first, so they skip cleanly on machines without CUDA and
+//! Helpers GPU and NVRTC tests call first, so they skip visibly on machines without CUDA and
 //! fail loudly where CUDA is required.
 //!
-//! * [`require_nvrtc`]: `Some(version)` when NVRTC loads; otherwise prints
-//!   `skipping <test>: <reason>` and returns `None` — or panics with the reason when
-//!   `KVQ_REQUIRE_NVRTC=1` (CI sets it after installing libnvrtc from pip).
-//! * [`require_gpu`]: `Some(device 0)` when a GPU opens *and* NVRTC loads (every kvq GPU test
-//!   JIT-compiles); otherwise skips — or panics when `KVQ_REQUIRE_GPU=1` (set on the GPU
-//!   machine), or, for a missing NVRTC, when `KVQ_REQUIRE_NVRTC=1`.
-//!
-//! Skip lines are written to the process's stderr directly, past libtest's output capture, so
-//! they show in a plain `cargo test` run.
-//!
-//! Test files with their own harness (`harness = false`, libtest-mimic) ask [`Need::gate`] once
-//! before running: [`Gate::Run`] runs the test, [`Gate::Skip`] reports it as ignored with the
-//! reason (so the summary counts it as ignored, not passed), [`Gate::Fail`] fails it with the
-//! reason (a skip under `KVQ_REQUIRE_GPU=1` / `KVQ_REQUIRE_NVRTC=1`).
+//! * [`Need::gate`]: for test files with their own harness (`harness = false`; with the
+//!   `testing` feature, the `harness` submodule is that harness): [`Gate::Run`] runs the test,
+//!   [`Gate::Skip`] reports it as ignored with the reason (so the summary counts it as ignored,
+//!   not passed), [`Gate::Fail`] fails it with the reason: a skip under `KVQ_REQUIRE_GPU=1`
+//!   (set on the GPU machine) or `KVQ_REQUIRE_NVRTC=1` (`.ci/cuda-env.sh` sets it after
+//!   installing libnvrtc from pip).
+//! * [`Skip`]: what a test body returns when something it needs turns out to be missing once it
+//!   runs (a C compiler, CUDA headers), with the `KVQ_REQUIRE_*` flags that make that a failure.
+//! * [`require_nvrtc`] / [`require_gpu`]: for tests under libtest's own harness, which cannot
+//!   report a test as ignored at run time: `Some` when NVRTC loads / a GPU opens; otherwise print
+//!   `skipping <test>: <reason>` and return `None`, or panic under the `KVQ_REQUIRE_*` flag.
+//!   Skip lines are written to the process's stderr directly, past libtest's output capture, so
+//!   they show in a plain `cargo test` run; the summary still counts such a test as passed, so
+//!   new tests use the harness instead.
 
 use std::fmt::Display;
 use std::io::Write;
 
 use crate::device::Device;
 use crate::nvrtc::{self, NvrtcVersion};
+
+#[cfg(feature = "testing")]
+pub mod harness;
 
 /// Set to `1` to turn GPU-test skips into failures.
 pub const KVQ_REQUIRE_GPU: &str = "KVQ_REQUIRE_GPU";
@@ -60,26 +63,92 @@ pub enum Gate {
 }
 
 impl Need {
-    /// Looks at the machine (opens device 0, loads NVRTC) and the `KVQ_REQUIRE_*` flags.
-    pub fn gate(self) -> Gate {
-        let nvrtc_missing = nvrtc::version()
-            .err()
-            .map(|e| format!("NVRTC is unusable: {e}"));
-        let gpu_missing = match self {
-            Need::Nvrtc => None,
-            Need::Gpu => Device::open(0).err().map(|e| format!("no usable GPU: {e}")),
-        };
-        let set = |flag: &'static str| env_flag(flag).then_some(flag);
-        let required = match (&gpu_missing, &nvrtc_missing) {
-            (None, None) => return Gate::Run,
-            (Some(_), _) => set(KVQ_REQUIRE_GPU),
-            (None, Some(_)) => set(KVQ_REQUIRE_NVRTC).or_else(|| set(KVQ_REQUIRE_GPU)),
-        };
-        let reason = gpu_missing.or(nvrtc_missing).unwrap_or_default();
-        match required {
-            Some(flag) => Gate::Fail(format!("{flag}=1 but {reason}")),
-            None => Gate::Skip(reason),
+    /// What this machine lacks for the need, if anything: opens device 0 (for [`Need::Gpu`]) and
+    /// loads NVRTC. A missing GPU is required by `KVQ_REQUIRE_GPU`; a missing NVRTC by
+    /// `KVQ_REQUIRE_NVRTC` or `KVQ_REQUIRE_GPU` (every kvq GPU test JIT-compiles).
+    pub fn missing(self) -> Option<Skip> {
+        if self == Need::Gpu {
+            if let Err(e) = Device::open(0) {
+                return Some(
+                    Skip::unless(
+                        &[KVQ_REQUIRE_GPU],
+                        format!("no usable GPU: {}", e.summary()),
+                    )
+                    .with_detail(e),
+                );
+            }
         }
+        nvrtc::version().err().map(|e| {
+            Skip::unless(
+                &[KVQ_REQUIRE_NVRTC, KVQ_REQUIRE_GPU],
+                format!("NVRTC is unusable: {}", e.summary()),
+            )
+            .with_detail(e)
+        })
+    }
+
+    /// Looks at the machine ([`Need::missing`]) and the `KVQ_REQUIRE_*` flags.
+    pub fn gate(self) -> Gate {
+        self.missing().map_or(Gate::Run, |skip| skip.gate())
+    }
+}
+
+/// A test cannot run here: why, and the `KVQ_REQUIRE_*` flags under which that is a failure
+/// rather than a skip. Test bodies under [`Need::gate`]'s kind of harness return it (as
+/// `Err(Skip)`) for what they find missing once they run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Skip {
+    reason: String,
+    detail: Option<String>,
+    required_by: &'static [&'static str],
+}
+
+impl Skip {
+    /// A skip that no flag turns into a failure (the test checks something that only a
+    /// machine *without* a library shows, say).
+    pub fn because(reason: impl Display) -> Skip {
+        Skip::unless(&[], reason)
+    }
+
+    /// A skip for `reason`, a failure when any of `flags` is set to a true value.
+    pub fn unless(flags: &'static [&'static str], reason: impl Display) -> Skip {
+        Skip {
+            reason: reason.to_string(),
+            detail: None,
+            required_by: flags,
+        }
+    }
+
+    /// Adds the full story behind the one-line reason (an error's whole message, with what to
+    /// do), for the failure message only: the summary line of a skip stays short.
+    pub fn with_detail(self, detail: impl Display) -> Skip {
+        Skip {
+            detail: Some(detail.to_string()),
+            ..self
+        }
+    }
+
+    /// Why the test cannot run, in a line.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+
+    /// [`Gate::Fail`] naming the first of the flags that is set (with the detail), else
+    /// [`Gate::Skip`] with the one-line reason.
+    pub fn gate(&self) -> Gate {
+        match self.required_by.iter().find(|flag| env_flag(flag)) {
+            Some(flag) => Gate::Fail(match &self.detail {
+                Some(detail) => format!("{flag}=1 but {}\n{detail}", self.reason),
+                None => format!("{flag}=1 but {}", self.reason),
+            }),
+            None => Gate::Skip(self.reason.clone()),
+        }
+    }
+}
+
+impl Display for Skip {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.reason)
     }
 }
 
@@ -156,36 +225,39 @@ pub fn fake_library_source(
     c
 }
 
-/// Compiles `c_source` into a shared library at `dir/names[0]` and copies it to the other names,
-/// with `$CC` or `cc`. `Ok(false)` (after printing a skip line for `test`) when no C compiler
-/// runs here, unless `KVQ_REQUIRE_CC=1`, which makes that a panic; `Err` when compiling fails.
+/// The C compiler the fake-library tests build with (`$CC`, else `cc`), once `<cc> --version`
+/// runs; otherwise a [`Skip`] that `KVQ_REQUIRE_CC=1` makes a failure.
+pub fn c_compiler() -> Result<String, Skip> {
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
+    let missing = |why: String| Skip::unless(&[KVQ_REQUIRE_CC], format!("no C compiler: {why}"));
+    match std::process::Command::new(&cc).arg("--version").output() {
+        Ok(out) if out.status.success() => Ok(cc),
+        Ok(out) => Err(missing(format!(
+            "`{cc} --version` exited with {}",
+            out.status
+        ))),
+        Err(e) => Err(missing(format!("`{cc}`: {e}"))),
+    }
+}
+
+/// Compiles `c_source` with the C compiler `cc` (see [`c_compiler`]) into a shared library at
+/// `dir/names[0]` and copies it to the other names; `Err` says what failed.
 pub fn build_fake_library(
-    test: &str,
+    cc: &str,
     dir: &std::path::Path,
     names: &[&str],
     c_source: &str,
-) -> Result<bool, String> {
+) -> Result<(), String> {
     let first = names.first().ok_or("no file name given")?;
     std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
     let source = dir.join(format!("{first}.c"));
     std::fs::write(&source, c_source).map_err(|e| format!("write {}: {e}", source.display()))?;
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
-    let out = match std::process::Command::new(&cc)
+    let out = std::process::Command::new(cc)
         .args(["-shared", "-fPIC", "-o"])
         .arg(dir.join(first))
         .arg(&source)
         .output()
-    {
-        Ok(out) => out,
-        Err(e) => {
-            let reason = format!("no C compiler to build fake CUDA libraries (`{cc}`: {e})");
-            if env_flag(KVQ_REQUIRE_CC) {
-                panic!("{test}: {KVQ_REQUIRE_CC}=1 but {reason}");
-            }
-            skip(test, &reason);
-            return Ok(false);
-        }
-    };
+        .map_err(|e| format!("run `{cc}`: {e}"))?;
     if !out.status.success() {
         return Err(format!(
             "`{cc}` failed on {}:\n{}",
@@ -197,5 +269,5 @@ pub fn build_fake_library(
         std::fs::copy(dir.join(first), dir.join(name))
             .map_err(|e| format!("copy to {name}: {e}"))?;
     }
-    Ok(true)
+    Ok(())
 }

@@ -1,17 +1,18 @@
 //! A CUDA library that loads but is broken — lacking an entry point, too old, the wrong NVRTC
 //! major — is a typed error naming the file, the symbol and what to do; never a panic.
 //!
-//! Fake `libcuda` / `libnvrtc` files are built with the C compiler at test time (skipped with a
-//! visible line where there is none, unless `KVQ_REQUIRE_CC=1`), and this test binary re-runs
-//! itself with `LD_LIBRARY_PATH` starting at their folder: the loader reads it only at process
-//! start, and the runtime checks each library once per process.
+//! Fake `libcuda` / `libnvrtc` files are built with the C compiler at test time (where there is
+//! none, the tests show as ignored, with the reason; `KVQ_REQUIRE_CC=1` makes that a failure),
+//! and this test binary re-runs itself with `LD_LIBRARY_PATH` starting at their folder: the loader
+//! reads it only at process start, and the runtime checks each library once per process.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use kvq_runtime::libs::{self, DRIVER_ENTRY_POINTS, NVRTC_ENTRY_POINTS};
 use kvq_runtime::nvrtc::{self, CompileOptions, IncludeDirs, Output, Source};
-use kvq_runtime::testing::{build_fake_library, fake_library_source};
+use kvq_runtime::testing::harness::{checked, run};
+use kvq_runtime::testing::{build_fake_library, c_compiler, fake_library_source, Skip};
 use kvq_runtime::{Arch, Device, JitError};
 
 const CHILD: &str = "KVQ_RUNTIME_BROKEN_LIB_CHILD";
@@ -22,15 +23,30 @@ const FAKE_DIR: &str = "KVQ_RUNTIME_FAKE_DIR";
 const DRIVER_NAMES: &[&str] = &["libcuda.so", "libcuda.so.1"];
 const NVRTC_NAMES: &[&str] = &["libnvrtc.so", "libnvrtc.so.13"];
 
+fn main() {
+    run(vec![
+        checked(
+            "a_library_without_cuinit_or_nvrtcversion_is_a_typed_error",
+            a_library_without_cuinit_or_nvrtcversion_is_a_typed_error,
+        ),
+        checked(
+            "an_old_driver_and_another_nvrtc_major_are_typed_errors",
+            an_old_driver_and_another_nvrtc_major_are_typed_errors,
+        ),
+    ])
+}
+
 fn fake_dir(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("kvq-fake-cuda-{}-{name}", std::process::id()))
 }
 
-/// Builds the fakes in `dir`; `false` when there is no C compiler (skipped).
-fn build(test: &str, dir: &Path, driver: &str, nvrtc: &str) -> bool {
+/// Builds the fakes in `dir`; a skip where there is no C compiler.
+fn build(dir: &Path, driver: &str, nvrtc: &str) -> Result<(), Skip> {
+    let cc = c_compiler()?;
     let _ = std::fs::remove_dir_all(dir);
-    build_fake_library(test, dir, DRIVER_NAMES, driver).unwrap()
-        && build_fake_library(test, dir, NVRTC_NAMES, nvrtc).unwrap()
+    build_fake_library(&cc, dir, DRIVER_NAMES, driver).unwrap();
+    build_fake_library(&cc, dir, NVRTC_NAMES, nvrtc).unwrap();
+    Ok(())
 }
 
 fn run_child(test: &str, dir: &Path) -> String {
@@ -67,18 +83,18 @@ fn child_dir() -> String {
     std::env::var(FAKE_DIR).unwrap()
 }
 
-#[test]
-fn a_library_without_cuinit_or_nvrtcversion_is_a_typed_error() {
+fn a_library_without_cuinit_or_nvrtcversion_is_a_typed_error() -> Result<(), Skip> {
     const TEST: &str = "a_library_without_cuinit_or_nvrtcversion_is_a_typed_error";
     if std::env::var_os(CHILD).is_some() {
-        return child_incomplete();
+        child_incomplete();
+        return Ok(());
     }
     let dir = fake_dir("incomplete");
     let driver = fake_library_source(DRIVER_ENTRY_POINTS, &["cuInit"], (13, 0));
     let nvrtc = fake_library_source(NVRTC_ENTRY_POINTS, &["nvrtcVersion"], (13, 0));
-    if build(TEST, &dir, &driver, &nvrtc) {
-        print!("{}", run_child(TEST, &dir));
-    }
+    build(&dir, &driver, &nvrtc)?;
+    print!("{}", run_child(TEST, &dir));
+    Ok(())
 }
 
 fn child_incomplete() {
@@ -144,20 +160,20 @@ fn child_incomplete() {
     assert!(summary.len() < 80, "{summary}");
 }
 
-#[test]
-fn an_old_driver_and_another_nvrtc_major_are_typed_errors() {
+fn an_old_driver_and_another_nvrtc_major_are_typed_errors() -> Result<(), Skip> {
     const TEST: &str = "an_old_driver_and_another_nvrtc_major_are_typed_errors";
     if std::env::var_os(CHILD).is_some() {
-        return child_old();
+        child_old();
+        return Ok(());
     }
     let dir = fake_dir("old");
     // A CUDA 12.4 driver has everything but the names from 12.8 on; an NVRTC 12.4 has every
     // entry point kvq calls, but cudarc's bindings are for 13.
     let driver = fake_library_source(DRIVER_ENTRY_POINTS, &["cuEventElapsedTime_v2"], (12, 4));
     let nvrtc = fake_library_source(NVRTC_ENTRY_POINTS, &[], (12, 4));
-    if build(TEST, &dir, &driver, &nvrtc) {
-        print!("{}", run_child(TEST, &dir));
-    }
+    build(&dir, &driver, &nvrtc)?;
+    print!("{}", run_child(TEST, &dir));
+    Ok(())
 }
 
 fn child_old() {

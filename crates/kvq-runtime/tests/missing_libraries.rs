@@ -2,16 +2,34 @@
 //!
 //! The dynamic loader reads LD_LIBRARY_PATH only at process start, so this test re-runs its own
 //! binary with LD_LIBRARY_PATH pointing nowhere and checks the errors there (the child skips
-//! what the system's default library path still provides).
+//! what the system's default library path still provides; where that is everything, the test
+//! shows as ignored, with the reason).
 
 use std::process::Command;
 
 use kvq_runtime::nvrtc::{self, CompileOptions, IncludeDirs, Output, Source};
+use kvq_runtime::testing::harness::{checked, run};
+use kvq_runtime::testing::{Need, Skip};
 use kvq_runtime::{Arch, Device, DiskCache, JitError};
 
 const CHILD: &str = "KVQ_RUNTIME_TEST_CHILD";
 
-fn run_child(test: &str, envs: &[(&str, &str)], remove: &[&str]) -> String {
+fn main() {
+    run(vec![
+        checked(
+            "bogus_library_path_gives_typed_errors",
+            bogus_library_path_gives_typed_errors,
+        ),
+        checked(
+            "missing_headers_name_every_searched_folder",
+            missing_headers_name_every_searched_folder,
+        ),
+    ])
+}
+
+/// Runs `test` in a child process with `envs` set and `remove` unset: its output, or the reason
+/// the child reported it ignored.
+fn run_child(test: &str, envs: &[(&str, &str)], remove: &[&str]) -> Result<String, Skip> {
     let exe = std::env::current_exe().unwrap();
     let mut cmd = Command::new(exe);
     cmd.args([test, "--exact", "--nocapture", "--test-threads=1"]);
@@ -29,15 +47,21 @@ fn run_child(test: &str, envs: &[(&str, &str)], remove: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(out.status.success(), "child {test} failed:\n{text}");
+    if text.contains("1 ignored") {
+        let reason = text
+            .lines()
+            .find_map(|l| l.split_once(" ... ignored (")?.1.strip_suffix(')'))
+            .unwrap_or("the child skipped every part");
+        return Err(Skip::because(reason));
+    }
     assert!(
         text.contains("1 passed"),
         "child {test} ran nothing:\n{text}"
     );
-    text
+    Ok(text)
 }
 
-#[test]
-fn bogus_library_path_gives_typed_errors() {
+fn bogus_library_path_gives_typed_errors() -> Result<(), Skip> {
     if std::env::var_os(CHILD).is_some() {
         return child_without_libraries();
     }
@@ -45,15 +69,19 @@ fn bogus_library_path_gives_typed_errors() {
         "bogus_library_path_gives_typed_errors",
         &[("LD_LIBRARY_PATH", "/nonexistent/kvq-bogus-lib")],
         &["KVQ_REQUIRE_NVRTC", "KVQ_REQUIRE_GPU"],
-    );
+    )?;
     print!("{text}");
+    Ok(())
 }
 
-fn child_without_libraries() {
+/// Checks the NVRTC and the driver errors, each where the system's default library path does
+/// not provide the library anyway; a skip when it provides both.
+fn child_without_libraries() -> Result<(), Skip> {
     let source = Source::new("k.cu", "extern \"C\" __global__ void k() {}");
     let options = CompileOptions::default().include_dirs(IncludeDirs::None);
 
-    if nvrtc::is_available() {
+    let nvrtc_checked = !nvrtc::is_available();
+    if !nvrtc_checked {
         kvq_runtime::testing::skip(
             "bogus_library_path_gives_typed_errors (NVRTC part)",
             &"libnvrtc is on the system's default library path",
@@ -87,7 +115,8 @@ fn child_without_libraries() {
         );
     }
 
-    if kvq_runtime::libs::driver_present() {
+    let driver_checked = !kvq_runtime::libs::driver_present();
+    if !driver_checked {
         kvq_runtime::testing::skip(
             "bogus_library_path_gives_typed_errors (driver part)",
             &"libcuda is on the system's default library path",
@@ -110,19 +139,30 @@ fn child_without_libraries() {
             kvq_runtime::testing::require_gpu("require_gpu without a driver (expected)").is_none()
         );
     }
+    if nvrtc_checked || driver_checked {
+        Ok(())
+    } else {
+        Err(Skip::because(
+            "libnvrtc and libcuda are both on the system's default library path",
+        ))
+    }
 }
 
-#[test]
-fn missing_headers_name_every_searched_folder() {
+fn missing_headers_name_every_searched_folder() -> Result<(), Skip> {
     if std::env::var_os(CHILD).is_some() {
-        return child_missing_headers();
+        child_missing_headers();
+        return Ok(());
     }
-    if !nvrtc::is_available() {
-        kvq_runtime::testing::skip(
-            "missing_headers_name_every_searched_folder",
-            &"needs NVRTC (the error comes from a real compile)",
-        );
-        return;
+    // The error comes from a real compile.
+    if let Some(skip) = Need::Nvrtc.missing() {
+        return Err(skip);
+    }
+    // The default location is searched last: where it exists, the header is found there.
+    if std::path::Path::new(kvq_runtime::include::DEFAULT_CUDA_INCLUDE).is_dir() {
+        return Err(Skip::because(format!(
+            "{} exists here",
+            kvq_runtime::include::DEFAULT_CUDA_INCLUDE
+        )));
     }
     let text = run_child(
         "missing_headers_name_every_searched_folder",
@@ -131,18 +171,12 @@ fn missing_headers_name_every_searched_folder() {
             ("CUDA_HOME", "/nonexistent/kvq-cuda-home"),
         ],
         &[],
-    );
+    )?;
     print!("{text}");
+    Ok(())
 }
 
 fn child_missing_headers() {
-    if std::path::Path::new(kvq_runtime::include::DEFAULT_CUDA_INCLUDE).is_dir() {
-        kvq_runtime::testing::skip(
-            "missing_headers_name_every_searched_folder",
-            &"/usr/local/cuda/include exists here",
-        );
-        return;
-    }
     let source = Source::new(
         "needs_headers.cu",
         "// generated\n#include <cuda_bf16.h>\nextern \"C\" __global__ void k() {}\n",

@@ -1,9 +1,52 @@
-//! NVRTC compiles without a GPU. Each test skips with a printed reason when libnvrtc cannot be
-//! loaded, and fails instead under KVQ_REQUIRE_NVRTC=1 (CI).
+//! NVRTC compiles without a GPU. Runs under its own harness: where libnvrtc cannot be loaded, each
+//! test shows as ignored, with the reason, and fails instead under `KVQ_REQUIRE_NVRTC=1` (CI).
 
 use kvq_runtime::nvrtc::{self, CompileOptions, IncludeDirs, Output, Source};
-use kvq_runtime::testing::require_nvrtc;
+use kvq_runtime::testing::harness::{checked, needs, run};
+use kvq_runtime::testing::{Need, Skip, KVQ_REQUIRE_NVRTC};
 use kvq_runtime::{Arch, JitError};
+
+fn main() {
+    let nvrtc = |name: &str, test: fn()| needs(Need::Nvrtc, name, test);
+    run(vec![
+        nvrtc(
+            "compiles_header_free_kernel_to_ptx_and_cubin",
+            compiles_header_free_kernel_to_ptx_and_cubin,
+        ),
+        nvrtc(
+            "the_timers_spin_kernel_compiles",
+            the_timers_spin_kernel_compiles,
+        ),
+        nvrtc(
+            "fast_math_and_line_info_reach_nvrtc",
+            fast_math_and_line_info_reach_nvrtc,
+        ),
+        nvrtc(
+            "broken_kernel_error_quotes_the_numbered_source_line",
+            broken_kernel_error_quotes_the_numbered_source_line,
+        ),
+        nvrtc(
+            "errors_in_in_memory_headers_are_quoted_from_the_header",
+            errors_in_in_memory_headers_are_quoted_from_the_header,
+        ),
+        nvrtc(
+            "missing_cuda_header_names_the_searched_folders",
+            missing_cuda_header_names_the_searched_folders,
+        ),
+        checked(
+            "cuda_headers_from_the_environment_compile",
+            cuda_headers_from_the_environment_compile,
+        ),
+        nvrtc(
+            "unsupported_architecture_is_a_typed_error",
+            unsupported_architecture_is_a_typed_error,
+        ),
+        checked(
+            "without_nvrtc_compile_is_a_typed_error",
+            without_nvrtc_compile_is_a_typed_error,
+        ),
+    ])
+}
 
 const AXPY: &str = r#"// header-free: no #include at all
 extern "C" __global__ void axpy(float a, const float* __restrict__ x, float* __restrict__ y,
@@ -25,11 +68,8 @@ fn header_free_options() -> CompileOptions {
     CompileOptions::default().include_dirs(IncludeDirs::None)
 }
 
-#[test]
 fn compiles_header_free_kernel_to_ptx_and_cubin() {
-    let Some(version) = require_nvrtc("compiles_header_free_kernel_to_ptx_and_cubin") else {
-        return;
-    };
+    let version = nvrtc::version().unwrap();
     assert!(version.major >= 12, "NVRTC {version}");
     let source = Source::new("axpy.cu", AXPY);
     for arch in [Arch::SM_80, Arch::SM_90A] {
@@ -55,11 +95,7 @@ fn compiles_header_free_kernel_to_ptx_and_cubin() {
     }
 }
 
-#[test]
 fn the_timers_spin_kernel_compiles() {
-    let Some(_) = require_nvrtc("the_timers_spin_kernel_compiles") else {
-        return;
-    };
     let source = kvq_runtime::timing::spin_source();
     for arch in [Arch::SM_80, Arch::SM_90A] {
         let cubin = nvrtc::compile(&source, arch, Output::Cubin, &header_free_options()).unwrap();
@@ -67,11 +103,7 @@ fn the_timers_spin_kernel_compiles() {
     }
 }
 
-#[test]
 fn fast_math_and_line_info_reach_nvrtc() {
-    if require_nvrtc("fast_math_and_line_info_reach_nvrtc").is_none() {
-        return;
-    }
     let source = Source::new(
         "div.cu",
         r#"extern "C" __global__ void div(float* y, const float* x) { y[threadIdx.x] = 1.0f / x[threadIdx.x]; }"#,
@@ -94,11 +126,7 @@ fn fast_math_and_line_info_reach_nvrtc() {
     assert!(f.contains(".loc"), "line info present");
 }
 
-#[test]
 fn broken_kernel_error_quotes_the_numbered_source_line() {
-    if require_nvrtc("broken_kernel_error_quotes_the_numbered_source_line").is_none() {
-        return;
-    }
     let source = Source::new("broken.cu", BROKEN);
     let err =
         nvrtc::compile(&source, Arch::SM_90A, Output::Cubin, &header_free_options()).unwrap_err();
@@ -142,11 +170,7 @@ fn broken_kernel_error_quotes_the_numbered_source_line() {
     );
 }
 
-#[test]
 fn errors_in_in_memory_headers_are_quoted_from_the_header() {
-    if require_nvrtc("errors_in_in_memory_headers_are_quoted_from_the_header").is_none() {
-        return;
-    }
     let source = Source::new(
         "main.cu",
         "#include \"helpers.cuh\"\nextern \"C\" __global__ void k(float* o) { o[0] = twice(1.0f); }\n",
@@ -170,11 +194,7 @@ fn errors_in_in_memory_headers_are_quoted_from_the_header() {
     nvrtc::compile(&fixed, Arch::SM_80, Output::Ptx, &header_free_options()).unwrap();
 }
 
-#[test]
 fn missing_cuda_header_names_the_searched_folders() {
-    if require_nvrtc("missing_cuda_header_names_the_searched_folders").is_none() {
-        return;
-    }
     let source = Source::new(
         "needs_fp16.cu",
         "#include <cuda_fp16.h>\nextern \"C\" __global__ void k(__half* o) { o[0] = __float2half(1.0f); }\n",
@@ -201,10 +221,9 @@ fn missing_cuda_header_names_the_searched_folders() {
     assert!(err.is_environment());
 }
 
-#[test]
-fn cuda_headers_from_the_environment_compile() {
-    if require_nvrtc("cuda_headers_from_the_environment_compile").is_none() {
-        return;
+fn cuda_headers_from_the_environment_compile() -> Result<(), Skip> {
+    if let Some(skip) = Need::Nvrtc.missing() {
+        return Err(skip);
     }
     let search = kvq_runtime::include::IncludeSearch::from_env();
     if search.dirs.is_empty() {
@@ -217,11 +236,8 @@ fn cuda_headers_from_the_environment_compile() {
                 .collect::<Vec<_>>()
                 .join("; ")
         );
-        if kvq_runtime::testing::env_flag("KVQ_REQUIRE_NVRTC") {
-            panic!("KVQ_REQUIRE_NVRTC=1 expects CUDA headers too: {reason}");
-        }
-        kvq_runtime::testing::skip("cuda_headers_from_the_environment_compile", &reason);
-        return;
+        // `.ci/cuda-env.sh` installs the headers with NVRTC: CI requires both.
+        return Err(Skip::unless(&[KVQ_REQUIRE_NVRTC], reason));
     }
     let source = Source::new(
         "fp16.cu",
@@ -235,13 +251,10 @@ fn cuda_headers_from_the_environment_compile() {
             .unwrap_or_else(|e| panic!("{arch}: {e}"));
         assert_eq!(&cubin.image[..4], b"\x7fELF");
     }
+    Ok(())
 }
 
-#[test]
 fn unsupported_architecture_is_a_typed_error() {
-    if require_nvrtc("unsupported_architecture_is_a_typed_error").is_none() {
-        return;
-    }
     let supported = nvrtc::supported_archs().unwrap();
     assert!(
         supported.contains(&80) && supported.contains(&90),
@@ -261,10 +274,12 @@ fn unsupported_architecture_is_a_typed_error() {
     );
 }
 
-#[test]
-fn without_nvrtc_compile_is_a_typed_error() {
+/// Where NVRTC loads, tests/missing_libraries.rs checks this in a child process without it.
+fn without_nvrtc_compile_is_a_typed_error() -> Result<(), Skip> {
     if nvrtc::is_available() {
-        return; // covered by tests/missing_libraries.rs in a child process
+        return Err(Skip::because(
+            "NVRTC loads here; missing_libraries.rs checks this in a child process without it",
+        ));
     }
     let err = nvrtc::compile(
         &Source::new("axpy.cu", AXPY),
@@ -276,4 +291,5 @@ fn without_nvrtc_compile_is_a_typed_error() {
     assert!(matches!(err, JitError::NvrtcNotFound { .. }), "{err}");
     assert!(err.to_string().contains("libnvrtc.so.13"), "{err}");
     assert!(err.is_environment());
+    Ok(())
 }

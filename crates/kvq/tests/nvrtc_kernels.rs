@@ -7,26 +7,38 @@
 //! cache kernels in every page quantizer form. Decode also for calibrated schemes whose range pass
 //! keeps the f16 path, and for the uncalibrated layouts `gpu_decode` adds, which no built-in
 //! takes. Needs no GPU: CI installs libnvrtc from pip and sets `KVQ_REQUIRE_NVRTC=1`, so these
-//! fail there rather than skip.
+//! fail there rather than skip. Runs under its own harness: without NVRTC each test shows as
+//! ignored, with the reason.
 
 mod common;
-use common::{other_calibrated_schemes, other_uncalibrated_schemes};
+use common::{needs, other_calibrated_schemes, other_uncalibrated_schemes, run_trials};
 use kvq::codegen::{
     cache_kernels_with, decode_kernels, has_decode_kernel, CodegenError, Dtype, KernelShape,
     QuantizerForm, TuneParams,
 };
 use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
 use kvq::runtime::paged::forms_or_tiled;
-use kvq::runtime::testing::require_nvrtc;
+use kvq::runtime::testing::Need;
 use kvq::runtime::Arch;
 use kvq::schemes::BUILTIN;
 
-#[test]
+fn main() {
+    run_trials(vec![
+        needs(
+            Need::Nvrtc,
+            "every_builtin_decode_kernel_compiles_for_sm80_and_sm90a",
+            every_builtin_decode_kernel_compiles_for_sm80_and_sm90a,
+        ),
+        needs(
+            Need::Nvrtc,
+            "every_builtin_cache_kernel_compiles_in_every_quantizer_form",
+            every_builtin_cache_kernel_compiles_in_every_quantizer_form,
+        ),
+    ])
+}
+
 fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
-    let Some(version) = require_nvrtc("every_builtin_decode_kernel_compiles_for_sm80_and_sm90a")
-    else {
-        return;
-    };
+    let version = nvrtc::version().unwrap();
     let mut jobs = Vec::new();
     for b in BUILTIN {
         let gpu_scheme = has_decode_kernel(&b.spec);
@@ -151,13 +163,8 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
     );
 }
 
-#[test]
 fn every_builtin_cache_kernel_compiles_in_every_quantizer_form() {
-    let Some(version) =
-        require_nvrtc("every_builtin_cache_kernel_compiles_in_every_quantizer_form")
-    else {
-        return;
-    };
+    let version = nvrtc::version().unwrap();
     let mut jobs = Vec::new();
     for b in BUILTIN.iter().filter(|b| has_decode_kernel(&b.spec)) {
         // Every form at the benchmarked shape; the default forms at the other head_dims and bf16

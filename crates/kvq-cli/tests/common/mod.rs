@@ -3,44 +3,11 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::OnceLock;
 
-use kvq::runtime::testing::{Gate, Need};
-use libtest_mimic::{Arguments, Completion, Trial};
-
-/// Runs `trials` under libtest's command line (name filters, `--exact`, `--list`) and exits with
-/// its status.
-pub fn run_trials(trials: Vec<Trial>) -> ! {
-    libtest_mimic::run(&Arguments::from_args(), trials).exit()
-}
-
-/// A test that needs `need`: runs where it is here, shows as `ignored (reason)` where it is not,
-/// and fails with the reason where a `KVQ_REQUIRE_*` flag says it must run. The machine is
-/// looked at once per process.
-pub fn needs(need: Need, name: &str, test: fn()) -> Trial {
-    static GPU: OnceLock<Gate> = OnceLock::new();
-    static NVRTC: OnceLock<Gate> = OnceLock::new();
-    let gate = move || match need {
-        Need::Gpu => GPU.get_or_init(|| need.gate()),
-        Need::Nvrtc => NVRTC.get_or_init(|| need.gate()),
-    };
-    Trial::ignorable_test(name, move || match gate() {
-        Gate::Run => {
-            test();
-            Ok(Completion::Completed)
-        }
-        Gate::Skip(reason) => Ok(Completion::ignored_with(reason)),
-        Gate::Fail(reason) => Err(reason.into()),
-    })
-}
-
-/// A test that needs nothing but the CPU.
-pub fn plain(name: &str, test: fn()) -> Trial {
-    Trial::test(name, move || {
-        test();
-        Ok(())
-    })
-}
+// kvq-runtime's harness: a test without its GPU, NVRTC or C compiler shows as ignored, with the
+// reason. Not every file that includes this module uses all of it.
+#[allow(unused_imports)]
+pub use kvq::runtime::testing::harness::{checked, needs, plain, run as run_trials};
 
 /// A fresh folder under the system temp dir, removed when dropped.
 pub struct TempDir(pub PathBuf);

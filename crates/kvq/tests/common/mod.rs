@@ -1,53 +1,18 @@
-//! Helpers shared by the GPU test files: the harness that reports a test without its GPU as
-//! ignored, per-case seeds, and the error bound GPU outputs are checked against.
+//! Helpers shared by the GPU and NVRTC test files: the harness that reports a test without its
+//! GPU or NVRTC as ignored (kvq-runtime's, re-exported), per-case seeds, and the error bound GPU
+//! outputs are checked against.
 #![allow(dead_code)]
 
 use kvq::codegen::Dtype;
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::{Dequantized, KvTensor};
-use kvq::runtime::testing::{Gate, Need};
 use kvq::schemes::BUILTIN;
 use kvq::{Axis, CacheSource, SchemeSpec, TensorQuant};
-use libtest_mimic::{Arguments, Completion, Trial};
-use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// Runs `trials` under libtest's command line (name filters, `--exact`, `--list`, `--ignored`)
-/// and exits with its status.
-pub fn run_trials(trials: Vec<Trial>) -> ! {
-    libtest_mimic::run(&Arguments::from_args(), trials).exit()
-}
-
-/// The machine's [`Gate`] for `need`, looked up once per process (opening the device is slow).
-pub fn gate(need: Need) -> &'static Gate {
-    static GPU: OnceLock<Gate> = OnceLock::new();
-    static NVRTC: OnceLock<Gate> = OnceLock::new();
-    match need {
-        Need::Gpu => GPU.get_or_init(|| need.gate()),
-        Need::Nvrtc => NVRTC.get_or_init(|| need.gate()),
-    }
-}
-
-/// A test that needs `need`: runs where it is here, shows as `ignored (reason)` where it is not,
-/// and fails with the reason where a `KVQ_REQUIRE_*` flag says it must run.
-pub fn needs(need: Need, name: &str, test: fn()) -> Trial {
-    Trial::ignorable_test(name, move || match gate(need) {
-        Gate::Run => {
-            test();
-            Ok(Completion::Completed)
-        }
-        Gate::Skip(reason) => Ok(Completion::ignored_with(reason)),
-        Gate::Fail(reason) => Err(reason.into()),
-    })
-}
-
-/// A test that needs nothing but the CPU.
-pub fn plain(name: &str, test: fn()) -> Trial {
-    Trial::test(name, move || {
-        test();
-        Ok(())
-    })
-}
+// Not every file that includes this module uses all three.
+#[allow(unused_imports)]
+pub use kvq::runtime::testing::harness::{needs, plain, run as run_trials};
 
 /// The built-ins with GPU kernels today: integer and FP16 schemes caching K/V.
 pub fn integer_schemes() -> Vec<(&'static str, SchemeSpec)> {
