@@ -1,9 +1,10 @@
 //! The autotuner on a GPU: tunes a few shapes of the issue's configuration (32 query heads, 8 KV
 //! heads, head_dim 128) into a temporary store and checks the contract: the winner passed the
 //! reference check, is never slower than the default it was timed against, tuning takes under
-//! 30 s, the result is stored, and the policies read it back. Prints a line per shape.
+//! 30 s, the result is stored, and the policies read it back; and that the launch rules' untuned
+//! choice is never slower than the tuner's winner beyond noise. Prints a line per shape.
 //!
-//! Runs under its own harness: without a GPU the test shows as ignored, with the reason;
+//! Runs under its own harness: without a GPU the tests show as ignored, with the reason;
 //! `KVQ_REQUIRE_GPU=1` makes that a failure.
 
 mod gated;
@@ -16,10 +17,16 @@ use kvq_runtime::{Device, Jit};
 use kvq_spec::SchemeSpec;
 
 /// Every test of this file, by name.
-const TESTS: &[(&str, fn())] = &[(
-    "gpu_tuning_picks_a_correct_configuration_no_slower_than_the_default",
-    gpu_tuning_picks_a_correct_configuration_no_slower_than_the_default,
-)];
+const TESTS: &[(&str, fn())] = &[
+    (
+        "gpu_tuning_picks_a_correct_configuration_no_slower_than_the_default",
+        gpu_tuning_picks_a_correct_configuration_no_slower_than_the_default,
+    ),
+    (
+        "gpu_untuned_rules_are_never_slower_than_the_tuned_choice_beyond_noise",
+        gpu_untuned_rules_are_never_slower_than_the_tuned_choice_beyond_noise,
+    ),
+];
 
 fn main() {
     gated::run_gpu_tests(TESTS)
@@ -127,4 +134,70 @@ fn gpu_tuning_picks_a_correct_configuration_no_slower_than_the_default() {
     if let Some(dir) = path.parent() {
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+/// On a GPU: for the lead shapes (32 query heads over 8 KV heads, head_dim 128, f16, B ∈ {1, 16}
+/// × L ∈ {4K, 32K}), the launch rules' untuned choice is never slower than the tuner's winner,
+/// timed in the same session, by more than the noise (`KVQ_RULES_NOISE`, default 0.05). Prints
+/// each shape's ratio.
+fn gpu_untuned_rules_are_never_slower_than_the_tuned_choice_beyond_noise() {
+    let device = Device::open(0).expect("GPU");
+    let noise: f64 = std::env::var("KVQ_RULES_NOISE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.05);
+    let jit = Jit::new(&device).expect("JIT");
+    let path = temp_store("rules");
+    let mut tuner = Tuner::with_store(&jit, TunePolicy::Full, TuneStore::empty(&path));
+    let mut options = tuner.options().clone();
+    options.progress = false;
+    options.time_budget = std::time::Duration::from_secs(10);
+    tuner.set_options(options);
+    let mut slower = Vec::new();
+    for (scheme, text) in [
+        ("fp16", "k = fp16, v = fp16"),
+        (
+            "int8",
+            "k = int(8, channel, symmetric), v = int(8, channel, symmetric)",
+        ),
+        (
+            "kivi4",
+            "k = int(4, channel), v = int(4, token), local = 128",
+        ),
+        (
+            "kivi2",
+            "k = int(2, channel), v = int(2, token), local = 128",
+        ),
+        (
+            "kitty",
+            "k = int(2, channel, boost = boost(4, ratio = 0.125, by = magnitude)), \
+             v = int(2, token, local = 128), sink = 32, page = 128",
+        ),
+        (
+            "calibquant1",
+            "k = int(1, channel), v = int(1, channel), sink = 32, local = 128, \
+             calibrate = calibrate(tau1 = -1.5, tau2 = 3.25)",
+        ),
+    ] {
+        let spec: SchemeSpec = text.parse().unwrap();
+        for (batch, len) in [(1, 4096), (1, 32_768), (16, 4096), (16, 32_768)] {
+            let p = TuneProblem::new(spec, KernelShape::new(128, 4, Dtype::F16), 8, batch, len);
+            let r = tuner.tune(&p).expect("tuning");
+            let ratio = r.default_us / r.chosen_us;
+            println!(
+                "{scheme} B={batch} L={len}: rules {} {:.1} µs, tuned {} {:.1} µs, ×{ratio:.3}",
+                r.default, r.default_us, r.chosen, r.chosen_us
+            );
+            if ratio > 1.0 + noise {
+                slower.push(format!("{scheme} B={batch} L={len} ×{ratio:.3}"));
+            }
+        }
+    }
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    assert!(
+        slower.is_empty(),
+        "untuned launches slower than the tuned choice by more than {noise}: {slower:?}"
+    );
 }
