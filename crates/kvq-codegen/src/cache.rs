@@ -167,9 +167,9 @@ fn quantizer_shared_bytes(q: &QuantizerCtx, c: &TensorCtx, head_dim: usize, page
     } else {
         0
     };
-    // Boost ranks: max(head_dim, 256) ints, and head_dim / 32 flag words.
+    // Boost ranks: max(head_dim, 256) ints, and ceil(head_dim / 32) flag words.
     let ranks = if c.boost {
-        4 * head_dim.max(256) + head_dim / 8
+        4 * head_dim.max(256) + 4 * head_dim.div_ceil(32)
     } else {
         0
     };
@@ -223,7 +223,6 @@ pub fn cache_kernels_with(
         });
     }
     spec.check_shape(head_dim, 1)?;
-    crate::decode::gpu_head_dim("cache", head_dim)?;
     if head_dim > 256 {
         return Err(CodegenError::Shape(format!(
             "cache kernels stage a page in shared memory: head_dim {head_dim} > 256"

@@ -77,11 +77,13 @@ pub(crate) struct TensorCtx {
     /// Byte ranges of a block that no section covers (alignment padding), as `[offset, len]`.
     pub padding: Vec<[usize; 2]>,
     /// Token-axis groups reduce min/max with warp shuffles: each lane holds `head_dim / 32`
-    /// channels and `lanes_per_group` lanes (a power of two) share a group.
+    /// channels (head_dim a multiple of 32) and `lanes_per_group` lanes (a power of two) share a
+    /// group.
     pub token_warp_reduce: bool,
     pub lanes_per_group: usize,
-    /// The page quantizer packs with a warp per row (each lane's `head_dim / 32` codes form a
-    /// bit field that never straddles a word, and lies in one token group).
+    /// The page quantizer packs with a warp per row (head_dim a multiple of 32; each lane's
+    /// `head_dim / 32` codes form a bit field that never straddles a word, and lies in one token
+    /// group).
     pub fast_pack: bool,
     /// The page quantizer keeps every code in shared memory (generic packer, or boost high plane).
     pub needs_code_buffer: bool,
@@ -158,7 +160,9 @@ impl TensorCtx {
                 ctx.offset = l.quant.offset();
                 ctx.group = l.group;
                 ctx.groups_per_token = head_dim / l.group;
-                let per_lane = head_dim / 32;
+                // A warp over a row needs whole 32-channel units; other head_dims take the
+                // quantizer's per-element paths.
+                let per_lane = if head_dim % 32 == 0 { head_dim / 32 } else { 0 };
                 let field_fits = |width: usize| {
                     let f = per_lane * width;
                     (f <= 32 && 32 % f == 0) || (f % 32 == 0 && f <= 64)

@@ -58,8 +58,11 @@ impl QuantizerForm {
     }
 
     /// Whether this form implements `quant` at this head_dim and page size. Naive and tiled cover
-    /// every integer layout; the register forms need 8 channels per thread inside one token group,
-    /// a row split evenly over lanes (head_dim 32, 64, 128 or 256) and pages of at most 256 tokens.
+    /// every integer layout; the register forms need head_dim 32 or a multiple of 16 from 64 to
+    /// 256 (a row's 8-channel chunks over a power of two of lanes, the lanes past the row idle),
+    /// pages of at most 256 tokens, and token groups of a multiple of 8 channels that are the
+    /// whole row or a power of two of chunks of a row of a power of two of chunks (a group's
+    /// lanes reduce with butterfly shuffles).
     pub fn supports(self, quant: &TensorQuant, head_dim: u32, page: u32) -> bool {
         let TensorQuant::Int(q) = quant else {
             return false;
@@ -69,7 +72,10 @@ impl QuantizerForm {
         }
         let group_ok = match q.axis {
             Axis::Channel => true,
-            Axis::Token => q.group.unwrap_or(head_dim) % 8 == 0,
+            Axis::Token => {
+                let group = q.group.unwrap_or(head_dim);
+                group % 8 == 0 && (group == head_dim || (head_dim / 8).is_power_of_two())
+            }
         };
         let high_ok = IntLayout::new(q, head_dim as usize, page as usize)
             .map(|l| {
@@ -137,20 +143,29 @@ impl fmt::Display for QuantizerForms {
     }
 }
 
-/// Threads and rows per thread of a register form: 8 channels per lane, `head_dim / 8` lanes per
-/// row, the page padded to a power of two `N`, at most 8 rows per thread and 32 row classes
-/// (threads · 8 / head_dim). `None` when the page is too large for that.
+/// Threads and rows per thread of a register form: 8 channels per lane, `head_dim / 8` chunks a
+/// row over the next power of two of lanes (`lanes_per_row`), the page padded to a power of two
+/// `N`, at most 8 rows per thread and 32 row classes (threads / lanes per row). `None` for other
+/// head_dims or when the page is too large for that.
 pub(crate) fn register_shape(head_dim: u32, page: u32) -> Option<(u32, u32)> {
-    if !matches!(head_dim, 32 | 64 | 128 | 256) || page == 0 {
+    let shape_ok = head_dim == 32 || (head_dim % 16 == 0 && (64..=256).contains(&head_dim));
+    if !shape_ok || page == 0 {
         return None;
     }
+    let lanes = lanes_per_row(head_dim);
     let n = page.next_power_of_two();
-    let most = (MAX_ROW_CLASSES * head_dim / 8).min(1024);
-    let threads = (n * head_dim / (8 * MAX_ROWS_PER_THREAD)).clamp(32, most);
-    let rows = n * head_dim / (8 * threads);
+    let most = (MAX_ROW_CLASSES * lanes).min(1024);
+    let threads = (n * lanes / MAX_ROWS_PER_THREAD).clamp(32, most);
+    let rows = n * lanes / threads;
     (1..=MAX_ROWS_PER_THREAD)
         .contains(&rows)
         .then_some((threads, rows))
+}
+
+/// Lanes a row of a register form takes: its `head_dim / 8` chunks of 8 channels, rounded up to
+/// a power of two (kvq/quantize_regs.cuh's `KvqRegShape::LPR`).
+pub(crate) fn lanes_per_row(head_dim: u32) -> u32 {
+    (head_dim / 8).next_power_of_two()
 }
 
 /// Row classes and rows per class of the naive/tiled forms' Kitty fold: the classes' partials
@@ -170,10 +185,13 @@ mod tests {
 
     #[test]
     fn register_shapes_cover_the_page_with_at_most_eight_rows_per_thread() {
-        for d in [32, 64, 128, 256] {
+        for d in [
+            32, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256,
+        ] {
             for page in (16..=256).step_by(16) {
                 let (threads, rows) = register_shape(d, page).expect("supported");
-                let lanes_per_row = d / 8;
+                let lanes_per_row = lanes_per_row(d);
+                assert!(lanes_per_row * 8 >= d && lanes_per_row.is_power_of_two());
                 let classes = threads / 32 * (32 / lanes_per_row);
                 assert!(
                     classes * rows >= page && classes <= 32 && rows <= 8,
@@ -184,7 +202,26 @@ mod tests {
         }
         assert_eq!(register_shape(128, 128), Some((256, 8)));
         assert_eq!(register_shape(128, 512), None);
-        assert_eq!(register_shape(96, 128), None);
+        // Rows of 10 or 12 chunks take 16 lanes, as head_dim 128's do.
+        assert_eq!(register_shape(80, 128), Some((256, 8)));
+        assert_eq!(register_shape(96, 128), Some((256, 8)));
+        assert_eq!(register_shape(48, 128), None);
+        assert_eq!(register_shape(272, 128), None);
+    }
+
+    #[test]
+    fn token_groups_in_registers_are_whole_rows_or_power_of_two_lanes() {
+        let token = |group: &str, d: u32| {
+            let spec = SchemeSpec::parse(&format!(
+                "k = int(2, channel), v = int(2, token{group}), local = 128"
+            ))
+            .unwrap();
+            QuantizerForm::Vectorized.supports(&spec.v, d, spec.page)
+        };
+        assert!(token("", 80) && token("", 96) && token("", 112) && token("", 128));
+        assert!(token(", group = 32", 128) && token(", group = 16", 64));
+        // 96 channels are 12 chunks: a 16- or 32-channel group's lanes would cross rows.
+        assert!(!token(", group = 32", 96) && !token(", group = 16", 80));
     }
 
     #[test]

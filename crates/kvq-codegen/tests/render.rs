@@ -724,8 +724,8 @@ fn unsupported_quantizer_forms_are_typed_errors() {
     .unwrap_err();
     assert!(matches!(err, CodegenError::Unsupported { .. }), "{err}");
     assert!(err.to_string().contains("vectorized"), "{err}");
-    // head_dim 96 does not split over lanes 8 channels at a time.
-    let spec = SchemeSpec::parse("k = int(2, channel), v = int(2, token)").unwrap();
+    // Token groups of 32 channels at head_dim 96 (12 chunks of 8 over 16 lanes) would cross rows.
+    let spec = SchemeSpec::parse("k = int(2, channel), v = int(2, token, group = 32)").unwrap();
     assert!(cache_kernels_with(
         &spec,
         96,
@@ -735,7 +735,10 @@ fn unsupported_quantizer_forms_are_typed_errors() {
     .is_err());
     assert_eq!(
         QuantizerForms::default_for(&spec, 96),
-        QuantizerForms::both(QuantizerForm::Tiled)
+        QuantizerForms {
+            k: QuantizerForm::Vectorized,
+            v: QuantizerForm::Tiled
+        }
     );
     assert_eq!(
         QuantizerForms::default_for(&spec, 128),

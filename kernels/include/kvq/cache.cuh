@@ -105,11 +105,11 @@ static __device__ __forceinline__ void kvq_quantize_with(const Src& src, kvq_u8*
     kvq_u16* s_zero = s_scale + Q::SCALE_COUNT;
     float* s_group = (float*)(s_zero + Q::SCALE_COUNT);  // 4·count bytes in: 4-aligned
     int* s_rank = (int*)(s_group + 3 * Q::SCALE_COUNT);  // boost ranks and flag words
-    kvq_u8* s_map = Q::BOOST ? (kvq_u8*)(s_rank + KVQ_RANK_PARTS * D + D / 32) : (kvq_u8*)s_rank;
+    kvq_u8* s_map = Q::BOOST ? (kvq_u8*)(s_rank + KVQ_RANK_PARTS * D + (D + 31) / 32) : (kvq_u8*)s_rank;
     kvq_quantize_page<Q, BF16>(src, block, s_scale, s_zero, s_codes, s_lo, s_hi, s_score, s_map, s_group, s_rank);
 }
 
-// 16-byte copies of a page's rows into shared memory (D is a multiple of 32; rows 16-byte aligned).
+// 16-byte copies of a page's rows into shared memory (D is a multiple of 8; rows 16-byte aligned).
 static __device__ __forceinline__ void kvq_stage_rows(kvq_u8* smem, const KvqRows& src) {
     uint4* dst = (uint4*)smem;
 #pragma unroll 4

@@ -237,17 +237,24 @@ static __device__ void kvq_fold_scores(const Src& src, float* s_part, float* s_s
     __syncthreads();
 }
 
-// Parts the rank comparisons of one channel are split into (so 256 threads share the work).
-static constexpr int KVQ_RANK_PARTS = D >= 256 ? 1 : 256 / D;
+// Parts the rank comparisons of one channel are split into (so 256 threads share the work): the
+// largest power of two p with p·D ≤ 256, which divides D (a multiple of 16).
+static __host__ __device__ constexpr int kvq_rank_parts() {
+    int p = 1;
+    while (2 * p * D <= 256) p *= 2;
+    return p;
+}
+static constexpr int KVQ_RANK_PARTS = kvq_rank_parts();
 
 // The Q::BOOST_CHANNELS channels with the largest scores (ties to the lower channel) and each
 // one's slot (its rank in channel order) into s_map (0xFF: not boosted). Every thread of the CTA: a
 // channel's rank is the number of channels that beat it (a higher score, or the same score and a
 // lower index), counted in KVQ_RANK_PARTS slices; slots are prefix counts of the boosted flags.
-// Scratch: s_rank (KVQ_RANK_PARTS · D ints), s_bits (D / 32 words).
+// Scratch: s_rank (KVQ_RANK_PARTS · D ints), s_bits (ceil(D / 32) words).
 template <class Q>
 static __device__ void kvq_select_boosted(const float* s_score, int* s_rank, kvq_u32* s_bits, kvq_u8* s_map) {
     constexpr int PARTS = KVQ_RANK_PARTS, SPAN = D / PARTS, K = Q::BOOST_CHANNELS;
+    static_assert(SPAN * PARTS == D, "rank parts that miss channels");
     const int tid = threadIdx.x, nt = blockDim.x, lane = tid % 32;
     for (int w = tid; w < PARTS * D; w += nt) {
         const int c = w % D, part = w / D;
@@ -261,12 +268,26 @@ static __device__ void kvq_select_boosted(const float* s_score, int* s_rank, kvq
         s_rank[w] = beats;
     }
     __syncthreads();
-    for (int c = tid; c < D; c += nt) {  // whole warps: D and nt are multiples of 32
-        int rank = 0;
+    if constexpr (D % 32 == 0) {
+        for (int c = tid; c < D; c += nt) {  // whole warps: D and nt are multiples of 32
+            int rank = 0;
 #pragma unroll
-        for (int part = 0; part < PARTS; ++part) rank += s_rank[part * D + c];
-        const kvq_u32 word = __ballot_sync(0xffffffffu, rank < K);
-        if (lane == 0) s_bits[c / 32] = word;
+            for (int part = 0; part < PARTS; ++part) rank += s_rank[part * D + c];
+            const kvq_u32 word = __ballot_sync(0xffffffffu, rank < K);
+            if (lane == 0) s_bits[c / 32] = word;
+        }
+    } else {
+        // Whole warps over ceil(D / 32) words: lanes past D vote "not boosted".
+        for (int c = tid; c < (D + 31) / 32 * 32; c += nt) {
+            int rank = K;
+            if (c < D) {
+                rank = 0;
+#pragma unroll
+                for (int part = 0; part < PARTS; ++part) rank += s_rank[part * D + c];
+            }
+            const kvq_u32 word = __ballot_sync(0xffffffffu, rank < K);
+            if (lane == 0) s_bits[c / 32] = word;
+        }
     }
     __syncthreads();
     for (int c = tid; c < D; c += nt) {

@@ -6,16 +6,31 @@
 //
 // Lane l of warp w holds channels 8·(l % LPR) .. +7 of rows r0 + i·RS (r0 = w·RPW + l / LPR,
 // i < ITER), loaded as one 16-byte vector per row (vectorized) or as eight 16-bit values
-// (coarsened). Templates on the tensor's quantizer traits Q (kvq/quantize.cuh lists them).
+// (coarsened). A row's D / 8 chunks take LPR lanes, the next power of two: where that is more
+// (D = 80, 96, 112, 160, 192, …), the lanes past the row's chunks ("idle") hold no channel,
+// take part in the shuffles with neutral values and zero fields, and store only the zero
+// padding at the end of a row. Templates on the tensor's quantizer traits Q (kvq/quantize.cuh
+// lists them).
 #pragma once
 #include "kvq/quantize.cuh"
+
+// The smallest power of two at least x.
+static __host__ __device__ constexpr int kvq_pow2_at_least(int x) {
+    int p = 1;
+    while (p < x) p *= 2;
+    return p;
+}
 
 // The register forms' thread layout for a quantizer Q.
 template <class Q>
 struct KvqRegShape {
     static constexpr int THREADS = Q::THREADS;
     static constexpr int ITER = Q::REG_ITER;
-    static constexpr int LPR = D / 8;                 // lanes per row
+    // A row's 8-channel chunks, and whether lanes past them idle (enumerators: unlike static
+    // members they emit no PTX global).
+    enum : int { CHUNKS = D / 8 };
+    enum : bool { IDLE = kvq_pow2_at_least(CHUNKS) != CHUNKS };
+    static constexpr int LPR = kvq_pow2_at_least(CHUNKS);  // lanes per row
     static constexpr int RPW = 32 / LPR;              // rows per warp and step
     static constexpr int WARPS = THREADS / 32;
     static constexpr int RS = WARPS * RPW;            // rows per step (a power of two)
@@ -61,6 +76,16 @@ static __device__ __forceinline__ void kvq_store_field(const kvq_u32 (&bits)[8],
     }
 }
 
+// Zeroes an idle lane's codes (their fields are the zero padding of a row's last word, which the
+// row's last live lanes OR in and store).
+template <class S>
+static __device__ __forceinline__ void kvq_zero_idle(kvq_u32 (&bits)[8], bool live) {
+    if constexpr (S::IDLE)
+        if (!live)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) bits[j] = 0;
+}
+
 // Stores this lane's 8 codes of row r (the bits encode_bits returned).
 template <class Q>
 static __device__ __forceinline__ void kvq_store_row(kvq_u8* block, int r, const kvq_u32 (&bits)[8], int chunk, bool valid) {
@@ -99,10 +124,13 @@ static __device__ __forceinline__ void kvq_store_low_nibbles(kvq_u32 nib, kvq_u3
 // order; a bisection on the scores' bits (non-negative floats order as their bits) finds the K-th
 // largest score T with warp sums only; channels above T and the first ones equal to T in channel
 // order are boosted (ties to the lower channel); slots are prefix counts in channel order.
+// CPL = ceil(D / 32): where D is not a multiple of 32 the last lanes' channels past D hold key 0,
+// are never counted as a tie, and are never boosted.
 // Writes s_map (slot, or 0xFF) and s_chan (the channel of each slot).
 template <class Q>
 static __device__ __forceinline__ void kvq_select_warp(const float* s_part, kvq_u8* s_map, kvq_u8* s_chan, int lane) {
-    constexpr int CPL = D / 32, K = Q::BOOST_CHANNELS, RS = KvqRegShape<Q>::RS;
+    constexpr int CPL = (D + 31) / 32, K = Q::BOOST_CHANNELS, RS = KvqRegShape<Q>::RS;
+    constexpr bool PAST = D % 32 != 0;  // lanes with channels past D
     kvq_u32 key[CPL];
 #pragma unroll
     for (int e0 = 0; e0 < CPL; e0 += (CPL % 4 == 0 ? 4 : 1)) {
@@ -111,6 +139,13 @@ static __device__ __forceinline__ void kvq_select_warp(const float* s_part, kvq_
 #pragma unroll
         for (int r = 0; r < RS; ++r) {
             const float* at = s_part + r * D + lane * CPL + e0;
+            if constexpr (PAST) {
+                if (lane * CPL + e0 >= D) {  // V channels past D (D is a multiple of 4)
+#pragma unroll
+                    for (int e = 0; e < V; ++e) v[e][r] = 0.f;
+                    continue;
+                }
+            }
             if constexpr (V == 4) {
                 const float4 q = *(const float4*)at;
                 v[0][r] = q.x; v[1][r] = q.y; v[2][r] = q.z; v[3][r] = q.w;
@@ -138,14 +173,14 @@ static __device__ __forceinline__ void kvq_select_warp(const float* s_part, kvq_
     }
     int above = 0, equal = 0;
 #pragma unroll
-    for (int e = 0; e < CPL; ++e) { above += key[e] > t; equal += key[e] == t; }
+    for (int e = 0; e < CPL; ++e) { above += key[e] > t; equal += key[e] == t && !(PAST && lane * CPL + e >= D); }
     const int need = K - (int)__reduce_add_sync(0xffffffffu, (kvq_u32)above);
     int ties = kvq_warp_exclusive_scan(equal, lane);
     kvq_u32 flags = 0;
     int count = 0;
 #pragma unroll
     for (int e = 0; e < CPL; ++e) {
-        const bool tie = key[e] == t, boosted = key[e] > t || (tie && ties < need);
+        const bool tie = key[e] == t && !(PAST && lane * CPL + e >= D), boosted = key[e] > t || (tie && ties < need);
         ties += tie;
         flags |= (kvq_u32)boosted << e;
         count += boosted;
@@ -154,6 +189,7 @@ static __device__ __forceinline__ void kvq_select_warp(const float* s_part, kvq_
 #pragma unroll
     for (int e = 0; e < CPL; ++e) {
         const int c = lane * CPL + e;
+        if (PAST && c >= D) break;
         if ((flags >> e) & 1u) {
             s_map[c] = (kvq_u8)slot;
             s_chan[slot] = (kvq_u8)c;
@@ -178,6 +214,8 @@ static __device__ __forceinline__ void kvq_regs_boosted(const kvq_u32 (&w)[KvqRe
     const bool sym = Q::SYMMETRIC;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int chunk = lane % LPR, r0 = warp * RPW + lane / LPR, c0 = chunk * 8;
+    const bool live = !S::IDLE || chunk < S::CHUNKS;  // this lane holds channels
+    const int cr = live ? c0 : 0;                               // where it reads per-channel data
     constexpr int SEL = S::WARPS - 1;                        // the selecting warp
     constexpr int PT = (S::WARPS > 1 ? S::WARPS - 1 : 1) * 32;  // threads computing parameters
     constexpr bool VARIANCE = Q::BOOST_BY == KvqBoostBy::Variance;
@@ -192,7 +230,7 @@ static __device__ __forceinline__ void kvq_regs_boosted(const kvq_u32 (&w)[KvqRe
             float acc[ITER];
 #pragma unroll
             for (int i = 0; i < ITER; ++i) acc[i] = PAGE == ITER * RS || r0 + i * RS < PAGE ? kvq_lane_value<BF16>(w[i], j) : 0.f;
-            s_part[r0 * D + c0 + j] = kvq_fold_registers<ITER>(acc);
+            if (live) s_part[r0 * D + c0 + j] = kvq_fold_registers<ITER>(acc);
         }
         __syncthreads();
         kvq_fold_partials<RS>(s_part, s_mean, true);  // the means
@@ -200,12 +238,12 @@ static __device__ __forceinline__ void kvq_regs_boosted(const kvq_u32 (&w)[KvqRe
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-        const float mean = VARIANCE ? s_mean[c0 + j] : 0.f;
+        const float mean = VARIANCE ? s_mean[cr + j] : 0.f;
         float acc[ITER];
 #pragma unroll
         for (int i = 0; i < ITER; ++i)
             acc[i] = PAGE == ITER * RS || r0 + i * RS < PAGE ? kvq_score_term<Q>(kvq_lane_value<BF16>(w[i], j), mean) : 0.f;
-        s_part[r0 * D + c0 + j] = kvq_fold_registers<ITER>(acc);
+        if (live) s_part[r0 * D + c0 + j] = kvq_fold_registers<ITER>(acc);
     }
     __syncthreads();
     if (warp == SEL) kvq_select_warp<Q>(s_part, s_map, s_chan, lane);
@@ -230,19 +268,19 @@ static __device__ __forceinline__ void kvq_regs_boosted(const kvq_u32 (&w)[KvqRe
     __syncthreads();
     // This lane's channels at their width; warp 0 stores the block's slot table and its first row
     // of lanes the map, scales and zeros.
-    const uint2 map8 = *(const uint2*)(s_map + c0);
+    const uint2 map8 = *(const uint2*)(s_map + cr);
     float sf[8], inv[8], zf[8], lv[8];
     kvq_u32 raw[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const bool boosted = (((j < 4 ? map8.x : map8.y) >> (8 * (j % 4))) & 0xFFu) != 0xFFu;
-        const float4 q = s_par[boosted][c0 + j];
+        const float4 q = s_par[boosted][cr + j];
         sf[j] = q.x; inv[j] = q.y; zf[j] = q.z; raw[j] = __float_as_uint(q.w);
         lv[j] = boosted ? (float)Q::BOOST_LEVELS : (float)Q::LEVELS;  // symmetric codes only
     }
     if (warp == 0)  // the slot table, written by the selecting warp before the last barrier
         for (int s = lane; s < Q::BOOST_CHANNELS; s += 32) block[Q::SLOTS_OFFSET + s] = s_chan[s];
-    if (warp == 0 && lane < LPR) {
+    if (warp == 0 && lane < S::CHUNKS) {
         *(uint2*)(block + Q::MAP_OFFSET + c0) = map8;
         *(uint4*)(scales + c0) = make_uint4(__byte_perm(raw[0], raw[1], 0x5410), __byte_perm(raw[2], raw[3], 0x5410),
                                             __byte_perm(raw[4], raw[5], 0x5410), __byte_perm(raw[6], raw[7], 0x5410));
@@ -287,9 +325,16 @@ static __device__ __forceinline__ void kvq_regs_boosted(const kvq_u32 (&w)[KvqRe
 #pragma unroll
             for (int j = 1; j < 8; ++j) fields += bits[j] << (4 * j);
             fields -= 0x3F400000u;  // Σ_j 0x4B400000 << 4j (mod 2^32)
-            kvq_store_low_nibbles<Q::BITS>(fields, words, chunk, valid);
+            if constexpr (S::IDLE) {
+                // An idle lane's byte (1-bit codes) may be the padding of the row's last word: zero.
+                if (!live) fields = 0;
+                kvq_store_low_nibbles<Q::BITS>(fields, words, chunk, valid && chunk * Q::BITS < 4 * Q::ROW_WORDS);
+            } else {
+                kvq_store_low_nibbles<Q::BITS>(fields, words, chunk, valid);
+            }
         } else {
-            kvq_store_field<Q, Q::BITS, 0>(bits, words, chunk, valid);
+            kvq_zero_idle<S>(bits, live);
+            kvq_store_field<Q, Q::BITS, 0>(bits, words, chunk, valid && live);
             fields = 0;
 #pragma unroll
             for (int j = 0; j < 8; ++j) fields |= ((bits[j] >> Q::BITS) & Q::HIGH_MASK) << (HB * j);
@@ -322,12 +367,14 @@ static __device__ void kvq_quantize_regs(const KvqRows& src, kvq_u8* block) {
     const bool sym = Q::SYMMETRIC;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int chunk = lane % LPR, r0 = warp * RPW + lane / LPR, c0 = chunk * 8;
-    // 1. The page into registers (rows past the page read as zeros and are never stored).
+    const bool live = !S::IDLE || chunk < S::CHUNKS;  // this lane holds channels
+    // 1. The page into registers (rows past the page, and idle lanes, read as zeros and are never
+    //    stored).
     kvq_u32 w[ITER][4];
 #pragma unroll
     for (int i = 0; i < ITER; ++i) {
         const int r = r0 + i * RS;
-        if (FULL || r < PAGE) {
+        if ((FULL || r < PAGE) && live) {
             const kvq_u16* row = src.row(r) + c0;
             if (VEC) {
                 const uint4 x = *(const uint4*)row;
@@ -365,7 +412,7 @@ static __device__ void kvq_quantize_regs(const KvqRows& src, kvq_u8* block) {
                     lo[k] = kvq_min2<BF16>(lo[k], __shfl_xor_sync(0xffffffffu, lo[k], o));
                     hi[k] = kvq_max2<BF16>(hi[k], __shfl_xor_sync(0xffffffffu, hi[k], o));
                 }
-            if (lane < LPR)
+            if (lane < S::CHUNKS)
 #pragma unroll
                 for (int k = 0; k < 4; ++k) { s_lo[warp][chunk * 4 + k] = lo[k]; s_hi[warp][chunk * 4 + k] = hi[k]; }
         }
@@ -395,7 +442,7 @@ static __device__ void kvq_quantize_regs(const KvqRows& src, kvq_u8* block) {
             float sf[8], inv[8], zf[8];
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                const float4 q = s_par[c0 + j];
+                const float4 q = s_par[(live ? c0 : 0) + j];
                 sf[j] = q.x; inv[j] = q.y; zf[j] = q.z;
             }
 #pragma unroll
@@ -407,16 +454,18 @@ static __device__ void kvq_quantize_regs(const KvqRows& src, kvq_u8* block) {
                     const float levels = (float)Q::LEVELS;
                     bits[j] = kvq_encode_bits(kvq_lane_value<BF16>(w[i], j), sf[j], inv[j], zf[j], levels, sym);
                 }
-                kvq_store_row<Q>(block, r < PAGE ? r : 0, bits, chunk, r < PAGE);
+                kvq_zero_idle<S>(bits, live);
+                kvq_store_row<Q>(block, r < PAGE ? r : 0, bits, chunk, r < PAGE && live);
             }
         }
     } else {
         // 2-4. Token groups: a group is GROUP channels of one row, i.e. GROUP / 8 neighbouring
-        //      lanes. Min/max in pairs, then shuffles; then the parameters of all the warp's groups
-        //      at once, a group per lane (computing them per row would repeat the same lanes' work
-        //      ITER times); then each lane fetches its group's parameters and encodes. No shared
-        //      memory, no barrier.
-        constexpr int LPG = Q::GROUP / 8, GPT = Q::GROUPS_PER_TOKEN;
+        //      lanes (a whole row: its LPR lanes, idle ones neutral). Min/max in pairs, then
+        //      shuffles; then the parameters of all the warp's groups at once, a group per lane
+        //      (computing them per row would repeat the same lanes' work ITER times); then each
+        //      lane fetches its group's parameters and encodes. No shared memory, no barrier.
+        constexpr int GPT = Q::GROUPS_PER_TOKEN, LPG = GPT == 1 ? LPR : Q::GROUP / 8;
+        static_assert(!S::IDLE || GPT == 1, "token groups below a row need rows of a power of two of chunks");
         constexpr int GPI = RPW * GPT;                 // groups of one step of a warp (divides 32)
         constexpr int PASSES = (ITER * GPI + 31) / 32;
         float lo[ITER], hi[ITER];
@@ -427,6 +476,8 @@ static __device__ void kvq_quantize_regs(const KvqRows& src, kvq_u8* block) {
             for (int k = 1; k < 4; ++k) { lo2 = kvq_min2<BF16>(lo2, w[i][k]); hi2 = kvq_max2<BF16>(hi2, w[i][k]); }
             lo[i] = fminf(kvq_raw_to_f32<BF16>((kvq_u16)(lo2 & 0xFFFFu)), kvq_raw_to_f32<BF16>((kvq_u16)(lo2 >> 16)));
             hi[i] = fmaxf(kvq_raw_to_f32<BF16>((kvq_u16)(hi2 & 0xFFFFu)), kvq_raw_to_f32<BF16>((kvq_u16)(hi2 >> 16)));
+            if constexpr (S::IDLE)
+                if (!live) { lo[i] = __int_as_float(0x7f800000); hi[i] = KVQ_NEG_INF; }
 #pragma unroll
             for (int o = 1; o < LPG; o <<= 1) {
                 lo[i] = fminf(lo[i], __shfl_xor_sync(0xffffffffu, lo[i], o));
@@ -469,7 +520,8 @@ static __device__ void kvq_quantize_regs(const KvqRows& src, kvq_u8* block) {
             kvq_u32 bits[8];
 #pragma unroll
             for (int j = 0; j < 8; ++j) bits[j] = kvq_encode_bits(kvq_lane_value<BF16>(w[i], j), sf, inv, zf, (float)Q::LEVELS, sym);
-            kvq_store_row<Q>(block, r < PAGE ? r : 0, bits, chunk, r < PAGE);
+            kvq_zero_idle<S>(bits, live);
+            kvq_store_row<Q>(block, r < PAGE ? r : 0, bits, chunk, r < PAGE && live);
         }
     }
 }
