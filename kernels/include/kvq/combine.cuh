@@ -9,21 +9,43 @@
 // part_ml[b][h][s] = (m, l): the split's running max (natural-log units) and its softmax denominator;
 // part_acc[b][h][s][c]: the split's unnormalised output. Splits that saw no token have l = 0 (their
 // partial output is never read into a sum, so it may hold anything).
-// Warp w merges splits w, w + WARPS, ... with an online softmax, each lane holding head_dim/32
-// channels; the warps then merge in warp order through shared memory (deterministic). Every load of
-// a batch of KVQ_COMBINE_BATCH splits is issued before any is used, so a head costs a few memory
-// round trips whatever the split count. (One CTA of head_dim threads that weighed all splits first
+// Warp w merges splits w, w + WARPS, ... with an online softmax, each lane holding
+// ceil(head_dim/32) channels (where head_dim is not a multiple of 32, the last lanes' channels
+// past it read as zeros and are never stored); the warps then merge in warp order through shared
+// memory (deterministic). Every load of a batch of KVQ_COMBINE_BATCH splits is issued before any
+// is used, so a head costs a few memory round trips whatever the split count. (One CTA of head_dim threads that weighed all splits first
 // and then summed them took 9.5 µs for 49 splits on an H100: three dependent round trips and
 // a loop whose loads sat behind a branch.)
 #include "kvq/common.cuh"
 
 static constexpr int KVQ_COMBINE_WARPS = KVQ_COMBINE_THREADS / 32;
-static constexpr int KVQ_COMBINE_CPL = D / 32;   // channels per lane
+static constexpr int KVQ_COMBINE_CPL = (D + 31) / 32;   // channels per lane
+// Lanes with channels past D (an enumerator: unlike a static constant it emits no PTX global).
+enum : bool { KVQ_COMBINE_PAST = D % 32 != 0 };
 static constexpr int KVQ_COMBINE_BATCH = KVQ_COMBINE_CPL <= 4 ? 8 : 4;
 
 // Loads this lane's channels of one split's partial output (vectorised where the width allows).
 static __device__ __forceinline__ void kvq_combine_load(const float* p, float (&x)[KVQ_COMBINE_CPL]) {
-    if constexpr (KVQ_COMBINE_CPL % 4 == 0) {
+    if constexpr (KVQ_COMBINE_PAST) {
+        // A vector of channels lies wholly before D or wholly past it (D is a multiple of 16).
+        constexpr int V = KVQ_COMBINE_CPL % 4 == 0 ? 4 : KVQ_COMBINE_CPL % 2 == 0 ? 2 : 1;
+        const int c0 = (threadIdx.x % 32) * KVQ_COMBINE_CPL;
+#pragma unroll
+        for (int i = 0; i < KVQ_COMBINE_CPL; i += V) {
+            if (c0 + i >= D) {
+#pragma unroll
+                for (int e = 0; e < V; ++e) x[i + e] = 0.f;
+            } else if constexpr (V == 4) {
+                const float4 v = *(const float4*)(p + i);
+                x[i] = v.x; x[i + 1] = v.y; x[i + 2] = v.z; x[i + 3] = v.w;
+            } else if constexpr (V == 2) {
+                const float2 v = *(const float2*)(p + i);
+                x[i] = v.x; x[i + 1] = v.y;
+            } else {
+                x[i] = p[i];
+            }
+        }
+    } else if constexpr (KVQ_COMBINE_CPL % 4 == 0) {
 #pragma unroll
         for (int i = 0; i < KVQ_COMBINE_CPL; i += 4) {
             const float4 v = *(const float4*)(p + i);
@@ -84,8 +106,14 @@ static __device__ __forceinline__ void kvq_combine(
     }
     // 2. The warps, in warp order.
     if (lane == 0) { s_m[warp] = m; s_l[warp] = l; }
+    if constexpr (KVQ_COMBINE_PAST) {
 #pragma unroll
-    for (int i = 0; i < KVQ_COMBINE_CPL; ++i) s_acc[warp][lane * KVQ_COMBINE_CPL + i] = acc[i];
+        for (int i = 0; i < KVQ_COMBINE_CPL; ++i)
+            if (lane * KVQ_COMBINE_CPL + i < D) s_acc[warp][lane * KVQ_COMBINE_CPL + i] = acc[i];
+    } else {
+#pragma unroll
+        for (int i = 0; i < KVQ_COMBINE_CPL; ++i) s_acc[warp][lane * KVQ_COMBINE_CPL + i] = acc[i];
+    }
     __syncthreads();
     float mm = KVQ_NEG_INF;
 #pragma unroll

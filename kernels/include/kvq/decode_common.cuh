@@ -5,7 +5,7 @@
 //                query heads [kvh·GQA, (kvh + 1)·GQA) against the cache's KV head kvh / HEAD_GROUPS;
 //   QHEADS       a KV head's query heads; where fewer than its rows' columns (UNEVEN_GROUPS), the
 //                last row starts early, at QHEADS − GQA (kvq_head_row, kvq_heads_shared).
-static constexpr int CPL = D / 32;                                   // channels per lane (scores)
+static constexpr int CPL = (D + 31) / 32;                            // channels per lane (scores)
 static constexpr int TGROUPS = D >= THREADS ? 1 : THREADS / D;       // token groups (P·V)
 static constexpr int CPT = (D + THREADS - 1) / THREADS;              // channels per thread (P·V)
 static constexpr int KIND_F16_ROW = 0, KIND_PAGE = 1;

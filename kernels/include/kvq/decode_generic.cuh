@@ -3,6 +3,12 @@
 // kernel does not take. Bodies of the unit's entry points; `if constexpr` on the tensor traits
 // (KTensor, VTensor) and CALIBRATE picks each layout's code.
 static_assert(HEAD_GROUPS == 1, "the generic kernel scores all of a KV head's query heads in one CTA");
+// Scores give each lane CPL = ceil(D / 32) channels, lane·CPL + j; where D is not a multiple of 32
+// the last lanes' channels past D are skipped (their query registers hold zeros). An enumerator:
+// unlike a static constant it emits no PTX global.
+enum : bool { KVQ_GEN_PAST = D % 32 != 0 };
+// Whether channel c of a lane's CPL is one of the row's.
+static __device__ __forceinline__ bool kvq_gen_channel(int c) { return !KVQ_GEN_PAST || c < D; }
 // Where one token of one tensor lives: an f16 row (sink, tail ring or FP16 page) or a row of a
 // quantized page block.
 struct KvqLoc { int kind; const kvq_u16* f16; const kvq_u8* block; int row; int page; };
@@ -87,6 +93,7 @@ static __device__ __forceinline__ void kvq_tile_scores(
 #pragma unroll
         for (int j = 0; j < CPL; ++j) {
             const int c = lane * CPL + j;
+            if (!kvq_gen_channel(c)) break;
             float s, z;
             k_scale_zero(first.block, 0, c, s, z);
 #pragma unroll
@@ -105,6 +112,7 @@ static __device__ __forceinline__ void kvq_tile_scores(
         if (l.kind == KIND_F16_ROW) {
 #pragma unroll
             for (int j = 0; j < CPL; ++j) {
+                if (!kvq_gen_channel(lane * CPL + j)) break;
                 const float x = kvq_f16_to_f32(l.f16[lane * CPL + j]);
 #pragma unroll
                 for (int h = 0; h < GQA; ++h) part[h] += qreg[h][j] * x;
@@ -114,6 +122,7 @@ static __device__ __forceinline__ void kvq_tile_scores(
 #pragma unroll
             for (int j = 0; j < CPL; ++j) {
                 const int c = lane * CPL + j;
+                if (!kvq_gen_channel(c)) break;
                 if constexpr (T::AXIS == KvqAxis::Channel) {
                 const float code = (float)k_full_code(l.block, l.row, c);
 #pragma unroll
@@ -143,7 +152,8 @@ static __device__ __forceinline__ void kvq_load_queries(const kvq_u16* q, int se
     for (int h = 0; h < GQA; ++h)
 #pragma unroll
         for (int j = 0; j < CPL; ++j)
-            qreg[h][j] = kvq_io_to_f32(q[(((long)seq * kv_heads + kvh) * GQA + h) * D + lane * CPL + j]) * scale;
+            qreg[h][j] = kvq_gen_channel(lane * CPL + j)
+                ? kvq_io_to_f32(q[(((long)seq * kv_heads + kvh) * GQA + h) * D + lane * CPL + j]) * scale : 0.f;
 }
 
 // This split's tokens: whole tiles of the sequence, as evenly as possible.
