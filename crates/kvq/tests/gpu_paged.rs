@@ -2,6 +2,10 @@
 //! page boundaries with sink and local windows in play) must produce exactly the reference's page
 //! bytes (codes, scales, zeros, boost planes and maps), sink and live tail-ring rows; attention over it
 //! must match the reference, each output element within its error bound (`common::expected`).
+//! Shapes: head_dim 128 (f16) and 64 (bf16) in every page quantizer form, and 80, 96, 112, 160
+//! and 192 (rows that are not a power of two of 8-channel chunks, or not whole 32-channel units)
+//! for every scheme in its default forms and some others, two of them also in bf16
+//! ([`SHAPES`]; `KVQ_TEST_HEAD_DIMS=80,112` checks only those, printed).
 //! Plus the cache's error paths. Fresh random inputs each run (seed printed, `KVQ_SEED` repeats
 //! one), each case's drawn from (seed, case name), so a test-name filter does not change them.
 //! Runs under its own harness: without a GPU every test shows as ignored, with the reason;
@@ -59,6 +63,61 @@ const GQA: usize = 4;
 /// and several 128-token pages from each starting point.
 const PROMPTS: &[usize] = &[0, 31, 200, 1100];
 const APPENDS: usize = 420;
+
+/// The shapes every scheme runs at, with the page quantizer forms tried there besides the
+/// defaults (tiled for a tensor a form does not take): every form at head_dim 128 and at 64 in
+/// bf16; at the other head_dims in f16 one more form, so the naive and tiled forms' per-element
+/// paths (80, 112), their warp-per-row paths (96, 192) and the coarsened form's 16-bit loads
+/// (160) run beside the defaults (mostly the vectorized form, whose rows there leave lanes idle);
+/// two of them also in bf16.
+const SHAPES: &[(usize, Dtype, &[QuantizerForm])] = &[
+    (128, Dtype::F16, &QuantizerForm::ALL),
+    (64, Dtype::Bf16, &QuantizerForm::ALL),
+    (80, Dtype::F16, &[QuantizerForm::Tiled]),
+    (96, Dtype::F16, &[QuantizerForm::Tiled]),
+    (112, Dtype::F16, &[QuantizerForm::Naive]),
+    (160, Dtype::F16, &[QuantizerForm::Coarsened]),
+    (192, Dtype::F16, &[QuantizerForm::Tiled]),
+    (80, Dtype::Bf16, &[]),
+    (192, Dtype::Bf16, &[]),
+];
+
+/// [`SHAPES`], or those whose head_dim `KVQ_TEST_HEAD_DIMS` names (each must be one of them).
+fn shapes() -> Vec<(usize, Dtype, &'static [QuantizerForm])> {
+    let Ok(list) = std::env::var("KVQ_TEST_HEAD_DIMS") else {
+        return SHAPES.to_vec();
+    };
+    let known: Vec<usize> = SHAPES.iter().map(|s| s.0).collect();
+    let dims: Vec<usize> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .map(|d| match d.parse() {
+            Ok(d) if known.contains(&d) => d,
+            _ => panic!("KVQ_TEST_HEAD_DIMS names `{d}`; known: {known:?}"),
+        })
+        .collect();
+    assert!(!dims.is_empty(), "KVQ_TEST_HEAD_DIMS names no head_dim");
+    println!("KVQ_TEST_HEAD_DIMS: checking only {dims:?}");
+    SHAPES
+        .iter()
+        .filter(|s| dims.contains(&s.0))
+        .copied()
+        .collect()
+}
+
+/// The forms a case runs at a shape: the defaults, then each listed form for both tensors (tiled
+/// for a tensor it does not take), skipping a form neither tensor takes and repeats.
+fn case_forms(spec: &SchemeSpec, d: usize, forms: &[QuantizerForm]) -> Vec<QuantizerForms> {
+    let mut out = vec![QuantizerForms::default_for(spec, d as u32)];
+    for &form in forms {
+        let f = forms_or_tiled(spec, d as u32, form);
+        if (f == QuantizerForms::both(form) || form == QuantizerForm::Tiled) && !out.contains(&f) {
+            out.push(f);
+        }
+    }
+    out
+}
 
 /// Built-ins plus schemes that reach the quantizer's other paths: 3-bit planes, token-axis keys with
 /// several groups per token, symmetric boosted codes ranked by variance, a 64-token page.
@@ -201,17 +260,15 @@ fn gpu_paged_cache_matches_the_reference_for_every_integer_scheme() {
     let stream_ = device.default_stream();
     let mut failures = Vec::new();
     let mut report = Vec::new();
+    let shapes = shapes();
     for (name, spec) in all_paths() {
-        for (d, dtype, form) in [(128usize, Dtype::F16), (64, Dtype::Bf16)]
-            .into_iter()
-            .flat_map(|(d, t)| QuantizerForm::ALL.map(|f| (d, t, f)))
+        for (d, dtype, forms) in shapes
+            .iter()
+            // A token group that does not divide the row: the spec refuses that shape.
+            .filter(|(d, _, _)| spec.check_shape_usize(*d, KV_HEADS).is_ok())
+            .flat_map(|&(d, t, f)| case_forms(&spec, d, f).into_iter().map(move |f| (d, t, f)))
         {
-            // Every page quantizer form (tiled where a tensor's layout has no register form); the
-            // attention check runs once per shape, on the default forms.
-            let forms = forms_or_tiled(&spec, d as u32, form);
-            if forms != QuantizerForms::both(form) && form != QuantizerForm::Tiled {
-                continue;
-            }
+            // The attention check runs once per shape, on the default forms.
             let default_forms = forms == QuantizerForms::default_for(&spec, d as u32);
             let cfg = CacheConfig {
                 kv_heads: KV_HEADS,
@@ -272,14 +329,20 @@ fn gpu_paged_cache_matches_the_reference_for_every_integer_scheme() {
             }
             // Attention over the cache the appends built.
             let shape = KernelShape::new(d as u32, GQA as u32, Dtype::F16);
-            let kernel = DecodeKernel::load_with(
+            let kernel = match DecodeKernel::load_with(
                 &jit,
                 &spec,
                 &shape,
                 &TuneParams::default_for(&spec, &shape),
                 kvq::runtime::LoadOptions::ALLOW_SLOW_PATH,
-            )
-            .expect("decode kernel");
+            ) {
+                Ok(k) => k,
+                Err(e) => {
+                    // The cache's bytes were checked; say why its attention was not.
+                    failures.push(format!("{name} d{d} {dtype}: no decode kernel: {e}"));
+                    continue;
+                }
+            };
             let q_heads = KV_HEADS * GQA;
             let n = PROMPTS.len() * q_heads * d;
             let (q_bits, q_vals) = random_queries(
