@@ -228,6 +228,17 @@ pub fn cache_kernels_with(
             "cache kernels stage a page in shared memory: head_dim {head_dim} > 256"
         )));
     }
+    // Narrower rows than 64 channels but 32's would leave the page quantizers' warp-per-row
+    // paths without a channel a lane; no model has them.
+    if head_dim < 64 && head_dim != 32 {
+        return Err(CodegenError::Unsupported {
+            family: "cache",
+            what: format!(
+                "head_dim {head_dim}: the cache kernels serve 32 and the multiples of 16 from 64 \
+                 to 256"
+            ),
+        });
+    }
     let d = head_dim as usize;
     for (name, t, form) in [("k", &spec.k, forms.k), ("v", &spec.v, forms.v)] {
         if t.is_quantized() && !form.supports(t, head_dim, spec.page) {
@@ -370,4 +381,36 @@ pub fn cache_kernels_with(
         v_quantizers: page_quantizers(&ctx.v),
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_dims_below_64_but_32_are_typed_errors() {
+        let spec =
+            SchemeSpec::parse("k = int(2, channel), v = int(2, token), local = 128").unwrap();
+        assert!(cache_kernels(&spec, 32, Dtype::F16).is_ok());
+        for head_dim in [16, 48] {
+            let e = cache_kernels(&spec, head_dim, Dtype::F16).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    CodegenError::Unsupported {
+                        family: "cache",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "no cache kernel for head_dim {head_dim}: the cache kernels serve 32 and the \
+                     multiples of 16 from 64 to 256"
+                )
+            );
+        }
+    }
 }
