@@ -86,7 +86,7 @@ fn kernel_id(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> Strin
 /// caller makes knowingly, never a silent fallback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum SlowPath {
-    /// The tensor-core kernel is written for head_dim 64, 128 and 256.
+    /// The tensor-core kernel serves head_dim 64 to 256 in multiples of 16.
     HeadDim(u32),
     /// Codes of a width the tensor-core kernel does not read (it reads 1, 2, 4 and 8 bits).
     CodeBits { tensor: char, bits: u8 },
@@ -129,7 +129,12 @@ impl std::fmt::Display for SlowPath {
 /// `head_dim·bits/8` for V, so `head_dim·bits >= 128`) except for 1-bit codes at head_dim 64
 /// ([`half_word_codes`]), folds channel-axis K scales into the query, and folds token-axis V
 /// scales into the probabilities only when one group spans the whole row.
-fn mma_unsupported(t: &TensorCtx, is_k: bool, head_dim: usize) -> Option<SlowPath> {
+fn mma_unsupported(
+    t: &TensorCtx,
+    is_k: bool,
+    head_dim: usize,
+    virtual_dim: usize,
+) -> Option<SlowPath> {
     if t.kind == TensorKind::Fp16 {
         return None;
     }
@@ -140,7 +145,7 @@ fn mma_unsupported(t: &TensorCtx, is_k: bool, head_dim: usize) -> Option<SlowPat
             bits: t.bits,
         });
     }
-    if head_dim * (t.bits as usize) < 128 && !half_word_codes(t, head_dim) {
+    if virtual_dim * (t.bits as usize) < 128 && !half_word_codes(t, head_dim) {
         return Some(SlowPath::NarrowRows { tensor });
     }
     if is_k && half_word_codes(t, head_dim) && t.boost {
@@ -174,11 +179,47 @@ pub(crate) fn mma_unsupported_shape(
     v: &TensorCtx,
 ) -> Option<SlowPath> {
     let d = shape.head_dim as usize;
-    if !matches!(d, 64 | 128 | 256) {
+    if !(64..=256).contains(&d) || d % 16 != 0 {
         Some(SlowPath::HeadDim(shape.head_dim))
     } else {
-        mma_unsupported(k, true, d).or_else(|| mma_unsupported(v, false, d))
+        let dv = slabs(d, k, v).iter().sum::<usize>();
+        mma_unsupported(k, true, d, dv).or_else(|| mma_unsupported(v, false, d, dv))
     }
+}
+
+/// Fewest channels a slab of a tensor's rows may have: a thread's share of a slab must be whole
+/// 32-bit words of K codes (a quad lane's quarter, `slab·bits/4` bits) and whole 16-bit halves of
+/// V codes (a lane group's eighth, `slab·bits/8`), the units the kernel converts codes in.
+fn slab_granularity(t: &TensorCtx) -> usize {
+    match t.kind {
+        TensorKind::Fp16 => 16,
+        _ => (128 / usize::from(t.bits.max(1))).max(16),
+    }
+}
+
+/// How the tensor-core kernel reads a row of `head_dim` channels: as slabs, each read as a whole
+/// row of its size is (a quad lane takes a quarter of each slab's K channels, a lane group an
+/// eighth of its V channels), largest first. A power of two is one slab. Otherwise the largest
+/// powers of two of at least [`slab_granularity`] channels, then one more slab of that many for
+/// what is left, reaching past the row: its channels there are zeros in the query, the scales
+/// and the output. Every slab starts at a multiple of its size, so on a word boundary of the
+/// reference's rows: the layout is the same at every head_dim (docs/LAYOUT.md §9).
+pub(crate) fn slabs(head_dim: usize, k: &TensorCtx, v: &TensorCtx) -> Vec<usize> {
+    if head_dim.is_power_of_two() {
+        return vec![head_dim];
+    }
+    let least = slab_granularity(k).max(slab_granularity(v));
+    let mut out = Vec::new();
+    let mut rest = head_dim;
+    while rest >= least {
+        let slab = 1usize << rest.ilog2();
+        out.push(slab);
+        rest -= slab;
+    }
+    if rest > 0 {
+        out.push(least);
+    }
+    out
 }
 
 /// Chooses between the tensor-core kernel and the generic one for a shape and the tensors' layouts.
@@ -210,6 +251,12 @@ fn mma_plan(
     };
     let reason = mma_unsupported_shape(shape, k, v);
     let enabled = reason.is_none();
+    let slab_list = slabs(d, k, v);
+    let virtual_dim = slab_list.iter().sum::<usize>();
+    let mut slab_sizes = [0u32; 4];
+    for (to, from) in slab_sizes.iter_mut().zip(&slab_list) {
+        *to = *from as u32;
+    }
     let groups = mma_head_groups(shape, k, v);
     let head_tiles = head_tiles_of(groups);
     // A CTA scores one group of the KV head's query heads (head_groups.rs).
@@ -262,8 +309,10 @@ fn mma_plan(
         v_subnormal: v_token_fold && v_subnormal_pays(v),
         v_channel_subnormal,
         stage_v_params: stored_scores && v_channel_subnormal && stages_v_params(k, v),
-        merge_bytes: merge_bytes(tune, d) * head_tiles as usize,
+        merge_bytes: merge_bytes(tune, virtual_dim) * head_tiles as usize,
         head_tiles,
+        slabs: slab_sizes,
+        virtual_dim: virtual_dim as u32,
         pack_heads: enabled && k_high_int && tune.pack_heads && pack_heads_pays(shape, tune),
         k_fp16_row_cap: fp16_row_cap(k, tune),
         v_fp16_row_cap: fp16_row_cap(v, tune),
@@ -311,14 +360,14 @@ pub enum PieceRule {
     FewSplits,
 }
 
-/// Shared memory of the warps' merge: each warp's accumulators (`head_dim / 16` m-tiles × 4 per
+/// Shared memory of the warps' merge: each warp's accumulators (`virtual_dim / 16` m-tiles × 4 per
 /// lane) in register order, rows of 32 lanes padded to 33 words so that neither the warps' stores
 /// nor the reads of whole output rows conflict on banks. The merge it replaced added each warp's
 /// values into one `[heads][head_dim]` array in turn, 8-way bank conflicts and a barrier per warp:
 /// 3.1–3.5 µs at the end of every 64-thread CTA, 6.4 µs for 128 threads (H100).
-fn merge_bytes(tune: &TuneParams, head_dim: usize) -> usize {
+fn merge_bytes(tune: &TuneParams, virtual_dim: usize) -> usize {
     let warps = tune.threads as usize / 32;
-    warps * (head_dim / 16) * 4 * 33 * 4
+    warps * (virtual_dim / 16) * 4 * 33 * 4
 }
 
 /// Eight warps per combine CTA: at B = 1 a head's 50-odd splits take one batch of loads per warp.
@@ -601,22 +650,6 @@ impl DecodeKernels {
     }
 }
 
-/// Refuses a head_dim the spec accepts (a multiple of 16) but the GPU kernels do not serve yet: they
-/// split a row into 32-channel units (the generic decode kernel's `D/32` channels a lane, the cache
-/// kernels' warp over a row), so at `head_dim % 32 != 0` they would read the wrong channels.
-pub(crate) fn gpu_head_dim(family: &'static str, head_dim: u32) -> Result<(), CodegenError> {
-    if head_dim % 32 == 0 {
-        return Ok(());
-    }
-    Err(CodegenError::Unsupported {
-        family,
-        what: format!(
-            "head_dim {head_dim}: GPU kernels need head_dim a multiple of 32 for now; the CPU \
-             reference runs it"
-        ),
-    })
-}
-
 /// Renders the decode kernels for a scheme, shape and tuning.
 pub fn decode_kernels(
     spec: &SchemeSpec,
@@ -647,7 +680,6 @@ pub fn decode_kernels(
         )));
     }
     spec.check_shape(shape.head_dim, 1)?;
-    gpu_head_dim("decode", shape.head_dim)?;
     if shape.head_dim > 512 {
         return Err(CodegenError::Shape(format!(
             "head_dim = {} (at most 512)",

@@ -18,6 +18,7 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/decode_common.cuh",
     "kvq/decode/constants.cuh",
     "kvq/decode/helpers.cuh",
+    "kvq/decode/slabs.cuh",
     "kvq/decode/sources.cuh",
     "kvq/decode/ring.cuh",
     "kvq/decode/keys_f16.cuh",

@@ -3,9 +3,9 @@
 //! short staging path and with its few-pairs block, FP16's also with its few-pairs block),
 //! calibrated schemes of other key widths and layouts (`other_calibrated_schemes`) and
 //! uncalibrated ones of FP16 keys with 2-bit values and of 1-bit K and V
-//! (`other_uncalibrated_schemes`), × head_dim {64, 128, 256} × {f16, bf16} × GQA {1, 4, 8, 11,
-//! 16} (11 and 16 in head groups, 11's second starting early), in one batch of odd, unequal
-//! lengths. Inputs are fresh random data each run (seed printed; `KVQ_SEED` repeats one); each
+//! (`other_uncalibrated_schemes`), × head_dim {64, 80, 96, 112, 128, 160, 192, 256} × {f16,
+//! bf16} × GQA {1, 4, 7, 8, 11, 16} (11 and 16 in head groups, 11's second starting early), in one
+//! batch of odd, unequal lengths. Inputs are fresh random data each run (seed printed; `KVQ_SEED` repeats one); each
 //! case draws its own from (seed, case name), so a filter does not change what a case sees.
 //! Outputs are poisoned with NaN before every launch, and NaN never passes. Every output element
 //! is held to its own error bound, derived from the computation (`common::expected`). Where a
@@ -69,13 +69,35 @@ fn main() {
 
 const LENGTHS: &[usize] = &[1, 127, 128, 129, 4097, 33000];
 const KV_HEADS: usize = 2;
-const HEAD_DIMS: &[u32] = &[64, 128, 256];
+/// Every head_dim the tensor-core kernel serves as one slab (64, 128, 256) and as several (the
+/// others: docs/LAYOUT.md §9). `KVQ_TEST_HEAD_DIMS=80,96` checks only those (printed).
+const HEAD_DIMS: &[u32] = &[64, 80, 96, 112, 128, 160, 192, 256];
 /// 11 and 16 take the tensor-core kernel in two head groups: of 6 query heads, the second
 /// starting a head early (sharing one with the first), and of 8. FP16's kernels at head_dim ≤ 128
 /// take them in one row of two head tiles instead, and are also checked at 29 heads: at head_dim
 /// 128 two rows of 15 in two tiles, the second starting a head early; at 64 one row in four.
-const GQAS: &[u32] = &[1, 4, 8, 11, 16];
-const FP16_GQAS: &[u32] = &[1, 4, 8, 11, 16, 29];
+/// 7 fills no tile.
+const GQAS: &[u32] = &[1, 4, 7, 8, 11, 16];
+const FP16_GQAS: &[u32] = &[1, 4, 7, 8, 11, 16, 29];
+
+/// [`HEAD_DIMS`], or those `KVQ_TEST_HEAD_DIMS` names (each one of them).
+fn head_dims() -> Vec<u32> {
+    let Ok(list) = std::env::var("KVQ_TEST_HEAD_DIMS") else {
+        return HEAD_DIMS.to_vec();
+    };
+    let dims: Vec<u32> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .map(|d| match d.parse() {
+            Ok(d) if HEAD_DIMS.contains(&d) => d,
+            _ => panic!("KVQ_TEST_HEAD_DIMS names `{d}`; known: {HEAD_DIMS:?}"),
+        })
+        .collect();
+    assert!(!dims.is_empty(), "KVQ_TEST_HEAD_DIMS names no head_dim");
+    println!("KVQ_TEST_HEAD_DIMS: checking only {dims:?}");
+    dims
+}
 
 /// The query heads a KV head each scheme (or variant) is checked at.
 fn gqas_for(name: &str) -> &'static [u32] {
@@ -264,10 +286,11 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
     }
 
     // Compile every variant up front, in parallel (NVRTC is the slow part; the JIT is thread-safe).
+    let dims = head_dims();
     let started = Instant::now();
     let mut variants = Vec::new();
     for (name, spec) in &schemes {
-        for &d in HEAD_DIMS {
+        for &d in &dims {
             for &dtype in DTYPES {
                 for &gqa in gqas_for(name) {
                     variants.push((*name, *spec, KernelShape::new(d, gqa, dtype)));
@@ -318,7 +341,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
     let mut worst = Vec::new();
     let mut kernel_iter = kernels.iter_mut();
     for (name, spec) in &schemes {
-        for &d in HEAD_DIMS {
+        for &d in &dims {
             let caches: Vec<IntCache> = LENGTHS
                 .iter()
                 .map(|&len| {
@@ -501,7 +524,7 @@ fn gpu_jit_warm_start_report() {
     let load_all = |jit: &Jit| -> usize {
         let mut n = 0;
         for (name, spec) in integer_schemes() {
-            for &d in HEAD_DIMS {
+            for &d in &head_dims() {
                 for &dtype in DTYPES {
                     for &gqa in gqas_for(name) {
                         let shape = KernelShape::new(d, gqa, dtype);

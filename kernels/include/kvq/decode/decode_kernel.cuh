@@ -305,11 +305,14 @@ static __device__ __forceinline__ void kvq_decode_kernel(
     // and it ran ×0.95–×0.97 at B ≥ 4 on the H100.
 #pragma unroll 1
     for (int e = (UNEVEN_GROUPS ? kvq_heads_shared(kvh) * D : 0) + threadIdx.x; e < GQA * D; e += THREADS) {
-        // Output (h, c) sits in tile h / 8; there, for column hc = h % 8, in lane 4·(c / NT) + hc / 2,
-        // register (i, j) = ((c % NT) / 2, 2·(c % 2) + hc % 2).
-        const int h = e / D, c = e % D, rem = c % NT;
+        // Output (h, c) sits in tile h / 8; there, for column hc = h % 8, in lane 4·grp + hc / 2,
+        // register (i, j) = (rem / 2, 2·(rem % 2) + hc % 2).
+        // Channel c is block-order channel `rem` of lane group `grp` (c / NT, c % NT with one slab).
+        const int h = e / D, c = e % D;
+        int grp, rem;
+        kvq_v_owner(c, grp, rem);
         const int tile = H == 1 ? 0 : h >> 3, hc = H == 1 ? h : h & 7;
-        const int at = tile * MERGE_TILE + ((rem >> 1) * 4 + ((rem & 1) << 1) + (hc & 1)) * MERGE_ROW + (c / NT) * 4 + (hc >> 1);
+        const int at = tile * MERGE_TILE + ((rem >> 1) * 4 + ((rem & 1) << 1) + (hc & 1)) * MERGE_ROW + grp * 4 + (hc >> 1);
         float x = merged[at];
         for (int w = 1; w < WARPS; ++w) x += merged[w * MERGE_WARP + at];
         if constexpr (KVQ_PACK)   // head h + 4: lane + 2, same register

@@ -180,7 +180,7 @@ static __host__ __device__ constexpr float kvq_pair_units(int q) {
 // over the word's halves: kvq_spread_half_word).
 template <int BITS>
 static __host__ __device__ constexpr int kvq_half_codes() {
-    return (16 / BITS) < D / 8 ? (16 / BITS) : D / 8;
+    return (16 / BITS) < DV / 8 ? (16 / BITS) : DV / 8;
 }
 // Channels (relative to a thread's block) of pair p of a BITS-bit row: low half first.
 template <int BITS>

@@ -15,25 +15,25 @@ static __device__ __forceinline__ int kvq_row(int t, int n) {
 template <int BITS>
 static __device__ __forceinline__ void kvq_query_pairs(const kvq_u16* q, long head_row, int g, int r, kvq_u32 (&out)[KPAIRS],
                                                        int first = 0) {
-    kvq_u32 w[D / 8];
+    kvq_u32 w[DV / 8];
     const int head = first + kvq_col_head(g);
     if (head < GQA) {
-        kvq_load<D / 2>((const kvq_u8*)(q + (head_row + head) * D + r * (D / 4)), w);
+        kvq_load_k_block<16, 16>((const kvq_u8*)(q + (head_row + head) * D), r, w);
         if constexpr (IO == KvqDtype::Bf16) {
 #pragma unroll
-        for (int i = 0; i < D / 8; ++i)
+        for (int i = 0; i < DV / 8; ++i)
             w[i] = kvq_h2_pack(__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xffff0000u));
         }
     } else {
 #pragma unroll
-        for (int i = 0; i < D / 8; ++i) w[i] = 0u;
+        for (int i = 0; i < DV / 8; ++i) w[i] = 0u;
     }
 #pragma unroll
     for (int p = 0; p < KPAIRS; ++p) out[p] = kvq_half_pair(w, kvq_pair_lo<BITS>(p), kvq_pair_hi<BITS>(p));
 }
 
 // K rows as thread (g, r) feeds them to mma: per 16-token subtile, tokens g and g+8 of channel
-// block r (KB bytes each, rows ROW bytes apart). Subtiles are loaded PRE at a time ahead of their
+// block r (KB bytes each, rows ROW bytes apart; the block's slabs' shares, kvq/decode/slabs.cuh). Subtiles are loaded PRE at a time ahead of their
 // use, as many as keep the loaded words at 32 or fewer.
 static __host__ __device__ constexpr int kvq_preload_subtiles(int kw) {
     return (2 * kw * NSUB <= 32) ? NSUB : ((32 / (2 * kw)) > 0 ? (32 / (2 * kw)) : 1);
@@ -50,8 +50,13 @@ static __device__ __forceinline__ void kvq_load_subtiles(const kvq_u8* rows, int
     for (int s = 0; s < PRE; ++s) {
         if (kvq_subtile_live<GUARD>(s0 + s, n)) {
             const int ta = kvq_row<GUARD>((s0 + s) * 16 + g, n), tb = kvq_row<GUARD>((s0 + s) * 16 + g + 8, n);
-            kvq_load<KB>(rows + (long)ta * ROW + r * KB, raw[s][0]);
-            kvq_load<KB>(rows + (long)tb * ROW + r * KB, raw[s][1]);
+            if constexpr (KVQ_ONE_SLAB) {
+                kvq_load<KB>(rows + (long)ta * ROW + r * KB, raw[s][0]);
+                kvq_load<KB>(rows + (long)tb * ROW + r * KB, raw[s][1]);
+            } else {
+                kvq_load_k_block<KB * 32 / DV, kvq_align_of(ROW)>(rows + (long)ta * ROW, r, raw[s][0]);
+                kvq_load_k_block<KB * 32 / DV, kvq_align_of(ROW)>(rows + (long)tb * ROW, r, raw[s][1]);
+            }
         }
     }
 }
@@ -65,7 +70,7 @@ template <int BITS, int OFF, bool LO, bool GUARD, bool SUB = false, int TILES, c
 static __device__ __forceinline__ void kvq_chunk_scores(const kvq_u8* rows, int n, int g, int r,
     const Fold (&folds)[TILES], float (&sc)[TILES][NSUB][4])
 {
-    constexpr int KB = D * BITS / 32;   // bytes of a thread's block of one row
+    constexpr int KB = DV * BITS / 32;   // bytes of a thread's block of one row
     constexpr int KW = KB >= 4 ? KB / 4 : 1;
     constexpr bool HALF_WORD = KB == 2;  // 1-bit keys at head_dim 64: 8 pairs from one half
     static_assert(KB >= 4 || (HALF_WORD && BITS == 1), "a thread's block is whole words or 16 1-bit codes");
@@ -94,7 +99,7 @@ static __device__ __forceinline__ void kvq_chunk_scores(const kvq_u8* rows, int 
                     // Two independent accumulator chains (even/odd k-steps, or high/low query halves).
                     float c[4] = {0.f, 0.f, 0.f, 0.f}, c2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-                    for (int kk = 0; kk < D / 16; ++kk) {
+                    for (int kk = 0; kk < DV / 16; ++kk) {
                         if (LO) {
                             kvq_mma(c, kp[0][2 * kk], kp[1][2 * kk], kp[0][2 * kk + 1], kp[1][2 * kk + 1], qh[2 * kk], qh[2 * kk + 1]);
                             kvq_mma(c2, kp[0][2 * kk], kp[1][2 * kk], kp[0][2 * kk + 1], kp[1][2 * kk + 1], ql[2 * kk], ql[2 * kk + 1]);

@@ -15,8 +15,8 @@ template <int BITS, int OFF, int MODE, bool GUARD, int TILES>
 static __device__ __forceinline__ void kvq_chunk_pv(const kvq_u8* rows, int n, int g, int r,
     const kvq_u32 (&pb)[TILES][NSUB][2], const kvq_u32* s2, const kvq_u32* z2, float (&acc)[TILES][MT][4], float (&psum)[TILES][4])
 {
-    constexpr int VB = D * BITS / 64;   // bytes of a thread's channels of one row
-    constexpr int VW = VB >= 4 ? VB / 4 : 1;
+    constexpr int VB = DV * BITS / 64;   // bytes of a thread's channels of one row (its slabs' shares)
+    constexpr int VW = VB >= 4 ? (VB + 3) / 4 : 1;      // words (the last half-filled where VB / 2 is odd)
     constexpr int VH = VB >= 2 ? VB / 2 : 1;                // 16-bit halves (1-bit V at head_dim 64: one, half filled)
     constexpr int PPH = VB >= 2 ? 16 / BITS : 8 / BITS;     // pairs per half
     static_assert(VB >= 2 || BITS == 1, "a thread's channels of a row are whole halves or 8 1-bit codes");
@@ -32,7 +32,8 @@ static __device__ __forceinline__ void kvq_chunk_pv(const kvq_u8* rows, int n, i
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const int t = kvq_row<GUARD>((s0 + s) * 16 + 2 * r + (j & 1) + (j >> 1) * 8, n);
-                    kvq_load<VB>(rows + (long)t * ROW + g * VB, raw[s][j]);
+                    if constexpr (KVQ_ONE_SLAB) kvq_load<VB>(rows + (long)t * ROW + g * VB, raw[s][j]);
+                    else kvq_load_v_block<BITS, kvq_align_of(ROW)>(rows + (long)t * ROW, g, raw[s][j]);
                 }
             }
         }
@@ -107,8 +108,8 @@ static __device__ __forceinline__ void kvq_v_channel_units(const kvq_u8* params,
 {
     if constexpr (V_CHANNEL_SUB) {
     kvq_u32 sw[NT / 2], zw[NT / 2];
-    kvq_load<NT * 2>(params + g * NT * 2, sw);
-    kvq_load<NT * 2>(params + VTensor::ZEROS_OFFSET - VTensor::SCALES_OFFSET + g * NT * 2, zw);
+    kvq_load_v_f16(params, g, sw);
+    kvq_load_v_f16(params + VTensor::ZEROS_OFFSET - VTensor::SCALES_OFFSET, g, zw);
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
         const float sv = kvq_f16_to_f32((kvq_u16)(sw[j >> 1] >> (16 * (j & 1))));
@@ -171,9 +172,18 @@ static __device__ __forceinline__ void kvq_chunk_pv_lean(const kvq_u8* rows, int
             kvq_u32 w[4][MT];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const kvq_u32* t = (const kvq_u32*)(rows + (long)min(s * 16 + 2 * r + (j & 1) + (j >> 1) * 8, n - 1) * D * 2 + g * NT * 2);
+                const kvq_u8* const row = rows + (long)min(s * 16 + 2 * r + (j & 1) + (j >> 1) * 8, n - 1) * D * 2;
+                const kvq_u32* t = (const kvq_u32*)(row + g * NT * 2);
 #pragma unroll
-                for (int i = 0; i < MT; ++i) w[j][i] = t[i];
+                for (int i = 0; i < MT; ++i) {
+                    // Word i holds block-order channels 2i and 2i + 1, two channels of one slab's share.
+                    if constexpr (KVQ_ONE_SLAB) {
+                        w[j][i] = t[i];
+                    } else {
+                        const int c = kvq_v_channel(2 * i, g);
+                        w[j][i] = c < D ? *(const kvq_u32*)(row + 2 * c) : 0u;
+                    }
+                }
             }
 #pragma unroll
             for (int i = 0; i < MT; ++i)
