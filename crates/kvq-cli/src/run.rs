@@ -121,9 +121,7 @@ fn schemes_cmd(a: SchemesArgs, out: &mut dyn Write) -> Result<()> {
             bits4,
             bits32,
             saved,
-            // The GPU kernels serve head_dims that are multiples of 32 for now (codegen refuses
-            // the others with that reason).
-            if kvq::codegen::has_decode_kernel(&b.spec) && a.head_dim % 32 == 0 {
+            if kvq::codegen::has_decode_kernel(&b.spec) {
                 "GPU + CPU"
             } else {
                 "CPU only"
