@@ -473,15 +473,15 @@ pub(crate) mod tests {
     #[test]
     fn slow_path_rows_are_marked() {
         let mut r = sample();
-        r.rows[1].slow_path = Some("head_dim 96".into());
+        r.rows[1].slow_path = Some("head_dim 288".into());
         let md = r.markdown();
         assert!(
-            md.contains("| kivi2 (generic kernel: head_dim 96) | 1 | 4K |"),
+            md.contains("| kivi2 (generic kernel: head_dim 288) | 1 | 4K |"),
             "{md}"
         );
         assert_eq!(md.matches("generic kernel").count(), 1, "{md}");
         let back = BenchResults::from_json(&r.json()).unwrap();
-        assert_eq!(back.rows[1].slow_path.as_deref(), Some("head_dim 96"));
+        assert_eq!(back.rows[1].slow_path.as_deref(), Some("head_dim 288"));
     }
 
     /// `kvq bench --replot` reads its file through the guard: a FIFO (which would block the open
