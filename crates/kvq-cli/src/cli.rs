@@ -144,8 +144,8 @@ pub struct GenArgs {
     /// A built-in name (`kivi2`, …) or scheme text (`"k = int(2, channel), v = int(2, token)"`).
     #[arg(long)]
     pub scheme: String,
-    /// Channels per head: a multiple of 32 for the GPU kernels for now (the CPU reference takes
-    /// any multiple of 16), at most 512; cache kernels at most 256.
+    /// Channels per head: a multiple of 16, at most 512; the tensor-core decode and the cache
+    /// kernels take 64 to 256.
     #[arg(long)]
     pub head_dim: u32,
     /// Query/output dtype (and the dtype of new K/V the cache kernels take): f16 or bf16.

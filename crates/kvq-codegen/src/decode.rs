@@ -90,8 +90,6 @@ pub enum SlowPath {
     HeadDim(u32),
     /// Codes of a width the tensor-core kernel does not read (it reads 1, 2, 4 and 8 bits).
     CodeBits { tensor: char, bits: u8 },
-    /// A thread's share of a row is less than a 32-bit word (`head_dim·bits < 128`).
-    NarrowRows { tensor: char },
     /// A boosted plane over 1-bit keys at head_dim 64 (half a word a thread).
     BoostedHalfWordKeys { tensor: char },
     /// Token-axis keys (the kernel folds channel-axis key scales into the query).
@@ -108,7 +106,6 @@ impl std::fmt::Display for SlowPath {
         match self {
             SlowPath::HeadDim(d) => write!(f, "head_dim {d}"),
             SlowPath::CodeBits { tensor, bits } => write!(f, "{tensor}: {bits}-bit codes"),
-            SlowPath::NarrowRows { tensor } => write!(f, "{tensor}: head_dim·bits < 128"),
             SlowPath::BoostedHalfWordKeys { tensor } => {
                 write!(
                     f,
@@ -124,17 +121,12 @@ impl std::fmt::Display for SlowPath {
     }
 }
 
-/// Why one tensor cannot use the tensor-core kernel, if it cannot: the kernel reads whole 32-bit
-/// words of 1/2/4/8-bit codes (a thread's share of a row is `head_dim·bits/4` bits for K and
-/// `head_dim·bits/8` for V, so `head_dim·bits >= 128`) except for 1-bit codes at head_dim 64
-/// ([`half_word_codes`]), folds channel-axis K scales into the query, and folds token-axis V
-/// scales into the probabilities only when one group spans the whole row.
-fn mma_unsupported(
-    t: &TensorCtx,
-    is_k: bool,
-    head_dim: usize,
-    virtual_dim: usize,
-) -> Option<SlowPath> {
+/// Why one tensor cannot use the tensor-core kernel, if it cannot: the kernel reads 1/2/4/8-bit
+/// codes (in shares of whole words, or half a word for 1-bit codes at head_dim 64,
+/// [`half_word_codes`]: [`slabs`] keeps every other share whole at head_dim ≥ 64), folds
+/// channel-axis K scales into the query, and folds token-axis V scales into the probabilities only
+/// when one group spans the whole row.
+fn mma_unsupported(t: &TensorCtx, is_k: bool, head_dim: usize) -> Option<SlowPath> {
     if t.kind == TensorKind::Fp16 {
         return None;
     }
@@ -144,9 +136,6 @@ fn mma_unsupported(
             tensor,
             bits: t.bits,
         });
-    }
-    if virtual_dim * (t.bits as usize) < 128 && !half_word_codes(t, head_dim) {
-        return Some(SlowPath::NarrowRows { tensor });
     }
     if is_k && half_word_codes(t, head_dim) && t.boost {
         return Some(SlowPath::BoostedHalfWordKeys { tensor });
@@ -182,8 +171,7 @@ pub(crate) fn mma_unsupported_shape(
     if !(64..=256).contains(&d) || d % 16 != 0 {
         Some(SlowPath::HeadDim(shape.head_dim))
     } else {
-        let dv = slabs(d, k, v).iter().sum::<usize>();
-        mma_unsupported(k, true, d, dv).or_else(|| mma_unsupported(v, false, d, dv))
+        mma_unsupported(k, true, d).or_else(|| mma_unsupported(v, false, d))
     }
 }
 
@@ -193,7 +181,9 @@ pub(crate) fn mma_unsupported_shape(
 fn slab_granularity(t: &TensorCtx) -> usize {
     match t.kind {
         TensorKind::Fp16 => 16,
-        _ => (128 / usize::from(t.bits.max(1))).max(16),
+        _ => (128 / usize::from(t.bits.max(1)))
+            .next_power_of_two()
+            .max(16),
     }
 }
 
@@ -253,6 +243,8 @@ fn mma_plan(
     let enabled = reason.is_none();
     let slab_list = slabs(d, k, v);
     let virtual_dim = slab_list.iter().sum::<usize>();
+    // At most 128 + 64 + 32 + 16 below 256 channels.
+    debug_assert!(slab_list.len() <= 4, "{slab_list:?}");
     let mut slab_sizes = [0u32; 4];
     for (to, from) in slab_sizes.iter_mut().zip(&slab_list) {
         *to = *from as u32;

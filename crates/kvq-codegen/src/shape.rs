@@ -34,7 +34,7 @@ impl std::str::FromStr for Dtype {
 /// The problem shape a decode kernel is compiled for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct KernelShape {
-    /// Channels per head (a multiple of 32).
+    /// Channels per head (a multiple of 16).
     pub head_dim: u32,
     /// Query heads per KV head (GQA group size; 1 for MHA).
     pub gqa: u32,

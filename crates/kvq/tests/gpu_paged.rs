@@ -12,7 +12,9 @@
 //! `KVQ_REQUIRE_GPU=1` makes that a failure.
 
 mod common;
-use common::{case_seed, expected, integer_schemes, judge, needs, run_trials, seed};
+use common::{
+    case_seed, expected, integer_schemes, judge, needs, run_trials, seed, selected_head_dims,
+};
 use half::f16;
 use kvq::codegen::{Dtype, KernelShape, QuantizerForm, QuantizerForms, TuneParams};
 use kvq::reference::attention::{self, Queries};
@@ -84,24 +86,13 @@ const SHAPES: &[(usize, Dtype, &[QuantizerForm])] = &[
 
 /// [`SHAPES`], or those whose head_dim `KVQ_TEST_HEAD_DIMS` names (each must be one of them).
 fn shapes() -> Vec<(usize, Dtype, &'static [QuantizerForm])> {
-    let Ok(list) = std::env::var("KVQ_TEST_HEAD_DIMS") else {
+    let known: Vec<u32> = SHAPES.iter().map(|s| s.0 as u32).collect();
+    let Some(dims) = selected_head_dims(&known) else {
         return SHAPES.to_vec();
     };
-    let known: Vec<usize> = SHAPES.iter().map(|s| s.0).collect();
-    let dims: Vec<usize> = list
-        .split(',')
-        .map(str::trim)
-        .filter(|d| !d.is_empty())
-        .map(|d| match d.parse() {
-            Ok(d) if known.contains(&d) => d,
-            _ => panic!("KVQ_TEST_HEAD_DIMS names `{d}`; known: {known:?}"),
-        })
-        .collect();
-    assert!(!dims.is_empty(), "KVQ_TEST_HEAD_DIMS names no head_dim");
-    println!("KVQ_TEST_HEAD_DIMS: checking only {dims:?}");
     SHAPES
         .iter()
-        .filter(|s| dims.contains(&s.0))
+        .filter(|s| dims.contains(&(s.0 as u32)))
         .copied()
         .collect()
 }

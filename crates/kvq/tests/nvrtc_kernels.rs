@@ -1,14 +1,14 @@
 //! Every built-in integer/FP16 scheme's decode kernels and cache kernels compile with real NVRTC
-//! to CUBIN for sm_90a, and for sm_80 all but part of the built-ins' GQA grid: decode at every supported head_dim, both dtypes and GQA 1/4/8/16
-//! (16 in two head groups of 8), and at head_dim 128 also GQA 12 (head groups of 6), 11 (two of 6,
-//! the second starting a head early) and 29 (four of 8, the last starting three heads early), and
-//! at head_dim 64 GQA 71 (Falcon 7B's multi-query attention: nine rows of 8, past the generic
-//! kernel's 64);
-//! cache kernels in every page quantizer form. Decode also for calibrated schemes whose range pass
-//! keeps the f16 path, and for the uncalibrated layouts `gpu_decode` adds, which no built-in
-//! takes. Needs no GPU: CI installs libnvrtc from pip and sets `KVQ_REQUIRE_NVRTC=1`, so these
-//! fail there rather than skip. Runs under its own harness: without NVRTC each test shows as
-//! ignored, with the reason.
+//! to CUBIN for sm_90a, and for sm_80 all but part of the built-ins' GQA grid: decode at head_dim
+//! 64, 128 and 256, both dtypes and GQA 1/4/8/16 (16 in two head groups of 8), and at head_dim
+//! 128 also GQA 12 (head groups of 6), 11 (two of 6, the second starting a head early) and 29
+//! (four of 8, the last starting three heads early), and at head_dim 64 GQA 71 (Falcon 7B's
+//! multi-query attention: nine rows of 8, past the generic kernel's 64); decode at 80, 96, 112, 160
+//! and 192 (rows read as several slabs) for sm_90a; cache kernels in every page quantizer form, and at
+//! 80 and 112. Decode also for calibrated schemes whose range pass keeps the f16 path, and for the
+//! uncalibrated layouts `gpu_decode` adds, which no built-in takes. Needs no GPU: CI installs
+//! libnvrtc from pip and sets `KVQ_REQUIRE_NVRTC=1`, so these fail there rather than skip. Runs
+//! under its own harness: without NVRTC each test shows as ignored, with the reason.
 
 mod common;
 use common::{needs, other_calibrated_schemes, other_uncalibrated_schemes, run_trials};
@@ -42,7 +42,7 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
     let mut jobs = Vec::new();
     for b in BUILTIN {
         let gpu_scheme = has_decode_kernel(&b.spec);
-        for head_dim in [64, 96, 128, 256] {
+        for head_dim in [64, 128, 256] {
             for dtype in [Dtype::F16, Dtype::Bf16] {
                 let more_heads: &[u32] = match head_dim {
                     128 => &[11, 12, 29],
@@ -68,7 +68,7 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
     }
     assert_eq!(
         jobs.len(),
-        8 * (4 * 2 * 4 + 3 * 2 + 2),
+        8 * (3 * 2 * 4 + 3 * 2 + 2),
         "every integer/FP16 built-in renders"
     );
     // Every block shape the tuner may pick, for schemes whose staging ring changes with it (tile
@@ -111,6 +111,51 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
             jobs.push((b.name, shape, k.source));
         }
     }
+    // Head sizes read as several slabs (kvq/decode/slabs.cuh): slabs reaching past the row (80,
+    // 96, 112 and 160 for the 1- and 2-bit schemes) and slabs of 16 and 32 channels, at GQA 4, and
+    // at 80 also GQA 7; sm_90a only (a tensor-core module compiles in seconds on CI's two cores).
+    let mut slabbed = Vec::new();
+    for b in BUILTIN.iter().filter(|b| has_decode_kernel(&b.spec)) {
+        for (head_dim, gqa, dtype) in [
+            (80, 4, Dtype::F16),
+            (80, 7, Dtype::Bf16),
+            (96, 4, Dtype::Bf16),
+            (112, 4, Dtype::F16),
+            (160, 4, Dtype::F16),
+            (192, 4, Dtype::F16),
+        ] {
+            let shape = KernelShape::new(head_dim, gqa, dtype);
+            let k = decode_kernels(&b.spec, &shape, &TuneParams::default_for(&b.spec, &shape))
+                .unwrap_or_else(|e| panic!("{} {shape:?}: {e}", b.name));
+            assert!(
+                k.slow_path.is_none(),
+                "{} {shape:?}: {:?}",
+                b.name,
+                k.slow_path
+            );
+            slabbed.push((b.name, shape, k.source));
+        }
+    }
+    // The generic kernel, which no built-in takes at these head_dims: 3-bit codes (token-axis keys
+    // at 128; at 80, a lane's channels past the row) and a head past 256 channels.
+    let three_bit = |text: &str| kvq::SchemeSpec::parse(text).unwrap();
+    let token_keys =
+        three_bit("k = int(3, token, group = 32), v = int(3, channel), sink = 16, page = 64");
+    let channel_keys = three_bit("k = int(3, channel), v = int(3, channel), local = 64");
+    let kivi2 = kvq::schemes::by_name("kivi2").expect("built-in").spec;
+    for (name, spec, shape) in [
+        ("3-bit", token_keys, KernelShape::new(128, 4, Dtype::F16)),
+        ("3-bit", channel_keys, KernelShape::new(80, 1, Dtype::Bf16)),
+        ("kivi2", kivi2, KernelShape::new(288, 4, Dtype::F16)),
+    ] {
+        let k = decode_kernels(&spec, &shape, &TuneParams::default_for(&spec, &shape))
+            .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"));
+        assert!(
+            k.slow_path.is_some(),
+            "{name} {shape:?}: the generic kernel"
+        );
+        jobs.push((name, shape, k.source));
+    }
     // Calibrated keys of other widths and layouts, whose range pass keeps the f16 path, with
     // stored scores (the default) and, at GQA 4, with the keys scored twice.
     for (name, spec) in other_calibrated_schemes() {
@@ -151,44 +196,77 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
     // sm_80 differs from sm_90a in the architecture's paths, not in the shape's: it compiles
     // every job but the built-ins' grid, where one GQA per (scheme, head_dim, dtype) stands for
     // the rest. That keeps CI's 2-core run well inside its time.
-    let grid = 8 * (4 * 2 * 4 + 3 * 2 + 2);
+    let grid = 8 * (3 * 2 * 4 + 3 * 2 + 2);
     let sm80 = |shape: &KernelShape| shape.gqa == 4;
     let (grid_jobs, rest) = jobs.split_at(grid);
     compile_all_for(grid_jobs, sm80);
     compile_all(rest);
+    compile_all_for(&slabbed, |_| false);
     println!(
         "compiled {} decode modules for sm_90a, {} of them also for sm_80, with NVRTC {version:?}",
-        jobs.len(),
+        jobs.len() + slabbed.len(),
         rest.len() + grid_jobs.iter().filter(|j| sm80(&j.1)).count()
     );
+}
+
+/// Cache units of a scheme at `head_dim` in f16, one for each distinct pair of forms the
+/// quantizer forms give it (a form a tensor does not take falls back to tiled), past `skip`.
+fn every_form(
+    b: &kvq::schemes::Builtin,
+    head_dim: u32,
+    skip: &[kvq::codegen::QuantizerForms],
+) -> Vec<(&'static str, String, String)> {
+    let mut seen = skip.to_vec();
+    let mut out = Vec::new();
+    for form in QuantizerForm::ALL {
+        let forms = forms_or_tiled(&b.spec, head_dim, form);
+        if !seen.contains(&forms) {
+            seen.push(forms);
+            let k = cache_kernels_with(&b.spec, head_dim, Dtype::F16, forms)
+                .unwrap_or_else(|e| panic!("{} d{head_dim} {forms}: {e}", b.name));
+            out.push((b.name, format!("d{head_dim} f16 {forms}"), k.source));
+        }
+    }
+    out
 }
 
 fn every_builtin_cache_kernel_compiles_in_every_quantizer_form() {
     let version = nvrtc::version().unwrap();
     let mut jobs = Vec::new();
+    // Rows that are not whole 32-channel units (idle lanes past a row's chunks in the register
+    // forms, per-element paths in the naive and tiled ones) for sm_90a: the default forms at 80
+    // and 112 in both dtypes, and every other form at 80.
+    let mut wide = Vec::new();
+    let cache = |b: &kvq::schemes::Builtin, head_dim: u32, dtype: Dtype| {
+        let k = kvq::codegen::cache_kernels(&b.spec, head_dim, dtype)
+            .unwrap_or_else(|e| panic!("{} d{head_dim} {dtype}: {e}", b.name));
+        (b.name, format!("d{head_dim} {dtype:?}"), k.source)
+    };
     for b in BUILTIN.iter().filter(|b| has_decode_kernel(&b.spec)) {
-        // Every form at the benchmarked shape; the default forms at the other head_dims and bf16
-        // (96: a head_dim only the naive and tiled forms cover).
-        let mut seen = Vec::new();
-        for form in QuantizerForm::ALL {
-            let forms = forms_or_tiled(&b.spec, 128, form);
-            if !seen.contains(&forms) {
-                seen.push(forms);
-                let k = cache_kernels_with(&b.spec, 128, Dtype::F16, forms)
-                    .unwrap_or_else(|e| panic!("{} {forms}: {e}", b.name));
-                jobs.push((b.name, format!("d128 f16 {forms}"), k.source));
+        // Every form at the benchmarked shape; the default forms at the other head_dims and bf16.
+        jobs.extend(every_form(b, 128, &[]));
+        for (head_dim, dtype) in [(64, Dtype::Bf16), (96, Dtype::F16), (256, Dtype::Bf16)] {
+            jobs.push(cache(b, head_dim, dtype));
+        }
+        for head_dim in [80, 112] {
+            for dtype in [Dtype::F16, Dtype::Bf16] {
+                wide.push(cache(b, head_dim, dtype));
             }
         }
-        for (head_dim, dtype) in [(64, Dtype::Bf16), (96, Dtype::F16), (256, Dtype::Bf16)] {
-            let k = kvq::codegen::cache_kernels(&b.spec, head_dim, dtype)
-                .unwrap_or_else(|e| panic!("{} d{head_dim}: {e}", b.name));
-            jobs.push((b.name, format!("d{head_dim} {dtype:?}"), k.source));
-        }
+        wide.extend(every_form(
+            b,
+            80,
+            &[forms_or_tiled(&b.spec, 80, QuantizerForm::Vectorized)],
+        ));
     }
+    assert!(wide.len() >= 8 * 4, "{} jobs at 80 and 112", wide.len());
     compile_all(&jobs);
+    compile_all_for(&wide, |_| false);
     println!(
-        "compiled {} cache modules × 2 architectures with NVRTC {version:?}",
-        jobs.len()
+        "compiled {} cache modules × 2 architectures and {} at head_dim 80 and 112 for sm_90a \
+         with NVRTC {version:?}",
+        jobs.len(),
+        wide.len()
     );
 }
 

@@ -84,6 +84,24 @@ pub fn other_uncalibrated_schemes() -> Vec<(&'static str, SchemeSpec)> {
     .collect()
 }
 
+/// The head_dims `KVQ_TEST_HEAD_DIMS` names (a comma list, each one of `known`), printed; `None`
+/// where it is unset. An unknown or empty list panics: a typo must not pass by checking nothing.
+pub fn selected_head_dims(known: &[u32]) -> Option<Vec<u32>> {
+    let list = std::env::var("KVQ_TEST_HEAD_DIMS").ok()?;
+    let dims: Vec<u32> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .map(|d| match d.parse() {
+            Ok(d) if known.contains(&d) => d,
+            _ => panic!("KVQ_TEST_HEAD_DIMS names `{d}`; known: {known:?}"),
+        })
+        .collect();
+    assert!(!dims.is_empty(), "KVQ_TEST_HEAD_DIMS names no head_dim");
+    println!("KVQ_TEST_HEAD_DIMS: checking only {dims:?}");
+    Some(dims)
+}
+
 /// The seed of one case's inputs: a hash of the run's seed and the case's name, so a case's
 /// inputs do not depend on which other cases a filter (`KVQ_TEST_SCHEMES`, a test name) keeps.
 /// FNV-1a over the name, then SplitMix64's finaliser to spread it.

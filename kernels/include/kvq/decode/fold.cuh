@@ -116,7 +116,7 @@ static __device__ __forceinline__ void kvq_fold_page(F& f, const kvq_u8* params,
         if constexpr (!KVQ_RANGE_QUERY_KEPT) kvq_query_pairs<KBITS>(q, head_row, KVQ_RANGE_PACKED ? (g & 3) : g, r, loaded);
         const kvq_u32 (&qk)[KPAIRS] = KVQ_RANGE_QUERY_KEPT ? f.qk : loaded;
         kvq_u32 sw[DV / 8];
-        kvq_load_k_f16<0, DV / 4>(params, r, sw);
+        kvq_load_share<4, 16, 16>(params, r, sw);
 #pragma unroll
         for (int p = 0; p < KPAIRS; ++p) {
             const kvq_u32 s2 = kvq_half_pair(sw, kvq_pair_lo<KBITS>(p), kvq_pair_hi<KBITS>(p));
@@ -134,7 +134,7 @@ static __device__ __forceinline__ void kvq_fold_page(F& f, const kvq_u8* params,
         } else {
             // Bias q·z on the tensor cores: every A row is the zeros, so every C row is the bias.
             kvq_u32 zw[DV / 8];
-            kvq_load_k_f16<0, DV / 4>(params + (KTensor::ZEROS_OFFSET - KTensor::SCALES_OFFSET), r, zw);
+            kvq_load_share<4, 16, 16>(params + (KTensor::ZEROS_OFFSET - KTensor::SCALES_OFFSET), r, zw);
             float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int kk = 0; kk < DV / 16; ++kk) {

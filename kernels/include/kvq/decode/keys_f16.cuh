@@ -18,7 +18,7 @@ static __device__ __forceinline__ void kvq_query_pairs(const kvq_u16* q, long he
     kvq_u32 w[DV / 8];
     const int head = first + kvq_col_head(g);
     if (head < GQA) {
-        kvq_load_k_block<16, 16>((const kvq_u8*)(q + (head_row + head) * D), r, w);
+        kvq_load_share<4, 16, 16>((const kvq_u8*)(q + (head_row + head) * D), r, w);
         if constexpr (IO == KvqDtype::Bf16) {
 #pragma unroll
         for (int i = 0; i < DV / 8; ++i)
@@ -50,13 +50,8 @@ static __device__ __forceinline__ void kvq_load_subtiles(const kvq_u8* rows, int
     for (int s = 0; s < PRE; ++s) {
         if (kvq_subtile_live<GUARD>(s0 + s, n)) {
             const int ta = kvq_row<GUARD>((s0 + s) * 16 + g, n), tb = kvq_row<GUARD>((s0 + s) * 16 + g + 8, n);
-            if constexpr (KVQ_ONE_SLAB) {
-                kvq_load<KB>(rows + (long)ta * ROW + r * KB, raw[s][0]);
-                kvq_load<KB>(rows + (long)tb * ROW + r * KB, raw[s][1]);
-            } else {
-                kvq_load_k_block<KB * 32 / DV, kvq_align_of(ROW)>(rows + (long)ta * ROW, r, raw[s][0]);
-                kvq_load_k_block<KB * 32 / DV, kvq_align_of(ROW)>(rows + (long)tb * ROW, r, raw[s][1]);
-            }
+            kvq_load_share<4, KB * 32 / DV, kvq_align_of(ROW)>(rows + (long)ta * ROW, r, raw[s][0]);
+            kvq_load_share<4, KB * 32 / DV, kvq_align_of(ROW)>(rows + (long)tb * ROW, r, raw[s][1]);
         }
     }
 }

@@ -25,7 +25,7 @@ static __device__ __forceinline__ void kvq_chunk_scores_lean(const kvq_u8* rows,
                 if constexpr (KVQ_ONE_SLAB) {
                     a[kk] = ra[kk]; b[kk] = rb[kk];
                 } else {
-                    const int c = kvq_k_channel(4 * kk, r);
+                    const int c = kvq_share_channel<4>(4 * kk, r);
                     const bool in_row = c < D;
                     a[kk] = in_row ? *(const uint2*)(row_a + 2 * c) : make_uint2(0u, 0u);
                     b[kk] = in_row ? *(const uint2*)(row_b + 2 * c) : make_uint2(0u, 0u);
@@ -38,7 +38,7 @@ static __device__ __forceinline__ void kvq_chunk_scores_lean(const kvq_u8* rows,
                 if constexpr (KVQ_ONE_SLAB) {
                     qq = *(const uint2*)(qw + 2 * kk);
                 } else {
-                    const int ch = kvq_k_channel(4 * kk, r);
+                    const int ch = kvq_share_channel<4>(4 * kk, r);
                     qq = ch < D ? *(const uint2*)(qrow + ch) : make_uint2(0u, 0u);
                 }
                 if constexpr (IO == KvqDtype::Bf16) {

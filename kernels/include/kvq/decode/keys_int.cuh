@@ -206,8 +206,7 @@ struct KvqIntQuery : KvqIntQueryData<KVQ_FOLD_XC + DV / 8, K_BOOST> {
         constexpr int CB = DV / 4;
         const int head = KVQ_FOLD_SPLIT ? (g & 3) : kvq_col_head(g);
         if (head < GQA) {
-            if constexpr (KVQ_ONE_SLAB) kvq_load<CB * 2>((const kvq_u8*)(q + (head_row + head) * D + r * CB), qw);
-            else kvq_load_k_block<16, 16>((const kvq_u8*)(q + (head_row + head) * D), r, qw);
+            kvq_load_share<4, 16, 16>((const kvq_u8*)(q + (head_row + head) * D), r, qw);
         } else {
 #pragma unroll
             for (int i = 0; i < RAW; ++i) qw[i] = 0u;  // heads past GQA fold a zero query
@@ -263,8 +262,8 @@ static __device__ __forceinline__ float kvq_fold_int(F& f, const kvq_u8* params,
     kvq_u32 qx[XC], sx[XC / 2];
     kvq_query_read<0, XC>(qt, lane, qx);
     if constexpr (KVQ_ONE_SLAB) kvq_load<XC * 2>(params + r * CB * 2 + (upper ? XC * 2 : 0), sx);
-    else if (upper) kvq_load_k_f16<XC, XC>(params, r, sx);
-    else kvq_load_k_f16<0, XC>(params, r, sx);
+    else if (upper) kvq_load_share<4, 16, 16, XC, XC>(params, r, sx);
+    else kvq_load_share<4, 16, 16, 0, XC>(params, r, sx);
     float x[XC];
     float mx = 0.f;
 #pragma unroll
@@ -355,8 +354,8 @@ static __device__ __forceinline__ float kvq_fold_int(F& f, const kvq_u8* params,
     } else {
         // Bias q·z + K_CENTRE·(q·s) with A rows of zeros and of scales (f16 products, exact, in f32).
         kvq_u32 zw[CB / 2], sw[CB / 2], qw[CB / 2];
-        kvq_load_k_f16<0, CB>(params + (KTensor::ZEROS_OFFSET - KTensor::SCALES_OFFSET), r, zw);
-        kvq_load_k_f16<0, CB>(params, r, sw);
+        kvq_load_share<4, 16, 16>(params + (KTensor::ZEROS_OFFSET - KTensor::SCALES_OFFSET), r, zw);
+        kvq_load_share<4, 16, 16>(params, r, sw);
         kvq_query_read<XC, CB / 2>(qt, lane, qw);
         if constexpr (ONE_CHAIN) {
             // A rows g are the zeros and rows g + 8 the scales, so one mma chain gives q·z in c[0..1]

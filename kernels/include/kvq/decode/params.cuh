@@ -6,7 +6,7 @@
 static __device__ __forceinline__ void kvq_v_channel_params(const kvq_u8* params, int g, kvq_u32 (&s2)[NT], kvq_u32 (&z2)[NT]) {
     if constexpr (V_QUANT && VTensor::AXIS == KvqAxis::Channel) {
     kvq_u32 sw[NT / 2];
-    kvq_load_v_f16(params, g, sw);
+    kvq_load_share<8, 16, 16>(params, g, sw);
 #pragma unroll
     for (int j = 0; j < NT; ++j) s2[j] = kvq_prmt(sw[j >> 1], sw[j >> 1], (j & 1) ? 0x3232u : 0x1010u);
     if constexpr (VTensor::SYMMETRIC) {
@@ -14,7 +14,7 @@ static __device__ __forceinline__ void kvq_v_channel_params(const kvq_u8* params
     for (int j = 0; j < NT; ++j) z2[j] = 0u;
     } else {
     kvq_u32 zw[NT / 2];
-    kvq_load_v_f16(params + VTensor::ZEROS_OFFSET - VTensor::SCALES_OFFSET, g, zw);
+    kvq_load_share<8, 16, 16>(params + VTensor::ZEROS_OFFSET - VTensor::SCALES_OFFSET, g, zw);
 #pragma unroll
     for (int j = 0; j < NT; ++j) z2[j] = kvq_prmt(zw[j >> 1], zw[j >> 1], (j & 1) ? 0x3232u : 0x1010u);
     }

@@ -32,8 +32,7 @@ static __device__ __forceinline__ void kvq_chunk_pv(const kvq_u8* rows, int n, i
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const int t = kvq_row<GUARD>((s0 + s) * 16 + 2 * r + (j & 1) + (j >> 1) * 8, n);
-                    if constexpr (KVQ_ONE_SLAB) kvq_load<VB>(rows + (long)t * ROW + g * VB, raw[s][j]);
-                    else kvq_load_v_block<BITS, kvq_align_of(ROW)>(rows + (long)t * ROW, g, raw[s][j]);
+                    kvq_load_share<8, BITS, kvq_align_of(ROW)>(rows + (long)t * ROW, g, raw[s][j]);
                 }
             }
         }
@@ -108,8 +107,8 @@ static __device__ __forceinline__ void kvq_v_channel_units(const kvq_u8* params,
 {
     if constexpr (V_CHANNEL_SUB) {
     kvq_u32 sw[NT / 2], zw[NT / 2];
-    kvq_load_v_f16(params, g, sw);
-    kvq_load_v_f16(params + VTensor::ZEROS_OFFSET - VTensor::SCALES_OFFSET, g, zw);
+    kvq_load_share<8, 16, 16>(params, g, sw);
+    kvq_load_share<8, 16, 16>(params + VTensor::ZEROS_OFFSET - VTensor::SCALES_OFFSET, g, zw);
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
         const float sv = kvq_f16_to_f32((kvq_u16)(sw[j >> 1] >> (16 * (j & 1))));
@@ -180,7 +179,7 @@ static __device__ __forceinline__ void kvq_chunk_pv_lean(const kvq_u8* rows, int
                     if constexpr (KVQ_ONE_SLAB) {
                         w[j][i] = t[i];
                     } else {
-                        const int c = kvq_v_channel(2 * i, g);
+                        const int c = kvq_share_channel<8>(2 * i, g);
                         w[j][i] = c < D ? *(const kvq_u32*)(row + 2 * c) : 0u;
                     }
                 }
