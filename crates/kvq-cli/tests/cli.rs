@@ -3,17 +3,16 @@
 //! `info`, and the messages and exit codes of mistakes.
 
 mod common;
-use common::{kvq, kvq_without_gpu, needs, plain, run_trials, TempDir};
+use common::{
+    kvq, kvq_without_gpu, needs, plain, run_trials, text, write_f16_safetensors, TempDir,
+};
 use std::path::{Path, PathBuf};
-use std::process::Output;
 
 use kvq::reference::synth::{random_kv, Tails};
 use kvq::runtime::testing::Need;
 use kvq::runtime::tune::{GpuKey, ProblemKey, TuneChoice, TuneEntry, TuneStore};
 use kvq::runtime::DriverVersion;
 use kvq::schemes::BUILTIN;
-use safetensors::tensor::TensorView;
-use safetensors::Dtype;
 use serde_json::Value;
 
 /// Runs under its own harness (`harness = false`) so the test that needs NVRTC shows as ignored,
@@ -100,13 +99,6 @@ fn main() {
             bench_takes_scheme_text_beside_builtins,
         ),
     ]);
-}
-
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
 }
 
 fn gpu_builtins() -> Vec<&'static str> {
@@ -1163,16 +1155,7 @@ fn write_capture(path: &Path, tokens: usize, kv_heads: usize, head_dim: usize) {
         ),
         ("layer.1.v".into(), shape, f16_bytes(&tokens_first(&v1))),
     ];
-    let views: Vec<(String, TensorView<'_>)> = data
-        .iter()
-        .map(|(n, s, b)| {
-            (
-                n.clone(),
-                TensorView::new(Dtype::F16, s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    std::fs::write(path, safetensors::serialize(views, &None).unwrap()).unwrap();
+    write_f16_safetensors(path, &data);
 }
 
 fn attn_err_of_layer(out: &str, layer: usize) -> f64 {
@@ -1267,11 +1250,7 @@ fn eval_names_what_is_missing() {
     // A file whose layer has K but no V.
     let file = tmp.path().join("half.safetensors");
     let k = f16_bytes(&vec![0.5; 4 * 2 * 32]);
-    let views = vec![(
-        "layer.3.k".to_string(),
-        TensorView::new(Dtype::F16, vec![4, 2, 32], &k).unwrap(),
-    )];
-    std::fs::write(&file, safetensors::serialize(views, &None).unwrap()).unwrap();
+    write_f16_safetensors(&file, &[("layer.3.k".to_string(), vec![4, 2, 32], k)]);
     let o = kvq(
         &[
             "eval",

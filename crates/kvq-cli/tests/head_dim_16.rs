@@ -2,48 +2,18 @@
 //! reference, `kvq gen` writes their kernels, and `kvq schemes` lists the GPU built-ins as running
 //! on the GPU there.
 
-use safetensors::tensor::TensorView;
-use safetensors::Dtype;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
+use common::{kvq_without_gpu, text, write_f16_safetensors, TempDir};
+use std::path::Path;
+use std::process::Output;
 
-/// A fresh folder under the system temp dir, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!("kvq-cli-hd16-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// `kvq args…` with its cache folder in `cache`; `KVQ_BIN` runs a staged binary instead.
+/// `kvq args…` with its cache folder in `cache`, its GPU hidden where `hide_gpu`.
 fn kvq(args: &[&str], cache: &Path, hide_gpu: bool) -> Output {
-    let mut c = Command::new(
-        std::env::var("KVQ_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvq").to_string()),
-    );
-    c.args(args)
-        .env("KVQ_CACHE_DIR", cache)
-        .env_remove("KVQ_TUNE");
     if hide_gpu {
-        c.env("CUDA_VISIBLE_DEVICES", "-1");
+        kvq_without_gpu(args, cache)
+    } else {
+        common::kvq(args, cache)
     }
-    c.output().expect("run kvq")
-}
-
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
 }
 
 /// One layer `[tokens][kv_heads][head_dim]` of smooth K/V with a few large key channels.
@@ -75,17 +45,9 @@ fn write_capture(path: &Path, tokens: usize, kv_heads: usize, head_dim: usize) {
             vec![2 * kv_heads, head_dim],
             f16_bytes(3, 2 * kv_heads * head_dim),
         ),
-    ];
-    let views: Vec<(String, TensorView<'_>)> = data
-        .iter()
-        .map(|(name, shape, bytes)| {
-            (
-                name.to_string(),
-                TensorView::new(Dtype::F16, shape.clone(), bytes).unwrap(),
-            )
-        })
-        .collect();
-    std::fs::write(path, safetensors::serialize(views, &None).unwrap()).unwrap();
+    ]
+    .map(|(name, shape, bytes)| (name.to_string(), shape, bytes));
+    write_f16_safetensors(path, &data);
 }
 
 #[test]

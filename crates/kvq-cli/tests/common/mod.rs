@@ -64,3 +64,24 @@ pub fn ok(o: &Output) -> String {
     assert!(o.status.success(), "exit {:?}\n{out}\n{err}", o.status);
     out
 }
+
+/// Stdout and stderr of a run, as text.
+pub fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// Writes f16 tensors `(name, shape, little-endian bytes)` as a safetensors file.
+pub fn write_f16_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<u8>)]) {
+    use safetensors::tensor::TensorView;
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, shape, bytes)| {
+            let view = TensorView::new(safetensors::Dtype::F16, shape.clone(), bytes).unwrap();
+            (name.clone(), view)
+        })
+        .collect();
+    std::fs::write(path, safetensors::serialize(views, &None).unwrap()).unwrap();
+}
