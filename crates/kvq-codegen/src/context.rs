@@ -344,12 +344,15 @@ pub(crate) struct MmaCtx {
     /// serves more than 8 query heads of FP16 K and V (at most 2 at head_dim 128 and 4 at 64; see
     /// `most_head_tiles` in decode.rs), else 1.
     pub head_tiles: u32,
-    /// The slabs a row's channels are read as, largest first, 0 past the last
+    /// The slabs a K row's channels are read as, largest first, 0 past the last
     /// ([`crate::decode::slabs`]): `[head_dim, 0, 0, 0]` at head_dim 64, 128 and 256.
-    pub slabs: [u32; 4],
-    /// Channels the kernel computes over: the slabs' sum, `head_dim` or more where the last slab
-    /// reaches past the row (its channels there read as zeros).
-    pub virtual_dim: u32,
+    pub k_slabs: [u32; 4],
+    /// Key channels the kernel computes over: the K slabs' sum, `head_dim` or more where the
+    /// last slab reaches past the row.
+    pub k_dim: u32,
+    /// The same for V rows, whose slabs never reach past the row.
+    pub v_slabs: [u32; 4],
+    pub v_dim: u32,
     /// Two 16-token subtiles share one score fragment at GQA ≤ 4: the head columns 4–7 of the
     /// `mma`, which would score heads past GQA, score heads 0–3 of the next subtile instead, so
     /// the softmax works on half the fragments (see `pack_heads_pays` in decode.rs).

@@ -175,30 +175,53 @@ pub(crate) fn mma_unsupported_shape(
     }
 }
 
-/// Fewest channels a slab of a tensor's rows may have: a thread's share of a slab must be whole
-/// 32-bit words of K codes (a quad lane's quarter, `slab·bits/4` bits) and whole 16-bit halves of
-/// V codes (a lane group's eighth, `slab·bits/8`), the units the kernel converts codes in.
-fn slab_granularity(t: &TensorCtx) -> usize {
-    match t.kind {
-        TensorKind::Fp16 => 16,
-        _ => (128 / usize::from(t.bits.max(1)))
-            .next_power_of_two()
-            .max(16),
-    }
+/// Fewest channels a slab of a tensor's rows may have, from the units the kernel converts codes
+/// in. K codes on the integer path: a quad lane's quarter of a slab (`slab·bits/4` bits) must be
+/// whole 32-bit words (its byte planes); on the f16 path whole 16-bit halves (an odd last half is
+/// spread over a word). V codes: a lane group's eighth (`slab·bits/8` bits) is whole halves or
+/// sits alone in the low bits of one (`kvq_share_half0` in kernels/include/kvq/decode/slabs.cuh),
+/// so any slab of 16 channels will do.
+fn slab_granularity(t: &TensorCtx, side: Side) -> usize {
+    let unit_bits = match (t.kind, side) {
+        (TensorKind::Fp16, _) | (_, Side::V) => return 16,
+        (_, Side::K { int_path: true }) => 128,
+        (_, Side::K { int_path: false }) => 64,
+    };
+    (unit_bits / usize::from(t.bits.max(1)))
+        .next_power_of_two()
+        .max(16)
 }
 
-/// How the tensor-core kernel reads a row of `head_dim` channels: as slabs, each read as a whole
-/// row of its size is (a quad lane takes a quarter of each slab's K channels, a lane group an
-/// eighth of its V channels), largest first. A power of two is one slab. Otherwise the largest
-/// powers of two of at least [`slab_granularity`] channels, then one more slab of that many for
-/// what is left, reaching past the row: its channels there are zeros in the query, the scales
-/// and the output. Every slab starts at a multiple of its size, so on a word boundary of the
-/// reference's rows: the layout is the same at every head_dim (docs/LAYOUT.md §9).
-pub(crate) fn slabs(head_dim: usize, k: &TensorCtx, v: &TensorCtx) -> Vec<usize> {
+/// Which side of the kernel a row belongs to, and for keys which path scores them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    K { int_path: bool },
+    V,
+}
+
+/// Whether the tensor-core kernel scores `k` on the integer tensor cores ([`MmaCtx::k_int`]):
+/// 1- and 2-bit keys, except those of half a word a thread (1-bit at head_dim 64) and calibrated
+/// keys whose fine limb does not pay.
+fn keys_on_int_path(k: &TensorCtx, head_dim: usize, calibrated: bool) -> bool {
+    k.kind == TensorKind::Int
+        && k.bits <= 2
+        && !half_word_codes(k, head_dim)
+        && (!calibrated || k_fine_pays(k))
+}
+
+/// How the tensor-core kernel reads a row of `head_dim` channels of `t` (the `side` tensor):
+/// as slabs, each read as a whole row of its size is (a quad lane takes a quarter of each slab's
+/// K channels, a lane group an eighth of its V channels), largest first. A power of two is one
+/// slab. Otherwise the largest powers of two of at least [`slab_granularity`] channels, then one
+/// more slab of that many for what is left, reaching past the row: its channels there are zeros
+/// in the query and the scales. Every slab starts at a multiple of its size, so on a word
+/// boundary of the reference's rows: the layout is the same at every head_dim (docs/LAYOUT.md
+/// §9). V slabs never reach past the row (head_dims are multiples of 16).
+pub(crate) fn slabs(head_dim: usize, t: &TensorCtx, side: Side) -> Vec<usize> {
     if head_dim.is_power_of_two() {
         return vec![head_dim];
     }
-    let least = slab_granularity(k).max(slab_granularity(v));
+    let least = slab_granularity(t, side);
     let mut out = Vec::new();
     let mut rest = head_dim;
     while rest >= least {
@@ -210,6 +233,47 @@ pub(crate) fn slabs(head_dim: usize, k: &TensorCtx, v: &TensorCtx) -> Vec<usize>
         out.push(least);
     }
     out
+}
+
+/// [`slabs`] as the unit's four constants (0 past the last) and their sum.
+fn slab_constants(head_dim: usize, t: &TensorCtx, side: Side) -> ([u32; 4], u32) {
+    let list = slabs(head_dim, t, side);
+    // At most 128 + 64 + 32 + 16 below 256 channels.
+    debug_assert!(list.len() <= 4, "{list:?}");
+    let mut sizes = [0u32; 4];
+    for (to, from) in sizes.iter_mut().zip(&list) {
+        *to = *from as u32;
+    }
+    (sizes, list.iter().sum::<usize>() as u32)
+}
+
+/// The head_dim whose measured launch rules a shape takes: 128 where its tensor-core kernel's
+/// computed row width (the sum of its [`slabs`], the wider side's) is more than 64 and at most
+/// 128 — a kernel at head_dim 80–112 holds its registers and runs its loops as the head_dim-128
+/// kernel does (a 2-bit key row of 80 channels is computed over 128) and took those blocks at
+/// the speed they have at 128 — else the shape's own head_dim (160 and 192 have rows of their
+/// own in [`crate::rules::table::DEFAULT_BLOCKS`]).
+pub fn rule_head_dim(spec: &SchemeSpec, shape: &KernelShape) -> u32 {
+    let d = shape.head_dim as usize;
+    let (Ok(k), Ok(v)) = (
+        TensorCtx::new("k", spec, &spec.k, d),
+        TensorCtx::new("v", spec, &spec.v, d),
+    ) else {
+        return shape.head_dim;
+    };
+    if mma_unsupported_shape(shape, &k, &v).is_some() {
+        return shape.head_dim;
+    }
+    let int_path = keys_on_int_path(&k, d, spec.calibrate.is_some());
+    let computed = slabs(d, &k, Side::K { int_path })
+        .iter()
+        .sum::<usize>()
+        .max(slabs(d, &v, Side::V).iter().sum());
+    if computed > 64 && computed <= 128 {
+        128
+    } else {
+        shape.head_dim
+    }
 }
 
 /// Chooses between the tensor-core kernel and the generic one for a shape and the tensors' layouts.
@@ -241,14 +305,9 @@ fn mma_plan(
     };
     let reason = mma_unsupported_shape(shape, k, v);
     let enabled = reason.is_none();
-    let slab_list = slabs(d, k, v);
-    let virtual_dim = slab_list.iter().sum::<usize>();
-    // At most 128 + 64 + 32 + 16 below 256 channels.
-    debug_assert!(slab_list.len() <= 4, "{slab_list:?}");
-    let mut slab_sizes = [0u32; 4];
-    for (to, from) in slab_sizes.iter_mut().zip(&slab_list) {
-        *to = *from as u32;
-    }
+    let k_int = keys_on_int_path(k, d, calibrated);
+    let (k_slabs, k_dim) = slab_constants(d, k, Side::K { int_path: k_int });
+    let (v_slabs, v_dim) = slab_constants(d, v, Side::V);
     let groups = mma_head_groups(shape, k, v);
     let head_tiles = head_tiles_of(groups);
     // A CTA scores one group of the KV head's query heads (head_groups.rs).
@@ -259,7 +318,6 @@ fn mma_plan(
     // Not at head_dim 256: there Kitty-Pro's kernel (255 registers, uncapped) took 6 spill
     // instructions at GQA 1 with it.
     let k_high_int = low_bit_keys && !calibrated && k.boost && d <= 128;
-    let k_int = low_bit_keys && (!calibrated || k_fine_pays(k));
     let v_channel_subnormal =
         v.kind == TensorKind::Int && v.axis == CodeAxis::Channel && v_channel_subnormal_pays(v);
     let stored_scores = enabled && calibrated && tune.store_scores && stored_scores_pay(k);
@@ -301,10 +359,12 @@ fn mma_plan(
         v_subnormal: v_token_fold && v_subnormal_pays(v),
         v_channel_subnormal,
         stage_v_params: stored_scores && v_channel_subnormal && stages_v_params(k, v),
-        merge_bytes: merge_bytes(tune, virtual_dim) * head_tiles as usize,
+        merge_bytes: merge_bytes(tune, v_dim as usize) * head_tiles as usize,
         head_tiles,
-        slabs: slab_sizes,
-        virtual_dim: virtual_dim as u32,
+        k_slabs,
+        k_dim,
+        v_slabs,
+        v_dim,
         pack_heads: enabled && k_high_int && tune.pack_heads && pack_heads_pays(shape, tune),
         k_fp16_row_cap: fp16_row_cap(k, tune),
         v_fp16_row_cap: fp16_row_cap(v, tune),
@@ -352,14 +412,14 @@ pub enum PieceRule {
     FewSplits,
 }
 
-/// Shared memory of the warps' merge: each warp's accumulators (`virtual_dim / 16` m-tiles × 4 per
+/// Shared memory of the warps' merge: each warp's accumulators (`v_dim / 16` m-tiles × 4 per
 /// lane) in register order, rows of 32 lanes padded to 33 words so that neither the warps' stores
 /// nor the reads of whole output rows conflict on banks. The merge it replaced added each warp's
 /// values into one `[heads][head_dim]` array in turn, 8-way bank conflicts and a barrier per warp:
 /// 3.1–3.5 µs at the end of every 64-thread CTA, 6.4 µs for 128 threads (H100).
-fn merge_bytes(tune: &TuneParams, virtual_dim: usize) -> usize {
+fn merge_bytes(tune: &TuneParams, v_dim: usize) -> usize {
     let warps = tune.threads as usize / 32;
-    warps * (virtual_dim / 16) * 4 * 33 * 4
+    warps * (v_dim / 16) * 4 * 33 * 4
 }
 
 /// Eight warps per combine CTA: at B = 1 a head's 50-odd splits take one batch of loads per warp.

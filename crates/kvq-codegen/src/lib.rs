@@ -29,8 +29,9 @@ mod tune;
 pub use cache::{cache_kernels, cache_kernels_with, CacheKernels, PageQuantizers};
 pub use decode::{
     decode_groups, decode_head_groups, decode_kernels, decode_piece_rule, decode_runs_pieces,
-    decode_slow_path, has_decode_kernel, short_staging_changes, store_scores_changes,
-    DecodeKernels, KernelEntry, PieceRule, SlowPath, GENERIC_MAX_GQA, MAX_GQA,
+    decode_slow_path, has_decode_kernel, rule_head_dim, short_staging_changes,
+    store_scores_changes, DecodeKernels, KernelEntry, PieceRule, SlowPath, GENERIC_MAX_GQA,
+    MAX_GQA,
 };
 pub use error::CodegenError;
 pub use head_groups::{HeadGroups, MMA_HEAD_COLUMNS};

@@ -80,9 +80,10 @@ impl TuneParams {
     ///   threads), except schemes with 8-bit codes, which keep 128 threads with 32-token
     ///   tiles: only those let the ring fit in shared memory at 128 threads (INT8 at B=16 L=32K:
     ///   75.5% of copy at 64-token tiles, 89% at 32).
-    /// - At head_dim 256 INT8, KIVI-4, FP16, Kitty and Kitty-Pro take smaller tiles, and at
-    ///   head_dim 64 FP16 and INT8 four-warp CTAs of 32-token tiles
-    ///   ([`crate::rules::table::DEFAULT_BLOCKS`]).
+    /// - At head_dim 256 INT8, KIVI-4, FP16, Kitty and Kitty-Pro take smaller tiles (INT8 at 160
+    ///   and 192 too), and at head_dim 64 FP16 and INT8 four-warp CTAs of 32-token tiles
+    ///   ([`crate::rules::table::DEFAULT_BLOCKS`]). Head dims 80–112 take head_dim 128's
+    ///   defaults ([`crate::rule_head_dim`]).
     /// - Calibrated schemes on the tensor-core kernel store their keys' scores
     ///   ([`TuneParams::store_scores`]).
     /// - Twelve warps an SM ([`TuneParams::min_warps_per_sm`]) for the tensor-core kernels of 1-
@@ -142,14 +143,15 @@ impl TuneParams {
             short_staging: false,
             store_scores: false,
         };
-        if let Some((threads, tile_tokens)) = default_block_away_from_128(spec, shape.head_dim) {
+        let rule_dim = crate::rule_head_dim(spec, shape);
+        if let Some((threads, tile_tokens)) = default_block_away_from_128(spec, rule_dim) {
             return TuneParams {
                 threads,
                 tile_tokens,
                 ..four_warps
             };
         }
-        if !eight_bit && shape.head_dim == 128 && uses_stage_ring(spec, shape, &four_warps) {
+        if !eight_bit && rule_dim == 128 && uses_stage_ring(spec, shape, &four_warps) {
             return four_warps;
         }
         let wide = TuneParams {
@@ -325,6 +327,29 @@ mod tests {
         assert_eq!(block(INT8, 128), (128, 32));
         assert_eq!(block(KIVI2, 128), (128, 64));
         assert_eq!(block(KITTY, 128), (128, 64));
+    }
+
+    #[test]
+    fn head_dims_80_to_112_take_128s_blocks_and_int8_at_160_and_192_takes_256s() {
+        for d in [80, 96, 112] {
+            for scheme in [FP16, INT8, KIVI4, KIVI2, KITTY, CALIBQUANT1] {
+                assert_eq!(block(scheme, d), block(scheme, 128), "{scheme} d{d}");
+            }
+            let kivi2 = SchemeSpec::parse(KIVI2).unwrap();
+            let shape = KernelShape::new(d, 4, Dtype::F16);
+            assert_eq!(crate::rule_head_dim(&kivi2, &shape), 128);
+            assert_eq!(
+                crate::rules::family(&kivi2, &shape),
+                crate::rules::family(&kivi2, &KernelShape::new(128, 4, Dtype::F16)),
+                "d{d}"
+            );
+        }
+        for d in [160, 192] {
+            assert_eq!(block(INT8, d), (128, 16), "d{d}");
+            // The others lost with 256's blocks there: the general default.
+            assert_eq!(block(KIVI4, d), (64, 64), "d{d}");
+            assert_eq!(block(KITTY, d), (64, 64), "d{d}");
+        }
     }
 
     #[test]

@@ -11,8 +11,9 @@ use kvq_spec::SchemeSpec;
 mod common;
 use common::SCHEMES;
 
-/// The `DV = …;` and `KVQ_SLAB0 = …` lines of a tensor-core unit: (DV, slab sizes).
-fn slabs_of(source: &str) -> (u32, Vec<u32>) {
+/// A tensor-core unit's slabs of one side (`K` or `V`): (`DVK` or `DVV`, the `KVQ_KSLAB0..3` or
+/// `KVQ_VSLAB0..3` sizes).
+fn slabs_of(source: &str, side: char) -> (u32, Vec<u32>) {
     let value = |line: &str, name: &str| -> u32 {
         let at = line.find(&format!("{name} = ")).expect(name) + name.len() + 3;
         line[at..]
@@ -23,19 +24,20 @@ fn slabs_of(source: &str) -> (u32, Vec<u32>) {
             .parse()
             .unwrap()
     };
-    let dv_line = source
+    let dim = format!("DV{side}");
+    let dim_line = source
         .lines()
-        .find(|l| l.starts_with("static constexpr int DV = "))
-        .expect("DV");
+        .find(|l| l.contains(&format!("{dim} = ")))
+        .expect("DVK, DVV");
     let slab_line = source
         .lines()
-        .find(|l| l.contains("KVQ_SLAB0 = "))
+        .find(|l| l.contains(&format!("KVQ_{side}SLAB0 = ")))
         .expect("slabs");
     let slabs = (0..4)
-        .map(|i| value(slab_line, &format!("KVQ_SLAB{i}")))
+        .map(|i| value(slab_line, &format!("KVQ_{side}SLAB{i}")))
         .filter(|&s| s > 0)
         .collect();
-    (value(dv_line, "DV"), slabs)
+    (value(dim_line, &dim), slabs)
 }
 
 #[test]
@@ -65,30 +67,36 @@ fn decode_kernels_serve_every_multiple_of_16_from_64_to_256() {
                     k.slow_path
                 );
                 if k.slow_path.is_none() {
-                    let (dv, slabs) = slabs_of(&k.source);
-                    assert_eq!(slabs.iter().sum::<u32>(), dv, "{text} d{head_dim}");
-                    // Past the row by less than the coarsest code's least slab (1-bit: 128).
-                    assert!(
-                        dv >= head_dim && dv - head_dim < 128,
-                        "{text} d{head_dim}: {dv}"
-                    );
-                    // Powers of two, largest first, each starting at a multiple of its size.
-                    let mut start = 0;
-                    for (i, &s) in slabs.iter().enumerate() {
-                        assert!(
-                            s.is_power_of_two() && s >= 16,
-                            "{text} d{head_dim}: {slabs:?}"
-                        );
-                        assert_eq!(start % s, 0, "{text} d{head_dim}: {slabs:?}");
-                        if i > 0 {
-                            assert!(s <= slabs[i - 1], "{slabs:?}");
+                    for side in ['K', 'V'] {
+                        let (dv, slabs) = slabs_of(&k.source, side);
+                        assert_eq!(slabs.iter().sum::<u32>(), dv, "{text} d{head_dim}");
+                        // V slabs tile the row; K slabs reach past it by less than the coarsest
+                        // code's least slab (1-bit keys on the integer path: 128).
+                        if side == 'V' {
+                            assert_eq!(dv, head_dim, "{text} d{head_dim}: {slabs:?}");
                         }
-                        start += s;
-                    }
-                    if head_dim.is_power_of_two() {
-                        assert_eq!(slabs, [head_dim], "one slab at {head_dim}");
-                    } else {
-                        assert!(slabs.len() > 1 || dv > head_dim, "{slabs:?}");
+                        assert!(
+                            dv >= head_dim && dv - head_dim < 128,
+                            "{text} d{head_dim}: {dv}"
+                        );
+                        // Powers of two, largest first, each starting at a multiple of its size.
+                        let mut start = 0;
+                        for (i, &s) in slabs.iter().enumerate() {
+                            assert!(
+                                s.is_power_of_two() && s >= 16,
+                                "{text} d{head_dim}: {slabs:?}"
+                            );
+                            assert_eq!(start % s, 0, "{text} d{head_dim}: {slabs:?}");
+                            if i > 0 {
+                                assert!(s <= slabs[i - 1], "{slabs:?}");
+                            }
+                            start += s;
+                        }
+                        if head_dim.is_power_of_two() {
+                            assert_eq!(slabs, [head_dim], "one slab at {head_dim}");
+                        } else {
+                            assert!(slabs.len() > 1 || dv > head_dim, "{slabs:?}");
+                        }
                     }
                 }
                 rendered += 1;

@@ -604,7 +604,7 @@ fn only_token_axis_values_of_at_most_two_bits_enter_pv_as_subnormals() {
         .find(|(name, _)| *name == "kvq/decode/values.cuh")
         .map(|(_, text)| *text)
         .unwrap_or_default();
-    assert!(values.contains("get<MODE == 2, PPH>(comb"));
+    assert!(values.contains("kvq_v_pairs<BITS, OFF, MODE == 2>("));
 }
 
 #[test]

@@ -109,14 +109,40 @@ impl CodegenFamily {
     }
 }
 
+/// A row of [`table::DEFAULT_BLOCKS`]: the codegen default's threads and tile for these kernel
+/// families at these head_dims.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DefaultBlock {
+    pub head_dims: &'static [u32],
+    pub families: &'static [CodegenFamily],
+    pub threads: u32,
+    pub tile_tokens: u32,
+}
+
+impl DefaultBlock {
+    pub const fn new(
+        head_dims: &'static [u32],
+        families: &'static [CodegenFamily],
+        threads: u32,
+        tile_tokens: u32,
+    ) -> DefaultBlock {
+        DefaultBlock {
+            head_dims,
+            families,
+            threads,
+            tile_tokens,
+        }
+    }
+}
+
 /// Threads and tile of the codegen default at `head_dim` for `spec` where
 /// [`table::DEFAULT_BLOCKS`] has a row, else `None` (head_dim 128's rules apply).
 pub fn default_block_away_from_128(spec: &SchemeSpec, head_dim: u32) -> Option<(u32, u32)> {
     let family = CodegenFamily::of(spec)?;
     table::DEFAULT_BLOCKS
         .iter()
-        .find(|(d, families, _)| *d == head_dim && families.contains(&family))
-        .map(|&(_, _, block)| block)
+        .find(|row| row.head_dims.contains(&head_dim) && row.families.contains(&family))
+        .map(|row| (row.threads, row.tile_tokens))
 }
 
 /// A rule's block: threads and tile always, the other parameters where it sets them (else the
@@ -406,7 +432,7 @@ pub struct LaunchRules {
 
 /// The rule family of `spec`'s kernels at `shape`, where the head_dim-128 rules apply.
 pub fn family(spec: &SchemeSpec, shape: &KernelShape) -> Option<Family> {
-    if shape.head_dim != 128 {
+    if crate::rule_head_dim(spec, shape) != 128 {
         return None;
     }
     let base = TuneParams::default_for(spec, shape);
@@ -455,7 +481,7 @@ fn twelve_warp_candidate(
         short_staging: true,
         ..*params
     };
-    shape.head_dim == 128
+    crate::rule_head_dim(spec, shape) == 128
         && four_bits(&spec.k)
         && four_bits(&spec.v)
         && params.min_warps_per_sm == 0

@@ -5,29 +5,33 @@
 //! it replaced in the same run; docs/TUNING.md explains them and docs/BENCHMARKS.md has the
 //! current tables.
 
-use super::{BlockEdit, BlockRule, CodegenFamily, Constants, Family, Span, When};
+use super::{BlockEdit, BlockRule, CodegenFamily, Constants, DefaultBlock, Family, Span, When};
 
 /// The codegen default's threads and tile away from head_dim 128, where another block measured
-/// faster over B ∈ {1, 4, 16} × L ∈ {1K, 4K, 32K} (GQA 4, f16, against head_dim 128's block).
-/// A tile's bytes grow with head_dim, so the tuner's tiles shrank as head_dim grew:
+/// faster over B ∈ {1, 4, 16} × L ∈ {1K, 4K, 32K} (GQA 4, f16, against head_dim 128's block),
+/// as rows of head_dims, families and block. A tile's bytes grow with head_dim,
+/// so the tuner's tiles shrank as head_dim grew:
 /// - head_dim 256: INT8 and KIVI-4 four-warp CTAs of 16-token tiles (geomeans ×1.32 and ×1.20),
 ///   FP16 two-warp CTAs of 16-token tiles (×1.06), Kitty and Kitty-Pro four-warp CTAs of 32-token
 ///   tiles (×1.15 and ×1.17). kivi2 and CalibQuant keep theirs: each smaller tile lost
 ///   ×0.70–×0.96.
+/// - head_dim 160 and 192 (H200, B=16 L=32K): INT8 four-warp CTAs of 16-token tiles, ×1.57 and
+///   ×1.88 over the generic default; KIVI-4, Kitty and Kitty-Pro lost ×0.71–×0.97 with 256's
+///   blocks and FP16 gained nothing (×1.00), so they keep the generic default.
 /// - head_dim 64: FP16 and INT8 four-warp CTAs of 32-token tiles (×1.05 and ×1.03); the 1-, 2-
 ///   and 4-bit kernels lost ×0.82–×0.91 with them.
-pub const DEFAULT_BLOCKS: &[(u32, &[CodegenFamily], (u32, u32))] = &[
-    (
-        256,
-        &[CodegenFamily::EightBit, CodegenFamily::FourBit],
-        (128, 16),
-    ),
-    (256, &[CodegenFamily::Fp16], (64, 16)),
-    (256, &[CodegenFamily::BoostedKeys], (128, 32)),
-    (
-        64,
+///
+/// Head dims 80–112 take head_dim 128's rules (`rule_head_dim`), so they need no row here.
+pub const DEFAULT_BLOCKS: &[DefaultBlock] = &[
+    DefaultBlock::new(&[160, 192, 256], &[CodegenFamily::EightBit], 128, 16),
+    DefaultBlock::new(&[256], &[CodegenFamily::FourBit], 128, 16),
+    DefaultBlock::new(&[256], &[CodegenFamily::Fp16], 64, 16),
+    DefaultBlock::new(&[256], &[CodegenFamily::BoostedKeys], 128, 32),
+    DefaultBlock::new(
+        &[64],
         &[CodegenFamily::Fp16, CodegenFamily::EightBit],
-        (128, 32),
+        128,
+        32,
     ),
 ];
 

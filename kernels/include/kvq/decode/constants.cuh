@@ -25,10 +25,10 @@ static constexpr int KHSTEPS = K_HIGH_WORDS > 1 ? (K_HIGH_WORDS + 1) / 2 : 1;
 static constexpr bool KVQ_LOW_BITS = K_QUANT && KBITS <= 2 && VBITS <= 2;
 // Token-axis V codes enter P·V as f16 subnormals (`KvqPairs::get<true>`; MmaCtx::v_subnormal).
 // Channel-axis V codes too, their page's scales applied to the accumulators (MmaCtx::v_channel_subnormal).
-// DV: the channels the kernel computes over, D or more (kvq/decode/slabs.cuh).
-static constexpr int KPAIRS = DV / 8;                // f16 pairs of one token a thread holds (scores)
-static constexpr int NT = DV / 8;                    // V channels a thread owns (P·V)
-static constexpr int MT = DV / 16;                   // m-tiles of O^T
+// DVK, DVV: the key and value channels the kernel computes over, D or more (kvq/decode/slabs.cuh).
+static constexpr int KPAIRS = DVK / 8;               // f16 pairs of one token a thread holds (scores)
+static constexpr int NT = DVV / 8;                   // V channels a thread owns (P·V)
+static constexpr int MT = DVV / 16;                  // m-tiles of O^T
 static constexpr float KVQ_LOG2E = 1.4426950408889634f;
 
 // Where UNEVEN_GROUPS, row kvh's first query head, in the query's numbering: group kvh % HEAD_GROUPS of the cache's KV

@@ -283,7 +283,7 @@ static __device__ __forceinline__ void kvq_decode_kernel(
 #pragma unroll
             for (int j = 0; j < 4; ++j)
                 merged[warp * MERGE_WARP + t * MERGE_TILE + (i * 4 + j) * MERGE_ROW + lane] =
-                    (V_SUBNORMAL ? fmaf(accs[t][i][j], kvq_pair_units<VBITS>(2 * i + (j >> 1)), zs_once[j & 1])
+                    (V_SUBNORMAL ? fmaf(accs[t][i][j], kvq_v_pair_units<VBITS>(2 * i + (j >> 1)), zs_once[j & 1])
                                  : accs[t][i][j] + zs_once[j & 1]) * wgt[t][j & 1];
     }
     if (threadIdx.x < GQA) {

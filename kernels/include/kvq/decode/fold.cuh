@@ -115,7 +115,7 @@ static __device__ __forceinline__ void kvq_fold_page(F& f, const kvq_u8* params,
         kvq_u32 loaded[KPAIRS];
         if constexpr (!KVQ_RANGE_QUERY_KEPT) kvq_query_pairs<KBITS>(q, head_row, KVQ_RANGE_PACKED ? (g & 3) : g, r, loaded);
         const kvq_u32 (&qk)[KPAIRS] = KVQ_RANGE_QUERY_KEPT ? f.qk : loaded;
-        kvq_u32 sw[DV / 8];
+        kvq_u32 sw[DVK / 8];
         kvq_load_share<4, 16, 16>(params, r, sw);
 #pragma unroll
         for (int p = 0; p < KPAIRS; ++p) {
@@ -133,11 +133,11 @@ static __device__ __forceinline__ void kvq_fold_page(F& f, const kvq_u8* params,
             f.bias[0] = 0.f; f.bias[1] = 0.f;
         } else {
             // Bias q·z on the tensor cores: every A row is the zeros, so every C row is the bias.
-            kvq_u32 zw[DV / 8];
+            kvq_u32 zw[DVK / 8];
             kvq_load_share<4, 16, 16>(params + (KTensor::ZEROS_OFFSET - KTensor::SCALES_OFFSET), r, zw);
             float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int kk = 0; kk < DV / 16; ++kk) {
+            for (int kk = 0; kk < DVK / 16; ++kk) {
                 const kvq_u32 z0 = kvq_half_pair(zw, kvq_pair_lo<KBITS>(2 * kk), kvq_pair_hi<KBITS>(2 * kk));
                 const kvq_u32 z1 = kvq_half_pair(zw, kvq_pair_lo<KBITS>(2 * kk + 1), kvq_pair_hi<KBITS>(2 * kk + 1));
                 kvq_mma(c, z0, z0, z1, z1, qk[2 * kk], qk[2 * kk + 1]);

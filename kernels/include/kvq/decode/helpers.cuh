@@ -119,8 +119,8 @@ static __device__ __forceinline__ void kvq_query_read(const T& t, int lane, kvq_
 // exact, in one AND with no offset to remove (the `fma` was 128 of a 2-bit chunk's instructions);
 // each channel's codes then sum in units of 2^(POS−24) from 0, which `kvq_chunk_pv` centres per
 // chunk and the epilogue undoes.
-// A word of 1-bit codes at head_dim 64 holds 8 codes a half (kvq_half_codes, kvq_spread_half_word):
-// `get` then takes only its first N = 8 pairs.
+// A half may hold fewer codes (an odd half of a K block: kvq_pair_lo, kvq_spread_half_word; a
+// V share smaller than a half: kvq_share_half0): `get` then takes only its first N pairs.
 template <int BITS, int OFF>
 struct KvqPairs {
     static constexpr int PER_WORD = 16 / BITS;
@@ -136,7 +136,7 @@ struct KvqPairs {
     template <bool SUB = false, int N = PER_WORD>
     static __device__ __forceinline__ void get(kvq_u32 w, kvq_u32* o) {
         static_assert(!SUB || BITS <= 4, "subnormal pairs hold 1-, 2- or 4-bit codes");
-        static_assert(N == PER_WORD || (BITS == 1 && N == 8), "half-filled words: 1-bit codes, 8 a half");
+        static_assert(N == PER_WORD || (BITS <= 4 && N * BITS <= 8), "a half holds a half of codes, or N in its low byte");
         if constexpr (BITS == 16) {
             o[0] = w;
         } else if constexpr (BITS == 8) {
@@ -145,15 +145,22 @@ struct KvqPairs {
             o[1] = kvq_h2_sub(kvq_prmt(w, 0x64646464u, 0x4341u), sub);
         } else if constexpr (BITS == 4) {
             o[0] = field<0, SUB>(w); o[1] = field<4, SUB>(w);
+            if constexpr (N == 2) return;
             w >>= 8;
             o[2] = field<0, SUB>(w); o[3] = field<4, SUB>(w);
         } else if constexpr (BITS == 2) {
-            o[0] = field<0, SUB>(w); o[1] = field<2, SUB>(w); o[2] = field<4, SUB>(w); o[3] = field<6, SUB>(w);
+            o[0] = field<0, SUB>(w); o[1] = field<2, SUB>(w);
+            if constexpr (N == 2) return;
+            o[2] = field<4, SUB>(w); o[3] = field<6, SUB>(w);
+            if constexpr (N == 4) return;
             o[4] = field<8, SUB>(w);
             w >>= 10;
             o[5] = field<0, SUB>(w); o[6] = field<2, SUB>(w); o[7] = field<4, SUB>(w);
         } else {
-            o[0] = field<0, SUB>(w); o[1] = field<1, SUB>(w); o[2] = field<2, SUB>(w); o[3] = field<3, SUB>(w);
+            o[0] = field<0, SUB>(w); o[1] = field<1, SUB>(w);
+            if constexpr (N == 2) return;
+            o[2] = field<2, SUB>(w); o[3] = field<3, SUB>(w);
+            if constexpr (N == 4) return;
             o[4] = field<4, SUB>(w); o[5] = field<5, SUB>(w); o[6] = field<6, SUB>(w); o[7] = field<7, SUB>(w);
             if constexpr (N == 8) return;
             o[8] = field<8, SUB>(w); o[9] = field<9, SUB>(w);
@@ -175,21 +182,23 @@ template <int BITS>
 static __host__ __device__ constexpr float kvq_pair_units(int q) {
     return (float)(1u << (24 - kvq_pair_pos<BITS>(q)));
 }
-// Codes a half of a K word holds: 16 / BITS, but 8 where a thread's block of a row (D/4 channels)
-// is 16 codes, half a word (1-bit keys at head_dim 64, whose loads spread the block's two bytes
-// over the word's halves: kvq_spread_half_word).
+// The pairs of a thread's block of a K row on the f16 path (BITS-bit codes, DVK / 4 channels in
+// whole halves, kvq/decode/slabs.cuh): a whole word yields 16/BITS pairs, channel f of its low
+// half with channel f of its high half; an odd last half (slab shares of half a word: 4-bit keys
+// in 16-channel slabs, 1-bit keys at head_dim 64) is spread over a word first
+// (kvq_spread_half_word) and yields 8/BITS, channel f of its low byte with channel f of its high
+// byte. Pairs of whole words, and the channels (relative to the block) of pair p's low and high
+// halves.
 template <int BITS>
-static __host__ __device__ constexpr int kvq_half_codes() {
-    return (16 / BITS) < DV / 8 ? (16 / BITS) : DV / 8;
-}
-// Channels (relative to a thread's block) of pair p of a BITS-bit row: low half first.
+static __host__ __device__ constexpr int kvq_k_word_pairs() { return (DVK / 4 * BITS / 32) * (16 / BITS); }
 template <int BITS>
 static __host__ __device__ constexpr int kvq_pair_lo(int p) {
-    return (p / kvq_half_codes<BITS>()) * (2 * kvq_half_codes<BITS>()) + p % kvq_half_codes<BITS>();
+    return p < kvq_k_word_pairs<BITS>() ? (p / (16 / BITS)) * (32 / BITS) + p % (16 / BITS)
+                                        : kvq_k_word_pairs<BITS>() * 2 + (p - kvq_k_word_pairs<BITS>());
 }
 template <int BITS>
 static __host__ __device__ constexpr int kvq_pair_hi(int p) {
-    return kvq_pair_lo<BITS>(p) + kvq_half_codes<BITS>();
+    return kvq_pair_lo<BITS>(p) + (p < kvq_k_word_pairs<BITS>() ? 16 / BITS : 8 / BITS);
 }
 // A 16-bit block of codes (low half of w) with its high byte moved to the high half: the codes
 // of channels 8..15 then sit at the bit positions of channels 0..7, each pair one channel of each.

@@ -15,25 +15,25 @@ static __device__ __forceinline__ int kvq_row(int t, int n) {
 template <int BITS>
 static __device__ __forceinline__ void kvq_query_pairs(const kvq_u16* q, long head_row, int g, int r, kvq_u32 (&out)[KPAIRS],
                                                        int first = 0) {
-    kvq_u32 w[DV / 8];
+    kvq_u32 w[DVK / 8];
     const int head = first + kvq_col_head(g);
     if (head < GQA) {
         kvq_load_share<4, 16, 16>((const kvq_u8*)(q + (head_row + head) * D), r, w);
         if constexpr (IO == KvqDtype::Bf16) {
 #pragma unroll
-        for (int i = 0; i < DV / 8; ++i)
+        for (int i = 0; i < DVK / 8; ++i)
             w[i] = kvq_h2_pack(__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xffff0000u));
         }
     } else {
 #pragma unroll
-        for (int i = 0; i < DV / 8; ++i) w[i] = 0u;
+        for (int i = 0; i < DVK / 8; ++i) w[i] = 0u;
     }
 #pragma unroll
     for (int p = 0; p < KPAIRS; ++p) out[p] = kvq_half_pair(w, kvq_pair_lo<BITS>(p), kvq_pair_hi<BITS>(p));
 }
 
 // K rows as thread (g, r) feeds them to mma: per 16-token subtile, tokens g and g+8 of channel
-// block r (KB bytes each, rows ROW bytes apart; the block's slabs' shares, kvq/decode/slabs.cuh). Subtiles are loaded PRE at a time ahead of their
+// block r (KW words each, rows ROW bytes apart; the block's slabs' shares, kvq/decode/slabs.cuh). Subtiles are loaded PRE at a time ahead of their
 // use, as many as keep the loaded words at 32 or fewer.
 static __host__ __device__ constexpr int kvq_preload_subtiles(int kw) {
     return (2 * kw * NSUB <= 32) ? NSUB : ((32 / (2 * kw)) > 0 ? (32 / (2 * kw)) : 1);
@@ -43,15 +43,14 @@ template <bool GUARD>
 static __device__ __forceinline__ bool kvq_subtile_live(int s, int n) {
     return s < NSUB && (!GUARD || s * 16 < n);
 }
-template <int KB, int ROW, int PRE, bool GUARD>
-static __device__ __forceinline__ void kvq_load_subtiles(const kvq_u8* rows, int s0, int n, int g, int r,
-                                                         kvq_u32 (&raw)[PRE][2][KB >= 4 ? KB / 4 : 1]) {
+template <int BITS, int KW, int ROW, int PRE, bool GUARD>
+static __device__ __forceinline__ void kvq_load_subtiles(const kvq_u8* rows, int s0, int n, int g, int r, kvq_u32 (&raw)[PRE][2][KW]) {
 #pragma unroll
     for (int s = 0; s < PRE; ++s) {
         if (kvq_subtile_live<GUARD>(s0 + s, n)) {
             const int ta = kvq_row<GUARD>((s0 + s) * 16 + g, n), tb = kvq_row<GUARD>((s0 + s) * 16 + g + 8, n);
-            kvq_load_share<4, KB * 32 / DV, kvq_align_of(ROW)>(rows + (long)ta * ROW, r, raw[s][0]);
-            kvq_load_share<4, KB * 32 / DV, kvq_align_of(ROW)>(rows + (long)tb * ROW, r, raw[s][1]);
+            kvq_load_share<4, BITS, kvq_align_of(ROW)>(rows + (long)ta * ROW, r, raw[s][0]);
+            kvq_load_share<4, BITS, kvq_align_of(ROW)>(rows + (long)tb * ROW, r, raw[s][1]);
         }
     }
 }
@@ -65,27 +64,25 @@ template <int BITS, int OFF, bool LO, bool GUARD, bool SUB = false, int TILES, c
 static __device__ __forceinline__ void kvq_chunk_scores(const kvq_u8* rows, int n, int g, int r,
     const Fold (&folds)[TILES], float (&sc)[TILES][NSUB][4])
 {
-    constexpr int KB = DV * BITS / 32;   // bytes of a thread's block of one row
-    constexpr int KW = KB >= 4 ? KB / 4 : 1;
-    constexpr bool HALF_WORD = KB == 2;  // 1-bit keys at head_dim 64: 8 pairs from one half
-    static_assert(KB >= 4 || (HALF_WORD && BITS == 1), "a thread's block is whole words or 16 1-bit codes");
+    constexpr int KH = kvq_block_halves<4, BITS>();   // halves of a thread's block of one row
+    constexpr int KW = (KH + 1) / 2;
+    constexpr bool ODD_HALF = KH % 2 == 1;            // the last word's high half is empty: spread it (kvq_pair_lo)
+    static_assert(kvq_shares_whole_halves<4, BITS>() && (!ODD_HALF || BITS <= 8), "a thread's block of K codes is whole halves");
     constexpr int PRE = kvq_preload_subtiles(KW);
 #pragma unroll
     for (int s0 = 0; s0 < NSUB; s0 += PRE) {
         kvq_u32 raw[PRE][2][KW];
-        kvq_load_subtiles<KB, BITS == 16 ? D * 2 : K_ROW_BYTES, PRE, GUARD>(rows, s0, n, g, r, raw);
+        kvq_load_subtiles<BITS, KW, BITS == 16 ? D * 2 : K_ROW_BYTES, PRE, GUARD>(rows, s0, n, g, r, raw);
 #pragma unroll
         for (int s = 0; s < PRE; ++s) {
             if (kvq_subtile_live<GUARD>(s0 + s, n)) {
                 kvq_u32 kp[2][KPAIRS];
 #pragma unroll
                 for (int t = 0; t < 2; ++t) {
-                    if constexpr (HALF_WORD) {
-                        KvqPairs<BITS, OFF>::template get<SUB, 8>(kvq_spread_half_word(raw[s][t][0]), kp[t]);
-                    } else {
 #pragma unroll
-                        for (int w = 0; w < KW; ++w) KvqPairs<BITS, OFF>::template get<SUB>(raw[s][t][w], &kp[t][w * KvqPairs<BITS, OFF>::PER_WORD]);
-                    }
+                    for (int w = 0; w < (ODD_HALF ? KW - 1 : KW); ++w) KvqPairs<BITS, OFF>::template get<SUB>(raw[s][t][w], &kp[t][w * KvqPairs<BITS, OFF>::PER_WORD]);
+                    if constexpr (ODD_HALF)
+                        KvqPairs<BITS, OFF>::template get<SUB, 8 / BITS>(kvq_spread_half_word(raw[s][t][KW - 1]), &kp[t][kvq_k_word_pairs<BITS>()]);
                 }
 #pragma unroll
                 for (int t = 0; t < TILES; ++t) {
@@ -94,7 +91,7 @@ static __device__ __forceinline__ void kvq_chunk_scores(const kvq_u8* rows, int 
                     // Two independent accumulator chains (even/odd k-steps, or high/low query halves).
                     float c[4] = {0.f, 0.f, 0.f, 0.f}, c2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-                    for (int kk = 0; kk < DV / 16; ++kk) {
+                    for (int kk = 0; kk < DVK / 16; ++kk) {
                         if (LO) {
                             kvq_mma(c, kp[0][2 * kk], kp[1][2 * kk], kp[0][2 * kk + 1], kp[1][2 * kk + 1], qh[2 * kk], qh[2 * kk + 1]);
                             kvq_mma(c2, kp[0][2 * kk], kp[1][2 * kk], kp[0][2 * kk + 1], kp[1][2 * kk + 1], ql[2 * kk], ql[2 * kk + 1]);

@@ -19,10 +19,10 @@ static __device__ __forceinline__ void kvq_chunk_scores_lean(const kvq_u8* rows,
             const uint2* rb = (const uint2*)(row_b + r * (D / 2));
             // The subtile's rows are loaded before the first mma: one memory round trip per subtile.
             // K-step kk takes block-order channels 4kk .. 4kk + 3, four channels of one slab's share.
-            uint2 a[DV / 16], b[DV / 16];
+            uint2 a[DVK / 16], b[DVK / 16];
 #pragma unroll
-            for (int kk = 0; kk < DV / 16; ++kk) {
-                if constexpr (KVQ_ONE_SLAB) {
+            for (int kk = 0; kk < DVK / 16; ++kk) {
+                if constexpr (KVQ_K_ONE_SLAB) {
                     a[kk] = ra[kk]; b[kk] = rb[kk];
                 } else {
                     const int c = kvq_share_channel<4>(4 * kk, r);
@@ -33,9 +33,9 @@ static __device__ __forceinline__ void kvq_chunk_scores_lean(const kvq_u8* rows,
             }
             float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int kk = 0; kk < DV / 16; ++kk) {
+            for (int kk = 0; kk < DVK / 16; ++kk) {
                 uint2 qq;
-                if constexpr (KVQ_ONE_SLAB) {
+                if constexpr (KVQ_K_ONE_SLAB) {
                     qq = *(const uint2*)(qw + 2 * kk);
                 } else {
                     const int ch = kvq_share_channel<4>(4 * kk, r);

@@ -6,8 +6,8 @@
 // and meet the folded query on the integer tensor cores, mma m16n8k32 u8 × s8 with s32
 // accumulators, where the products are exact. The query q⊙s of each head and page is an integer
 // X ≈ q⊙s·up with |X| <= 32512 (up = 32512 / max|q⊙s|), held as two s8 limbs, X = 256·hi + lo.
-static constexpr int KSTEPS = DV / 32;    // k-steps of 32 channels
-static constexpr int KREGS = DV / 16;     // byte registers of one row a thread holds (2 per k-step)
+static constexpr int KSTEPS = DVK / 32;    // k-steps of 32 channels
+static constexpr int KREGS = DVK / 16;     // byte registers of one row a thread holds (2 per k-step)
 static constexpr int K_CENTRE = K_OFF != 0 ? K_OFF : (1 << (KBITS - 1));  // codes are summed about it
 // Calibrated schemes' decode kernels on this path (2-bit keys; K_FINE, MmaCtx::k_fine) add a third,
 // fine limb F ≈ (q⊙s·up − X)·KVQ_FINE_STEPS, |F| <= 127, so the query carries about 24 bits instead
@@ -43,7 +43,7 @@ struct KvqBytes {
         }
     }
 };
-// Channel, within a thread's block of DV/4 channels (block order, kvq/decode/slabs.cuh), of byte i of byte register x of a BITS-bit row
+// Channel, within a thread's block of DVK/4 channels (block order, kvq/decode/slabs.cuh), of byte i of byte register x of a BITS-bit row
 // (register x is plane x % PLANES of word x / PLANES). The query limbs follow the same order.
 template <int BITS>
 static __host__ __device__ constexpr int kvq_byte_channel(int x, int i) {
@@ -62,8 +62,7 @@ static __device__ __forceinline__ void kvq_chunk_scores_int(const kvq_u8* rows, 
     const kvq_u32 (&bf)[KSTEPS][2], const int (&osumf)[2], const float (&mul)[2], const float (&add)[2], float (&sc)[NSUB][4],
     const kvq_u8* high_rows, const kvq_u32 (&hbh)[KHSTEPS][2], const kvq_u32 (&hbl)[KHSTEPS][2])
 {
-    constexpr int KB = DV * KBITS / 32;   // bytes of a thread's block of one row
-    constexpr int KW = KB / 4;
+    constexpr int KW = DVK * KBITS / 128;   // words of a thread's block of one row
     constexpr int PRE = kvq_preload_subtiles(KW);
     static_assert(!(KVQ_PACK && FINE), "packed heads take no fine limb (uncalibrated kernels only)");
     // With KVQ_PACK: every subtile's integer sums (until the select below), and whether this lane
@@ -73,7 +72,7 @@ static __device__ __forceinline__ void kvq_chunk_scores_int(const kvq_u8* rows, 
 #pragma unroll
     for (int s0 = 0; s0 < NSUB; s0 += PRE) {
         kvq_u32 raw[PRE][2][KW];
-        kvq_load_subtiles<KB, K_ROW_BYTES, PRE, GUARD>(rows, s0, n, g, r, raw);
+        kvq_load_subtiles<KBITS, KW, K_ROW_BYTES, PRE, GUARD>(rows, s0, n, g, r, raw);
 #pragma unroll
         for (int s = 0; s < PRE; ++s) {
             if (kvq_subtile_live<GUARD>(s0 + s, n)) {
@@ -160,13 +159,13 @@ static __device__ __forceinline__ void kvq_chunk_scores_int(const kvq_u8* rows, 
 // At GQA <= 4 the lanes of head columns 4..7 of the integer fold would fold zero queries: each takes
 // the upper half of its block for head g - 4 instead, and its partner (lane ^ 16) the lower half.
 // That needs the upper half's limbs to be the lower half's k-steps plus KSTEPS / 2 (a channel shift
-// of DV / 8), true where KSTEPS is a multiple of the byte planes.
+// of DVK / 8), true where KSTEPS is a multiple of the byte planes.
 // (Declared for every KBITS: wider codes than a byte never take this path.)
 static constexpr bool KVQ_FOLD_SPLIT = GQA <= 4 && KBITS <= 8 && KSTEPS % (KBITS <= 8 ? 8 / KBITS : 1) == 0;
-static constexpr int KVQ_FOLD_XC = KVQ_FOLD_SPLIT ? DV / 8 : DV / 4;  // channels whose q⊙s a thread works out
+static constexpr int KVQ_FOLD_XC = KVQ_FOLD_SPLIT ? DVK / 8 : DVK / 4;  // channels whose q⊙s a thread works out
 
 // The query as the integer fold reads it, staged once per CTA (kvq_stage_query): lane (g, r) finds
-// in words [0, KVQ_FOLD_XC) its channels of q for x = q⊙s as f32, in the next DV / 8 the f16 pairs
+// in words [0, KVQ_FOLD_XC) its channels of q for x = q⊙s as f32, in the next DVK / 8 the f16 pairs
 // of its block r of head g for the bias mma (bf16 queries converted). Each fold of a K page loaded
 // these from global memory, selected and converted them: on an H100, ncu put 15% of kivi2's stall
 // samples in the fold, its most-sampled instruction waiting on that load.
@@ -183,9 +182,9 @@ struct KvqIntQueryData<WORDS, true> {
     kvq_u16 raw[GQA * D];          // the heads' queries as given, for the boosted slots' gather
     static constexpr int RAW_WORDS = (GQA * D / 2 + THREADS - 1) / THREADS;   // a thread's share of them
 };
-struct KvqIntQuery : KvqIntQueryData<KVQ_FOLD_XC + DV / 8, K_BOOST> {
-    static constexpr int WORDS = KVQ_FOLD_XC + DV / 8;
-    static constexpr int RAW = DV / 8;   // words of lane (g, r)'s block of its head's query, as stored
+struct KvqIntQuery : KvqIntQueryData<KVQ_FOLD_XC + DVK / 8, K_BOOST> {
+    static constexpr int WORDS = KVQ_FOLD_XC + DVK / 8;
+    static constexpr int RAW = DVK / 8;   // words of lane (g, r)'s block of its head's query, as stored
     // This thread's share of the raw queries (boosted keys): loads only, before the first copies
     // like the lane's block, so the barrier after them does not wait for a load issued after the
     // page table's.
@@ -203,7 +202,7 @@ struct KvqIntQuery : KvqIntQueryData<KVQ_FOLD_XC + DV / 8, K_BOOST> {
     // Lane (g, r)'s block of the query from global memory: loads only, issued before the first
     // chunks' copies so that their latency overlaps them.
     static __device__ __forceinline__ void fetch(const kvq_u16* q, long head_row, int g, int r, kvq_u32 (&qw)[RAW]) {
-        constexpr int CB = DV / 4;
+        constexpr int CB = DVK / 4;
         const int head = KVQ_FOLD_SPLIT ? (g & 3) : kvq_col_head(g);
         if (head < GQA) {
             kvq_load_share<4, 16, 16>((const kvq_u8*)(q + (head_row + head) * D), r, qw);
@@ -214,7 +213,7 @@ struct KvqIntQuery : KvqIntQueryData<KVQ_FOLD_XC + DV / 8, K_BOOST> {
     }
     // Lane (g, r)'s words from its fetched block.
     static __device__ __forceinline__ void words(const kvq_u32 (&qw)[RAW], int g, kvq_u32 (&w)[WORDS]) {
-        constexpr int CB = DV / 4;
+        constexpr int CB = DVK / 4;
         const bool upper = KVQ_FOLD_SPLIT && g >= 4;
 #pragma unroll
         for (int c = 0; c < KVQ_FOLD_XC; ++c) {
@@ -252,7 +251,7 @@ struct KvqIntFold {
 template <bool ONE_CHAIN, bool FINE, class F, int BITS = KBITS>
 static __device__ __forceinline__ float kvq_fold_int(F& f, const kvq_u8* params, const KvqIntQuery& qt, int g, int r)
 {
-    constexpr int CB = DV / 4;  // channels of the thread's block
+    constexpr int CB = DVK / 4;  // channels of the thread's block
     constexpr bool SPLIT = KVQ_FOLD_SPLIT;
     constexpr int XC = KVQ_FOLD_XC;
     const bool upper = SPLIT && g >= 4;
@@ -261,7 +260,7 @@ static __device__ __forceinline__ float kvq_fold_int(F& f, const kvq_u8* params,
     // of just the channels this thread works out.
     kvq_u32 qx[XC], sx[XC / 2];
     kvq_query_read<0, XC>(qt, lane, qx);
-    if constexpr (KVQ_ONE_SLAB) kvq_load<XC * 2>(params + r * CB * 2 + (upper ? XC * 2 : 0), sx);
+    if constexpr (KVQ_K_ONE_SLAB) kvq_load<XC * 2>(params + r * CB * 2 + (upper ? XC * 2 : 0), sx);
     else if (upper) kvq_load_share<4, 16, 16, XC, XC>(params, r, sx);
     else kvq_load_share<4, 16, 16, 0, XC>(params, r, sx);
     float x[XC];
@@ -363,13 +362,13 @@ static __device__ __forceinline__ float kvq_fold_int(F& f, const kvq_u8* params,
             // mma, and no A fragments of repeated registers to build.
             float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int kk = 0; kk < DV / 16; ++kk) kvq_mma(c, zw[2 * kk], sw[2 * kk], zw[2 * kk + 1], sw[2 * kk + 1], qw[2 * kk], qw[2 * kk + 1]);
+            for (int kk = 0; kk < DVK / 16; ++kk) kvq_mma(c, zw[2 * kk], sw[2 * kk], zw[2 * kk + 1], sw[2 * kk + 1], qw[2 * kk], qw[2 * kk + 1]);
 #pragma unroll
             for (int j = 0; j < 2; ++j) f.bias[j] = fmaf((float)K_CENTRE, c[2 + j], c[j]);
         } else {
             float cz[4] = {0.f, 0.f, 0.f, 0.f}, cs[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int kk = 0; kk < DV / 16; ++kk) {
+            for (int kk = 0; kk < DVK / 16; ++kk) {
                 kvq_mma(cz, zw[2 * kk], zw[2 * kk], zw[2 * kk + 1], zw[2 * kk + 1], qw[2 * kk], qw[2 * kk + 1]);
                 kvq_mma(cs, sw[2 * kk], sw[2 * kk], sw[2 * kk + 1], sw[2 * kk + 1], qw[2 * kk], qw[2 * kk + 1]);
             }

@@ -4,30 +4,66 @@
 // The kernel's thread layout is written for a row of a power-of-two size S: quad lane r takes the
 // contiguous quarter [r·S/4, (r + 1)·S/4) of a row's K channels, lane group g the eighth
 // [g·S/8, (g + 1)·S/8) of its V channels. Other head sizes are read as slabs of such sizes,
-// largest first (KVQ_SLAB0..3, set by the unit; `slabs` in kvq-codegen's decode.rs): a lane's
-// block of a row is its share of each slab in turn, so everything after the loads (code
-// conversion, the fold, the mma chains, the softmax) runs over DV channels in this "block order"
-// as it runs over a power-of-two row. Only what touches memory maps block order to channels:
-// the loads of rows, queries and per-channel parameters, and the output. The last slab may reach
-// past the row (DV > D): its channels there load as zeros (a zero query and zero scales make
-// their scores and outputs nothing), and loads that would cross the row's end are skipped.
-// At D = 64, 128 and 256 there is one slab and every loader below is the plain load it was.
-static constexpr int KVQ_SLABS = (KVQ_SLAB0 > 0) + (KVQ_SLAB1 > 0) + (KVQ_SLAB2 > 0) + (KVQ_SLAB3 > 0);
+// largest first (`slabs` in kvq-codegen's decode.rs): a lane's block of a row is its share of
+// each slab in turn, so everything after the loads (code conversion, the fold, the mma chains,
+// the softmax) runs over DVK key and DVV value channels in this "block order" as it runs over a
+// power-of-two row. Only what touches memory maps block order to channels: the loads of rows,
+// queries and per-channel parameters, and the output. A side whose code path cannot read slabs
+// of 16 channels may end in a slab reaching past the row (DVK > D): its channels there load as
+// zeros (a zero query and zero scales make their scores nothing), and loads that would cross the
+// row's end are skipped. At D = 64, 128 and 256 there is one slab a side and every loader below
+// is the plain load it was.
+// K and V have their slabs each (KVQ_KSLAB0..3 and KVQ_VSLAB0..3, summing to DVK and DVV): a
+// side's slabs are as small as its code path reads (decode.rs `slab_granularity`). Every helper
+// below takes the side as the lane parts it divides a row among: PARTS = 4 is K, 8 is V.
+template <int PARTS>
 static __host__ __device__ constexpr int kvq_slab_size(int i) {
-    return i == 0 ? KVQ_SLAB0 : i == 1 ? KVQ_SLAB1 : i == 2 ? KVQ_SLAB2 : i == 3 ? KVQ_SLAB3 : 0;
+    return PARTS == 4 ? (i == 0 ? KVQ_KSLAB0 : i == 1 ? KVQ_KSLAB1 : i == 2 ? KVQ_KSLAB2 : i == 3 ? KVQ_KSLAB3 : 0)
+                      : (i == 0 ? KVQ_VSLAB0 : i == 1 ? KVQ_VSLAB1 : i == 2 ? KVQ_VSLAB2 : i == 3 ? KVQ_VSLAB3 : 0);
 }
-static __host__ __device__ constexpr int kvq_slab_start(int i) { return i <= 0 ? 0 : kvq_slab_start(i - 1) + kvq_slab_size(i - 1); }
+template <int PARTS>
+static __host__ __device__ constexpr int kvq_slab_count() {
+    return (kvq_slab_size<PARTS>(0) > 0) + (kvq_slab_size<PARTS>(1) > 0) + (kvq_slab_size<PARTS>(2) > 0) + (kvq_slab_size<PARTS>(3) > 0);
+}
+template <int PARTS>
+static __host__ __device__ constexpr int kvq_slab_start(int i) { return i <= 0 ? 0 : kvq_slab_start<PARTS>(i - 1) + kvq_slab_size<PARTS>(i - 1); }
 // One slab: a row read as it always was.
-static constexpr bool KVQ_ONE_SLAB = KVQ_SLABS == 1 && DV == D;
-static_assert(KVQ_SLABS >= 1 && kvq_slab_start(KVQ_SLABS) == DV && DV >= D && DV - D < D, "the slabs cover the row");
+static constexpr bool KVQ_K_ONE_SLAB = kvq_slab_count<4>() == 1 && DVK == D;
+static constexpr bool KVQ_V_ONE_SLAB = kvq_slab_count<8>() == 1 && DVV == D;
+template <int PARTS>
+static __host__ __device__ constexpr bool kvq_one_slab() { return PARTS == 4 ? KVQ_K_ONE_SLAB : KVQ_V_ONE_SLAB; }
+static_assert(kvq_slab_count<4>() >= 1 && kvq_slab_start<4>(kvq_slab_count<4>()) == DVK && DVK >= D && DVK - D < D, "the K slabs cover the row");
+static_assert(kvq_slab_count<8>() >= 1 && kvq_slab_start<8>(kvq_slab_count<8>()) == DVV && DVV >= D && DVV - D < D, "the V slabs cover the row");
 
-// Slab I as types, for loads whose widths are template arguments (each loader below recurses over
-// I: NVRTC's JIT mode takes no lambdas in device code).
-template <int I>
+// Slab I of a side as types, for loads whose widths are template arguments (each loader below
+// recurses over I: NVRTC's JIT mode takes no lambdas in device code).
+template <int PARTS, int I>
 struct KvqSlab {
-    static constexpr int S = kvq_slab_size(I), C0 = kvq_slab_start(I);
+    static constexpr int S = kvq_slab_size<PARTS>(I), C0 = kvq_slab_start<PARTS>(I);
     static constexpr bool WHOLE = C0 + S <= D;   // every channel inside the row
 };
+
+// Where a part's shares of a row of BITS-bit codes sit in registers: share I (its S/PARTS
+// channels of slab I) takes whole 16-bit halves, in slab order, from half kvq_share_half0(I). A
+// share of 16 bits or more is contiguous bits, as the row holds them; a smaller one (V codes of
+// 1, 2 and 4 bits in slabs of 16 to 64 channels) sits alone in the low bits of its half.
+template <int PARTS, int BITS>
+static __host__ __device__ constexpr int kvq_share_bits(int i) { return kvq_slab_size<PARTS>(i) / PARTS * BITS; }
+template <int PARTS, int BITS>
+static __host__ __device__ constexpr int kvq_share_halves(int i) {
+    return kvq_share_bits<PARTS, BITS>(i) >= 16 ? kvq_share_bits<PARTS, BITS>(i) / 16 : kvq_share_bits<PARTS, BITS>(i) > 0 ? 1 : 0;
+}
+template <int PARTS, int BITS>
+static __host__ __device__ constexpr int kvq_share_half0(int i) {
+    return i <= 0 ? 0 : kvq_share_half0<PARTS, BITS>(i - 1) + kvq_share_halves<PARTS, BITS>(i - 1);
+}
+// Halves a part's block of a row takes.
+template <int PARTS, int BITS>
+static __host__ __device__ constexpr int kvq_block_halves() { return kvq_share_half0<PARTS, BITS>(kvq_slab_count<PARTS>()); }
+// Whether every share is whole halves (then the block is contiguous bits, half after half).
+template <int PARTS, int BITS>
+static __host__ __device__ constexpr bool kvq_shares_whole_halves() { return kvq_block_halves<PARTS, BITS>() * 16 == kvq_slab_start<PARTS>(kvq_slab_count<PARTS>()) / PARTS * BITS; }
+
 // Largest power of two, at most 16, dividing `bytes` (16 for 0): the alignment an offset keeps.
 static __host__ __device__ constexpr int kvq_align_of(int bytes) {
     return bytes % 16 == 0 ? 16 : bytes % 8 == 0 ? 8 : bytes % 4 == 0 ? 4 : bytes % 2 == 0 ? 2 : 1;
@@ -42,48 +78,56 @@ static __device__ __forceinline__ void kvq_load_words(const kvq_u8* p, kvq_u32* 
     for (int i = 0; i < BYTES / V; ++i) kvq_load<V>(p + i * V, w + i * (V / 4));
 }
 
-// The lane parts of a row: PARTS = 4 for K (quad lane r takes a quarter of each slab), 8 for V
-// (lane group g an eighth). Channel of block-order channel `v` of part p's block.
+// Channel of block-order channel `v` of part p's block (PARTS as above).
 template <int PARTS>
 static __device__ __forceinline__ int kvq_share_channel(int v, int p) {
     int c = 0;
 #pragma unroll
-    for (int i = 0; i < KVQ_SLABS; ++i)
-        if (v >= kvq_slab_start(i) / PARTS && v < kvq_slab_start(i + 1) / PARTS)
-            c = kvq_slab_start(i) + p * (kvq_slab_size(i) / PARTS) + (v - kvq_slab_start(i) / PARTS);
+    for (int i = 0; i < kvq_slab_count<PARTS>(); ++i)
+        if (v >= kvq_slab_start<PARTS>(i) / PARTS && v < kvq_slab_start<PARTS>(i + 1) / PARTS)
+            c = kvq_slab_start<PARTS>(i) + p * (kvq_slab_size<PARTS>(i) / PARTS) + (v - kvq_slab_start<PARTS>(i) / PARTS);
     return c;
 }
 // Where V channel c sits: lane group `grp`, block-order channel `j` there.
 static __device__ __forceinline__ void kvq_v_owner(int c, int& grp, int& j) {
-    if constexpr (KVQ_ONE_SLAB) {
+    if constexpr (KVQ_V_ONE_SLAB) {
         grp = c / (D / 8); j = c % (D / 8);
     } else {
 #pragma unroll
-        for (int i = 0; i < KVQ_SLABS; ++i)
-            if (c >= kvq_slab_start(i) && c < kvq_slab_start(i + 1)) {
-                grp = (c - kvq_slab_start(i)) / (kvq_slab_size(i) / 8);
-                j = kvq_slab_start(i) / 8 + (c - kvq_slab_start(i)) % (kvq_slab_size(i) / 8);
+        for (int i = 0; i < kvq_slab_count<8>(); ++i)
+            if (c >= kvq_slab_start<8>(i) && c < kvq_slab_start<8>(i + 1)) {
+                grp = (c - kvq_slab_start<8>(i)) / (kvq_slab_size<8>(i) / 8);
+                j = kvq_slab_start<8>(i) / 8 + (c - kvq_slab_start<8>(i)) % (kvq_slab_size<8>(i) / 8);
             }
     }
 }
 
 // Block-order channels [V0, V0 + N) of part p's block of a row (PARTS as for kvq_share_channel)
 // whose channel c starts at bit c·BITS (BITS = 16: f16 rows, queries, per-channel scales), rows
-// ROW_ALIGN-aligned, into 16-bit halves (pairs of halves in words, low half first): its share of
-// each slab in turn. A share is whole halves, and whole words for K codes (decode.rs keeps slabs
-// that large); halves past the row load as zeros. With one slab, the plain load at
-// p·D·BITS/(8·PARTS) + V0·BITS/8.
-template <int PARTS, int BITS, int ROW_ALIGN, int V0 = 0, int N = DV / PARTS, int I = 0>
+// ROW_ALIGN-aligned, into 16-bit halves (pairs of halves in words, low half first) as
+// kvq_share_half0 places them: its share of each slab in turn. Halves past the row load as
+// zeros. With one slab, the plain load at p·D·BITS/(8·PARTS) + V0·BITS/8.
+template <int PARTS, int BITS, int ROW_ALIGN, int V0 = 0, int N = (PARTS == 4 ? DVK : DVV) / PARTS, int I = 0>
 static __device__ __forceinline__ void kvq_load_share(const kvq_u8* row, int p, kvq_u32* w) {
-    if constexpr (KVQ_ONE_SLAB) {
+    if constexpr (kvq_one_slab<PARTS>()) {
         kvq_load<N * BITS / 8>(row + p * (D / PARTS * BITS / 8) + V0 * BITS / 8, w);
-    } else if constexpr (I < KVQ_SLABS) {
-        using L = KvqSlab<I>;
+    } else if constexpr (I < kvq_slab_count<PARTS>()) {
+        using L = KvqSlab<PARTS, I>;
         constexpr int B0 = L::C0 / PARTS, B1 = (L::C0 + L::S) / PARTS;   // the slab's share in block order
         constexpr int LO = B0 > V0 ? B0 : V0, HI = B1 < V0 + N ? B1 : V0 + N;
-        if constexpr (LO < HI) {
+        constexpr int SHARE = kvq_share_bits<PARTS, BITS>(I);
+        if constexpr (SHARE < 16) {
+            // A share smaller than a half, alone in the low bits of its half.
+            static_assert(V0 == 0 && N == (PARTS == 4 ? DVK : DVV) / PARTS && L::WHOLE && SHARE <= 8 && (L::C0 * BITS) % 8 == 0,
+                          "shares smaller than a half: whole blocks of slabs inside the row, within a byte");
+            constexpr int H = kvq_share_half0<PARTS, BITS>(I);
+            const int bit = p * SHARE;
+            const kvq_u32 b = ((kvq_u32)row[L::C0 * BITS / 8 + (bit >> 3)] >> (bit & 7)) & ((1u << SHARE) - 1u);
+            if constexpr (H % 2 == 0) w[H / 2] = b;
+            else w[H / 2] |= b << 16;
+        } else if constexpr (LO < HI) {
             constexpr int BYTES = (HI - LO) * BITS / 8;
-            constexpr int H0 = (LO - V0) * BITS / 16;          // its first half in `w`
+            constexpr int H0 = kvq_share_half0<PARTS, BITS>(I) + (LO - B0) * BITS / 16 - V0 * BITS / 16;   // its first half in `w`
             constexpr int OFF = (L::C0 + LO - B0) * BITS / 8;  // its bytes in the row, for part 0
             constexpr int STRIDE = L::S / PARTS * BITS / 8;    // bytes between parts' shares
             constexpr int CH = 16 / BITS;                      // channels a half holds

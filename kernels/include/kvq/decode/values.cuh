@@ -1,6 +1,57 @@
 #pragma once
 // P·V: token-axis and channel-axis V codes (magic-number f16 or subnormals) and FP16 rows.
 
+// The halves of a lane group's block of a V row of BITS-bit codes (kvq_share_half0), as
+// constants: half H's slab, the pairs (one channel of two tokens each) it yields, and the
+// block-order channel of its first pair. Static members, so that every one is worked out by the
+// compiler's front end: a pair index left to the optimiser became select chains over the pairs.
+template <int BITS, int H, int I = 0>
+struct KvqVHalf {
+    static constexpr bool MINE = I + 1 >= kvq_slab_count<8>() || kvq_share_half0<8, BITS>(I + 1) > H;
+    static constexpr int SLAB = MINE ? I : KvqVHalf<BITS, H, (I + 1 < 4 ? I + 1 : 3)>::SLAB;
+};
+template <int BITS, int H>
+struct KvqVHalf<BITS, H, 3> {
+    static constexpr int SLAB = 3;
+};
+template <int BITS, int H>
+struct KvqVHalfOf {
+    static constexpr int SLAB = KvqVHalf<BITS, H>::SLAB;
+    static constexpr int SHARE = kvq_share_bits<8, BITS>(SLAB);
+    static constexpr int PAIRS = SHARE >= 16 ? 16 / BITS : SHARE / BITS;
+    static constexpr int FIRST = kvq_slab_start<8>(SLAB) / 8 + (H - kvq_share_half0<8, BITS>(SLAB)) * (16 / BITS);
+};
+// Bit position in its half of block-order V channel j's field (KvqPairs::get's order), in closed
+// form: channel o of slab i's share is field o of its own half where the share is smaller than a
+// half, else field o mod 16/BITS of a half.
+template <int BITS>
+static __host__ __device__ constexpr int kvq_v_share_pos(int o, int i) {
+    return kvq_pair_pos<BITS>(kvq_share_bits<8, BITS>(i) >= 16 ? o % (16 / BITS) : o);
+}
+template <int BITS>
+static __host__ __device__ constexpr int kvq_v_pair_pos(int j) {
+    return j < kvq_slab_start<8>(1) / 8 || kvq_slab_count<8>() == 1 ? kvq_v_share_pos<BITS>(j, 0)
+         : j < kvq_slab_start<8>(2) / 8 || kvq_slab_count<8>() == 2 ? kvq_v_share_pos<BITS>(j - kvq_slab_start<8>(1) / 8, 1)
+         : j < kvq_slab_start<8>(3) / 8 || kvq_slab_count<8>() == 3 ? kvq_v_share_pos<BITS>(j - kvq_slab_start<8>(2) / 8, 2)
+                                                                     : kvq_v_share_pos<BITS>(j - kvq_slab_start<8>(3) / 8, 3);
+}
+// 2^(24 − pos): a subnormal pair's code in units of block-order V channel j's field, back to the code.
+template <int BITS>
+static __host__ __device__ constexpr float kvq_v_pair_units(int j) {
+    return (float)(1u << (24 - kvq_v_pair_pos<BITS>(j)));
+}
+// The pairs of two tokens' blocks `a` and `b` of a V row: half H of each, interleaved (token a
+// in the low half of each f16x2), becomes its pairs.
+template <int BITS, int OFF, bool SUB, int H = 0>
+static __device__ __forceinline__ void kvq_v_pairs(const kvq_u32* a, const kvq_u32* b, kvq_u32* vp) {
+    if constexpr (H < kvq_block_halves<8, BITS>()) {
+        using L = KvqVHalfOf<BITS, H>;
+        const kvq_u32 comb = kvq_prmt(a[H >> 1], b[H >> 1], (H & 1) ? 0x7632u : 0x5410u);
+        KvqPairs<BITS, OFF>::template get<SUB, L::PAIRS>(comb, vp + L::FIRST);
+        kvq_v_pairs<BITS, OFF, SUB, H + 1>(a, b, vp);
+    }
+}
+
 // O^T += V^T·P^T for a chunk. Thread (g, r) owns channels [g·NT, (g+1)·NT) and tokens 2r, 2r+1,
 // 2r+8, 2r+9 of each subtile; token pairs are interleaved with prmt so each f16x2 holds one channel
 // of two tokens. MODE 0: values as they are (f16 rows, or token-axis codes whose scale went into P);
@@ -15,11 +66,8 @@ template <int BITS, int OFF, int MODE, bool GUARD, int TILES>
 static __device__ __forceinline__ void kvq_chunk_pv(const kvq_u8* rows, int n, int g, int r,
     const kvq_u32 (&pb)[TILES][NSUB][2], const kvq_u32* s2, const kvq_u32* z2, float (&acc)[TILES][MT][4], float (&psum)[TILES][4])
 {
-    constexpr int VB = DV * BITS / 64;   // bytes of a thread's channels of one row (its slabs' shares)
-    constexpr int VW = VB >= 4 ? (VB + 3) / 4 : 1;      // words (the last half-filled where VB / 2 is odd)
-    constexpr int VH = VB >= 2 ? VB / 2 : 1;                // 16-bit halves (1-bit V at head_dim 64: one, half filled)
-    constexpr int PPH = VB >= 2 ? 16 / BITS : 8 / BITS;     // pairs per half
-    static_assert(VB >= 2 || BITS == 1, "a thread's channels of a row are whole halves or 8 1-bit codes");
+    constexpr int VH = kvq_block_halves<8, BITS>();   // 16-bit halves of a thread's channels of one row (kvq/decode/slabs.cuh)
+    constexpr int VW = (VH + 1) / 2;                  // words (the last half-filled where VH is odd)
     constexpr int PRE = (4 * VW * NSUB <= 32) ? NSUB : ((32 / (4 * VW)) > 0 ? (32 / (4 * VW)) : 1);
     constexpr int ROW = BITS == 16 ? D * 2 : V_ROW_BYTES;
     constexpr bool CENTRE = MODE == 2 && OFF != 0;
@@ -41,12 +89,7 @@ static __device__ __forceinline__ void kvq_chunk_pv(const kvq_u8* rows, int n, i
             if (kvq_subtile_live<GUARD>(s0 + s, n)) {
                 kvq_u32 vp[2][NT];
 #pragma unroll
-                for (int pi = 0; pi < 2; ++pi)
-#pragma unroll
-                    for (int h = 0; h < VH; ++h) {
-                        const kvq_u32 comb = kvq_prmt(raw[s][2 * pi][h >> 1], raw[s][2 * pi + 1][h >> 1], (h & 1) ? 0x7632u : 0x5410u);
-                        KvqPairs<BITS, OFF>::template get<MODE == 2, PPH>(comb, &vp[pi][h * PPH]);
-                    }
+                for (int pi = 0; pi < 2; ++pi) kvq_v_pairs<BITS, OFF, MODE == 2>(raw[s][2 * pi], raw[s][2 * pi + 1], vp[pi]);
                 if constexpr (MODE == 1) {
 #pragma unroll
                     for (int pi = 0; pi < 2; ++pi)
@@ -76,7 +119,7 @@ static __device__ __forceinline__ void kvq_centre_flush(float (&acc)[MT][4], flo
         for (int i = 0; i < MT; ++i)
 #pragma unroll
             for (int j = 0; j < 4; ++j)
-                acc[i][j] = fmaf(-(float)V_OFF / kvq_pair_units<VBITS>(2 * i + (j >> 1)), psum[j & 1], acc[i][j]);
+                acc[i][j] = fmaf(-(float)V_OFF / kvq_v_pair_units<VBITS>(2 * i + (j >> 1)), psum[j & 1], acc[i][j]);
 #pragma unroll
         for (int j = 0; j < 4; ++j) psum[j] = 0.f;
     }
@@ -90,7 +133,7 @@ static __device__ __forceinline__ void kvq_pair_units_apply(float (&acc)[MT][4])
     for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const float u = kvq_pair_units<VBITS>(2 * i + (j >> 1));
+            const float u = kvq_v_pair_units<VBITS>(2 * i + (j >> 1));
             acc[i][j] *= TO_VALUES ? u : 1.f / u;
         }
 }
@@ -113,7 +156,7 @@ static __device__ __forceinline__ void kvq_v_channel_units(const kvq_u8* params,
     for (int j = 0; j < NT; ++j) {
         const float sv = kvq_f16_to_f32((kvq_u16)(sw[j >> 1] >> (16 * (j & 1))));
         const float zv = kvq_f16_to_f32((kvq_u16)(zw[j >> 1] >> (16 * (j & 1))));
-        const float u = (sv != 0.f ? sv : 0x1p-64f) * kvq_pair_units<VBITS>(j);
+        const float u = (sv != 0.f ? sv : 0x1p-64f) * kvq_v_pair_units<VBITS>(j);
         float inv;   // u is a normal float far from the range ends: the bare approximate reciprocal
         asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(u));
         const float ratio = vu[j] * inv;
@@ -176,7 +219,7 @@ static __device__ __forceinline__ void kvq_chunk_pv_lean(const kvq_u8* rows, int
 #pragma unroll
                 for (int i = 0; i < MT; ++i) {
                     // Word i holds block-order channels 2i and 2i + 1, two channels of one slab's share.
-                    if constexpr (KVQ_ONE_SLAB) {
+                    if constexpr (KVQ_V_ONE_SLAB) {
                         w[j][i] = t[i];
                     } else {
                         const int c = kvq_share_channel<8>(2 * i, g);
