@@ -25,8 +25,13 @@ template <int PARTS>
 static __host__ __device__ constexpr int kvq_slab_count() {
     return (kvq_slab_size<PARTS>(0) > 0) + (kvq_slab_size<PARTS>(1) > 0) + (kvq_slab_size<PARTS>(2) > 0) + (kvq_slab_size<PARTS>(3) > 0);
 }
+// Sums in closed form, not recursion: called with a loop's index, a recursive form was left to
+// run as a loop at run time (at head_dim 112 it put a thousand selects into KIVI-4's kernel).
 template <int PARTS>
-static __host__ __device__ constexpr int kvq_slab_start(int i) { return i <= 0 ? 0 : kvq_slab_start<PARTS>(i - 1) + kvq_slab_size<PARTS>(i - 1); }
+static __host__ __device__ constexpr int kvq_slab_start(int i) {
+    return (i > 0 ? kvq_slab_size<PARTS>(0) : 0) + (i > 1 ? kvq_slab_size<PARTS>(1) : 0) + (i > 2 ? kvq_slab_size<PARTS>(2) : 0) +
+           (i > 3 ? kvq_slab_size<PARTS>(3) : 0);
+}
 // One slab: a row read as it always was.
 static constexpr bool KVQ_K_ONE_SLAB = kvq_slab_count<4>() == 1 && DVK == D;
 static constexpr bool KVQ_V_ONE_SLAB = kvq_slab_count<8>() == 1 && DVV == D;
@@ -55,7 +60,8 @@ static __host__ __device__ constexpr int kvq_share_halves(int i) {
 }
 template <int PARTS, int BITS>
 static __host__ __device__ constexpr int kvq_share_half0(int i) {
-    return i <= 0 ? 0 : kvq_share_half0<PARTS, BITS>(i - 1) + kvq_share_halves<PARTS, BITS>(i - 1);
+    return (i > 0 ? kvq_share_halves<PARTS, BITS>(0) : 0) + (i > 1 ? kvq_share_halves<PARTS, BITS>(1) : 0) +
+           (i > 2 ? kvq_share_halves<PARTS, BITS>(2) : 0) + (i > 3 ? kvq_share_halves<PARTS, BITS>(3) : 0);
 }
 // Halves a part's block of a row takes.
 template <int PARTS, int BITS>
