@@ -131,8 +131,12 @@ fn gen_writes_kernels_for_head_dims_80_and_112() {
             })
             .unwrap_or_else(|| panic!("d{d}: no decode unit in {out_dir:?}"));
         let source = std::fs::read_to_string(unit).unwrap();
-        // The tensor-core kernel, reading the row as slabs (docs/LAYOUT.md §9).
-        assert!(source.contains("static constexpr int DV = 128;"), "d{d}");
+        // The tensor-core kernel, reading rows as slabs (docs/LAYOUT.md §9): 2-bit keys in whole
+        // words (computed over 128 channels), values exactly.
+        assert!(
+            source.contains(&format!("static constexpr int DVK = 128, DVV = {d};")),
+            "d{d}"
+        );
         assert!(
             source.contains(&format!("static constexpr int D = {d};")),
             "d{d}"

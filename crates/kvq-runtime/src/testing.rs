@@ -228,8 +228,19 @@ pub fn fake_library_source(
 /// The C compiler the fake-library tests build with (`$CC`, else `cc`), once `<cc> --version`
 /// runs; otherwise a [`Skip`] that `KVQ_REQUIRE_CC=1` makes a failure.
 pub fn c_compiler() -> Result<String, Skip> {
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
-    let missing = |why: String| Skip::unless(&[KVQ_REQUIRE_CC], format!("no C compiler: {why}"));
+    host_compiler("CC", "cc", "C")
+}
+
+/// The C++ compiler (`$CXX`, else `c++`) of the tests that compile kernel headers for the host,
+/// as [`c_compiler`] finds its compiler.
+pub fn cxx_compiler() -> Result<String, Skip> {
+    host_compiler("CXX", "c++", "C++")
+}
+
+fn host_compiler(var: &str, default: &str, language: &str) -> Result<String, Skip> {
+    let cc = std::env::var(var).unwrap_or_else(|_| default.to_string());
+    let missing =
+        |why: String| Skip::unless(&[KVQ_REQUIRE_CC], format!("no {language} compiler: {why}"));
     match std::process::Command::new(&cc).arg("--version").output() {
         Ok(out) if out.status.success() => Ok(cc),
         Ok(out) => Err(missing(format!(

@@ -79,24 +79,6 @@ static __device__ __forceinline__ void kvq_stored_scores(const float* rows, int 
             if (s * 16 + g + (i >> 1) * 8 >= n) sc[s][i] = KVQ_NEG_INF;
 }
 
-// A staged chunk's first token (KVQ_STORED) and skews of its K rows and high plane (0 where the
-// ring keeps none).
-template <class C>
-static __device__ __forceinline__ int kvq_chunk_t0(const C& c) {
-    if constexpr (KVQ_STORED) return c.t0;
-    else return 0;
-}
-template <class C>
-static __device__ __forceinline__ int kvq_k_skew(const C& c) {
-    if constexpr (KVQ_SKEWS) return c.k_skew;
-    else return 0;
-}
-template <class C>
-static __device__ __forceinline__ int kvq_kh_skew(const C& c) {
-    if constexpr (KVQ_SKEWS) return c.kh_skew;
-    else return 0;
-}
-
 // Scores of a quantized chunk in natural units (q·k/√D), folded into the running range of heads
 // 2r, 2r+1 (and, with stored scores, stored at `srows`, the chunk's first row).
 // With KVQ_RANGE_INT, 1- and 2-bit keys on the integer tensor cores with two limbs, where the

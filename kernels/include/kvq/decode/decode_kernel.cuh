@@ -7,22 +7,6 @@
 // The prefetch only for codes of at most 2 bits: measured on an H100, it made 2-bit and 1-bit
 // schemes faster and 4-bit and 8-bit slower (those already keep enough bytes in flight per warp).
 static constexpr bool KVQ_PREFETCH = KVQ_LOW_BITS && KVQ_STAGES == 0;  // the ring supersedes it
-// A staged chunk's skews of its V sections (0 where the ring keeps none).
-template <class C>
-static __device__ __forceinline__ int kvq_v_skew(const C& c) {
-    if constexpr (KVQ_SKEWS) return c.v_skew;
-    else return 0;
-}
-template <class C>
-static __device__ __forceinline__ int kvq_vs_skew(const C& c) {
-    if constexpr (KVQ_SKEWS) return c.vs_skew;
-    else return 0;
-}
-template <class C>
-static __device__ __forceinline__ int kvq_vz_skew(const C& c) {
-    if constexpr (KVQ_SKEWS) return c.vz_skew;
-    else return 0;
-}
 // The body of the unit's decode entry point, whose launch bounds take MIN_CTAS (CTAs per SM the
 // registers must allow: TuneParams::min_warps_per_sm). `Q` is KvqFoldQuery and `H` is HT, parameters
 // so that the paths a configuration does not take are not compiled for it.

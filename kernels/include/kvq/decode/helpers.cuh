@@ -170,36 +170,6 @@ struct KvqPairs {
         }
     }
 };
-// Bit position, in its 16-bit half, of pair q's field (the order of `KvqPairs::get`).
-template <int BITS>
-static __host__ __device__ constexpr int kvq_pair_pos(int q) {
-    return BITS == 4 ? 4 * ((q % 4) & 1)
-         : BITS == 2 ? (q % 8 < 5 ? 2 * (q % 8) : 2 * (q % 8 - 5))
-         : BITS == 1 ? (q % 16 < 10 ? q % 16 : q % 16 - 10) : 0;
-}
-// 2^(24 − POS): a subnormal pair's code in units of its pair q's field, back to the code.
-template <int BITS>
-static __host__ __device__ constexpr float kvq_pair_units(int q) {
-    return (float)(1u << (24 - kvq_pair_pos<BITS>(q)));
-}
-// The pairs of a thread's block of a K row on the f16 path (BITS-bit codes, DVK / 4 channels in
-// whole halves, kvq/decode/slabs.cuh): a whole word yields 16/BITS pairs, channel f of its low
-// half with channel f of its high half; an odd last half (slab shares of half a word: 4-bit keys
-// in 16-channel slabs, 1-bit keys at head_dim 64) is spread over a word first
-// (kvq_spread_half_word) and yields 8/BITS, channel f of its low byte with channel f of its high
-// byte. Pairs of whole words, and the channels (relative to the block) of pair p's low and high
-// halves.
-template <int BITS>
-static __host__ __device__ constexpr int kvq_k_word_pairs() { return (DVK / 4 * BITS / 32) * (16 / BITS); }
-template <int BITS>
-static __host__ __device__ constexpr int kvq_pair_lo(int p) {
-    return p < kvq_k_word_pairs<BITS>() ? (p / (16 / BITS)) * (32 / BITS) + p % (16 / BITS)
-                                        : kvq_k_word_pairs<BITS>() * 2 + (p - kvq_k_word_pairs<BITS>());
-}
-template <int BITS>
-static __host__ __device__ constexpr int kvq_pair_hi(int p) {
-    return kvq_pair_lo<BITS>(p) + (p < kvq_k_word_pairs<BITS>() ? 16 / BITS : 8 / BITS);
-}
 // A 16-bit block of codes (low half of w) with its high byte moved to the high half: the codes
 // of channels 8..15 then sit at the bit positions of channels 0..7, each pair one channel of each.
 static __device__ __forceinline__ kvq_u32 kvq_spread_half_word(kvq_u32 w) {

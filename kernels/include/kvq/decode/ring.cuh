@@ -59,6 +59,38 @@ struct KvqChunkT<true, true> {
     kvq_u8 k_skew, kh_skew, v_skew, vs_skew, vz_skew;
 };
 using KvqChunk = KvqChunkT<KVQ_STORED, KVQ_SKEWS>;
+// A chunk's first token (KVQ_STORED) and the skews of its sections (0 where the ring keeps none),
+// readable whatever the chunk type holds.
+template <class C>
+static __device__ __forceinline__ int kvq_chunk_t0(const C& c) {
+    if constexpr (KVQ_STORED) return c.t0;
+    else return 0;
+}
+template <class C>
+static __device__ __forceinline__ int kvq_k_skew(const C& c) {
+    if constexpr (KVQ_SKEWS) return c.k_skew;
+    else return 0;
+}
+template <class C>
+static __device__ __forceinline__ int kvq_kh_skew(const C& c) {
+    if constexpr (KVQ_SKEWS) return c.kh_skew;
+    else return 0;
+}
+template <class C>
+static __device__ __forceinline__ int kvq_v_skew(const C& c) {
+    if constexpr (KVQ_SKEWS) return c.v_skew;
+    else return 0;
+}
+template <class C>
+static __device__ __forceinline__ int kvq_vs_skew(const C& c) {
+    if constexpr (KVQ_SKEWS) return c.vs_skew;
+    else return 0;
+}
+template <class C>
+static __device__ __forceinline__ int kvq_vz_skew(const C& c) {
+    if constexpr (KVQ_SKEWS) return c.vz_skew;
+    else return 0;
+}
 // The chunk descriptor as a type that depends on B, so that code naming a member only some
 // configurations have compiles in the others inside a template.
 template <bool B>

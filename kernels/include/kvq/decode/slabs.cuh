@@ -84,6 +84,73 @@ static __device__ __forceinline__ void kvq_load_words(const kvq_u8* p, kvq_u32* 
     for (int i = 0; i < BYTES / V; ++i) kvq_load<V>(p + i * V, w + i * (V / 4));
 }
 
+// ---- Where the kernel finds each channel in a part's registers (host-checked by
+// crates/kvq/tests/host_layout.rs, which compiles this header with the host's C++ compiler).
+
+// Bit position, in its 16-bit half, of pair q's field (the order of `KvqPairs::get`).
+template <int BITS>
+static __host__ __device__ constexpr int kvq_pair_pos(int q) {
+    return BITS == 4 ? 4 * ((q % 4) & 1)
+         : BITS == 2 ? (q % 8 < 5 ? 2 * (q % 8) : 2 * (q % 8 - 5))
+         : BITS == 1 ? (q % 16 < 10 ? q % 16 : q % 16 - 10) : 0;
+}
+// The pairs of a thread's block of a K row on the f16 path (BITS-bit codes, DVK / 4 channels in
+// whole halves, kvq/decode/slabs.cuh): a whole word yields 16/BITS pairs, channel f of its low
+// half with channel f of its high half; an odd last half (slab shares of half a word: 4-bit keys
+// in 16-channel slabs, 1-bit keys at head_dim 64) is spread over a word first
+// (kvq_spread_half_word) and yields 8/BITS, channel f of its low byte with channel f of its high
+// byte. Pairs of whole words, and the channels (relative to the block) of pair p's low and high
+// halves.
+template <int BITS>
+static __host__ __device__ constexpr int kvq_k_word_pairs() { return (DVK / 4 * BITS / 32) * (16 / BITS); }
+template <int BITS>
+static __host__ __device__ constexpr int kvq_pair_lo(int p) {
+    return p < kvq_k_word_pairs<BITS>() ? (p / (16 / BITS)) * (32 / BITS) + p % (16 / BITS)
+                                        : kvq_k_word_pairs<BITS>() * 2 + (p - kvq_k_word_pairs<BITS>());
+}
+template <int BITS>
+static __host__ __device__ constexpr int kvq_pair_hi(int p) {
+    return kvq_pair_lo<BITS>(p) + (p < kvq_k_word_pairs<BITS>() ? 16 / BITS : 8 / BITS);
+}
+// The halves of a lane group's block of a V row of BITS-bit codes (kvq_share_half0), as
+// constants: half H's slab, the pairs (one channel of two tokens each) it yields, and the
+// block-order channel of its first pair. Static members, so that every one is worked out by the
+// compiler's front end: a pair index left to the optimiser became select chains over the pairs.
+template <int BITS, int H, int I = 0>
+struct KvqVHalf {
+    static constexpr bool MINE = I + 1 >= kvq_slab_count<8>() || kvq_share_half0<8, BITS>(I + 1) > H;
+    static constexpr int SLAB = MINE ? I : KvqVHalf<BITS, H, (I + 1 < 4 ? I + 1 : 3)>::SLAB;
+};
+template <int BITS, int H>
+struct KvqVHalf<BITS, H, 3> {
+    static constexpr int SLAB = 3;
+};
+template <int BITS, int H>
+struct KvqVHalfOf {
+    static constexpr int SLAB = KvqVHalf<BITS, H>::SLAB;
+    static constexpr int SHARE = kvq_share_bits<8, BITS>(SLAB);
+    static constexpr int PAIRS = SHARE >= 16 ? 16 / BITS : SHARE / BITS;
+    static constexpr int FIRST = kvq_slab_start<8>(SLAB) / 8 + (H - kvq_share_half0<8, BITS>(SLAB)) * (16 / BITS);
+};
+// Bit position in its half of block-order V channel j's field (KvqPairs::get's order), in closed
+// form: channel o of slab i's share is field o of its own half where the share is smaller than a
+// half, else field o mod 16/BITS of a half.
+template <int BITS>
+static __host__ __device__ constexpr int kvq_v_share_pos(int o, int i) {
+    return kvq_pair_pos<BITS>(kvq_share_bits<8, BITS>(i) >= 16 ? o % (16 / BITS) : o);
+}
+template <int BITS>
+static __host__ __device__ constexpr int kvq_v_pair_pos(int j) {
+    return j < kvq_slab_start<8>(1) / 8 || kvq_slab_count<8>() == 1 ? kvq_v_share_pos<BITS>(j, 0)
+         : j < kvq_slab_start<8>(2) / 8 || kvq_slab_count<8>() == 2 ? kvq_v_share_pos<BITS>(j - kvq_slab_start<8>(1) / 8, 1)
+         : j < kvq_slab_start<8>(3) / 8 || kvq_slab_count<8>() == 3 ? kvq_v_share_pos<BITS>(j - kvq_slab_start<8>(2) / 8, 2)
+                                                                     : kvq_v_share_pos<BITS>(j - kvq_slab_start<8>(3) / 8, 3);
+}
+// 2^(24 − pos): a subnormal pair's code in units of block-order V channel j's field, back to the code.
+template <int BITS>
+static __host__ __device__ constexpr float kvq_v_pair_units(int j) {
+    return (float)(1u << (24 - kvq_v_pair_pos<BITS>(j)));
+}
 // Channel of block-order channel `v` of part p's block (PARTS as above).
 template <int PARTS>
 static __device__ __forceinline__ int kvq_share_channel(int v, int p) {

@@ -1,45 +1,6 @@
 #pragma once
 // P·V: token-axis and channel-axis V codes (magic-number f16 or subnormals) and FP16 rows.
 
-// The halves of a lane group's block of a V row of BITS-bit codes (kvq_share_half0), as
-// constants: half H's slab, the pairs (one channel of two tokens each) it yields, and the
-// block-order channel of its first pair. Static members, so that every one is worked out by the
-// compiler's front end: a pair index left to the optimiser became select chains over the pairs.
-template <int BITS, int H, int I = 0>
-struct KvqVHalf {
-    static constexpr bool MINE = I + 1 >= kvq_slab_count<8>() || kvq_share_half0<8, BITS>(I + 1) > H;
-    static constexpr int SLAB = MINE ? I : KvqVHalf<BITS, H, (I + 1 < 4 ? I + 1 : 3)>::SLAB;
-};
-template <int BITS, int H>
-struct KvqVHalf<BITS, H, 3> {
-    static constexpr int SLAB = 3;
-};
-template <int BITS, int H>
-struct KvqVHalfOf {
-    static constexpr int SLAB = KvqVHalf<BITS, H>::SLAB;
-    static constexpr int SHARE = kvq_share_bits<8, BITS>(SLAB);
-    static constexpr int PAIRS = SHARE >= 16 ? 16 / BITS : SHARE / BITS;
-    static constexpr int FIRST = kvq_slab_start<8>(SLAB) / 8 + (H - kvq_share_half0<8, BITS>(SLAB)) * (16 / BITS);
-};
-// Bit position in its half of block-order V channel j's field (KvqPairs::get's order), in closed
-// form: channel o of slab i's share is field o of its own half where the share is smaller than a
-// half, else field o mod 16/BITS of a half.
-template <int BITS>
-static __host__ __device__ constexpr int kvq_v_share_pos(int o, int i) {
-    return kvq_pair_pos<BITS>(kvq_share_bits<8, BITS>(i) >= 16 ? o % (16 / BITS) : o);
-}
-template <int BITS>
-static __host__ __device__ constexpr int kvq_v_pair_pos(int j) {
-    return j < kvq_slab_start<8>(1) / 8 || kvq_slab_count<8>() == 1 ? kvq_v_share_pos<BITS>(j, 0)
-         : j < kvq_slab_start<8>(2) / 8 || kvq_slab_count<8>() == 2 ? kvq_v_share_pos<BITS>(j - kvq_slab_start<8>(1) / 8, 1)
-         : j < kvq_slab_start<8>(3) / 8 || kvq_slab_count<8>() == 3 ? kvq_v_share_pos<BITS>(j - kvq_slab_start<8>(2) / 8, 2)
-                                                                     : kvq_v_share_pos<BITS>(j - kvq_slab_start<8>(3) / 8, 3);
-}
-// 2^(24 − pos): a subnormal pair's code in units of block-order V channel j's field, back to the code.
-template <int BITS>
-static __host__ __device__ constexpr float kvq_v_pair_units(int j) {
-    return (float)(1u << (24 - kvq_v_pair_pos<BITS>(j)));
-}
 // The pairs of two tokens' blocks `a` and `b` of a V row: half H of each, interleaved (token a
 // in the low half of each f16x2), becomes its pairs.
 template <int BITS, int OFF, bool SUB, int H = 0>

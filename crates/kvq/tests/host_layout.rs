@@ -1,0 +1,294 @@
+//! Where the tensor-core decode kernel finds each channel of a row, checked on the host: the
+//! layout maps of `kernels/include/kvq/decode/slabs.cuh` (the slab shares a lane loads, the halves
+//! and pairs V codes convert into, the pairs of K codes on the f16 path, the contiguous blocks of
+//! the integer path and of queries and scales) are plain C++, so this test compiles that header
+//! with the host's C++ compiler, once per (scheme, head_dim) with the slab constants kvq-codegen
+//! renders, loads rows of known codes through `kvq_load_share` and checks that every block-order
+//! channel the kernel converts is the code of the channel the slabs say it is. A GPU run is then
+//! needed only for what the maps feed. Needs the host C++ compiler (`$CXX`, else `c++`): without
+//! one the test shows as ignored, a failure under `KVQ_REQUIRE_CC=1`.
+
+mod common;
+use common::run_trials;
+use kvq::codegen::{decode_kernels, kernel_headers, Dtype, KernelShape, TuneParams};
+use kvq::runtime::testing::harness::checked;
+use kvq::runtime::testing::{cxx_compiler, Skip};
+use kvq::SchemeSpec;
+
+fn main() {
+    run_trials(vec![checked(
+        "every_slab_share_lands_where_the_kernel_reads_it",
+        every_slab_share_lands_where_the_kernel_reads_it,
+    )])
+}
+
+/// Code widths and paths the maps serve: integer-path 1- and 2-bit keys, f16-path 1-, 4-, 8- and
+/// 16-bit keys, and V of every width.
+const SCHEMES: &[(&str, &str)] = &[
+    ("kivi2", "k = int(2, channel), v = int(2, token)"),
+    ("kivi4", "k = int(4, channel), v = int(4, token)"),
+    ("int8", "k = int(8, channel), v = int(8, channel)"),
+    ("fp16", "k = fp16, v = fp16"),
+    ("one-bit-kv", "k = int(1, channel), v = int(1, token)"),
+    (
+        "calibrated-one-bit",
+        "k = int(1, channel), v = int(1, channel), calibrate = calibrate(tau1 = 0.6, tau2 = 0.1)",
+    ),
+];
+
+/// The value of `name = …` (up to `,` or `;`) in a rendered unit.
+fn constant(unit: &str, name: &str) -> String {
+    let pattern = format!(" {name} = ");
+    let line = unit
+        .lines()
+        .find(|l| l.contains(&pattern))
+        .unwrap_or_else(|| panic!("no `{name}` in the unit"));
+    let at = line.find(&pattern).unwrap() + pattern.len();
+    line[at..]
+        .split([',', ';'])
+        .next()
+        .unwrap()
+        .trim()
+        .to_string()
+}
+
+/// One (scheme, head_dim) as a namespace of the host program: the unit's constants, the header,
+/// and the checks.
+fn config(index: usize, name: &str, head_dim: u32, unit: &str, header: &str) -> String {
+    let mut out =
+        format!("namespace c{index} {{\nstatic const char* NAME = \"{name} d{head_dim}\";\n");
+    for c in ["D", "DVK", "DVV", "KBITS", "VBITS"] {
+        out += &format!("static constexpr int {c} = {};\n", constant(unit, c));
+    }
+    for side in ['K', 'V'] {
+        for i in 0..4 {
+            let c = format!("KVQ_{side}SLAB{i}");
+            out += &format!("static constexpr int {c} = {};\n", constant(unit, &c));
+        }
+    }
+    out += &format!(
+        "static constexpr bool K_INT = {};\nstatic constexpr bool K_QUANT = {};\nstatic constexpr bool V_QUANT = {};\n",
+        constant(unit, "K_INT"),
+        constant(unit, "K_QUANT"),
+        constant(unit, "V_QUANT"),
+    );
+    out += &header.replace("#pragma once", "");
+    out += CHECKS;
+    out += "}\n";
+    out
+}
+
+/// The checks, in each configuration's namespace. Channel c of a row of BITS-bit codes sits at
+/// bit c·BITS (LAYOUT.md); a part's block-order channel j is found from the slab sizes alone
+/// (`channel_of`), not from the header's helpers.
+const CHECKS: &str = r#"
+template <int BITS> kvq_u32 code_of(int c) {
+    const kvq_u32 h = (kvq_u32)(c + 1) * 2654435761u;
+    return BITS == 16 ? (h >> 16) : (h >> 20) & ((1u << BITS) - 1u);
+}
+template <int BITS> void pack(kvq_u8* row) {
+    std::memset(row, 0, 1024);
+    for (int c = 0; c < D; ++c)
+        for (int b = 0; b < BITS; ++b)
+            if ((code_of<BITS>(c) >> b) & 1u) row[(c * BITS + b) / 8] |= (kvq_u8)(1u << ((c * BITS + b) % 8));
+}
+template <int BITS> kvq_u32 field(const kvq_u32* w, int bit) {
+    return (w[bit / 32] >> (bit % 32)) & (BITS == 32 ? ~0u : ((1u << BITS) - 1u));
+}
+template <int PARTS> int channel_of(int j, int p) {
+    const int s[4] = {PARTS == 4 ? KVQ_KSLAB0 : KVQ_VSLAB0, PARTS == 4 ? KVQ_KSLAB1 : KVQ_VSLAB1,
+                      PARTS == 4 ? KVQ_KSLAB2 : KVQ_VSLAB2, PARTS == 4 ? KVQ_KSLAB3 : KVQ_VSLAB3};
+    int start = 0, b = 0;
+    for (int i = 0; i < 4 && s[i] > 0; ++i) {
+        const int share = s[i] / PARTS;
+        if (j < b + share) return start + p * share + (j - b);
+        b += share;
+        start += s[i];
+    }
+    return -1;
+}
+template <int BITS> kvq_u32 expected(int c) { return c >= 0 && c < D ? code_of<BITS>(c) : 0u; }
+#define KVQ_EXPECT(cond, ...) do { if (!(cond)) { if (failures++ < 20) { std::printf("%s: ", NAME); std::printf(__VA_ARGS__); std::printf("\n"); } } } while (0)
+
+// The halves of a V block and the pairs each yields, as the kernel's KvqVHalfOf gives them.
+template <int BITS, int H = 0> void v_halves(int* first, int* pairs) {
+    if constexpr (H < kvq_block_halves<8, BITS>()) {
+        first[H] = KvqVHalfOf<BITS, H>::FIRST;
+        pairs[H] = KvqVHalfOf<BITS, H>::PAIRS;
+        v_halves<BITS, H + 1>(first, pairs);
+    }
+}
+
+// V: pair q of half h is the field at bit q·BITS of that half (KvqPairs::get), block channel
+// FIRST(h) + q; every block channel once; the output's owner map inverts the share map.
+template <int BITS> void check_v() {
+    static kvq_u8 row[1024];
+    pack<BITS>(row);
+    int first[64], pairs[64];
+    v_halves<BITS>(first, pairs);
+    constexpr int NH = kvq_block_halves<8, BITS>();
+    for (int p = 0; p < 8; ++p) {
+        kvq_u32 w[64] = {};
+        kvq_load_share<8, BITS, 16>(row, p, w);
+        int seen[64] = {};
+        for (int h = 0; h < NH; ++h) {
+            KVQ_EXPECT(pairs[h] * BITS <= 16 && pairs[h] > 0, "V half %d holds %d pairs", h, pairs[h]);
+            for (int q = 0; q < pairs[h]; ++q) {
+                const int j = first[h] + q, c = channel_of<8>(j, p);
+                KVQ_EXPECT(j >= 0 && j < DVV / 8, "V half %d pair %d: block channel %d", h, q, j);
+                if (j < 0 || j >= DVV / 8) continue;
+                ++seen[j];
+                const kvq_u32 got = field<BITS>(w, 16 * h + q * BITS);
+                KVQ_EXPECT(got == expected<BITS>(c), "V%d part %d channel %d: got %x, want %x", BITS, p, c, got, expected<BITS>(c));
+                KVQ_EXPECT(kvq_share_channel<8>(j, p) == c, "V share channel of %d/%d", j, p);
+                KVQ_EXPECT(kvq_v_pair_pos<BITS>(j) == kvq_pair_pos<BITS>(q), "V pair position of %d", j);
+                int g = -1, jj = -1;
+                kvq_v_owner(c, g, jj);
+                KVQ_EXPECT(g == p && jj == j, "owner of V channel %d: (%d, %d), want (%d, %d)", c, g, jj, p, j);
+            }
+        }
+        for (int j = 0; j < DVV / 8; ++j) KVQ_EXPECT(seen[j] == 1, "V block channel %d converted %d times", j, seen[j]);
+    }
+}
+
+// K on the f16 path: pair q holds block channels kvq_pair_lo/hi(q); a whole word m yields field
+// f of its low half and of its high half, an odd last half field f of its low and high byte
+// (spread over a word). Channels past the row (DVK > D) must read as zeros.
+template <int BITS> void check_k_f16() {
+    static kvq_u8 row[1024];
+    pack<BITS>(row);
+    constexpr int NH = kvq_block_halves<4, BITS>(), KW = (NH + 1) / 2;
+    for (int p = 0; p < 4; ++p) {
+        kvq_u32 w[64] = {};
+        kvq_load_share<4, BITS, 16>(row, p, w);
+        int seen[128] = {};
+        for (int q = 0; q < DVK / 8; ++q) {
+            int lo_bit, hi_bit;
+            if (q < kvq_k_word_pairs<BITS>()) {
+                const int m = q / (16 / BITS), f = q % (16 / BITS);
+                lo_bit = 32 * m + f * BITS;
+                hi_bit = lo_bit + 16;
+            } else {
+                const int f = q - kvq_k_word_pairs<BITS>();
+                lo_bit = 32 * (KW - 1) + f * BITS;
+                hi_bit = lo_bit + 8;
+            }
+            const int lo = kvq_pair_lo<BITS>(q), hi = kvq_pair_hi<BITS>(q);
+            KVQ_EXPECT(lo >= 0 && lo < DVK / 4 && hi >= 0 && hi < DVK / 4, "K pair %d: channels %d, %d", q, lo, hi);
+            if (lo < 0 || lo >= DVK / 4 || hi < 0 || hi >= DVK / 4) continue;
+            ++seen[lo];
+            ++seen[hi];
+            const kvq_u32 a = field<BITS>(w, lo_bit), b = field<BITS>(w, hi_bit);
+            KVQ_EXPECT(a == expected<BITS>(channel_of<4>(lo, p)), "K%d part %d pair %d low: got %x, want %x", BITS, p, q, a, expected<BITS>(channel_of<4>(lo, p)));
+            KVQ_EXPECT(b == expected<BITS>(channel_of<4>(hi, p)), "K%d part %d pair %d high: got %x, want %x", BITS, p, q, b, expected<BITS>(channel_of<4>(hi, p)));
+        }
+        for (int j = 0; j < DVK / 4; ++j) KVQ_EXPECT(seen[j] == 1, "K block channel %d in %d pairs", j, seen[j]);
+    }
+}
+
+// Contiguous blocks (K codes on the integer path; queries and scales, BITS = 16, also as the
+// integer fold's two windows): block channel j of the window at bit (j − V0)·BITS.
+template <int BITS, int V0 = 0, int N = DVK / 4> void check_k_contiguous() {
+    static kvq_u8 row[1024];
+    pack<BITS>(row);
+    for (int p = 0; p < 4; ++p) {
+        kvq_u32 w[64] = {};
+        kvq_load_share<4, BITS, 16, V0, N>(row, p, w);
+        for (int j = V0; j < V0 + N; ++j) {
+            const int c = channel_of<4>(j, p);
+            const kvq_u32 got = field<BITS>(w, (j - V0) * BITS);
+            KVQ_EXPECT(got == expected<BITS>(c), "K%d window %d part %d block channel %d (channel %d): got %x, want %x", BITS, V0, p, j, c, got, expected<BITS>(c));
+            KVQ_EXPECT(kvq_share_channel<4>(j, p) == c, "K share channel of %d/%d", j, p);
+        }
+    }
+}
+
+void check() {
+    if constexpr (V_QUANT) check_v<VBITS>(); else check_v<16>();
+    if constexpr (K_QUANT && K_INT) check_k_contiguous<KBITS>();
+    else if constexpr (K_QUANT) check_k_f16<KBITS>();
+    else check_k_f16<16>();
+    check_k_contiguous<16>();
+    check_k_contiguous<16, 0, DVK / 8>();
+    check_k_contiguous<16, DVK / 8, DVK / 8>();
+}
+"#;
+
+const PRELUDE: &str = r#"
+#include <cstdio>
+#include <cstring>
+#define __device__
+#define __host__
+#define __forceinline__ inline
+typedef unsigned char kvq_u8;
+typedef unsigned short kvq_u16;
+typedef unsigned int kvq_u32;
+static int failures = 0;
+// The kernel's vector loads, as plain copies (BYTES < 4 fill a word's low bytes).
+template <int BYTES> inline void kvq_load(const kvq_u8* p, kvq_u32* w) {
+    if (BYTES >= 4) { std::memcpy(w, p, BYTES); } else { kvq_u32 x = 0; std::memcpy(&x, p, BYTES); w[0] = x; }
+}
+"#;
+
+fn every_slab_share_lands_where_the_kernel_reads_it() -> Result<(), Skip> {
+    let cxx = cxx_compiler()?;
+    let header = kernel_headers()
+        .iter()
+        .find(|(name, _)| *name == "kvq/decode/slabs.cuh")
+        .map(|(_, text)| *text)
+        .expect("slabs.cuh is a kernel header");
+    let mut program = PRELUDE.to_string();
+    let mut names = Vec::new();
+    for (name, text) in SCHEMES {
+        let spec = SchemeSpec::parse(text).unwrap_or_else(|e| panic!("{name}: {e}"));
+        for head_dim in (64..=256).step_by(16) {
+            let shape = KernelShape::new(head_dim, 4, Dtype::F16);
+            let tune = TuneParams::default_for(&spec, &shape);
+            let unit = decode_kernels(&spec, &shape, &tune)
+                .unwrap_or_else(|e| panic!("{name} d{head_dim}: {e}"))
+                .source;
+            assert!(
+                unit.contains(" DVK = "),
+                "{name} d{head_dim}: not the tensor-core kernel"
+            );
+            program += &config(names.len(), name, head_dim, &unit, header);
+            names.push(format!("{name} d{head_dim}"));
+        }
+    }
+    program += "int main() {\n";
+    for i in 0..names.len() {
+        program += &format!("    c{i}::check();\n");
+    }
+    program +=
+        "    std::printf(\"%d failures\\n\", failures);\n    return failures == 0 ? 0 : 1;\n}\n";
+
+    let dir = std::env::temp_dir().join(format!("kvq-host-layout-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let source = dir.join("layout.cpp");
+    let binary = dir.join("layout");
+    std::fs::write(&source, &program).unwrap();
+    let build = std::process::Command::new(&cxx)
+        .args(["-std=c++17", "-O1", "-Wno-unknown-pragmas", "-o"])
+        .arg(&binary)
+        .arg(&source)
+        .output()
+        .expect("run the C++ compiler");
+    assert!(
+        build.status.success(),
+        "{cxx} failed on {}:\n{}",
+        source.display(),
+        String::from_utf8_lossy(&build.stderr)
+    );
+    let run = std::process::Command::new(&binary)
+        .output()
+        .expect("run the layout checks");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        run.status.success(),
+        "layout checks over {} configurations failed:\n{stdout}",
+        names.len()
+    );
+    assert!(stdout.contains("0 failures"), "{stdout}");
+    Ok(())
+}
