@@ -95,7 +95,7 @@ static __host__ __device__ constexpr int kvq_pair_pos(int q) {
          : BITS == 1 ? (q % 16 < 10 ? q % 16 : q % 16 - 10) : 0;
 }
 // The pairs of a thread's block of a K row on the f16 path (BITS-bit codes, DVK / 4 channels in
-// whole halves, kvq/decode/slabs.cuh): a whole word yields 16/BITS pairs, channel f of its low
+// whole halves): a whole word yields 16/BITS pairs, channel f of its low
 // half with channel f of its high half; an odd last half (slab shares of half a word: 4-bit keys
 // in 16-channel slabs, 1-bit keys at head_dim 64) is spread over a word first
 // (kvq_spread_half_word) and yields 8/BITS, channel f of its low byte with channel f of its high
