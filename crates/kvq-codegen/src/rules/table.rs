@@ -16,8 +16,8 @@ use super::{BlockEdit, BlockRule, CodegenFamily, Constants, DefaultBlock, Family
 ///   tiles (×1.15 and ×1.17). kivi2 and CalibQuant keep theirs: each smaller tile lost
 ///   ×0.70–×0.96.
 /// - head_dim 160 and 192 (H200, B=16 L=32K): INT8 four-warp CTAs of 16-token tiles, ×1.57 and
-///   ×1.88 over the generic default; KIVI-4, Kitty and Kitty-Pro lost ×0.71–×0.97 with 256's
-///   blocks and FP16 gained nothing (×1.00), so they keep the generic default.
+///   ×1.88 over the generic default; KIVI-4, Kitty and Kitty-Pro lost ×0.70–×0.97 with 256's
+///   blocks and FP16 ran ×1.00–×1.01, so they keep the generic default.
 /// - head_dim 64: FP16 and INT8 four-warp CTAs of 32-token tiles (×1.05 and ×1.03); the 1-, 2-
 ///   and 4-bit kernels lost ×0.82–×0.91 with them.
 ///

@@ -13,16 +13,16 @@ static __device__ __forceinline__ void kvq_v_pairs(const kvq_u32* a, const kvq_u
     }
 }
 
-// O^T += V^T·P^T for a chunk. Thread (g, r) owns channels [g·NT, (g+1)·NT) and tokens 2r, 2r+1,
-// 2r+8, 2r+9 of each subtile; token pairs are interleaved with prmt so each f16x2 holds one channel
-// of two tokens. MODE 0: values as they are (f16 rows, or token-axis codes whose scale went into P);
-// MODE 1: channel-axis dequantisation with per-channel (s, z) f16x2 broadcasts; MODE 2: token-axis
-// codes as subnormals (V_SUBNORMAL), summed from 0 in their pairs' units, with the chunk's Σ p' per
-// head (an mma against ones) added to `psum`, which kvq_centre_flush takes off as OFF·Σ p' every
-// other K page, so the running sums stay near those of MODE 0: the f16 rounding of p' meets
-// c − OFF, not c (uncentred over a warp's whole range, long spans lost precision). Other modes
-// leave `psum` alone. Each V fragment, loaded and converted once, meets every head tile t's P^T
-// (pb[t]) into acc[t] (and psum[t]).
+// O^T += V^T·P^T for a chunk. Thread (g, r) owns its lane group's block of NT channels
+// (kvq/decode/slabs.cuh) and tokens 2r, 2r+1, 2r+8, 2r+9 of each subtile; token pairs are
+// interleaved with prmt so each f16x2 holds one channel of two tokens. MODE 0: values as they are
+// (f16 rows, or token-axis codes whose scale went into P); MODE 1: channel-axis dequantisation with
+// per-channel (s, z) f16x2 broadcasts; MODE 2: token-axis codes as subnormals (V_SUBNORMAL), summed
+// from 0 in their pairs' units, with the chunk's Σ p' per head (an mma against ones) added to
+// `psum`, which kvq_centre_flush takes off as OFF·Σ p' every other K page, so the running sums stay
+// near those of MODE 0: the f16 rounding of p' meets c − OFF, not c (uncentred over a warp's whole
+// range, long spans lost precision). Other modes leave `psum` alone. Each V fragment, loaded and
+// converted once, meets every head tile t's P^T (pb[t]) into acc[t] (and psum[t]).
 template <int BITS, int OFF, int MODE, bool GUARD, int TILES>
 static __device__ __forceinline__ void kvq_chunk_pv(const kvq_u8* rows, int n, int g, int r,
     const kvq_u32 (&pb)[TILES][NSUB][2], const kvq_u32* s2, const kvq_u32* z2, float (&acc)[TILES][MT][4], float (&psum)[TILES][4])
