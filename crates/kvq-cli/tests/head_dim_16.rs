@@ -131,10 +131,10 @@ fn gen_writes_kernels_for_head_dims_80_and_112() {
             })
             .unwrap_or_else(|| panic!("d{d}: no decode unit in {out_dir:?}"));
         let source = std::fs::read_to_string(unit).unwrap();
-        // The tensor-core kernel, reading rows as slabs (docs/LAYOUT.md §9): 2-bit keys in whole
-        // words (computed over 128 channels), values exactly.
+        // The tensor-core kernel, reading rows as slabs (docs/LAYOUT.md §9), keys and values
+        // computed over exactly head_dim channels.
         assert!(
-            source.contains(&format!("static constexpr int DVK = 128, DVV = {d};")),
+            source.contains(&format!("static constexpr int DVK = {d}, DVV = {d};")),
             "d{d}"
         );
         assert!(

@@ -184,6 +184,8 @@ pub(crate) fn mma_unsupported_shape(
 fn slab_granularity(t: &TensorCtx, side: Side) -> usize {
     let unit_bits = match (t.kind, side) {
         (TensorKind::Fp16, _) | (_, Side::V) => return 16,
+        // 2-bit keys' shares of 32- and 16-channel slabs become half-word and byte units.
+        (_, Side::K { int_path: true }) if t.bits == 2 => return 16,
         (_, Side::K { int_path: true }) => 128,
         (_, Side::K { int_path: false }) => 64,
     };

@@ -1,7 +1,7 @@
 //! Where the tensor-core decode kernel finds each channel of a row, checked on the host: the
 //! layout maps of `kernels/include/kvq/decode/slabs.cuh` (the slab shares a lane loads, the halves
 //! and pairs V codes convert into, the pairs of K codes on the f16 path, the contiguous blocks of
-//! the integer path and of queries and scales) are plain C++, so this test compiles that header
+//! the integer path's byte registers, and of queries and scales) are plain C++, so this test compiles that header
 //! with the host's C++ compiler, once per (scheme, head_dim) with the slab constants kvq-codegen
 //! renders, loads rows of known codes through `kvq_load_share` and checks that every block-order
 //! channel the kernel converts is the code of the channel the slabs say it is. A GPU run is then
@@ -22,14 +22,19 @@ fn main() {
     )])
 }
 
-/// Code widths and paths the maps serve: integer-path 1- and 2-bit keys, f16-path 1-, 4-, 8- and
-/// 16-bit keys, and V of every width.
+/// Code widths and paths the maps serve: integer-path 1- and 2-bit keys (2-bit ones calibrated
+/// too, with planes masked in place in pairs), f16-path 1-, 4-, 8- and 16-bit keys, and V of every
+/// width.
 const SCHEMES: &[(&str, &str)] = &[
     ("kivi2", "k = int(2, channel), v = int(2, token)"),
     ("kivi4", "k = int(4, channel), v = int(4, token)"),
     ("int8", "k = int(8, channel), v = int(8, channel)"),
     ("fp16", "k = fp16, v = fp16"),
     ("one-bit-kv", "k = int(1, channel), v = int(1, token)"),
+    (
+        "calibrated-two-bit",
+        "k = int(2, channel), v = int(2, token), calibrate = calibrate(tau1 = 0.6, tau2 = 0.1)",
+    ),
     (
         "calibrated-one-bit",
         "k = int(1, channel), v = int(1, channel), calibrate = calibrate(tau1 = 0.6, tau2 = 0.1)",
@@ -57,7 +62,7 @@ fn constant(unit: &str, name: &str) -> String {
 fn config(index: usize, name: &str, head_dim: u32, unit: &str, header: &str) -> String {
     let mut out =
         format!("namespace c{index} {{\nstatic const char* NAME = \"{name} d{head_dim}\";\n");
-    for c in ["D", "DVK", "DVV", "KBITS", "VBITS"] {
+    for c in ["D", "DVK", "DVV", "KBITS", "VBITS", "K_PLANES_IN_PLACE"] {
         out += &format!("static constexpr int {c} = {};\n", constant(unit, c));
     }
     for side in ['K', 'V'] {
@@ -186,6 +191,31 @@ template <int BITS> void check_k_f16() {
     }
 }
 
+// K on the integer path: byte i of byte register x (kvq_int_key_regs: planes of whole words, then
+// the sub-word units) is the code of block channel kvq_byte_channel(x, i) times the register's
+// plane scale, or 0 where no channel is; every block channel in one slot.
+template <int BITS = KBITS> void check_k_int() {
+    static kvq_u8 row[1024];
+    pack<BITS>(row);
+    for (int p = 0; p < 4; ++p) {
+        kvq_u32 w[64] = {}, kb[64] = {};
+        kvq_load_share<4, KBITS, 16>(row, p, w);
+        kvq_int_key_regs(w, kb);
+        int seen[128] = {};
+        for (int x = 0; x < 2 * KVQ_K_INT_STEPS; ++x)
+            for (int i = 0; i < 4; ++i) {
+                const int ch = kvq_byte_channel<KBITS>(x, i);
+                const kvq_u32 got = (kb[x] >> (8 * i)) & 0xffu;
+                KVQ_EXPECT(ch >= -1 && ch < DVK / 4, "K register %d byte %d: channel %d", x, i, ch);
+                if (ch < -1 || ch >= DVK / 4) continue;
+                if (ch >= 0) ++seen[ch];
+                const kvq_u32 want = ch < 0 ? 0u : expected<KBITS>(channel_of<4>(ch, p)) * (kvq_u32)kvq_plane_scale<KBITS>(x);
+                KVQ_EXPECT(got == want, "K%d int part %d register %d byte %d (block channel %d): got %x, want %x", KBITS, p, x, i, ch, got, want);
+            }
+        for (int j = 0; j < DVK / 4; ++j) KVQ_EXPECT(seen[j] == 1, "K block channel %d in %d slots", j, seen[j]);
+    }
+}
+
 // Contiguous blocks (K codes on the integer path; queries and scales, BITS = 16, also as the
 // integer fold's two windows): block channel j of the window at bit (j − V0)·BITS.
 template <int BITS, int V0 = 0, int N = DVK / 4> void check_k_contiguous() {
@@ -205,7 +235,7 @@ template <int BITS, int V0 = 0, int N = DVK / 4> void check_k_contiguous() {
 
 void check() {
     if constexpr (V_QUANT) check_v<VBITS>(); else check_v<16>();
-    if constexpr (K_QUANT && K_INT) check_k_contiguous<KBITS>();
+    if constexpr (K_QUANT && K_INT) check_k_int();
     else if constexpr (K_QUANT) check_k_f16<KBITS>();
     else check_k_f16<16>();
     check_k_contiguous<16>();

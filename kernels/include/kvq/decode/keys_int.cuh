@@ -6,8 +6,8 @@
 // and meet the folded query on the integer tensor cores, mma m16n8k32 u8 × s8 with s32
 // accumulators, where the products are exact. The query q⊙s of each head and page is an integer
 // X ≈ q⊙s·up with |X| <= 32512 (up = 32512 / max|q⊙s|), held as two s8 limbs, X = 256·hi + lo.
-static constexpr int KSTEPS = DVK / 32;    // k-steps of 32 channels
-static constexpr int KREGS = DVK / 16;     // byte registers of one row a thread holds (2 per k-step)
+static constexpr int KSTEPS = KVQ_K_INT_STEPS;   // k-steps of 32 slots (kvq/decode/slabs.cuh)
+static constexpr int KREGS = 2 * KSTEPS;         // byte registers of one row a thread holds (2 per k-step)
 static constexpr int K_CENTRE = K_OFF != 0 ? K_OFF : (1 << (KBITS - 1));  // codes are summed about it
 // Calibrated schemes' decode kernels on this path (2-bit keys; K_FINE, MmaCtx::k_fine) add a third,
 // fine limb F ≈ (q⊙s·up − X)·KVQ_FINE_STEPS, |F| <= 127, so the query carries about 24 bits instead
@@ -21,35 +21,6 @@ static __device__ __forceinline__ void kvq_imma(int (&c)[4], kvq_u32 a0, kvq_u32
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-// Byte planes of a word of BITS-bit codes (channels packed from bit 0 up): plane j holds in byte i
-// the code of channel PLANES·i + j of the word times kvq_plane_scale(j), unsigned. Planes are
-// masked in place in groups of K_PLANES_IN_PLACE (MmaCtx::k_planes_in_place): one shift a group
-// instead of one a plane, plane j's bytes then worth 2^(BITS·(j mod K_PLANES_IN_PLACE)) codes,
-// which the fold takes out of that plane's query limbs.
-// The codes' worth of a byte in plane j, or in byte register x of a row (plane x mod PLANES,
-// kvq_byte_channel): the same, since PLANES is a multiple of K_PLANES_IN_PLACE.
-template <int BITS>
-static __host__ __device__ constexpr int kvq_plane_scale(int j) { return 1 << (BITS * (j % K_PLANES_IN_PLACE)); }
-template <int BITS>
-struct KvqBytes {
-    static constexpr int PLANES = 8 / BITS;
-    static constexpr kvq_u32 MASK = ((1u << BITS) - 1u) * 0x01010101u;
-    static_assert(PLANES % K_PLANES_IN_PLACE == 0, "planes masked in place come in whole groups");
-    static __device__ __forceinline__ void get(kvq_u32 w, kvq_u32* o) {
-#pragma unroll
-        for (int j = 0; j < PLANES; ++j) {
-            const int in_group = j % K_PLANES_IN_PLACE;
-            o[j] = (w >> (BITS * (j - in_group))) & (MASK << (BITS * in_group));
-        }
-    }
-};
-// Channel, within a thread's block of DVK/4 channels (block order, kvq/decode/slabs.cuh), of byte i of byte register x of a BITS-bit row
-// (register x is plane x % PLANES of word x / PLANES). The query limbs follow the same order.
-template <int BITS>
-static __host__ __device__ constexpr int kvq_byte_channel(int x, int i) {
-    return (x / (8 / BITS)) * (32 / BITS) + (8 / BITS) * i + x % (8 / BITS);
-}
-
 // Scores of a chunk of quantized keys, S^T fragments as in kvq_chunk_scores: the integer sums
 // times `mul` (heads 2r, 2r+1), real units before the page bias; with ADD, plus `add` in the same
 // fma, so a caller with no high plane to add passes its final scale and offset (1/up times the
@@ -62,7 +33,7 @@ static __device__ __forceinline__ void kvq_chunk_scores_int(const kvq_u8* rows, 
     const kvq_u32 (&bf)[KSTEPS][2], const int (&osumf)[2], const float (&mul)[2], const float (&add)[2], float (&sc)[NSUB][4],
     const kvq_u8* high_rows, const kvq_u32 (&hbh)[KHSTEPS][2], const kvq_u32 (&hbl)[KHSTEPS][2])
 {
-    constexpr int KW = DVK * KBITS / 128;   // words of a thread's block of one row
+    constexpr int KW = (kvq_block_halves<4, KBITS>() + 1) / 2;   // words of a thread's block of one row
     constexpr int PRE = kvq_preload_subtiles(KW);
     static_assert(!(KVQ_PACK && FINE), "packed heads take no fine limb (uncalibrated kernels only)");
     // With KVQ_PACK: every subtile's integer sums (until the select below), and whether this lane
@@ -79,8 +50,7 @@ static __device__ __forceinline__ void kvq_chunk_scores_int(const kvq_u8* rows, 
                 kvq_u32 kb[2][KREGS];
 #pragma unroll
                 for (int t = 0; t < 2; ++t)
-#pragma unroll
-                    for (int w = 0; w < KW; ++w) KvqBytes<KBITS>::get(raw[s][t][w], &kb[t][w * KvqBytes<KBITS>::PLANES]);
+                    kvq_int_key_regs(raw[s][t], kb[t]);
                 // Two independent chains, high and low limbs; the low one starts at −K_CENTRE·ΣX.
                 int ch[4] = {0, 0, 0, 0}, cl[4] = {-osum[0], -osum[1], -osum[0], -osum[1]};
                 int cf[4] = {-osumf[0], -osumf[1], -osumf[0], -osumf[1]};
@@ -161,7 +131,7 @@ static __device__ __forceinline__ void kvq_chunk_scores_int(const kvq_u8* rows, 
 // That needs the upper half's limbs to be the lower half's k-steps plus KSTEPS / 2 (a channel shift
 // of DVK / 8), true where KSTEPS is a multiple of the byte planes.
 // (Declared for every KBITS: wider codes than a byte never take this path.)
-static constexpr bool KVQ_FOLD_SPLIT = GQA <= 4 && KBITS <= 8 && KSTEPS % (KBITS <= 8 ? 8 / KBITS : 1) == 0;
+static constexpr bool KVQ_FOLD_SPLIT = GQA <= 4 && KBITS <= 8 && KVQ_K_INT_UNITS == 0 && KSTEPS % (KBITS <= 8 ? 8 / KBITS : 1) == 0;
 static constexpr int KVQ_FOLD_XC = KVQ_FOLD_SPLIT ? DVK / 8 : DVK / 4;  // channels whose q⊙s a thread works out
 
 // The query as the integer fold reads it, staged once per CTA (kvq_stage_query): lane (g, r) finds
@@ -182,8 +152,12 @@ struct KvqIntQueryData<WORDS, true> {
     kvq_u16 raw[GQA * D];          // the heads' queries as given, for the boosted slots' gather
     static constexpr int RAW_WORDS = (GQA * D / 2 + THREADS - 1) / THREADS;   // a thread's share of them
 };
-struct KvqIntQuery : KvqIntQueryData<KVQ_FOLD_XC + DVK / 8, K_BOOST> {
-    static constexpr int WORDS = KVQ_FOLD_XC + DVK / 8;
+// Each section padded to whole 16-byte groups (head_dims whose blocks are not multiples of 16
+// channels: the pad words are zeros, never read as channels).
+static constexpr int KVQ_FOLD_XC_WORDS = (KVQ_FOLD_XC + 3) / 4 * 4;
+static constexpr int KVQ_FOLD_Q_WORDS = (DVK / 8 + 3) / 4 * 4;
+struct KvqIntQuery : KvqIntQueryData<KVQ_FOLD_XC_WORDS + KVQ_FOLD_Q_WORDS, K_BOOST> {
+    static constexpr int WORDS = KVQ_FOLD_XC_WORDS + KVQ_FOLD_Q_WORDS;
     static constexpr int RAW = DVK / 8;   // words of lane (g, r)'s block of its head's query, as stored
     // This thread's share of the raw queries (boosted keys): loads only, before the first copies
     // like the lane's block, so the barrier after them does not wait for a load issued after the
@@ -221,12 +195,16 @@ struct KvqIntQuery : KvqIntQueryData<KVQ_FOLD_XC + DVK / 8, K_BOOST> {
             w[c] = __float_as_uint(kvq_io_to_f32((kvq_u16)(pair >> (16 * (c % 2)))));
         }
 #pragma unroll
+        for (int c = KVQ_FOLD_XC; c < KVQ_FOLD_XC_WORDS; ++c) w[c] = 0u;
+#pragma unroll
         for (int i = 0; i < CB / 2; ++i) {
             if constexpr (IO == KvqDtype::Bf16)
-                w[KVQ_FOLD_XC + i] = kvq_h2_pack(__uint_as_float(qw[i] << 16), __uint_as_float(qw[i] & 0xffff0000u));
+                w[KVQ_FOLD_XC_WORDS + i] = kvq_h2_pack(__uint_as_float(qw[i] << 16), __uint_as_float(qw[i] & 0xffff0000u));
             else
-                w[KVQ_FOLD_XC + i] = qw[i];
+                w[KVQ_FOLD_XC_WORDS + i] = qw[i];
         }
+#pragma unroll
+        for (int i = CB / 2; i < KVQ_FOLD_Q_WORDS; ++i) w[KVQ_FOLD_XC_WORDS + i] = 0u;
     }
 };
 // c += K_CENTRE bytes (in each register's plane units, as its codes) times k-step kk's limbs `b0`, `b1`.
@@ -258,8 +236,8 @@ static __device__ __forceinline__ float kvq_fold_int(F& f, const kvq_u8* params,
     const int lane = 4 * g + r;
     // x = q⊙s in f32 (exact: a product of two 16-bit floats) and the head's max |x|; the scales
     // of just the channels this thread works out.
-    kvq_u32 qx[XC], sx[XC / 2];
-    kvq_query_read<0, XC>(qt, lane, qx);
+    kvq_u32 qx[KVQ_FOLD_XC_WORDS], sx[XC / 2];
+    kvq_query_read<0, KVQ_FOLD_XC_WORDS>(qt, lane, qx);
     if constexpr (KVQ_K_ONE_SLAB) kvq_load<XC * 2>(params + r * CB * 2 + (upper ? XC * 2 : 0), sx);
     else if (upper) kvq_load_share<4, 16, 16, XC, XC>(params, r, sx);
     else kvq_load_share<4, 16, 16, 0, XC>(params, r, sx);
@@ -291,7 +269,9 @@ static __device__ __forceinline__ float kvq_fold_int(F& f, const kvq_u8* params,
             const float up_plane = up * (1.f / kvq_plane_scale<BITS>(2 * kk + h));
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const float xc = x[kvq_byte_channel<BITS>(2 * kk + h, i)];
+                constexpr int NONE = -1;
+                const int ch = kvq_byte_channel<BITS>(2 * kk + h, i);
+                const float xc = ch == NONE ? 0.f : x[ch];   // a slot no channel holds folds a zero
                 const float v = fmaf(xc, up_plane, 12583040.f);
                 b[i] = __float_as_uint(v);
                 // The residual x·up − X (exact to well below the fine step) in steps of
@@ -352,10 +332,10 @@ static __device__ __forceinline__ float kvq_fold_int(F& f, const kvq_u8* params,
         for (int j = 0; j < 2; ++j) f.bias[j] = 0.f;  // symmetric codes: K_CENTRE is their offset
     } else {
         // Bias q·z + K_CENTRE·(q·s) with A rows of zeros and of scales (f16 products, exact, in f32).
-        kvq_u32 zw[CB / 2], sw[CB / 2], qw[CB / 2];
+        kvq_u32 zw[CB / 2], sw[CB / 2], qw[KVQ_FOLD_Q_WORDS];
         kvq_load_share<4, 16, 16>(params + (KTensor::ZEROS_OFFSET - KTensor::SCALES_OFFSET), r, zw);
         kvq_load_share<4, 16, 16>(params, r, sw);
-        kvq_query_read<XC, CB / 2>(qt, lane, qw);
+        kvq_query_read<KVQ_FOLD_XC_WORDS, KVQ_FOLD_Q_WORDS>(qt, lane, qw);
         if constexpr (ONE_CHAIN) {
             // A rows g are the zeros and rows g + 8 the scales, so one mma chain gives q·z in c[0..1]
             // and q·s in c[2..3] (each row's products and order as in a chain of its own): half the

@@ -151,6 +151,74 @@ template <int BITS>
 static __host__ __device__ constexpr float kvq_v_pair_units(int j) {
     return (float)(1u << (24 - kvq_v_pair_pos<BITS>(j)));
 }
+// Byte planes of a word of BITS-bit codes (channels packed from bit 0 up): plane j holds in byte i
+// the code of channel PLANES·i + j of the word times kvq_plane_scale(j), unsigned. Planes are
+// masked in place in groups of K_PLANES_IN_PLACE (MmaCtx::k_planes_in_place): one shift a group
+// instead of one a plane, plane j's bytes then worth 2^(BITS·(j mod K_PLANES_IN_PLACE)) codes,
+// which the fold takes out of that plane's query limbs.
+// The codes' worth of a byte in plane j, or in byte register x of a row (plane x mod PLANES,
+// kvq_byte_channel): the same, since PLANES is a multiple of K_PLANES_IN_PLACE.
+template <int BITS>
+static __host__ __device__ constexpr int kvq_plane_scale(int j) { return 1 << (BITS * (j % K_PLANES_IN_PLACE)); }
+template <int BITS>
+struct KvqBytes {
+    static constexpr int PLANES = 8 / BITS;
+    static constexpr kvq_u32 MASK = ((1u << BITS) - 1u) * 0x01010101u;
+    static_assert(PLANES % K_PLANES_IN_PLACE == 0, "planes masked in place come in whole groups");
+    static __device__ __forceinline__ void get(kvq_u32 w, kvq_u32* o) {
+#pragma unroll
+        for (int j = 0; j < PLANES; ++j) {
+            const int in_group = j % K_PLANES_IN_PLACE;
+            o[j] = (w >> (BITS * (j - in_group))) & (MASK << (BITS * in_group));
+        }
+    }
+};
+// Keys on the integer path: a thread's block of a K row is W whole words (its shares of slabs
+// whose share is 32 bits or more), then KVQ_K_INT_UNITS sub-word units: 2-bit keys' shares of a
+// 32-channel slab (a half word, 8 codes) and of a 16-channel one (a byte, 4 codes, alone in its
+// half: kvq_share_half0). A word yields PLANES byte registers (2 k-steps of 2-bit codes); a unit
+// yields 2 (one k-step), t = h | h << 12 of its half h cut into channels {0, 4, 2, 6} and
+// {1, 5, 3, 7} of the unit (a byte's slots past its 4 codes hold zeros and fold zero limbs).
+static constexpr int KVQ_K_INT_UNITS = (kvq_share_bits<4, KBITS>(kvq_slab_count<4>() - 1) < 32 ? 1 : 0) +
+    (kvq_slab_count<4>() > 1 && kvq_share_bits<4, KBITS>(kvq_slab_count<4>() - 2) < 32 ? 1 : 0);
+static constexpr int KVQ_K_INT_WORDS = kvq_share_half0<4, KBITS>(kvq_slab_count<4>() - KVQ_K_INT_UNITS) / 2;
+static constexpr int KVQ_K_INT_STEPS = KBITS <= 2 ? KVQ_K_INT_WORDS * (32 / KBITS) / 8 + KVQ_K_INT_UNITS : DVK / 32;
+// Block channel of channel c of sub-word unit u (-1 past the unit's codes).
+template <int BITS>
+static __host__ __device__ constexpr int kvq_unit_channel(int u, int c) {
+    return c < kvq_share_bits<4, BITS>(kvq_slab_count<4>() - KVQ_K_INT_UNITS + u) / BITS
+        ? KVQ_K_INT_WORDS * (32 / BITS) + 8 * u + c : -1;
+}
+// Channel, within a thread's block of DVK/4 channels (block order), of byte i of byte register x
+// of a BITS-bit row: in a word, plane x % PLANES of word x / PLANES; in a unit, as above; -1 for a
+// slot no channel holds. The query limbs follow the same order.
+template <int BITS>
+static __host__ __device__ constexpr int kvq_byte_channel(int x, int i) {
+    return x < KVQ_K_INT_WORDS * (8 / BITS)
+        ? (x / (8 / BITS)) * (32 / BITS) + (8 / BITS) * i + x % (8 / BITS)
+        : kvq_unit_channel<BITS>((x - KVQ_K_INT_WORDS * (8 / BITS)) / 2, (x - KVQ_K_INT_WORDS * (8 / BITS)) % 2 + (i == 1 ? 4 : i == 2 ? 2 : i == 3 ? 6 : 0));
+}
+
+// The byte registers of a thread's block of one K row (`w`: its halves as kvq_load_share
+// places them): PLANES a word, then 2 a sub-word unit.
+template <int U = 0>
+static __device__ __forceinline__ void kvq_int_key_regs(const kvq_u32* w, kvq_u32* kb) {
+    if constexpr (U == 0) {
+#pragma unroll
+        for (int i = 0; i < KVQ_K_INT_WORDS; ++i) KvqBytes<KBITS>::get(w[i], &kb[i * KvqBytes<KBITS>::PLANES]);
+    }
+    if constexpr (U < KVQ_K_INT_UNITS) {
+        static_assert(U >= 0 && KBITS == 2 && K_PLANES_IN_PLACE <= 2, "sub-word units: 2-bit keys, planes in place in pairs at most");
+        constexpr int H = 2 * KVQ_K_INT_WORDS + U;   // the unit's half
+        const kvq_u32 h = (w[H / 2] >> (16 * (H % 2))) & 0xffffu;
+        const kvq_u32 t = h | (h << 12);
+        kvq_u32* o = kb + KVQ_K_INT_WORDS * KvqBytes<KBITS>::PLANES + 2 * U;
+        o[0] = t & 0x03030303u;
+        o[1] = K_PLANES_IN_PLACE >= 2 ? t & 0x0c0c0c0cu : (t >> 2) & 0x03030303u;
+        kvq_int_key_regs<U + 1>(w, kb);
+    }
+}
+
 // Channel of block-order channel `v` of part p's block (PARTS as above).
 template <int PARTS>
 static __device__ __forceinline__ int kvq_share_channel(int v, int p) {
