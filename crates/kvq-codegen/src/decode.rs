@@ -319,8 +319,9 @@ fn mma_plan(
     // Keys of half a word a thread (1-bit at head_dim 64) take the f16 path: not the integer one.
     let low_bit_keys = k.kind == TensorKind::Int && k.bits <= 2 && !half_word_codes(k, d);
     // Not at head_dim 256: there Kitty-Pro's kernel (255 registers, uncapped) took 6 spill
-    // instructions at GQA 1 with it.
-    let k_high_int = low_bit_keys && !calibrated && k.boost && d <= 128;
+    // instructions at GQA 1 with it. At 160 and 192 Kitty's and Kitty-Pro's kernels take 200-234
+    // registers and spill nothing (ptxas -v through NVRTC 13.0, GQA 1/7/16, f16 and bf16).
+    let k_high_int = low_bit_keys && !calibrated && k.boost && d < 256;
     let v_channel_subnormal =
         v.kind == TensorKind::Int && v.axis == CodeAxis::Channel && v_channel_subnormal_pays(v);
     let stored_scores = enabled && calibrated && tune.store_scores && stored_scores_pay(k);
