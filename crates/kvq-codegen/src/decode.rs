@@ -187,7 +187,8 @@ fn slab_granularity(t: &TensorCtx, side: Side) -> usize {
         // 2-bit keys' shares of 32- and 16-channel slabs become half-word and byte units.
         (_, Side::K { int_path: true }) if t.bits == 2 => return 16,
         (_, Side::K { int_path: true }) => 128,
-        (_, Side::K { int_path: false }) => 64,
+        // Shares smaller than a half get a half of their own and are spread (kvq_pair_lo).
+        (_, Side::K { int_path: false }) => return 16,
     };
     (unit_bits / usize::from(t.bits.max(1)))
         .next_power_of_two()

@@ -156,15 +156,19 @@ template <int BITS> void check_v() {
     }
 }
 
+template <int BITS, int S> kvq_u32 spread_word(const kvq_u32* w) {
+    if constexpr (kvq_kf_spread_codes<BITS>(S) > 0) return kvq_spread_word<BITS, S>(w);
+    else return 0u;
+}
 // K on the f16 path: pair q holds block channels kvq_pair_lo/hi(q); a whole word m yields field
-// f of its low half and of its high half, an odd last half field f of its low and high byte
-// (spread over a word). Channels past the row (DVK > D) must read as zeros.
+// f of its low half and of its high half, a spread half of n codes its codes f and f + n/2.
+// Channels past the row (DVK > D) must read as zeros.
 template <int BITS> void check_k_f16() {
     static kvq_u8 row[1024];
     pack<BITS>(row);
-    constexpr int NH = kvq_block_halves<4, BITS>(), KW = (NH + 1) / 2;
     for (int p = 0; p < 4; ++p) {
-        kvq_u32 w[64] = {};
+        kvq_u32 w[128] = {};   // the block's words, then (from word 64) its spread halves
+        kvq_u32* const spread = w + 64;
         kvq_load_share<4, BITS, 16>(row, p, w);
         int seen[128] = {};
         for (int q = 0; q < DVK / 8; ++q) {
@@ -174,9 +178,13 @@ template <int BITS> void check_k_f16() {
                 lo_bit = 32 * m + f * BITS;
                 hi_bit = lo_bit + 16;
             } else {
-                const int f = q - kvq_k_word_pairs<BITS>();
-                lo_bit = 32 * (KW - 1) + f * BITS;
-                hi_bit = lo_bit + 8;
+                // A spread half as the kernel spreads it: pair f is field f of each half.
+                const int sh = kvq_kf_spread_of<BITS>(q), f = q - kvq_kf_spread_pair0<BITS>(sh);
+                spread[0] = spread_word<BITS, 0>(w);
+                spread[1] = spread_word<BITS, 1>(w);
+                spread[2] = spread_word<BITS, 2>(w);
+                lo_bit = 32 * (64 + sh) + f * BITS;
+                hi_bit = lo_bit + 16;
             }
             const int lo = kvq_pair_lo<BITS>(q), hi = kvq_pair_hi<BITS>(q);
             KVQ_EXPECT(lo >= 0 && lo < DVK / 4 && hi >= 0 && hi < DVK / 4, "K pair %d: channels %d, %d", q, lo, hi);
@@ -254,6 +262,13 @@ typedef unsigned char kvq_u8;
 typedef unsigned short kvq_u16;
 typedef unsigned int kvq_u32;
 static int failures = 0;
+// PTX prmt (byte permute, as the kernel's kvq_prmt): byte i of the result is byte sel_i of b:a.
+inline kvq_u32 kvq_prmt(kvq_u32 a, kvq_u32 b, kvq_u32 sel) {
+    const unsigned long long x = ((unsigned long long)b << 32) | a;
+    kvq_u32 r = 0;
+    for (int i = 0; i < 4; ++i) r |= (kvq_u32)((x >> (8 * ((sel >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+    return r;
+}
 // The kernel's vector loads, as plain copies (BYTES < 4 fill a word's low bytes).
 template <int BYTES> inline void kvq_load(const kvq_u8* p, kvq_u32* w) {
     if (BYTES >= 4) { std::memcpy(w, p, BYTES); } else { kvq_u32 x = 0; std::memcpy(&x, p, BYTES); w[0] = x; }

@@ -93,7 +93,7 @@ static __device__ __forceinline__ void kvq_fold_subnormal_keys(F& f, int g, int 
     const kvq_u32 base = (kvq_u32)(29 - e) * 0x04000400u;
 #pragma unroll
     for (int p = 0; p < KPAIRS; ++p) {
-        const kvq_u32 s2 = base - (kvq_u32)kvq_pair_pos<1>(p) * 0x04000400u;
+        const kvq_u32 s2 = base - (kvq_u32)kvq_k_pair_pos<1>(p) * 0x04000400u;
         f.qh[p] = kvq_h2_mul(f.qh[p], s2);
         f.ql[p] = kvq_h2_mul(f.ql[p], s2);
     }

@@ -170,11 +170,6 @@ struct KvqPairs {
         }
     }
 };
-// A 16-bit block of codes (low half of w) with its high byte moved to the high half: the codes
-// of channels 8..15 then sit at the bit positions of channels 0..7, each pair one channel of each.
-static __device__ __forceinline__ kvq_u32 kvq_spread_half_word(kvq_u32 w) {
-    return kvq_prmt(w, 0u, 0x4140u);
-}
 // f16x2 of halves `lo` and `hi` of a word array.
 static __device__ __forceinline__ kvq_u32 kvq_half_pair(const kvq_u32* w, int lo, int hi) {
     const kvq_u32 sel = ((lo & 1) ? 0x32u : 0x10u) | (((hi & 1) ? 0x76u : 0x54u) << 8);

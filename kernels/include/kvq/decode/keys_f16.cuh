@@ -55,6 +55,20 @@ static __device__ __forceinline__ void kvq_load_subtiles(const kvq_u8* rows, int
     }
 }
 
+// The pairs of a K block's spread halves (kvq_pair_lo): the odd last whole half, spread by bytes,
+// and the shares smaller than a half, each spread by its codes.
+template <int BITS, int OFF, bool SUB, int S = 0>
+static __device__ __forceinline__ void kvq_spread_pairs(const kvq_u32* w, kvq_u32* kp) {
+    if constexpr (S < 3) {
+        constexpr int N = kvq_kf_spread_codes<BITS>(S);
+        if constexpr (N > 0) {
+            static_assert(BITS <= 8, "spread halves hold codes of a byte or less");
+            KvqPairs<BITS, OFF>::template get<SUB, N / 2>(kvq_spread_word<BITS, S>(w), kp + kvq_kf_spread_pair0<BITS>(S));
+        }
+        kvq_spread_pairs<BITS, OFF, SUB, S + 1>(w, kp);
+    }
+}
+
 // Raw scores (q·k, unscaled) of a chunk: sc[t][s] = S^T fragment of subtile s for head tile t —
 // (token g, heads 2r, 2r+1), (token g+8, heads 2r, 2r+1) of the tile. K rows are read directly into
 // mma A fragments (thread (g, r): tokens g and g+8, channel block r), once for every tile: tile t
@@ -64,10 +78,8 @@ template <int BITS, int OFF, bool LO, bool GUARD, bool SUB = false, int TILES, c
 static __device__ __forceinline__ void kvq_chunk_scores(const kvq_u8* rows, int n, int g, int r,
     const Fold (&folds)[TILES], float (&sc)[TILES][NSUB][4])
 {
-    constexpr int KH = kvq_block_halves<4, BITS>();   // halves of a thread's block of one row
-    constexpr int KW = (KH + 1) / 2;
-    constexpr bool ODD_HALF = KH % 2 == 1;            // the last word's high half is empty: spread it (kvq_pair_lo)
-    static_assert(kvq_shares_whole_halves<4, BITS>() && (!ODD_HALF || BITS <= 8), "a thread's block of K codes is whole halves");
+    constexpr int KW = (kvq_block_halves<4, BITS>() + 1) / 2;   // words of a thread's block of one row
+    constexpr int WORDS = kvq_kf_whole<BITS>() / 2;               // whole words of pairs (kvq_pair_lo)
     constexpr int PRE = kvq_preload_subtiles(KW);
 #pragma unroll
     for (int s0 = 0; s0 < NSUB; s0 += PRE) {
@@ -80,9 +92,8 @@ static __device__ __forceinline__ void kvq_chunk_scores(const kvq_u8* rows, int 
 #pragma unroll
                 for (int t = 0; t < 2; ++t) {
 #pragma unroll
-                    for (int w = 0; w < (ODD_HALF ? KW - 1 : KW); ++w) KvqPairs<BITS, OFF>::template get<SUB>(raw[s][t][w], &kp[t][w * KvqPairs<BITS, OFF>::PER_WORD]);
-                    if constexpr (ODD_HALF)
-                        KvqPairs<BITS, OFF>::template get<SUB, 8 / BITS>(kvq_spread_half_word(raw[s][t][KW - 1]), &kp[t][kvq_k_word_pairs<BITS>()]);
+                    for (int w = 0; w < WORDS; ++w) KvqPairs<BITS, OFF>::template get<SUB>(raw[s][t][w], &kp[t][w * KvqPairs<BITS, OFF>::PER_WORD]);
+                    kvq_spread_pairs<BITS, OFF, SUB>(raw[s][t], kp[t]);
                 }
 #pragma unroll
                 for (int t = 0; t < TILES; ++t) {

@@ -94,23 +94,79 @@ static __host__ __device__ constexpr int kvq_pair_pos(int q) {
          : BITS == 2 ? (q % 8 < 5 ? 2 * (q % 8) : 2 * (q % 8 - 5))
          : BITS == 1 ? (q % 16 < 10 ? q % 16 : q % 16 - 10) : 0;
 }
-// The pairs of a thread's block of a K row on the f16 path (BITS-bit codes, DVK / 4 channels in
-// whole halves): a whole word yields 16/BITS pairs, channel f of its low
-// half with channel f of its high half; an odd last half (slab shares of half a word: 4-bit keys
-// in 16-channel slabs, 1-bit keys at head_dim 64) is spread over a word first
-// (kvq_spread_half_word) and yields 8/BITS, channel f of its low byte with channel f of its high
-// byte. Pairs of whole words, and the channels (relative to the block) of pair p's low and high
-// halves.
+// The pairs of a thread's block of a K row on the f16 path (BITS-bit codes, DVK / 4 channels):
+// halves [0, kvq_kf_whole) hold the shares of whole halves, contiguous; each share smaller than a
+// half (1-bit keys in 16- and 32-channel slabs) has a half of its own after them. A whole word
+// yields 16/BITS pairs, channel f of its low half with channel f of its high half. Every other
+// half is *spread* (its upper half of codes moved to bit 16: kvq_spread_half_word, kvq_spread_codes)
+// and yields n/2 pairs of its n codes, channel f with channel f + n/2: spread half 0 is an odd
+// last whole half (4-bit keys in 16-channel slabs, 1-bit keys at head_dim 64), spread halves 1
+// and 2 the shares smaller than a half. Closed forms throughout: called with an unrolled loop's
+// index, a loop here would be left to run at run time.
 template <int BITS>
-static __host__ __device__ constexpr int kvq_k_word_pairs() { return (DVK / 4 * BITS / 32) * (16 / BITS); }
+static __host__ __device__ constexpr int kvq_kf_sub() {
+    return (kvq_share_bits<4, BITS>(kvq_slab_count<4>() - 1) < 16 ? 1 : 0) +
+           (kvq_slab_count<4>() > 1 && kvq_share_bits<4, BITS>(kvq_slab_count<4>() - 2) < 16 ? 1 : 0);
+}
+template <int BITS>
+static __host__ __device__ constexpr int kvq_kf_whole() { return kvq_share_half0<4, BITS>(kvq_slab_count<4>() - kvq_kf_sub<BITS>()); }
+template <int BITS>
+static __host__ __device__ constexpr int kvq_k_word_pairs() { return kvq_kf_whole<BITS>() / 2 * (16 / BITS); }
+// Codes of spread half s (0 where there is none), its half in the block and its first channel.
+template <int BITS>
+static __host__ __device__ constexpr int kvq_kf_spread_codes(int s) {
+    return s == 0 ? (kvq_kf_whole<BITS>() % 2 == 1 ? 16 / BITS : 0)
+                  : s <= kvq_kf_sub<BITS>() ? kvq_share_bits<4, BITS>(kvq_slab_count<4>() - kvq_kf_sub<BITS>() + s - 1) / BITS : 0;
+}
+template <int BITS>
+static __host__ __device__ constexpr int kvq_kf_spread_half(int s) { return s == 0 ? kvq_kf_whole<BITS>() - 1 : kvq_kf_whole<BITS>() + s - 1; }
+template <int BITS>
+static __host__ __device__ constexpr int kvq_kf_spread_base(int s) {
+    return s == 0 ? (kvq_kf_whole<BITS>() - 1) * (16 / BITS) : kvq_slab_start<4>(kvq_slab_count<4>() - kvq_kf_sub<BITS>() + s - 1) / 4;
+}
+// First pair of spread half s.
+template <int BITS>
+static __host__ __device__ constexpr int kvq_kf_spread_pair0(int s) {
+    return kvq_k_word_pairs<BITS>() + (s > 0 ? kvq_kf_spread_codes<BITS>(0) / 2 : 0) + (s > 1 ? kvq_kf_spread_codes<BITS>(1) / 2 : 0);
+}
+// The spread half pair p (>= the words' pairs) belongs to.
+template <int BITS>
+static __host__ __device__ constexpr int kvq_kf_spread_of(int p) {
+    return p < kvq_kf_spread_pair0<BITS>(1) ? 0 : p < kvq_kf_spread_pair0<BITS>(2) ? 1 : 2;
+}
 template <int BITS>
 static __host__ __device__ constexpr int kvq_pair_lo(int p) {
     return p < kvq_k_word_pairs<BITS>() ? (p / (16 / BITS)) * (32 / BITS) + p % (16 / BITS)
-                                        : kvq_k_word_pairs<BITS>() * 2 + (p - kvq_k_word_pairs<BITS>());
+                                        : kvq_kf_spread_base<BITS>(kvq_kf_spread_of<BITS>(p)) + (p - kvq_kf_spread_pair0<BITS>(kvq_kf_spread_of<BITS>(p)));
 }
 template <int BITS>
 static __host__ __device__ constexpr int kvq_pair_hi(int p) {
-    return kvq_pair_lo<BITS>(p) + (p < kvq_k_word_pairs<BITS>() ? 16 / BITS : 8 / BITS);
+    return kvq_pair_lo<BITS>(p) + (p < kvq_k_word_pairs<BITS>() ? 16 / BITS : kvq_kf_spread_codes<BITS>(kvq_kf_spread_of<BITS>(p)) / 2);
+}
+// Bit position, in its half, of pair p's field (as kvq_pair_pos for a word's pairs; field f of a
+// spread half is at f·BITS, from bit 0 of each half).
+template <int BITS>
+static __host__ __device__ constexpr int kvq_k_pair_pos(int p) {
+    return p < kvq_k_word_pairs<BITS>() ? kvq_pair_pos<BITS>(p) : kvq_pair_pos<BITS>(p - kvq_kf_spread_pair0<BITS>(kvq_kf_spread_of<BITS>(p)));
+}
+// A 16-bit block of codes (low half of w) with its high byte moved to the high half: the codes
+// of channels 8..15 then sit at the bit positions of channels 0..7, each pair one channel of each.
+static __device__ __forceinline__ kvq_u32 kvq_spread_half_word(kvq_u32 w) {
+    return kvq_prmt(w, 0u, 0x4140u);
+}
+// A half of n BITS-bit codes (low bits of h) spread over a word: its first n/2 codes stay, the
+// rest move to bit 16.
+template <int BITS, int N>
+static __host__ __device__ constexpr kvq_u32 kvq_spread_codes(kvq_u32 h) {
+    return (h & ((1u << (N / 2 * BITS)) - 1u)) | ((h >> (N / 2 * BITS)) << 16);
+}
+// Spread half S of a K block (`w`: its halves as kvq_load_share places them) as the word whose
+// field f of each half is its pair f.
+template <int BITS, int S>
+static __device__ __forceinline__ kvq_u32 kvq_spread_word(const kvq_u32* w) {
+    constexpr int H = kvq_kf_spread_half<BITS>(S);
+    if constexpr (S == 0) return kvq_spread_half_word(w[H / 2]);
+    else return kvq_spread_codes<BITS, kvq_kf_spread_codes<BITS>(S)>((w[H / 2] >> (16 * (H % 2))) & 0xffffu);
 }
 // The halves of a lane group's block of a V row of BITS-bit codes (kvq_share_half0), as
 // constants: half H's slab, the pairs (one channel of two tokens each) it yields, and the
