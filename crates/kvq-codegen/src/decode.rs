@@ -253,10 +253,9 @@ fn slab_constants(head_dim: usize, t: &TensorCtx, side: Side) -> ([u32; 4], u32)
 /// The head_dim whose measured launch rules a shape takes: 128 where its tensor-core kernel's
 /// computed row width (the sum of its slabs, the wider side's) is more than 64 and at most
 /// 128 — a kernel at head_dim 80–112 holds its registers and runs its loops as the head_dim-128
-/// kernel does (a 2-bit key row of 80 channels is computed over 128); with those blocks the GPU
-/// built-ins ran ×0.99–×1.15 against the generic default at B=16 L=32K on an H200 — else the
-/// shape's own head_dim (160 and 192 have rows of their own in
-/// [`crate::rules::table::DEFAULT_BLOCKS`]).
+/// kernel does; with those blocks the GPU built-ins ran ×0.99–×1.15 against the generic default
+/// at B=16 L=32K on an H200 (keys then padded to 128) — else the shape's own head_dim (160 and
+/// 192 have rows of their own in [`crate::rules::table::DEFAULT_BLOCKS`]).
 pub fn rule_head_dim(spec: &SchemeSpec, shape: &KernelShape) -> u32 {
     let d = shape.head_dim as usize;
     let (Ok(k), Ok(v)) = (
