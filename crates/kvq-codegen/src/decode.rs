@@ -217,7 +217,8 @@ fn keys_on_int_path(k: &TensorCtx, head_dim: usize, calibrated: bool) -> bool {
 /// K channels, a lane group an eighth of its V channels), largest first. A power of two is one
 /// slab. Otherwise the largest powers of two of at least [`slab_granularity`] channels, then one
 /// more slab of that many for what is left, reaching past the row: its channels there are zeros
-/// in the query and the scales. Every slab starts at a multiple of its size, so on a word
+/// in the query and the scales; integer-path keys take at most two slabs (the rest rounded up).
+/// Every slab starts at a multiple of its size, so on a word
 /// boundary of the reference's rows: the layout is the same at every head_dim (docs/LAYOUT.md
 /// §9). V slabs never reach past the row (head_dims are multiples of 16).
 pub(crate) fn slabs(head_dim: usize, t: &TensorCtx, side: Side) -> Vec<usize> {
@@ -234,6 +235,18 @@ pub(crate) fn slabs(head_dim: usize, t: &TensorCtx, side: Side) -> Vec<usize> {
     }
     if rest > 0 {
         out.push(least);
+    }
+    // Integer-path keys pay per slab (a query section and a unit chain each): at head_dim 112
+    // three slabs (64 + 32 + 16) ran slower than one of 128 reaching past the row. So past two
+    // slabs, the rest becomes one power of two, and two equal slabs one slab of twice the size.
+    if side == (Side::K { int_path: true }) && out.len() > 2 {
+        let first = out[0];
+        let rest = (head_dim - first).next_power_of_two();
+        return if rest == first {
+            vec![2 * first]
+        } else {
+            vec![first, rest]
+        };
     }
     out
 }
@@ -884,4 +897,63 @@ pub fn decode_kernels(
             0
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensor(text: &str, d: usize) -> (TensorCtx, TensorCtx) {
+        let spec = SchemeSpec::parse(text).unwrap();
+        (
+            TensorCtx::new("k", &spec, &spec.k, d).unwrap(),
+            TensorCtx::new("v", &spec, &spec.v, d).unwrap(),
+        )
+    }
+
+    /// Every side's slabs cover the row, each starts at a multiple of its size, V never reaches
+    /// past the row, and integer-path keys take at most two slabs.
+    #[test]
+    fn slabs_cover_the_row_aligned() {
+        for text in [
+            "k = int(2, channel), v = int(2, token)",
+            "k = int(1, channel), v = int(1, token)",
+            "k = int(4, channel), v = int(4, token)",
+            "k = fp16, v = int(8, channel, symmetric)",
+        ] {
+            for d in (64..=256).step_by(16) {
+                let (k, v) = tensor(text, d);
+                for side in [
+                    Side::K { int_path: true },
+                    Side::K { int_path: false },
+                    Side::V,
+                ] {
+                    let t = if side == Side::V { &v } else { &k };
+                    let list = slabs(d, t, side);
+                    let mut start = 0;
+                    for &s in &list {
+                        assert!(
+                            s.is_power_of_two() && start % s == 0,
+                            "{text} d{d} {list:?}"
+                        );
+                        start += s;
+                    }
+                    assert!(
+                        start >= d && start - d < d && list.len() <= 4,
+                        "{text} d{d} {list:?}"
+                    );
+                    if side == Side::V {
+                        assert_eq!(start, d, "{text} d{d}: V reaches past the row");
+                    }
+                    if side == (Side::K { int_path: true }) {
+                        assert!(list.len() <= 2, "{text} d{d}: {list:?}");
+                    }
+                }
+            }
+        }
+        let (k, _) = tensor("k = int(2, channel), v = int(2, token)", 112);
+        assert_eq!(slabs(112, &k, Side::K { int_path: true }), [128]);
+        assert_eq!(slabs(80, &k, Side::K { int_path: true }), [64, 16]);
+        assert_eq!(slabs(176, &k, Side::K { int_path: true }), [128, 64]);
+    }
 }
