@@ -217,7 +217,7 @@ fn keys_on_int_path(k: &TensorCtx, head_dim: usize, calibrated: bool) -> bool {
 /// K channels, a lane group an eighth of its V channels), largest first. A power of two is one
 /// slab. Otherwise the largest powers of two of at least [`slab_granularity`] channels, then one
 /// more slab of that many for what is left, reaching past the row: its channels there are zeros
-/// in the query and the scales; integer-path keys take at most two slabs (the rest rounded up).
+/// in the query and the scales; 1- and 2-bit keys take at most two slabs (the rest rounded up).
 /// Every slab starts at a multiple of its size, so on a word
 /// boundary of the reference's rows: the layout is the same at every head_dim (docs/LAYOUT.md
 /// §9). V slabs never reach past the row (head_dims are multiples of 16).
@@ -236,10 +236,11 @@ pub(crate) fn slabs(head_dim: usize, t: &TensorCtx, side: Side) -> Vec<usize> {
     if rest > 0 {
         out.push(least);
     }
-    // Integer-path keys pay per slab (a query section and a unit chain each): at head_dim 112
-    // three slabs (64 + 32 + 16) ran slower than one of 128 reaching past the row. So past two
-    // slabs, the rest becomes one power of two, and two equal slabs one slab of twice the size.
-    if side == (Side::K { int_path: true }) && out.len() > 2 {
+    // 1- and 2-bit keys pay per slab (on the integer path a query section and a unit chain
+    // each, on the f16 path a spread half for the smallest): at head_dim 112 three slabs
+    // (64 + 32 + 16) ran slower than one of 128 reaching past the row. So past two slabs, the
+    // rest becomes one power of two, and two equal slabs one slab of twice the size.
+    if matches!(side, Side::K { .. }) && t.bits <= 2 && t.kind == TensorKind::Int && out.len() > 2 {
         let first = out[0];
         let rest = (head_dim - first).next_power_of_two();
         return if rest == first {
@@ -945,7 +946,7 @@ mod tests {
                     if side == Side::V {
                         assert_eq!(start, d, "{text} d{d}: V reaches past the row");
                     }
-                    if side == (Side::K { int_path: true }) {
+                    if side != Side::V && k.bits <= 2 && k.kind == TensorKind::Int {
                         assert!(list.len() <= 2, "{text} d{d}: {list:?}");
                     }
                 }
