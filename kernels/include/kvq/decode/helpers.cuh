@@ -120,7 +120,7 @@ static __device__ __forceinline__ void kvq_query_read(const T& t, int lane, kvq_
 // each channel's codes then sum in units of 2^(POS−24) from 0, which `kvq_chunk_pv` centres per
 // chunk and the epilogue undoes.
 // A half may hold fewer codes (an odd half of a K block: kvq_pair_lo, kvq_spread_half_word; a
-// V share smaller than a half: kvq_share_half0): `get` then takes only its first N pairs.
+// V half of shares smaller than a half: kvq_share_at): `get` then takes only its first N pairs.
 template <int BITS, int OFF>
 struct KvqPairs {
     static constexpr int PER_WORD = 16 / BITS;
@@ -133,40 +133,29 @@ struct KvqPairs {
         if constexpr (POS == 0) return kvq_h2_sub(v, kvq_h2_int(1024 + OFF));
         else return kvq_h2_fma(v, kvq_h2_pow2(-POS, false), kvq_h2_int((1024 >> POS) + OFF) ^ KVQ_H2_SIGN);
     }
+    // Field Q of a half sits at bit Q·BITS; `get` reads it at bit POS of the half shifted right
+    // by SHIFT, so that every field's POS stays within the magic number's exact range.
+    template <int Q>
+    static constexpr int SHIFT = BITS == 4 ? (Q >= 2 ? 8 : 0) : BITS == 2 ? (Q >= 5 ? 10 : 0) : BITS == 1 ? (Q >= 10 ? 10 : 0) : 0;
+    template <bool SUB, int N, int Q = 0>
+    static __device__ __forceinline__ void fields(kvq_u32 w, kvq_u32* o) {
+        if constexpr (Q < N) {
+            o[Q] = field<Q * BITS - SHIFT<Q>, SUB>(w >> SHIFT<Q>);
+            fields<SUB, N, Q + 1>(w, o);
+        }
+    }
     template <bool SUB = false, int N = PER_WORD>
     static __device__ __forceinline__ void get(kvq_u32 w, kvq_u32* o) {
         static_assert(!SUB || BITS <= 4, "subnormal pairs hold 1-, 2- or 4-bit codes");
-        static_assert(N == PER_WORD || (BITS <= 4 && N * BITS <= 8), "a half holds a half of codes, or N in its low byte");
+        static_assert(N == PER_WORD || (BITS <= 4 && N > 0 && N < PER_WORD), "a half holds a half of codes, or its first N");
         if constexpr (BITS == 16) {
             o[0] = w;
         } else if constexpr (BITS == 8) {
             constexpr kvq_u32 sub = kvq_h2_int(1024 + OFF);
             o[0] = kvq_h2_sub(kvq_prmt(w, 0x64646464u, 0x4240u), sub);
             o[1] = kvq_h2_sub(kvq_prmt(w, 0x64646464u, 0x4341u), sub);
-        } else if constexpr (BITS == 4) {
-            o[0] = field<0, SUB>(w); o[1] = field<4, SUB>(w);
-            if constexpr (N == 2) return;
-            w >>= 8;
-            o[2] = field<0, SUB>(w); o[3] = field<4, SUB>(w);
-        } else if constexpr (BITS == 2) {
-            o[0] = field<0, SUB>(w); o[1] = field<2, SUB>(w);
-            if constexpr (N == 2) return;
-            o[2] = field<4, SUB>(w); o[3] = field<6, SUB>(w);
-            if constexpr (N == 4) return;
-            o[4] = field<8, SUB>(w);
-            w >>= 10;
-            o[5] = field<0, SUB>(w); o[6] = field<2, SUB>(w); o[7] = field<4, SUB>(w);
         } else {
-            o[0] = field<0, SUB>(w); o[1] = field<1, SUB>(w);
-            if constexpr (N == 2) return;
-            o[2] = field<2, SUB>(w); o[3] = field<3, SUB>(w);
-            if constexpr (N == 4) return;
-            o[4] = field<4, SUB>(w); o[5] = field<5, SUB>(w); o[6] = field<6, SUB>(w); o[7] = field<7, SUB>(w);
-            if constexpr (N == 8) return;
-            o[8] = field<8, SUB>(w); o[9] = field<9, SUB>(w);
-            w >>= 10;
-            o[10] = field<0, SUB>(w); o[11] = field<1, SUB>(w); o[12] = field<2, SUB>(w); o[13] = field<3, SUB>(w);
-            o[14] = field<4, SUB>(w); o[15] = field<5, SUB>(w);
+            fields<SUB, N>(w, o);
         }
     }
 };

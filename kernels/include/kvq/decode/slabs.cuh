@@ -48,27 +48,43 @@ struct KvqSlab {
     static constexpr bool WHOLE = C0 + S <= D;   // every channel inside the row
 };
 
-// Where a part's shares of a row of BITS-bit codes sit in registers: share I (its S/PARTS
-// channels of slab I) takes whole 16-bit halves, in slab order, from half kvq_share_half0(I). A
-// share of 16 bits or more is contiguous bits, as the row holds them; a smaller one (V codes of
-// 1, 2 and 4 bits in slabs of 16 to 64 channels) sits alone in the low bits of its half.
+// Where a part's shares of a row of BITS-bit codes sit in registers, from bit kvq_share_at(I)
+// of its block, in slab order. A share of 16 bits or more is contiguous bits, as the row holds
+// them, in whole 16-bit halves. A smaller one (V codes of 1, 2 and 4 bits in slabs of 16 to 64
+// channels; 1-bit K codes in 16- and 32-channel slabs) starts a half of its own on the K side;
+// on the V side it follows the previous small share in the same half where it fits (1-bit V at
+// head_dim 112: 8 + 4 + 2 codes in one half, not three), so a half converts as many codes as it
+// can hold.
 template <int PARTS, int BITS>
 static __host__ __device__ constexpr int kvq_share_bits(int i) { return kvq_slab_size<PARTS>(i) / PARTS * BITS; }
+// The first bit at or after `at` where a share of `bits` may start.
+template <int PARTS>
+static __host__ __device__ constexpr int kvq_share_fit(int at, int bits) {
+    return bits == 0 ? at : (PARTS == 4 || bits >= 16 || at % 16 + bits > 16) ? (at + 15) / 16 * 16 : at;
+}
+// The bit after a share of `bits` placed from `at`: a K share smaller than a half takes all of it.
+template <int PARTS>
+static __host__ __device__ constexpr int kvq_share_end(int at, int bits) {
+    return kvq_share_fit<PARTS>(at, bits) + (PARTS == 4 && bits > 0 && bits < 16 ? 16 : bits);
+}
+// Share i's first bit; i = kvq_slab_count gives the bit after the last. Straight-line, no
+// recursion: called with an unrolled loop's index, a recursive form was left to run as a loop.
 template <int PARTS, int BITS>
-static __host__ __device__ constexpr int kvq_share_halves(int i) {
-    return kvq_share_bits<PARTS, BITS>(i) >= 16 ? kvq_share_bits<PARTS, BITS>(i) / 16 : kvq_share_bits<PARTS, BITS>(i) > 0 ? 1 : 0;
+static __host__ __device__ constexpr int kvq_share_at(int i) {
+    const int e0 = kvq_share_end<PARTS>(0, kvq_share_bits<PARTS, BITS>(0));
+    const int e1 = kvq_share_end<PARTS>(e0, kvq_share_bits<PARTS, BITS>(1));
+    const int e2 = kvq_share_end<PARTS>(e1, kvq_share_bits<PARTS, BITS>(2));
+    const int e3 = kvq_share_end<PARTS>(e2, kvq_share_bits<PARTS, BITS>(3));
+    return i == 0 ? kvq_share_fit<PARTS>(0, kvq_share_bits<PARTS, BITS>(0))
+         : i == 1 ? kvq_share_fit<PARTS>(e0, kvq_share_bits<PARTS, BITS>(1))
+         : i == 2 ? kvq_share_fit<PARTS>(e1, kvq_share_bits<PARTS, BITS>(2))
+         : i == 3 ? kvq_share_fit<PARTS>(e2, kvq_share_bits<PARTS, BITS>(3)) : e3;
 }
 template <int PARTS, int BITS>
-static __host__ __device__ constexpr int kvq_share_half0(int i) {
-    return (i > 0 ? kvq_share_halves<PARTS, BITS>(0) : 0) + (i > 1 ? kvq_share_halves<PARTS, BITS>(1) : 0) +
-           (i > 2 ? kvq_share_halves<PARTS, BITS>(2) : 0) + (i > 3 ? kvq_share_halves<PARTS, BITS>(3) : 0);
-}
+static __host__ __device__ constexpr int kvq_share_half0(int i) { return kvq_share_at<PARTS, BITS>(i) / 16; }
 // Halves a part's block of a row takes.
 template <int PARTS, int BITS>
-static __host__ __device__ constexpr int kvq_block_halves() { return kvq_share_half0<PARTS, BITS>(kvq_slab_count<PARTS>()); }
-// Whether every share is whole halves (then the block is contiguous bits, half after half).
-template <int PARTS, int BITS>
-static __host__ __device__ constexpr bool kvq_shares_whole_halves() { return kvq_block_halves<PARTS, BITS>() * 16 == kvq_slab_start<PARTS>(kvq_slab_count<PARTS>()) / PARTS * BITS; }
+static __host__ __device__ constexpr int kvq_block_halves() { return (kvq_share_at<PARTS, BITS>(4) + 15) / 16; }
 
 // Largest power of two, at most 16, dividing `bytes` (16 for 0): the alignment an offset keeps.
 static __host__ __device__ constexpr int kvq_align_of(int bytes) {
@@ -168,32 +184,32 @@ static __device__ __forceinline__ kvq_u32 kvq_spread_word(const kvq_u32* w) {
     if constexpr (S == 0) return kvq_spread_half_word(w[H / 2]);
     else return kvq_spread_codes<BITS, kvq_kf_spread_codes<BITS>(S)>((w[H / 2] >> (16 * (H % 2))) & 0xffffu);
 }
-// The halves of a lane group's block of a V row of BITS-bit codes (kvq_share_half0), as
-// constants: half H's slab, the pairs (one channel of two tokens each) it yields, and the
-// block-order channel of its first pair. Static members, so that every one is worked out by the
+// The halves of a lane group's block of a V row of BITS-bit codes (kvq_share_at), as constants:
+// the pairs (one channel of two tokens each) half H yields, the fields from its bit 0 up, and the
+// block-order channel of its first. Static members, so that every one is worked out by the
 // compiler's front end: a pair index left to the optimiser became select chains over the pairs.
-template <int BITS, int H, int I = 0>
-struct KvqVHalf {
-    static constexpr bool MINE = I + 1 >= kvq_slab_count<8>() || kvq_share_half0<8, BITS>(I + 1) > H;
-    static constexpr int SLAB = MINE ? I : KvqVHalf<BITS, H, (I + 1 < 4 ? I + 1 : 3)>::SLAB;
-};
-template <int BITS, int H>
-struct KvqVHalf<BITS, H, 3> {
-    static constexpr int SLAB = 3;
-};
+// Channels of V share i that lie before half H.
+template <int BITS>
+static __host__ __device__ constexpr int kvq_v_share_before(int h, int i) {
+    return (16 * h <= kvq_share_at<8, BITS>(i) ? 0
+            : 16 * h >= kvq_share_at<8, BITS>(i) + kvq_share_bits<8, BITS>(i) ? kvq_share_bits<8, BITS>(i)
+                                                                               : 16 * h - kvq_share_at<8, BITS>(i)) / BITS;
+}
+template <int BITS>
+static __host__ __device__ constexpr int kvq_v_half_first(int h) {
+    return kvq_v_share_before<BITS>(h, 0) + kvq_v_share_before<BITS>(h, 1) + kvq_v_share_before<BITS>(h, 2) +
+           kvq_v_share_before<BITS>(h, 3);
+}
 template <int BITS, int H>
 struct KvqVHalfOf {
-    static constexpr int SLAB = KvqVHalf<BITS, H>::SLAB;
-    static constexpr int SHARE = kvq_share_bits<8, BITS>(SLAB);
-    static constexpr int PAIRS = SHARE >= 16 ? 16 / BITS : SHARE / BITS;
-    static constexpr int FIRST = kvq_slab_start<8>(SLAB) / 8 + (H - kvq_share_half0<8, BITS>(SLAB)) * (16 / BITS);
+    static constexpr int FIRST = kvq_v_half_first<BITS>(H);
+    static constexpr int PAIRS = kvq_v_half_first<BITS>(H + 1) - FIRST;
 };
 // Bit position in its half of block-order V channel j's field (KvqPairs::get's order), in closed
-// form: channel o of slab i's share is field o of its own half where the share is smaller than a
-// half, else field o mod 16/BITS of a half.
+// form: channel o of share i is the field at bit kvq_share_at(i) + o·BITS of the block.
 template <int BITS>
 static __host__ __device__ constexpr int kvq_v_share_pos(int o, int i) {
-    return kvq_pair_pos<BITS>(kvq_share_bits<8, BITS>(i) >= 16 ? o % (16 / BITS) : o);
+    return kvq_pair_pos<BITS>((kvq_share_at<8, BITS>(i) + o * BITS) % 16 / BITS);
 }
 template <int BITS>
 static __host__ __device__ constexpr int kvq_v_pair_pos(int j) {
@@ -314,14 +330,15 @@ static __device__ __forceinline__ void kvq_load_share(const kvq_u8* row, int p, 
         constexpr int LO = B0 > V0 ? B0 : V0, HI = B1 < V0 + N ? B1 : V0 + N;
         constexpr int SHARE = kvq_share_bits<PARTS, BITS>(I);
         if constexpr (SHARE < 16) {
-            // A share smaller than a half, alone in the low bits of its half.
+            // A share smaller than a half, from bit kvq_share_at(I) of the block (the low bits of
+            // a half of its own on the K side).
             static_assert(V0 == 0 && N == (PARTS == 4 ? DVK : DVV) / PARTS && L::WHOLE && SHARE <= 8 && (L::C0 * BITS) % 8 == 0,
                           "shares smaller than a half: whole blocks of slabs inside the row, within a byte");
-            constexpr int H = kvq_share_half0<PARTS, BITS>(I);
+            constexpr int AT = kvq_share_at<PARTS, BITS>(I);
             const int bit = p * SHARE;
             const kvq_u32 b = ((kvq_u32)row[L::C0 * BITS / 8 + (bit >> 3)] >> (bit & 7)) & ((1u << SHARE) - 1u);
-            if constexpr (H % 2 == 0) w[H / 2] = b;
-            else w[H / 2] |= b << 16;
+            if constexpr (AT % 32 == 0) w[AT / 32] = b;
+            else w[AT / 32] |= b << (AT % 32);
         } else if constexpr (LO < HI) {
             constexpr int BYTES = (HI - LO) * BITS / 8;
             constexpr int H0 = kvq_share_half0<PARTS, BITS>(I) + (LO - B0) * BITS / 16 - V0 * BITS / 16;   // its first half in `w`
