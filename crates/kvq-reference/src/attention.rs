@@ -55,6 +55,58 @@ pub fn calibrate_score(c: &Calibration, x: f64, lo: f64, hi: f64) -> f64 {
     (hi - lo + t1 - t2) / (hi - lo) * (x - lo) + lo - t1
 }
 
+/// Scaled scores `q·k / sqrt(head_dim)` of one query head against tokens `[0, row.len())` of KV
+/// head `kv`, into `row`, calibrated where asked: the range is that of the quantized tokens among
+/// them (what a query that sees only these tokens can know).
+pub(crate) fn scores_into(
+    qh: &[f32],
+    k: &KvTensor,
+    kv: usize,
+    k_quantized: &[bool],
+    calibrate: Option<&Calibration>,
+    row: &mut [f64],
+) {
+    let scale = 1.0 / (k.head_dim as f64).sqrt();
+    for (t, s) in row.iter_mut().enumerate() {
+        let kt = k.row(kv, t);
+        *s = qh
+            .iter()
+            .zip(kt)
+            .map(|(a, b)| *a as f64 * *b as f64)
+            .sum::<f64>()
+            * scale;
+    }
+    if let Some(c) = calibrate {
+        let quantized = || {
+            row.iter()
+                .zip(k_quantized)
+                .filter(|(_, q)| **q)
+                .map(|(s, _)| *s)
+        };
+        let lo = quantized().fold(f64::INFINITY, f64::min);
+        let hi = quantized().fold(f64::NEG_INFINITY, f64::max);
+        if lo.is_finite() {
+            for (s, _) in row.iter_mut().zip(k_quantized).filter(|(_, q)| **q) {
+                *s = calibrate_score(c, *s, lo, hi);
+            }
+        }
+    }
+}
+
+/// Scores into probabilities in place; returns (max, Σ exp(s − max)) of the scores.
+pub(crate) fn softmax_in_place(row: &mut [f64]) -> (f64, f64) {
+    let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let sum: f64 = row
+        .iter_mut()
+        .map(|s| {
+            *s = (*s - m).exp();
+            *s
+        })
+        .sum();
+    row.iter_mut().for_each(|s| *s /= sum);
+    (m, sum)
+}
+
 /// Softmax probabilities `[q_heads][tokens]` (f64), calibrated where asked.
 pub fn probabilities(
     q: &Queries,
@@ -68,45 +120,11 @@ pub fn probabilities(
             "k_quantized length differs from tokens".into(),
         ));
     }
-    let scale = 1.0 / (k.head_dim as f64).sqrt();
     let mut probs = vec![0.0f64; q.q_heads * k.tokens];
     for h in 0..q.q_heads {
-        let qh = q.head(h);
-        let kv = h / group;
         let row = &mut probs[h * k.tokens..(h + 1) * k.tokens];
-        for (t, s) in row.iter_mut().enumerate() {
-            let kt = k.row(kv, t);
-            *s = qh
-                .iter()
-                .zip(kt)
-                .map(|(a, b)| *a as f64 * *b as f64)
-                .sum::<f64>()
-                * scale;
-        }
-        if let Some(c) = calibrate {
-            let quantized = || {
-                row.iter()
-                    .zip(k_quantized)
-                    .filter(|(_, q)| **q)
-                    .map(|(s, _)| *s)
-            };
-            let lo = quantized().fold(f64::INFINITY, f64::min);
-            let hi = quantized().fold(f64::NEG_INFINITY, f64::max);
-            if lo.is_finite() {
-                for (s, _) in row.iter_mut().zip(k_quantized).filter(|(_, q)| **q) {
-                    *s = calibrate_score(c, *s, lo, hi);
-                }
-            }
-        }
-        let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        let sum: f64 = row
-            .iter_mut()
-            .map(|s| {
-                *s = (*s - m).exp();
-                *s
-            })
-            .sum();
-        row.iter_mut().for_each(|s| *s /= sum);
+        scores_into(q.head(h), k, h / group, k_quantized, calibrate, row);
+        softmax_in_place(row);
     }
     Ok(probs)
 }

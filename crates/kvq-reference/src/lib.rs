@@ -4,6 +4,8 @@
 //! Data flow for every scheme: quantize + pack a sequence's K/V (or XQuant's activations) into the
 //! page layout of `docs/LAYOUT.md` → unpack and dequantize back to [`Dequantized`] K̂/V̂ → the one shared
 //! [`attention::decode`] (with CalibQuant's calibration where the scheme asks for it).
+//! [`step`] runs steps of several query tokens (causal, with each row's LSE) and merges partial
+//! attention states computed over parts of a sequence.
 //!
 //! Tensors are head-major `[kv_heads][tokens][head_dim]` `f32` ([`KvTensor`]).
 
@@ -16,6 +18,7 @@ pub mod pack;
 pub mod regions;
 pub mod resources;
 pub mod rope;
+pub mod step;
 pub mod synth;
 mod tensor;
 pub mod xquant;
