@@ -123,3 +123,23 @@ pub fn attend(
     let cache = IntCache::build(spec, k, v)?;
     attention::decode(q, &cache.dequantize(), spec.calibrate.as_ref())
 }
+
+/// A step of `q.q_len` query tokens, the sequence's last tokens, over the sequence as the scheme
+/// caches it: each row causal, with its LSE ([`step`](crate::step)).
+///
+/// ```
+/// use kvq_reference::{int, step::StepQueries, synth};
+/// let spec = kvq_spec::SchemeSpec::parse("k = int(2, channel), v = int(2, token), local = 64").unwrap();
+/// let s = synth::generate(&synth::SynthConfig { tokens: 200, head_dim: 64, d_model: 96, ..Default::default() });
+/// let state = int::attend_step(&spec, &s.k, &s.v, &StepQueries::repeat(&s.q, 4)).unwrap();
+/// assert_eq!(state.lse.len(), 4 * s.q.q_heads);
+/// ```
+pub fn attend_step(
+    spec: &SchemeSpec,
+    k: &KvTensor,
+    v: &KvTensor,
+    q: &crate::step::StepQueries,
+) -> Result<crate::step::AttentionState, RefError> {
+    let cache = IntCache::build(spec, k, v)?;
+    crate::step::attend(q, &cache.dequantize(), spec.calibrate.as_ref())
+}
