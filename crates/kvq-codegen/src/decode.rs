@@ -595,15 +595,21 @@ pub(crate) fn packs_heads(spec: &SchemeSpec, shape: &KernelShape, tune: &TunePar
     mma_plan_for(spec, shape, tune).is_some_and(|plan| plan.pack_heads)
 }
 
-/// Whether twelve warps an SM change the decode kernel for `tune`'s block: a tensor-core kernel at
-/// head_dim ≤ 128 (where it was measured) in CTAs of at most six warps (an 8-warp CTA gets one CTA
-/// an SM either way).
+/// Whether `tune`'s floor of warps an SM changes the decode kernel for its block: twelve for a
+/// tensor-core kernel at head_dim ≤ 128 (where it was measured) in CTAs of at most six warps (an
+/// 8-warp CTA gets one CTA an SM either way); sixteen (128 registers a thread) only below 128,
+/// where the 1- and 2-bit kernels take no spills under that cap (ptxas -v, NVRTC 13.0, head_dim
+/// 80) and do not get faster with fewer channels at twelve warps (BENCHMARKS.md, Known limits).
 pub(crate) fn raises_occupancy(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> bool {
     let with_floor = TuneParams {
-        min_warps_per_sm: 12,
+        min_warps_per_sm: tune.min_warps_per_sm.max(12),
         ..*tune
     };
-    shape.head_dim <= 128
+    let size_allows = match tune.min_warps_per_sm {
+        16 => shape.head_dim < 128,
+        _ => shape.head_dim <= 128,
+    };
+    size_allows
         && with_floor.min_ctas_per_sm() > 1
         && has_decode_kernel(spec)
         && mma_plan_for(spec, shape, tune).is_some()

@@ -17,8 +17,8 @@ pub struct TuneParams {
     /// Tokens scored per shared-memory tile: 16, 32 or 64.
     pub tile_tokens: u32,
     /// Warps per SM the decode kernel's registers must leave room for: 0 (as many registers as
-    /// the compiler wants) or 12 (at most 168 a thread: `__launch_bounds__(threads,
-    /// min_ctas_per_sm())`). Which is faster depends on the GPU and the shape: on an H100 twelve
+    /// the compiler wants), 12 (at most 168 a thread: `__launch_bounds__(threads,
+    /// min_ctas_per_sm())`) or 16 (at most 128, tried only below head_dim 128). Which is faster depends on the GPU and the shape: on an H100 twelve
     /// warps suit the 1- and 2-bit and FP16 kernels but slow KIVI-4 (×0.945 at B=16 L=32K) and
     /// INT8, which run eight; on an H200 KIVI-4 ran ×1.06 at B=16 L=32K with twelve, slower at
     /// short contexts (docs/KERNELS.md, *Occupancy*). Absent in results stored before the
@@ -62,7 +62,7 @@ impl TuneParams {
     /// Every value each parameter may take (what the autotuner searches).
     pub const THREADS: &'static [u32] = &[64, 128, 256];
     pub const TILE_TOKENS: &'static [u32] = &[16, 32, 64];
-    pub const MIN_WARPS_PER_SM: &'static [u32] = &[0, 12];
+    pub const MIN_WARPS_PER_SM: &'static [u32] = &[0, 12, 16];
     pub const PACK_HEADS: &'static [bool] = &[true, false];
     pub const SHORT_STAGING: &'static [bool] = &[false, true];
     pub const STORE_SCORES: &'static [bool] = &[true, false];

@@ -112,12 +112,12 @@ fn schemes_without_a_gpu_kernel_and_bad_shapes_are_typed_errors() {
         Err(CodegenError::Shape(_))
     ));
     let bad_occupancy = TuneParams {
-        min_warps_per_sm: 16,
+        min_warps_per_sm: 20,
         ..tune
     };
     assert!(matches!(
         decode_kernels(&kivi, &shape, &bad_occupancy),
-        Err(CodegenError::Shape(e)) if e.contains("min_warps_per_sm = 16")
+        Err(CodegenError::Shape(e)) if e.contains("min_warps_per_sm = 20")
     ));
     let no_gqa = KernelShape::new(128, 0, Dtype::F16);
     assert!(matches!(

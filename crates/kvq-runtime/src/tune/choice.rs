@@ -554,6 +554,9 @@ mod tests {
         // head_dim 256 gets none.
         let d96 = TuneParams::candidates_for(&int8, &KernelShape::new(96, 4, Dtype::F16));
         assert_eq!(d96.iter().filter(|b| b.min_warps_per_sm == 12).count(), 6);
+        // Sixteen warps (128 registers) are tried below head_dim 128 only.
+        assert_eq!(d96.iter().filter(|b| b.min_warps_per_sm == 16).count(), 9);
+        assert!(blocks.iter().all(|b| b.min_warps_per_sm != 16));
         let d256 = TuneParams::candidates_for(&int8, &KernelShape::new(256, 4, Dtype::F16));
         assert!(d256.iter().all(|b| b.min_warps_per_sm == 0));
         assert_eq!(d256.len(), 9);
