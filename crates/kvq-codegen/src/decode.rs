@@ -217,7 +217,8 @@ fn keys_on_int_path(k: &TensorCtx, head_dim: usize, calibrated: bool) -> bool {
 /// K channels, a lane group an eighth of its V channels), largest first. A power of two is one
 /// slab. Otherwise the largest powers of two of at least [`slab_granularity`] channels, then one
 /// more slab of that many for what is left, reaching past the row: its channels there are zeros
-/// in the query and the scales; 1- and 2-bit keys take at most two slabs (the rest rounded up).
+/// in the query and the scales; 1- and 2-bit keys take at most two slabs (what is left after
+/// the first becomes one power of two).
 /// Every slab starts at a multiple of its size, so on a word
 /// boundary of the reference's rows: the layout is the same at every head_dim (docs/LAYOUT.md
 /// §9). V slabs never reach past the row (head_dims are multiples of 16).

@@ -181,9 +181,9 @@ static __device__ __forceinline__ void kvq_range_kernel(
         const KvqChunk c = *(const KvqChunk*)(buf + ST_HDR);
         if (c.n == 0) break;
         if (c.k_page >= 0)
-            kvq_range_chunk<false>(buf + ST_K + kvq_k_skew(c), buf + ST_KH + kvq_kh_skew(c), buf + ST_KP, c.k_page, c.n, g, r, q, head_row,
+            kvq_range_chunk<false>(buf + ST_K + c.k_skew, buf + ST_KH + c.kh_skew, buf + ST_KP, c.k_page, c.n, g, r, q, head_row,
                                    query, fold, folded_page, lo, hi,
-                                   KVQ_STORED ? kvq_score_row(scores, seq, kvh, kv_heads, max_pages, kvq_chunk_t0(c) - min(SINK, len)) : nullptr);
+                                   KVQ_STORED ? kvq_score_row(scores, seq, kvh, kv_heads, max_pages, c.t0 - min(SINK, len)) : nullptr);
         __syncwarp();  // every lane is done with this stage before it is refilled
     }
     asm volatile("cp.async.wait_all;" ::: "memory");

@@ -123,31 +123,31 @@ static __device__ __forceinline__ void kvq_decode_kernel(
         float sc[H][NSUB][4];
         if constexpr (KVQ_STORED) {
         if (c.k_page >= 0) {
-            kvq_stored_scores<false>((const float*)(buf + ST_K + kvq_k_skew(c)), c.n, g, r, smul, cadd, st.m, sc[0]);
+            kvq_stored_scores<false>((const float*)(buf + ST_K + c.k_skew), c.n, g, r, smul, cadd, st.m, sc[0]);
             folded_page = c.k_page;   // as if folded, for the V centring's page count above
         } else {
             kvq_scores<false>(false, buf + ST_K, buf + ST_KH, buf + ST_KP, c.k_page, c.k, c.n, g, r, q, head_row, query, folds,
                               folded_page, qmul, qadd, cmul, cadd, sts, sc);
         }
         } else {
-        kvq_scores<false>(c.k_page >= 0, buf + ST_K + kvq_k_skew(c), buf + ST_KH + kvq_kh_skew(c), buf + ST_KP, c.k_page, c.k, c.n, g, r, q,
+        kvq_scores<false>(c.k_page >= 0, buf + ST_K + c.k_skew, buf + ST_KH + c.kh_skew, buf + ST_KP, c.k_page, c.k, c.n, g, r, q,
                           head_row, query, folds, folded_page, qmul, qadd, cmul, cadd, sts, sc);
         }
         kvq_u32 pb[H][NSUB][2];
-        kvq_softmax(st, acc, sc[0], c.v_page >= 0, buf + ST_VS + kvq_vs_skew(c), buf + ST_VZ + kvq_vz_skew(c), c.n, g, r, pb[0]);
+        kvq_softmax(st, acc, sc[0], c.v_page >= 0, buf + ST_VS + c.vs_skew, buf + ST_VZ + c.vz_skew, c.n, g, r, pb[0]);
         if (c.v_page >= 0) {
             if constexpr (V_TOKEN_FOLD) {
-                kvq_chunk_pv<VBITS, V_OFF, V_SUBNORMAL ? 2 : 0, false>(buf + ST_V + kvq_v_skew(c), c.n, g, r, pb, vs2, vz2, accs, kvq_one(st.ps));
+                kvq_chunk_pv<VBITS, V_OFF, V_SUBNORMAL ? 2 : 0, false>(buf + ST_V + c.v_skew, c.n, g, r, pb, vs2, vz2, accs, kvq_one(st.ps));
                 if constexpr (!K_QUANT) kvq_centre_flush(acc, st.ps);   // every chunk: no K pages to count (above)
             } else if constexpr (V_CHANNEL_SUB) {
                 if (c.v_page != v_page) {
                     kvq_v_channel_units(KVQ_STAGE_VP ? buf + ST_KP : c.v + VTensor::SCALES_OFFSET, g, vu, vzq, acc);
                     v_page = c.v_page;
                 }
-                kvq_chunk_pv_channel_sub<false>(buf + ST_V + kvq_v_skew(c), c.n, g, r, pb[0], vzq, acc);
+                kvq_chunk_pv_channel_sub<false>(buf + ST_V + c.v_skew, c.n, g, r, pb[0], vzq, acc);
             } else {
                 if (c.v_page != v_page) { kvq_v_channel_params(c.v + VTensor::SCALES_OFFSET, g, vs2, vz2); v_page = c.v_page; }
-                kvq_chunk_pv<VBITS, V_OFF, 1, false>(buf + ST_V + kvq_v_skew(c), c.n, g, r, pb, vs2, vz2, accs, kvq_one(st.ps));
+                kvq_chunk_pv<VBITS, V_OFF, 1, false>(buf + ST_V + c.v_skew, c.n, g, r, pb, vs2, vz2, accs, kvq_one(st.ps));
             }
         } else {
             kvq_v_units_to_values(vu, acc, v_page);

@@ -35,21 +35,29 @@ static_assert(!KVQ_STAGE_VP || VTensor::BLOCK_BYTES - VTensor::SCALES_OFFSET <= 
 // without them ptxas gave KIVI-4 168 registers instead of 176, so six CTAs fit an SM instead
 // of four (twelve warps instead of eight: a warp's registers come from one of the SM's four
 // 16K-register quarters), and it ran ×0.96 at B=16 L=32K on an H100 (×1.17 on an H200).
+// A chunk's first token (KVQ_STORED) and the skews of its sections (KVQ_SKEWS) are members where
+// the ring keeps them and constant zeros where it does not, so readers name them either way.
+#define KVQ_CHUNK_NO_T0 static constexpr int t0 = 0;
+#define KVQ_CHUNK_NO_SKEWS static constexpr kvq_u8 k_skew = 0, kh_skew = 0, v_skew = 0, vs_skew = 0, vz_skew = 0;
 template <bool STORED, bool SKEWS>
 struct KvqChunkT {
     const kvq_u8* k;   // K's first FP16 row (a quantized K page is all in the stage)
     const kvq_u8* v;   // V page block, or V's first FP16 row
     int n;             // tokens (0: past the warp's range)
     int k_page, v_page;  // page of the sequence, -1 for FP16 rows
+    KVQ_CHUNK_NO_T0
+    KVQ_CHUNK_NO_SKEWS
 };
 template <>
 struct KvqChunkT<true, false> {
     const kvq_u8* k; const kvq_u8* v; int n; int k_page, v_page;
     int t0;
+    KVQ_CHUNK_NO_SKEWS
 };
 template <>
 struct KvqChunkT<false, true> {
     const kvq_u8* k; const kvq_u8* v; int n; int k_page, v_page;
+    KVQ_CHUNK_NO_T0
     kvq_u8 k_skew, kh_skew, v_skew, vs_skew, vz_skew;
 };
 template <>
@@ -58,39 +66,9 @@ struct KvqChunkT<true, true> {
     int t0;
     kvq_u8 k_skew, kh_skew, v_skew, vs_skew, vz_skew;
 };
+#undef KVQ_CHUNK_NO_T0
+#undef KVQ_CHUNK_NO_SKEWS
 using KvqChunk = KvqChunkT<KVQ_STORED, KVQ_SKEWS>;
-// A chunk's first token (KVQ_STORED) and the skews of its sections (0 where the ring keeps none),
-// readable whatever the chunk type holds.
-template <class C>
-static __device__ __forceinline__ int kvq_chunk_t0(const C& c) {
-    if constexpr (KVQ_STORED) return c.t0;
-    else return 0;
-}
-template <class C>
-static __device__ __forceinline__ int kvq_k_skew(const C& c) {
-    if constexpr (KVQ_SKEWS) return c.k_skew;
-    else return 0;
-}
-template <class C>
-static __device__ __forceinline__ int kvq_kh_skew(const C& c) {
-    if constexpr (KVQ_SKEWS) return c.kh_skew;
-    else return 0;
-}
-template <class C>
-static __device__ __forceinline__ int kvq_v_skew(const C& c) {
-    if constexpr (KVQ_SKEWS) return c.v_skew;
-    else return 0;
-}
-template <class C>
-static __device__ __forceinline__ int kvq_vs_skew(const C& c) {
-    if constexpr (KVQ_SKEWS) return c.vs_skew;
-    else return 0;
-}
-template <class C>
-static __device__ __forceinline__ int kvq_vz_skew(const C& c) {
-    if constexpr (KVQ_SKEWS) return c.vz_skew;
-    else return 0;
-}
 // The chunk descriptor as a type that depends on B, so that code naming a member only some
 // configurations have compiles in the others inside a template.
 template <bool B>
