@@ -1,6 +1,15 @@
 #pragma once
 // P·V: token-axis and channel-axis V codes (magic-number f16 or subnormals) and FP16 rows.
 
+// KvqPairs::get reads field Q at the position kvq_pair_pos gives the layout maps (slabs.cuh,
+// host-checked without KvqPairs): the two must agree, or subnormal units and the K fold drift.
+template <int BITS, int Q = 0>
+static __host__ __device__ constexpr bool kvq_pair_pos_agrees() {
+    if constexpr (Q == 16 / BITS) return true;
+    else return kvq_pair_pos<BITS>(Q) == Q * BITS - KvqPairs<BITS, 0>::template SHIFT<Q> && kvq_pair_pos_agrees<BITS, Q + 1>();
+}
+static_assert(kvq_pair_pos_agrees<1>() && kvq_pair_pos_agrees<2>() && kvq_pair_pos_agrees<4>(), "KvqPairs::get and kvq_pair_pos agree");
+
 // The pairs of two tokens' blocks `a` and `b` of a V row: half H of each, interleaved (token a
 // in the low half of each f16x2), becomes its pairs.
 template <int BITS, int OFF, bool SUB, int H = 0>
