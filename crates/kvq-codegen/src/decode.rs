@@ -599,8 +599,9 @@ pub(crate) fn packs_heads(spec: &SchemeSpec, shape: &KernelShape, tune: &TunePar
 /// Whether `tune`'s floor of warps an SM changes the decode kernel for its block: twelve for a
 /// tensor-core kernel at head_dim ≤ 128 (where it was measured) in CTAs of at most six warps (an
 /// 8-warp CTA gets one CTA an SM either way); sixteen (128 registers a thread) only below 128,
-/// where the 1- and 2-bit kernels take no spills under that cap (ptxas -v, NVRTC 13.0, head_dim
-/// 80) and do not get faster with fewer channels at twelve warps (BENCHMARKS.md, Known limits).
+/// where the 1- and 2-bit kernels do not get faster with fewer channels at twelve warps
+/// (BENCHMARKS.md, Known limits): under that cap the five short of their target at head_dim 80
+/// spill nothing there and 4-8 bytes at 96 (ptxas -v, NVRTC 13.0); not yet timed.
 pub(crate) fn raises_occupancy(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> bool {
     let with_floor = TuneParams {
         min_warps_per_sm: tune.min_warps_per_sm.max(12),
@@ -920,7 +921,7 @@ mod tests {
     }
 
     /// Every side's slabs cover the row, each starts at a multiple of its size, V never reaches
-    /// past the row, and integer-path keys take at most two slabs.
+    /// past the row, and 1- and 2-bit keys take at most two slabs on either path.
     #[test]
     fn slabs_cover_the_row_aligned() {
         for text in [
