@@ -82,6 +82,8 @@ pub use error::{CompileFailure, JitError, MissingHeader, Result, RuntimeError};
 pub use jit::{Jit, JitStats};
 pub use module::Module;
 pub use nvrtc::{CompileOptions, Compiled, NvrtcVersion, Output, Source};
-pub use paged::{CacheConfig, MemoryReport, PagedKvCache, QuantizeTiming, SeqId, SequenceSnapshot};
+pub use paged::{
+    CacheConfig, CacheSizes, MemoryReport, PagedKvCache, QuantizeTiming, SeqId, SequenceSnapshot,
+};
 pub use timing::{GpuTimer, Timing};
 pub use tune::{TuneChoice, TunePolicy, TuneProblem, TuneStore, Tuner};

@@ -10,6 +10,7 @@ use kvq_spec::{SchemeSpec, TensorQuant};
 
 use super::kernels::{CacheFunctions, Loaded, Quantizers};
 use super::pages::{PageBook, SeqId, TableChanges};
+use super::sizes::CacheSizes;
 use crate::decode::{CacheBuffers, CacheView, DecodeKernel, DecodeScratch};
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
@@ -91,6 +92,7 @@ pub struct PagedKvCache {
     kernels: CacheFunctions,
     book: PageBook,
     max_pages: usize,
+    sizes: CacheSizes,
     buffers: CacheBuffers,
     /// Per-step slot list and prefill jobs (grown as needed).
     slots: CudaSlice<i32>,
@@ -142,66 +144,20 @@ impl PagedKvCache {
         cfg: CacheConfig,
         forms: QuantizerForms,
     ) -> Result<Self> {
-        if cfg.kv_heads == 0 || cfg.max_seqs == 0 || cfg.max_tokens == 0 {
-            return Err(RuntimeError::InvalidInput(format!(
-                "an empty cache: {cfg:?}"
-            )));
-        }
-        spec.check_shape_usize(cfg.head_dim, cfg.kv_heads)
-            .map_err(|e| RuntimeError::InvalidInput(e.to_string()))?;
+        let sizes = CacheSizes::new(spec, &cfg)?;
         let kernels = CacheFunctions::load(jit, spec, cfg.head_dim as u32, cfg.input_dtype, forms)?;
         let book = PageBook::new(*spec, cfg.max_seqs, cfg.pool_pages, cfg.max_tokens);
-        let max_pages = book.max_pages_per_seq();
-        let (h, d) = (cfg.kv_heads, cfg.head_dim);
-        let (k_block, v_block) = (
-            block_bytes(spec, &spec.k, d)?,
-            block_bytes(spec, &spec.v, d)?,
-        );
-        let ring = |t: &TensorQuant| match t {
-            TensorQuant::Fp16 => 0,
-            _ => (spec.local_of(t) + spec.page) as usize,
-        };
-        let sink = |t: &TensorQuant| {
-            if t.is_quantized() {
-                spec.sink as usize
-            } else {
-                0
-            }
-        };
+        let max_pages = sizes.max_pages;
         let page_table = stream
-            .clone_htod(&vec![-1i32; cfg.max_seqs * max_pages])
+            .clone_htod(&vec![-1i32; sizes.page_table_entries])
             .map_err(dev("allocate the page table"))?;
         let buffers = CacheBuffers {
-            k_pool: alloc_zeros(
-                &stream,
-                cfg.pool_pages * h * k_block,
-                "allocate the K page pool",
-            )?,
-            v_pool: alloc_zeros(
-                &stream,
-                cfg.pool_pages * h * v_block,
-                "allocate the V page pool",
-            )?,
-            k_sink: alloc_zeros(
-                &stream,
-                cfg.max_seqs * h * sink(&spec.k) * d,
-                "allocate K sinks",
-            )?,
-            v_sink: alloc_zeros(
-                &stream,
-                cfg.max_seqs * h * sink(&spec.v) * d,
-                "allocate V sinks",
-            )?,
-            k_tail: alloc_zeros(
-                &stream,
-                cfg.max_seqs * h * ring(&spec.k) * d,
-                "allocate K tail rings",
-            )?,
-            v_tail: alloc_zeros(
-                &stream,
-                cfg.max_seqs * h * ring(&spec.v) * d,
-                "allocate V tail rings",
-            )?,
+            k_pool: alloc_zeros(&stream, sizes.k_pool_bytes, "allocate the K page pool")?,
+            v_pool: alloc_zeros(&stream, sizes.v_pool_bytes, "allocate the V page pool")?,
+            k_sink: alloc_zeros(&stream, sizes.k_sink_halves, "allocate K sinks")?,
+            v_sink: alloc_zeros(&stream, sizes.v_sink_halves, "allocate V sinks")?,
+            k_tail: alloc_zeros(&stream, sizes.k_tail_halves, "allocate K tail rings")?,
+            v_tail: alloc_zeros(&stream, sizes.v_tail_halves, "allocate V tail rings")?,
             seq_lens: alloc_zeros(&stream, cfg.max_seqs, "allocate sequence lengths")?,
             page_table,
         };
@@ -218,6 +174,7 @@ impl PagedKvCache {
             kernels,
             book,
             max_pages,
+            sizes,
         })
     }
 
@@ -462,7 +419,12 @@ impl PagedKvCache {
             }
             let pages = list.len() / 2;
             read += pages * self.spec.page as usize * h * d * 2;
-            written += pages * h * block_bytes(&self.spec, &tensor, d)?;
+            written += pages
+                * h
+                * match which {
+                    Tensor::K => self.sizes.k_block_bytes,
+                    Tensor::V => self.sizes.v_block_bytes,
+                };
             let dev_list = self
                 .stream
                 .clone_htod(&list)
@@ -614,10 +576,10 @@ impl PagedKvCache {
     /// Copies one sequence's device state back (tests, debugging).
     pub fn snapshot(&self, id: SeqId) -> Result<SequenceSnapshot> {
         let len = self.book.len(id)?;
-        let (h, d) = (self.cfg.kv_heads, self.cfg.head_dim);
+        let h = self.cfg.kv_heads;
         let slot = id.0 as usize;
-        let k_block = block_bytes(&self.spec, &self.spec.k, d)? * h;
-        let v_block = block_bytes(&self.spec, &self.spec.v, d)? * h;
+        let k_block = self.sizes.k_block_bytes * h;
+        let v_block = self.sizes.v_block_bytes * h;
         let down_u8 = |pool: &CudaSlice<u8>, block: usize, page: u32| -> Result<Vec<u8>> {
             let at = page as usize * block;
             self.stream
@@ -646,43 +608,23 @@ impl PagedKvCache {
                 .clone_dtoh(&buf.slice(at..at + per_slot))
                 .map_err(dev("download FP16 buffers"))
         };
-        let sink = |t: &TensorQuant| {
-            if t.is_quantized() {
-                self.spec.sink as usize * h * d
-            } else {
-                0
-            }
-        };
-        let ring = |t: &TensorQuant| {
-            if t.is_quantized() {
-                (self.spec.local_of(t) + self.spec.page) as usize * h * d
-            } else {
-                0
-            }
-        };
+        let per_slot = |halves: usize| halves / self.cfg.max_seqs;
         Ok(SequenceSnapshot {
             len,
             k_pages,
             v_pages,
-            k_sink: down_u16(&self.buffers.k_sink, sink(&self.spec.k))?,
-            v_sink: down_u16(&self.buffers.v_sink, sink(&self.spec.v))?,
-            k_tail: down_u16(&self.buffers.k_tail, ring(&self.spec.k))?,
-            v_tail: down_u16(&self.buffers.v_tail, ring(&self.spec.v))?,
+            k_sink: down_u16(&self.buffers.k_sink, per_slot(self.sizes.k_sink_halves))?,
+            v_sink: down_u16(&self.buffers.v_sink, per_slot(self.sizes.v_sink_halves))?,
+            k_tail: down_u16(&self.buffers.k_tail, per_slot(self.sizes.k_tail_halves))?,
+            v_tail: down_u16(&self.buffers.v_tail, per_slot(self.sizes.v_tail_halves))?,
         })
     }
 
     /// Allocated memory and what the live sequences occupy.
     pub fn memory(&self) -> Result<MemoryReport> {
         let (h, d) = (self.cfg.kv_heads, self.cfg.head_dim);
-        let page_bytes = (block_bytes(&self.spec, &self.spec.k, d)?
-            + block_bytes(&self.spec, &self.spec.v, d)?)
-            * h;
-        let fp16_per_seq = 2
-            * (self.buffers.k_sink.len()
-                + self.buffers.v_sink.len()
-                + self.buffers.k_tail.len()
-                + self.buffers.v_tail.len())
-            / self.cfg.max_seqs.max(1);
+        let page_bytes = self.sizes.page_bytes(h);
+        let fp16_per_seq = self.sizes.fp16_state_bytes() / self.cfg.max_seqs;
         let mut pages_used = 0;
         let mut elements = 0usize;
         let mut live = 0;
@@ -694,14 +636,11 @@ impl PagedKvCache {
             }
         }
         let sequence_bytes = pages_used * page_bytes + live * fp16_per_seq;
-        let allocated_bytes = self.buffers.k_pool.len()
-            + self.buffers.v_pool.len()
-            + 4 * self.buffers.page_table.len()
-            + 2 * (self.buffers.k_sink.len()
-                + self.buffers.v_sink.len()
-                + self.buffers.k_tail.len()
-                + self.buffers.v_tail.len())
-            + 4 * self.buffers.seq_lens.len();
+        let allocated_bytes = self.sizes.k_pool_bytes
+            + self.sizes.v_pool_bytes
+            + 4 * self.sizes.page_table_entries
+            + self.sizes.fp16_state_bytes()
+            + 4 * self.cfg.max_seqs;
         Ok(MemoryReport {
             allocated_bytes,
             pages_used,
@@ -776,17 +715,4 @@ fn launch_from_input(
         unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
     }
     Ok(())
-}
-
-/// Bytes of one page block of one KV head for a tensor (the reference's layout).
-fn block_bytes(spec: &SchemeSpec, t: &TensorQuant, head_dim: usize) -> Result<usize> {
-    match t {
-        TensorQuant::Int(q) => kvq_reference::int::IntLayout::new(q, head_dim, spec.page as usize)
-            .map(|l| l.block_bytes)
-            .map_err(|e| RuntimeError::InvalidInput(e.to_string())),
-        _ => Ok(kvq_reference::int::fp16_block_bytes(
-            head_dim,
-            spec.page as usize,
-        )),
-    }
 }

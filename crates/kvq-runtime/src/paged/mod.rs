@@ -9,6 +9,7 @@ mod cache;
 mod forms;
 mod kernels;
 mod pages;
+mod sizes;
 
 pub use cache::{CacheConfig, MemoryReport, PagedKvCache, QuantizeTiming, SequenceSnapshot};
 pub use forms::{
@@ -16,3 +17,4 @@ pub use forms::{
     tune_forms, FormTiming, FormsEntry, FormsKey,
 };
 pub use pages::{PageBook, SeqId};
+pub use sizes::CacheSizes;
