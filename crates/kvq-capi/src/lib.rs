@@ -1,0 +1,50 @@
+//! kvq's C ABI, for engines that own their memory, page tables and streams (C, C++, or any
+//! language with a C FFI). `include/kvq.h` is generated from this crate by cbindgen; a test fails
+//! when the committed header differs from what the sources generate.
+//!
+//! Today the ABI makes **plans**: a scheme (a built-in's name or scheme text) and a shape with its
+//! limits, checked once, which say exactly which device buffers the engine allocates and how large
+//! each is. Making a plan needs no GPU. A scheme without a GPU kernel, or a shape the fast kernels
+//! do not serve, is refused with a status and a message, never served by a slow kernel.
+//!
+//! Conventions: every call returns a [`KvqStatus`]; on failure
+//! [`kvq_last_error_message`] holds the calling thread's message. No call unwinds or aborts: a
+//! panic inside kvq becomes [`KvqStatus::Internal`]. Plans are immutable and may be shared
+//! between threads.
+//!
+//! The same plan from Rust:
+//!
+//! ```
+//! use kvq_capi::{KvqPlan, KvqPlanLimits, KVQ_DTYPE_F16};
+//!
+//! let limits = KvqPlanLimits {
+//!     head_dim: 128,
+//!     q_heads: 32,
+//!     kv_heads: 8,
+//!     dtype: KVQ_DTYPE_F16,
+//!     max_seqs: 16,
+//!     max_seq_len: 32768,
+//!     pool_pages: 16 * 256,
+//! };
+//! let plan = KvqPlan::new("kivi2", &limits).unwrap();
+//! let info = plan.info();
+//! assert_eq!(info.page_tokens, 128);
+//! // KIVI-2 stores a 128-token page of 8 KV heads of 128 channels in about a quarter of FP16.
+//! assert!(info.page_bytes < 2 * 128 * 8 * 128 * 2 / 4 + 2 * 128 * 8 * 8);
+//! ```
+
+mod plan;
+mod status;
+
+pub use plan::{
+    kvq_plan_buffer, kvq_plan_buffer_count, kvq_plan_create, kvq_plan_destroy, kvq_plan_info,
+    kvq_plan_scheme, KvqBuffer, KvqPlan, KvqPlanInfo, KvqPlanLimits, KVQ_BUFFER_ALIGNMENT,
+    KVQ_DTYPE_BF16, KVQ_DTYPE_F16,
+};
+pub use status::{call, kvq_last_error_message, kvq_status_name, Failure, KvqStatus};
+
+/// kvq's version, e.g. `"0.1.0"` (static storage).
+#[no_mangle]
+pub extern "C" fn kvq_version() -> *const std::ffi::c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}

@@ -1,0 +1,416 @@
+//! Plans: a scheme and a shape with its limits, checked once, that say what device memory an engine
+//! must give kvq's kernels. Making a plan needs no GPU; a plan is immutable, so one plan may be
+//! read from any number of threads at once.
+
+use std::ffi::{c_char, CStr, CString};
+
+use kvq::codegen::{decode_kernels, CodegenError, Dtype, KernelShape, TuneParams, MAX_GQA};
+use kvq::runtime::{CacheConfig, CacheSizes};
+use kvq::SchemeSpec;
+
+use crate::status::{call, Failure, KvqStatus};
+
+/// Query and output element type: `half`.
+pub const KVQ_DTYPE_F16: u32 = 0;
+/// Query and output element type: `__nv_bfloat16`.
+pub const KVQ_DTYPE_BF16: u32 = 1;
+
+/// Alignment, in bytes, every buffer of a plan needs (what `cudaMalloc` returns).
+pub const KVQ_BUFFER_ALIGNMENT: u64 = 256;
+
+/// The shape and limits a plan is made for. Every field must be set; none may be 0.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvqPlanLimits {
+    /// Channels per head: 64 to 256 in multiples of 16.
+    pub head_dim: u32,
+    /// Query heads per sequence.
+    pub q_heads: u32,
+    /// KV heads per sequence; divides `q_heads`.
+    pub kv_heads: u32,
+    /// `KVQ_DTYPE_F16` or `KVQ_DTYPE_BF16`: the element type of queries, outputs and new K/V.
+    pub dtype: u32,
+    /// Sequence slots: sequences that hold FP16 state (sink and tail windows) at once.
+    pub max_seqs: u32,
+    /// Longest sequence, in tokens.
+    pub max_seq_len: u32,
+    /// Pages in the engine's page pool (each holds one page of K and V for every KV head).
+    pub pool_pages: u32,
+}
+
+/// Sizes that follow from a plan.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvqPlanInfo {
+    /// Tokens of one page (the scheme's quantization group along tokens).
+    pub page_tokens: u32,
+    /// Columns of the page (block) table: logical pages of the longest sequence.
+    pub max_pages_per_seq: u32,
+    /// FP16 sink tokens a sequence keeps before its first page.
+    pub sink_tokens: u32,
+    /// Bytes of one K page block of one KV head.
+    pub k_block_bytes: u64,
+    /// Bytes of one V page block of one KV head.
+    pub v_block_bytes: u64,
+    /// Bytes of one pool page: K and V blocks of every KV head.
+    pub page_bytes: u64,
+    /// Bytes of one sequence slot's FP16 state (sinks and tail rings of K and V).
+    pub state_bytes_per_seq: u64,
+    /// Bytes of every buffer of the plan together.
+    pub total_bytes: u64,
+}
+
+/// One device buffer an engine allocates for a plan and hands to every call.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvqBuffer {
+    /// The buffer's name, e.g. `"k_pool"` (static storage).
+    pub name: *const c_char,
+    /// Bytes to allocate. 0: the scheme does not use this buffer (pass any pointer, or NULL).
+    pub bytes: u64,
+    /// Alignment the kernels need, in bytes.
+    pub alignment: u64,
+    /// How the buffer is indexed (static storage).
+    pub layout: *const c_char,
+}
+
+/// A checked scheme, shape and limits: what memory the engine must give kvq's kernels. Opaque to C.
+#[derive(Debug)]
+pub struct KvqPlan {
+    spec: SchemeSpec,
+    limits: KvqPlanLimits,
+    sizes: CacheSizes,
+    scheme_text: CString,
+}
+
+/// The buffers of every plan, in the order `kvq_plan_buffer` numbers them.
+const BUFFERS: [(&CStr, &CStr); 6] = [
+    (
+        c"k_pool",
+        c"[pool page][kv_head][k_block_bytes] bytes: K page blocks (docs/LAYOUT.md)",
+    ),
+    (
+        c"v_pool",
+        c"[pool page][kv_head][v_block_bytes] bytes: V page blocks (docs/LAYOUT.md)",
+    ),
+    (
+        c"k_sink",
+        c"[sequence slot][kv_head][sink_tokens][head_dim] f16: K's FP16 sink tokens",
+    ),
+    (
+        c"v_sink",
+        c"[sequence slot][kv_head][sink_tokens][head_dim] f16: V's FP16 sink tokens",
+    ),
+    (
+        c"k_tail",
+        c"[sequence slot][kv_head][ring][head_dim] f16: K's FP16 local window and open page",
+    ),
+    (
+        c"v_tail",
+        c"[sequence slot][kv_head][ring][head_dim] f16: V's FP16 local window and open page",
+    ),
+];
+
+impl KvqPlan {
+    /// Checks `scheme` (a built-in's name such as `kivi2`, or scheme text) against `limits`.
+    pub fn new(scheme: &str, limits: &KvqPlanLimits) -> Result<KvqPlan, Failure> {
+        let spec = resolve_scheme(scheme)?;
+        let dtype = check_limits(limits)?;
+        let shape = KernelShape::new(limits.head_dim, limits.q_heads / limits.kv_heads, dtype);
+        check_fast_kernel(&spec, &shape)?;
+        let cfg = CacheConfig {
+            kv_heads: limits.kv_heads as usize,
+            head_dim: limits.head_dim as usize,
+            max_seqs: limits.max_seqs as usize,
+            pool_pages: limits.pool_pages as usize,
+            max_tokens: limits.max_seq_len as usize,
+            input_dtype: dtype,
+        };
+        let sizes = CacheSizes::new(&spec, &cfg).map_err(|e| {
+            Failure::new(
+                KvqStatus::UnsupportedShape,
+                format!("{e} (scheme `{spec}`)"),
+            )
+        })?;
+        let scheme_text = CString::new(spec.to_string())
+            .map_err(|_| Failure::new(KvqStatus::Internal, "scheme text with a NUL byte"))?;
+        Ok(KvqPlan {
+            spec,
+            limits: *limits,
+            sizes,
+            scheme_text,
+        })
+    }
+
+    /// The scheme, validated.
+    pub fn spec(&self) -> &SchemeSpec {
+        &self.spec
+    }
+
+    /// The limits the plan was made with.
+    pub fn limits(&self) -> &KvqPlanLimits {
+        &self.limits
+    }
+
+    /// Sizes of every buffer (the same function [`kvq::runtime::PagedKvCache`] allocates with).
+    pub fn sizes(&self) -> &CacheSizes {
+        &self.sizes
+    }
+
+    /// Buffer `index` of [`Self::buffer_count`].
+    pub fn buffer(&self, index: usize) -> Option<KvqBuffer> {
+        let s = &self.sizes;
+        let bytes = [
+            s.k_pool_bytes,
+            s.v_pool_bytes,
+            2 * s.k_sink_halves,
+            2 * s.v_sink_halves,
+            2 * s.k_tail_halves,
+            2 * s.v_tail_halves,
+        ];
+        let (name, layout) = BUFFERS.get(index)?;
+        Some(KvqBuffer {
+            name: name.as_ptr(),
+            bytes: bytes[index] as u64,
+            alignment: KVQ_BUFFER_ALIGNMENT,
+            layout: layout.as_ptr(),
+        })
+    }
+
+    /// Buffers an engine allocates for this plan.
+    pub fn buffer_count(&self) -> usize {
+        BUFFERS.len()
+    }
+
+    /// Sizes that follow from the plan.
+    pub fn info(&self) -> KvqPlanInfo {
+        let s = &self.sizes;
+        let kv_heads = self.limits.kv_heads as usize;
+        let total: u64 = (0..self.buffer_count())
+            .filter_map(|i| self.buffer(i))
+            .map(|b| b.bytes)
+            .sum();
+        KvqPlanInfo {
+            page_tokens: s.page_tokens as u32,
+            max_pages_per_seq: s.max_pages as u32,
+            sink_tokens: s.k_sink_tokens.max(s.v_sink_tokens) as u32,
+            k_block_bytes: s.k_block_bytes as u64,
+            v_block_bytes: s.v_block_bytes as u64,
+            page_bytes: s.page_bytes(kv_heads) as u64,
+            state_bytes_per_seq: (s.fp16_state_bytes() / self.limits.max_seqs as usize) as u64,
+            total_bytes: total,
+        }
+    }
+}
+
+/// A built-in's name or scheme text, validated.
+fn resolve_scheme(scheme: &str) -> Result<SchemeSpec, Failure> {
+    let text = scheme.trim();
+    if let Some(builtin) = kvq::schemes::by_name(text) {
+        return Ok(builtin.spec);
+    }
+    if !kvq::schemes::is_scheme_text(text) {
+        let names: Vec<&str> = kvq::schemes::BUILTIN.iter().map(|b| b.name).collect();
+        return Err(Failure::new(
+            KvqStatus::InvalidScheme,
+            format!(
+                "`{text}` is neither a built-in scheme ({}) nor scheme text such as \
+                 `k = int(2, channel), v = int(2, token)`",
+                names.join(", ")
+            ),
+        ));
+    }
+    text.parse::<SchemeSpec>()
+        .map_err(|e| Failure::new(KvqStatus::InvalidScheme, format!("scheme `{text}`: {e}")))
+}
+
+/// Checks that no limit is 0 and that the heads divide; returns the dtype.
+fn check_limits(l: &KvqPlanLimits) -> Result<Dtype, Failure> {
+    for (name, value) in [
+        ("head_dim", l.head_dim),
+        ("q_heads", l.q_heads),
+        ("kv_heads", l.kv_heads),
+        ("max_seqs", l.max_seqs),
+        ("max_seq_len", l.max_seq_len),
+        ("pool_pages", l.pool_pages),
+    ] {
+        if value == 0 {
+            return Err(Failure::argument(format!(
+                "limits.{name} is 0 (every limit must be at least 1)"
+            )));
+        }
+    }
+    if l.q_heads % l.kv_heads != 0 {
+        return Err(Failure::argument(format!(
+            "limits.q_heads ({}) is not a multiple of limits.kv_heads ({})",
+            l.q_heads, l.kv_heads
+        )));
+    }
+    let gqa = l.q_heads / l.kv_heads;
+    if gqa > MAX_GQA {
+        return Err(Failure::new(
+            KvqStatus::UnsupportedShape,
+            format!("{gqa} query heads a KV head (the kernels take at most {MAX_GQA})"),
+        ));
+    }
+    match l.dtype {
+        KVQ_DTYPE_F16 => Ok(Dtype::F16),
+        KVQ_DTYPE_BF16 => Ok(Dtype::Bf16),
+        other => Err(Failure::argument(format!(
+            "limits.dtype is {other} (expected KVQ_DTYPE_F16 = 0 or KVQ_DTYPE_BF16 = 1)"
+        ))),
+    }
+}
+
+/// Refuses a scheme without a GPU kernel, and a shape the tensor-core kernel does not serve.
+fn check_fast_kernel(spec: &SchemeSpec, shape: &KernelShape) -> Result<(), Failure> {
+    let tune = TuneParams::default_for(spec, shape);
+    match decode_kernels(spec, shape, &tune) {
+        Ok(kernels) => match kernels.slow_path {
+            None => Ok(()),
+            Some(why) => Err(Failure::new(
+                KvqStatus::UnsupportedShape,
+                format!(
+                    "no tensor-core kernel for `{spec}` at head_dim {} ({why}); kvq does not fall \
+                     back to its generic kernel behind an engine's back",
+                    shape.head_dim
+                ),
+            )),
+        },
+        Err(CodegenError::Unsupported { what, .. }) => Err(Failure::new(
+            KvqStatus::UnsupportedScheme,
+            format!("no GPU kernel for {what}"),
+        )),
+        Err(e @ (CodegenError::Shape(_) | CodegenError::SchemeShape(_))) => Err(Failure::new(
+            KvqStatus::UnsupportedShape,
+            format!("`{spec}` at head_dim {}: {e}", shape.head_dim),
+        )),
+        Err(e) => Err(Failure::new(KvqStatus::Internal, e.to_string())),
+    }
+}
+
+/// Reads a C string argument; null or non-UTF-8 is an error naming `what`.
+///
+/// # Safety
+/// A non-null `ptr` points at a NUL-terminated string.
+unsafe fn c_str<'a>(ptr: *const c_char, what: &str) -> Result<&'a str, Failure> {
+    if ptr.is_null() {
+        return Err(Failure::argument(format!("{what} is NULL")));
+    }
+    CStr::from_ptr(ptr)
+        .to_str()
+        .map_err(|e| Failure::argument(format!("{what} is not UTF-8: {e}")))
+}
+
+/// Reads a pointer argument; null is an error naming `what`.
+///
+/// # Safety
+/// A non-null `ptr` points at a valid `T`.
+unsafe fn arg<'a, T>(ptr: *const T, what: &str) -> Result<&'a T, Failure> {
+    ptr.as_ref()
+        .ok_or_else(|| Failure::argument(format!("{what} is NULL")))
+}
+
+/// Makes a plan for `scheme` (a built-in's name, e.g. `"kivi2"`, or scheme text, e.g.
+/// `"k = int(2, channel), v = int(2, token), sink = 32, local = 128"`) within `limits`, and stores
+/// it in `*out` (set to NULL on failure). Needs no GPU. Free it with `kvq_plan_destroy`.
+///
+/// # Safety
+/// `scheme` is NULL or a NUL-terminated string; `limits` is NULL or points at a `KvqPlanLimits`;
+/// `out` is NULL or points at writable storage for a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn kvq_plan_create(
+    scheme: *const c_char,
+    limits: *const KvqPlanLimits,
+    out: *mut *mut KvqPlan,
+) -> KvqStatus {
+    call(|| {
+        let out = out
+            .as_mut()
+            .ok_or_else(|| Failure::argument("out is NULL"))?;
+        *out = std::ptr::null_mut();
+        let plan = KvqPlan::new(c_str(scheme, "scheme")?, arg(limits, "limits")?)?;
+        *out = Box::into_raw(Box::new(plan));
+        Ok(())
+    })
+}
+
+/// Frees a plan made by `kvq_plan_create` (NULL is ignored).
+///
+/// # Safety
+/// `plan` is NULL or a plan from `kvq_plan_create` not yet destroyed, and no other thread uses it.
+#[no_mangle]
+pub unsafe extern "C" fn kvq_plan_destroy(plan: *mut KvqPlan) {
+    if !plan.is_null() {
+        drop(Box::from_raw(plan));
+    }
+}
+
+/// Stores the sizes that follow from `plan` in `*out`.
+///
+/// # Safety
+/// `plan` is NULL or a live plan; `out` is NULL or points at writable storage for a `KvqPlanInfo`.
+#[no_mangle]
+pub unsafe extern "C" fn kvq_plan_info(plan: *const KvqPlan, out: *mut KvqPlanInfo) -> KvqStatus {
+    call(|| {
+        let plan = arg(plan, "plan")?;
+        let out = out
+            .as_mut()
+            .ok_or_else(|| Failure::argument("out is NULL"))?;
+        *out = plan.info();
+        Ok(())
+    })
+}
+
+/// Stores in `*count` how many buffers an engine allocates for `plan`.
+///
+/// # Safety
+/// `plan` is NULL or a live plan; `count` is NULL or points at a writable `uint32_t`.
+#[no_mangle]
+pub unsafe extern "C" fn kvq_plan_buffer_count(plan: *const KvqPlan, count: *mut u32) -> KvqStatus {
+    call(|| {
+        let plan = arg(plan, "plan")?;
+        let count = count
+            .as_mut()
+            .ok_or_else(|| Failure::argument("count is NULL"))?;
+        *count = plan.buffer_count() as u32;
+        Ok(())
+    })
+}
+
+/// Stores buffer `index` (0 up to the buffer count) of `plan` in `*out`.
+///
+/// # Safety
+/// `plan` is NULL or a live plan; `out` is NULL or points at writable storage for a `KvqBuffer`.
+#[no_mangle]
+pub unsafe extern "C" fn kvq_plan_buffer(
+    plan: *const KvqPlan,
+    index: u32,
+    out: *mut KvqBuffer,
+) -> KvqStatus {
+    call(|| {
+        let plan = arg(plan, "plan")?;
+        let out = out
+            .as_mut()
+            .ok_or_else(|| Failure::argument("out is NULL"))?;
+        *out = plan.buffer(index as usize).ok_or_else(|| {
+            Failure::argument(format!(
+                "buffer index {index} (the plan has {} buffers)",
+                plan.buffer_count()
+            ))
+        })?;
+        Ok(())
+    })
+}
+
+/// The plan's scheme as canonical scheme text (valid while the plan lives), or NULL for a NULL plan.
+///
+/// # Safety
+/// `plan` is NULL or a live plan.
+#[no_mangle]
+pub unsafe extern "C" fn kvq_plan_scheme(plan: *const KvqPlan) -> *const c_char {
+    match plan.as_ref() {
+        Some(p) => p.scheme_text.as_ptr(),
+        None => std::ptr::null(),
+    }
+}

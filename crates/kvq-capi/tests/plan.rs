@@ -1,0 +1,240 @@
+//! Plans through the C entry points: what they accept, what they refuse and with which status.
+
+use std::ffi::{c_char, CStr, CString};
+use std::ptr;
+
+use kvq::codegen::{decode_slow_path, has_decode_kernel, Dtype, KernelShape};
+use kvq::runtime::{CacheConfig, CacheSizes};
+use kvq::schemes::BUILTIN;
+use kvq_capi::*;
+
+fn limits(head_dim: u32) -> KvqPlanLimits {
+    KvqPlanLimits {
+        head_dim,
+        q_heads: 32,
+        kv_heads: 8,
+        dtype: KVQ_DTYPE_F16,
+        max_seqs: 4,
+        max_seq_len: 8192,
+        pool_pages: 256,
+    }
+}
+
+/// `kvq_plan_create` on `scheme` and `limits`: the plan, or the status and message.
+fn create(scheme: &str, limits: &KvqPlanLimits) -> Result<*mut KvqPlan, (KvqStatus, String)> {
+    let text = CString::new(scheme).unwrap();
+    let mut plan = 0x1 as *mut KvqPlan; // not null: the call must clear it on failure
+    let status = unsafe { kvq_plan_create(text.as_ptr(), limits, &mut plan) };
+    if status == KvqStatus::Ok {
+        assert!(!plan.is_null());
+        Ok(plan)
+    } else {
+        assert!(plan.is_null(), "a failed create left *out set");
+        Err((status, last_message()))
+    }
+}
+
+fn last_message() -> String {
+    unsafe { CStr::from_ptr(kvq_last_error_message()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+#[test]
+fn every_gpu_builtin_plans_every_fast_head_dim_with_the_runtime_sizes() {
+    for b in BUILTIN.iter().filter(|b| has_decode_kernel(&b.spec)) {
+        for d in (64..=256).step_by(16) {
+            let shape = KernelShape::new(d, 4, Dtype::F16);
+            let slow = decode_slow_path(&b.spec, &shape);
+            match (create(b.name, &limits(d)), slow) {
+                (Ok(plan), None) => {
+                    let (mut info, mut count) = (unsafe { std::mem::zeroed() }, 0u32);
+                    assert_eq!(unsafe { kvq_plan_info(plan, &mut info) }, KvqStatus::Ok);
+                    assert_eq!(
+                        unsafe { kvq_plan_buffer_count(plan, &mut count) },
+                        KvqStatus::Ok
+                    );
+                    let cfg = CacheConfig {
+                        kv_heads: 8,
+                        head_dim: d as usize,
+                        max_seqs: 4,
+                        pool_pages: 256,
+                        max_tokens: 8192,
+                        input_dtype: Dtype::F16,
+                    };
+                    let sizes = CacheSizes::new(&b.spec, &cfg).unwrap();
+                    let mut sum = 0;
+                    for i in 0..count {
+                        let mut buf: KvqBuffer = unsafe { std::mem::zeroed() };
+                        assert_eq!(unsafe { kvq_plan_buffer(plan, i, &mut buf) }, KvqStatus::Ok);
+                        assert_eq!(buf.alignment, KVQ_BUFFER_ALIGNMENT);
+                        sum += buf.bytes;
+                    }
+                    let fp16 = sizes.fp16_state_bytes() as u64;
+                    let pools = (sizes.k_pool_bytes + sizes.v_pool_bytes) as u64;
+                    assert_eq!(sum, pools + fp16, "{} d{d}", b.name);
+                    assert_eq!(info.total_bytes, sum);
+                    assert_eq!(info.page_bytes * 256, pools);
+                    assert_eq!(info.state_bytes_per_seq * 4, fp16);
+                    assert_eq!(info.max_pages_per_seq as usize, sizes.max_pages);
+                    unsafe { kvq_plan_destroy(plan) };
+                }
+                (Err((status, message)), Some(why)) => {
+                    assert_eq!(status, KvqStatus::UnsupportedShape, "{message}");
+                    assert!(message.contains(&why.to_string()), "{message}");
+                }
+                (Ok(_), Some(why)) => panic!("{} d{d} planned on a slow path ({why})", b.name),
+                (Err(e), None) => panic!("{} d{d} refused: {e:?}", b.name),
+            }
+        }
+    }
+}
+
+#[test]
+fn schemes_without_a_gpu_kernel_are_unsupported_schemes() {
+    let cpu_only: Vec<_> = BUILTIN
+        .iter()
+        .filter(|b| !has_decode_kernel(&b.spec))
+        .collect();
+    assert!(!cpu_only.is_empty());
+    for b in cpu_only {
+        let (status, message) = create(b.name, &limits(128)).unwrap_err();
+        assert_eq!(
+            status,
+            KvqStatus::UnsupportedScheme,
+            "{}: {message}",
+            b.name
+        );
+        assert!(message.contains("no GPU kernel"), "{message}");
+    }
+}
+
+#[test]
+fn bad_scheme_text_and_names_are_invalid_schemes() {
+    let (status, message) = create("kivi9", &limits(128)).unwrap_err();
+    assert_eq!(status, KvqStatus::InvalidScheme);
+    assert!(
+        message.contains("kivi2") && message.contains("kitty"),
+        "{message}"
+    );
+    let (status, message) =
+        create("k = int(2, channel), v = int(2, tokn)", &limits(128)).unwrap_err();
+    assert_eq!(status, KvqStatus::InvalidScheme);
+    assert!(message.contains("tokn"), "{message}");
+}
+
+#[test]
+fn shapes_off_the_fast_kernels_are_unsupported_shapes() {
+    for (d, says) in [(100, "head_dim"), (48, "head_dim"), (272, "head_dim")] {
+        let (status, message) = create("kivi2", &limits(d)).unwrap_err();
+        assert_eq!(status, KvqStatus::UnsupportedShape, "d{d}: {message}");
+        assert!(message.contains(says), "d{d}: {message}");
+    }
+    // Valid, but codes of a width the tensor-core kernel does not read: refused, never served by
+    // the generic kernel behind the engine's back.
+    let (status, message) =
+        create("k = int(3, channel), v = int(2, token)", &limits(128)).unwrap_err();
+    assert_eq!(status, KvqStatus::UnsupportedShape, "{message}");
+    assert!(
+        message.contains("3-bit codes") && message.contains("no tensor-core kernel"),
+        "{message}"
+    );
+    let mut many_heads = limits(128);
+    (many_heads.q_heads, many_heads.kv_heads) = (129, 1);
+    let (status, message) = create("kivi2", &many_heads).unwrap_err();
+    assert_eq!(status, KvqStatus::UnsupportedShape);
+    assert!(message.contains("129 query heads"), "{message}");
+}
+
+#[test]
+fn bad_limits_are_invalid_arguments_that_name_the_field() {
+    type Spoil = fn(&mut KvqPlanLimits);
+    let cases: [(&str, Spoil); 5] = [
+        ("limits.max_seqs is 0", |l| l.max_seqs = 0),
+        ("limits.pool_pages is 0", |l| l.pool_pages = 0),
+        ("limits.head_dim is 0", |l| l.head_dim = 0),
+        ("limits.dtype is 7", |l| l.dtype = 7),
+        ("not a multiple of limits.kv_heads (5)", |l| l.kv_heads = 5),
+    ];
+    for (says, spoil) in cases {
+        let mut l = limits(128);
+        spoil(&mut l);
+        let (status, message) = create("kivi2", &l).unwrap_err();
+        assert_eq!(status, KvqStatus::InvalidArgument, "{message}");
+        assert!(message.contains(says), "{message}");
+    }
+    let mut bf16 = limits(128);
+    bf16.dtype = KVQ_DTYPE_BF16;
+    unsafe { kvq_plan_destroy(create("kivi2", &bf16).unwrap()) };
+}
+
+#[test]
+fn null_and_non_utf8_arguments_are_errors_not_crashes() {
+    let l = limits(128);
+    let text = c"kivi2";
+    let mut plan = ptr::null_mut();
+    let status = unsafe { kvq_plan_create(ptr::null(), &l, &mut plan) };
+    assert_eq!(status, KvqStatus::InvalidArgument);
+    assert_eq!(last_message(), "scheme is NULL");
+    let status = unsafe { kvq_plan_create(text.as_ptr(), ptr::null(), &mut plan) };
+    assert_eq!(
+        (status, last_message().as_str()),
+        (KvqStatus::InvalidArgument, "limits is NULL")
+    );
+    let status = unsafe { kvq_plan_create(text.as_ptr(), &l, ptr::null_mut()) };
+    assert_eq!(
+        (status, last_message().as_str()),
+        (KvqStatus::InvalidArgument, "out is NULL")
+    );
+    let latin1 = [0xE9u8, 0];
+    let status = unsafe { kvq_plan_create(latin1.as_ptr() as *const c_char, &l, &mut plan) };
+    assert_eq!(status, KvqStatus::InvalidArgument);
+    assert!(last_message().contains("not UTF-8"), "{}", last_message());
+
+    let mut info: KvqPlanInfo = unsafe { std::mem::zeroed() };
+    assert_eq!(
+        unsafe { kvq_plan_info(ptr::null(), &mut info) },
+        KvqStatus::InvalidArgument
+    );
+    let plan = create("kivi2", &l).unwrap();
+    assert_eq!(
+        unsafe { kvq_plan_info(plan, ptr::null_mut()) },
+        KvqStatus::InvalidArgument
+    );
+    assert_eq!(
+        unsafe { kvq_plan_buffer_count(plan, ptr::null_mut()) },
+        KvqStatus::InvalidArgument
+    );
+    let mut buf: KvqBuffer = unsafe { std::mem::zeroed() };
+    assert_eq!(
+        unsafe { kvq_plan_buffer(plan, 6, &mut buf) },
+        KvqStatus::InvalidArgument
+    );
+    assert!(
+        last_message().contains("buffer index 6"),
+        "{}",
+        last_message()
+    );
+    assert!(unsafe { kvq_plan_scheme(ptr::null()) }.is_null());
+    unsafe { kvq_plan_destroy(plan) };
+    unsafe { kvq_plan_destroy(ptr::null_mut()) };
+}
+
+#[test]
+fn a_plan_names_its_scheme_and_is_shared_between_threads() {
+    fn shared<T: Send + Sync>() {}
+    shared::<KvqPlan>();
+    let plan = KvqPlan::new(
+        "k = int(4, channel), v = int(2, token), sink = 8",
+        &limits(80),
+    )
+    .unwrap();
+    let text = plan.spec().to_string();
+    assert!(text.contains("sink = 8"), "{text}");
+    let infos: Vec<KvqPlanInfo> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4).map(|_| s.spawn(|| plan.info())).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(infos.iter().all(|i| *i == plan.info()));
+    assert_eq!(plan.info().sink_tokens, 8);
+}
