@@ -485,7 +485,8 @@ def run_decode(engine, functions, manifest, sample, buffers, splits, pieces=0, p
                   scores=scores,
                   max_pages=sample["max_pages"], num_splits=splits,
                   range_splits=range_splits, num_pieces=pieces,
-                  piece_permille=permille, num_parts=parts)
+                  piece_permille=permille, num_parts=parts,
+                  lse=0)  # NULL: the combine writes no log-sum-exp (an engine merging parts passes one)
     env = {"num_splits": splits, "range_splits": range_splits, "num_pieces": pieces,
            "kv_heads": h, "batch": batch, "q_heads": q_heads}
     kernels = {k["role"]: k for k in manifest["kernels"]}

@@ -848,6 +848,7 @@ pub fn decode_kernels(
             param("const float*", "part_acc"),
             param("const float*", "part_ml"),
             param("uint16_t*", "out"),
+            param("float*", "lse"),
             param("int32_t", "num_parts"),
         ],
         grid: ["q_heads".into(), "batch".into(), "1".into()],

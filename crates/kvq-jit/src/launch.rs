@@ -53,6 +53,12 @@ impl<'a> Args<'a> {
         self
     }
 
+    /// A null pointer, for a buffer the kernel takes as optional (it writes nothing there).
+    pub fn null(&mut self) -> &mut Self {
+        self.slots.push(0);
+        self
+    }
+
     /// An `int` parameter.
     pub fn int(&mut self, value: i32) -> &mut Self {
         self.slots.push(int_slot(value));

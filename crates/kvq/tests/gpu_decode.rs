@@ -324,6 +324,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
     let mut failures = Vec::new();
     let mut checked = 0usize;
     let mut overlapped = 0usize; // steps also repeated with plain launches
+    let mut lse_checked = 0usize; // rows whose log-sum-exp was checked
     let mut worst = Vec::new();
     let mut kernel_iter = kernels.iter_mut();
     for (name, spec) in &schemes {
@@ -441,6 +442,23 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
                                 ));
                             }
                         }
+                        if splits == heuristic || splits == 1 {
+                            // With the log-sum-exp: the same output bits (the combine merges one
+                            // part exactly as the decode kernel writes it), and each row's LSE
+                            // within its bound.
+                            lse_checked += check_lse(
+                                kernel,
+                                &stream,
+                                gpu.view(),
+                                &q,
+                                &mut scratch,
+                                &got,
+                                &wants,
+                                q_heads,
+                                &format!("{name} d{d} {dtype} gqa{gqa} splits{splits} {pieces}"),
+                                &mut failures,
+                            );
+                        }
                         for (b, want) in wants.iter().enumerate() {
                             let have: Vec<f32> = got[b * per..(b + 1) * per]
                                 .iter()
@@ -464,6 +482,7 @@ fn gpu_decode_matches_the_reference_for_every_integer_scheme() {
         }
     }
     worst.sort_by(|a, b| b.0.total_cmp(&a.0));
+    println!("checked the log-sum-exp of {lse_checked} rows against their bounds");
     println!(
         "{overlapped} steps with overlapped launches (programmatic dependent launch) gave the bits of plain ones"
     );
@@ -664,5 +683,85 @@ fn error_bound_admits_kernel_rounding_and_catches_bugs() {
             !j.passed(),
             "{what}: a softmax scale off by {bug} passed: {j}"
         );
+
+        // The log-sum-exp as a kernel computes it (f32 scores, max and sum) passes its bound; one
+        // in base 2, or without the denominator's log, does not.
+        let lse_passes = |lse: &dyn Fn(f32, f32) -> f32| {
+            (0..q_heads).all(|h| {
+                let scores: Vec<f32> = (0..tokens)
+                    .map(|t| {
+                        let dot: f32 = queries
+                            .head(h)
+                            .iter()
+                            .zip(deq.k.row(h / gqa, t))
+                            .map(|(a, b)| a * b)
+                            .sum();
+                        dot / (d as f32).sqrt()
+                    })
+                    .collect();
+                let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let l: f32 = scores.iter().map(|s| (s - m).exp()).sum();
+                let err = (f64::from(lse(m, l)) - f64::from(e.lse[h])).abs();
+                err <= e.lse_bound[h]
+            })
+        };
+        assert!(
+            lse_passes(&|m, l| m + l.ln()),
+            "{what}: a kernel-like LSE failed its bound"
+        );
+        assert!(
+            !lse_passes(&|m, l| (m + l.ln()) * std::f32::consts::LOG2_E),
+            "{what}: an LSE in base 2 passed"
+        );
+        assert!(
+            !lse_passes(&|m, _| m),
+            "{what}: an LSE without the denominator passed"
+        );
     }
+}
+
+/// Runs `kernel` again with the log-sum-exp (on the same scratch, outputs poisoned): its output
+/// must be `got` bit for bit, and each row's LSE within its bound of the reference's. Pushes what
+/// fails to `failures`; returns the rows checked.
+#[allow(clippy::too_many_arguments)]
+fn check_lse(
+    kernel: &DecodeKernel,
+    stream: &std::sync::Arc<kvq::runtime::cudarc::driver::CudaStream>,
+    view: kvq::runtime::CacheView<'_>,
+    q: &kvq::runtime::cudarc::driver::CudaSlice<u16>,
+    scratch: &mut DecodeScratch,
+    got: &[u16],
+    wants: &[Expected],
+    q_heads: usize,
+    what: &str,
+    failures: &mut Vec<String>,
+) -> usize {
+    let mut out = stream
+        .clone_htod(&vec![0xFFFFu16; got.len()])
+        .expect("poisoned output");
+    let mut lse = stream
+        .clone_htod(&vec![f32::NAN; wants.len() * q_heads])
+        .expect("poisoned lse");
+    kernel
+        .attend_with_lse(stream, view, q, &mut out, &mut lse, scratch)
+        .expect("launch with lse");
+    let out: Vec<u16> = stream.clone_dtoh(&out).expect("download");
+    let lse: Vec<f32> = stream.clone_dtoh(&lse).expect("download lse");
+    if out != got {
+        failures.push(format!(
+            "{what}: the output with the LSE differs from the one without"
+        ));
+    }
+    for (b, want) in wants.iter().enumerate() {
+        for h in 0..q_heads {
+            let (have, expect, bound) = (lse[b * q_heads + h], want.lse[h], want.lse_bound[h]);
+            let err = (f64::from(have) - f64::from(expect)).abs();
+            if err.is_nan() || err > bound {
+                failures.push(format!(
+                    "{what}: sequence {b} head {h}: LSE {have} for {expect} (bound {bound:.2e})"
+                ));
+            }
+        }
+    }
+    wants.len() * q_heads
 }

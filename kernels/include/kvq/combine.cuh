@@ -9,6 +9,9 @@
 // part_ml[b][h][s] = (m, l): the split's running max (natural-log units) and its softmax denominator;
 // part_acc[b][h][s][c]: the split's unnormalised output. Splits that saw no token have l = 0 (their
 // partial output is never read into a sum, so it may hold anything).
+// lse[b][h], where given (not null): the row's log-sum-exp, ln Σ exp(s) over every score it saw
+// (natural log, s = q·k/√d as the scheme scores it), −inf for a row that saw no token. Engines
+// merge partial results of one sequence across GPUs with it (context parallelism).
 // Warp w merges splits w, w + WARPS, ... with an online softmax, each lane holding
 // ceil(head_dim/32) channels (where head_dim is not a multiple of 32, the last lanes' channels
 // past it read as zeros and are never stored); the warps then merge in warp order through shared
@@ -67,6 +70,7 @@ static __device__ __forceinline__ void kvq_combine(
     const float* __restrict__ part_acc,
     const float* __restrict__ part_ml,
     kvq_u16* __restrict__ out,
+    float* __restrict__ lse,
     int num_parts)
 {
     __shared__ float s_m[KVQ_COMBINE_WARPS], s_l[KVQ_COMBINE_WARPS];
@@ -129,5 +133,12 @@ static __device__ __forceinline__ void kvq_combine(
             }
         }
         out[row * D + c] = kvq_output_value(sum, total);
+    }
+    if (lse != nullptr && threadIdx.x == 0) {
+        float total = 0.f;
+#pragma unroll
+        for (int w = 0; w < KVQ_COMBINE_WARPS; ++w)
+            if (s_l[w] > 0.f) total += s_l[w] * expf(s_m[w] - mm);
+        lse[row] = total > 0.f ? mm + logf(total) : KVQ_NEG_INF;
     }
 }

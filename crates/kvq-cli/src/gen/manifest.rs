@@ -283,6 +283,11 @@ fn about_param(name: &str, dtype: Dtype) -> String {
              when num_pieces = 0)"
                 .into()
         }
+        "lse" => {
+            "f32 [batch·q_heads] log-sum-exp of each row's scores, ln Σ exp(q·k/√d) (natural log, \
+             −inf for a row without tokens), for merging partial results; NULL: not written"
+                .into()
+        }
         "num_parts" => {
             "partials per query head: num_splits + num_pieces of the decode launch".into()
         }
@@ -552,8 +557,9 @@ pub(super) fn kernel_infos(
     kernels.push(kernel_info(
         "combine",
         DECODE_FILE,
-        "merges the num_parts partials (splits, then pieces) of each query head into out; \
-         not needed after a decode launch of one part given out (it would write the same values)",
+        "merges the num_parts partials (splits, then pieces) of each query head into out, and \
+         each row's log-sum-exp into lse where lse is not NULL; not needed after a decode launch \
+         of one part given out, unless lse is wanted (it would write the same out values)",
         &decode.combine,
         dtype,
     ));

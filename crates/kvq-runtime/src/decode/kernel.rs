@@ -372,6 +372,45 @@ impl DecodeKernel {
         out: &mut CudaSlice<u16>,
         scratch: &mut DecodeScratch,
     ) -> Result<()> {
+        self.enqueue(stream, cache, q, out, None, scratch)
+    }
+
+    /// As [`attend`](Self::attend), and writes each query row's log-sum-exp into `lse`
+    /// (`[batch][kv_heads·gqa]` f32): `ln Σ exp(s)` over the scores the row saw, `s = q·k/√d`
+    /// as the scheme scores it (calibrated under CalibQuant), natural log, −inf for a row without
+    /// tokens. With it, partial results over parts of a sequence's tokens (on several GPUs) merge
+    /// into the whole (`kvq_reference::step::merge`). The combine kernel runs even for a single
+    /// split (one small extra launch there).
+    pub fn attend_with_lse(
+        &self,
+        stream: &Arc<CudaStream>,
+        cache: CacheView<'_>,
+        q: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+        lse: &mut CudaSlice<f32>,
+        scratch: &mut DecodeScratch,
+    ) -> Result<()> {
+        let rows = cache.batch * cache.kv_heads * self.generated.shape.gqa as usize;
+        if lse.len() != rows {
+            return Err(RuntimeError::InvalidInput(format!(
+                "lse must hold [batch {}][q_heads {}] = {rows} floats, got {}",
+                cache.batch,
+                rows / cache.batch.max(1),
+                lse.len()
+            )));
+        }
+        self.enqueue(stream, cache, q, out, Some(lse), scratch)
+    }
+
+    fn enqueue(
+        &self,
+        stream: &Arc<CudaStream>,
+        cache: CacheView<'_>,
+        q: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+        lse: Option<&mut CudaSlice<f32>>,
+        scratch: &mut DecodeScratch,
+    ) -> Result<()> {
         let shape = self.generated.shape;
         let d = shape.head_dim as usize;
         let q_heads = cache.kv_heads * shape.gqa as usize;
@@ -470,7 +509,7 @@ impl DecodeKernel {
         // (`kvq_calibration_after_range_grid`) before reading the ranges.
         unsafe { args.launch(&self.decode, decode_cfg, overlap && self.range.is_some()) }
             .map_err(launch_err(&self.generated.decode.name))?;
-        if decode_cfg.grid_dim.0 == 1 {
+        if decode_cfg.grid_dim.0 == 1 && lse.is_none() {
             // One part per head: the decode kernel wrote the output as the combine would.
             return Ok(());
         }
@@ -482,8 +521,12 @@ impl DecodeKernel {
         let mut args = Args::new(stream);
         args.buffer(&scratch.part_acc)
             .buffer(&scratch.part_ml)
-            .buffer_mut(out)
-            .int((scratch.splits + scratch.pieces.count) as i32);
+            .buffer_mut(out);
+        match lse {
+            Some(lse) => args.buffer_mut(lse),
+            None => args.null(),
+        };
+        args.int((scratch.splits + scratch.pieces.count) as i32);
         // SAFETY: as above; the combine kernel waits for the decode grid
         // (`kvq_wait_for_previous_grid`) before its first read of the partials.
         unsafe { args.launch(&self.combine, combine_cfg, overlap) }

@@ -5,6 +5,7 @@
 
 use kvq::codegen::Dtype;
 use kvq::reference::attention::{self, Queries};
+use kvq::reference::step::StepQueries;
 use kvq::reference::{Dequantized, KvTensor};
 use kvq::schemes::BUILTIN;
 use kvq::{Axis, CacheSource, SchemeSpec, TensorQuant};
@@ -176,6 +177,11 @@ fn rounding_magnitudes(x: &KvTensor, head: usize, quant: &TensorQuant, page: usi
 pub struct Expected {
     pub want: Vec<f32>,
     pub bound: Vec<f64>,
+    /// Each head's log-sum-exp of its scores (natural log), and its error bound: a score error
+    /// `δs_t` moves the LSE by `Σ_t p_t·δs_t`, so at most `Σ_t p_t·|δs_t|` with `|δs_t|` as for
+    /// the outputs (below), plus the kernel's f32 arithmetic, 2^-20 of the magnitudes involved.
+    pub lse: Vec<f32>,
+    pub lse_bound: Vec<f64>,
 }
 
 /// Hoeffding's λ for the probabilistic terms: a sum `Σ a_i·e_i` of independent rounding errors
@@ -228,6 +234,10 @@ pub fn expected(
     let group = q.q_heads / deq.v.kv_heads;
     let page = spec.page as usize;
     let mut bound = vec![0.0f64; q.q_heads * d];
+    let lse = kvq::reference::step::attend(&StepQueries::single(q), deq, calibrate)
+        .map_err(|e| e.to_string())?
+        .lse;
+    let mut lse_bound = vec![0.0f64; q.q_heads];
     for kv in 0..deq.v.kv_heads {
         let rv = rounding_magnitudes(&deq.v, kv, &spec.v, page);
         let rk = rounding_magnitudes(&deq.k, kv, &spec.k, page);
@@ -258,6 +268,9 @@ pub fn expected(
                 .map(|(a, r)| (f64::from(*a) * r).powi(2))
                 .sum::<f64>()
                 .sqrt();
+            let shifted: f64 = ph.iter().zip(&ds).map(|(p, e)| p * e).sum();
+            let largest_dot = ds.iter().copied().fold(0.0, f64::max) / (kappa * u);
+            lse_bound[h] = shifted + 2f64.powi(-20) * (1.0 + f64::from(lse[h]).abs() + largest_dot);
             let tiny = |t: usize| dtype == Dtype::F16 && ph[t] < 2f64.powi(-14) * p_max;
             // Token-major sums (each row read once, contiguously): the per-channel loop over
             // tokens strided through the rows and made the check slower than the kernels' runs.
@@ -293,7 +306,12 @@ pub fn expected(
             }
         }
     }
-    Ok(Expected { want, bound })
+    Ok(Expected {
+        want,
+        bound,
+        lse,
+        lse_bound,
+    })
 }
 
 /// How a kernel's output compares with [`Expected`]: the largest error as a share of its bound
