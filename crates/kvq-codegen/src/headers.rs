@@ -15,6 +15,7 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/common.cuh",
     "kvq/tensor.cuh",
     "kvq/combine.cuh",
+    "kvq/merge.cuh",
     "kvq/decode_common.cuh",
     "kvq/decode/constants.cuh",
     "kvq/decode/helpers.cuh",

@@ -20,6 +20,7 @@ mod decode;
 mod error;
 mod head_groups;
 mod headers;
+mod merge;
 mod quantizer;
 pub mod rules;
 mod shape;
@@ -36,6 +37,7 @@ pub use decode::{
 pub use error::CodegenError;
 pub use head_groups::{HeadGroups, MMA_HEAD_COLUMNS};
 pub use headers::{kernel_headers, KERNEL_HEADERS};
+pub use merge::{merge_kernel, MergeKernel, MERGE_THREADS};
 pub use quantizer::{QuantizerForm, QuantizerForms};
 pub use shape::{Dtype, KernelShape};
 pub use tune::TuneParams;

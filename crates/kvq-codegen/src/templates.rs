@@ -19,6 +19,7 @@ pub(crate) const TEMPLATES: &[(&str, &str)] = embedded![
     "decode.cu.tera",
     "decode_mma.cuh.tera",
     "cache.cu.tera",
+    "merge.cu.tera",
 ];
 
 fn engine() -> Result<&'static Tera, CodegenError> {

@@ -74,7 +74,7 @@ pub use kvq_jit::cudarc;
 pub use arch::{Arch, ArchVariant, InvalidArch};
 pub use decode::{
     default_pieces, default_splits, min_warp_tokens, CacheView, DecodeKernel, DecodeOptions,
-    DecodeScratch, GpuCache, LoadOptions, Pieces,
+    DecodeScratch, GpuCache, LoadOptions, MergeKernel, Pieces,
 };
 pub use device::{device_count, driver_version, Device, DeviceProps, DriverVersion};
 pub use disk_cache::{cache_root, CacheKey, CacheStats, DiskCache, Origin};

@@ -33,7 +33,7 @@ use kvq::reference::{Dequantized, KvTensor};
 use kvq::runtime::decode::{few_pairs_blocks, one_tile_blocks, whole_pairs_blocks};
 use kvq::runtime::testing::Need;
 use kvq::runtime::tune::synth::{random_queries, round_to_word, word_to_f32};
-use kvq::runtime::{DecodeKernel, DecodeScratch, Device, GpuCache, Jit, Pieces};
+use kvq::runtime::{DecodeKernel, DecodeScratch, Device, GpuCache, Jit, MergeKernel, Pieces};
 use std::time::Instant;
 
 fn main() {
@@ -47,6 +47,11 @@ fn main() {
             Need::Gpu,
             "gpu_jit_warm_start_report",
             gpu_jit_warm_start_report,
+        ),
+        needs(
+            Need::Gpu,
+            "gpu_merge_matches_the_reference_merge",
+            gpu_merge_matches_the_reference_merge,
         ),
         plain(
             "test_schemes_filter_keeps_the_named_schemes_in_order",
@@ -764,4 +769,108 @@ fn check_lse(
         }
     }
     wants.len() * q_heads
+}
+
+/// The merge kernel combines attention states of disjoint token parts as the reference's
+/// `step::merge` does, from states with random outputs and LSEs: parts that saw none of a row's
+/// tokens (LSE −inf) drop out, and a row no part saw comes out as zeros and −inf. Outputs within
+/// their dtype's rounding plus the f32 sums, LSEs within 2^-20 of their magnitude.
+fn gpu_merge_matches_the_reference_merge() {
+    use kvq::reference::step::{merge, AttentionState};
+    let device = Device::open(0).expect("GPU");
+    let jit = Jit::new(&device).expect("JIT");
+    let stream = device.default_stream();
+    let seed = seed();
+    let (q_len, q_heads, parts) = (3usize, 8usize, 4usize);
+    let rows = q_len * q_heads;
+    let mut failures = Vec::new();
+    for &dtype in DTYPES {
+        for d in [64u32, 80, 128, 256] {
+            let kernel = MergeKernel::load(&jit, d, dtype).expect("merge kernel");
+            let d = d as usize;
+            let case = format!("merge d{d} {dtype}");
+            let (out_bits, out_vals) = case_queries(seed, &case, parts * rows * d, dtype);
+            let (_, lse_raw) = case_queries(seed, &format!("{case} lse"), parts * rows, dtype);
+            let mut lse_vals: Vec<f32> = lse_raw.iter().map(|x| 8.0 * x + 4.0).collect();
+            for p in 0..parts {
+                // Row 5 seen by no part; rows 0..3 not by part 1.
+                lse_vals[p * rows + 5] = f32::NEG_INFINITY;
+            }
+            for r in 0..3 {
+                lse_vals[rows + r] = f32::NEG_INFINITY;
+            }
+            let states: Vec<AttentionState> = (0..parts)
+                .map(|p| AttentionState {
+                    out: out_vals[p * rows * d..(p + 1) * rows * d].to_vec(),
+                    lse: lse_vals[p * rows..(p + 1) * rows].to_vec(),
+                    q_len,
+                    q_heads,
+                    head_dim: d,
+                })
+                .collect();
+            let want = merge(&states).expect("reference merge");
+            let out_parts = stream.clone_htod(&out_bits).expect("upload outputs");
+            let lse_parts = stream.clone_htod(&lse_vals).expect("upload lse");
+            let mut out = stream
+                .clone_htod(&vec![0xFFFFu16; rows * d])
+                .expect("poisoned output");
+            let mut lse = stream
+                .clone_htod(&vec![f32::NAN; rows])
+                .expect("poisoned lse");
+            kernel
+                .merge(
+                    &stream,
+                    parts,
+                    &out_parts,
+                    &lse_parts,
+                    &mut out,
+                    Some(&mut lse),
+                )
+                .expect("merge");
+            let have: Vec<f32> = stream
+                .clone_dtoh(&out)
+                .expect("download")
+                .into_iter()
+                .map(|x| word_to_f32(x, dtype))
+                .collect();
+            let have_lse: Vec<f32> = stream.clone_dtoh(&lse).expect("download lse");
+            let u = common::unit_roundoff(dtype);
+            for r in 0..rows {
+                let (h, w) = (have_lse[r], want.lse[r]);
+                let lse_ok = if w == f32::NEG_INFINITY {
+                    h == w
+                } else {
+                    (f64::from(h) - f64::from(w)).abs()
+                        <= 2f64.powi(-20) * (1.0 + f64::from(w).abs())
+                };
+                if !lse_ok {
+                    failures.push(format!("{case} row {r}: LSE {h} for {w}"));
+                }
+                // The magnitude the f32 sums meet: the parts' outputs, weighted.
+                let scale = (0..parts)
+                    .flat_map(|p| states[p].out[r * d..(r + 1) * d].iter())
+                    .fold(0.0f64, |m, x| m.max(f64::from(x.abs())));
+                for c in 0..d {
+                    let (h, w) = (have[r * d + c], want.out[r * d + c]);
+                    let bound = u * f64::from(w.abs()) + 2f64.powi(-20) * scale;
+                    if !h.is_finite() || (f64::from(h) - f64::from(w)).abs() > bound {
+                        failures.push(format!(
+                            "{case} row {r} channel {c}: {h} for {w} (bound {bound:.2e})"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} merged values off:\n{}",
+        failures.len(),
+        failures
+            .iter()
+            .take(20)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
 }

@@ -5,7 +5,7 @@
 //! (four of 8, the last starting three heads early), and at head_dim 64 GQA 71 (Falcon 7B's
 //! multi-query attention: nine rows of 8, past the generic kernel's 64); decode at 80, 96, 112, 160
 //! and 192 (rows read as several slabs) for sm_90a; cache kernels in every page quantizer form, and at
-//! 80 and 112. Decode also for calibrated schemes whose range pass keeps the f16 path, and for the
+//! 80 and 112; the merge of attention states at four head sizes. Decode also for calibrated schemes whose range pass keeps the f16 path, and for the
 //! uncalibrated layouts `gpu_decode` adds, which no built-in takes. Needs no GPU: CI installs
 //! libnvrtc from pip and sets `KVQ_REQUIRE_NVRTC=1`, so these fail there rather than skip. Runs
 //! under its own harness: without NVRTC each test shows as ignored, with the reason.
@@ -13,8 +13,8 @@
 mod common;
 use common::{needs, other_calibrated_schemes, other_uncalibrated_schemes, run_trials};
 use kvq::codegen::{
-    cache_kernels_with, decode_kernels, has_decode_kernel, CodegenError, Dtype, KernelShape,
-    QuantizerForm, TuneParams,
+    cache_kernels_with, decode_kernels, has_decode_kernel, merge_kernel, CodegenError, Dtype,
+    KernelShape, QuantizerForm, TuneParams,
 };
 use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
 use kvq::runtime::paged::forms_or_tiled;
@@ -33,6 +33,11 @@ fn main() {
             Need::Nvrtc,
             "every_builtin_cache_kernel_compiles_in_every_quantizer_form",
             every_builtin_cache_kernel_compiles_in_every_quantizer_form,
+        ),
+        needs(
+            Need::Nvrtc,
+            "the_merge_kernel_compiles_for_sm80_and_sm90a",
+            the_merge_kernel_compiles_for_sm80_and_sm90a,
         ),
     ])
 }
@@ -268,6 +273,20 @@ fn every_builtin_cache_kernel_compiles_in_every_quantizer_form() {
         jobs.len(),
         wide.len()
     );
+}
+
+/// The merge of attention states (scheme-independent) at one- and several-slab head sizes, both
+/// dtypes.
+fn the_merge_kernel_compiles_for_sm80_and_sm90a() {
+    let mut jobs = Vec::new();
+    for head_dim in [64, 80, 112, 256] {
+        for dtype in [Dtype::F16, Dtype::Bf16] {
+            let k = merge_kernel(head_dim, dtype)
+                .unwrap_or_else(|e| panic!("merge d{head_dim} {dtype}: {e}"));
+            jobs.push(("merge", format!("d{head_dim} {dtype}"), k.source));
+        }
+    }
+    compile_all(&jobs);
 }
 
 /// Compiles every (name, what, source) for sm_80 and sm_90a on all cores; panics naming the first

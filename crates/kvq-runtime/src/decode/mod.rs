@@ -12,6 +12,7 @@ mod cache;
 mod fast_memory;
 mod kernel;
 mod layout;
+mod merge;
 mod splits;
 
 pub use block::{
@@ -22,6 +23,7 @@ pub use fast_memory::{fast_memory_applies, is_fast_memory, FAST_MEMORY_GBPS_PER_
 pub use kernel::{DecodeKernel, DecodeScratch, LoadOptions, RANGE_SCALE_MAX_SPLITS};
 pub(crate) use layout::CacheBuffers;
 pub use layout::CacheView;
+pub use merge::MergeKernel;
 pub use splits::{
     default_pieces, default_splits, min_warp_tokens, DecodeOptions, Pieces, PiecesOverride,
 };
