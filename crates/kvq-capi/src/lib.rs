@@ -37,9 +37,9 @@ mod plan;
 mod status;
 
 pub use plan::{
-    kvq_plan_buffer, kvq_plan_buffer_count, kvq_plan_create, kvq_plan_destroy, kvq_plan_info,
-    kvq_plan_scheme, KvqBuffer, KvqPlan, KvqPlanInfo, KvqPlanLimits, KVQ_BUFFER_ALIGNMENT,
-    KVQ_DTYPE_BF16, KVQ_DTYPE_F16,
+    builtin_schemes, kvq_plan_buffer, kvq_plan_buffer_count, kvq_plan_create, kvq_plan_destroy,
+    kvq_plan_info, kvq_plan_scheme, KvqBuffer, KvqPlan, KvqPlanInfo, KvqPlanLimits,
+    KVQ_BUFFER_ALIGNMENT, KVQ_DTYPE_BF16, KVQ_DTYPE_F16,
 };
 pub use status::{call, kvq_last_error_message, kvq_status_name, Failure, KvqStatus};
 

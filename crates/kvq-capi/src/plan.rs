@@ -203,6 +203,14 @@ impl KvqPlan {
     }
 }
 
+/// The built-in schemes' names, each with whether it has GPU kernels (whether a plan takes it).
+pub fn builtin_schemes() -> Vec<(&'static str, bool)> {
+    kvq::schemes::BUILTIN
+        .iter()
+        .map(|b| (b.name, kvq::codegen::has_decode_kernel(&b.spec)))
+        .collect()
+}
+
 /// A built-in's name or scheme text, validated.
 fn resolve_scheme(scheme: &str) -> Result<SchemeSpec, Failure> {
     let text = scheme.trim();

@@ -1,0 +1,259 @@
+//! `kvq._kvq`: the Rust half of the Python package. It wraps kvq-capi's Rust API (the same plans
+//! and statuses the C ABI returns) in Python classes and exceptions; `kvq/__init__.py` re-exports
+//! them.
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+
+use kvq_capi::{Failure, KvqPlan, KvqPlanLimits, KvqStatus, KVQ_DTYPE_BF16, KVQ_DTYPE_F16};
+
+create_exception!(
+    kvq,
+    KvqError,
+    PyException,
+    "Base of every error kvq raises."
+);
+create_exception!(
+    kvq,
+    InvalidArgument,
+    KvqError,
+    "An argument is out of range or inconsistent with another (the message names it)."
+);
+create_exception!(
+    kvq,
+    InvalidScheme,
+    KvqError,
+    "Scheme text that does not parse or validate, or a name that is no built-in."
+);
+create_exception!(
+    kvq,
+    UnsupportedScheme,
+    KvqError,
+    "A valid scheme without a GPU kernel (CommVQ, XQuant: CPU reference only)."
+);
+create_exception!(
+    kvq,
+    UnsupportedShape,
+    KvqError,
+    "A shape the fast kernels do not serve; kvq never falls back to a slow kernel silently."
+);
+create_exception!(
+    kvq,
+    InternalError,
+    KvqError,
+    "A bug in kvq: please report the message."
+);
+
+/// The Python exception of a failure's status.
+fn raise(f: Failure) -> PyErr {
+    match f.status {
+        KvqStatus::InvalidArgument => InvalidArgument::new_err(f.message),
+        KvqStatus::InvalidScheme => InvalidScheme::new_err(f.message),
+        KvqStatus::UnsupportedScheme => UnsupportedScheme::new_err(f.message),
+        KvqStatus::UnsupportedShape => UnsupportedShape::new_err(f.message),
+        KvqStatus::Ok | KvqStatus::Internal => InternalError::new_err(f.message),
+    }
+}
+
+/// `float16`/`f16`/`half` or `bfloat16`/`bf16`, as text or as anything whose `str()` ends with
+/// one of them (`torch.float16`).
+fn dtype_code(dtype: &Bound<'_, PyAny>) -> PyResult<u32> {
+    let text = dtype.str()?.to_string();
+    let name = text
+        .rsplit('.')
+        .next()
+        .unwrap_or(&text)
+        .to_ascii_lowercase();
+    match name.as_str() {
+        "float16" | "f16" | "half" => Ok(KVQ_DTYPE_F16),
+        "bfloat16" | "bf16" => Ok(KVQ_DTYPE_BF16),
+        _ => Err(InvalidArgument::new_err(format!(
+            "dtype {text:?} (expected float16 or bfloat16, as text or a torch dtype)"
+        ))),
+    }
+}
+
+/// A limit as u32, or InvalidArgument naming it.
+fn limit(name: &str, value: i64) -> PyResult<u32> {
+    u32::try_from(value).map_err(|_| {
+        InvalidArgument::new_err(format!("{name} = {value} (expected 1 to {})", u32::MAX))
+    })
+}
+
+/// One device buffer an engine allocates for a plan.
+#[pyclass(frozen, module = "kvq", get_all)]
+struct Buffer {
+    /// The buffer's name, e.g. "k_pool".
+    name: String,
+    /// Bytes to allocate (0: the scheme does not use it).
+    nbytes: u64,
+    /// Alignment the kernels need, in bytes.
+    alignment: u64,
+    /// How the buffer is indexed.
+    layout: String,
+}
+
+#[pymethods]
+impl Buffer {
+    fn __repr__(&self) -> String {
+        format!(
+            "Buffer(name={:?}, nbytes={}, alignment={})",
+            self.name, self.nbytes, self.alignment
+        )
+    }
+}
+
+/// A scheme and shape with limits, checked once: which device buffers an engine allocates for
+/// kvq's kernels, and how large each is. Needs no GPU; immutable, so threads may share it.
+#[pyclass(frozen, module = "kvq")]
+struct Plan {
+    plan: KvqPlan,
+}
+
+#[pymethods]
+impl Plan {
+    #[new]
+    #[pyo3(signature = (scheme, *, head_dim, q_heads, kv_heads, max_seqs, max_seq_len, pool_pages, dtype = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        scheme: &str,
+        head_dim: i64,
+        q_heads: i64,
+        kv_heads: i64,
+        max_seqs: i64,
+        max_seq_len: i64,
+        pool_pages: i64,
+        dtype: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Plan> {
+        let limits = KvqPlanLimits {
+            head_dim: limit("head_dim", head_dim)?,
+            q_heads: limit("q_heads", q_heads)?,
+            kv_heads: limit("kv_heads", kv_heads)?,
+            dtype: match dtype {
+                Some(d) => dtype_code(d)?,
+                None => KVQ_DTYPE_F16,
+            },
+            max_seqs: limit("max_seqs", max_seqs)?,
+            max_seq_len: limit("max_seq_len", max_seq_len)?,
+            pool_pages: limit("pool_pages", pool_pages)?,
+        };
+        KvqPlan::new(scheme, &limits)
+            .map(|plan| Plan { plan })
+            .map_err(raise)
+    }
+
+    /// The scheme as canonical scheme text.
+    #[getter]
+    fn scheme(&self) -> String {
+        self.plan.spec().to_string()
+    }
+
+    /// "float16" or "bfloat16".
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        if self.plan.limits().dtype == KVQ_DTYPE_BF16 {
+            "bfloat16"
+        } else {
+            "float16"
+        }
+    }
+
+    /// Tokens of one page.
+    #[getter]
+    fn page_tokens(&self) -> u32 {
+        self.plan.info().page_tokens
+    }
+
+    /// Columns of the page (block) table.
+    #[getter]
+    fn max_pages_per_seq(&self) -> u32 {
+        self.plan.info().max_pages_per_seq
+    }
+
+    /// FP16 sink tokens a sequence keeps before its first page.
+    #[getter]
+    fn sink_tokens(&self) -> u32 {
+        self.plan.info().sink_tokens
+    }
+
+    /// Bytes of one pool page (K and V of every KV head).
+    #[getter]
+    fn page_bytes(&self) -> u64 {
+        self.plan.info().page_bytes
+    }
+
+    /// Bytes of one sequence slot's FP16 state.
+    #[getter]
+    fn state_bytes_per_seq(&self) -> u64 {
+        self.plan.info().state_bytes_per_seq
+    }
+
+    /// Bytes of every buffer together.
+    #[getter]
+    fn total_bytes(&self) -> u64 {
+        self.plan.info().total_bytes
+    }
+
+    /// The buffers to allocate, in the order the calls take them.
+    #[getter]
+    fn buffers(&self) -> PyResult<Vec<Buffer>> {
+        (0..self.plan.buffer_count())
+            .map(|i| {
+                let b = self.plan.buffer(i).ok_or_else(|| {
+                    InternalError::new_err(format!("buffer {i} of {}", self.plan.buffer_count()))
+                })?;
+                // SAFETY: a plan's buffer names and layouts are NUL-terminated static strings.
+                let text = |p| {
+                    unsafe { std::ffi::CStr::from_ptr(p) }
+                        .to_string_lossy()
+                        .into_owned()
+                };
+                Ok(Buffer {
+                    name: text(b.name),
+                    nbytes: b.bytes,
+                    alignment: b.alignment,
+                    layout: text(b.layout),
+                })
+            })
+            .collect()
+    }
+
+    fn __repr__(&self) -> String {
+        let l = self.plan.limits();
+        format!(
+            "Plan({:?}, head_dim={}, q_heads={}, kv_heads={}, dtype={:?}, max_seqs={}, \
+             max_seq_len={}, pool_pages={})",
+            self.scheme(),
+            l.head_dim,
+            l.q_heads,
+            l.kv_heads,
+            self.dtype(),
+            l.max_seqs,
+            l.max_seq_len,
+            l.pool_pages
+        )
+    }
+}
+
+/// The built-in schemes' names, and whether each has GPU kernels.
+#[pyfunction]
+fn builtin_schemes() -> Vec<(&'static str, bool)> {
+    kvq_capi::builtin_schemes()
+}
+
+#[pymodule]
+fn _kvq(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<Plan>()?;
+    m.add_class::<Buffer>()?;
+    m.add_function(wrap_pyfunction!(builtin_schemes, m)?)?;
+    m.add("KvqError", py.get_type::<KvqError>())?;
+    m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;
+    m.add("InvalidScheme", py.get_type::<InvalidScheme>())?;
+    m.add("UnsupportedScheme", py.get_type::<UnsupportedScheme>())?;
+    m.add("UnsupportedShape", py.get_type::<UnsupportedShape>())?;
+    m.add("InternalError", py.get_type::<InternalError>())?;
+    Ok(())
+}

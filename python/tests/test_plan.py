@@ -1,0 +1,94 @@
+"""Plans from Python: the same sizes and refusals as the C ABI, as typed exceptions."""
+
+import threading
+
+import pytest
+
+import kvq
+
+LIMITS = dict(head_dim=128, q_heads=32, kv_heads=8, max_seqs=16, max_seq_len=32768,
+              pool_pages=4096)
+
+
+def test_a_builtin_plans_its_buffers():
+    plan = kvq.Plan("kivi2", **LIMITS)
+    assert plan.page_tokens == 128
+    assert plan.dtype == "float16"
+    names = [b.name for b in plan.buffers]
+    assert names == ["k_pool", "v_pool", "k_sink", "v_sink", "k_tail", "v_tail"]
+    assert sum(b.nbytes for b in plan.buffers) == plan.total_bytes
+    assert all(b.alignment == 256 for b in plan.buffers)
+    pools = sum(b.nbytes for b in plan.buffers if b.name.endswith("_pool"))
+    assert pools == plan.page_bytes * LIMITS["pool_pages"]
+    fp16 = plan.total_bytes - pools
+    assert fp16 == plan.state_bytes_per_seq * LIMITS["max_seqs"]
+    # KIVI-2 keeps a page of 128 tokens x 8 heads x 128 channels of K and V in about an eighth
+    # of FP16's bytes, plus scales.
+    fp16_page = 2 * 128 * 8 * 128 * 2
+    assert fp16_page / 8 < plan.page_bytes < fp16_page / 6
+    assert "int(bits = 2, axis = channel)" in plan.scheme
+    assert "kivi2" not in repr(plan) and "head_dim=128" in repr(plan)
+
+
+def test_scheme_text_and_torch_style_dtypes():
+    plan = kvq.Plan("k = int(4, channel), v = int(2, token), sink = 8", dtype="torch.bfloat16",
+                    **LIMITS)
+    assert plan.dtype == "bfloat16"
+    assert plan.sink_tokens == 8
+    for name in ("f16", "half", "float16"):
+        assert kvq.Plan("int8", dtype=name, **LIMITS).dtype == "float16"
+    with pytest.raises(kvq.InvalidArgument, match="float32"):
+        kvq.Plan("kivi2", dtype="float32", **LIMITS)
+
+
+def test_fewer_tokens_need_a_narrower_page_table():
+    long = kvq.Plan("kivi4", **LIMITS)
+    short = kvq.Plan("kivi4", **{**LIMITS, "max_seq_len": 4096})
+    assert short.max_pages_per_seq < long.max_pages_per_seq
+    assert short.page_bytes == long.page_bytes
+
+
+def test_errors_are_typed_and_say_what_to_change():
+    with pytest.raises(kvq.InvalidScheme, match="kitty"):
+        kvq.Plan("kivi9", **LIMITS)
+    with pytest.raises(kvq.InvalidScheme, match="tokn"):
+        kvq.Plan("k = int(2, channel), v = int(2, tokn)", **LIMITS)
+    with pytest.raises(kvq.UnsupportedShape, match="head_dim"):
+        kvq.Plan("kivi2", **{**LIMITS, "head_dim": 100})
+    with pytest.raises(kvq.InvalidArgument, match="not a multiple of limits.kv_heads"):
+        kvq.Plan("kivi2", **{**LIMITS, "kv_heads": 5})
+    with pytest.raises(kvq.InvalidArgument, match="max_seqs"):
+        kvq.Plan("kivi2", **{**LIMITS, "max_seqs": 0})
+    with pytest.raises(kvq.InvalidArgument, match="pool_pages = -1"):
+        kvq.Plan("kivi2", **{**LIMITS, "pool_pages": -1})
+    for error in (kvq.InvalidArgument, kvq.InvalidScheme, kvq.UnsupportedScheme,
+                  kvq.UnsupportedShape, kvq.InternalError):
+        assert issubclass(error, kvq.KvqError)
+
+
+def test_cpu_only_schemes_are_unsupported_schemes():
+    cpu_only = [name for name, gpu in kvq.builtin_schemes() if not gpu]
+    assert cpu_only, "CommVQ and XQuant run in the CPU reference only"
+    for name in cpu_only:
+        with pytest.raises(kvq.UnsupportedScheme, match="no GPU kernel"):
+            kvq.Plan(name, **LIMITS)
+    gpu = [name for name, gpu in kvq.builtin_schemes() if gpu]
+    assert {"fp16", "kivi2", "kitty"} <= set(gpu)
+
+
+def test_keyword_limits_are_required():
+    with pytest.raises(TypeError):
+        kvq.Plan("kivi2", 128, 32, 8, 16, 32768, 4096)  # limits are keyword-only
+    with pytest.raises(TypeError):
+        kvq.Plan("kivi2", head_dim=128)
+
+
+def test_a_plan_is_shared_between_threads():
+    plan = kvq.Plan("kitty", **LIMITS)
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.append(plan.total_bytes)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == [plan.total_bytes] * 4
