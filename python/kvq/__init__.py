@@ -19,6 +19,8 @@ Every error is a :class:`KvqError`; the subclass says what kind (:class:`Invalid
 
 from ._kvq import (
     Buffer,
+    CompileError,
+    CudaError,
     InternalError,
     InvalidArgument,
     InvalidScheme,
@@ -32,6 +34,8 @@ from ._kvq import (
 
 __all__ = [
     "Buffer",
+    "CompileError",
+    "CudaError",
     "InternalError",
     "InvalidArgument",
     "InvalidScheme",

@@ -40,6 +40,18 @@ create_exception!(
 );
 create_exception!(
     kvq,
+    CudaError,
+    KvqError,
+    "The CUDA driver or the GPU failed or is missing (the message names the call and the fix)."
+);
+create_exception!(
+    kvq,
+    CompileError,
+    KvqError,
+    "NVRTC is missing or failed to compile a kernel, or the kernel cache could not be used."
+);
+create_exception!(
+    kvq,
     InternalError,
     KvqError,
     "A bug in kvq: please report the message."
@@ -52,6 +64,8 @@ fn raise(f: Failure) -> PyErr {
         KvqStatus::InvalidScheme => InvalidScheme::new_err(f.message),
         KvqStatus::UnsupportedScheme => UnsupportedScheme::new_err(f.message),
         KvqStatus::UnsupportedShape => UnsupportedShape::new_err(f.message),
+        KvqStatus::Cuda => CudaError::new_err(f.message),
+        KvqStatus::Compile => CompileError::new_err(f.message),
         KvqStatus::Ok | KvqStatus::Internal => InternalError::new_err(f.message),
     }
 }
@@ -254,6 +268,8 @@ fn _kvq(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidScheme", py.get_type::<InvalidScheme>())?;
     m.add("UnsupportedScheme", py.get_type::<UnsupportedScheme>())?;
     m.add("UnsupportedShape", py.get_type::<UnsupportedShape>())?;
+    m.add("CudaError", py.get_type::<CudaError>())?;
+    m.add("CompileError", py.get_type::<CompileError>())?;
     m.add("InternalError", py.get_type::<InternalError>())?;
     Ok(())
 }

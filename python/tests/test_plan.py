@@ -62,7 +62,7 @@ def test_errors_are_typed_and_say_what_to_change():
     with pytest.raises(kvq.InvalidArgument, match="pool_pages = -1"):
         kvq.Plan("kivi2", **{**LIMITS, "pool_pages": -1})
     for error in (kvq.InvalidArgument, kvq.InvalidScheme, kvq.UnsupportedScheme,
-                  kvq.UnsupportedShape, kvq.InternalError):
+                  kvq.UnsupportedShape, kvq.CudaError, kvq.CompileError, kvq.InternalError):
         assert issubclass(error, kvq.KvqError)
 
 

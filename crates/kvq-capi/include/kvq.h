@@ -32,6 +32,11 @@ typedef enum KvqStatus {
   // The scheme cannot serve this shape on the fast kernels (the message says why); kvq never
   // falls back to a slow kernel silently.
   KVQ_STATUS_UNSUPPORTED_SHAPE = 4,
+  // The CUDA driver or the GPU failed, or is missing (no libcuda, no GPU, a failed launch, a
+  // stream of another context): the message names the call and the fix.
+  KVQ_STATUS_CUDA = 5,
+  // NVRTC is missing or failed to compile a kernel, or the kernel cache could not be used.
+  KVQ_STATUS_COMPILE = 6,
   // A bug in kvq: please report the message.
   KVQ_STATUS_INTERNAL = 99,
 } KvqStatus;
@@ -95,6 +100,32 @@ extern "C" {
 
 // kvq's version, e.g. `"0.1.0"` (static storage).
 const char *kvq_version(void);
+
+// Compiles (or loads from the disk cache) `plan`'s kernels on GPU `device` now, so that no later
+// call compiles: call it before capturing a CUDA graph. Today that is the merge kernel.
+//
+// # Safety
+// `plan` is NULL or a live plan.
+enum KvqStatus kvq_plan_load(const struct KvqPlan *plan, int32_t device);
+
+// Merges `parts` attention states of `rows` query rows (tokens × query heads) of the plan's
+// head_dim and dtype, on `stream` (a `CUstream`; NULL: the current context's legacy stream):
+// `out_parts` `[parts][rows][head_dim]` and `lse_parts` `[parts][rows]` f32 (natural log, −inf for
+// a part that saw none of a row's tokens) in, `out` `[rows][head_dim]` and `lse` `[rows]` out
+// (`lse` may be NULL). A row no part saw gets zeros and −inf. No host synchronisation and no
+// allocation: capturable in a CUDA graph once `kvq_plan_load` has loaded the kernel.
+//
+// # Safety
+// `plan` is NULL or a live plan; `stream` NULL or a live stream of the device's primary context;
+// the buffers device memory of that device holding the sizes above, alive until the merge runs.
+enum KvqStatus kvq_merge(const struct KvqPlan *plan,
+                         void *stream,
+                         const void *out_parts,
+                         const float *lse_parts,
+                         uint32_t parts,
+                         uint32_t rows,
+                         void *out,
+                         float *lse);
 
 // Makes a plan for `scheme` (a built-in's name, e.g. `"kivi2"`, or scheme text, e.g.
 // `"k = int(2, channel), v = int(2, token), sink = 32, local = 128"`) within `limits`, and stores

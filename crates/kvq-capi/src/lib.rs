@@ -33,9 +33,13 @@
 //! assert!(info.page_bytes < 2 * 128 * 8 * 128 * 2 / 4 + 2 * 128 * 8 * 8);
 //! ```
 
+mod gpu;
+mod merge;
 mod plan;
 mod status;
 
+pub use gpu::kvq_plan_load;
+pub use merge::kvq_merge;
 pub use plan::{
     builtin_schemes, kvq_plan_buffer, kvq_plan_buffer_count, kvq_plan_create, kvq_plan_destroy,
     kvq_plan_info, kvq_plan_scheme, KvqBuffer, KvqPlan, KvqPlanInfo, KvqPlanLimits,

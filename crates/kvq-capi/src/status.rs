@@ -9,6 +9,9 @@ use std::cell::RefCell;
 use std::ffi::{c_char, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use kvq::jit::JitError;
+use kvq::runtime::RuntimeError;
+
 /// Status of a call. Values are stable; new ones may be added.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,6 +27,11 @@ pub enum KvqStatus {
     /// The scheme cannot serve this shape on the fast kernels (the message says why); kvq never
     /// falls back to a slow kernel silently.
     UnsupportedShape = 4,
+    /// The CUDA driver or the GPU failed, or is missing (no libcuda, no GPU, a failed launch, a
+    /// stream of another context): the message names the call and the fix.
+    Cuda = 5,
+    /// NVRTC is missing or failed to compile a kernel, or the kernel cache could not be used.
+    Compile = 6,
     /// A bug in kvq: please report the message.
     Internal = 99,
 }
@@ -49,6 +57,35 @@ impl Failure {
     /// [`KvqStatus::InvalidArgument`].
     pub fn argument(message: impl Into<String>) -> Self {
         Failure::new(KvqStatus::InvalidArgument, message)
+    }
+
+    /// A runtime error as the status of its kind, with its message.
+    pub fn runtime(e: RuntimeError) -> Self {
+        let status = match &e {
+            RuntimeError::Jit(j) => jit_status(j),
+            RuntimeError::InvalidInput(_) => KvqStatus::InvalidArgument,
+            RuntimeError::SlowPath { .. } => KvqStatus::UnsupportedShape,
+            RuntimeError::CacheIo { .. } => KvqStatus::Compile,
+            _ => KvqStatus::Internal,
+        };
+        Failure::new(status, e.to_string())
+    }
+}
+
+/// The status of a JIT-layer error: the driver's and the GPU's, or NVRTC's and the cache's.
+fn jit_status(e: &JitError) -> KvqStatus {
+    match e {
+        JitError::NvrtcNotFound { .. }
+        | JitError::NvrtcVersionMismatch { .. }
+        | JitError::Nvrtc { .. }
+        | JitError::Compile(_)
+        | JitError::MissingHeader(_)
+        | JitError::UnsupportedArch { .. }
+        | JitError::InvalidArch(_)
+        | JitError::CacheIo { .. }
+        | JitError::NoCacheDir => KvqStatus::Compile,
+        JitError::InvalidInput(_) => KvqStatus::InvalidArgument,
+        _ => KvqStatus::Cuda,
     }
 }
 
@@ -104,6 +141,8 @@ pub extern "C" fn kvq_status_name(status: i32) -> *const c_char {
         2 => c"KVQ_STATUS_INVALID_SCHEME",
         3 => c"KVQ_STATUS_UNSUPPORTED_SCHEME",
         4 => c"KVQ_STATUS_UNSUPPORTED_SHAPE",
+        5 => c"KVQ_STATUS_CUDA",
+        6 => c"KVQ_STATUS_COMPILE",
         99 => c"KVQ_STATUS_INTERNAL",
         _ => c"KVQ_STATUS_UNKNOWN",
     };
@@ -175,6 +214,8 @@ mod tests {
             KvqStatus::InvalidScheme,
             KvqStatus::UnsupportedScheme,
             KvqStatus::UnsupportedShape,
+            KvqStatus::Cuda,
+            KvqStatus::Compile,
             KvqStatus::Internal,
         ] {
             let n = name(s);

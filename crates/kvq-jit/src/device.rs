@@ -220,6 +220,68 @@ impl Device {
     }
 }
 
+/// The GPU ordinal and context a caller's stream belongs to (an engine's stream, handed to kvq
+/// through the C ABI or the Python package). A null stream, the legacy default stream, stands for
+/// the calling thread's current context; without one that is an error saying so.
+///
+/// # Safety
+/// `stream` is null or a stream handle that has not been destroyed.
+pub unsafe fn stream_device(stream: sys::CUstream) -> Result<(usize, sys::CUcontext)> {
+    // Loads and checks the driver first: every failure below is then a driver's answer.
+    device_count()?;
+    guard_driver("find the device of a stream", || {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: the caller vouches for the stream; ctx is a valid out-pointer.
+        unsafe { sys::cuStreamGetCtx(stream, &mut ctx) }
+            .result()
+            .map_err(|e| JitError::driver("cuStreamGetCtx (the stream's context)", e))?;
+        if ctx.is_null() {
+            return Err(JitError::InvalidInput(
+                "the null stream stands for the thread's current CUDA context, and this thread \
+                 has none: pass a stream, or make a context current first"
+                    .into(),
+            ));
+        }
+        let mut device: sys::CUdevice = 0;
+        // SAFETY: ctx is the stream's live context; it is pushed for the query and popped after,
+        // leaving the thread's current context as it was.
+        let pushed = unsafe { sys::cuCtxPushCurrent_v2(ctx) }.result();
+        pushed.map_err(|e| JitError::driver("cuCtxPushCurrent (the stream's context)", e))?;
+        let got = unsafe { sys::cuCtxGetDevice(&mut device) }.result();
+        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        let pop = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) }.result();
+        got.map_err(|e| JitError::driver("cuCtxGetDevice (the stream's device)", e))?;
+        pop.map_err(|e| JitError::driver("cuCtxPopCurrent", e))?;
+        Ok((device.max(0) as usize, ctx))
+    })
+}
+
+impl Device {
+    /// A caller's stream of this device, borrowed for launches (dropping the wrapper leaves the
+    /// stream alone). `ctx` is the stream's context from [`stream_device`]: it must be this
+    /// device's primary context, the one kvq's modules are loaded into (PyTorch and most engines
+    /// run on it); another context is an error naming the fix.
+    ///
+    /// # Safety
+    /// `stream` is null or a live stream of `ctx`, and stays alive while the wrapper is used.
+    pub unsafe fn borrow_stream(
+        &self,
+        stream: sys::CUstream,
+        ctx: sys::CUcontext,
+    ) -> Result<Arc<CudaStream>> {
+        if ctx != self.ctx.cu_ctx() {
+            return Err(JitError::InvalidInput(format!(
+                "the stream belongs to a CUDA context other than GPU {}'s primary context, which \
+                 kvq's kernels are loaded into: create the stream in the primary context (as \
+                 PyTorch does, or with cuDevicePrimaryCtxRetain)",
+                self.ordinal()
+            )));
+        }
+        // SAFETY: the caller vouches for the stream's life; its context is ours (checked).
+        Ok(unsafe { self.ctx.wrap_borrowed_stream(stream) })
+    }
+}
+
 /// Waits for `stream`; errors are reported as failures of `after`.
 pub fn synchronize_stream(stream: &CudaStream, after: &str) -> Result<()> {
     stream

@@ -59,6 +59,13 @@ impl<'a> Args<'a> {
         self
     }
 
+    /// A device pointer the caller owns (an engine's memory): no stream-order guard is kept for
+    /// it, so ordering its use with other streams is the caller's, as with any raw launch.
+    pub fn ptr(&mut self, device_ptr: u64) -> &mut Self {
+        self.slots.push(device_ptr);
+        self
+    }
+
     /// An `int` parameter.
     pub fn int(&mut self, value: i32) -> &mut Self {
         self.slots.push(int_slot(value));

@@ -70,6 +70,11 @@ pub const DRIVER_ENTRY_POINTS: &[EntryPoint] = &[
     entry("cuCtxGetCurrent", 4, 0),
     entry("cuCtxSetCurrent", 4, 0),
     entry("cuCtxSynchronize", 2, 0),
+    // A caller's stream: its context and that context's device (`stream_device`).
+    entry("cuStreamGetCtx", 9, 2),
+    entry("cuCtxPushCurrent_v2", 4, 0),
+    entry("cuCtxPopCurrent_v2", 4, 0),
+    entry("cuCtxGetDevice", 2, 0),
     // Modules and kernels (`Module::load`, `Module::function`, `allow_dynamic_shared`, the
     // occupancy query of `DecodeKernel`).
     entry("cuModuleLoadData", 2, 0),

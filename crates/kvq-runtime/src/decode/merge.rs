@@ -56,14 +56,14 @@ impl MergeKernel {
         lse: Option<&mut CudaSlice<f32>>,
     ) -> Result<()> {
         let d = self.generated.head_dim as usize;
-        if parts == 0 || out.len() % d != 0 {
+        if out.len() % d != 0 {
             return Err(RuntimeError::InvalidInput(format!(
-                "a merge of {parts} parts into {} values (need at least one part, and whole rows \
-                 of head_dim {d})",
+                "out holds {} values, not whole rows of head_dim {d}",
                 out.len()
             )));
         }
         let rows = out.len() / d;
+        let (parts_i, rows_i) = self.check(parts, rows)?;
         if out_parts.len() != parts * rows * d || lse_parts.len() != parts * rows {
             return Err(RuntimeError::InvalidInput(format!(
                 "out_parts must hold [parts {parts}][rows {rows}][head_dim {d}] = {} values and \
@@ -82,23 +82,9 @@ impl MergeKernel {
                 )));
             }
         }
-        let (parts_i, rows_i) = match (i32::try_from(parts), i32::try_from(rows)) {
-            (Ok(p), Ok(r)) => (p, r),
-            _ => {
-                return Err(RuntimeError::InvalidInput(format!(
-                    "{parts} parts of {rows} rows (each must fit an int)"
-                )))
-            }
-        };
         if rows == 0 {
             return Ok(());
         }
-        let rows_per_cta = (self.generated.entry.block / 32) as usize;
-        let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(rows_per_cta) as u32, 1, 1),
-            block_dim: (self.generated.entry.block, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let mut args = Args::new(stream);
         args.buffer(out_parts)
             .buffer(lse_parts)
@@ -111,6 +97,70 @@ impl MergeKernel {
         };
         // SAFETY: the arguments follow the entry point's parameters (kvq_codegen::merge_kernel),
         // and every buffer was checked above to hold the rows the grid covers.
+        unsafe { self.launch(args, rows) }
+    }
+
+    /// [`merge`](Self::merge) on device pointers the caller owns (an engine's memory), `lse` 0
+    /// for none.
+    ///
+    /// # Safety
+    /// Each pointer is a device allocation of the stream's context holding what
+    /// [`merge`](Self::merge) says for `parts` and `rows` (`out_parts`
+    /// `parts·rows·head_dim` 16-bit values, `lse_parts` `parts·rows` floats, `out`
+    /// `rows·head_dim` values, `lse` `rows` floats), alive until the merge has run on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn merge_raw(
+        &self,
+        stream: &Arc<CudaStream>,
+        parts: usize,
+        rows: usize,
+        out_parts: u64,
+        lse_parts: u64,
+        out: u64,
+        lse: u64,
+    ) -> Result<()> {
+        let (parts_i, rows_i) = self.check(parts, rows)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        if out_parts == 0 || lse_parts == 0 || out == 0 {
+            return Err(RuntimeError::InvalidInput(
+                "out_parts, lse_parts and out must not be null".into(),
+            ));
+        }
+        let mut args = Args::new(stream);
+        args.ptr(out_parts)
+            .ptr(lse_parts)
+            .int(parts_i)
+            .int(rows_i)
+            .ptr(out)
+            .ptr(lse);
+        // SAFETY: as above; the caller vouches for the pointers.
+        unsafe { self.launch(args, rows) }
+    }
+
+    /// `parts` and `rows` as the kernel's ints, or why not.
+    fn check(&self, parts: usize, rows: usize) -> Result<(i32, i32)> {
+        match (i32::try_from(parts), i32::try_from(rows)) {
+            (Ok(p), Ok(r)) if p > 0 => Ok((p, r)),
+            _ => Err(RuntimeError::InvalidInput(format!(
+                "a merge of {parts} parts of {rows} rows (at least one part; each count must fit \
+                 an int)"
+            ))),
+        }
+    }
+
+    /// Launches the kernel over `rows` rows with `args`.
+    ///
+    /// # Safety
+    /// `args` follow the entry point's parameters, with buffers holding `rows` rows.
+    unsafe fn launch(&self, args: Args<'_>, rows: usize) -> Result<()> {
+        let rows_per_cta = (self.generated.entry.block / 32) as usize;
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(rows_per_cta) as u32, 1, 1),
+            block_dim: (self.generated.entry.block, 1, 1),
+            shared_mem_bytes: 0,
+        };
         unsafe { args.launch(&self.function, cfg, false) }
             .map_err(|e| RuntimeError::launch(self.generated.entry.name.as_str(), e))
     }
