@@ -31,53 +31,40 @@ fn has_gpu() -> bool {
     kvq::runtime::device_count().is_ok_and(|n| n > 0)
 }
 
-#[test]
-fn merge_arguments_are_checked_before_the_driver() {
-    let plan = plan();
-    // Never dereferenced: the checks fail first.
+/// `kvq_merge` on the legacy stream with `parts` parts of 4 rows, fake (never dereferenced)
+/// buffers and `out` as given; the status and this thread's message.
+fn merge_fake(plan: *const KvqPlan, parts: u32, out: *mut c_void) -> (KvqStatus, String) {
     let fake = 0x1000 as *mut c_void;
     let status = unsafe {
         kvq_merge(
-            &plan,
+            plan,
             ptr::null_mut(),
             fake,
             fake.cast(),
-            0,
+            parts,
             4,
-            fake,
+            out,
             ptr::null_mut(),
         )
     };
+    (status, last_message())
+}
+
+#[test]
+fn merge_arguments_are_checked_before_the_driver() {
+    let plan = plan();
+    let fake = 0x1000 as *mut c_void;
+    let (status, message) = merge_fake(&plan, 0, fake);
     assert_eq!(status, KvqStatus::InvalidArgument);
-    assert!(last_message().contains("parts is 0"), "{}", last_message());
-    let status = unsafe {
-        kvq_merge(
-            &plan,
-            ptr::null_mut(),
-            fake,
-            fake.cast(),
-            2,
-            4,
-            ptr::null_mut(),
-            ptr::null_mut(),
-        )
-    };
-    assert_eq!(status, KvqStatus::InvalidArgument);
-    assert_eq!(last_message(), "out is NULL");
-    let status = unsafe {
-        kvq_merge(
-            ptr::null(),
-            ptr::null_mut(),
-            fake,
-            fake.cast(),
-            2,
-            4,
-            fake,
-            ptr::null_mut(),
-        )
-    };
+    assert!(message.contains("parts is 0"), "{message}");
+    let (status, message) = merge_fake(&plan, 2, ptr::null_mut());
     assert_eq!(
-        (status, last_message().as_str()),
+        (status, message.as_str()),
+        (KvqStatus::InvalidArgument, "out is NULL")
+    );
+    let (status, message) = merge_fake(ptr::null(), 2, fake);
+    assert_eq!(
+        (status, message.as_str()),
         (KvqStatus::InvalidArgument, "plan is NULL")
     );
 }
@@ -95,20 +82,8 @@ fn without_a_driver_or_gpu_the_calls_say_so() {
         message.contains("libcuda") || message.contains("GPU"),
         "the message names what is missing: {message}"
     );
-    let fake = 0x1000 as *mut c_void;
-    let status = unsafe {
-        kvq_merge(
-            &plan,
-            ptr::null_mut(),
-            fake,
-            fake.cast(),
-            2,
-            4,
-            fake,
-            ptr::null_mut(),
-        )
-    };
-    assert_eq!(status, KvqStatus::Cuda, "{}", last_message());
+    let (status, message) = merge_fake(&plan, 2, 0x1000 as *mut c_void);
+    assert_eq!(status, KvqStatus::Cuda, "{message}");
     assert_eq!(
         unsafe { kvq_plan_load(&plan, -1) },
         KvqStatus::InvalidArgument
