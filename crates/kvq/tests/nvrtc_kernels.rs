@@ -1,16 +1,18 @@
 //! Every built-in integer/FP16 scheme's decode kernels and cache kernels compile with real NVRTC
-//! to CUBIN for sm_90a, and for sm_80 at one GQA of each (scheme, head_dim, dtype): decode at
-//! head_dim 64, 128 and 256, both dtypes and GQA 1/4/8/16 (16 in two head groups of 8), and at
-//! head_dim 128 also GQA 12 (head groups of 6), 11 (two of 6, the second starting a head early)
-//! and 29 (four of 8, the last starting three heads early), and at head_dim 64 GQA 71 (Falcon 7B's
+//! to CUBIN for sm_90a, and for sm_80 at GQA 4 of each (scheme, head_dim): decode at head_dim 64,
+//! 128 and 256 with GQA 1/4/16 (16 in two head groups of 8) in f16 and 4 in bf16, and at head_dim
+//! 128 also GQA 12 (head groups of 6), 11 (two of 6, the second starting a head early) and 29
+//! (four of 8, the last starting three heads early), and at head_dim 64 GQA 71 (Falcon 7B's
 //! multi-query attention: nine rows of 8, past the generic kernel's 64); decode at 80, 96, 112,
-//! 160 and 192 (rows read as several slabs); cache kernels in every page quantizer form, and at 80
-//! and 112 (every form for sm_90a, the default forms in f16 for sm_80); the merge of attention states at four head sizes. Decode also for calibrated
-//! schemes whose range pass keeps the f16 path, and for the uncalibrated layouts `gpu_decode`
-//! adds, which no built-in takes. The only path that differs between the two architectures is the
-//! overlapped launch (`griddepcontrol`, sm_90 on), compiled away for sm_80. Needs no GPU: CI
-//! installs libnvrtc from pip and sets `KVQ_REQUIRE_NVRTC=1`, so these fail there rather than
-//! skip. Runs under its own harness: without NVRTC each test shows as ignored, with the reason.
+//! 160 and 192 (rows read as several slabs); the tuner's other block shapes and occupancies
+//! (sm_90a); cache kernels in every page quantizer form at 128 and 80, and the default forms at
+//! 64, 96, 112 and 256 (sm_80 at 128, and at 80 and 112 in f16); the merge of attention states at
+//! four head sizes. Decode also for calibrated schemes whose range pass keeps the f16 path, and
+//! for the uncalibrated layouts `gpu_decode` adds, which no built-in takes. The only path that
+//! differs between the two architectures is the overlapped launch (`griddepcontrol`, sm_90 on),
+//! compiled away for sm_80. Needs no GPU: CI installs libnvrtc from pip and sets
+//! `KVQ_REQUIRE_NVRTC=1`, so these fail there rather than skip. Runs under its own harness:
+//! without NVRTC each test shows as ignored, with the reason.
 
 mod common;
 use common::{needs, other_calibrated_schemes, other_uncalibrated_schemes, run_trials};
@@ -51,12 +53,14 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
         let gpu_scheme = has_decode_kernel(&b.spec);
         for head_dim in [64, 128, 256] {
             for dtype in [Dtype::F16, Dtype::Bf16] {
-                let more_heads: &[u32] = match head_dim {
-                    128 => &[11, 12, 29],
-                    64 => &[71],
-                    _ => &[],
+                // The dtype changes only the 16-bit conversions: bf16 at the benchmarked GQA.
+                let (heads, more_heads): (&[u32], &[u32]) = match (dtype, head_dim) {
+                    (Dtype::Bf16, _) => (&[4], &[]),
+                    (Dtype::F16, 128) => (&[1, 4, 16], &[11, 12, 29]),
+                    (Dtype::F16, 64) => (&[1, 4, 16], &[71]),
+                    (Dtype::F16, _) => (&[1, 4, 16], &[]),
                 };
-                for &gqa in [1, 4, 8, 16].iter().chain(more_heads) {
+                for &gqa in heads.iter().chain(more_heads) {
                     let shape = KernelShape::new(head_dim, gqa, dtype);
                     match decode_kernels(&b.spec, &shape, &TuneParams::default_for(&b.spec, &shape))
                     {
@@ -75,7 +79,7 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
     }
     assert_eq!(
         jobs.len(),
-        8 * (3 * 2 * 4 + 3 * 2 + 2),
+        8 * (3 * 4 + 3 + 1),
         "every integer/FP16 built-in renders"
     );
     // Every block shape the tuner may pick, for schemes whose staging ring changes with it (tile
@@ -200,20 +204,22 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
             jobs.push((name, shape, k.source));
         }
     }
-    // sm_80 differs from sm_90a in the architecture's paths, not in the shape's: it compiles
-    // every job but the built-ins' grid, where one GQA per (scheme, head_dim, dtype) stands for
-    // the rest. That keeps CI's 2-core run well inside its time.
-    let grid = 8 * (3 * 2 * 4 + 3 * 2 + 2);
-    let sm80 = |shape: &KernelShape| shape.gqa == 4;
+    // sm_80 differs from sm_90a in the architecture's paths (the overlapped launch), not in the
+    // shape's or the tuning's: GQA 4 of each (scheme, head_dim) in f16, and at 128 in bf16, stand
+    // for the grid, and the tuning variants after it are compiled for sm_90a only. That keeps
+    // CI's 2-core run well inside its time.
+    let grid = 8 * (3 * 4 + 3 + 1);
+    let sm80 = |shape: &KernelShape| {
+        shape.gqa == 4 && (shape.dtype == Dtype::F16 || shape.head_dim == 128)
+    };
     let (grid_jobs, rest) = jobs.split_at(grid);
     compile_all_for(grid_jobs, sm80);
-    compile_all(rest);
+    compile_all_for(rest, |_| false);
     compile_all_for(&slabbed, |shape| shape.gqa == 4);
     println!(
         "compiled {} decode modules for sm_90a, {} of them also for sm_80, with NVRTC {version:?}",
         jobs.len() + slabbed.len(),
-        rest.len()
-            + grid_jobs.iter().filter(|j| sm80(&j.1)).count()
+        grid_jobs.iter().filter(|j| sm80(&j.1)).count()
             + slabbed.iter().filter(|j| j.1.gqa == 4).count()
     );
 }
@@ -269,16 +275,15 @@ fn every_builtin_cache_kernel_compiles_in_every_quantizer_form() {
         ));
     }
     assert!(wide.len() >= 8 * 4, "{} jobs at 80 and 112", wide.len());
-    compile_all(&jobs);
-    // sm_80 for the default forms in f16 (the other forms and bf16 take the same paths there).
-    let sm80 = |what: &String| what == "d80 F16" || what == "d112 F16";
+    // sm_80 for every form at 128, and at 80 and 112 for the default forms in f16 (the other
+    // head sizes, forms and bf16 take the same architecture paths).
+    let sm80 = |what: &String| what.starts_with("d128 ") || what == "d80 F16" || what == "d112 F16";
+    compile_all_for(&jobs, sm80);
     compile_all_for(&wide, sm80);
     println!(
-        "compiled {} cache modules × 2 architectures and {} at head_dim 80 and 112 for sm_90a \
-         ({} of them also for sm_80) with NVRTC {version:?}",
-        jobs.len(),
-        wide.len(),
-        wide.iter().filter(|j| sm80(&j.1)).count()
+        "compiled {} cache modules for sm_90a, {} of them also for sm_80, with NVRTC {version:?}",
+        jobs.len() + wide.len(),
+        jobs.iter().chain(&wide).filter(|j| sm80(&j.1)).count()
     );
 }
 
