@@ -126,12 +126,9 @@ impl KvqPlan {
             max_tokens: limits.max_seq_len as usize,
             input_dtype: dtype,
         };
-        let sizes = CacheSizes::new(&spec, &cfg).map_err(|e| {
-            Failure::new(
-                KvqStatus::UnsupportedShape,
-                format!("{e} (scheme `{spec}`)"),
-            )
-        })?;
+        // The shape passed check_fast_kernel; what is left to fail is sizes past the address space.
+        let sizes = CacheSizes::new(&spec, &cfg)
+            .map_err(|e| Failure::argument(format!("{e} (scheme `{spec}`)")))?;
         let scheme_text = CString::new(spec.to_string())
             .map_err(|_| Failure::new(KvqStatus::Internal, "scheme text with a NUL byte"))?;
         Ok(KvqPlan {

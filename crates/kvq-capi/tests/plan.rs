@@ -238,3 +238,20 @@ fn a_plan_names_its_scheme_and_is_shared_between_threads() {
     assert!(infos.iter().all(|i| *i == plan.info()));
     assert_eq!(plan.info().sink_tokens, 8);
 }
+
+#[test]
+fn the_largest_limits_plan_or_are_refused_never_wrapped() {
+    let mut l = limits(256);
+    (l.max_seqs, l.max_seq_len, l.pool_pages) = (u32::MAX, u32::MAX, u32::MAX);
+    let plan = KvqPlan::new("kivi2", &l).expect("these sizes fit 64 bits");
+    let s = plan.sizes();
+    assert_eq!(
+        plan.info().page_bytes,
+        (s.k_block_bytes + s.v_block_bytes) as u64 * 8
+    );
+    assert!(plan.info().total_bytes > u64::from(u32::MAX) * plan.info().page_bytes);
+    (l.q_heads, l.kv_heads) = (u32::MAX / 128 * 128, u32::MAX / 128);
+    let (status, message) = create("kivi2", &l).unwrap_err();
+    assert_eq!(status, KvqStatus::InvalidArgument);
+    assert!(message.contains("would take more than"), "{message}");
+}
