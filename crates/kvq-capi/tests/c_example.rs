@@ -8,13 +8,115 @@ use std::process::Command;
 
 use kvq_capi::{KvqPlan, KvqPlanLimits, KVQ_DTYPE_F16};
 use kvq_runtime::testing::harness::{checked, run};
-use kvq_runtime::testing::{c_compiler, Skip};
+use kvq_runtime::testing::{c_compiler, Skip, KVQ_REQUIRE_GPU, KVQ_REQUIRE_NVRTC};
 
 fn main() {
-    run(vec![checked(
-        "the_c_example_prints_the_rust_plan_and_the_refusals",
-        the_c_example_prints_the_rust_plan_and_the_refusals,
-    )])
+    run(vec![
+        checked(
+            "the_c_example_prints_the_rust_plan_and_the_refusals",
+            the_c_example_prints_the_rust_plan_and_the_refusals,
+        ),
+        checked(
+            "the_merge_example_compiles_against_kvq_h_and_cuda_h",
+            the_merge_example_compiles_against_kvq_h_and_cuda_h,
+        ),
+        checked(
+            "the_merge_example_runs_on_a_gpu",
+            the_merge_example_runs_on_a_gpu,
+        ),
+    ])
+}
+
+/// The folders of CUDA's headers (`cuda.h`), from `KVQ_CUDA_INCLUDE` (`.ci/cuda-env.sh` sets it),
+/// or a skip that `KVQ_REQUIRE_NVRTC=1` makes a failure.
+fn cuda_include() -> Result<Vec<String>, Skip> {
+    let dirs: Vec<String> = std::env::var("KVQ_CUDA_INCLUDE")
+        .unwrap_or_default()
+        .split(':')
+        .filter(|d| !d.is_empty() && Path::new(d).join("cuda.h").exists())
+        .map(str::to_string)
+        .collect();
+    if dirs.is_empty() {
+        return Err(Skip::unless(
+            &[KVQ_REQUIRE_NVRTC],
+            "no cuda.h: KVQ_CUDA_INCLUDE names no folder with it (source .ci/cuda-env.sh)",
+        ));
+    }
+    Ok(dirs)
+}
+
+/// `cc` on examples/merge.c with kvq.h and cuda.h, plus `extra` arguments; panics with the
+/// compiler's output when it fails.
+fn compile_merge_example(cc: &str, cuda: &[String], extra: &[&str]) {
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut cmd = Command::new(cc);
+    cmd.args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-I"])
+        .arg(crate_dir.join("include"));
+    for dir in cuda {
+        cmd.arg("-I").arg(dir);
+    }
+    let result = cmd
+        .arg(crate_dir.join("examples/merge.c"))
+        .args(extra)
+        .output()
+        .expect("run the C compiler");
+    assert!(
+        result.status.success(),
+        "`{cc}` failed on examples/merge.c:\n{}",
+        String::from_utf8_lossy(&result.stderr)
+    );
+}
+
+fn the_merge_example_compiles_against_kvq_h_and_cuda_h() -> Result<(), Skip> {
+    let cc = c_compiler()?;
+    let cuda = cuda_include()?;
+    let out = std::env::temp_dir().join(format!("kvq-capi-merge-{}.o", std::process::id()));
+    compile_merge_example(&cc, &cuda, &["-c", "-o", out.to_str().unwrap()]);
+    std::fs::remove_file(&out).ok();
+    Ok(())
+}
+
+fn the_merge_example_runs_on_a_gpu() -> Result<(), Skip> {
+    if let Err(e) = kvq::runtime::device_count().and_then(|n| {
+        (n > 0).then_some(n).ok_or(kvq::runtime::JitError::NoGpu {
+            ordinal: 0,
+            count: 0,
+        })
+    }) {
+        return Err(Skip::unless(
+            &[KVQ_REQUIRE_GPU],
+            format!("no usable GPU: {e}"),
+        ));
+    }
+    let cc = c_compiler()?;
+    let cuda = cuda_include()?;
+    let lib = library_dir();
+    let exe = std::env::temp_dir().join(format!("kvq-capi-merge-{}", std::process::id()));
+    compile_merge_example(
+        &cc,
+        &cuda,
+        &[
+            "-L",
+            lib.to_str().unwrap(),
+            "-lkvq_capi",
+            &format!("-Wl,-rpath,{}", lib.display()),
+            "-l:libcuda.so.1",
+            "-lm",
+            "-o",
+            exe.to_str().unwrap(),
+        ],
+    );
+    let run = Command::new(&exe).output().expect("run the merge example");
+    std::fs::remove_file(&exe).ok();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    println!("{stdout}");
+    assert!(
+        run.status.success() && stdout.contains("ok"),
+        "the merge example failed ({}):\n{stdout}\n{}",
+        run.status,
+        String::from_utf8_lossy(&run.stderr)
+    );
+    Ok(())
 }
 
 /// The folder holding `libkvq_capi.so`: this test binary's own (`target/<profile>/deps`), where
