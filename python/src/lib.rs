@@ -6,6 +6,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
+use kvq_capi::Dtype;
 use kvq_capi::{Failure, KvqPlan, KvqPlanLimits, KvqStatus, KVQ_DTYPE_BF16, KVQ_DTYPE_F16};
 
 create_exception!(
@@ -166,10 +167,9 @@ impl Plan {
     /// "float16" or "bfloat16".
     #[getter]
     fn dtype(&self) -> &'static str {
-        if self.plan.limits().dtype == KVQ_DTYPE_BF16 {
-            "bfloat16"
-        } else {
-            "float16"
+        match self.plan.dtype() {
+            Dtype::Bf16 => "bfloat16",
+            Dtype::F16 => "float16",
         }
     }
 

@@ -11,7 +11,7 @@ use kvq::codegen::Dtype;
 use kvq::runtime::cudarc::driver::{sys, CudaStream};
 use kvq::runtime::{Device, Jit, MergeKernel};
 
-use crate::plan::{KvqPlan, KVQ_DTYPE_BF16};
+use crate::plan::KvqPlan;
 use crate::status::{call, Failure, KvqStatus};
 
 /// One GPU: its device (primary context) and JIT.
@@ -72,18 +72,9 @@ pub unsafe fn stream_gpu(stream: *mut c_void) -> Result<(Arc<Gpu>, Arc<CudaStrea
     Ok((gpu, borrowed))
 }
 
-/// The plan's dtype as the code generator names it.
-pub fn plan_dtype(plan: &KvqPlan) -> Dtype {
-    if plan.limits().dtype == KVQ_DTYPE_BF16 {
-        Dtype::Bf16
-    } else {
-        Dtype::F16
-    }
-}
-
 /// The merge kernel of `plan`'s head size and dtype on `gpu`.
 pub fn merge_kernel(gpu: &Gpu, plan: &KvqPlan) -> Result<Arc<MergeKernel>, Failure> {
-    let (head_dim, dtype) = (plan.limits().head_dim, plan_dtype(plan));
+    let (head_dim, dtype) = (plan.limits().head_dim, plan.dtype());
     MERGES.get_or_load((gpu.device.ordinal(), head_dim, dtype), || {
         MergeKernel::load(&gpu.jit, head_dim, dtype).map_err(Failure::runtime)
     })

@@ -39,6 +39,8 @@ mod plan;
 mod status;
 
 pub use gpu::kvq_plan_load;
+/// The element types a plan's kernels take (`KvqPlan::dtype`).
+pub use kvq::codegen::Dtype;
 pub use merge::kvq_merge;
 pub use plan::{
     builtin_schemes, kvq_plan_buffer, kvq_plan_buffer_count, kvq_plan_create, kvq_plan_destroy,

@@ -79,6 +79,7 @@ pub struct KvqBuffer {
 pub struct KvqPlan {
     spec: SchemeSpec,
     limits: KvqPlanLimits,
+    dtype: Dtype,
     sizes: CacheSizes,
     scheme_text: CString,
 }
@@ -134,6 +135,7 @@ impl KvqPlan {
         Ok(KvqPlan {
             spec,
             limits: *limits,
+            dtype,
             sizes,
             scheme_text,
         })
@@ -142,6 +144,11 @@ impl KvqPlan {
     /// The scheme, validated.
     pub fn spec(&self) -> &SchemeSpec {
         &self.spec
+    }
+
+    /// The element type of queries, outputs and new K/V (`limits.dtype`, checked).
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
     }
 
     /// The limits the plan was made with.
@@ -307,6 +314,15 @@ unsafe fn c_str<'a>(ptr: *const c_char, what: &str) -> Result<&'a str, Failure> 
         .map_err(|e| Failure::argument(format!("{what} is not UTF-8: {e}")))
 }
 
+/// Reads an out-pointer argument; null is an error naming `what`.
+///
+/// # Safety
+/// A non-null `ptr` points at writable storage for a `T`.
+unsafe fn out_arg<'a, T>(ptr: *mut T, what: &str) -> Result<&'a mut T, Failure> {
+    ptr.as_mut()
+        .ok_or_else(|| Failure::argument(format!("{what} is NULL")))
+}
+
 /// Reads a pointer argument; null is an error naming `what`.
 ///
 /// # Safety
@@ -330,9 +346,7 @@ pub unsafe extern "C" fn kvq_plan_create(
     out: *mut *mut KvqPlan,
 ) -> KvqStatus {
     call(|| {
-        let out = out
-            .as_mut()
-            .ok_or_else(|| Failure::argument("out is NULL"))?;
+        let out = out_arg(out, "out")?;
         *out = std::ptr::null_mut();
         let plan = KvqPlan::new(c_str(scheme, "scheme")?, arg(limits, "limits")?)?;
         *out = Box::into_raw(Box::new(plan));
@@ -359,9 +373,7 @@ pub unsafe extern "C" fn kvq_plan_destroy(plan: *mut KvqPlan) {
 pub unsafe extern "C" fn kvq_plan_info(plan: *const KvqPlan, out: *mut KvqPlanInfo) -> KvqStatus {
     call(|| {
         let plan = arg(plan, "plan")?;
-        let out = out
-            .as_mut()
-            .ok_or_else(|| Failure::argument("out is NULL"))?;
+        let out = out_arg(out, "out")?;
         *out = plan.info();
         Ok(())
     })
@@ -375,9 +387,7 @@ pub unsafe extern "C" fn kvq_plan_info(plan: *const KvqPlan, out: *mut KvqPlanIn
 pub unsafe extern "C" fn kvq_plan_buffer_count(plan: *const KvqPlan, count: *mut u32) -> KvqStatus {
     call(|| {
         let plan = arg(plan, "plan")?;
-        let count = count
-            .as_mut()
-            .ok_or_else(|| Failure::argument("count is NULL"))?;
+        let count = out_arg(count, "count")?;
         *count = plan.buffer_count() as u32;
         Ok(())
     })
@@ -395,9 +405,7 @@ pub unsafe extern "C" fn kvq_plan_buffer(
 ) -> KvqStatus {
     call(|| {
         let plan = arg(plan, "plan")?;
-        let out = out
-            .as_mut()
-            .ok_or_else(|| Failure::argument("out is NULL"))?;
+        let out = out_arg(out, "out")?;
         *out = plan.buffer(index as usize).ok_or_else(|| {
             Failure::argument(format!(
                 "buffer index {index} (the plan has {} buffers)",

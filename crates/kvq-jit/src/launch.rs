@@ -55,8 +55,7 @@ impl<'a> Args<'a> {
 
     /// A null pointer, for a buffer the kernel takes as optional (it writes nothing there).
     pub fn null(&mut self) -> &mut Self {
-        self.slots.push(0);
-        self
+        self.ptr(0)
     }
 
     /// A device pointer the caller owns (an engine's memory): no stream-order guard is kept for
