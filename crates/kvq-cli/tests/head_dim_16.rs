@@ -100,9 +100,9 @@ fn eval_still_refuses_head_dims_off_the_grid_of_16() {
 #[test]
 fn gen_writes_kernels_for_head_dims_80_and_112() {
     let tmp = TempDir::new("gen");
-    // KIVI-2's keys: exact at 80 (64 + 16), one 128-channel slab at 112 (1- and 2-bit codes
+    // KIVI-2's rows: exact at 80 (64 + 16), one 128-channel slab at 112 (1- and 2-bit codes
     // take at most two slabs).
-    for (d, dvk) in [("80", "80"), ("112", "128")] {
+    for (d, dv) in [("80", "80"), ("112", "128")] {
         let out_dir = tmp.0.join(format!("out{d}"));
         let o = kvq(
             &[
@@ -133,10 +133,9 @@ fn gen_writes_kernels_for_head_dims_80_and_112() {
             })
             .unwrap_or_else(|| panic!("d{d}: no decode unit in {out_dir:?}"));
         let source = std::fs::read_to_string(unit).unwrap();
-        // The tensor-core kernel, reading rows as slabs (docs/LAYOUT.md §9), values computed
-        // over exactly head_dim channels.
+        // The tensor-core kernel, reading rows as slabs (docs/LAYOUT.md §9).
         assert!(
-            source.contains(&format!("static constexpr int DVK = {dvk}, DVV = {d};")),
+            source.contains(&format!("static constexpr int DVK = {dv}, DVV = {dv};")),
             "d{d}"
         );
         assert!(

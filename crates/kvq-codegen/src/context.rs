@@ -350,7 +350,7 @@ pub(crate) struct MmaCtx {
     /// Key channels the kernel computes over: the K slabs' sum, `head_dim` or more where the
     /// last slab reaches past the row.
     pub k_dim: u32,
-    /// The same for V rows, whose slabs never reach past the row.
+    /// The same for V rows.
     pub v_slabs: [u32; 4],
     pub v_dim: u32,
     /// Two 16-token subtiles share one score fragment at GQA ≤ 4: the head columns 4–7 of the

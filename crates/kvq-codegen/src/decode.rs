@@ -217,11 +217,11 @@ fn keys_on_int_path(k: &TensorCtx, head_dim: usize, calibrated: bool) -> bool {
 /// K channels, a lane group an eighth of its V channels), largest first. A power of two is one
 /// slab. Otherwise the largest powers of two of at least [`slab_granularity`] channels, then one
 /// more slab of that many for what is left, reaching past the row: its channels there are zeros
-/// in the query and the scales; 1- and 2-bit keys take at most two slabs (what is left after
+/// in the query and the scales; 1- and 2-bit codes take at most two slabs (what is left after
 /// the first becomes one power of two).
 /// Every slab starts at a multiple of its size, so on a word
 /// boundary of the reference's rows: the layout is the same at every head_dim (docs/LAYOUT.md
-/// §9). V slabs never reach past the row (head_dims are multiples of 16).
+/// §9).
 pub(crate) fn slabs(head_dim: usize, t: &TensorCtx, side: Side) -> Vec<usize> {
     if head_dim.is_power_of_two() {
         return vec![head_dim];
@@ -237,11 +237,13 @@ pub(crate) fn slabs(head_dim: usize, t: &TensorCtx, side: Side) -> Vec<usize> {
     if rest > 0 {
         out.push(least);
     }
-    // 1- and 2-bit keys pay per slab (on the integer path a query section and a unit chain
-    // each, on the f16 path a spread half for the smallest): at head_dim 112 three slabs
-    // (64 + 32 + 16) ran slower than one of 128 reaching past the row. So past two slabs, the
-    // rest becomes one power of two, and two equal slabs one slab of twice the size.
-    if matches!(side, Side::K { .. }) && t.bits <= 2 && t.kind == TensorKind::Int && out.len() > 2 {
+    // 1- and 2-bit codes pay per slab (K on the integer path a query section and a unit chain
+    // each, on the f16 path a spread half for the smallest; V a load a row each): at head_dim
+    // 112 three key slabs (64 + 32 + 16) ran slower than one of 128 reaching past the row. So
+    // past two slabs, the rest becomes one power of two, and two equal slabs one slab of twice
+    // the size. The channels past the row load bytes that follow it (kvq_load_share's PAST)
+    // and are never used: zero query limbs or scales for K, output columns never written for V.
+    if t.bits <= 2 && t.kind == TensorKind::Int && out.len() > 2 {
         let first = out[0];
         let rest = (head_dim - first).next_power_of_two();
         return if rest == first {
@@ -921,8 +923,8 @@ mod tests {
         )
     }
 
-    /// Every side's slabs cover the row, each starts at a multiple of its size, V never reaches
-    /// past the row, and 1- and 2-bit keys take at most two slabs on either path.
+    /// Every side's slabs cover the row, each starts at a multiple of its size, V of more than 2
+    /// bits never reaches past the row, and 1- and 2-bit codes take at most two slabs.
     #[test]
     fn slabs_cover_the_row_aligned() {
         for text in [
@@ -952,10 +954,10 @@ mod tests {
                         start >= d && start - d < d && list.len() <= 4,
                         "{text} d{d} {list:?}"
                     );
-                    if side == Side::V {
+                    if side == Side::V && (t.bits > 2 || t.kind != TensorKind::Int) {
                         assert_eq!(start, d, "{text} d{d}: V reaches past the row");
                     }
-                    if side != Side::V && k.bits <= 2 && k.kind == TensorKind::Int {
+                    if t.bits <= 2 && t.kind == TensorKind::Int {
                         assert!(list.len() <= 2, "{text} d{d}: {list:?}");
                     }
                 }
@@ -965,5 +967,9 @@ mod tests {
         assert_eq!(slabs(112, &k, Side::K { int_path: true }), [128]);
         assert_eq!(slabs(80, &k, Side::K { int_path: true }), [64, 16]);
         assert_eq!(slabs(176, &k, Side::K { int_path: true }), [128, 64]);
+        let (_, v) = tensor("k = int(2, channel), v = int(2, token)", 112);
+        assert_eq!(slabs(112, &v, Side::V), [128]);
+        let (_, v4) = tensor("k = int(4, channel), v = int(4, token)", 112);
+        assert_eq!(slabs(112, &v4, Side::V), [64, 32, 16]);
     }
 }

@@ -241,7 +241,38 @@ template <int BITS, int V0 = 0, int N = DVK / 4> void check_k_contiguous() {
     }
 }
 
+// Quantized K and V rows load with PAST (kvq_load_subtiles, kvq_chunk_pv): bytes after the row
+// are read but unused. With junk after the row's padded words, every channel inside the row loads
+// as it does without PAST, and without PAST the channels past the row still load as zeros.
+template <int PARTS, int BITS> int bit_of(int j) {
+    for (int i = 0; i < kvq_slab_count<PARTS>(); ++i)
+        if (j >= kvq_slab_start<PARTS>(i) / PARTS && j < kvq_slab_start<PARTS>(i + 1) / PARTS)
+            return kvq_share_at<PARTS, BITS>(i) + (j - kvq_slab_start<PARTS>(i) / PARTS) * BITS;
+    return -1;
+}
+template <int PARTS, int BITS> void check_past() {
+    static kvq_u8 row[1024];
+    pack<BITS>(row);
+    for (int b = (D * BITS + 31) / 32 * 4; b < 1024; ++b) row[b] = (kvq_u8)(0xa5u ^ (unsigned)b);
+    constexpr int N = (PARTS == 4 ? DVK : DVV) / PARTS;
+    for (int p = 0; p < PARTS; ++p) {
+        kvq_u32 w0[64] = {}, w1[64] = {};
+        kvq_load_share<PARTS, BITS, 16>(row, p, w0);
+        kvq_load_share<PARTS, BITS, 16, 0, N, 0, true>(row, p, w1);
+        for (int j = 0; j < N; ++j) {
+            const int c = channel_of<PARTS>(j, p), at = bit_of<PARTS, BITS>(j);
+            KVQ_EXPECT(at >= 0, "%s block channel %d has no bit", PARTS == 4 ? "K" : "V", j);
+            if (at < 0) continue;
+            const kvq_u32 a = field<BITS>(w0, at), b = field<BITS>(w1, at);
+            if (c < D) KVQ_EXPECT(a == expected<BITS>(c) && b == a, "%s%d past part %d channel %d: %x and %x, want %x", PARTS == 4 ? "K" : "V", BITS, p, c, a, b, expected<BITS>(c));
+            else KVQ_EXPECT(a == 0u, "%s%d part %d channel %d past the row: %x", PARTS == 4 ? "K" : "V", BITS, p, c, a);
+        }
+    }
+}
+
 void check() {
+    if constexpr (K_QUANT) check_past<4, KBITS>();
+    if constexpr (V_QUANT) check_past<8, VBITS>();
     if constexpr (V_QUANT) check_v<VBITS>(); else check_v<16>();
     if constexpr (K_QUANT && K_INT) check_k_int();
     else if constexpr (K_QUANT) check_k_f16<KBITS>();

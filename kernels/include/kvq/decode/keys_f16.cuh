@@ -49,8 +49,9 @@ static __device__ __forceinline__ void kvq_load_subtiles(const kvq_u8* rows, int
     for (int s = 0; s < PRE; ++s) {
         if (kvq_subtile_live<GUARD>(s0 + s, n)) {
             const int ta = kvq_row<GUARD>((s0 + s) * 16 + g, n), tb = kvq_row<GUARD>((s0 + s) * 16 + g + 8, n);
-            kvq_load_share<4, BITS, kvq_align_of(ROW)>(rows + (long)ta * ROW, r, raw[s][0]);
-            kvq_load_share<4, BITS, kvq_align_of(ROW)>(rows + (long)tb * ROW, r, raw[s][1]);
+            constexpr int N = DVK / 4;
+            kvq_load_share<4, BITS, kvq_align_of(ROW), 0, N, 0, BITS < 16>(rows + (long)ta * ROW, r, raw[s][0]);
+            kvq_load_share<4, BITS, kvq_align_of(ROW), 0, N, 0, BITS < 16>(rows + (long)tb * ROW, r, raw[s][1]);
         }
     }
 }

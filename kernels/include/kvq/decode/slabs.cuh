@@ -320,7 +320,11 @@ static __device__ __forceinline__ void kvq_v_owner(int c, int& grp, int& j) {
 // ROW_ALIGN-aligned, into 16-bit halves (pairs of halves in words, low half first) as
 // kvq_share_half0 places them: its share of each slab in turn. Halves past the row load as
 // zeros. With one slab, the plain load at p·D·BITS/(8·PARTS) + V0·BITS/8.
-template <int PARTS, int BITS, int ROW_ALIGN, int V0 = 0, int N = (PARTS == 4 ? DVK : DVV) / PARTS, int I = 0>
+// PAST: the bytes after the row are readable and what they load is never used, so a slab reaching
+// past the row loads whole, unguarded. Quantized K and V rows: a page block's codes are followed
+// by its parameters, a staged chunk's rows by more sections of the stage; K channels past D meet
+// zero query limbs or zero scales, V channels past D are output columns never written.
+template <int PARTS, int BITS, int ROW_ALIGN, int V0 = 0, int N = (PARTS == 4 ? DVK : DVV) / PARTS, int I = 0, bool PAST = false>
 static __device__ __forceinline__ void kvq_load_share(const kvq_u8* row, int p, kvq_u32* w) {
     if constexpr (kvq_one_slab<PARTS>()) {
         kvq_load<N * BITS / 8>(row + p * (D / PARTS * BITS / 8) + V0 * BITS / 8, w);
@@ -331,12 +335,14 @@ static __device__ __forceinline__ void kvq_load_share(const kvq_u8* row, int p, 
         constexpr int SHARE = kvq_share_bits<PARTS, BITS>(I);
         if constexpr (SHARE < 16) {
             // A share smaller than a half, from bit kvq_share_at(I) of the block (the low bits of
-            // a half of its own on the K side).
-            static_assert(V0 == 0 && N == (PARTS == 4 ? DVK : DVV) / PARTS && L::WHOLE && SHARE <= 8 && (L::C0 * BITS) % 8 == 0,
-                          "shares smaller than a half: whole blocks of slabs inside the row, within a byte");
+            // a half of its own on the K side). In a slab reaching past the row, a share starting
+            // past it loads as zeros unless PAST.
+            static_assert(V0 == 0 && N == (PARTS == 4 ? DVK : DVV) / PARTS && SHARE <= 8 && (L::C0 * BITS) % 8 == 0,
+                          "shares smaller than a half: whole blocks of slabs, within a byte");
             constexpr int AT = kvq_share_at<PARTS, BITS>(I);
             const int bit = p * SHARE;
-            const kvq_u32 b = ((kvq_u32)row[L::C0 * BITS / 8 + (bit >> 3)] >> (bit & 7)) & ((1u << SHARE) - 1u);
+            const kvq_u32 b = L::WHOLE || PAST || L::C0 + p * (L::S / PARTS) < D
+                ? ((kvq_u32)row[L::C0 * BITS / 8 + (bit >> 3)] >> (bit & 7)) & ((1u << SHARE) - 1u) : 0u;
             if constexpr (AT % 32 == 0) w[AT / 32] = b;
             else w[AT / 32] |= b << (AT % 32);
         } else if constexpr (LO < HI) {
@@ -350,7 +356,7 @@ static __device__ __forceinline__ void kvq_load_share(const kvq_u8* row, int p, 
             if constexpr (BYTES % 4 == 0 && H0 % 2 == 0) {
                 constexpr int A0 = kvq_align_of(OFF) < kvq_align_of(STRIDE) ? kvq_align_of(OFF) : kvq_align_of(STRIDE);
                 constexpr int A = A0 < ROW_ALIGN ? A0 : ROW_ALIGN;
-                if constexpr (L::WHOLE) {
+                if constexpr (L::WHOLE || PAST) {
                     kvq_load_words<BYTES, A>(at, w + H0 / 2);
                 } else {
                     // Word by word: a word starting inside the row is inside its padded words.
@@ -360,12 +366,12 @@ static __device__ __forceinline__ void kvq_load_share(const kvq_u8* row, int p, 
             } else {
 #pragma unroll
                 for (int i = 0; i < BYTES / 2; ++i) {
-                    const kvq_u32 h = L::WHOLE || L::C0 + p * (L::S / PARTS) + (LO - B0) + i * CH < D ? (kvq_u32)((const kvq_u16*)at)[i] : 0u;
+                    const kvq_u32 h = L::WHOLE || PAST || L::C0 + p * (L::S / PARTS) + (LO - B0) + i * CH < D ? (kvq_u32)((const kvq_u16*)at)[i] : 0u;
                     if ((H0 + i) % 2 == 0) w[(H0 + i) / 2] = h;
                     else w[(H0 + i) / 2] |= h << 16;
                 }
             }
         }
-        kvq_load_share<PARTS, BITS, ROW_ALIGN, V0, N, I + 1>(row, p, w);
+        kvq_load_share<PARTS, BITS, ROW_ALIGN, V0, N, I + 1, PAST>(row, p, w);
     }
 }

@@ -50,7 +50,7 @@ static __device__ __forceinline__ void kvq_chunk_pv(const kvq_u8* rows, int n, i
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const int t = kvq_row<GUARD>((s0 + s) * 16 + 2 * r + (j & 1) + (j >> 1) * 8, n);
-                    kvq_load_share<8, BITS, kvq_align_of(ROW)>(rows + (long)t * ROW, g, raw[s][j]);
+                    kvq_load_share<8, BITS, kvq_align_of(ROW), 0, DVV / 8, 0, BITS < 16>(rows + (long)t * ROW, g, raw[s][j]);
                 }
             }
         }
