@@ -321,6 +321,7 @@ pub fn cache_kernels_with(
                 params: vec![
                     param("const uint16_t*", "x"),
                     param("const int32_t*", "jobs"),
+                    param("const int32_t*", "page_table"),
                     param("uint8_t*", "pool"),
                 ],
                 grid: [

@@ -18,6 +18,67 @@ use cudarc::driver::{
     SyncOnDrop,
 };
 
+/// A buffer a kernel reads: a cudarc slice (its use recorded on the stream) or a device pointer
+/// the caller owns (an engine's memory; 0 for a parameter the kernel takes as optional).
+#[derive(Clone, Copy)]
+pub enum Input<'a, T> {
+    /// A cudarc allocation.
+    Slice(&'a CudaSlice<T>),
+    /// A device address.
+    Raw(u64),
+}
+
+/// A buffer a kernel writes, as [`Input`].
+pub enum Output<'a, T> {
+    /// A cudarc allocation.
+    Slice(&'a mut CudaSlice<T>),
+    /// A device address.
+    Raw(u64),
+}
+
+impl<T> Input<'_, T> {
+    /// The device address, with the stream-order guard of a cudarc slice (hold it until the
+    /// work that uses the address is enqueued).
+    pub fn device_ptr<'s>(&'s self, stream: &'s CudaStream) -> (u64, Option<SyncOnDrop<'s>>) {
+        match self {
+            Input::Slice(s) => {
+                let (p, g) = s.device_ptr(stream);
+                (p, Some(g))
+            }
+            Input::Raw(p) => (*p, None),
+        }
+    }
+}
+
+impl<T> Output<'_, T> {
+    /// The device address, as [`Input::device_ptr`], recorded as a write.
+    pub fn device_ptr<'s>(&'s mut self, stream: &'s CudaStream) -> (u64, Option<SyncOnDrop<'s>>) {
+        match self {
+            Output::Slice(s) => {
+                let (p, g) = s.device_ptr_mut(stream);
+                (p, Some(g))
+            }
+            Output::Raw(p) => (*p, None),
+        }
+    }
+
+    /// The same buffer, lent again for one more launch.
+    pub fn reborrow(&mut self) -> Output<'_, T> {
+        match self {
+            Output::Slice(s) => Output::Slice(&mut **s),
+            Output::Raw(p) => Output::Raw(*p),
+        }
+    }
+
+    /// The same buffer, for a launch that reads it.
+    pub fn as_input(&self) -> Input<'_, T> {
+        match self {
+            Output::Slice(s) => Input::Slice(&**s),
+            Output::Raw(p) => Input::Raw(*p),
+        }
+    }
+}
+
 /// A kernel's arguments in parameter order: device pointers and 32-bit scalars, each in an
 /// 8-byte slot, with the buffers' stream-order guards (dropped after the launch, which records
 /// the buffers' use on the stream as cudarc's launch builder does).
@@ -63,6 +124,22 @@ impl<'a> Args<'a> {
     pub fn ptr(&mut self, device_ptr: u64) -> &mut Self {
         self.slots.push(device_ptr);
         self
+    }
+
+    /// A buffer the kernel reads, either kind.
+    pub fn input<T>(&mut self, buffer: Input<'a, T>) -> &mut Self {
+        match buffer {
+            Input::Slice(s) => self.buffer(s),
+            Input::Raw(p) => self.ptr(p),
+        }
+    }
+
+    /// A buffer the kernel writes, either kind.
+    pub fn output<T>(&mut self, buffer: Output<'a, T>) -> &mut Self {
+        match buffer {
+            Output::Slice(s) => self.buffer_mut(s),
+            Output::Raw(p) => self.ptr(p),
+        }
     }
 
     /// An `int` parameter.

@@ -4,7 +4,7 @@
 use cudarc::driver::CudaFunction;
 use kvq_codegen::KernelEntry;
 
-pub(crate) use kvq_jit::launch::Args;
+pub(crate) use kvq_jit::launch::{Args, Input, Output};
 
 use crate::error::Result;
 

@@ -73,8 +73,8 @@ pub use kvq_jit::cudarc;
 
 pub use arch::{Arch, ArchVariant, InvalidArch};
 pub use decode::{
-    default_pieces, default_splits, min_warp_tokens, CacheView, DecodeKernel, DecodeOptions,
-    DecodeScratch, GpuCache, LoadOptions, MergeKernel, Pieces,
+    default_pieces, default_splits, min_warp_tokens, CachePtrs, CacheView, DecodeKernel,
+    DecodeOptions, DecodeScratch, GpuCache, LoadOptions, MergeKernel, Pieces,
 };
 pub use device::{device_count, driver_version, Device, DeviceProps, DriverVersion};
 pub use disk_cache::{cache_root, CacheKey, CacheStats, DiskCache, Origin};
@@ -83,7 +83,8 @@ pub use jit::{Jit, JitStats};
 pub use module::Module;
 pub use nvrtc::{CompileOptions, Compiled, NvrtcVersion, Output, Source};
 pub use paged::{
-    CacheConfig, CacheSizes, MemoryReport, PagedKvCache, QuantizeTiming, SeqId, SequenceSnapshot,
+    CacheConfig, CacheSizes, CacheWriter, MemoryReport, PagedKvCache, QuantizeTiming, SeqId,
+    SequenceSnapshot,
 };
 pub use timing::{GpuTimer, Timing};
 pub use tune::{TuneChoice, TunePolicy, TuneProblem, TuneStore, Tuner};

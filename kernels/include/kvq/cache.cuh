@@ -30,7 +30,9 @@ static __device__ __forceinline__ void kvq_store_f16(int tok, int slot, int kvh,
 }
 
 // Append: grid (n, kv_heads), 128 threads. Writes token seq_lens[slots[i]] of each listed
-// sequence; the commit kernel adds it to the length after the page quantizers ran.
+// sequence; the commit kernel adds it to the length after the page quantizers ran. A slot of -1
+// is a padding row (an engine's graph padded to a captured batch size): every kernel of the step
+// skips it.
 static __device__ __forceinline__ void kvq_append(
     const kvq_u16* __restrict__ k_new, const kvq_u16* __restrict__ v_new,
     const kvq_i32* __restrict__ slots, const kvq_i32* __restrict__ seq_lens,
@@ -41,6 +43,7 @@ static __device__ __forceinline__ void kvq_append(
 {
     const int i = blockIdx.x, kvh = blockIdx.y, kv_heads = gridDim.y;
     const int slot = slots[i];
+    if (slot < 0) return;
     const int tok = seq_lens[slot];
     for (int c = threadIdx.x; c < D; c += blockDim.x) {
         const long src = ((long)i * kv_heads + kvh) * D + c;
@@ -52,7 +55,7 @@ static __device__ __forceinline__ void kvq_append(
 // Commit: seq_lens[slots[i]] += 1, after append and page quantization of the step.
 static __device__ __forceinline__ void kvq_commit(const kvq_i32* __restrict__ slots, int n, kvq_i32* __restrict__ seq_lens) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) seq_lens[slots[i]] += 1;
+    if (i < n && slots[i] >= 0) seq_lens[slots[i]] += 1;
 }
 
 // Whether the prefill copy writes token `tok` of tensor T in FP16: every token of an FP16 tensor;
@@ -135,15 +138,16 @@ static __device__ __forceinline__ void kvq_quantize(const KvqRows& src, kvq_u8* 
     }
 }
 
-// Pages of a prefill: grid (kv_heads, jobs); job j = (first input token, physical page). The KV
+// Pages of a prefill: grid (kv_heads, jobs); job j = (first input token, page-table entry: the
+// sequence slot times max_pages plus the logical page), so the caller needs no physical page. The KV
 // heads of a page are neighbouring CTAs: CTAs that run together read whole input rows (every head
 // of the same tokens) and write neighbouring page blocks. (Indices straight from blockIdx: a
 // division by a parameter here made Kitty-Pro's key quantizer spill, 12% slower.)
 template <class Q>
 static __device__ __forceinline__ void kvq_quantize_input(const kvq_u16* __restrict__ x, const kvq_i32* __restrict__ jobs,
-                                                         kvq_u8* __restrict__ pool) {
+                                                         const kvq_i32* __restrict__ page_table, kvq_u8* __restrict__ pool) {
     const int kvh = blockIdx.x, kv_heads = gridDim.x, job = blockIdx.y;
-    const long first = jobs[2 * job], phys = jobs[2 * job + 1];
+    const long first = jobs[2 * job], phys = page_table[jobs[2 * job + 1]];
     const KvqRows src{x + (first * kv_heads + kvh) * D, (long)kv_heads * D, 0, 0};
     kvq_quantize<Q, IO == KvqDtype::Bf16>(src, pool + (phys * kv_heads + kvh) * (long)Q::BLOCK_BYTES);
 }
@@ -157,6 +161,7 @@ static __device__ __forceinline__ void kvq_quantize_ring(const kvq_i32* __restri
                                                         int max_pages, const kvq_u16* __restrict__ tail) {
     const int kvh = blockIdx.y, kv_heads = gridDim.y;
     const int slot = slots[blockIdx.x];
+    if (slot < 0) return;   // a padding row, the whole CTA
     const int len = seq_lens[slot] + 1;   // the step's token is appended, not yet committed
     const int rest = len - SINK - Q::LOCAL;
     if (rest <= 0 || rest % PAGE != 0) return;

@@ -10,6 +10,16 @@ static constexpr int TGROUPS = D >= THREADS ? 1 : THREADS / D;       // token gr
 static constexpr int CPT = (D + THREADS - 1) / THREADS;              // channels per thread (P·V)
 static constexpr int KIND_F16_ROW = 0, KIND_PAGE = 1;
 
+// A batch row's sequence: the cache slot whose page-table row, FP16 sink and tail and length it
+// reads (`seq_slots[row]`; without a list, rows are slots), and that length. A negative slot is a
+// padding row (an engine's graph padded to a captured batch size): length 0, so its output is zeros
+// and it reads nothing of the cache.
+struct KvqSlot { int slot, len; };
+static __device__ __forceinline__ KvqSlot kvq_seq_slot(const kvq_i32* seq_slots, const kvq_i32* seq_lens, int row) {
+    const int s = seq_slots ? seq_slots[row] : row;
+    return s < 0 ? KvqSlot{0, 0} : KvqSlot{s, seq_lens[s]};
+}
+
 // Per-sequence token split of a quantized tensor (mirrors kvq_reference::regions::TokenRegions).
 static __device__ __forceinline__ int kvq_quant_end(int len, int sink_end, int local) {
     const int rest = len - sink_end - local;

@@ -173,7 +173,7 @@ static __device__ __forceinline__ void kvq_generic_range(
     const kvq_u8* __restrict__ k_pool,
     const kvq_i32* __restrict__ page_table, int max_pages,
     const kvq_u16* __restrict__ k_sink, const kvq_u16* __restrict__ k_tail,
-    const kvq_i32* __restrict__ seq_lens,
+    const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots,
     float* __restrict__ score_range, float* __restrict__ scores)   // scores: unused by this kernel
 {
     kvq_allow_dependent_launch();   // the decode grid may be scheduled now (it waits for our ranges)
@@ -182,7 +182,8 @@ static __device__ __forceinline__ void kvq_generic_range(
     const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
     const int range_splits = gridDim.x, kv_heads = gridDim.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int len = seq_lens[seq];
+    const KvqSlot at = kvq_seq_slot(seq_slots, seq_lens, seq);
+    const int slot = at.slot, len = at.len;
     float qreg[GQA][CPL], qs[GQA][CPL], kbias[GQA];
     int folded_page = -1;
     kvq_load_queries(q, seq, kvh, kv_heads, qreg);
@@ -193,9 +194,9 @@ static __device__ __forceinline__ void kvq_generic_range(
     kvq_split_range(len, split, range_splits, t_begin, t_end);
     for (int t0 = t_begin; t0 < t_end;) {
         const int t1 = kvq_tile_end(t0, t_end, len);
-        const KvqLoc first = k_locate(t0, len, seq, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail);
+        const KvqLoc first = k_locate(t0, len, slot, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail);
         if (first.kind == KIND_PAGE) {
-            kvq_tile_scores(first, t0, t1 - t0, len, seq, kvh, kv_heads, k_pool, page_table, max_pages,
+            kvq_tile_scores(first, t0, t1 - t0, len, slot, kvh, kv_heads, k_pool, page_table, max_pages,
                             k_sink, k_tail, qreg, qs, kbias, folded_page, s_scores);
             __syncthreads();
             for (int h = 0; h < GQA; ++h)
@@ -235,7 +236,7 @@ static __device__ __forceinline__ void kvq_generic_decode(
     const kvq_i32* __restrict__ page_table, int max_pages,
     const kvq_u16* __restrict__ k_sink, const kvq_u16* __restrict__ v_sink,
     const kvq_u16* __restrict__ k_tail, const kvq_u16* __restrict__ v_tail,
-    const kvq_i32* __restrict__ seq_lens,
+    const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots,
     const float* __restrict__ score_range, const float* __restrict__ scores,   // scores: unused by this kernel
     int range_splits,   // gridDim.x of the range grid: the splits score_range holds per head
     float* __restrict__ part_acc, float* __restrict__ part_ml,
@@ -257,7 +258,8 @@ static __device__ __forceinline__ void kvq_generic_decode(
         }
         return;
     }
-    const int len = seq_lens[seq];
+    const KvqSlot at = kvq_seq_slot(seq_slots, seq_lens, seq);
+    const int slot = at.slot, len = at.len;
     float qreg[GQA][CPL], qs[GQA][CPL], kbias[GQA];
     int folded_page = -1;
     kvq_load_queries(q, seq, kvh, kv_heads, qreg);
@@ -293,8 +295,8 @@ static __device__ __forceinline__ void kvq_generic_decode(
     for (int t0 = t_begin; t0 < t_end;) {
         const int t1 = kvq_tile_end(t0, t_end, len);
         const int n = t1 - t0;
-        const KvqLoc kfirst = k_locate(t0, len, seq, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail);
-        kvq_tile_scores(kfirst, t0, n, len, seq, kvh, kv_heads, k_pool, page_table, max_pages,
+        const KvqLoc kfirst = k_locate(t0, len, slot, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail);
+        kvq_tile_scores(kfirst, t0, n, len, slot, kvh, kv_heads, k_pool, page_table, max_pages,
                         k_sink, k_tail, qreg, qs, kbias, folded_page, s_scores);
         __syncthreads();
         // Online softmax: warp h' handles heads h' , h' + WARPS, ...
@@ -332,7 +334,7 @@ static __device__ __forceinline__ void kvq_generic_decode(
                 for (int j = 0; j < CPT; ++j) acc[h][j] *= a;
             }
             for (int i = tgroup; i < n; i += TGROUPS) {
-                const KvqLoc l = v_locate(t0 + i, len, seq, kvh, kv_heads, v_pool, page_table, max_pages, v_sink, v_tail);
+                const KvqLoc l = v_locate(t0 + i, len, slot, kvh, kv_heads, v_pool, page_table, max_pages, v_sink, v_tail);
 #pragma unroll
                 for (int j = 0; j < CPT; ++j) {
                     const int c = c0 + j * THREADS;

@@ -243,14 +243,17 @@ fn about_param(name: &str, dtype: Dtype) -> String {
             "page blocks [physical_page][kv_head][block_bytes] (layout.k/v)".into()
         }
         "page_table" => {
-            "[batch][max_pages] i32: logical page slot → physical page (K and V share it)".into()
+            "[sequence slots][max_pages] i32: logical page → physical page (K and V share it)".into()
         }
         "max_pages" => "columns of page_table".into(),
-        "k_sink" | "v_sink" => "FP16 sink [batch][kv_heads][sink][head_dim]".into(),
+        "k_sink" | "v_sink" => "FP16 sink [sequence slots][kv_heads][sink][head_dim]".into(),
         "k_tail" | "v_tail" | "tail" => {
-            "FP16 tail ring [batch][kv_heads][tail_capacity][head_dim]".into()
+            "FP16 tail ring [sequence slots][kv_heads][tail_capacity][head_dim]".into()
         }
-        "seq_lens" => "[batch] i32 tokens per sequence".into(),
+        "seq_lens" => "[sequence slots] i32 tokens per sequence".into(),
+        "seq_slots" => {
+            "[batch] i32 cache slot of each row (null: row i is slot i; -1: a padding row)".into()
+        }
         "score_range" => {
             "f32 [batch][kv_heads][gqa][range_splits][2] (CalibQuant score ranges; unused otherwise)"
                 .into()
@@ -296,7 +299,7 @@ fn about_param(name: &str, dtype: Dtype) -> String {
         "k_in" | "v_in" | "x" => format!("prefill input [tokens][kv_heads][head_dim] {io}"),
         "tokens" => "prompt tokens".into(),
         "slot" => "the sequence's slot".into(),
-        "jobs" => "[jobs][2] i32 (first input token, physical page)".into(),
+        "jobs" => "[jobs][2] i32 (first input token, page-table entry slot·max_pages + page)".into(),
         "n" => "entries of slots".into(),
         _ => String::new(),
     }

@@ -6,11 +6,12 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use kvq_codegen::{decode_kernels, decode_slow_path, DecodeKernels, KernelShape, TuneParams};
 use kvq_spec::SchemeSpec;
 
-use super::layout::CacheView;
+use super::layout::{CacheArgs, CachePtrs, CacheView};
+use super::scratch::{DecodeScratch, WorkspaceLayout};
 use super::splits::Pieces;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
-use crate::launch::{allow_dynamic_shared, Args};
+use crate::launch::{allow_dynamic_shared, Args, Input, Output};
 use crate::nvrtc::{CompileOptions, Source};
 
 /// The compiled decode kernels of one scheme × shape × tuning.
@@ -48,26 +49,6 @@ impl LoadOptions {
     };
 }
 
-/// Per-launch scratch (split and piece partials, calibration ranges, stored key scores), reusable
-/// across steps of the same batch size, KV heads, split count and pieces. The stored scores grow
-/// with the first launch that needs more (batch × KV heads × page-table width × page × gqa
-/// floats: 67 MB at B=16, 8 KV heads, GQA 4 and 32K-token page tables), and so do the score
-/// ranges with the first launch whose range grid has more splits than the decode grid
-/// ([`DecodeKernel::range_splits`]), so an engine that captures launches in a CUDA graph runs
-/// one step of its widest shape first.
-pub struct DecodeScratch {
-    splits: usize,
-    pieces: Pieces,
-    rows: usize,
-    part_acc: CudaSlice<f32>,
-    part_ml: CudaSlice<f32>,
-    /// Calibration score ranges, `[rows][range splits][2]`.
-    score_range: CudaSlice<f32>,
-    /// Stored key scores (`DecodeKernels::stores_scores`), grown by the first launch that needs
-    /// more (a wider page table or a larger batch than before).
-    scores: CudaSlice<f32>,
-}
-
 /// CTAs of `f` (launched as `entry` says) an SM holds at once, from the driver's occupancy.
 fn ctas_per_sm(f: &CudaFunction, entry: &kvq_codegen::KernelEntry) -> Result<usize> {
     let n = f
@@ -100,88 +81,6 @@ fn range_splits_for(splits: usize, decode_per_sm: usize, range_per_sm: usize) ->
 
 fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
     move |e| RuntimeError::launch(name, e)
-}
-
-impl DecodeScratch {
-    /// Scratch for `batch` sequences of `q_heads` query heads of `head_dim`, split `splits` ways,
-    /// with no pieces.
-    /// Filled with NaN, so a partial result the kernel forgot to write cannot pass a check.
-    pub fn new(
-        stream: &Arc<CudaStream>,
-        batch: usize,
-        q_heads: usize,
-        head_dim: usize,
-        splits: usize,
-    ) -> Result<DecodeScratch> {
-        Self::with_pieces(stream, batch, q_heads, head_dim, splits, Pieces::NONE)
-    }
-
-    /// As [`new`](Self::new), for launches that also run `pieces`.
-    pub fn with_pieces(
-        stream: &Arc<CudaStream>,
-        batch: usize,
-        q_heads: usize,
-        head_dim: usize,
-        splits: usize,
-        pieces: Pieces,
-    ) -> Result<DecodeScratch> {
-        if splits == 0 {
-            return Err(RuntimeError::InvalidInput(
-                "0 splits (expected at least 1)".into(),
-            ));
-        }
-        pieces.check(splits).map_err(RuntimeError::InvalidInput)?;
-        let rows = batch * q_heads;
-        let parts = splits + pieces.count;
-        let nan = |n: usize, what: &str| {
-            stream
-                .clone_htod(&vec![f32::NAN; n.max(1)])
-                .map_err(|e| RuntimeError::driver(format!("allocate {what}"), e))
-        };
-        Ok(DecodeScratch {
-            splits,
-            pieces,
-            rows,
-            part_acc: nan(rows * parts * head_dim, "partial outputs")?,
-            part_ml: nan(rows * parts * 2, "partial softmax statistics")?,
-            score_range: nan(rows * splits * 2, "calibration score ranges")?,
-            scores: nan(1, "stored key scores")?,
-        })
-    }
-
-    /// Makes the stored-scores buffer hold at least `floats`. Zeroed on the device rather than
-    /// poisoned from the host like the partials (it can take gigabytes): the range pass writes
-    /// every row the decode kernel uses, and rows a chunk copies past its tokens are masked.
-    fn reserve_scores(&mut self, stream: &Arc<CudaStream>, floats: usize) -> Result<()> {
-        if self.scores.len() < floats {
-            self.scores = stream
-                .alloc_zeros(floats)
-                .map_err(|e| RuntimeError::driver("allocate stored key scores", e))?;
-        }
-        Ok(())
-    }
-
-    /// Makes the score-range buffer hold `range_splits` splits of every row, poisoned with NaN
-    /// like the partials when it grows.
-    fn reserve_ranges(&mut self, stream: &Arc<CudaStream>, range_splits: usize) -> Result<()> {
-        let floats = self.rows * range_splits * 2;
-        if self.score_range.len() < floats {
-            self.score_range = stream
-                .clone_htod(&vec![f32::NAN; floats])
-                .map_err(|e| RuntimeError::driver("allocate calibration score ranges", e))?;
-        }
-        Ok(())
-    }
-
-    /// Split-K partitions this scratch was sized for.
-    pub fn splits(&self) -> usize {
-        self.splits
-    }
-
-    /// The pieces this scratch was sized for.
-    pub fn pieces(&self) -> Pieces {
-        self.pieces
-    }
 }
 
 impl DecodeKernel {
@@ -339,6 +238,32 @@ impl DecodeKernel {
         ))
     }
 
+    /// The layout of a workspace lent for launches of `batch` sequences of `kv_heads` KV heads with
+    /// page tables `max_pages` wide, `splits` splits and `pieces` ([`DecodeScratch::lent`]):
+    /// partials, the range grid's score ranges ([`range_splits`](Self::range_splits)) and, for
+    /// kernels that store key scores, those.
+    pub fn workspace_layout(
+        &self,
+        batch: usize,
+        kv_heads: usize,
+        max_pages: usize,
+        splits: usize,
+        pieces: Pieces,
+    ) -> Result<WorkspaceLayout> {
+        let q_heads = kv_heads * self.generated.shape.gqa as usize;
+        let rows = batch.checked_mul(q_heads).ok_or_else(|| {
+            RuntimeError::InvalidInput(format!("{batch} sequences of {q_heads} query heads"))
+        })?;
+        WorkspaceLayout::new(
+            rows,
+            self.generated.shape.head_dim as usize,
+            splits,
+            pieces,
+            self.range_splits(splits),
+            self.generated.score_floats(batch, kv_heads, max_pages),
+        )
+    }
+
     /// Whether the decode kernel runs pieces after its splits (see [`Pieces`]); a kernel that
     /// does not still takes launches with pieces and does all the work in its splits.
     pub fn runs_pieces(&self) -> bool {
@@ -402,6 +327,61 @@ impl DecodeKernel {
         self.enqueue(stream, cache, q, out, Some(lse), scratch)
     }
 
+    /// [`attend_with_lse`](Self::attend_with_lse) on a cache and buffers the caller owns (an
+    /// engine's memory), for `batch` rows: row `b` attends over slot `seq_slots[b]` of `cache`
+    /// (`seq_slots` 0: slot `b`; a slot of −1 is a padding row whose output is zeros), `q` and
+    /// `out` are `[batch][kv_heads·gqa][head_dim]` in the kernel's dtype, `lse`
+    /// `[batch][kv_heads·gqa]` f32 or 0 for none.
+    ///
+    /// # Safety
+    /// Every pointer is a device allocation of the stream's context holding what its field or
+    /// argument says for these sizes; `seq_slots` names distinct slots below the cache's slot
+    /// count (or −1), each with `seq_lens` at most `max_pages · page` tokens whose pages the page
+    /// table maps into the pools; all stay alive until the launches have run on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn attend_raw(
+        &self,
+        stream: &Arc<CudaStream>,
+        cache: &CachePtrs,
+        batch: usize,
+        seq_slots: u64,
+        q: u64,
+        out: u64,
+        lse: u64,
+        scratch: &mut DecodeScratch,
+    ) -> Result<()> {
+        if q == 0 || out == 0 || cache.k_pool == 0 || cache.v_pool == 0 || cache.page_table == 0 {
+            return Err(RuntimeError::InvalidInput(
+                "q, out, the pools and the page table must not be null".into(),
+            ));
+        }
+        self.check_cache(cache.head_dim)?;
+        let lse = (lse != 0).then_some(Output::Raw(lse));
+        // SAFETY: the caller vouches for the pointers (above).
+        unsafe {
+            self.launch(
+                stream,
+                CacheArgs::from(cache),
+                batch,
+                Input::Raw(seq_slots),
+                Input::Raw(q),
+                Output::Raw(out),
+                lse,
+                scratch,
+            )
+        }
+    }
+
+    fn check_cache(&self, head_dim: usize) -> Result<()> {
+        let d = self.generated.shape.head_dim as usize;
+        if head_dim != d {
+            return Err(RuntimeError::InvalidInput(format!(
+                "cache head_dim {head_dim} but kernel head_dim {d}"
+            )));
+        }
+        Ok(())
+    }
+
     fn enqueue(
         &self,
         stream: &Arc<CudaStream>,
@@ -420,12 +400,7 @@ impl DecodeKernel {
                 cache.spec, self.spec
             )));
         }
-        if cache.head_dim != d {
-            return Err(RuntimeError::InvalidInput(format!(
-                "cache head_dim {} but kernel head_dim {d}",
-                cache.head_dim
-            )));
-        }
+        self.check_cache(cache.head_dim)?;
         let need = cache.batch * q_heads * d;
         if q.len() != need || out.len() != need {
             return Err(RuntimeError::InvalidInput(format!(
@@ -435,21 +410,60 @@ impl DecodeKernel {
                 out.len()
             )));
         }
-        if scratch.rows != cache.batch * q_heads {
+        // SAFETY: every buffer is a cudarc allocation of the sizes checked here, and the view's
+        // cache buffers follow its layout (CacheView's contract).
+        unsafe {
+            self.launch(
+                stream,
+                CacheArgs::from(cache),
+                cache.batch,
+                Input::Raw(0),
+                Input::Slice(q),
+                Output::Slice(out),
+                lse.map(Output::Slice),
+                scratch,
+            )
+        }
+    }
+
+    /// The step's launches: the range grid (calibrated schemes), the decode grid and, unless one
+    /// part per head wrote the output itself, the combine grid.
+    ///
+    /// # Safety
+    /// The buffers hold what [`attend_raw`](Self::attend_raw) says for `batch` rows.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch(
+        &self,
+        stream: &Arc<CudaStream>,
+        cache: CacheArgs<'_>,
+        batch: usize,
+        seq_slots: Input<'_, i32>,
+        q: Input<'_, u16>,
+        out: Output<'_, u16>,
+        lse: Option<Output<'_, f32>>,
+        scratch: &mut DecodeScratch,
+    ) -> Result<()> {
+        let q_heads = cache.kv_heads * self.generated.shape.gqa as usize;
+        if scratch.rows < batch * q_heads {
             return Err(RuntimeError::InvalidInput(format!(
                 "scratch was made for {} query rows, this launch has {}",
                 scratch.rows,
-                cache.batch * q_heads
+                batch * q_heads
             )));
+        }
+        if batch == 0 {
+            return Ok(());
         }
         let splits = scratch.splits as u32;
         let range_splits = self.range_splits(scratch.splits);
         scratch.reserve_ranges(stream, range_splits)?;
-        let max_pages = cache.max_pages as i32;
+        let max_pages = i32::try_from(cache.max_pages).map_err(|_| {
+            RuntimeError::InvalidInput(format!("{} page-table columns", cache.max_pages))
+        })?;
         scratch.reserve_scores(
             stream,
             self.generated
-                .score_floats(cache.batch, cache.kv_heads, cache.max_pages),
+                .score_floats(batch, cache.kv_heads, cache.max_pages),
         )?;
         // The pieces' CTAs follow the splits' (kvq_cta_part in the template); a KV head takes a
         // row for each group of its query heads (DecodeKernels::head_groups).
@@ -458,7 +472,7 @@ impl DecodeKernel {
             grid_dim: (
                 splits + scratch.pieces.count as u32,
                 grid_heads,
-                cache.batch as u32,
+                batch as u32,
             ),
             block_dim: (self.generated.decode.block, 1, 1),
             shared_mem_bytes: self.generated.decode.dynamic_shared_bytes,
@@ -468,17 +482,18 @@ impl DecodeKernel {
         let overlap = self.overlap;
         if let (Some(range), Some(entry)) = (&self.range, &self.generated.range) {
             let mut args = Args::new(stream);
-            args.buffer(q)
-                .buffer(cache.k_pool)
-                .buffer(cache.page_table)
+            args.input(q)
+                .input(cache.k_pool)
+                .input(cache.page_table)
                 .int(max_pages)
-                .buffer(cache.k_sink)
-                .buffer(cache.k_tail)
-                .buffer(cache.seq_lens)
-                .buffer_mut(&mut scratch.score_range)
-                .buffer_mut(&mut scratch.scores);
+                .input(cache.k_sink)
+                .input(cache.k_tail)
+                .input(cache.seq_lens)
+                .input(seq_slots)
+                .output(scratch.score_range.output())
+                .output(scratch.scores.output());
             let range_cfg = LaunchConfig {
-                grid_dim: (range_splits as u32, grid_heads, cache.batch as u32),
+                grid_dim: (range_splits as u32, grid_heads, batch as u32),
                 block_dim: (entry.block, 1, 1),
                 shared_mem_bytes: entry.dynamic_shared_bytes,
             };
@@ -487,43 +502,52 @@ impl DecodeKernel {
             unsafe { args.launch(range, range_cfg, false) }.map_err(launch_err(&entry.name))?;
         }
         let mut args = Args::new(stream);
-        args.buffer(q)
-            .buffer(cache.k_pool)
-            .buffer(cache.v_pool)
-            .buffer(cache.page_table)
+        args.input(q)
+            .input(cache.k_pool)
+            .input(cache.v_pool)
+            .input(cache.page_table)
             .int(max_pages)
-            .buffer(cache.k_sink)
-            .buffer(cache.v_sink)
-            .buffer(cache.k_tail)
-            .buffer(cache.v_tail)
-            .buffer(cache.seq_lens)
-            .buffer(&scratch.score_range)
-            .buffer(&scratch.scores)
+            .input(cache.k_sink)
+            .input(cache.v_sink)
+            .input(cache.k_tail)
+            .input(cache.v_tail)
+            .input(cache.seq_lens)
+            .input(seq_slots)
+            .input(scratch.score_range.input())
+            .input(scratch.scores.input())
             .int(range_splits as i32)
-            .buffer_mut(&mut scratch.part_acc)
-            .buffer_mut(&mut scratch.part_ml)
+            .output(scratch.part_acc.output())
+            .output(scratch.part_ml.output())
             .int(scratch.pieces.count as i32)
-            .int(scratch.pieces.permille as i32)
-            .buffer_mut(out);
+            .int(scratch.pieces.permille as i32);
+        // The decode kernel writes the output itself only with one part per head (and no LSE
+        // wanted); otherwise it is given null and the combine writes it.
+        let one_part = decode_cfg.grid_dim.0 == 1 && lse.is_none();
+        let mut out = Some(out);
+        if one_part {
+            args.output(out.take().expect("the output is still here"));
+        } else {
+            args.null();
+        }
         // SAFETY: as above. Overlapping only the range grid: the decode kernel waits for it
         // (`kvq_calibration_after_range_grid`) before reading the ranges.
         unsafe { args.launch(&self.decode, decode_cfg, overlap && self.range.is_some()) }
             .map_err(launch_err(&self.generated.decode.name))?;
-        if decode_cfg.grid_dim.0 == 1 && lse.is_none() {
+        let Some(out) = out else {
             // One part per head: the decode kernel wrote the output as the combine would.
             return Ok(());
-        }
+        };
         let combine_cfg = LaunchConfig {
-            grid_dim: (q_heads as u32, cache.batch as u32, 1),
+            grid_dim: (q_heads as u32, batch as u32, 1),
             block_dim: (self.generated.combine.block, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut args = Args::new(stream);
-        args.buffer(&scratch.part_acc)
-            .buffer(&scratch.part_ml)
-            .buffer_mut(out);
+        args.input(scratch.part_acc.input())
+            .input(scratch.part_ml.input())
+            .output(out);
         match lse {
-            Some(lse) => args.buffer_mut(lse),
+            Some(lse) => args.output(lse),
             None => args.null(),
         };
         args.int((scratch.splits + scratch.pieces.count) as i32);

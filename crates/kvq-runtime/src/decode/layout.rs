@@ -3,13 +3,18 @@
 //! ([`PagedKvCache`](crate::PagedKvCache)) keeps.
 //!
 //! - `k_pool`, `v_pool`: page blocks `[physical page][kv_head][block_bytes]`;
-//! - `page_table`: `[batch][max_pages]` physical page of each logical page (K and V share a slot);
-//! - `k_sink`, `v_sink`: `[batch][kv_heads][sink][head_dim]` f16;
-//! - `k_tail`, `v_tail`: `[batch][kv_heads][tail_capacity][head_dim]` f16 rings, token `t` at slot
-//!   `(t − sink_end) % tail_capacity`;
-//! - `seq_lens`: `[batch]`.
+//! - `page_table`: `[slot][max_pages]` physical page of each logical page (K and V share it);
+//! - `k_sink`, `v_sink`: `[slot][kv_heads][sink][head_dim]` f16;
+//! - `k_tail`, `v_tail`: `[slot][kv_heads][tail_capacity][head_dim]` f16 rings, token `t` at
+//!   position `(t − sink_end) % tail_capacity`;
+//! - `seq_lens`: `[slot]`.
+//!
+//! A *slot* is a sequence's place in the per-sequence buffers. Without a slot list a launch's batch
+//! row `b` is slot `b`; an engine's launches name each row's slot (`seq_slots`), so its sequences
+//! keep their slots while batches change.
 
 use cudarc::driver::CudaSlice;
+use kvq_jit::launch::Input;
 use kvq_spec::SchemeSpec;
 
 /// Borrowed device buffers of a paged cache, each laid out as its field says (docs/LAYOUT.md has the
@@ -82,6 +87,84 @@ impl CacheBuffers {
             k_tail: &self.k_tail,
             v_tail: &self.v_tail,
             seq_lens: &self.seq_lens,
+        }
+    }
+}
+
+/// A cache in memory the caller owns (an engine's): device pointers to buffers laid out as
+/// [`CacheView`]'s fields say, per sequence slot (module docs). Launches on it are `unsafe`: the
+/// caller vouches that each pointer holds what its field says for these sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CachePtrs {
+    /// KV heads per sequence.
+    pub kv_heads: usize,
+    /// Channels per head.
+    pub head_dim: usize,
+    /// Columns of `page_table`.
+    pub max_pages: usize,
+    /// `[physical page][kv_head][block]` bytes.
+    pub k_pool: u64,
+    /// `[physical page][kv_head][block]` bytes.
+    pub v_pool: u64,
+    /// `[slot][max_pages]` i32.
+    pub page_table: u64,
+    /// `[slot][kv_heads][sink][head_dim]` f16 (any pointer where the scheme keeps no sink).
+    pub k_sink: u64,
+    /// As `k_sink`, for V.
+    pub v_sink: u64,
+    /// `[slot][kv_heads][local+page][head_dim]` f16 ring (any pointer for an FP16 tensor).
+    pub k_tail: u64,
+    /// As `k_tail`, for V.
+    pub v_tail: u64,
+    /// `[slot]` i32 tokens per sequence.
+    pub seq_lens: u64,
+}
+
+/// Either kind of cache, as a launch passes it.
+#[derive(Clone, Copy)]
+pub(crate) struct CacheArgs<'a> {
+    pub kv_heads: usize,
+    pub max_pages: usize,
+    pub k_pool: Input<'a, u8>,
+    pub v_pool: Input<'a, u8>,
+    pub page_table: Input<'a, i32>,
+    pub k_sink: Input<'a, u16>,
+    pub v_sink: Input<'a, u16>,
+    pub k_tail: Input<'a, u16>,
+    pub v_tail: Input<'a, u16>,
+    pub seq_lens: Input<'a, i32>,
+}
+
+impl<'a> From<CacheView<'a>> for CacheArgs<'a> {
+    fn from(c: CacheView<'a>) -> Self {
+        CacheArgs {
+            kv_heads: c.kv_heads,
+            max_pages: c.max_pages,
+            k_pool: Input::Slice(c.k_pool),
+            v_pool: Input::Slice(c.v_pool),
+            page_table: Input::Slice(c.page_table),
+            k_sink: Input::Slice(c.k_sink),
+            v_sink: Input::Slice(c.v_sink),
+            k_tail: Input::Slice(c.k_tail),
+            v_tail: Input::Slice(c.v_tail),
+            seq_lens: Input::Slice(c.seq_lens),
+        }
+    }
+}
+
+impl From<&CachePtrs> for CacheArgs<'static> {
+    fn from(c: &CachePtrs) -> Self {
+        CacheArgs {
+            kv_heads: c.kv_heads,
+            max_pages: c.max_pages,
+            k_pool: Input::Raw(c.k_pool),
+            v_pool: Input::Raw(c.v_pool),
+            page_table: Input::Raw(c.page_table),
+            k_sink: Input::Raw(c.k_sink),
+            v_sink: Input::Raw(c.v_sink),
+            k_tail: Input::Raw(c.k_tail),
+            v_tail: Input::Raw(c.v_tail),
+            seq_lens: Input::Raw(c.seq_lens),
         }
     }
 }

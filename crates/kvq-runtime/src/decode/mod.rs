@@ -13,6 +13,7 @@ mod fast_memory;
 mod kernel;
 mod layout;
 mod merge;
+mod scratch;
 mod splits;
 
 pub use block::{
@@ -20,10 +21,11 @@ pub use block::{
 };
 pub use cache::GpuCache;
 pub use fast_memory::{fast_memory_applies, is_fast_memory, FAST_MEMORY_GBPS_PER_SM};
-pub use kernel::{DecodeKernel, DecodeScratch, LoadOptions, RANGE_SCALE_MAX_SPLITS};
+pub use kernel::{DecodeKernel, LoadOptions, RANGE_SCALE_MAX_SPLITS};
 pub(crate) use layout::CacheBuffers;
-pub use layout::CacheView;
+pub use layout::{CachePtrs, CacheView};
 pub use merge::MergeKernel;
+pub use scratch::{DecodeScratch, WorkspaceLayout, WORKSPACE_ALIGNMENT};
 pub use splits::{
     default_pieces, default_splits, min_warp_tokens, DecodeOptions, Pieces, PiecesOverride,
 };

@@ -2,18 +2,23 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream};
 use kvq_codegen::{DecodeKernels, Dtype, QuantizerForms};
 use kvq_reference::footprint;
 use kvq_reference::regions::TokenRegions;
 use kvq_spec::{SchemeSpec, TensorQuant};
 
-use super::kernels::{CacheFunctions, Loaded, Quantizers};
+use super::append::{launch_append, AppendArgs};
+use super::kernels::CacheFunctions;
 use super::pages::{PageBook, SeqId, TableChanges};
+use super::prefill::{
+    launch_from_input, launch_prefill, max_job_values, prefill_jobs, PrefillArgs,
+};
 use super::sizes::CacheSizes;
 use crate::decode::{CacheBuffers, CacheView, DecodeKernel, DecodeScratch};
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
+use crate::launch::{Input, Output};
 
 /// Sizes of a cache, fixed at creation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,10 +105,6 @@ pub struct PagedKvCache {
 
 fn dev(what: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
     move |e| RuntimeError::driver(what.to_string(), e)
-}
-
-fn launch_err(entry: &Loaded) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
-    move |e| RuntimeError::launch(entry.entry.name.clone(), e)
 }
 
 fn alloc_zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -258,14 +259,16 @@ impl PagedKvCache {
         Ok(())
     }
 
-    fn upload_list(&mut self, values: &[i32]) -> Result<()> {
-        if values.len() > self.slots.len() {
-            self.slots = self
-                .stream
-                .clone_htod(values)
-                .map_err(dev("upload a step list"))?;
-            return Ok(());
+    /// Makes the step-list buffer hold at least `values` i32.
+    fn reserve_list(&mut self, values: usize) -> Result<()> {
+        if values > self.slots.len() {
+            self.slots = alloc_zeros(&self.stream, values, "allocate a step list")?;
         }
+        Ok(())
+    }
+
+    fn upload_list(&mut self, values: &[i32]) -> Result<()> {
+        self.reserve_list(values.len())?;
         let mut view = self.slots.slice_mut(0..values.len());
         self.stream
             .memcpy_htod(values, &mut view)
@@ -280,25 +283,6 @@ impl PagedKvCache {
             self.spec.local_of(tensor) as usize,
             self.spec.page as usize,
         )
-    }
-
-    /// `(row in the packed input, physical page)` of every whole page of a packed prefill of
-    /// `prompts` (each sequence holds its pages already); empty when the tensor is not quantized.
-    fn packed_jobs(&self, prompts: &[(SeqId, usize)], tensor: &TensorQuant) -> Result<Vec<i32>> {
-        let mut jobs = Vec::new();
-        if !tensor.is_quantized() {
-            return Ok(jobs);
-        }
-        let mut first = 0usize;
-        for &(id, tokens) in prompts {
-            let r = self.regions(tensor, tokens);
-            let pages = self.book.pages(id)?;
-            for (j, &phys) in pages.iter().enumerate().take(r.pages) {
-                jobs.extend([(first + r.page_tokens(j).start) as i32, phys as i32]);
-            }
-            first += tokens;
-        }
-        Ok(jobs)
     }
 
     /// Bulk prefill of an empty sequence with a prompt's K and V (`[tokens][kv_heads][head_dim]`,
@@ -343,49 +327,31 @@ impl PagedKvCache {
         let growth: Vec<(SeqId, usize)> = prompts.iter().copied().filter(|p| p.1 > 0).collect();
         let changes = self.book.grow(&growth)?;
         self.write_table(&changes)?;
-        let row = self.cfg.kv_heads * self.cfg.head_dim;
-        let (h, max_pages) = (self.cfg.kv_heads as u32, self.max_pages as i32);
-        let mut first = 0usize;
-        for &(id, tokens) in &growth {
-            let rows = first * row..(first + tokens) * row;
-            let (kv, vv) = (k.slice(rows.clone()), v.slice(rows));
-            let (slot, tokens_i) = (id.0 as i32, tokens as i32);
-            let e = &self.kernels.prefill_copy;
-            let mut b = self.stream.launch_builder(&e.f);
-            b.arg(&kv).arg(&vv).arg(&tokens_i).arg(&slot);
-            b.arg(&mut self.buffers.k_pool)
-                .arg(&mut self.buffers.v_pool)
-                .arg(&self.buffers.page_table)
-                .arg(&max_pages);
-            b.arg(&mut self.buffers.k_sink)
-                .arg(&mut self.buffers.v_sink)
-                .arg(&mut self.buffers.k_tail)
-                .arg(&mut self.buffers.v_tail);
-            let cfg = LaunchConfig {
-                grid_dim: (tokens as u32, h, 1),
-                block_dim: (e.entry.block, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: arguments follow KernelEntry::params; the views hold this prompt's rows.
-            unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
-            first += tokens;
-        }
-        for (which, tensor) in [(Tensor::K, self.spec.k), (Tensor::V, self.spec.v)] {
-            let list = self.packed_jobs(&growth, &tensor)?;
-            if list.is_empty() {
-                continue;
-            }
-            self.upload_list(&list)?;
-            let (q, pool, x) = match which {
-                Tensor::K => (self.kernels.k.as_ref(), &mut self.buffers.k_pool, k),
-                Tensor::V => (self.kernels.v.as_ref(), &mut self.buffers.v_pool, v),
-            };
-            launch_from_input(&self.stream, q, pool, x, &self.slots, list.len() / 2, h)?;
-        }
-        for &(id, tokens) in &growth {
-            self.set_len(id, tokens)?;
-        }
-        Ok(())
+        let slots: Vec<(usize, usize)> = growth.iter().map(|&(id, t)| (id.0 as usize, t)).collect();
+        let jobs = max_job_values(&self.spec, &slots, self.max_pages)?;
+        self.reserve_list(jobs)?;
+        let b = &mut self.buffers;
+        let a = PrefillArgs {
+            kv_heads: self.cfg.kv_heads,
+            head_dim: self.cfg.head_dim,
+            max_pages: self.max_pages,
+            k_pool: Output::Slice(&mut b.k_pool),
+            v_pool: Output::Slice(&mut b.v_pool),
+            page_table: Input::Slice(&b.page_table),
+            k_sink: Output::Slice(&mut b.k_sink),
+            v_sink: Output::Slice(&mut b.v_sink),
+            k_tail: Output::Slice(&mut b.k_tail),
+            v_tail: Output::Slice(&mut b.v_tail),
+            seq_lens: Output::Slice(&mut b.seq_lens),
+            k: Input::Slice(k),
+            v: Input::Slice(v),
+            prompts: &slots,
+            jobs: Output::Slice(&mut self.slots),
+        };
+        // SAFETY: this cache's buffers, sized by CacheSizes; `k`/`v` hold the prompts' rows
+        // (checked above), the job list was reserved for them, and the book put every page the
+        // prompts fill into the page table.
+        unsafe { launch_prefill(&self.stream, &self.kernels, &self.spec, a) }
     }
 
     /// Times the page quantizers of a packed prefill (as [`PagedKvCache::prefill_packed`] launches
@@ -413,7 +379,9 @@ impl PagedKvCache {
             }
         }
         for (which, tensor) in [(Tensor::K, self.spec.k), (Tensor::V, self.spec.v)] {
-            let list = self.packed_jobs(prompts, &tensor)?;
+            let slots: Vec<(usize, usize)> =
+                prompts.iter().map(|&(id, t)| (id.0 as usize, t)).collect();
+            let list = prefill_jobs(&self.spec, &tensor, &slots, self.max_pages)?;
             if list.is_empty() {
                 continue;
             }
@@ -439,7 +407,19 @@ impl PagedKvCache {
                     Tensor::K => (self.kernels.k.as_ref(), &mut self.buffers.k_pool, k),
                     Tensor::V => (self.kernels.v.as_ref(), &mut self.buffers.v_pool, v),
                 };
-                launch_from_input(s, q, pool, x, list, *pages, h as u32)?;
+                // SAFETY: the lists name pages of these prompts, which the book holds.
+                unsafe {
+                    launch_from_input(
+                        s,
+                        q,
+                        Output::Slice(pool),
+                        Input::Slice(x),
+                        Input::Slice(list),
+                        Input::Slice(&self.buffers.page_table),
+                        *pages,
+                        h as u32,
+                    )?
+                };
             }
             Ok(())
         })?;
@@ -473,73 +453,27 @@ impl PagedKvCache {
         self.write_table(&changes)?;
         let slots: Vec<i32> = ids.iter().map(|id| id.0 as i32).collect();
         self.upload_list(&slots)?;
-        let n = ids.len() as u32;
-        let h = self.cfg.kv_heads as u32;
-        let max_pages = self.max_pages as i32;
-        {
-            let e = &self.kernels.append;
-            let mut b = self.stream.launch_builder(&e.f);
-            b.arg(k).arg(v).arg(&self.slots).arg(&self.buffers.seq_lens);
-            b.arg(&mut self.buffers.k_pool)
-                .arg(&mut self.buffers.v_pool)
-                .arg(&self.buffers.page_table)
-                .arg(&max_pages);
-            b.arg(&mut self.buffers.k_sink)
-                .arg(&mut self.buffers.v_sink)
-                .arg(&mut self.buffers.k_tail)
-                .arg(&mut self.buffers.v_tail);
-            let cfg = LaunchConfig {
-                grid_dim: (n, h, 1),
-                block_dim: (e.entry.block, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: as in prefill.
-            unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
-        }
-        for which in ["k", "v"] {
-            let (q, pool, tail) = if which == "k" {
-                (
-                    self.kernels.k.as_ref(),
-                    &mut self.buffers.k_pool,
-                    &self.buffers.k_tail,
-                )
-            } else {
-                (
-                    self.kernels.v.as_ref(),
-                    &mut self.buffers.v_pool,
-                    &self.buffers.v_tail,
-                )
-            };
-            let Some(Quantizers { from_ring: e, .. }) = q else {
-                continue;
-            };
-            let mut b = self.stream.launch_builder(&e.f);
-            b.arg(&self.slots)
-                .arg(&self.buffers.seq_lens)
-                .arg(pool)
-                .arg(&self.buffers.page_table)
-                .arg(&max_pages)
-                .arg(tail);
-            let cfg = LaunchConfig {
-                grid_dim: (n, h, 1),
-                block_dim: (e.entry.block, 1, 1),
-                shared_mem_bytes: e.entry.dynamic_shared_bytes,
-            };
-            // SAFETY: as in prefill.
-            unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
-        }
-        let e = &self.kernels.commit;
-        let n_i = n as i32;
-        let mut b = self.stream.launch_builder(&e.f);
-        b.arg(&self.slots).arg(&n_i).arg(&mut self.buffers.seq_lens);
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(128), 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+        let b = &mut self.buffers;
+        let a = AppendArgs {
+            kv_heads: self.cfg.kv_heads,
+            max_pages: self.max_pages,
+            k_pool: Output::Slice(&mut b.k_pool),
+            v_pool: Output::Slice(&mut b.v_pool),
+            page_table: Input::Slice(&b.page_table),
+            k_sink: Output::Slice(&mut b.k_sink),
+            v_sink: Output::Slice(&mut b.v_sink),
+            k_tail: Output::Slice(&mut b.k_tail),
+            v_tail: Output::Slice(&mut b.v_tail),
+            seq_lens: Output::Slice(&mut b.seq_lens),
+            slots: Input::Slice(&self.slots),
+            n: ids.len(),
+            k_new: Input::Slice(k),
+            v_new: Input::Slice(v),
         };
-        // SAFETY: as in prefill.
-        unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
-        Ok(())
+        // SAFETY: the buffers are this cache's, sized by CacheSizes; `k`/`v` were checked to hold
+        // `ids.len()` rows, the slot list holds them, and the book put every page the step can
+        // complete into the page table above.
+        unsafe { launch_append(&self.stream, &self.kernels, a) }
     }
 
     /// The device buffers for the decode kernels: every slot is a row of the batch (`q`/`out` are
@@ -677,42 +611,4 @@ impl PagedKvCache {
 enum Tensor {
     K,
     V,
-}
-
-/// Launches a tensor's prefill page quantizer over `pages` jobs of `jobs` (no-op for FP16 tensors):
-/// grid (kv_heads, jobs), in as many launches as the grid's y extent (65535) needs.
-fn launch_from_input(
-    stream: &Arc<CudaStream>,
-    quantizers: Option<&Quantizers>,
-    pool: &mut CudaSlice<u8>,
-    x: &CudaSlice<u16>,
-    jobs: &CudaSlice<i32>,
-    pages: usize,
-    kv_heads: u32,
-) -> Result<()> {
-    const MAX_GRID_Y: usize = 65_535;
-    let Some(Quantizers { from_input: e, .. }) = quantizers else {
-        return Ok(());
-    };
-    if jobs.len() < 2 * pages {
-        return Err(RuntimeError::InvalidInput(format!(
-            "{pages} prefill jobs but a list of {} values",
-            jobs.len()
-        )));
-    }
-    for first in (0..pages).step_by(MAX_GRID_Y) {
-        let count = (pages - first).min(MAX_GRID_Y);
-        let part = jobs.slice(2 * first..2 * (first + count));
-        let mut b = stream.launch_builder(&e.f);
-        b.arg(x).arg(&part).arg(&mut *pool);
-        let cfg = LaunchConfig {
-            grid_dim: (kv_heads, count as u32, 1),
-            block_dim: (e.entry.block, 1, 1),
-            shared_mem_bytes: e.entry.dynamic_shared_bytes,
-        };
-        // SAFETY: arguments follow KernelEntry::params; `part` holds `count` (token, page) pairs
-        // naming pages of the pool, and `x` the input rows they start at.
-        unsafe { b.launch(cfg) }.map_err(launch_err(e))?;
-    }
-    Ok(())
 }

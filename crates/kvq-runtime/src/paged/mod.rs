@@ -5,11 +5,14 @@
 //!
 //! Layout and steps: docs/LAYOUT.md and docs/CACHE.md.
 
+mod append;
 mod cache;
 mod forms;
 mod kernels;
 mod pages;
+mod prefill;
 mod sizes;
+mod writer;
 
 pub use cache::{CacheConfig, MemoryReport, PagedKvCache, QuantizeTiming, SequenceSnapshot};
 pub use forms::{
@@ -18,3 +21,4 @@ pub use forms::{
 };
 pub use pages::{PageBook, SeqId};
 pub use sizes::CacheSizes;
+pub use writer::CacheWriter;

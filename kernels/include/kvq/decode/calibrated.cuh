@@ -130,7 +130,7 @@ static __device__ __forceinline__ void kvq_range_kernel(
     const kvq_u8* __restrict__ k_pool,
     const kvq_i32* __restrict__ page_table, int max_pages,
     const kvq_u16* __restrict__ k_sink, const kvq_u16* __restrict__ k_tail,
-    const kvq_i32* __restrict__ seq_lens,
+    const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots,
     float* __restrict__ score_range, float* __restrict__ scores)
 {
     kvq_allow_dependent_launch();   // the decode grid may be scheduled now (it waits for our ranges)
@@ -145,7 +145,8 @@ static __device__ __forceinline__ void kvq_range_kernel(
     const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
     const int range_splits = gridDim.x, kv_heads = gridDim.y;   // its own count, which decode is given
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, r = lane % 4;
-    const int len = seq_lens[seq];
+    const KvqSlot at = kvq_seq_slot(seq_slots, seq_lens, seq);
+    const int slot = at.slot, len = at.len;
     const long head_row = UNEVEN_GROUPS ? kvq_head_row(seq, kvh, kv_heads) : ((long)seq * kv_heads + kvh) * GQA;
     F fold;
     if constexpr (KVQ_RANGE_QUERY_KEPT) kvq_query_pairs<KBITS>(q, head_row, KVQ_RANGE_PACKED ? (g & 3) : g, r, fold.qk);
@@ -167,14 +168,14 @@ static __device__ __forceinline__ void kvq_range_kernel(
     }
 #pragma unroll
     for (int s = 0; s + 1 < KVQ_STAGES; ++s)
-        kvq_stage_next<false>(ring + s * ST_BYTES, ring_s + s * ST_BYTES, pos, w_end, len, seq, kvh, kv_heads, k_pool, 0, page_table,
+        kvq_stage_next<false>(ring + s * ST_BYTES, ring_s + s * ST_BYTES, pos, w_end, len, slot, seq, kvh, kv_heads, k_pool, 0, page_table,
                               max_pages, k_sink, 0, k_tail, 0, scores, lane);
     if constexpr (TABLE) {
         kvq_stage_query(*table, qraw, rawq);   // while the first chunk copies
         __syncthreads();
     }
     for (int stage = 0, fill = KVQ_STAGES - 1;; stage = kvq_next_stage(stage), fill = kvq_next_stage(fill)) {
-        kvq_stage_next<false>(ring + fill * ST_BYTES, ring_s + fill * ST_BYTES, pos, w_end, len, seq, kvh,
+        kvq_stage_next<false>(ring + fill * ST_BYTES, ring_s + fill * ST_BYTES, pos, w_end, len, slot, seq, kvh,
                               kv_heads, k_pool, 0, page_table, max_pages, k_sink, 0, k_tail, 0, scores, lane);
         kvq_wait_stage();
         const kvq_u8* const buf = ring + stage * ST_BYTES;
@@ -201,11 +202,11 @@ static __device__ __forceinline__ void kvq_range_kernel(
         if (pf < t1) pf = t1;
         while (pf < w_end && pf < t1 + 2 * TILE) {
             const int pe = kvq_chunk_end(pf, w_end, len);
-            const KvqSrc ns = k_source(pf, len, seq, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail);
+            const KvqSrc ns = k_source(pf, len, slot, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail);
             if (ns.quant) k_prefetch(ns, pe - pf, lane);
             pf = pe;
         }
-        const KvqSrc ks = k_source(t0, len, seq, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail);
+        const KvqSrc ks = k_source(t0, len, slot, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail);
         if (ks.quant)
             kvq_range_chunk<true>(ks.rows, ks.high, ks.block + KTensor::SCALES_OFFSET, ks.page, t1 - t0, g, r, q, head_row,
                                   query, fold, folded_page, lo, hi,

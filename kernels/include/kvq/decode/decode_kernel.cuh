@@ -17,7 +17,7 @@ static __device__ __forceinline__ void kvq_decode_kernel(
     const kvq_i32* __restrict__ page_table, int max_pages,
     const kvq_u16* __restrict__ k_sink, const kvq_u16* __restrict__ v_sink,
     const kvq_u16* __restrict__ k_tail, const kvq_u16* __restrict__ v_tail,
-    const kvq_i32* __restrict__ seq_lens,
+    const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots,
     const float* __restrict__ score_range, const float* __restrict__ scores,
     int range_splits,   // gridDim.x of the range grid: the splits score_range holds per head
     float* __restrict__ part_acc, float* __restrict__ part_ml,
@@ -40,7 +40,8 @@ static __device__ __forceinline__ void kvq_decode_kernel(
     const int part = cta.part, kvh = cta.kvh, seq = cta.seq;
     const int parts = gridDim.x, num_splits = parts - num_pieces, kv_heads = gridDim.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, r = lane % 4;
-    const int len = seq_lens[seq];
+    const KvqSlot at = kvq_seq_slot(seq_slots, seq_lens, seq);
+    const int slot = at.slot, len = at.len;
     const long head_row = UNEVEN_GROUPS ? kvq_head_row(seq, kvh, kv_heads) : ((long)seq * kv_heads + kvh) * GQA;
 
     float qmul[2], qadd[2] = {0.f, 0.f}, cmul[2], cadd[2];
@@ -86,7 +87,7 @@ static __device__ __forceinline__ void kvq_decode_kernel(
     KvqRingPos pos = kvq_ring_start<true>(w_begin, len);
     if constexpr (KVQ_STORED) {
         // The first stages copy stored scores: the range grid must have written them (and the ranges).
-        kvq_ring_warm(pos, w_end, len, seq, kvh, kv_heads, v_pool, page_table, max_pages, lane);
+        kvq_ring_warm(pos, w_end, len, slot, kvh, kv_heads, v_pool, page_table, max_pages, lane);
         kvq_calibration_after_range_grid(score_range, seq, kvh, kv_heads, range_splits, g, r, cmul, cadd);
         smul[0] = cmul[0] * sqrtf((float)D); smul[1] = cmul[1] * sqrtf((float)D);
     }
@@ -97,7 +98,7 @@ static __device__ __forceinline__ void kvq_decode_kernel(
     }
 #pragma unroll
     for (int s = 0; s + 1 < KVQ_STAGES; ++s)
-        kvq_stage_next<true>(ring + s * ST_BYTES, ring_s + s * ST_BYTES, pos, w_end, len, seq, kvh, kv_heads, k_pool, v_pool, page_table,
+        kvq_stage_next<true>(ring + s * ST_BYTES, ring_s + s * ST_BYTES, pos, w_end, len, slot, seq, kvh, kv_heads, k_pool, v_pool, page_table,
                              max_pages, k_sink, v_sink, k_tail, v_tail, scores, lane);
     if constexpr (TABLE) {
         kvq_stage_query(*table, qraw, rawq);   // while the first chunk copies
@@ -107,7 +108,7 @@ static __device__ __forceinline__ void kvq_decode_kernel(
     if constexpr (CALIBRATE && !KVQ_STORED)
         kvq_calibration_after_range_grid(score_range, seq, kvh, kv_heads, range_splits, g, r, cmul, cadd);
     for (int stage = 0, fill = KVQ_STAGES - 1;; stage = kvq_next_stage(stage), fill = kvq_next_stage(fill)) {
-        kvq_stage_next<true>(ring + fill * ST_BYTES, ring_s + fill * ST_BYTES, pos, w_end, len, seq, kvh, kv_heads, k_pool, v_pool, page_table,
+        kvq_stage_next<true>(ring + fill * ST_BYTES, ring_s + fill * ST_BYTES, pos, w_end, len, slot, seq, kvh, kv_heads, k_pool, v_pool, page_table,
                        max_pages, k_sink, v_sink, k_tail, v_tail, scores, lane);
         kvq_wait_stage();
         const kvq_u8* const buf = ring + stage * ST_BYTES;
@@ -173,12 +174,12 @@ static __device__ __forceinline__ void kvq_decode_kernel(
         if (pf < t1) pf = t1;
         while (KVQ_PREFETCH && pf < w_end && pf < t1 + 2 * TILE) {
             const int pe = kvq_chunk_end(pf, w_end, len);
-            if (!KVQ_STORED) k_prefetch(k_source(pf, len, seq, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail), pe - pf, lane);
-            v_prefetch(v_source(pf, len, seq, kvh, kv_heads, v_pool, page_table, max_pages, v_sink, v_tail), pe - pf, lane);
+            if (!KVQ_STORED) k_prefetch(k_source(pf, len, slot, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail), pe - pf, lane);
+            v_prefetch(v_source(pf, len, slot, kvh, kv_heads, v_pool, page_table, max_pages, v_sink, v_tail), pe - pf, lane);
             pf = pe;
         }
-        const KvqSrc ks = k_source(t0, len, seq, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail);
-        const KvqSrc vs = v_source(t0, len, seq, kvh, kv_heads, v_pool, page_table, max_pages, v_sink, v_tail);
+        const KvqSrc ks = k_source(t0, len, slot, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail);
+        const KvqSrc vs = v_source(t0, len, slot, kvh, kv_heads, v_pool, page_table, max_pages, v_sink, v_tail);
         float sc[H][NSUB][4];
         if constexpr (KVQ_STORED) {
         if (ks.quant)

@@ -163,7 +163,7 @@ static __device__ __forceinline__ void kvq_stage_scales_zeros(unsigned buf_s, co
 // the sink or the tail is worked out (measured on the H100: the general path took ~250
 // instructions per chunk of kivi2, a fifth of the kernel's).
 template <bool WITH_V>
-static __device__ __forceinline__ void kvq_stage_quant(kvq_u8* buf, unsigned buf_s, KvqRingPos& pos, int w_end, int len, int seq, int kvh,
+static __device__ __forceinline__ void kvq_stage_quant(kvq_u8* buf, unsigned buf_s, KvqRingPos& pos, int w_end, int len, int slot, int seq, int kvh,
     int kv_heads, const kvq_u8* k_pool, const kvq_u8* v_pool, const kvq_i32* page_table, int max_pages, const float* scores, int lane)
 {
     const int sink_end = min(SINK, len);
@@ -173,7 +173,7 @@ static __device__ __forceinline__ void kvq_stage_quant(kvq_u8* buf, unsigned buf
     const int n = end - pos.next;
     const bool new_page = page != pos.k_params_page;
     if (new_page) {
-        pos.k_phys = page_table[(long)seq * max_pages + page];
+        pos.k_phys = page_table[(long)slot * max_pages + page];
         pos.k_params_page = page;
     }
     const long head_block = (long)pos.k_phys * (kv_heads / HEAD_GROUPS) + kvh / HEAD_GROUPS;
@@ -219,13 +219,13 @@ static __device__ __forceinline__ void kvq_stage_quant(kvq_u8* buf, unsigned buf
 // moves `pos.next` past it; past the warp's range it stages nothing (n = 0). Every call ends with one
 // commit, so each chunk owns one cp.async group.
 template <bool WITH_V>
-static __device__ __forceinline__ void kvq_stage_next(kvq_u8* buf, unsigned buf_s, KvqRingPos& pos, int w_end, int len, int seq, int kvh,
+static __device__ __forceinline__ void kvq_stage_next(kvq_u8* buf, unsigned buf_s, KvqRingPos& pos, int w_end, int len, int slot, int seq, int kvh,
     int kv_heads, const kvq_u8* k_pool, const kvq_u8* v_pool, const kvq_i32* page_table, int max_pages,
     const kvq_u16* k_sink, const kvq_u16* v_sink, const kvq_u16* k_tail, const kvq_u16* v_tail, const float* scores, int lane)
 {
     if constexpr (KVQ_QUANT_FAST) {
     if (pos.next < w_end && pos.next >= min(SINK, len) && pos.next < pos.quant_end) {
-        kvq_stage_quant<WITH_V>(buf, buf_s, pos, w_end, len, seq, kvh, kv_heads, k_pool, v_pool, page_table, max_pages, scores, lane);
+        kvq_stage_quant<WITH_V>(buf, buf_s, pos, w_end, len, slot, seq, kvh, kv_heads, k_pool, v_pool, page_table, max_pages, scores, lane);
         return;
     }
     }
@@ -236,7 +236,7 @@ static __device__ __forceinline__ void kvq_stage_next(kvq_u8* buf, unsigned buf_
     if constexpr (KVQ_SKEWS) { c.k_skew = 0; c.kh_skew = 0; c.v_skew = 0; c.vs_skew = 0; c.vz_skew = 0; }
     if (next < w_end) {
         const int end = kvq_chunk_end(next, w_end, len);
-        const KvqSrc ks = k_source(next, len, seq, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail);
+        const KvqSrc ks = k_source(next, len, slot, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail);
         const int n = end - next;
         c.n = n;
         if (KVQ_STORED && WITH_V && ks.quant) {   // the decode kernel: the keys' stored scores
@@ -270,7 +270,7 @@ static __device__ __forceinline__ void kvq_stage_next(kvq_u8* buf, unsigned buf_
             if constexpr (WITH_V) kvq_prefetch(ks.rows, n * D * 2, lane);
         }
         if constexpr (WITH_V) {
-            const KvqSrc vs = v_source(next, len, seq, kvh, kv_heads, v_pool, page_table, max_pages, v_sink, v_tail);
+            const KvqSrc vs = v_source(next, len, slot, kvh, kv_heads, v_pool, page_table, max_pages, v_sink, v_tail);
             if (vs.quant) {
                 c.v = vs.block; c.v_page = vs.page;
                 if constexpr (KVQ_SKEWS) c.v_skew = kvq_stage_copy<TILE * V_ROW_BYTES>(buf_s + ST_V, vs.rows, n * V_ROW_BYTES, lane);
@@ -310,13 +310,13 @@ static __device__ __forceinline__ void kvq_stage_next(kvq_u8* buf, unsigned buf_
 // the quantized pages takes the general path as before.
 // (KVQ_STORED only; a template, instantiated only there.)
 template <int UNUSED = 0>
-static __device__ __forceinline__ void kvq_ring_warm(KvqRingPos& pos, int w_end, int len, int seq, int kvh, int kv_heads,
+static __device__ __forceinline__ void kvq_ring_warm(KvqRingPos& pos, int w_end, int len, int slot, int kvh, int kv_heads,
     const kvq_u8* v_pool, const kvq_i32* page_table, int max_pages, int lane)
 {
     const int sink_end = min(SINK, len);
     if (pos.next >= w_end || pos.next < sink_end || pos.next >= pos.quant_end) return;
     const int rel = pos.next - sink_end, page = rel / PAGE, r0 = rel - page * PAGE;
-    pos.k_phys = page_table[(long)seq * max_pages + page];
+    pos.k_phys = page_table[(long)slot * max_pages + page];
     pos.k_params_page = page;   // kvq_stage_quant reads no entry for this page again
     const kvq_u8* const vb = v_pool + ((long)pos.k_phys * (kv_heads / HEAD_GROUPS) + kvh / HEAD_GROUPS) * (long)V_BLOCK_BYTES;
     kvq_prefetch(vb + VTensor::CODES_OFFSET + r0 * V_ROW_BYTES, min(min(w_end - pos.next, KVQ_STAGES * TILE), PAGE - r0) * V_ROW_BYTES, lane);
