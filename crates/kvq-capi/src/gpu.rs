@@ -7,9 +7,10 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use kvq::codegen::Dtype;
+use kvq::codegen::{Dtype, KernelShape};
 use kvq::runtime::cudarc::driver::{sys, CudaStream};
-use kvq::runtime::{Device, Jit, MergeKernel};
+use kvq::runtime::tune::{default_launch, TuneProblem};
+use kvq::runtime::{CacheWriter, DecodeKernel, DecodeScratch, Device, Jit, MergeKernel, Pieces};
 
 use crate::plan::KvqPlan;
 use crate::status::{call, Failure, KvqStatus};
@@ -80,8 +81,121 @@ pub fn merge_kernel(gpu: &Gpu, plan: &KvqPlan) -> Result<Arc<MergeKernel>, Failu
     })
 }
 
+/// A plan's kernels on one GPU, and the launch each batch size gets.
+pub struct PlanKernels {
+    /// The fused decode kernel (the heuristic's block for the plan's largest batch and longest
+    /// sequence).
+    pub decode: DecodeKernel,
+    /// The cache kernels (prefill, append).
+    pub writer: CacheWriter,
+    /// `(splits, pieces)` of an attend over `n` sequences, at index `n - 1`.
+    launches: Vec<(usize, Pieces)>,
+    /// Bytes of the workspace every call of the plan on this GPU may use.
+    pub workspace_bytes: usize,
+}
+
+impl PlanKernels {
+    fn load(gpu: &Gpu, plan: &KvqPlan) -> Result<PlanKernels, Failure> {
+        let l = plan.limits();
+        let (kv_heads, max_seqs) = (l.kv_heads as usize, l.max_seqs as usize);
+        let max_len = l.max_seq_len as usize;
+        let max_pages = plan.sizes().max_pages;
+        let shape = KernelShape::new(l.head_dim, l.q_heads / l.kv_heads, plan.dtype());
+        let problem = TuneProblem::new(*plan.spec(), shape, kv_heads, max_seqs, max_len);
+        let (_, decode) = default_launch(&gpu.jit, &problem).map_err(Failure::runtime)?;
+        let writer = CacheWriter::load(&gpu.jit, plan.spec(), l.head_dim as usize, plan.dtype())
+            .map_err(Failure::runtime)?;
+        let sm_count = gpu.device.props().sm_count as usize;
+        let mut launches = Vec::with_capacity(max_seqs);
+        // The prefill's job list shares the workspace: two values a page of every slot at most.
+        let mut workspace_bytes = 8 * max_seqs * max_pages;
+        for n in 1..=max_seqs {
+            let splits = decode
+                .default_splits(n, kv_heads, max_len, sm_count)
+                .map_err(Failure::runtime)?;
+            let pieces = decode.default_pieces(max_len, splits);
+            let layout = decode
+                .workspace_layout(n, kv_heads, max_pages, splits, pieces)
+                .map_err(Failure::runtime)?;
+            workspace_bytes = workspace_bytes.max(layout.bytes);
+            launches.push((splits, pieces));
+        }
+        Ok(PlanKernels {
+            decode,
+            writer,
+            launches,
+            workspace_bytes,
+        })
+    }
+
+    /// `(splits, pieces)` of an attend over `n` (1 up to the plan's `max_seqs`) sequences.
+    pub fn launch(&self, n: usize) -> Option<(usize, Pieces)> {
+        n.checked_sub(1).and_then(|i| self.launches.get(i).copied())
+    }
+
+    /// The scratch of an attend over `n` (1 up to the plan's `max_seqs`) sequences in the
+    /// workspace at `workspace`.
+    ///
+    /// # Safety
+    /// `workspace` is a device allocation of the GPU's context of at least `workspace_bytes`
+    /// bytes, used by nothing else while the launches run.
+    pub unsafe fn scratch(
+        &self,
+        plan: &KvqPlan,
+        n: usize,
+        workspace: u64,
+    ) -> Result<DecodeScratch, Failure> {
+        let (splits, pieces) = self.launch(n).ok_or_else(|| {
+            Failure::argument(format!(
+                "{n} sequences (the plan takes 1 to {})",
+                self.launches.len()
+            ))
+        })?;
+        let l = plan.limits();
+        let layout = self
+            .decode
+            .workspace_layout(
+                n,
+                l.kv_heads as usize,
+                plan.sizes().max_pages,
+                splits,
+                pieces,
+            )
+            .map_err(Failure::runtime)?;
+        // SAFETY: the layout fits workspace_bytes (PlanKernels::load took the largest), and the
+        // caller vouches for the allocation.
+        unsafe { DecodeScratch::lent(&layout, workspace) }.map_err(Failure::runtime)
+    }
+}
+
+/// A plan's kernels by GPU ordinal, loaded on first use.
+#[derive(Default)]
+pub struct PlanGpus(Mutex<HashMap<usize, Arc<PlanKernels>>>);
+
+impl std::fmt::Debug for PlanGpus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        f.debug_struct("PlanGpus")
+            .field("ordinals", &map.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// `plan`'s kernels on `gpu`, compiled (through the disk cache) on first use.
+pub fn plan_kernels(gpu: &Gpu, plan: &KvqPlan) -> Result<Arc<PlanKernels>, Failure> {
+    let ordinal = gpu.device.ordinal();
+    // A load runs under the lock: a second thread waits for the first one's compile.
+    let mut map = plan.loaded.0.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(k) = map.get(&ordinal) {
+        return Ok(k.clone());
+    }
+    let k = Arc::new(PlanKernels::load(gpu, plan)?);
+    map.insert(ordinal, k.clone());
+    Ok(k)
+}
+
 /// Compiles (or loads from the disk cache) `plan`'s kernels on GPU `device` now, so that no later
-/// call compiles: call it before capturing a CUDA graph. Today that is the merge kernel.
+/// call compiles: call it before capturing a CUDA graph (merge, prefill, append and attend).
 ///
 /// # Safety
 /// `plan` is NULL or a live plan.
@@ -92,6 +206,30 @@ pub unsafe extern "C" fn kvq_plan_load(plan: *const KvqPlan, device: i32) -> Kvq
         let ordinal = usize::try_from(device)
             .map_err(|_| Failure::argument(format!("device {device} (expected an ordinal ≥ 0)")))?;
         let gpu = gpu(ordinal)?;
-        merge_kernel(&gpu, plan).map(|_| ())
+        merge_kernel(&gpu, plan)?;
+        plan_kernels(&gpu, plan).map(|_| ())
+    })
+}
+
+/// Stores in `*bytes` the size of the workspace `kvq_prefill` and `kvq_attend` take for `plan` on
+/// GPU `device` (loading the plan's kernels there first, as `kvq_plan_load`). It depends on the
+/// GPU (its SMs set the split counts), so ask on each kind of GPU the engine runs on.
+///
+/// # Safety
+/// `plan` is NULL or a live plan; `bytes` is NULL or points at a writable `uint64_t`.
+#[no_mangle]
+pub unsafe extern "C" fn kvq_plan_workspace_bytes(
+    plan: *const KvqPlan,
+    device: i32,
+    bytes: *mut u64,
+) -> KvqStatus {
+    call(|| {
+        let plan = unsafe { plan.as_ref() }.ok_or_else(|| Failure::argument("plan is NULL"))?;
+        let bytes = unsafe { bytes.as_mut() }.ok_or_else(|| Failure::argument("bytes is NULL"))?;
+        let ordinal = usize::try_from(device)
+            .map_err(|_| Failure::argument(format!("device {device} (expected an ordinal ≥ 0)")))?;
+        let gpu = gpu(ordinal)?;
+        *bytes = plan_kernels(&gpu, plan)?.workspace_bytes as u64;
+        Ok(())
     })
 }

@@ -2,10 +2,18 @@
 //! language with a C FFI). `include/kvq.h` is generated from this crate by cbindgen; a test fails
 //! when the committed header differs from what the sources generate.
 //!
-//! Today the ABI makes **plans**: a scheme (a built-in's name or scheme text) and a shape with its
-//! limits, checked once, which say exactly which device buffers the engine allocates and how large
-//! each is. Making a plan needs no GPU. A scheme without a GPU kernel, or a shape the fast kernels
-//! do not serve, is refused with a status and a message, never served by a slow kernel.
+//! A **plan** is a scheme (a built-in's name or scheme text) and a shape with its limits, checked
+//! once, which says exactly which device buffers the engine allocates and how large each is.
+//! Making a plan needs no GPU. A scheme without a GPU kernel, or a shape the fast kernels do not
+//! serve, is refused with a status and a message, never served by a slow kernel.
+//!
+//! The calls then run on the engine's stream and memory (docs/ENGINE.md): `kvq_prefill` (prompts
+//! into empty sequence slots), `kvq_append` (a new token a sequence), `kvq_attend` (one query
+//! token a sequence: output and LSE) and `kvq_merge` (partial results of context parallelism).
+//! Sequences live in *slots* (rows of the per-sequence buffers and of the block table); each
+//! step names its rows' slots in device memory, so batches change without moving state, and
+//! `kvq_append`/`kvq_attend` are CUDA-graph capturable. `kvq_plan_load` compiles every kernel
+//! ahead of time.
 //!
 //! Conventions: every call returns a [`KvqStatus`]; on failure
 //! [`kvq_last_error_message`] holds the calling thread's message. No call unwinds or aborts: a
@@ -37,8 +45,9 @@ mod gpu;
 mod merge;
 mod plan;
 mod status;
+mod steps;
 
-pub use gpu::kvq_plan_load;
+pub use gpu::{gpu, kvq_plan_load, kvq_plan_workspace_bytes, plan_kernels, Gpu, PlanKernels};
 /// The element types a plan's kernels take (`KvqPlan::dtype`).
 pub use kvq::codegen::Dtype;
 pub use merge::kvq_merge;
@@ -48,6 +57,7 @@ pub use plan::{
     KVQ_BUFFER_ALIGNMENT, KVQ_DTYPE_BF16, KVQ_DTYPE_F16,
 };
 pub use status::{call, kvq_last_error_message, kvq_status_name, Failure, KvqStatus};
+pub use steps::{kvq_append, kvq_attend, kvq_prefill, KvqCache};
 
 /// kvq's version, e.g. `"0.1.0"` (static storage).
 #[no_mangle]

@@ -8,6 +8,7 @@ use kvq::codegen::{decode_kernels, CodegenError, Dtype, KernelShape, TuneParams,
 use kvq::runtime::{CacheConfig, CacheSizes};
 use kvq::SchemeSpec;
 
+use crate::gpu::PlanGpus;
 use crate::status::{call, Failure, KvqStatus};
 
 /// Query and output element type: `half`.
@@ -74,7 +75,8 @@ pub struct KvqBuffer {
     pub layout: *const c_char,
 }
 
-/// A checked scheme, shape and limits: what memory the engine must give kvq's kernels. Opaque to C.
+/// A checked scheme, shape and limits: what memory the engine must give kvq's kernels, and the
+/// kernels loaded for it on each GPU it has run on. Opaque to C.
 #[derive(Debug)]
 pub struct KvqPlan {
     spec: SchemeSpec,
@@ -82,10 +84,12 @@ pub struct KvqPlan {
     dtype: Dtype,
     sizes: CacheSizes,
     scheme_text: CString,
+    pub(crate) loaded: PlanGpus,
 }
 
-/// The buffers of every plan, in the order `kvq_plan_buffer` numbers them.
-const BUFFERS: [(&CStr, &CStr); 6] = [
+/// The buffers of every plan, in the order `kvq_plan_buffer` numbers them (and `KvqCache` holds
+/// them).
+const BUFFERS: [(&CStr, &CStr); 8] = [
     (
         c"k_pool",
         c"[pool page][kv_head][k_block_bytes] bytes: K page blocks (docs/LAYOUT.md)",
@@ -109,6 +113,15 @@ const BUFFERS: [(&CStr, &CStr); 6] = [
     (
         c"v_tail",
         c"[sequence slot][kv_head][ring][head_dim] f16: V's FP16 local window and open page",
+    ),
+    (
+        c"seq_lens",
+        c"[sequence slot] i32: tokens each slot holds, kept by kvq_prefill and kvq_append",
+    ),
+    (
+        c"page_table",
+        c"[sequence slot][max_pages_per_seq] i32: the engine's block table, pool page of each \
+          logical page (written by the engine before a call fills the page)",
     ),
 ];
 
@@ -138,6 +151,7 @@ impl KvqPlan {
             dtype,
             sizes,
             scheme_text,
+            loaded: PlanGpus::default(),
         })
     }
 
@@ -171,6 +185,8 @@ impl KvqPlan {
             2 * s.v_sink_halves,
             2 * s.k_tail_halves,
             2 * s.v_tail_halves,
+            4 * self.limits.max_seqs as usize,
+            4 * s.page_table_entries,
         ];
         let (name, layout) = BUFFERS.get(index)?;
         Some(KvqBuffer {

@@ -90,3 +90,154 @@ fn without_a_driver_or_gpu_the_calls_say_so() {
     );
     assert!(last_message().contains("device -1"), "{}", last_message());
 }
+
+/// A cache of fake device pointers (never dereferenced: every case below fails before a launch).
+fn fake_cache() -> KvqCache {
+    let fake = 0x1000 as *mut c_void;
+    KvqCache {
+        k_pool: fake,
+        v_pool: fake,
+        k_sink: fake,
+        v_sink: fake,
+        k_tail: fake,
+        v_tail: fake,
+        seq_lens: fake,
+        page_table: fake,
+    }
+}
+
+/// `kvq_prefill` of `slots`/`tokens` on fake buffers: the status and this thread's message.
+fn prefill_fake(
+    plan: &KvqPlan,
+    cache: &KvqCache,
+    slots: &[i32],
+    tokens: &[u32],
+) -> (KvqStatus, String) {
+    let fake = 0x1000 as *mut c_void;
+    let status = unsafe {
+        kvq_prefill(
+            plan,
+            cache,
+            ptr::null_mut(),
+            slots.len() as u32,
+            slots.as_ptr(),
+            tokens.as_ptr(),
+            fake,
+            fake,
+            fake,
+        )
+    };
+    (status, last_message())
+}
+
+#[test]
+fn step_arguments_are_checked_before_the_driver() {
+    let plan = plan();
+    let cache = fake_cache();
+    let bad = |(status, message): (KvqStatus, String), needle: &str| {
+        assert_eq!(status, KvqStatus::InvalidArgument, "{message}");
+        assert!(message.contains(needle), "{needle:?} in {message:?}");
+    };
+    bad(prefill_fake(&plan, &cache, &[4], &[10]), "slots[0] = 4");
+    bad(prefill_fake(&plan, &cache, &[-1], &[10]), "slots[0] = -1");
+    bad(
+        prefill_fake(&plan, &cache, &[0], &[4097]),
+        "longer than the plan's max_seq_len",
+    );
+    bad(
+        prefill_fake(&plan, &cache, &[1, 1], &[3, 4]),
+        "slot 1 appears twice",
+    );
+    bad(
+        prefill_fake(&plan, &cache, &[0; 5], &[1; 5]),
+        "more than the plan's max_seqs",
+    );
+    let mut no_table = cache;
+    no_table.page_table = ptr::null_mut();
+    bad(
+        prefill_fake(&plan, &no_table, &[0], &[1]),
+        "cache->page_table is NULL",
+    );
+    let mut no_lens = cache;
+    no_lens.seq_lens = ptr::null_mut();
+    bad(
+        prefill_fake(&plan, &no_lens, &[0], &[1]),
+        "cache->seq_lens is NULL",
+    );
+    let fake = 0x1000 as *mut c_void;
+    let status = unsafe {
+        kvq_attend(
+            &plan,
+            &cache,
+            ptr::null_mut(),
+            2,
+            fake.cast(),
+            fake,
+            ptr::null_mut(),
+            ptr::null_mut(),
+            fake,
+        )
+    };
+    bad((status, last_message()), "out is NULL");
+    let status = unsafe {
+        kvq_attend(
+            &plan,
+            &cache,
+            ptr::null_mut(),
+            9,
+            fake.cast(),
+            fake,
+            fake,
+            ptr::null_mut(),
+            fake,
+        )
+    };
+    bad(
+        (status, last_message()),
+        "9 sequences, more than the plan's max_seqs (4)",
+    );
+    let status = unsafe {
+        kvq_append(
+            &plan,
+            ptr::null(),
+            ptr::null_mut(),
+            1,
+            fake.cast(),
+            fake,
+            fake,
+        )
+    };
+    bad((status, last_message()), "cache is NULL");
+}
+
+#[test]
+fn a_plan_lists_the_lengths_and_the_block_table() {
+    let plan = plan();
+    let info = plan.info();
+    let names: Vec<String> = (0..plan.buffer_count())
+        .map(|i| {
+            let b = plan.buffer(i).unwrap();
+            unsafe { CStr::from_ptr(b.name) }
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "k_pool",
+            "v_pool",
+            "k_sink",
+            "v_sink",
+            "k_tail",
+            "v_tail",
+            "seq_lens",
+            "page_table"
+        ]
+    );
+    assert_eq!(plan.buffer(6).unwrap().bytes, 4 * 4);
+    assert_eq!(
+        plan.buffer(7).unwrap().bytes,
+        4 * 4 * u64::from(info.max_pages_per_seq)
+    );
+}

@@ -72,7 +72,9 @@ fn every_gpu_builtin_plans_every_fast_head_dim_with_the_runtime_sizes() {
                     }
                     let fp16 = sizes.fp16_state_bytes() as u64;
                     let pools = (sizes.k_pool_bytes + sizes.v_pool_bytes) as u64;
-                    assert_eq!(sum, pools + fp16, "{} d{d}", b.name);
+                    // Lengths (an i32 a slot) and the block table (an i32 a page a slot).
+                    let tables = 4 * (4 + sizes.page_table_entries) as u64;
+                    assert_eq!(sum, pools + fp16 + tables, "{} d{d}", b.name);
                     assert_eq!(info.total_bytes, sum);
                     assert_eq!(info.page_bytes * 256, pools);
                     assert_eq!(info.state_bytes_per_seq * 4, fp16);
@@ -207,11 +209,11 @@ fn null_and_non_utf8_arguments_are_errors_not_crashes() {
     );
     let mut buf: KvqBuffer = unsafe { std::mem::zeroed() };
     assert_eq!(
-        unsafe { kvq_plan_buffer(plan, 6, &mut buf) },
+        unsafe { kvq_plan_buffer(plan, 8, &mut buf) },
         KvqStatus::InvalidArgument
     );
     assert!(
-        last_message().contains("buffer index 6"),
+        last_message().contains("buffer index 8"),
         "{}",
         last_message()
     );

@@ -1,0 +1,291 @@
+//! The calls of a decoding step on an engine's own cache: `kvq_prefill` (prompts into empty
+//! sequence slots), `kvq_append` (one new token a sequence) and `kvq_attend` (one query token a
+//! sequence, output and LSE). All run on the caller's stream and memory and allocate nothing;
+//! `kvq_append` and `kvq_attend` take their sequence slots in device memory and never synchronise
+//! with the host, so a CUDA graph can capture them (after `kvq_plan_load`).
+
+use std::ffi::c_void;
+
+use kvq::runtime::CachePtrs;
+
+use crate::gpu::{plan_kernels, stream_gpu};
+use crate::plan::KvqPlan;
+use crate::status::{call, Failure, KvqStatus};
+
+/// A plan's buffers in the engine's memory (device pointers, each allocated as `kvq_plan_buffer`
+/// says for the same index). A buffer of 0 bytes may be NULL.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KvqCache {
+    /// Buffer 0: K page blocks.
+    pub k_pool: *mut c_void,
+    /// Buffer 1: V page blocks.
+    pub v_pool: *mut c_void,
+    /// Buffer 2: K's FP16 sinks.
+    pub k_sink: *mut c_void,
+    /// Buffer 3: V's FP16 sinks.
+    pub v_sink: *mut c_void,
+    /// Buffer 4: K's FP16 tail rings.
+    pub k_tail: *mut c_void,
+    /// Buffer 5: V's FP16 tail rings.
+    pub v_tail: *mut c_void,
+    /// Buffer 6: tokens per sequence slot.
+    pub seq_lens: *mut c_void,
+    /// Buffer 7: the block table, `[sequence slot][max_pages_per_seq]` i32.
+    pub page_table: *mut c_void,
+}
+
+/// The cache's pointers for the runtime, or an error naming a NULL buffer the plan needs.
+fn cache_ptrs(plan: &KvqPlan, cache: &KvqCache) -> Result<CachePtrs, Failure> {
+    let fields = [
+        cache.k_pool,
+        cache.v_pool,
+        cache.k_sink,
+        cache.v_sink,
+        cache.k_tail,
+        cache.v_tail,
+        cache.seq_lens,
+        cache.page_table,
+    ];
+    for (i, ptr) in fields.iter().enumerate() {
+        let b = plan
+            .buffer(i)
+            .expect("the plan numbers every KvqCache field");
+        if ptr.is_null() && b.bytes > 0 {
+            // SAFETY: buffer names are static NUL-terminated strings.
+            let name = unsafe { std::ffi::CStr::from_ptr(b.name) }.to_string_lossy();
+            return Err(Failure::argument(format!("cache->{name} is NULL")));
+        }
+    }
+    let l = plan.limits();
+    Ok(CachePtrs {
+        kv_heads: l.kv_heads as usize,
+        head_dim: l.head_dim as usize,
+        max_pages: plan.sizes().max_pages,
+        k_pool: cache.k_pool as u64,
+        v_pool: cache.v_pool as u64,
+        page_table: cache.page_table as u64,
+        k_sink: cache.k_sink as u64,
+        v_sink: cache.v_sink as u64,
+        k_tail: cache.k_tail as u64,
+        v_tail: cache.v_tail as u64,
+        seq_lens: cache.seq_lens as u64,
+    })
+}
+
+/// The plan and cache behind two argument pointers.
+///
+/// # Safety
+/// Each pointer is NULL or valid.
+unsafe fn plan_and_cache<'a>(
+    plan: *const KvqPlan,
+    cache: *const KvqCache,
+) -> Result<(&'a KvqPlan, CachePtrs), Failure> {
+    let plan = unsafe { plan.as_ref() }.ok_or_else(|| Failure::argument("plan is NULL"))?;
+    let cache = unsafe { cache.as_ref() }.ok_or_else(|| Failure::argument("cache is NULL"))?;
+    let ptrs = cache_ptrs(plan, cache)?;
+    Ok((plan, ptrs))
+}
+
+/// Checks a step's sequence count against the plan.
+fn check_count(plan: &KvqPlan, n: u32, what: &str) -> Result<(), Failure> {
+    let max = plan.limits().max_seqs;
+    if n > max {
+        return Err(Failure::argument(format!(
+            "{what}: {n} sequences, more than the plan's max_seqs ({max})"
+        )));
+    }
+    Ok(())
+}
+
+/// Prefills `n` empty sequence slots with prompts packed back to back: `k` and `v` are
+/// `[Σ tokens][kv_heads][head_dim]` in the plan's dtype, prompt `i` (`tokens[i]` tokens, into slot
+/// `slots[i]`) after prompts `< i`. `slots` and `tokens` are host arrays of `n`. Each prompt's sink
+/// and tail stay in FP16, its whole pages are quantized into the pool pages its block-table row
+/// names (the engine writes those entries first), and its slot's length becomes its tokens; a
+/// prompt of 0 tokens empties its slot (before appending to a new sequence). `workspace` is the
+/// plan's workspace (`kvq_plan_workspace_bytes`). Runs on `stream` with no allocation; the job
+/// list is copied from the host, so the call does not belong in a CUDA graph.
+///
+/// # Safety
+/// `plan` and `cache` are NULL or valid; `slots` and `tokens` NULL or `n` readable values;
+/// `stream` NULL or a live stream of the device's primary context; the device buffers that device's
+/// memory of the plan's sizes, alive until the launches have run.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvq_prefill(
+    plan: *const KvqPlan,
+    cache: *const KvqCache,
+    stream: *mut c_void,
+    n: u32,
+    slots: *const i32,
+    tokens: *const u32,
+    k: *const c_void,
+    v: *const c_void,
+    workspace: *mut c_void,
+) -> KvqStatus {
+    call(|| {
+        let (plan, ptrs) = unsafe { plan_and_cache(plan, cache) }?;
+        check_count(plan, n, "kvq_prefill")?;
+        if n == 0 {
+            return Ok(());
+        }
+        if slots.is_null() || tokens.is_null() {
+            return Err(Failure::argument("slots or tokens is NULL"));
+        }
+        // SAFETY: the caller vouches for `n` readable values each.
+        let (slots, tokens) = unsafe {
+            (
+                std::slice::from_raw_parts(slots, n as usize),
+                std::slice::from_raw_parts(tokens, n as usize),
+            )
+        };
+        let l = plan.limits();
+        let mut prompts = Vec::with_capacity(n as usize);
+        for (i, (&slot, &t)) in slots.iter().zip(tokens).enumerate() {
+            if slot < 0 || slot as u32 >= l.max_seqs {
+                return Err(Failure::argument(format!(
+                    "slots[{i}] = {slot} (expected 0 up to max_seqs − 1 = {})",
+                    l.max_seqs - 1
+                )));
+            }
+            if t > l.max_seq_len {
+                return Err(Failure::argument(format!(
+                    "tokens[{i}] = {t}, longer than the plan's max_seq_len ({})",
+                    l.max_seq_len
+                )));
+            }
+            if prompts.iter().any(|&(s, _)| s == slot as usize) {
+                return Err(Failure::argument(format!(
+                    "slot {slot} appears twice among the prompts"
+                )));
+            }
+            prompts.push((slot as usize, t as usize));
+        }
+        let total: usize = prompts.iter().map(|p| p.1).sum();
+        if total > 0 && (k.is_null() || v.is_null()) {
+            return Err(Failure::argument("k or v is NULL"));
+        }
+        if workspace.is_null() {
+            return Err(Failure::argument("workspace is NULL"));
+        }
+        let (gpu, stream) = unsafe { stream_gpu(stream) }?;
+        let kernels = plan_kernels(&gpu, plan)?;
+        // SAFETY: the caller vouches for the buffers; the workspace holds the job list of any
+        // prefill within the plan's limits (PlanKernels::load).
+        unsafe {
+            kernels.writer.prefill_raw(
+                &stream,
+                &ptrs,
+                &prompts,
+                k as u64,
+                v as u64,
+                workspace as u64,
+                kernels.workspace_bytes / 4,
+            )
+        }
+        .map_err(Failure::runtime)
+    })
+}
+
+/// Appends one token's K and V to each of `n` sequences: `k_new`/`v_new` are
+/// `[n][kv_heads][head_dim]` in the plan's dtype, row `i` for the slot `slots[i]` names (`slots`:
+/// `n` i32 in device memory, distinct; −1 marks a padding row, skipped). The token goes to
+/// position `seq_lens[slot]`; when it completes a page (after the sink and local window), that page
+/// is quantized into the pool page the block table names for it; then `seq_lens[slot]` grows by
+/// one. No host synchronisation, no allocation: capturable in a CUDA graph.
+///
+/// # Safety
+/// As `kvq_prefill`; `slots` holds `n` device i32, each −1 or a slot below max_seqs whose
+/// block-table row names the page its token completes.
+#[no_mangle]
+pub unsafe extern "C" fn kvq_append(
+    plan: *const KvqPlan,
+    cache: *const KvqCache,
+    stream: *mut c_void,
+    n: u32,
+    slots: *const i32,
+    k_new: *const c_void,
+    v_new: *const c_void,
+) -> KvqStatus {
+    call(|| {
+        let (plan, ptrs) = unsafe { plan_and_cache(plan, cache) }?;
+        check_count(plan, n, "kvq_append")?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (gpu, stream) = unsafe { stream_gpu(stream) }?;
+        let kernels = plan_kernels(&gpu, plan)?;
+        // SAFETY: the caller vouches for the buffers and slots.
+        unsafe {
+            kernels.writer.append_raw(
+                &stream,
+                &ptrs,
+                n as usize,
+                slots as u64,
+                k_new as u64,
+                v_new as u64,
+            )
+        }
+        .map_err(Failure::runtime)
+    })
+}
+
+/// Decode attention of one query token for each of `n` sequences over everything its slot holds
+/// (after this step's `kvq_append`): `q` and `out` are `[n][q_heads][head_dim]` in the plan's
+/// dtype, row `i` for the slot `slots[i]` names (`slots`: `n` i32 in device memory; −1: a padding
+/// row, whose output is zeros); `lse` (NULL: not written) gets `[n][q_heads]` f32, each row's
+/// `ln Σ exp(q·k/√head_dim)` for `kvq_merge`. `workspace` is the plan's workspace. No host
+/// synchronisation, no allocation: capturable in a CUDA graph.
+///
+/// # Safety
+/// As `kvq_append`; `q`, `out` and `lse` device memory of the sizes above.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvq_attend(
+    plan: *const KvqPlan,
+    cache: *const KvqCache,
+    stream: *mut c_void,
+    n: u32,
+    slots: *const i32,
+    q: *const c_void,
+    out: *mut c_void,
+    lse: *mut f32,
+    workspace: *mut c_void,
+) -> KvqStatus {
+    call(|| {
+        let (plan, ptrs) = unsafe { plan_and_cache(plan, cache) }?;
+        check_count(plan, n, "kvq_attend")?;
+        if n == 0 {
+            return Ok(());
+        }
+        for (name, null) in [
+            ("slots", slots.is_null()),
+            ("q", q.is_null()),
+            ("out", out.is_null()),
+            ("workspace", workspace.is_null()),
+        ] {
+            if null {
+                return Err(Failure::argument(format!("{name} is NULL")));
+            }
+        }
+        let (gpu, stream) = unsafe { stream_gpu(stream) }?;
+        let kernels = plan_kernels(&gpu, plan)?;
+        // SAFETY: the caller vouches for the workspace (the plan's size).
+        let mut scratch = unsafe { kernels.scratch(plan, n as usize, workspace as u64) }?;
+        // SAFETY: the caller vouches for the buffers and slots.
+        unsafe {
+            kernels.decode.attend_raw(
+                &stream,
+                &ptrs,
+                n as usize,
+                slots as u64,
+                q as u64,
+                out as u64,
+                lse as u64,
+                &mut scratch,
+            )
+        }
+        .map_err(Failure::runtime)
+    })
+}
