@@ -6,8 +6,12 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
+use std::ffi::c_void;
+
 use kvq_capi::Dtype;
-use kvq_capi::{Failure, KvqPlan, KvqPlanLimits, KvqStatus, KVQ_DTYPE_BF16, KVQ_DTYPE_F16};
+use kvq_capi::{
+    Failure, KvqCache, KvqPlan, KvqPlanLimits, KvqStatus, KVQ_DTYPE_BF16, KVQ_DTYPE_F16,
+};
 
 create_exception!(
     kvq,
@@ -68,6 +72,33 @@ fn raise(f: Failure) -> PyErr {
         KvqStatus::Cuda => CudaError::new_err(f.message),
         KvqStatus::Compile => CompileError::new_err(f.message),
         KvqStatus::Ok | KvqStatus::Internal => InternalError::new_err(f.message),
+    }
+}
+
+/// A C call's status as a Python result: the thread's message in the exception its status names.
+fn status(s: KvqStatus) -> PyResult<()> {
+    if s == KvqStatus::Ok {
+        return Ok(());
+    }
+    // SAFETY: the message is the calling thread's, NUL-terminated, valid until its next call.
+    let message = unsafe { std::ffi::CStr::from_ptr(kvq_capi::kvq_last_error_message()) }
+        .to_string_lossy()
+        .into_owned();
+    Err(raise(Failure::new(s, message)))
+}
+
+/// The eight buffer addresses, in the plan's order, as the C struct.
+fn kvq_cache(p: [u64; 8]) -> KvqCache {
+    let a = |i: usize| p[i] as *mut c_void;
+    KvqCache {
+        k_pool: a(0),
+        v_pool: a(1),
+        k_sink: a(2),
+        v_sink: a(3),
+        k_tail: a(4),
+        v_tail: a(5),
+        seq_lens: a(6),
+        page_table: a(7),
     }
 }
 
@@ -173,6 +204,42 @@ impl Plan {
         }
     }
 
+    /// Channels per head.
+    #[getter]
+    fn head_dim(&self) -> u32 {
+        self.plan.limits().head_dim
+    }
+
+    /// Query heads per sequence.
+    #[getter]
+    fn q_heads(&self) -> u32 {
+        self.plan.limits().q_heads
+    }
+
+    /// KV heads per sequence.
+    #[getter]
+    fn kv_heads(&self) -> u32 {
+        self.plan.limits().kv_heads
+    }
+
+    /// Sequence slots.
+    #[getter]
+    fn max_seqs(&self) -> u32 {
+        self.plan.limits().max_seqs
+    }
+
+    /// Longest sequence, in tokens.
+    #[getter]
+    fn max_seq_len(&self) -> u32 {
+        self.plan.limits().max_seq_len
+    }
+
+    /// Pages in the pool.
+    #[getter]
+    fn pool_pages(&self) -> u32 {
+        self.plan.limits().pool_pages
+    }
+
     /// Tokens of one page.
     #[getter]
     fn page_tokens(&self) -> u32 {
@@ -231,6 +298,147 @@ impl Plan {
                 })
             })
             .collect()
+    }
+
+    /// Compiles (or loads from the disk cache) the plan's kernels on CUDA device `device` now, so
+    /// that no later call compiles (call it before capturing a CUDA graph).
+    fn load(&self, py: Python<'_>, device: i32) -> PyResult<()> {
+        let plan = &self.plan;
+        status(py.detach(|| unsafe { kvq_capi::kvq_plan_load(plan, device) }))
+    }
+
+    /// Bytes of the workspace `prefill` and `attend` take on CUDA device `device` (loads the
+    /// kernels there first).
+    fn workspace_bytes(&self, py: Python<'_>, device: i32) -> PyResult<u64> {
+        let plan = &self.plan;
+        let mut bytes = 0u64;
+        status(
+            py.detach(|| unsafe { kvq_capi::kvq_plan_workspace_bytes(plan, device, &mut bytes) }),
+        )?;
+        Ok(bytes)
+    }
+
+    /// `kvq_prefill` on device addresses (`kvq.torch` passes tensors' `data_ptr()`): `cache` the
+    /// plan's eight buffers in order, `slots` and `tokens` host lists.
+    #[allow(clippy::too_many_arguments)]
+    fn _prefill(
+        &self,
+        py: Python<'_>,
+        cache: [u64; 8],
+        stream: u64,
+        slots: Vec<i32>,
+        tokens: Vec<u32>,
+        k: u64,
+        v: u64,
+        workspace: u64,
+    ) -> PyResult<()> {
+        if slots.len() != tokens.len() {
+            return Err(InvalidArgument::new_err(format!(
+                "{} slots but {} token counts",
+                slots.len(),
+                tokens.len()
+            )));
+        }
+        let plan = &self.plan;
+        let n = u32::try_from(slots.len())
+            .map_err(|_| InvalidArgument::new_err(format!("{} prompts", slots.len())))?;
+        status(py.detach(|| unsafe {
+            kvq_capi::kvq_prefill(
+                plan,
+                &kvq_cache(cache),
+                stream as *mut c_void,
+                n,
+                slots.as_ptr(),
+                tokens.as_ptr(),
+                k as *const c_void,
+                v as *const c_void,
+                workspace as *mut c_void,
+            )
+        }))
+    }
+
+    /// `kvq_append` on device addresses.
+    #[allow(clippy::too_many_arguments)]
+    fn _append(
+        &self,
+        py: Python<'_>,
+        cache: [u64; 8],
+        stream: u64,
+        n: u32,
+        slots: u64,
+        k_new: u64,
+        v_new: u64,
+    ) -> PyResult<()> {
+        let plan = &self.plan;
+        status(py.detach(|| unsafe {
+            kvq_capi::kvq_append(
+                plan,
+                &kvq_cache(cache),
+                stream as *mut c_void,
+                n,
+                slots as *const i32,
+                k_new as *const c_void,
+                v_new as *const c_void,
+            )
+        }))
+    }
+
+    /// `kvq_attend` on device addresses (`lse` 0: not written).
+    #[allow(clippy::too_many_arguments)]
+    fn _attend(
+        &self,
+        py: Python<'_>,
+        cache: [u64; 8],
+        stream: u64,
+        n: u32,
+        slots: u64,
+        q: u64,
+        out: u64,
+        lse: u64,
+        workspace: u64,
+    ) -> PyResult<()> {
+        let plan = &self.plan;
+        status(py.detach(|| unsafe {
+            kvq_capi::kvq_attend(
+                plan,
+                &kvq_cache(cache),
+                stream as *mut c_void,
+                n,
+                slots as *const i32,
+                q as *const c_void,
+                out as *mut c_void,
+                lse as *mut f32,
+                workspace as *mut c_void,
+            )
+        }))
+    }
+
+    /// `kvq_merge` on device addresses (`lse` 0: not written).
+    #[allow(clippy::too_many_arguments)]
+    fn _merge(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        out_parts: u64,
+        lse_parts: u64,
+        parts: u32,
+        rows: u32,
+        out: u64,
+        lse: u64,
+    ) -> PyResult<()> {
+        let plan = &self.plan;
+        status(py.detach(|| unsafe {
+            kvq_capi::kvq_merge(
+                plan,
+                stream as *mut c_void,
+                out_parts as *const c_void,
+                lse_parts as *const f32,
+                parts,
+                rows,
+                out as *mut c_void,
+                lse as *mut f32,
+            )
+        }))
     }
 
     fn __repr__(&self) -> String {

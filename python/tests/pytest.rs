@@ -1,4 +1,5 @@
-//! The Python package's tests (`python/tests/test_*.py` and the examples in `kvq/__init__.py`),
+//! The Python package's tests (`python/tests/test_*.py` and the examples in `kvq/__init__.py`;
+//! `test_engine.py` skips itself without torch and a GPU),
 //! run with pytest against this build's extension module: `cargo test` builds `lib_kvq.so`, this
 //! test lays it out as `kvq/_kvq.abi3.so` beside the package's Python files in a temporary folder
 //! and runs `python -m pytest` there, as an installed wheel would be imported. Without Python or
@@ -79,6 +80,12 @@ fn the_python_tests_pass_under_pytest() -> Result<(), Skip> {
             "no:cacheprovider",
             "--doctest-modules",
         ])
+        // kvq.engine needs torch to import, and its examples need a GPU; tests/test_engine.py
+        // runs it where both are.
+        .arg(format!(
+            "--ignore={}",
+            root.join("kvq").join("engine.py").display()
+        ))
         .arg(root.join("kvq"))
         .arg(&tests)
         .env("PYTHONPATH", &root)

@@ -15,12 +15,16 @@ def test_a_builtin_plans_its_buffers():
     assert plan.page_tokens == 128
     assert plan.dtype == "float16"
     names = [b.name for b in plan.buffers]
-    assert names == ["k_pool", "v_pool", "k_sink", "v_sink", "k_tail", "v_tail"]
+    assert names == ["k_pool", "v_pool", "k_sink", "v_sink", "k_tail", "v_tail", "seq_lens",
+                     "page_table"]
     assert sum(b.nbytes for b in plan.buffers) == plan.total_bytes
     assert all(b.alignment == 256 for b in plan.buffers)
     pools = sum(b.nbytes for b in plan.buffers if b.name.endswith("_pool"))
     assert pools == plan.page_bytes * LIMITS["pool_pages"]
-    fp16 = plan.total_bytes - pools
+    tables = {b.name: b.nbytes for b in plan.buffers}
+    assert tables["seq_lens"] == 4 * LIMITS["max_seqs"]
+    assert tables["page_table"] == 4 * LIMITS["max_seqs"] * plan.max_pages_per_seq
+    fp16 = plan.total_bytes - pools - tables["seq_lens"] - tables["page_table"]
     assert fp16 == plan.state_bytes_per_seq * LIMITS["max_seqs"]
     # KIVI-2 keeps a page of 128 tokens x 8 heads x 128 channels of K and V in about an eighth
     # of FP16's bytes, plus scales.
