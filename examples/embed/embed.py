@@ -83,6 +83,7 @@ def load_sample(gen_dir):
 SAMPLE_INPUTS = ("k_pool", "v_pool", "page_table", "k_sink", "v_sink", "k_tail", "v_tail",
                  "seq_lens", "q")
 ENGINE_VALUES = ("out", "part_acc", "part_ml", "score_range", "scores", "max_pages", "seq_slots",
+                 "q_len",
                  "num_splits", "range_splits", "num_pieces", "piece_permille", "num_parts")
 # The names grid formulas may use (run_decode's `env`).
 GRID_NAMES = ("num_splits", "range_splits", "num_pieces", "kv_heads", "batch", "q_heads")
@@ -487,7 +488,8 @@ def run_decode(engine, functions, manifest, sample, buffers, splits, pieces=0, p
                   range_splits=range_splits, num_pieces=pieces,
                   piece_permille=permille, num_parts=parts,
                   lse=0,  # NULL: the combine writes no log-sum-exp (an engine merging parts passes one)
-                  seq_slots=0)  # NULL: row b reads the sample's sequence slot b
+                  seq_slots=0,  # NULL: row b reads the sample's sequence slot b
+                  q_len=1)  # one query token a sequence
     env = {"num_splits": splits, "range_splits": range_splits, "num_pieces": pieces,
            "kv_heads": h, "batch": batch, "q_heads": q_heads}
     kernels = {k["role"]: k for k in manifest["kernels"]}

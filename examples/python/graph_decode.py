@@ -5,11 +5,13 @@
 Prefills a batch of prompts into a kvq.engine.PagedCache, then runs decode steps (append the new
 token's K/V, attend one query token a sequence) eagerly and as replays of a captured CUDA graph,
 checks that both give the same bits, and prints the time of a step each way (CUDA events, median
-of 200 steps): the graph takes the Python and launch overhead out of the step.
+of 200 steps), and the host time of the eager step's calls through the torch custom ops and
+straight into kvq's extension: the graph takes the Python and launch overhead out of the step.
 """
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -48,6 +50,7 @@ def main():
     with torch.cuda.graph(graph):
         g_out, _ = step(caches[1])
     times = {"eager": [], "graph": []}
+    host = {"custom ops": [], "extension": []}
     for t in range(200):
         kn.normal_(generator=gen), vn.normal_(generator=gen), q.normal_(generator=gen)
         for name in times:
@@ -62,10 +65,31 @@ def main():
             times[name].append(start.elapsed_time(end) * 1000)
         if not torch.equal(e_out.view(torch.int16), g_out.view(torch.int16)):
             raise SystemExit(f"step {t}: the graph's output differs from the eager step's")
+    # Host time of the calls alone: through torch.ops.kvq.*, and the extension's own entry points
+    # (what the ops call, without torch's dispatch), each on a third cache kept in step.
+    probe = PagedCache(plan, "cuda")
+    probe.prefill(list(range(b)), [args.prompt] * b, k, v)
+    stream = torch.cuda.current_stream().cuda_stream
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+    ptrs = [t.data_ptr() for t in probe._buffers()]
+    for t in range(200):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(probe)
+        host["custom ops"].append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        plan._append(ptrs, stream, b, 1, slots.data_ptr(), kn.data_ptr(), vn.data_ptr())
+        plan._attend(ptrs, stream, b, 1, slots.data_ptr(), q.data_ptr(), out.data_ptr(),
+                     lse.data_ptr(), probe.workspace.data_ptr())
+        host["extension"].append((time.perf_counter() - t0) * 1e6)
     print(f"{args.scheme}, batch {b}, {args.prompt} + 200 tokens, head_dim {d}, "
           f"{q_heads} q / {kv_heads} KV heads: identical outputs every step")
     for name, xs in times.items():
-        print(f"  {name}: {statistics.median(xs):.1f} µs a step (append + attend)")
+        print(f"  {name}: {statistics.median(xs):.1f} µs a step (append + attend) on the GPU")
+    for name, xs in host.items():
+        print(f"  host time of the calls, {name}: {statistics.median(xs):.1f} µs a step")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@
 current stream, without copies:
 
 - :meth:`PagedCache.prefill` stores prompts (packed back to back) into empty sequence slots;
-- :meth:`PagedCache.append` adds one token's K and V to each listed slot;
-- :meth:`PagedCache.attend` runs decode attention of one query token a slot and returns the
-  output and each row's log-sum-exp (for :func:`merge`).
+- :meth:`PagedCache.append` adds a step's new tokens' K and V (one a sequence when decoding,
+  several when verifying draft tokens) to each listed slot;
+- :meth:`PagedCache.attend` runs attention of the step's query tokens (the slot's newest tokens,
+  each seeing the tokens up to itself) and returns the output and each row's log-sum-exp (for
+  :func:`merge`).
 
 ``append`` and ``attend`` are torch custom ops (``torch.ops.kvq.append``, ``torch.ops.kvq.attend``)
 with fake implementations, and neither synchronises with the host, so ``torch.cuda.graph`` can
@@ -63,10 +65,11 @@ def _append(
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
+    # k, v: [n, q_len, kv_heads, head_dim]
     buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table]
     _PLANS[plan_id]._append(
-        _ptrs(buffers), _stream(k.device), slots.numel(), slots.data_ptr(), k.data_ptr(),
-        v.data_ptr(),
+        _ptrs(buffers), _stream(k.device), slots.numel(), k.shape[1], slots.data_ptr(),
+        k.data_ptr(), v.data_ptr(),
     )
 
 
@@ -90,12 +93,13 @@ def _attend(
     q: torch.Tensor,
     workspace: torch.Tensor,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    # q: [n, q_len, q_heads, head_dim]
     out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table]
     _PLANS[plan_id]._attend(
-        _ptrs(buffers), _stream(q.device), slots.numel(), slots.data_ptr(), q.data_ptr(),
-        out.data_ptr(), lse.data_ptr(), workspace.data_ptr(),
+        _ptrs(buffers), _stream(q.device), slots.numel(), q.shape[1], slots.data_ptr(),
+        q.data_ptr(), out.data_ptr(), lse.data_ptr(), workspace.data_ptr(),
     )
     return out, lse
 
@@ -103,7 +107,7 @@ def _attend(
 @_attend.register_fake
 def _(plan_id, k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, slots, q,
       workspace):
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 class PagedCache:
@@ -136,6 +140,7 @@ class PagedCache:
         self.max_seqs = plan.max_seqs
         self.max_seq_len = plan.max_seq_len
         self.pool_pages = plan.pool_pages
+        self.max_q_len = plan.max_q_len
         plan.load(self.device.index)
 
         def zeros(n, dt=torch.uint8):
@@ -164,8 +169,8 @@ class PagedCache:
         return [self.k_pool, self.v_pool, self.k_sink, self.v_sink, self.k_tail, self.v_tail,
                 self.seq_lens, self.block_table]
 
-    def _check(self, name: str, t: torch.Tensor, rows: int, heads: int, dtype=None) -> None:
-        want = (rows, heads, self.head_dim)
+    def _check(self, name: str, t: torch.Tensor, rows, heads: int, dtype=None) -> None:
+        want = tuple(rows if isinstance(rows, tuple) else (rows,)) + (heads, self.head_dim)
         dtype = dtype or self.dtype
         if t.device != self.device or t.dtype != dtype or tuple(t.shape) != want:
             raise InvalidArgument(
@@ -201,20 +206,41 @@ class PagedCache:
             [int(t) for t in tokens], k.data_ptr(), v.data_ptr(), self.workspace.data_ptr(),
         )
 
+    def _q_len(self, name: str, t: torch.Tensor) -> int:
+        """A step's query tokens a sequence: 1 for ``[n, heads, head_dim]``, ``t.shape[1]`` for
+        ``[n, q_len, heads, head_dim]``."""
+        q_len = t.shape[1] if t.dim() == 4 else 1
+        if not 1 <= q_len <= self.max_q_len:
+            raise InvalidArgument(
+                f"{name} holds {q_len} tokens a sequence; the plan's max_q_len is {self.max_q_len}"
+            )
+        return q_len
+
     def append(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Adds one token's K and V (``[n, kv_heads, head_dim]``) to each slot of ``slots``."""
+        """Adds the step's new tokens to each slot of ``slots``: ``k``, ``v`` are
+        ``[n, kv_heads, head_dim]`` (one token a sequence) or ``[n, q_len, kv_heads, head_dim]``."""
         self._check_slots(slots)
-        self._check("k", k, slots.numel(), self.kv_heads)
-        self._check("v", v, slots.numel(), self.kv_heads)
-        torch.ops.kvq.append(self._id, *self._buffers(), slots, k, v)
+        q_len = self._q_len("k", k)
+        n = slots.numel()
+        self._check("k", k, (n, q_len) if k.dim() == 4 else n, self.kv_heads)
+        self._check("v", v, (n, q_len) if k.dim() == 4 else n, self.kv_heads)
+        shape = (n, q_len, self.kv_heads, self.head_dim)
+        torch.ops.kvq.append(self._id, *self._buffers(), slots, k.view(shape), v.view(shape))
 
     def attend(self, slots: torch.Tensor, q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Decode attention of ``q`` (``[n, q_heads, head_dim]``, row ``i`` for slot
-        ``slots[i]``) over each slot's tokens: the output (``q``'s shape and dtype) and the
-        log-sum-exp of each row's scores (``[n, q_heads]`` float32, natural log)."""
+        """Attention of the step's query tokens over each slot's cache: ``q`` is
+        ``[n, q_heads, head_dim]`` (decode) or ``[n, q_len, q_heads, head_dim]`` (the slot's last
+        ``q_len`` tokens, token ``j`` seeing the tokens up to itself), sequence ``i`` for slot
+        ``slots[i]``. Returns the output (``q``'s shape and dtype) and the log-sum-exp of each
+        row's scores (``q``'s shape without ``head_dim``, float32, natural log)."""
         self._check_slots(slots)
-        self._check("q", q, slots.numel(), self.q_heads)
-        return torch.ops.kvq.attend(self._id, *self._buffers(), slots, q, self.workspace)
+        q_len = self._q_len("q", q)
+        n = slots.numel()
+        self._check("q", q, (n, q_len) if q.dim() == 4 else n, self.q_heads)
+        shape = (n, q_len, self.q_heads, self.head_dim)
+        out, lse = torch.ops.kvq.attend(self._id, *self._buffers(), slots, q.view(shape),
+                                        self.workspace)
+        return out.view(q.shape), lse.view(q.shape[:-1])
 
 
 def merge(plan: Plan, outs: torch.Tensor, lses: torch.Tensor,

@@ -160,7 +160,7 @@ struct Plan {
 #[pymethods]
 impl Plan {
     #[new]
-    #[pyo3(signature = (scheme, *, head_dim, q_heads, kv_heads, max_seqs, max_seq_len, pool_pages, dtype = None))]
+    #[pyo3(signature = (scheme, *, head_dim, q_heads, kv_heads, max_seqs, max_seq_len, pool_pages, dtype = None, max_q_len = 1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         scheme: &str,
@@ -171,6 +171,7 @@ impl Plan {
         max_seq_len: i64,
         pool_pages: i64,
         dtype: Option<&Bound<'_, PyAny>>,
+        max_q_len: i64,
     ) -> PyResult<Plan> {
         let limits = KvqPlanLimits {
             head_dim: limit("head_dim", head_dim)?,
@@ -183,6 +184,7 @@ impl Plan {
             max_seqs: limit("max_seqs", max_seqs)?,
             max_seq_len: limit("max_seq_len", max_seq_len)?,
             pool_pages: limit("pool_pages", pool_pages)?,
+            max_q_len: limit("max_q_len", max_q_len)?,
         };
         KvqPlan::new(scheme, &limits)
             .map(|plan| Plan { plan })
@@ -238,6 +240,12 @@ impl Plan {
     #[getter]
     fn pool_pages(&self) -> u32 {
         self.plan.limits().pool_pages
+    }
+
+    /// Most query tokens a sequence in one step.
+    #[getter]
+    fn max_q_len(&self) -> u32 {
+        self.plan.limits().max_q_len
     }
 
     /// Tokens of one page.
@@ -365,6 +373,7 @@ impl Plan {
         cache: [u64; 8],
         stream: u64,
         n: u32,
+        q_len: u32,
         slots: u64,
         k_new: u64,
         v_new: u64,
@@ -376,6 +385,7 @@ impl Plan {
                 &kvq_cache(cache),
                 stream as *mut c_void,
                 n,
+                q_len,
                 slots as *const i32,
                 k_new as *const c_void,
                 v_new as *const c_void,
@@ -391,6 +401,7 @@ impl Plan {
         cache: [u64; 8],
         stream: u64,
         n: u32,
+        q_len: u32,
         slots: u64,
         q: u64,
         out: u64,
@@ -404,6 +415,7 @@ impl Plan {
                 &kvq_cache(cache),
                 stream as *mut c_void,
                 n,
+                q_len,
                 slots as *const i32,
                 q as *const c_void,
                 out as *mut c_void,
@@ -445,7 +457,7 @@ impl Plan {
         let l = self.plan.limits();
         format!(
             "Plan({:?}, head_dim={}, q_heads={}, kv_heads={}, dtype={:?}, max_seqs={}, \
-             max_seq_len={}, pool_pages={})",
+             max_seq_len={}, pool_pages={}, max_q_len={})",
             self.scheme(),
             l.head_dim,
             l.q_heads,
@@ -453,7 +465,8 @@ impl Plan {
             self.dtype(),
             l.max_seqs,
             l.max_seq_len,
-            l.pool_pages
+            l.pool_pages,
+            l.max_q_len
         )
     }
 }

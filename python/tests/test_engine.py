@@ -18,13 +18,11 @@ KV_HEADS, GQA, HEAD_DIM = 2, 4, 128
 Q_HEADS = KV_HEADS * GQA
 
 
-def make(scheme, dtype=torch.float16, max_seqs=4, max_seq_len=1024):
-    pages = kvq.Plan(scheme, head_dim=HEAD_DIM, q_heads=Q_HEADS, kv_heads=KV_HEADS,
-                     max_seqs=max_seqs, max_seq_len=max_seq_len, pool_pages=1,
-                     dtype=dtype).max_pages_per_seq
-    plan = kvq.Plan(scheme, head_dim=HEAD_DIM, q_heads=Q_HEADS, kv_heads=KV_HEADS,
-                    max_seqs=max_seqs, max_seq_len=max_seq_len, pool_pages=max_seqs * pages,
-                    dtype=dtype)
+def make(scheme, dtype=torch.float16, max_seqs=4, max_seq_len=1024, max_q_len=1):
+    limits = dict(head_dim=HEAD_DIM, q_heads=Q_HEADS, kv_heads=KV_HEADS, max_seqs=max_seqs,
+                  max_seq_len=max_seq_len, dtype=dtype, max_q_len=max_q_len)
+    pages = kvq.Plan(scheme, pool_pages=1, **limits).max_pages_per_seq
+    plan = kvq.Plan(scheme, pool_pages=max_seqs * pages, **limits)
     return plan, PagedCache(plan, "cuda")
 
 
@@ -98,6 +96,36 @@ def test_attend_matches_torch_attention(scheme, dtype, tol):
         assert err < 0.75 * min(others), f"{scheme} row {i}: {err:.3f} against {others}"
         if scheme == "fp16":
             assert torch.allclose(lse[i].double(), want_lse, rtol=1e-3, atol=1e-3)
+
+
+def test_a_verification_step_attends_causally():
+    plan, cache = make("fp16", max_q_len=4)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    ks, vs = fill(cache, gen, [300, 129, 1], 5)
+    # Four draft tokens a sequence, appended and attended in one step each.
+    q_len = 4
+    kn = torch.randn((3, q_len, KV_HEADS, HEAD_DIM), generator=gen, device="cuda").half()
+    vn = torch.randn((3, q_len, KV_HEADS, HEAD_DIM), generator=gen, device="cuda").half()
+    cache.append(torch.arange(3, dtype=torch.int32, device="cuda"), kn, vn)
+    order = [2, -1, 0, 1]
+    slots = torch.tensor(order, dtype=torch.int32, device="cuda")
+    q = torch.randn((4, q_len, Q_HEADS, HEAD_DIM), generator=gen, device="cuda").half()
+    out, lse = cache.attend(slots, q)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and lse.shape == (4, q_len, Q_HEADS)
+    for i, s in enumerate(order):
+        if s < 0:
+            assert torch.all(out[i] == 0)
+            continue
+        k_all, v_all = torch.cat([ks[s], kn[s]]), torch.cat([vs[s], vn[s]])
+        for j in range(q_len):
+            seen = ks[s].shape[0] + j + 1  # the tokens before it and itself
+            want, want_lse = exact(q[i, j], k_all[:seen], v_all[:seen])
+            assert rel(out[i, j], want) < 2e-3, (i, j)
+            assert torch.allclose(lse[i, j].double(), want_lse, rtol=1e-3, atol=1e-3), (i, j)
+    with pytest.raises(kvq.InvalidArgument, match="max_q_len is 4"):
+        cache.attend(slots, torch.zeros((4, 5, Q_HEADS, HEAD_DIM), dtype=torch.float16,
+                                        device="cuda"))
 
 
 def test_a_captured_graph_and_torch_compile_give_the_eager_bits():

@@ -63,7 +63,7 @@ int main(void) {
 
     KvqPlanLimits limits = {.head_dim = HEAD_DIM, .q_heads = Q_HEADS, .kv_heads = 2,
                             .dtype = KVQ_DTYPE_BF16, .max_seqs = 1, .max_seq_len = 4096,
-                            .pool_pages = 64};
+                            .pool_pages = 64, .max_q_len = 1};
     KvqPlan *plan = NULL;
     KVQ(kvq_plan_create("kivi2", &limits, &plan));
 

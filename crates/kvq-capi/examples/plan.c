@@ -28,6 +28,7 @@ int main(int argc, char **argv) {
         .max_seqs = 16,
         .max_seq_len = 32768,
         .pool_pages = 16 * 256,
+        .max_q_len = 1,
     };
     KvqPlan *plan = NULL;
     KvqStatus status = kvq_plan_create(scheme, &limits, &plan);

@@ -62,6 +62,9 @@ typedef struct KvqPlanLimits {
   uint32_t max_seq_len;
   // Pages in the engine's page pool (each holds one page of K and V for every KV head).
   uint32_t pool_pages;
+  // Most query tokens a sequence in one step (1: decode only; more: speculative-decoding
+  // verification, each token seeing the tokens up to itself).
+  uint32_t max_q_len;
 } KvqPlanLimits;
 
 // Sizes that follow from a plan.
@@ -232,12 +235,13 @@ enum KvqStatus kvq_prefill(const struct KvqPlan *plan,
                            const void *v,
                            void *workspace);
 
-// Appends one token's K and V to each of `n` sequences: `k_new`/`v_new` are
-// `[n][kv_heads][head_dim]` in the plan's dtype, row `i` for the slot `slots[i]` names (`slots`:
-// `n` i32 in device memory, distinct; −1 marks a padding row, skipped). The token goes to
-// position `seq_lens[slot]`; when it completes a page (after the sink and local window), that page
-// is quantized into the pool page the block table names for it; then `seq_lens[slot]` grows by
-// one. No host synchronisation, no allocation: capturable in a CUDA graph.
+// Appends `q_len` tokens' K and V to each of `n` sequences: `k_new`/`v_new` are
+// `[n][q_len][kv_heads][head_dim]` in the plan's dtype, sequence `i` for the slot `slots[i]` names
+// (`slots`: `n` i32 in device memory, distinct; −1 marks a padding sequence, skipped). Token by
+// token, each goes to position `seq_lens[slot]`; when it completes a page (after the sink and
+// local window), that page is quantized into the pool page the block table names for it; then
+// `seq_lens[slot]` grows by one. No host synchronisation, no allocation: capturable in a CUDA
+// graph.
 //
 // # Safety
 // As `kvq_prefill`; `slots` holds `n` device i32, each −1 or a slot below max_seqs whose
@@ -246,16 +250,19 @@ enum KvqStatus kvq_append(const struct KvqPlan *plan,
                           const struct KvqCache *cache,
                           void *stream,
                           uint32_t n,
+                          uint32_t q_len,
                           const int32_t *slots,
                           const void *k_new,
                           const void *v_new);
 
-// Decode attention of one query token for each of `n` sequences over everything its slot holds
-// (after this step's `kvq_append`): `q` and `out` are `[n][q_heads][head_dim]` in the plan's
-// dtype, row `i` for the slot `slots[i]` names (`slots`: `n` i32 in device memory; −1: a padding
-// row, whose output is zeros); `lse` (NULL: not written) gets `[n][q_heads]` f32, each row's
-// `ln Σ exp(q·k/√head_dim)` for `kvq_merge`. `workspace` is the plan's workspace. No host
-// synchronisation, no allocation: capturable in a CUDA graph.
+// Attention of `q_len` query tokens for each of `n` sequences (1: decode; more: a verification
+// step of speculative decoding): `q` and `out` are `[n][q_len][q_heads][head_dim]` in the plan's
+// dtype, sequence `i` for the slot `slots[i]` names (`slots`: `n` i32 in device memory; −1: a
+// padding sequence, whose rows are zeros). The step's tokens are the slot's last `q_len` (written
+// by this step's `kvq_append`), and token `j` attends causally to the slot's tokens up to itself,
+// as the cache holds them after the whole step. `lse` (NULL: not written) gets
+// `[n][q_len][q_heads]` f32, each row's `ln Σ exp(q·k/√head_dim)` for `kvq_merge`. `workspace`
+// is the plan's workspace. No host synchronisation, no allocation: capturable in a CUDA graph.
 //
 // # Safety
 // As `kvq_append`; `q`, `out` and `lse` device memory of the sizes above.
@@ -263,6 +270,7 @@ enum KvqStatus kvq_attend(const struct KvqPlan *plan,
                           const struct KvqCache *cache,
                           void *stream,
                           uint32_t n,
+                          uint32_t q_len,
                           const int32_t *slots,
                           const void *q,
                           void *out,

@@ -88,7 +88,8 @@ pub struct PlanKernels {
     pub decode: DecodeKernel,
     /// The cache kernels (prefill, append).
     pub writer: CacheWriter,
-    /// `(splits, pieces)` of an attend over `n` sequences, at index `n - 1`.
+    /// `(splits, pieces)` of an attend of `r` query rows (sequences × query tokens), at index
+    /// `r - 1`.
     launches: Vec<(usize, Pieces)>,
     /// Bytes of the workspace every call of the plan on this GPU may use.
     pub workspace_bytes: usize,
@@ -98,6 +99,8 @@ impl PlanKernels {
     fn load(gpu: &Gpu, plan: &KvqPlan) -> Result<PlanKernels, Failure> {
         let l = plan.limits();
         let (kv_heads, max_seqs) = (l.kv_heads as usize, l.max_seqs as usize);
+        // A launch's grid has a row for each query token, at most 65535.
+        let max_rows = (max_seqs * l.max_q_len as usize).min(u16::MAX as usize);
         let max_len = l.max_seq_len as usize;
         let max_pages = plan.sizes().max_pages;
         let shape = KernelShape::new(l.head_dim, l.q_heads / l.kv_heads, plan.dtype());
@@ -106,10 +109,11 @@ impl PlanKernels {
         let writer = CacheWriter::load(&gpu.jit, plan.spec(), l.head_dim as usize, plan.dtype())
             .map_err(Failure::runtime)?;
         let sm_count = gpu.device.props().sm_count as usize;
-        let mut launches = Vec::with_capacity(max_seqs);
+        let mut launches = Vec::with_capacity(max_rows);
         // The prefill's job list shares the workspace: two values a page of every slot at most.
         let mut workspace_bytes = 8 * max_seqs * max_pages;
-        for n in 1..=max_seqs {
+        // A query row reads its sequence's cache like a sequence of its own.
+        for n in 1..=max_rows {
             let splits = decode
                 .default_splits(n, kv_heads, max_len, sm_count)
                 .map_err(Failure::runtime)?;
@@ -128,13 +132,13 @@ impl PlanKernels {
         })
     }
 
-    /// `(splits, pieces)` of an attend over `n` (1 up to the plan's `max_seqs`) sequences.
+    /// `(splits, pieces)` of an attend of `n` query rows (1 up to the plan's `max_seqs ×
+    /// max_q_len`).
     pub fn launch(&self, n: usize) -> Option<(usize, Pieces)> {
         n.checked_sub(1).and_then(|i| self.launches.get(i).copied())
     }
 
-    /// The scratch of an attend over `n` (1 up to the plan's `max_seqs`) sequences in the
-    /// workspace at `workspace`.
+    /// The scratch of an attend of `n` query rows in the workspace at `workspace`.
     ///
     /// # Safety
     /// `workspace` is a device allocation of the GPU's context of at least `workspace_bytes`
@@ -147,7 +151,7 @@ impl PlanKernels {
     ) -> Result<DecodeScratch, Failure> {
         let (splits, pieces) = self.launch(n).ok_or_else(|| {
             Failure::argument(format!(
-                "{n} sequences (the plan takes 1 to {})",
+                "{n} query rows (the plan takes 1 to {})",
                 self.launches.len()
             ))
         })?;

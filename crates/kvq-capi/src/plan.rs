@@ -37,6 +37,9 @@ pub struct KvqPlanLimits {
     pub max_seq_len: u32,
     /// Pages in the engine's page pool (each holds one page of K and V for every KV head).
     pub pool_pages: u32,
+    /// Most query tokens a sequence in one step (1: decode only; more: speculative-decoding
+    /// verification, each token seeing the tokens up to itself).
+    pub max_q_len: u32,
 }
 
 /// Sizes that follow from a plan.
@@ -261,12 +264,19 @@ fn check_limits(l: &KvqPlanLimits) -> Result<Dtype, Failure> {
         ("max_seqs", l.max_seqs),
         ("max_seq_len", l.max_seq_len),
         ("pool_pages", l.pool_pages),
+        ("max_q_len", l.max_q_len),
     ] {
         if value == 0 {
             return Err(Failure::argument(format!(
                 "limits.{name} is 0 (every limit must be at least 1)"
             )));
         }
+    }
+    if l.max_q_len > l.max_seq_len {
+        return Err(Failure::argument(format!(
+            "limits.max_q_len ({}) is longer than limits.max_seq_len ({})",
+            l.max_q_len, l.max_seq_len
+        )));
     }
     if l.q_heads % l.kv_heads != 0 {
         return Err(Failure::argument(format!(

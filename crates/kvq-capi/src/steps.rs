@@ -1,6 +1,6 @@
 //! The calls of a decoding step on an engine's own cache: `kvq_prefill` (prompts into empty
-//! sequence slots), `kvq_append` (one new token a sequence) and `kvq_attend` (one query token a
-//! sequence, output and LSE). All run on the caller's stream and memory and allocate nothing;
+//! sequence slots), `kvq_append` (a step's new tokens) and `kvq_attend` (a step's query tokens,
+//! causal among themselves: output and LSE). All run on the caller's stream and memory and allocate nothing;
 //! `kvq_append` and `kvq_attend` take their sequence slots in device memory and never synchronise
 //! with the host, so a CUDA graph can capture them (after `kvq_plan_load`).
 
@@ -98,6 +98,17 @@ fn check_count(plan: &KvqPlan, n: u32, what: &str) -> Result<(), Failure> {
     Ok(())
 }
 
+/// Checks a step's query tokens a sequence against the plan.
+fn check_q_len(plan: &KvqPlan, q_len: u32, what: &str) -> Result<(), Failure> {
+    let max = plan.limits().max_q_len;
+    if q_len == 0 || q_len > max {
+        return Err(Failure::argument(format!(
+            "{what}: q_len {q_len} (expected 1 up to the plan's max_q_len, {max})"
+        )));
+    }
+    Ok(())
+}
+
 /// Prefills `n` empty sequence slots with prompts packed back to back: `k` and `v` are
 /// `[Σ tokens][kv_heads][head_dim]` in the plan's dtype, prompt `i` (`tokens[i]` tokens, into slot
 /// `slots[i]`) after prompts `< i`. `slots` and `tokens` are host arrays of `n`. Each prompt's sink
@@ -188,12 +199,13 @@ pub unsafe extern "C" fn kvq_prefill(
     })
 }
 
-/// Appends one token's K and V to each of `n` sequences: `k_new`/`v_new` are
-/// `[n][kv_heads][head_dim]` in the plan's dtype, row `i` for the slot `slots[i]` names (`slots`:
-/// `n` i32 in device memory, distinct; −1 marks a padding row, skipped). The token goes to
-/// position `seq_lens[slot]`; when it completes a page (after the sink and local window), that page
-/// is quantized into the pool page the block table names for it; then `seq_lens[slot]` grows by
-/// one. No host synchronisation, no allocation: capturable in a CUDA graph.
+/// Appends `q_len` tokens' K and V to each of `n` sequences: `k_new`/`v_new` are
+/// `[n][q_len][kv_heads][head_dim]` in the plan's dtype, sequence `i` for the slot `slots[i]` names
+/// (`slots`: `n` i32 in device memory, distinct; −1 marks a padding sequence, skipped). Token by
+/// token, each goes to position `seq_lens[slot]`; when it completes a page (after the sink and
+/// local window), that page is quantized into the pool page the block table names for it; then
+/// `seq_lens[slot]` grows by one. No host synchronisation, no allocation: capturable in a CUDA
+/// graph.
 ///
 /// # Safety
 /// As `kvq_prefill`; `slots` holds `n` device i32, each −1 or a slot below max_seqs whose
@@ -204,6 +216,7 @@ pub unsafe extern "C" fn kvq_append(
     cache: *const KvqCache,
     stream: *mut c_void,
     n: u32,
+    q_len: u32,
     slots: *const i32,
     k_new: *const c_void,
     v_new: *const c_void,
@@ -211,6 +224,7 @@ pub unsafe extern "C" fn kvq_append(
     call(|| {
         let (plan, ptrs) = unsafe { plan_and_cache(plan, cache) }?;
         check_count(plan, n, "kvq_append")?;
+        check_q_len(plan, q_len, "kvq_append")?;
         if n == 0 {
             return Ok(());
         }
@@ -222,6 +236,7 @@ pub unsafe extern "C" fn kvq_append(
                 &stream,
                 &ptrs,
                 n as usize,
+                q_len as usize,
                 slots as u64,
                 k_new as u64,
                 v_new as u64,
@@ -231,12 +246,14 @@ pub unsafe extern "C" fn kvq_append(
     })
 }
 
-/// Decode attention of one query token for each of `n` sequences over everything its slot holds
-/// (after this step's `kvq_append`): `q` and `out` are `[n][q_heads][head_dim]` in the plan's
-/// dtype, row `i` for the slot `slots[i]` names (`slots`: `n` i32 in device memory; −1: a padding
-/// row, whose output is zeros); `lse` (NULL: not written) gets `[n][q_heads]` f32, each row's
-/// `ln Σ exp(q·k/√head_dim)` for `kvq_merge`. `workspace` is the plan's workspace. No host
-/// synchronisation, no allocation: capturable in a CUDA graph.
+/// Attention of `q_len` query tokens for each of `n` sequences (1: decode; more: a verification
+/// step of speculative decoding): `q` and `out` are `[n][q_len][q_heads][head_dim]` in the plan's
+/// dtype, sequence `i` for the slot `slots[i]` names (`slots`: `n` i32 in device memory; −1: a
+/// padding sequence, whose rows are zeros). The step's tokens are the slot's last `q_len` (written
+/// by this step's `kvq_append`), and token `j` attends causally to the slot's tokens up to itself,
+/// as the cache holds them after the whole step. `lse` (NULL: not written) gets
+/// `[n][q_len][q_heads]` f32, each row's `ln Σ exp(q·k/√head_dim)` for `kvq_merge`. `workspace`
+/// is the plan's workspace. No host synchronisation, no allocation: capturable in a CUDA graph.
 ///
 /// # Safety
 /// As `kvq_append`; `q`, `out` and `lse` device memory of the sizes above.
@@ -247,6 +264,7 @@ pub unsafe extern "C" fn kvq_attend(
     cache: *const KvqCache,
     stream: *mut c_void,
     n: u32,
+    q_len: u32,
     slots: *const i32,
     q: *const c_void,
     out: *mut c_void,
@@ -256,6 +274,7 @@ pub unsafe extern "C" fn kvq_attend(
     call(|| {
         let (plan, ptrs) = unsafe { plan_and_cache(plan, cache) }?;
         check_count(plan, n, "kvq_attend")?;
+        check_q_len(plan, q_len, "kvq_attend")?;
         if n == 0 {
             return Ok(());
         }
@@ -272,13 +291,15 @@ pub unsafe extern "C" fn kvq_attend(
         let (gpu, stream) = unsafe { stream_gpu(stream) }?;
         let kernels = plan_kernels(&gpu, plan)?;
         // SAFETY: the caller vouches for the workspace (the plan's size).
-        let mut scratch = unsafe { kernels.scratch(plan, n as usize, workspace as u64) }?;
+        let rows = n as usize * q_len as usize;
+        let mut scratch = unsafe { kernels.scratch(plan, rows, workspace as u64) }?;
         // SAFETY: the caller vouches for the buffers and slots.
         unsafe {
             kernels.decode.attend_raw(
                 &stream,
                 &ptrs,
                 n as usize,
+                q_len as usize,
                 slots as u64,
                 q as u64,
                 out as u64,

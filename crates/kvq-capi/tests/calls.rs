@@ -16,6 +16,7 @@ fn plan() -> KvqPlan {
         max_seqs: 4,
         max_seq_len: 4096,
         pool_pages: 64,
+        max_q_len: 4,
     };
     KvqPlan::new("kivi2", &limits).unwrap()
 }
@@ -165,49 +166,69 @@ fn step_arguments_are_checked_before_the_driver() {
         "cache->seq_lens is NULL",
     );
     let fake = 0x1000 as *mut c_void;
-    let status = unsafe {
-        kvq_attend(
-            &plan,
-            &cache,
-            ptr::null_mut(),
-            2,
-            fake.cast(),
-            fake,
-            ptr::null_mut(),
-            ptr::null_mut(),
-            fake,
-        )
+    let attend = |n: u32, q_len: u32, out: *mut c_void| {
+        let status = unsafe {
+            kvq_attend(
+                &plan,
+                &cache,
+                ptr::null_mut(),
+                n,
+                q_len,
+                fake.cast(),
+                fake,
+                out,
+                ptr::null_mut(),
+                fake,
+            )
+        };
+        (status, last_message())
     };
-    bad((status, last_message()), "out is NULL");
-    let status = unsafe {
-        kvq_attend(
-            &plan,
-            &cache,
-            ptr::null_mut(),
-            9,
-            fake.cast(),
-            fake,
-            fake,
-            ptr::null_mut(),
-            fake,
-        )
-    };
+    bad(attend(2, 1, ptr::null_mut()), "out is NULL");
     bad(
-        (status, last_message()),
+        attend(9, 1, fake),
         "9 sequences, more than the plan's max_seqs (4)",
     );
-    let status = unsafe {
-        kvq_append(
-            &plan,
-            ptr::null(),
-            ptr::null_mut(),
-            1,
-            fake.cast(),
-            fake,
-            fake,
-        )
+    bad(
+        attend(2, 0, fake),
+        "q_len 0 (expected 1 up to the plan's max_q_len, 4)",
+    );
+    bad(attend(2, 5, fake), "q_len 5");
+    let append = |cache: *const KvqCache, q_len: u32| {
+        let status = unsafe {
+            kvq_append(
+                &plan,
+                cache,
+                ptr::null_mut(),
+                1,
+                q_len,
+                fake.cast(),
+                fake,
+                fake,
+            )
+        };
+        (status, last_message())
     };
-    bad((status, last_message()), "cache is NULL");
+    bad(append(ptr::null(), 1), "cache is NULL");
+    bad(append(&cache, 5), "kvq_append: q_len 5");
+}
+
+#[test]
+fn limits_on_query_tokens_are_checked() {
+    let mut limits = *plan().limits();
+    limits.max_q_len = 0;
+    let err = KvqPlan::new("kivi2", &limits).unwrap_err();
+    assert!(
+        err.message.contains("limits.max_q_len is 0"),
+        "{}",
+        err.message
+    );
+    limits.max_q_len = 5000;
+    let err = KvqPlan::new("kivi2", &limits).unwrap_err();
+    assert!(
+        err.message.contains("longer than limits.max_seq_len"),
+        "{}",
+        err.message
+    );
 }
 
 #[test]

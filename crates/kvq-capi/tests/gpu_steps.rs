@@ -258,6 +258,7 @@ fn check_case(jit: &Jit, stream: &Arc<CudaStream>, case: &Case) {
                 &graphed.cache,
                 raw(stream),
                 3,
+                1,
                 append_slots_p.cast(),
                 k_new_p,
                 v_new_p,
@@ -267,6 +268,7 @@ fn check_case(jit: &Jit, stream: &Arc<CudaStream>, case: &Case) {
                 &graphed.cache,
                 raw(stream),
                 n_attend as u32,
+                1,
                 attend_slots_p.cast(),
                 q_p,
                 out_graph_p,
@@ -331,6 +333,7 @@ fn check_case(jit: &Jit, stream: &Arc<CudaStream>, case: &Case) {
                 &direct.cache,
                 raw(stream),
                 3,
+                1,
                 ptr(&append_slots, stream).cast(),
                 ptr(&k_new, stream),
                 ptr(&v_new, stream),
@@ -345,6 +348,7 @@ fn check_case(jit: &Jit, stream: &Arc<CudaStream>, case: &Case) {
                 &direct.cache,
                 raw(stream),
                 n_attend as u32,
+                1,
                 ptr(&attend_slots, stream).cast(),
                 ptr(&q_rows, stream),
                 ptr(&out_direct, stream),
@@ -424,6 +428,207 @@ fn check_case(jit: &Jit, stream: &Arc<CudaStream>, case: &Case) {
     eprintln!(
         "{what}: C calls, graph replays and the Rust cache agree bit for bit over {steps} steps"
     );
+    let verify = Verify {
+        plan: &plan,
+        case,
+        cache: &direct,
+        workspace: ptr(&ws_direct, stream),
+        append_slots: &append_slots,
+        attend_slots: &attend_slots,
+        attend_order: &attend_order,
+    };
+    let mut lens: Vec<usize> = prompts.iter().map(|p| p.1 + steps as usize).collect();
+    let host = (&mut host_k[..], &mut host_v[..]);
+    verify_steps(stream, &verify, &mut rust, &ids, &kernels, host, &mut lens);
+}
+
+/// Query tokens a sequence of the verification steps.
+const Q_LEN: usize = 3;
+
+/// What the verification steps run on (the cache the C calls advanced through the decode steps).
+struct Verify<'a> {
+    plan: &'a KvqPlan,
+    case: &'a Case,
+    cache: &'a EngineCache,
+    workspace: *mut c_void,
+    append_slots: &'a CudaSlice<i32>,
+    attend_slots: &'a CudaSlice<i32>,
+    attend_order: &'a [i32],
+}
+
+/// Whether appending tokens after length `lo` up to length `hi` closes a quantized page of `spec`
+/// (the regions of the whole step's length then differ from those of a shorter one).
+fn closes_a_page(spec: &kvq::SchemeSpec, lo: usize, hi: usize) -> bool {
+    let (sink, page) = (spec.sink as usize, spec.page as usize);
+    [&spec.k, &spec.v]
+        .iter()
+        .filter(|t| t.is_quantized())
+        .any(|t| {
+            let local = spec.local_of(t) as usize;
+            (lo + 1..=hi).any(|len| len > sink + local && (len - sink - local) % page == 0)
+        })
+}
+
+/// Steps of speculative-decoding verification: `Q_LEN` new tokens a sequence appended and attended
+/// causally in one `kvq_append` and one `kvq_attend`. Each row (sequence, token j) must give the
+/// bits of a decode step of the Rust cache fed the same tokens one at a time and attended after
+/// token j with the same launch, wherever no page closed between token j and the step's end (there
+/// the step, by design, sees those tokens quantized, as the whole step's cache holds them). The
+/// FP16 scheme's rows also match causal attention computed in f64 on the host.
+fn verify_steps(
+    stream: &Arc<CudaStream>,
+    v: &Verify<'_>,
+    rust: &mut PagedKvCache,
+    ids: &[SeqId],
+    kernels: &PlanKernels,
+    (host_k, host_v): (&mut [Vec<f32>], &mut [Vec<f32>]),
+    lens: &mut [usize],
+) {
+    let (plan, case) = (v.plan, v.case);
+    let l = plan.limits();
+    let (kv_heads, q_heads, d) = (l.kv_heads as usize, l.q_heads as usize, l.head_dim as usize);
+    let (row, per, dtype) = (kv_heads * d, q_heads * d, case.dtype);
+    let max_seqs = l.max_seqs as usize;
+    let n_attend = v.attend_order.len();
+    let what = format!("{} d{d} {dtype} q_len {Q_LEN}", case.scheme);
+    let (splits, pieces) = kernels.launch(n_attend * Q_LEN).unwrap();
+    let mut scratch =
+        DecodeScratch::with_pieces(stream, max_seqs, q_heads, d, splits, pieces).unwrap();
+    let poison = vec![0xFFFFu16; n_attend * Q_LEN * per];
+    let (mut compared, mut closed) = (0usize, 0usize);
+    for vstep in 0..60u64 {
+        // [3 sequences][Q_LEN tokens][kv_heads][head_dim], and queries by slot and token.
+        let (kb, kv) = words(3 * Q_LEN * row, dtype, 1000 + vstep);
+        let (vb, vv) = words(3 * Q_LEN * row, dtype, 2000 + vstep);
+        let (qb, qv) = words(max_seqs * Q_LEN * per, dtype, 3000 + vstep);
+        for s in 0..3 {
+            host_k[s].extend_from_slice(&kv[s * Q_LEN * row..(s + 1) * Q_LEN * row]);
+            host_v[s].extend_from_slice(&vv[s * Q_LEN * row..(s + 1) * Q_LEN * row]);
+        }
+        let mut q_rows = vec![0u16; n_attend * Q_LEN * per];
+        for (i, &slot) in v.attend_order.iter().enumerate() {
+            if slot >= 0 {
+                let s = slot as usize;
+                q_rows[i * Q_LEN * per..(i + 1) * Q_LEN * per]
+                    .copy_from_slice(&qb[s * Q_LEN * per..(s + 1) * Q_LEN * per]);
+            }
+        }
+        let (k3, v3, q3) = (
+            stream.clone_htod(&kb).unwrap(),
+            stream.clone_htod(&vb).unwrap(),
+            stream.clone_htod(&q_rows).unwrap(),
+        );
+        let out3 = stream.clone_htod(&poison).unwrap();
+        let lse3 = stream
+            .clone_htod(&vec![f32::NAN; n_attend * Q_LEN * q_heads])
+            .unwrap();
+        let status = unsafe {
+            kvq_append(
+                plan,
+                &v.cache.cache,
+                stream.cu_stream() as *mut c_void,
+                3,
+                Q_LEN as u32,
+                ptr(v.append_slots, stream).cast(),
+                ptr(&k3, stream),
+                ptr(&v3, stream),
+            )
+        };
+        ok(status, &format!("{what}: append"));
+        let status = unsafe {
+            kvq_attend(
+                plan,
+                &v.cache.cache,
+                stream.cu_stream() as *mut c_void,
+                n_attend as u32,
+                Q_LEN as u32,
+                ptr(v.attend_slots, stream).cast(),
+                ptr(&q3, stream),
+                ptr(&out3, stream),
+                ptr(&lse3, stream).cast(),
+                v.workspace,
+            )
+        };
+        ok(status, &format!("{what}: attend"));
+        let c_out: Vec<u16> = stream.clone_dtoh(&out3).unwrap();
+        let c_lse: Vec<f32> = stream.clone_dtoh(&lse3).unwrap();
+        // The mirror: token j of every sequence appended, then a decode step with token j's query.
+        for j in 0..Q_LEN {
+            let pick = |x: &[u16], width: usize, seqs: usize| -> Vec<u16> {
+                (0..seqs)
+                    .flat_map(|s| x[(s * Q_LEN + j) * width..(s * Q_LEN + j + 1) * width].to_vec())
+                    .collect()
+            };
+            let (kj, vj) = (
+                stream.clone_htod(&pick(&kb, row, 3)).unwrap(),
+                stream.clone_htod(&pick(&vb, row, 3)).unwrap(),
+            );
+            rust.append(&ids[..3], &kj, &vj, dtype).unwrap();
+            let mut qj = pick(&qb, per, max_seqs);
+            qj[3 * per..].fill(0);
+            let qj = stream.clone_htod(&qj).unwrap();
+            let mut out = stream.clone_htod(&vec![0xFFFFu16; max_seqs * per]).unwrap();
+            let mut lse = stream
+                .clone_htod(&vec![f32::NAN; max_seqs * q_heads])
+                .unwrap();
+            kernels
+                .decode
+                .attend_with_lse(stream, rust.view(), &qj, &mut out, &mut lse, &mut scratch)
+                .unwrap();
+            let m_out: Vec<u16> = stream.clone_dtoh(&out).unwrap();
+            let m_lse: Vec<f32> = stream.clone_dtoh(&lse).unwrap();
+            for (i, &slot) in v.attend_order.iter().enumerate() {
+                let r = i * Q_LEN + j;
+                let (rows, qrows) = (r * per..(r + 1) * per, r * q_heads..(r + 1) * q_heads);
+                let at = format!("{what} step {vstep} row {i} token {j}");
+                if slot < 0 {
+                    assert!(
+                        c_out[rows].iter().all(|&w| w == 0),
+                        "{at}: padding not zeros"
+                    );
+                    continue;
+                }
+                let s = slot as usize;
+                let seen = lens[s] + j + 1;
+                if case.scheme == "fp16" {
+                    let q = &qv[(s * Q_LEN + j) * per..(s * Q_LEN + j + 1) * per];
+                    let (k, vv) = (&host_k[s][..seen * row], &host_v[s][..seen * row]);
+                    check_exact(
+                        &c_out[rows.clone()],
+                        &c_lse[qrows.clone()],
+                        q,
+                        k,
+                        vv,
+                        case,
+                        &at,
+                    );
+                }
+                if closes_a_page(plan.spec(), seen, lens[s] + Q_LEN) {
+                    closed += 1;
+                    continue;
+                }
+                compared += 1;
+                let (m_rows, m_q) = (s * per..(s + 1) * per, s * q_heads..(s + 1) * q_heads);
+                assert_eq!(
+                    c_out[rows], m_out[m_rows],
+                    "{at}: output differs from the mirror"
+                );
+                assert_eq!(bits(&c_lse[qrows]), bits(&m_lse[m_q]), "{at}: LSE differs");
+            }
+        }
+        for len in lens.iter_mut() {
+            *len += Q_LEN;
+        }
+    }
+    let fp16 = !plan.spec().k.is_quantized() && !plan.spec().v.is_quantized();
+    assert!(
+        compared > 400 && (closed > 0 || fp16),
+        "{what}: compared {compared}, closed {closed}"
+    );
+    eprintln!(
+        "{what}: 60 verification steps; {compared} rows equal the one-token mirror bit for bit, \
+         {closed} rows after a page closed inside the step left out"
+    );
 }
 
 fn bits(x: &[f32]) -> Vec<u32> {
@@ -449,6 +654,7 @@ fn limits(
         max_seqs: max_seqs as u32,
         max_seq_len: max_len as u32,
         pool_pages: pool_pages as u32,
+        max_q_len: Q_LEN as u32,
     }
 }
 

@@ -17,6 +17,7 @@ fn limits(head_dim: u32) -> KvqPlanLimits {
         max_seqs: 4,
         max_seq_len: 8192,
         pool_pages: 256,
+        max_q_len: 1,
     }
 }
 

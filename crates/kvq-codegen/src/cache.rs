@@ -301,6 +301,7 @@ pub fn cache_kernels_with(
     let mut append_params = vec![
         param("const uint16_t*", "k_new"),
         param("const uint16_t*", "v_new"),
+        param("int32_t", "stride"),
         param("const int32_t*", "slots"),
         param("const int32_t*", "seq_lens"),
     ];

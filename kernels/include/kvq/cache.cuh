@@ -30,11 +30,13 @@ static __device__ __forceinline__ void kvq_store_f16(int tok, int slot, int kvh,
 }
 
 // Append: grid (n, kv_heads), 128 threads. Writes token seq_lens[slots[i]] of each listed
-// sequence; the commit kernel adds it to the length after the page quantizers ran. A slot of -1
+// sequence, from row i·stride of the new rows (stride > 1: one token of a step of several, the
+// caller's rows [n][stride][kv_heads][head_dim]); the commit kernel adds it to the length after
+// the page quantizers ran. A slot of -1
 // is a padding row (an engine's graph padded to a captured batch size): every kernel of the step
 // skips it.
 static __device__ __forceinline__ void kvq_append(
-    const kvq_u16* __restrict__ k_new, const kvq_u16* __restrict__ v_new,
+    const kvq_u16* __restrict__ k_new, const kvq_u16* __restrict__ v_new, int stride,
     const kvq_i32* __restrict__ slots, const kvq_i32* __restrict__ seq_lens,
     kvq_u8* __restrict__ k_pool, kvq_u8* __restrict__ v_pool,
     const kvq_i32* __restrict__ page_table, int max_pages,
@@ -46,7 +48,7 @@ static __device__ __forceinline__ void kvq_append(
     if (slot < 0) return;
     const int tok = seq_lens[slot];
     for (int c = threadIdx.x; c < D; c += blockDim.x) {
-        const long src = ((long)i * kv_heads + kvh) * D + c;
+        const long src = ((long)i * stride * kv_heads + kvh) * D + c;
         kvq_store_f16<KTensor>(tok, slot, kvh, kv_heads, c, kvq_f32_to_f16(kvq_in_to_f32(k_new[src])), k_pool, page_table, max_pages, k_sink, k_tail);
         kvq_store_f16<VTensor>(tok, slot, kvh, kv_heads, c, kvq_f32_to_f16(kvq_in_to_f32(v_new[src])), v_pool, page_table, max_pages, v_sink, v_tail);
     }

@@ -10,14 +10,19 @@ static constexpr int TGROUPS = D >= THREADS ? 1 : THREADS / D;       // token gr
 static constexpr int CPT = (D + THREADS - 1) / THREADS;              // channels per thread (P·V)
 static constexpr int KIND_F16_ROW = 0, KIND_PAGE = 1;
 
-// A batch row's sequence: the cache slot whose page-table row, FP16 sink and tail and length it
-// reads (`seq_slots[row]`; without a list, rows are slots), and that length. A negative slot is a
-// padding row (an engine's graph padded to a captured batch size): length 0, so its output is zeros
-// and it reads nothing of the cache.
-struct KvqSlot { int slot, len; };
-static __device__ __forceinline__ KvqSlot kvq_seq_slot(const kvq_i32* seq_slots, const kvq_i32* seq_lens, int row) {
-    const int s = seq_slots ? seq_slots[row] : row;
-    return s < 0 ? KvqSlot{0, 0} : KvqSlot{s, seq_lens[s]};
+// A query row's sequence and what it sees. Rows are `q_len` query tokens a sequence: row r is
+// token r % q_len of sequence r / q_len, whose cache slot (page-table row, FP16 sink and tail,
+// length) is seq_slots[r / q_len] (without a list, sequence i is slot i). The step's tokens are
+// the slot's last q_len, so token j sees the first len − (q_len − 1 − j) tokens: causal among
+// them, on the regions of the whole length. A negative slot is a padding sequence (an engine's
+// graph padded to a captured batch size): length 0, so its rows are zeros and read nothing.
+struct KvqSlot { int slot, len, seen; };
+static __device__ __forceinline__ KvqSlot kvq_seq_slot(const kvq_i32* seq_slots, const kvq_i32* seq_lens, int row, int q_len) {
+    const int i = q_len == 1 ? row : row / q_len;
+    const int s = seq_slots ? seq_slots[i] : i;
+    if (s < 0) return KvqSlot{0, 0, 0};
+    const int len = seq_lens[s];
+    return KvqSlot{s, len, q_len == 1 ? len : max(len - (q_len - 1 - (row - i * q_len)), 0)};
 }
 
 // Per-sequence token split of a quantized tensor (mirrors kvq_reference::regions::TokenRegions).

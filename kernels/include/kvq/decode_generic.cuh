@@ -173,7 +173,7 @@ static __device__ __forceinline__ void kvq_generic_range(
     const kvq_u8* __restrict__ k_pool,
     const kvq_i32* __restrict__ page_table, int max_pages,
     const kvq_u16* __restrict__ k_sink, const kvq_u16* __restrict__ k_tail,
-    const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots,
+    const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots, int q_len,
     float* __restrict__ score_range, float* __restrict__ scores)   // scores: unused by this kernel
 {
     kvq_allow_dependent_launch();   // the decode grid may be scheduled now (it waits for our ranges)
@@ -182,8 +182,8 @@ static __device__ __forceinline__ void kvq_generic_range(
     const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
     const int range_splits = gridDim.x, kv_heads = gridDim.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const KvqSlot at = kvq_seq_slot(seq_slots, seq_lens, seq);
-    const int slot = at.slot, len = at.len;
+    const KvqSlot at = kvq_seq_slot(seq_slots, seq_lens, seq, q_len);
+    const int slot = at.slot, len = at.len, seen = at.seen;
     float qreg[GQA][CPL], qs[GQA][CPL], kbias[GQA];
     int folded_page = -1;
     kvq_load_queries(q, seq, kvh, kv_heads, qreg);
@@ -191,7 +191,7 @@ static __device__ __forceinline__ void kvq_generic_range(
 #pragma unroll
     for (int h = 0; h < GQA; ++h) { lo[h] = __int_as_float(0x7f800000); hi[h] = KVQ_NEG_INF; }
     int t_begin, t_end;
-    kvq_split_range(len, split, range_splits, t_begin, t_end);
+    kvq_split_range(seen, split, range_splits, t_begin, t_end);
     for (int t0 = t_begin; t0 < t_end;) {
         const int t1 = kvq_tile_end(t0, t_end, len);
         const KvqLoc first = k_locate(t0, len, slot, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail);
@@ -236,7 +236,7 @@ static __device__ __forceinline__ void kvq_generic_decode(
     const kvq_i32* __restrict__ page_table, int max_pages,
     const kvq_u16* __restrict__ k_sink, const kvq_u16* __restrict__ v_sink,
     const kvq_u16* __restrict__ k_tail, const kvq_u16* __restrict__ v_tail,
-    const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots,
+    const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots, int q_len,
     const float* __restrict__ score_range, const float* __restrict__ scores,   // scores: unused by this kernel
     int range_splits,   // gridDim.x of the range grid: the splits score_range holds per head
     float* __restrict__ part_acc, float* __restrict__ part_ml,
@@ -258,8 +258,8 @@ static __device__ __forceinline__ void kvq_generic_decode(
         }
         return;
     }
-    const KvqSlot at = kvq_seq_slot(seq_slots, seq_lens, seq);
-    const int slot = at.slot, len = at.len;
+    const KvqSlot at = kvq_seq_slot(seq_slots, seq_lens, seq, q_len);
+    const int slot = at.slot, len = at.len, seen = at.seen;
     float qreg[GQA][CPL], qs[GQA][CPL], kbias[GQA];
     int folded_page = -1;
     kvq_load_queries(q, seq, kvh, kv_heads, qreg);
@@ -291,7 +291,7 @@ static __device__ __forceinline__ void kvq_generic_decode(
     __syncthreads();
 
     int t_begin, t_end;
-    kvq_split_range(len, split, num_splits, t_begin, t_end);
+    kvq_split_range(seen, split, num_splits, t_begin, t_end);
     for (int t0 = t_begin; t0 < t_end;) {
         const int t1 = kvq_tile_end(t0, t_end, len);
         const int n = t1 - t0;

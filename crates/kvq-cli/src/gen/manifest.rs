@@ -294,7 +294,13 @@ fn about_param(name: &str, dtype: Dtype) -> String {
         "num_parts" => {
             "partials per query head: num_splits + num_pieces of the decode launch".into()
         }
-        "k_new" | "v_new" => format!("new tokens [n][kv_heads][head_dim] {io}"),
+        "k_new" | "v_new" => format!("new tokens [n][stride][kv_heads][head_dim] {io} (row i·stride)"),
+        "stride" => "tokens between consecutive sequences' rows in k_new/v_new (1: one a sequence)".into(),
+        "q_len" => {
+            "query tokens a sequence (rows [batch][q_len]): the slot's last q_len tokens, each \
+             seeing the tokens up to itself (1: decode)"
+                .into()
+        }
         "slots" => "[n] i32 sequence slots (rows of page_table/seq_lens)".into(),
         "k_in" | "v_in" | "x" => format!("prefill input [tokens][kv_heads][head_dim] {io}"),
         "tokens" => "prompt tokens".into(),

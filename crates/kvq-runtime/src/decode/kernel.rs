@@ -328,10 +328,12 @@ impl DecodeKernel {
     }
 
     /// [`attend_with_lse`](Self::attend_with_lse) on a cache and buffers the caller owns (an
-    /// engine's memory), for `batch` rows: row `b` attends over slot `seq_slots[b]` of `cache`
-    /// (`seq_slots` 0: slot `b`; a slot of −1 is a padding row whose output is zeros), `q` and
-    /// `out` are `[batch][kv_heads·gqa][head_dim]` in the kernel's dtype, `lse`
-    /// `[batch][kv_heads·gqa]` f32 or 0 for none.
+    /// engine's memory), for `batch` sequences of `q_len` query tokens each: sequence `i` is slot
+    /// `seq_slots[i]` of `cache` (`seq_slots` 0: slot `i`; a slot of −1 is padding, whose rows
+    /// are zeros), and its query tokens are the slot's last `q_len` tokens, token `j` seeing the
+    /// slot's tokens up to itself (causal; `q_len` 1: decode). `q` and `out` are
+    /// `[batch][q_len][kv_heads·gqa][head_dim]` in the kernel's dtype, `lse`
+    /// `[batch][q_len][kv_heads·gqa]` f32 or 0 for none.
     ///
     /// # Safety
     /// Every pointer is a device allocation of the stream's context holding what its field or
@@ -344,6 +346,7 @@ impl DecodeKernel {
         stream: &Arc<CudaStream>,
         cache: &CachePtrs,
         batch: usize,
+        q_len: usize,
         seq_slots: u64,
         q: u64,
         out: u64,
@@ -356,6 +359,11 @@ impl DecodeKernel {
             ));
         }
         self.check_cache(cache.head_dim)?;
+        if q_len == 0 {
+            return Err(RuntimeError::InvalidInput(
+                "q_len 0 (a step has at least one query token a sequence)".into(),
+            ));
+        }
         let lse = (lse != 0).then_some(Output::Raw(lse));
         // SAFETY: the caller vouches for the pointers (above).
         unsafe {
@@ -363,6 +371,7 @@ impl DecodeKernel {
                 stream,
                 CacheArgs::from(cache),
                 batch,
+                q_len,
                 Input::Raw(seq_slots),
                 Input::Raw(q),
                 Output::Raw(out),
@@ -417,6 +426,7 @@ impl DecodeKernel {
                 stream,
                 CacheArgs::from(cache),
                 cache.batch,
+                1,
                 Input::Raw(0),
                 Input::Slice(q),
                 Output::Slice(out),
@@ -430,13 +440,15 @@ impl DecodeKernel {
     /// part per head wrote the output itself, the combine grid.
     ///
     /// # Safety
-    /// The buffers hold what [`attend_raw`](Self::attend_raw) says for `batch` rows.
+    /// The buffers hold what [`attend_raw`](Self::attend_raw) says for `batch` sequences of
+    /// `q_len` query tokens.
     #[allow(clippy::too_many_arguments)]
     unsafe fn launch(
         &self,
         stream: &Arc<CudaStream>,
         cache: CacheArgs<'_>,
         batch: usize,
+        q_len: usize,
         seq_slots: Input<'_, i32>,
         q: Input<'_, u16>,
         out: Output<'_, u16>,
@@ -444,6 +456,17 @@ impl DecodeKernel {
         scratch: &mut DecodeScratch,
     ) -> Result<()> {
         let q_heads = cache.kv_heads * self.generated.shape.gqa as usize;
+        // A row of the grid for each query token of each sequence.
+        let q_len_i = i32::try_from(q_len)
+            .map_err(|_| RuntimeError::InvalidInput(format!("q_len {q_len}")))?;
+        let batch = batch
+            .checked_mul(q_len)
+            .filter(|&rows| rows <= u16::MAX as usize)
+            .ok_or_else(|| {
+                RuntimeError::InvalidInput(format!(
+                    "{batch} sequences of {q_len} query tokens (at most 65535 query tokens a launch)"
+                ))
+            })?;
         if scratch.rows < batch * q_heads {
             return Err(RuntimeError::InvalidInput(format!(
                 "scratch was made for {} query rows, this launch has {}",
@@ -490,6 +513,7 @@ impl DecodeKernel {
                 .input(cache.k_tail)
                 .input(cache.seq_lens)
                 .input(seq_slots)
+                .int(q_len_i)
                 .output(scratch.score_range.output())
                 .output(scratch.scores.output());
             let range_cfg = LaunchConfig {
@@ -513,6 +537,7 @@ impl DecodeKernel {
             .input(cache.v_tail)
             .input(cache.seq_lens)
             .input(seq_slots)
+            .int(q_len_i)
             .input(scratch.score_range.input())
             .input(scratch.scores.input())
             .int(range_splits as i32)

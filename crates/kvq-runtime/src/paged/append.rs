@@ -29,9 +29,11 @@ pub(crate) struct AppendArgs<'a> {
     /// `[n]` sequence slots (−1: a padding row, skipped).
     pub slots: Input<'a, i32>,
     pub n: usize,
-    /// `[n][kv_heads][head_dim]` in the cache's input dtype.
+    /// `[n][stride][kv_heads][head_dim]` in the cache's input dtype: sequence `i`'s token at row
+    /// `i·stride`.
     pub k_new: Input<'a, u16>,
     pub v_new: Input<'a, u16>,
+    pub stride: usize,
 }
 
 fn launch_err(entry: &Loaded) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
@@ -54,6 +56,8 @@ pub(crate) unsafe fn launch_append(
     let too_big = |what: &str, v: usize| RuntimeError::InvalidInput(format!("{v} {what}"));
     let n = u32::try_from(a.n).map_err(|_| too_big("rows in an append", a.n))?;
     let n_i = n as i32;
+    let stride =
+        i32::try_from(a.stride).map_err(|_| too_big("rows between sequences", a.stride))?;
     let h = a.kv_heads as u32;
     let max_pages =
         i32::try_from(a.max_pages).map_err(|_| too_big("page-table columns", a.max_pages))?;
@@ -61,6 +65,7 @@ pub(crate) unsafe fn launch_append(
     let mut args = Args::new(stream);
     args.input(a.k_new)
         .input(a.v_new)
+        .int(stride)
         .input(a.slots)
         .input(a.seq_lens.as_input())
         .output(a.k_pool.reborrow())

@@ -469,6 +469,7 @@ impl PagedKvCache {
             n: ids.len(),
             k_new: Input::Slice(k),
             v_new: Input::Slice(v),
+            stride: 1,
         };
         // SAFETY: the buffers are this cache's, sized by CacheSizes; `k`/`v` were checked to hold
         // `ids.len()` rows, the slot list holds them, and the book put every page the step can

@@ -53,20 +53,23 @@ impl CacheWriter {
         self.dtype
     }
 
-    /// Appends one token's K and V (`[n][kv_heads][head_dim]`, row `i` for slot `slots[i]`; a
-    /// slot of −1 is a padding row, skipped) at position `seq_lens[slot]` of each listed
-    /// sequence, quantizes the page that token completes, and adds it to `seq_lens`.
+    /// Appends `q_len` tokens' K and V to each listed sequence (`[n][q_len][kv_heads][head_dim]`,
+    /// sequence `i` for slot `slots[i]`; a slot of −1 is padding, skipped): token by token, each
+    /// at position `seq_lens[slot]`, the page it completes quantized, then counted in `seq_lens`.
     ///
     /// # Safety
     /// Every pointer is a device allocation of the stream's context holding what [`CachePtrs`]
-    /// says (`slots` `n` i32 of distinct slots, `k_new`/`v_new` `n·kv_heads·head_dim` values);
+    /// says (`slots` `n` i32 of distinct slots, `k_new`/`v_new` `n·q_len·kv_heads·head_dim`
+    /// values);
     /// each slot's page table maps the page its new token completes (a page of `page` tokens
     /// after the sink and local window); all stay alive until the launches have run.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn append_raw(
         &self,
         stream: &Arc<CudaStream>,
         cache: &CachePtrs,
         n: usize,
+        q_len: usize,
         slots: u64,
         k_new: u64,
         v_new: u64,
@@ -76,6 +79,40 @@ impl CacheWriter {
                 "slots, k_new and v_new must not be null".into(),
             ));
         }
+        // Bytes of one token's row of every KV head.
+        let row = (cache.kv_heads * cache.head_dim * 2) as u64;
+        for j in 0..q_len as u64 {
+            // SAFETY: the caller vouches for the rows of every token.
+            unsafe {
+                self.append_token(
+                    stream,
+                    cache,
+                    n,
+                    q_len,
+                    slots,
+                    k_new + j * row,
+                    v_new + j * row,
+                )
+            }?;
+        }
+        Ok(())
+    }
+
+    /// One token a sequence of an append of `stride` tokens a sequence.
+    ///
+    /// # Safety
+    /// As [`append_raw`](Self::append_raw).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn append_token(
+        &self,
+        stream: &Arc<CudaStream>,
+        cache: &CachePtrs,
+        n: usize,
+        stride: usize,
+        slots: u64,
+        k_new: u64,
+        v_new: u64,
+    ) -> Result<()> {
         let a = AppendArgs {
             kv_heads: cache.kv_heads,
             max_pages: cache.max_pages,
@@ -91,6 +128,7 @@ impl CacheWriter {
             n,
             k_new: Input::Raw(k_new),
             v_new: Input::Raw(v_new),
+            stride,
         };
         // SAFETY: the caller vouches for the pointers.
         unsafe { launch_append(stream, &self.kernels, a) }

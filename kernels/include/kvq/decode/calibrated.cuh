@@ -130,7 +130,7 @@ static __device__ __forceinline__ void kvq_range_kernel(
     const kvq_u8* __restrict__ k_pool,
     const kvq_i32* __restrict__ page_table, int max_pages,
     const kvq_u16* __restrict__ k_sink, const kvq_u16* __restrict__ k_tail,
-    const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots,
+    const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots, int q_len,
     float* __restrict__ score_range, float* __restrict__ scores)
 {
     kvq_allow_dependent_launch();   // the decode grid may be scheduled now (it waits for our ranges)
@@ -145,15 +145,15 @@ static __device__ __forceinline__ void kvq_range_kernel(
     const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
     const int range_splits = gridDim.x, kv_heads = gridDim.y;   // its own count, which decode is given
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, r = lane % 4;
-    const KvqSlot at = kvq_seq_slot(seq_slots, seq_lens, seq);
-    const int slot = at.slot, len = at.len;
+    const KvqSlot at = kvq_seq_slot(seq_slots, seq_lens, seq, q_len);
+    const int slot = at.slot, len = at.len, seen = at.seen;
     const long head_row = UNEVEN_GROUPS ? kvq_head_row(seq, kvh, kv_heads) : ((long)seq * kv_heads + kvh) * GQA;
     F fold;
     if constexpr (KVQ_RANGE_QUERY_KEPT) kvq_query_pairs<KBITS>(q, head_row, KVQ_RANGE_PACKED ? (g & 3) : g, r, fold.qk);
     int folded_page = -1;
     float lo[2] = {__int_as_float(0x7f800000), __int_as_float(0x7f800000)}, hi[2] = {KVQ_NEG_INF, KVQ_NEG_INF};
     int w_begin, w_end;
-    kvq_warp_range(len, split, range_splits, warp, w_begin, w_end);
+    kvq_warp_range(len, seen, split, range_splits, warp, w_begin, w_end);
     if constexpr (KVQ_STAGES > 0) {
     // K alone through the decode kernel's ring (same stage layout, V sections unused); chunks of
     // FP16 rows are not calibrated and stage nothing.

@@ -17,7 +17,7 @@ static __device__ __forceinline__ void kvq_decode_kernel(
     const kvq_i32* __restrict__ page_table, int max_pages,
     const kvq_u16* __restrict__ k_sink, const kvq_u16* __restrict__ v_sink,
     const kvq_u16* __restrict__ k_tail, const kvq_u16* __restrict__ v_tail,
-    const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots,
+    const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots, int q_len,
     const float* __restrict__ score_range, const float* __restrict__ scores,
     int range_splits,   // gridDim.x of the range grid: the splits score_range holds per head
     float* __restrict__ part_acc, float* __restrict__ part_ml,
@@ -40,8 +40,8 @@ static __device__ __forceinline__ void kvq_decode_kernel(
     const int part = cta.part, kvh = cta.kvh, seq = cta.seq;
     const int parts = gridDim.x, num_splits = parts - num_pieces, kv_heads = gridDim.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, r = lane % 4;
-    const KvqSlot at = kvq_seq_slot(seq_slots, seq_lens, seq);
-    const int slot = at.slot, len = at.len;
+    const KvqSlot at = kvq_seq_slot(seq_slots, seq_lens, seq, q_len);
+    const int slot = at.slot, len = at.len, seen = at.seen;
     const long head_row = UNEVEN_GROUPS ? kvq_head_row(seq, kvh, kv_heads) : ((long)seq * kv_heads + kvh) * GQA;
 
     float qmul[2], qadd[2] = {0.f, 0.f}, cmul[2], cadd[2];
@@ -77,7 +77,7 @@ static __device__ __forceinline__ void kvq_decode_kernel(
         for (int i = 0; i < MT; ++i) accs[t][i][0] = accs[t][i][1] = accs[t][i][2] = accs[t][i][3] = 0.f;
 
     int w_begin, w_end;
-    kvq_share_range(len, part * WARPS + warp, num_splits * WARPS, KVQ_RUNS_PIECES ? num_pieces * WARPS : 0, piece_permille,
+    kvq_share_range(len, seen, part * WARPS + warp, num_splits * WARPS, KVQ_RUNS_PIECES ? num_pieces * WARPS : 0, piece_permille,
                     w_begin, w_end);
     float smul[2];   // KVQ_STORED: the calibration's multipliers for natural-unit scores
     if constexpr (KVQ_STAGES > 0) {

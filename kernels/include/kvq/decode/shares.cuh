@@ -38,11 +38,14 @@ static __device__ __forceinline__ int kvq_token_at_cost(float c, const int (&b)[
 // neighbours got none). Each rule keeps to its side of the region edges, so edges never decrease
 // with the index; neighbouring shares compute their common boundary with the same operations, so
 // shares tile the sequence exactly.
-static __device__ __forceinline__ void kvq_share_range(int len, int index, int fixed, int pieces, int permille, int& begin, int& end) {
+// The regions are those of the sequence's `len` tokens; a row that sees only the first `seen` of
+// them (a query token of a multi-token step) shares out [0, seen) on the same edges.
+static __device__ __forceinline__ void kvq_share_range(int len, int seen, int index, int fixed, int pieces, int permille,
+                                                       int& begin, int& end) {
     const int sink_end = min(SINK, len);
     const int qk = KTensor::KIND == KvqKind::Int ? kvq_quant_end(len, sink_end, K_LOCAL) : len;
     const int qv = VTensor::KIND == KvqKind::Int ? kvq_quant_end(len, sink_end, V_LOCAL) : len;
-    const int b[5] = {0, sink_end, min(qk, qv), max(qk, qv), len};
+    const int b[5] = {0, min(sink_end, seen), min(min(qk, qv), seen), min(max(qk, qv), seen), seen};
     const float w[4] = {
         (KTensor::KIND == KvqKind::Int ? KF_COST : KQ_COST) + (VTensor::KIND == KvqKind::Int ? VF_COST : VQ_COST),
         KQ_COST + VQ_COST,
@@ -58,20 +61,20 @@ static __device__ __forceinline__ void kvq_share_range(int len, int index, int f
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
         const int j = index + e;
-        if (j >= fixed + pieces) { edge[e] = len; continue; }
+        if (j >= fixed + pieces) { edge[e] = seen; continue; }
         const float c = j <= fixed ? per_fixed * (float)j : fmaf(per_piece, (float)(j - fixed), fixed_cost);
         const int t = kvq_token_at_cost(c, b, w);
-        if (t < sink_end) edge[e] = min(sink_end, (t + 8) / 16 * 16);
+        if (t < b[1]) edge[e] = min(b[1], (t + 8) / 16 * 16);
         else if (t < b[2]) edge[e] = min(b[2], sink_end + (t - sink_end + TILE / 2) / TILE * TILE);
-        else edge[e] = min(len, max(b[2], sink_end + (t - sink_end + 8) / 16 * 16));
+        else edge[e] = min(seen, max(b[2], sink_end + (t - sink_end + 8) / 16 * 16));
     }
     begin = edge[0];
     end = edge[1];
 }
 
 // Warp `warp` of split `split` when every share is fixed (the score-range pass).
-static __device__ __forceinline__ void kvq_warp_range(int len, int split, int num_splits, int warp, int& w_begin, int& w_end) {
-    kvq_share_range(len, split * WARPS + warp, num_splits * WARPS, 0, 0, w_begin, w_end);
+static __device__ __forceinline__ void kvq_warp_range(int len, int seen, int split, int num_splits, int warp, int& w_begin, int& w_end) {
+    kvq_share_range(len, seen, split * WARPS + warp, num_splits * WARPS, 0, 0, w_begin, w_end);
 }
 
 // Which (part, KV head, sequence) a decode CTA works on. The grid is (num_splits + num_pieces,
