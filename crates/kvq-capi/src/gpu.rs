@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use kvq::codegen::{Dtype, KernelShape};
 use kvq::runtime::cudarc::driver::{sys, CudaStream};
+use kvq::runtime::device::RestoreContext;
 use kvq::runtime::tune::{default_launch, TuneProblem};
 use kvq::runtime::{CacheWriter, DecodeKernel, DecodeScratch, Device, Jit, MergeKernel, Pieces};
 
@@ -59,18 +60,29 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>, Failure> {
     })
 }
 
-/// The GPU a caller's stream runs on, and the stream borrowed for launches.
+/// The GPU a caller's stream runs on, the stream borrowed for launches, and a guard that gives the
+/// calling thread its current CUDA context back when the call ends.
 ///
 /// # Safety
 /// `stream` is null (the thread's current context's legacy stream) or a live `CUstream`.
-pub unsafe fn stream_gpu(stream: *mut c_void) -> Result<(Arc<Gpu>, Arc<CudaStream>), Failure> {
+pub unsafe fn stream_gpu(
+    stream: *mut c_void,
+) -> Result<(Arc<Gpu>, Arc<CudaStream>, RestoreContext), Failure> {
     let stream = stream as sys::CUstream;
     let (ordinal, ctx) = unsafe { kvq::runtime::device::stream_device(stream) }
         .map_err(|e| Failure::runtime(e.into()))?;
+    let restore = RestoreContext::save();
     let gpu = gpu(ordinal)?;
     let borrowed =
         unsafe { gpu.device.borrow_stream(stream, ctx) }.map_err(|e| Failure::runtime(e.into()))?;
-    Ok((gpu, borrowed))
+    Ok((gpu, borrowed, restore))
+}
+
+/// A guard that gives the calling thread its current CUDA context back when dropped (loading the
+/// driver first).
+fn keep_current_context() -> Result<RestoreContext, Failure> {
+    kvq::runtime::device_count().map_err(|e| Failure::runtime(e.into()))?;
+    Ok(RestoreContext::save())
 }
 
 /// The merge kernel of `plan`'s head size and dtype on `gpu`.
@@ -209,6 +221,7 @@ pub unsafe extern "C" fn kvq_plan_load(plan: *const KvqPlan, device: i32) -> Kvq
         let plan = unsafe { plan.as_ref() }.ok_or_else(|| Failure::argument("plan is NULL"))?;
         let ordinal = usize::try_from(device)
             .map_err(|_| Failure::argument(format!("device {device} (expected an ordinal ≥ 0)")))?;
+        let _context = keep_current_context()?;
         let gpu = gpu(ordinal)?;
         merge_kernel(&gpu, plan)?;
         plan_kernels(&gpu, plan).map(|_| ())
@@ -232,6 +245,7 @@ pub unsafe extern "C" fn kvq_plan_workspace_bytes(
         let bytes = unsafe { bytes.as_mut() }.ok_or_else(|| Failure::argument("bytes is NULL"))?;
         let ordinal = usize::try_from(device)
             .map_err(|_| Failure::argument(format!("device {device} (expected an ordinal ≥ 0)")))?;
+        let _context = keep_current_context()?;
         let gpu = gpu(ordinal)?;
         *bytes = plan_kernels(&gpu, plan)?.workspace_bytes as u64;
         Ok(())

@@ -46,7 +46,7 @@ pub unsafe extern "C" fn kvq_merge(
                 return Err(Failure::argument(format!("{name} is NULL")));
             }
         }
-        let (gpu, stream) = unsafe { stream_gpu(stream) }?;
+        let (gpu, stream, _context) = unsafe { stream_gpu(stream) }?;
         let kernel = merge_kernel(&gpu, plan)?;
         // SAFETY: the caller vouches for the buffers (sizes per the plan's head_dim and dtype).
         unsafe {

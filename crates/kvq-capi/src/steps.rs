@@ -180,7 +180,7 @@ pub unsafe extern "C" fn kvq_prefill(
         if workspace.is_null() {
             return Err(Failure::argument("workspace is NULL"));
         }
-        let (gpu, stream) = unsafe { stream_gpu(stream) }?;
+        let (gpu, stream, _context) = unsafe { stream_gpu(stream) }?;
         let kernels = plan_kernels(&gpu, plan)?;
         // SAFETY: the caller vouches for the buffers; the workspace holds the job list of any
         // prefill within the plan's limits (PlanKernels::load).
@@ -228,7 +228,7 @@ pub unsafe extern "C" fn kvq_append(
         if n == 0 {
             return Ok(());
         }
-        let (gpu, stream) = unsafe { stream_gpu(stream) }?;
+        let (gpu, stream, _context) = unsafe { stream_gpu(stream) }?;
         let kernels = plan_kernels(&gpu, plan)?;
         // SAFETY: the caller vouches for the buffers and slots.
         unsafe {
@@ -288,7 +288,7 @@ pub unsafe extern "C" fn kvq_attend(
                 return Err(Failure::argument(format!("{name} is NULL")));
             }
         }
-        let (gpu, stream) = unsafe { stream_gpu(stream) }?;
+        let (gpu, stream, _context) = unsafe { stream_gpu(stream) }?;
         let kernels = plan_kernels(&gpu, plan)?;
         // SAFETY: the caller vouches for the workspace (the plan's size).
         let rows = n as usize * q_len as usize;

@@ -197,6 +197,11 @@ fn check_case(jit: &Jit, stream: &Arc<CudaStream>, case: &Case) {
     let slots: Vec<i32> = prompts.iter().map(|p| p.0 as i32).collect();
     let tokens: Vec<u32> = prompts.iter().map(|p| p.1 as u32).collect();
     for (c, w) in [(&direct, &ws_direct), (&graphed, &ws_graph)] {
+        let (k_p, v_p, w_p) = (ptr(&k_in, stream), ptr(&v_in, stream), ws(w));
+        // kvq's calls give the thread its current CUDA context back (here: none).
+        unsafe { sys::cuCtxSetCurrent(std::ptr::null_mut()) }
+            .result()
+            .unwrap();
         let status = unsafe {
             kvq_prefill(
                 &plan,
@@ -205,11 +210,19 @@ fn check_case(jit: &Jit, stream: &Arc<CudaStream>, case: &Case) {
                 3,
                 slots.as_ptr(),
                 tokens.as_ptr(),
-                ptr(&k_in, stream),
-                ptr(&v_in, stream),
-                ws(w),
+                k_p,
+                v_p,
+                w_p,
             )
         };
+        let mut current: sys::CUcontext = std::ptr::null_mut();
+        unsafe { sys::cuCtxGetCurrent(&mut current) }
+            .result()
+            .unwrap();
+        assert!(
+            current.is_null(),
+            "{what}: kvq_prefill left a context current"
+        );
         ok(status, &format!("{what}: prefill"));
     }
 

@@ -282,6 +282,34 @@ impl Device {
     }
 }
 
+/// Restores, when dropped, the CUDA context that was current on the calling thread when it was
+/// made: kvq's launches make their stream's context current, and a caller (an engine, PyTorch,
+/// another GPU's work on the same thread) keeps its own.
+pub struct RestoreContext(Option<sys::CUcontext>);
+
+impl RestoreContext {
+    /// The thread's current context now (none is a context too: it is restored as none). Call it
+    /// once the driver is loaded (after [`stream_device`]); if the driver cannot say, nothing is
+    /// restored.
+    pub fn save() -> RestoreContext {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: ctx is a valid out-pointer; the driver is loaded (the caller's contract).
+        let known = unsafe { sys::cuCtxGetCurrent(&mut ctx) }.result().is_ok();
+        RestoreContext(known.then_some(ctx))
+    }
+}
+
+impl Drop for RestoreContext {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.0 {
+            // SAFETY: the context (or none) was current on this thread when saved, and a primary
+            // or caller's context outlives the call; a failure leaves the thread as the launches
+            // left it.
+            let _ = unsafe { sys::cuCtxSetCurrent(ctx) };
+        }
+    }
+}
+
 /// Waits for `stream`; errors are reported as failures of `after`.
 pub fn synchronize_stream(stream: &CudaStream, after: &str) -> Result<()> {
     stream
