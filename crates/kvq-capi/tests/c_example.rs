@@ -17,12 +17,16 @@ fn main() {
             the_c_example_prints_the_rust_plan_and_the_refusals,
         ),
         checked(
-            "the_merge_example_compiles_against_kvq_h_and_cuda_h",
-            the_merge_example_compiles_against_kvq_h_and_cuda_h,
+            "the_gpu_examples_compile_against_kvq_h_and_cuda_h",
+            the_gpu_examples_compile_against_kvq_h_and_cuda_h,
         ),
         checked(
             "the_merge_example_runs_on_a_gpu",
             the_merge_example_runs_on_a_gpu,
+        ),
+        checked(
+            "the_decode_example_runs_on_a_gpu",
+            the_decode_example_runs_on_a_gpu,
         ),
     ])
 }
@@ -45,9 +49,9 @@ fn cuda_include() -> Result<Vec<String>, Skip> {
     Ok(dirs)
 }
 
-/// `cc` on examples/merge.c with kvq.h and cuda.h, plus `extra` arguments; panics with the
+/// `cc` on `examples/{name}` with kvq.h and cuda.h, plus `extra` arguments; panics with the
 /// compiler's output when it fails.
-fn compile_merge_example(cc: &str, cuda: &[String], extra: &[&str]) {
+fn compile_example(cc: &str, cuda: &[String], name: &str, extra: &[&str]) {
     let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut cmd = Command::new(cc);
     cmd.args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-I"])
@@ -56,27 +60,40 @@ fn compile_merge_example(cc: &str, cuda: &[String], extra: &[&str]) {
         cmd.arg("-I").arg(dir);
     }
     let result = cmd
-        .arg(crate_dir.join("examples/merge.c"))
+        .arg(crate_dir.join("examples").join(name))
         .args(extra)
         .output()
         .expect("run the C compiler");
     assert!(
         result.status.success(),
-        "`{cc}` failed on examples/merge.c:\n{}",
+        "`{cc}` failed on examples/{name}:\n{}",
         String::from_utf8_lossy(&result.stderr)
     );
 }
 
-fn the_merge_example_compiles_against_kvq_h_and_cuda_h() -> Result<(), Skip> {
+fn the_gpu_examples_compile_against_kvq_h_and_cuda_h() -> Result<(), Skip> {
     let cc = c_compiler()?;
     let cuda = cuda_include()?;
-    let out = std::env::temp_dir().join(format!("kvq-capi-merge-{}.o", std::process::id()));
-    compile_merge_example(&cc, &cuda, &["-c", "-o", out.to_str().unwrap()]);
-    std::fs::remove_file(&out).ok();
+    for name in ["merge.c", "decode.c"] {
+        let out = std::env::temp_dir().join(format!("kvq-capi-{name}-{}.o", std::process::id()));
+        compile_example(&cc, &cuda, name, &["-c", "-o", out.to_str().unwrap()]);
+        std::fs::remove_file(&out).ok();
+    }
     Ok(())
 }
 
 fn the_merge_example_runs_on_a_gpu() -> Result<(), Skip> {
+    run_on_a_gpu("merge.c", &[])
+}
+
+fn the_decode_example_runs_on_a_gpu() -> Result<(), Skip> {
+    run_on_a_gpu("decode.c", &[])?;
+    run_on_a_gpu("decode.c", &["kivi2"])
+}
+
+/// Builds `examples/{name}` against the cdylib and runs it with `args` on GPU 0: it must exit 0
+/// and print `ok`.
+fn run_on_a_gpu(name: &str, args: &[&str]) -> Result<(), Skip> {
     if let Err(e) = kvq::runtime::device_count().and_then(|n| {
         (n > 0).then_some(n).ok_or(kvq::runtime::JitError::NoGpu {
             ordinal: 0,
@@ -91,10 +108,11 @@ fn the_merge_example_runs_on_a_gpu() -> Result<(), Skip> {
     let cc = c_compiler()?;
     let cuda = cuda_include()?;
     let lib = library_dir();
-    let exe = std::env::temp_dir().join(format!("kvq-capi-merge-{}", std::process::id()));
-    compile_merge_example(
+    let exe = std::env::temp_dir().join(format!("kvq-capi-{name}-{}", std::process::id()));
+    compile_example(
         &cc,
         &cuda,
+        name,
         &[
             "-L",
             lib.to_str().unwrap(),
@@ -106,13 +124,16 @@ fn the_merge_example_runs_on_a_gpu() -> Result<(), Skip> {
             exe.to_str().unwrap(),
         ],
     );
-    let run = Command::new(&exe).output().expect("run the merge example");
+    let run = Command::new(&exe)
+        .args(args)
+        .output()
+        .expect("run the example");
     std::fs::remove_file(&exe).ok();
     let stdout = String::from_utf8_lossy(&run.stdout);
     println!("{stdout}");
     assert!(
         run.status.success() && stdout.contains("ok"),
-        "the merge example failed ({}):\n{stdout}\n{}",
+        "examples/{name} {args:?} failed ({}):\n{stdout}\n{}",
         run.status,
         String::from_utf8_lossy(&run.stderr)
     );
