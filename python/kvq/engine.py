@@ -13,7 +13,9 @@ current stream, without copies:
 
 ``append`` and ``attend`` are torch custom ops (``torch.ops.kvq.append``, ``torch.ops.kvq.attend``)
 with fake implementations, and neither synchronises with the host, so ``torch.cuda.graph`` can
-capture them and ``torch.compile`` can trace them. Sequence slots are rows of the per-sequence
+capture them and ``torch.compile`` can trace them. Called eagerly, :class:`PagedCache` goes
+straight to the extension (the same launches, without the custom ops' dispatch, which costs more
+host time than the kernels take on the GPU). Sequence slots are rows of the per-sequence
 buffers and of the block table: the engine gives each running sequence a slot and names the
 slots of a step's rows in an int32 CUDA tensor (``-1``: a padding row, skipped, output zeros).
 
@@ -225,7 +227,11 @@ class PagedCache:
         self._check("k", k, (n, q_len) if k.dim() == 4 else n, self.kv_heads)
         self._check("v", v, (n, q_len) if k.dim() == 4 else n, self.kv_heads)
         shape = (n, q_len, self.kv_heads, self.head_dim)
-        torch.ops.kvq.append(self._id, *self._buffers(), slots, k.view(shape), v.view(shape))
+        if torch.compiler.is_compiling():
+            torch.ops.kvq.append(self._id, *self._buffers(), slots, k.view(shape), v.view(shape))
+        else:
+            self.plan._append(_ptrs(self._buffers()), _stream(self.device), n, q_len,
+                              slots.data_ptr(), k.data_ptr(), v.data_ptr())
 
     def attend(self, slots: torch.Tensor, q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Attention of the step's query tokens over each slot's cache: ``q`` is
@@ -238,9 +244,16 @@ class PagedCache:
         n = slots.numel()
         self._check("q", q, (n, q_len) if q.dim() == 4 else n, self.q_heads)
         shape = (n, q_len, self.q_heads, self.head_dim)
-        out, lse = torch.ops.kvq.attend(self._id, *self._buffers(), slots, q.view(shape),
-                                        self.workspace)
-        return out.view(q.shape), lse.view(q.shape[:-1])
+        if torch.compiler.is_compiling():
+            out, lse = torch.ops.kvq.attend(self._id, *self._buffers(), slots, q.view(shape),
+                                            self.workspace)
+            return out.view(q.shape), lse.view(q.shape[:-1])
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        self.plan._attend(_ptrs(self._buffers()), _stream(self.device), n, q_len,
+                          slots.data_ptr(), q.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                          self.workspace.data_ptr())
+        return out, lse
 
 
 def merge(plan: Plan, outs: torch.Tensor, lses: torch.Tensor,
