@@ -6,9 +6,13 @@
 
 use std::ffi::c_void;
 
+use std::sync::Arc;
+
+use kvq::runtime::cudarc::driver::CudaStream;
+use kvq::runtime::device::RestoreContext;
 use kvq::runtime::CachePtrs;
 
-use crate::gpu::{plan_kernels, stream_gpu};
+use crate::gpu::{plan_kernels, stream_gpu, PlanKernels};
 use crate::plan::KvqPlan;
 use crate::status::{call, Failure, KvqStatus};
 
@@ -98,6 +102,40 @@ fn check_count(plan: &KvqPlan, n: u32, what: &str) -> Result<(), Failure> {
     Ok(())
 }
 
+/// The checks of a step of `n` sequences of `q_len` query tokens: the counts against the plan,
+/// then the pointers named with whether each is NULL (an empty step may pass NULLs). Whether the
+/// step has any work.
+fn check_step(
+    plan: &KvqPlan,
+    n: u32,
+    q_len: u32,
+    what: &str,
+    pointers: &[(&str, bool)],
+) -> Result<bool, Failure> {
+    check_count(plan, n, what)?;
+    check_q_len(plan, q_len, what)?;
+    if n == 0 {
+        return Ok(false);
+    }
+    match pointers.iter().find(|(_, null)| *null) {
+        Some((name, _)) => Err(Failure::argument(format!("{what}: {name} is NULL"))),
+        None => Ok(true),
+    }
+}
+
+/// The plan's kernels on the GPU of `stream`, the stream borrowed for launches, and the guard that
+/// gives the thread its current context back.
+///
+/// # Safety
+/// As [`stream_gpu`].
+unsafe fn step_gpu(
+    plan: &KvqPlan,
+    stream: *mut c_void,
+) -> Result<(Arc<PlanKernels>, Arc<CudaStream>, RestoreContext), Failure> {
+    let (gpu, stream, context) = unsafe { stream_gpu(stream) }?;
+    Ok((plan_kernels(&gpu, plan)?, stream, context))
+}
+
 /// Checks a step's query tokens a sequence against the plan.
 fn check_q_len(plan: &KvqPlan, q_len: u32, what: &str) -> Result<(), Failure> {
     let max = plan.limits().max_q_len;
@@ -180,8 +218,7 @@ pub unsafe extern "C" fn kvq_prefill(
         if workspace.is_null() {
             return Err(Failure::argument("workspace is NULL"));
         }
-        let (gpu, stream, _context) = unsafe { stream_gpu(stream) }?;
-        let kernels = plan_kernels(&gpu, plan)?;
+        let (kernels, stream, _context) = unsafe { step_gpu(plan, stream) }?;
         // SAFETY: the caller vouches for the buffers; the workspace holds the job list of any
         // prefill within the plan's limits (PlanKernels::load).
         unsafe {
@@ -223,13 +260,15 @@ pub unsafe extern "C" fn kvq_append(
 ) -> KvqStatus {
     call(|| {
         let (plan, ptrs) = unsafe { plan_and_cache(plan, cache) }?;
-        check_count(plan, n, "kvq_append")?;
-        check_q_len(plan, q_len, "kvq_append")?;
-        if n == 0 {
+        let pointers = [
+            ("slots", slots.is_null()),
+            ("k_new", k_new.is_null()),
+            ("v_new", v_new.is_null()),
+        ];
+        if !check_step(plan, n, q_len, "kvq_append", &pointers)? {
             return Ok(());
         }
-        let (gpu, stream, _context) = unsafe { stream_gpu(stream) }?;
-        let kernels = plan_kernels(&gpu, plan)?;
+        let (kernels, stream, _context) = unsafe { step_gpu(plan, stream) }?;
         // SAFETY: the caller vouches for the buffers and slots.
         unsafe {
             kernels.writer.append_raw(
@@ -273,23 +312,16 @@ pub unsafe extern "C" fn kvq_attend(
 ) -> KvqStatus {
     call(|| {
         let (plan, ptrs) = unsafe { plan_and_cache(plan, cache) }?;
-        check_count(plan, n, "kvq_attend")?;
-        check_q_len(plan, q_len, "kvq_attend")?;
-        if n == 0 {
-            return Ok(());
-        }
-        for (name, null) in [
+        let pointers = [
             ("slots", slots.is_null()),
             ("q", q.is_null()),
             ("out", out.is_null()),
             ("workspace", workspace.is_null()),
-        ] {
-            if null {
-                return Err(Failure::argument(format!("{name} is NULL")));
-            }
+        ];
+        if !check_step(plan, n, q_len, "kvq_attend", &pointers)? {
+            return Ok(());
         }
-        let (gpu, stream, _context) = unsafe { stream_gpu(stream) }?;
-        let kernels = plan_kernels(&gpu, plan)?;
+        let (kernels, stream, _context) = unsafe { step_gpu(plan, stream) }?;
         // SAFETY: the caller vouches for the workspace (the plan's size).
         let rows = n as usize * q_len as usize;
         let mut scratch = unsafe { kernels.scratch(plan, rows, workspace as u64) }?;

@@ -14,7 +14,7 @@
 //! keep their slots while batches change.
 
 use cudarc::driver::CudaSlice;
-use kvq_jit::launch::Input;
+use kvq_jit::launch::{Input, Output};
 use kvq_spec::SchemeSpec;
 
 /// Borrowed device buffers of a paged cache, each laid out as its field says (docs/LAYOUT.md has the
@@ -165,6 +165,64 @@ impl From<&CachePtrs> for CacheArgs<'static> {
             k_tail: Input::Raw(c.k_tail),
             v_tail: Input::Raw(c.v_tail),
             seq_lens: Input::Raw(c.seq_lens),
+        }
+    }
+}
+
+/// Either kind of cache, as the cache kernels (prefill, append) write it.
+pub(crate) struct CacheMut<'a> {
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub max_pages: usize,
+    pub k_pool: Output<'a, u8>,
+    pub v_pool: Output<'a, u8>,
+    pub page_table: Input<'a, i32>,
+    pub k_sink: Output<'a, u16>,
+    pub v_sink: Output<'a, u16>,
+    pub k_tail: Output<'a, u16>,
+    pub v_tail: Output<'a, u16>,
+    pub seq_lens: Output<'a, i32>,
+}
+
+impl From<&CachePtrs> for CacheMut<'static> {
+    fn from(c: &CachePtrs) -> Self {
+        CacheMut {
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            max_pages: c.max_pages,
+            k_pool: Output::Raw(c.k_pool),
+            v_pool: Output::Raw(c.v_pool),
+            page_table: Input::Raw(c.page_table),
+            k_sink: Output::Raw(c.k_sink),
+            v_sink: Output::Raw(c.v_sink),
+            k_tail: Output::Raw(c.k_tail),
+            v_tail: Output::Raw(c.v_tail),
+            seq_lens: Output::Raw(c.seq_lens),
+        }
+    }
+}
+
+impl CacheBuffers {
+    /// The buffers as the cache kernels write them, for `kv_heads` heads of `head_dim` channels
+    /// and `max_pages` page-table columns.
+    pub(crate) fn writable(
+        &mut self,
+        kv_heads: usize,
+        head_dim: usize,
+        max_pages: usize,
+    ) -> CacheMut<'_> {
+        CacheMut {
+            kv_heads,
+            head_dim,
+            max_pages,
+            k_pool: Output::Slice(&mut self.k_pool),
+            v_pool: Output::Slice(&mut self.v_pool),
+            page_table: Input::Slice(&self.page_table),
+            k_sink: Output::Slice(&mut self.k_sink),
+            v_sink: Output::Slice(&mut self.v_sink),
+            k_tail: Output::Slice(&mut self.k_tail),
+            v_tail: Output::Slice(&mut self.v_tail),
+            seq_lens: Output::Slice(&mut self.seq_lens),
         }
     }
 }

@@ -22,7 +22,7 @@ pub use block::{
 pub use cache::GpuCache;
 pub use fast_memory::{fast_memory_applies, is_fast_memory, FAST_MEMORY_GBPS_PER_SM};
 pub use kernel::{DecodeKernel, LoadOptions, RANGE_SCALE_MAX_SPLITS};
-pub(crate) use layout::CacheBuffers;
+pub(crate) use layout::{CacheBuffers, CacheMut};
 pub use layout::{CachePtrs, CacheView};
 pub use merge::MergeKernel;
 pub use scratch::{DecodeScratch, WorkspaceLayout, WORKSPACE_ALIGNMENT};

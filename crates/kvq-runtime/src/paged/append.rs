@@ -10,22 +10,14 @@ use std::sync::Arc;
 use cudarc::driver::{CudaStream, LaunchConfig};
 
 use super::kernels::{CacheFunctions, Loaded, Quantizers};
+use crate::decode::CacheMut;
 use crate::error::{Result, RuntimeError};
-use crate::launch::{Args, Input, Output};
+use crate::launch::{Args, Input};
 
-/// What an append step reads and writes: the cache's buffers (module docs of
-/// [`layout`](crate::decode)), the slot list and the new rows.
+/// What an append step reads and writes: the cache (module docs of [`layout`](crate::decode)),
+/// the slot list and the new rows.
 pub(crate) struct AppendArgs<'a> {
-    pub kv_heads: usize,
-    pub max_pages: usize,
-    pub k_pool: Output<'a, u8>,
-    pub v_pool: Output<'a, u8>,
-    pub page_table: Input<'a, i32>,
-    pub k_sink: Output<'a, u16>,
-    pub v_sink: Output<'a, u16>,
-    pub k_tail: Output<'a, u16>,
-    pub v_tail: Output<'a, u16>,
-    pub seq_lens: Output<'a, i32>,
+    pub cache: CacheMut<'a>,
     /// `[n]` sequence slots (−1: a padding row, skipped).
     pub slots: Input<'a, i32>,
     pub n: usize,
@@ -58,24 +50,24 @@ pub(crate) unsafe fn launch_append(
     let n_i = n as i32;
     let stride =
         i32::try_from(a.stride).map_err(|_| too_big("rows between sequences", a.stride))?;
-    let h = a.kv_heads as u32;
-    let max_pages =
-        i32::try_from(a.max_pages).map_err(|_| too_big("page-table columns", a.max_pages))?;
+    let h = a.cache.kv_heads as u32;
+    let max_pages = i32::try_from(a.cache.max_pages)
+        .map_err(|_| too_big("page-table columns", a.cache.max_pages))?;
     let e = &kernels.append;
     let mut args = Args::new(stream);
     args.input(a.k_new)
         .input(a.v_new)
         .int(stride)
         .input(a.slots)
-        .input(a.seq_lens.as_input())
-        .output(a.k_pool.reborrow())
-        .output(a.v_pool.reborrow())
-        .input(a.page_table)
+        .input(a.cache.seq_lens.as_input())
+        .output(a.cache.k_pool.reborrow())
+        .output(a.cache.v_pool.reborrow())
+        .input(a.cache.page_table)
         .int(max_pages)
-        .output(a.k_sink.reborrow())
-        .output(a.v_sink.reborrow())
-        .output(a.k_tail.reborrow())
-        .output(a.v_tail.reborrow());
+        .output(a.cache.k_sink.reborrow())
+        .output(a.cache.v_sink.reborrow())
+        .output(a.cache.k_tail.reborrow())
+        .output(a.cache.v_tail.reborrow());
     let cfg = LaunchConfig {
         grid_dim: (n, h, 1),
         block_dim: (e.entry.block, 1, 1),
@@ -84,17 +76,17 @@ pub(crate) unsafe fn launch_append(
     // SAFETY: arguments follow KernelEntry::params; the caller vouches for the buffers.
     unsafe { args.launch(&e.f, cfg, false) }.map_err(launch_err(e))?;
     for (quantizers, pool, tail) in [
-        (kernels.k.as_ref(), &mut a.k_pool, &a.k_tail),
-        (kernels.v.as_ref(), &mut a.v_pool, &a.v_tail),
+        (kernels.k.as_ref(), &mut a.cache.k_pool, &a.cache.k_tail),
+        (kernels.v.as_ref(), &mut a.cache.v_pool, &a.cache.v_tail),
     ] {
         let Some(Quantizers { from_ring: e, .. }) = quantizers else {
             continue;
         };
         let mut args = Args::new(stream);
         args.input(a.slots)
-            .input(a.seq_lens.as_input())
+            .input(a.cache.seq_lens.as_input())
             .output(pool.reborrow())
-            .input(a.page_table)
+            .input(a.cache.page_table)
             .int(max_pages)
             .input(tail.as_input());
         let cfg = LaunchConfig {
@@ -107,7 +99,9 @@ pub(crate) unsafe fn launch_append(
     }
     let e = &kernels.commit;
     let mut args = Args::new(stream);
-    args.input(a.slots).int(n_i).output(a.seq_lens.reborrow());
+    args.input(a.slots)
+        .int(n_i)
+        .output(a.cache.seq_lens.reborrow());
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(128), 1, 1),
         block_dim: (128, 1, 1),

@@ -330,19 +330,10 @@ impl PagedKvCache {
         let slots: Vec<(usize, usize)> = growth.iter().map(|&(id, t)| (id.0 as usize, t)).collect();
         let jobs = max_job_values(&self.spec, &slots, self.max_pages)?;
         self.reserve_list(jobs)?;
-        let b = &mut self.buffers;
         let a = PrefillArgs {
-            kv_heads: self.cfg.kv_heads,
-            head_dim: self.cfg.head_dim,
-            max_pages: self.max_pages,
-            k_pool: Output::Slice(&mut b.k_pool),
-            v_pool: Output::Slice(&mut b.v_pool),
-            page_table: Input::Slice(&b.page_table),
-            k_sink: Output::Slice(&mut b.k_sink),
-            v_sink: Output::Slice(&mut b.v_sink),
-            k_tail: Output::Slice(&mut b.k_tail),
-            v_tail: Output::Slice(&mut b.v_tail),
-            seq_lens: Output::Slice(&mut b.seq_lens),
+            cache: self
+                .buffers
+                .writable(self.cfg.kv_heads, self.cfg.head_dim, self.max_pages),
             k: Input::Slice(k),
             v: Input::Slice(v),
             prompts: &slots,
@@ -453,18 +444,10 @@ impl PagedKvCache {
         self.write_table(&changes)?;
         let slots: Vec<i32> = ids.iter().map(|id| id.0 as i32).collect();
         self.upload_list(&slots)?;
-        let b = &mut self.buffers;
         let a = AppendArgs {
-            kv_heads: self.cfg.kv_heads,
-            max_pages: self.max_pages,
-            k_pool: Output::Slice(&mut b.k_pool),
-            v_pool: Output::Slice(&mut b.v_pool),
-            page_table: Input::Slice(&b.page_table),
-            k_sink: Output::Slice(&mut b.k_sink),
-            v_sink: Output::Slice(&mut b.v_sink),
-            k_tail: Output::Slice(&mut b.k_tail),
-            v_tail: Output::Slice(&mut b.v_tail),
-            seq_lens: Output::Slice(&mut b.seq_lens),
+            cache: self
+                .buffers
+                .writable(self.cfg.kv_heads, self.cfg.head_dim, self.max_pages),
             slots: Input::Slice(&self.slots),
             n: ids.len(),
             k_new: Input::Slice(k),

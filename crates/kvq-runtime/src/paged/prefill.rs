@@ -12,6 +12,7 @@ use kvq_reference::regions::TokenRegions;
 use kvq_spec::{SchemeSpec, TensorQuant};
 
 use super::kernels::{CacheFunctions, Loaded, Quantizers};
+use crate::decode::CacheMut;
 use crate::error::{Result, RuntimeError};
 use crate::launch::{Args, Input, Output};
 
@@ -21,17 +22,7 @@ const MAX_GRID_Y: usize = 65_535;
 /// What a prefill reads and writes: the cache's buffers, the packed prompts, and a device list
 /// the job lists are uploaded into.
 pub(crate) struct PrefillArgs<'a> {
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub max_pages: usize,
-    pub k_pool: Output<'a, u8>,
-    pub v_pool: Output<'a, u8>,
-    pub page_table: Input<'a, i32>,
-    pub k_sink: Output<'a, u16>,
-    pub v_sink: Output<'a, u16>,
-    pub k_tail: Output<'a, u16>,
-    pub v_tail: Output<'a, u16>,
-    pub seq_lens: Output<'a, i32>,
+    pub cache: CacheMut<'a>,
     /// `[Σ tokens][kv_heads][head_dim]` in the cache's input dtype, prompt `i` after prompts `< i`.
     pub k: Input<'a, u16>,
     pub v: Input<'a, u16>,
@@ -115,9 +106,9 @@ pub(crate) unsafe fn launch_prefill(
     let int = |v: usize, what: &str| {
         i32::try_from(v).map_err(|_| RuntimeError::InvalidInput(format!("{v} {what}")))
     };
-    let max_pages = int(a.max_pages, "page-table columns")?;
-    let h = a.kv_heads as u32;
-    let row = a.kv_heads * a.head_dim;
+    let max_pages = int(a.cache.max_pages, "page-table columns")?;
+    let h = a.cache.kv_heads as u32;
+    let row = a.cache.kv_heads * a.cache.head_dim;
     let mut first = 0usize;
     for &(slot, tokens) in a.prompts {
         if tokens == 0 {
@@ -133,14 +124,14 @@ pub(crate) unsafe fn launch_prefill(
             .ptr(v_base + at)
             .int(tokens_i)
             .int(slot_i)
-            .output(a.k_pool.reborrow())
-            .output(a.v_pool.reborrow())
-            .input(a.page_table)
+            .output(a.cache.k_pool.reborrow())
+            .output(a.cache.v_pool.reborrow())
+            .input(a.cache.page_table)
             .int(max_pages)
-            .output(a.k_sink.reborrow())
-            .output(a.v_sink.reborrow())
-            .output(a.k_tail.reborrow())
-            .output(a.v_tail.reborrow());
+            .output(a.cache.k_sink.reborrow())
+            .output(a.cache.v_sink.reborrow())
+            .output(a.cache.k_tail.reborrow())
+            .output(a.cache.v_tail.reborrow());
         let cfg = LaunchConfig {
             grid_dim: (tokens as u32, h, 1),
             block_dim: (e.entry.block, 1, 1),
@@ -152,10 +143,10 @@ pub(crate) unsafe fn launch_prefill(
         first += tokens;
     }
     for (quantizers, tensor, pool, x) in [
-        (kernels.k.as_ref(), &spec.k, &mut a.k_pool, a.k),
-        (kernels.v.as_ref(), &spec.v, &mut a.v_pool, a.v),
+        (kernels.k.as_ref(), &spec.k, &mut a.cache.k_pool, a.k),
+        (kernels.v.as_ref(), &spec.v, &mut a.cache.v_pool, a.v),
     ] {
-        let list = prefill_jobs(spec, tensor, a.prompts, a.max_pages)?;
+        let list = prefill_jobs(spec, tensor, a.prompts, a.cache.max_pages)?;
         if list.is_empty() {
             continue;
         }
@@ -168,13 +159,13 @@ pub(crate) unsafe fn launch_prefill(
                 pool.reborrow(),
                 x,
                 a.jobs.as_input(),
-                a.page_table,
+                a.cache.page_table,
                 list.len() / 2,
                 h,
             )?
         };
     }
-    let (lens, guard) = a.seq_lens.device_ptr(stream);
+    let (lens, guard) = a.cache.seq_lens.device_ptr(stream);
     for &(slot, tokens) in a.prompts {
         let tokens = [int(tokens, "prompt tokens")?];
         // SAFETY: `slot` is a slot of the cache, so its length is inside `seq_lens`; the copy

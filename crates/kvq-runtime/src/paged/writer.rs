@@ -10,7 +10,7 @@ use kvq_spec::SchemeSpec;
 use super::append::{launch_append, AppendArgs};
 use super::kernels::CacheFunctions;
 use super::prefill::{launch_prefill, max_job_values, PrefillArgs};
-use crate::decode::CachePtrs;
+use crate::decode::{CacheMut, CachePtrs};
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
 use crate::launch::{Input, Output};
@@ -114,16 +114,7 @@ impl CacheWriter {
         v_new: u64,
     ) -> Result<()> {
         let a = AppendArgs {
-            kv_heads: cache.kv_heads,
-            max_pages: cache.max_pages,
-            k_pool: Output::Raw(cache.k_pool),
-            v_pool: Output::Raw(cache.v_pool),
-            page_table: Input::Raw(cache.page_table),
-            k_sink: Output::Raw(cache.k_sink),
-            v_sink: Output::Raw(cache.v_sink),
-            k_tail: Output::Raw(cache.k_tail),
-            v_tail: Output::Raw(cache.v_tail),
-            seq_lens: Output::Raw(cache.seq_lens),
+            cache: CacheMut::from(cache),
             slots: Input::Raw(slots),
             n,
             k_new: Input::Raw(k_new),
@@ -178,17 +169,7 @@ impl CacheWriter {
             ));
         }
         let a = PrefillArgs {
-            kv_heads: cache.kv_heads,
-            head_dim: cache.head_dim,
-            max_pages: cache.max_pages,
-            k_pool: Output::Raw(cache.k_pool),
-            v_pool: Output::Raw(cache.v_pool),
-            page_table: Input::Raw(cache.page_table),
-            k_sink: Output::Raw(cache.k_sink),
-            v_sink: Output::Raw(cache.v_sink),
-            k_tail: Output::Raw(cache.k_tail),
-            v_tail: Output::Raw(cache.v_tail),
-            seq_lens: Output::Raw(cache.seq_lens),
+            cache: CacheMut::from(cache),
             k: Input::Raw(k),
             v: Input::Raw(v),
             prompts,
