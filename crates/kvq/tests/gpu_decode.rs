@@ -19,6 +19,8 @@
 //! (54 s of it NVRTC), so the whole test does not fit one device call of 10 minutes: split it by
 //! `KVQ_TEST_SCHEMES=kivi2,kitty` and `KVQ_TEST_HEAD_DIMS=80,96` (each checks only what it names,
 //! printed), which also lets a change to some kernels be checked first on a short device lease.
+//! A second test runs steps of several query tokens a sequence (q_len 1, 2, 4, 8) against the
+//! reference's causal step at head_dim 64, 128 and 256.
 
 mod common;
 use common::{
@@ -42,6 +44,11 @@ fn main() {
             Need::Gpu,
             "gpu_decode_matches_the_reference_for_every_integer_scheme",
             gpu_decode_matches_the_reference_for_every_integer_scheme,
+        ),
+        needs(
+            Need::Gpu,
+            "gpu_steps_of_several_query_tokens_match_the_reference",
+            gpu_steps_of_several_query_tokens_match_the_reference,
         ),
         needs(
             Need::Gpu,
@@ -723,6 +730,157 @@ fn error_bound_admits_kernel_rounding_and_catches_bugs() {
             "{what}: an LSE without the denominator passed"
         );
     }
+}
+
+/// Query tokens a sequence the step test runs: 1 (the step path at decode) to 8.
+const Q_LENS: &[usize] = &[1, 2, 4, 8];
+/// Sequence lengths of the step test, each at least the longest step: around the sink, the local
+/// window and a page (a step there sees tokens on both sides of a page's edge) and long.
+const STEP_LENGTHS: &[usize] = &[8, 131, 290, 4100];
+
+/// `deq`'s first `tokens` tokens: what a query token of a step sees (the rest of the step's tokens
+/// are after it; the regions, already set by the whole length, are unchanged).
+fn first_tokens(deq: &Dequantized, tokens: usize) -> Dequantized {
+    Dequantized {
+        k: deq.k.prefix(tokens),
+        v: deq.v.prefix(tokens),
+        k_quantized: deq.k_quantized[..tokens].to_vec(),
+    }
+}
+
+/// Steps of several query tokens a sequence (speculative-decoding verification) against the CPU
+/// reference (`kvq_reference::step`: query token `j` of a step of `q_len` sees the sequence's first
+/// `len − (q_len − 1 − j)` tokens, as the whole length's cache holds them), for every integer and
+/// FP16 built-in × head_dim {64, 128, 256} (or those `KVQ_TEST_HEAD_DIMS` names) × {f16, bf16} ×
+/// q_len {1, 2, 4, 8} at GQA 4, the heuristic's launch for that many rows. Each row's output is
+/// held to its own error bound and its LSE to its bound, on outputs poisoned with NaN.
+fn gpu_steps_of_several_query_tokens_match_the_reference() {
+    let device = Device::open(0).expect("GPU");
+    let seed = seed();
+    println!(
+        "device {}, seed {seed} (KVQ_SEED={seed} repeats this run)",
+        device.props().name
+    );
+    let jit = Jit::new(&device).expect("JIT");
+    let stream = device.default_stream();
+    let mut schemes = integer_schemes();
+    if let Ok(only) = std::env::var("KVQ_TEST_SCHEMES") {
+        let known: Vec<&str> = schemes.iter().map(|(n, _)| *n).collect();
+        let names: Vec<&str> = only
+            .split(',')
+            .map(str::trim)
+            .filter(|n| known.contains(n))
+            .collect();
+        schemes.retain(|(n, _)| names.contains(n));
+    }
+    let dims: Vec<u32> = head_dims()
+        .into_iter()
+        .filter(|d| [64, 128, 256].contains(d))
+        .collect();
+    let (gqa, sm) = (4u32, device.props().sm_count as usize);
+    let q_heads = KV_HEADS * gqa as usize;
+    let batch = STEP_LENGTHS.len();
+    let (mut failures, mut checked, mut worst) = (Vec::new(), 0usize, 0.0f64);
+    for (name, spec) in &schemes {
+        for &d in &dims {
+            let caches: Vec<IntCache> = STEP_LENGTHS
+                .iter()
+                .map(|&len| {
+                    let (k, v) =
+                        case_kv(seed, &format!("step {name} d{d} len{len}"), len, d as usize);
+                    IntCache::build(spec, &k, &v).expect("reference cache")
+                })
+                .collect();
+            let dequantized: Vec<Dequantized> = caches.iter().map(IntCache::dequantize).collect();
+            let refs: Vec<&IntCache> = caches.iter().collect();
+            let gpu = GpuCache::upload(&stream, &refs).expect("upload");
+            let per = q_heads * d as usize;
+            for &dtype in DTYPES {
+                let shape = KernelShape::new(d, gqa, dtype);
+                let kernel =
+                    DecodeKernel::load(&jit, spec, &shape, &TuneParams::default_for(spec, &shape))
+                        .unwrap_or_else(|e| panic!("{name} {shape:?}: {e}"));
+                for &q_len in Q_LENS {
+                    let rows = batch * q_len;
+                    let what = format!("{name} d{d} {dtype} q_len {q_len}");
+                    let (q_bits, q_vals) = case_queries(seed, &what, rows * per, dtype);
+                    let q = stream.clone_htod(&q_bits).expect("upload q");
+                    let splits = kernel
+                        .default_splits(rows, KV_HEADS, gpu.max_len(), sm)
+                        .expect("occupancy");
+                    let pieces = kernel.default_pieces(gpu.max_len(), splits);
+                    let mut scratch = DecodeScratch::with_pieces(
+                        &stream, rows, q_heads, d as usize, splits, pieces,
+                    )
+                    .expect("scratch");
+                    let mut out = stream
+                        .clone_htod(&vec![0xFFFFu16; rows * per])
+                        .expect("out");
+                    let mut lse = stream
+                        .clone_htod(&vec![f32::NAN; rows * q_heads])
+                        .expect("lse");
+                    kernel
+                        .attend_step(
+                            &stream,
+                            gpu.view(),
+                            q_len,
+                            &q,
+                            &mut out,
+                            Some(&mut lse),
+                            &mut scratch,
+                        )
+                        .expect("launch");
+                    let got: Vec<u16> = stream.clone_dtoh(&out).expect("download");
+                    let got_lse: Vec<f32> = stream.clone_dtoh(&lse).expect("download lse");
+                    for (b, deq) in dequantized.iter().enumerate() {
+                        for j in 0..q_len {
+                            let r = b * q_len + j;
+                            let seen = STEP_LENGTHS[b] - (q_len - 1 - j);
+                            let queries = Queries {
+                                data: q_vals[r * per..(r + 1) * per].to_vec(),
+                                q_heads,
+                                head_dim: d as usize,
+                            };
+                            let want = expected(&queries, &first_tokens(deq, seen), spec, dtype)
+                                .expect("reference");
+                            let have: Vec<f32> = got[r * per..(r + 1) * per]
+                                .iter()
+                                .map(|&x| word_to_f32(x, dtype))
+                                .collect();
+                            let judged = judge(&have, &want);
+                            checked += 1;
+                            worst = worst.max(judged.worst_ratio);
+                            let at = format!("{what} len{} token {j}", STEP_LENGTHS[b]);
+                            if !judged.passed() {
+                                failures.push(format!("{at}: {judged}"));
+                            }
+                            for h in 0..q_heads {
+                                let have = got_lse[r * q_heads + h];
+                                let err = (f64::from(have) - f64::from(want.lse[h])).abs();
+                                if err.is_nan() || err > want.lse_bound[h] {
+                                    failures.push(format!(
+                                        "{at} head {h}: LSE {have} for {} (bound {:.2e})",
+                                        want.lse[h], want.lse_bound[h]
+                                    ));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    println!(
+        "checked {checked} step rows (scheme, head_dim, dtype, q_len, sequence, token) and their \
+         LSEs; largest share of a bound {worst:.3}"
+    );
+    assert!(checked > 0, "no scheme or head_dim selected");
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 /// Runs `kernel` again with the log-sum-exp (on the same scratch, outputs poisoned): its output

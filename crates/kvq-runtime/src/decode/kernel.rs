@@ -297,7 +297,7 @@ impl DecodeKernel {
         out: &mut CudaSlice<u16>,
         scratch: &mut DecodeScratch,
     ) -> Result<()> {
-        self.enqueue(stream, cache, q, out, None, scratch)
+        self.enqueue(stream, cache, 1, q, out, None, scratch)
     }
 
     /// As [`attend`](Self::attend), and writes each query row's log-sum-exp into `lse`
@@ -315,16 +315,32 @@ impl DecodeKernel {
         lse: &mut CudaSlice<f32>,
         scratch: &mut DecodeScratch,
     ) -> Result<()> {
-        let rows = cache.batch * cache.kv_heads * self.generated.shape.gqa as usize;
-        if lse.len() != rows {
-            return Err(RuntimeError::InvalidInput(format!(
-                "lse must hold [batch {}][q_heads {}] = {rows} floats, got {}",
-                cache.batch,
-                rows / cache.batch.max(1),
-                lse.len()
-            )));
+        self.enqueue(stream, cache, 1, q, out, Some(lse), scratch)
+    }
+
+    /// A step of `q_len` query tokens a sequence of `cache` (speculative-decoding verification):
+    /// row `b·q_len + j` of `q` and `out` (`[batch][q_len][kv_heads·gqa][head_dim]`) is token `j`
+    /// of sequence `b`, one of the sequence's last `q_len` tokens, attending causally to the
+    /// tokens up to itself as the cache holds them ([`attend_raw`](Self::attend_raw) has the
+    /// rule); `lse`, if given, gets each row's log-sum-exp (`[batch][q_len][kv_heads·gqa]`).
+    /// `q_len` 1 is [`attend`](Self::attend) / [`attend_with_lse`](Self::attend_with_lse).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_step(
+        &self,
+        stream: &Arc<CudaStream>,
+        cache: CacheView<'_>,
+        q_len: usize,
+        q: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+        lse: Option<&mut CudaSlice<f32>>,
+        scratch: &mut DecodeScratch,
+    ) -> Result<()> {
+        if q_len == 0 {
+            return Err(RuntimeError::InvalidInput(
+                "q_len 0 (a step has at least one query token a sequence)".into(),
+            ));
         }
-        self.enqueue(stream, cache, q, out, Some(lse), scratch)
+        self.enqueue(stream, cache, q_len, q, out, lse, scratch)
     }
 
     /// [`attend_with_lse`](Self::attend_with_lse) on a cache and buffers the caller owns (an
@@ -391,10 +407,12 @@ impl DecodeKernel {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn enqueue(
         &self,
         stream: &Arc<CudaStream>,
         cache: CacheView<'_>,
+        q_len: usize,
         q: &CudaSlice<u16>,
         out: &mut CudaSlice<u16>,
         lse: Option<&mut CudaSlice<f32>>,
@@ -410,14 +428,26 @@ impl DecodeKernel {
             )));
         }
         self.check_cache(cache.head_dim)?;
-        let need = cache.batch * q_heads * d;
+        let rows = cache.batch * q_len;
+        let need = rows * q_heads * d;
         if q.len() != need || out.len() != need {
             return Err(RuntimeError::InvalidInput(format!(
-                "q and out must hold [batch {}][q_heads {q_heads}][head_dim {d}] = {need} values, got {} and {}",
+                "q and out must hold [batch {}][q_len {q_len}][q_heads {q_heads}][head_dim {d}] = \
+                 {need} values, got {} and {}",
                 cache.batch,
                 q.len(),
                 out.len()
             )));
+        }
+        if let Some(lse) = &lse {
+            if lse.len() != rows * q_heads {
+                return Err(RuntimeError::InvalidInput(format!(
+                    "lse must hold [batch {}][q_len {q_len}][q_heads {q_heads}] = {} floats, got {}",
+                    cache.batch,
+                    rows * q_heads,
+                    lse.len()
+                )));
+            }
         }
         // SAFETY: every buffer is a cudarc allocation of the sizes checked here, and the view's
         // cache buffers follow its layout (CacheView's contract).
@@ -426,7 +456,7 @@ impl DecodeKernel {
                 stream,
                 CacheArgs::from(cache),
                 cache.batch,
-                1,
+                q_len,
                 Input::Raw(0),
                 Input::Slice(q),
                 Output::Slice(out),
