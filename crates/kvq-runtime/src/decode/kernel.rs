@@ -79,6 +79,16 @@ fn range_splits_for(splits: usize, decode_per_sm: usize, range_per_sm: usize) ->
     splits.max(scaled)
 }
 
+/// A step takes at least one query token a sequence.
+fn check_q_len(q_len: usize) -> Result<()> {
+    if q_len == 0 {
+        return Err(RuntimeError::InvalidInput(
+            "q_len 0 (a step has at least one query token a sequence)".into(),
+        ));
+    }
+    Ok(())
+}
+
 fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
     move |e| RuntimeError::launch(name, e)
 }
@@ -335,11 +345,6 @@ impl DecodeKernel {
         lse: Option<&mut CudaSlice<f32>>,
         scratch: &mut DecodeScratch,
     ) -> Result<()> {
-        if q_len == 0 {
-            return Err(RuntimeError::InvalidInput(
-                "q_len 0 (a step has at least one query token a sequence)".into(),
-            ));
-        }
         self.enqueue(stream, cache, q_len, q, out, lse, scratch)
     }
 
@@ -375,11 +380,6 @@ impl DecodeKernel {
             ));
         }
         self.check_cache(cache.head_dim)?;
-        if q_len == 0 {
-            return Err(RuntimeError::InvalidInput(
-                "q_len 0 (a step has at least one query token a sequence)".into(),
-            ));
-        }
         let lse = (lse != 0).then_some(Output::Raw(lse));
         // SAFETY: the caller vouches for the pointers (above).
         unsafe {
@@ -418,6 +418,7 @@ impl DecodeKernel {
         lse: Option<&mut CudaSlice<f32>>,
         scratch: &mut DecodeScratch,
     ) -> Result<()> {
+        check_q_len(q_len)?;
         let shape = self.generated.shape;
         let d = shape.head_dim as usize;
         let q_heads = cache.kv_heads * shape.gqa as usize;
@@ -486,6 +487,7 @@ impl DecodeKernel {
         scratch: &mut DecodeScratch,
     ) -> Result<()> {
         let q_heads = cache.kv_heads * self.generated.shape.gqa as usize;
+        check_q_len(q_len)?;
         // A row of the grid for each query token of each sequence.
         let q_len_i = i32::try_from(q_len)
             .map_err(|_| RuntimeError::InvalidInput(format!("q_len {q_len}")))?;
