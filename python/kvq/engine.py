@@ -41,8 +41,12 @@ def _plan_id(plan: Plan) -> int:
     return id(plan)
 
 
-def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+try:  # torch's own fast path to a device's current stream handle (what inductor's code calls)
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:  # pragma: no cover - older or CPU-only builds
+
+    def _raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
 
 
 def _ptrs(buffers: Sequence[torch.Tensor]) -> List[int]:
@@ -70,7 +74,7 @@ def _append(
     # k, v: [n, q_len, kv_heads, head_dim]
     buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table]
     _PLANS[plan_id]._append(
-        _ptrs(buffers), _stream(k.device), slots.numel(), k.shape[1], slots.data_ptr(),
+        _ptrs(buffers), _raw_stream(k.get_device()), slots.numel(), k.shape[1], slots.data_ptr(),
         k.data_ptr(), v.data_ptr(),
     )
 
@@ -100,7 +104,7 @@ def _attend(
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table]
     _PLANS[plan_id]._attend(
-        _ptrs(buffers), _stream(q.device), slots.numel(), q.shape[1], slots.data_ptr(),
+        _ptrs(buffers), _raw_stream(q.get_device()), slots.numel(), q.shape[1], slots.data_ptr(),
         q.data_ptr(), out.data_ptr(), lse.data_ptr(), workspace.data_ptr(),
     )
     return out, lse
@@ -166,111 +170,155 @@ class PagedCache:
             )
         self.workspace = zeros(plan.workspace_bytes(self.device.index))
         self._id = _plan_id(plan)
+        # The buffers' addresses, taken once: eager calls pass them without touching the tensors
+        # (the buffers are updated in place, never replaced).
+        self._index = self.device.index
+        self._addrs = _ptrs(self._buffers())
+        self._workspace_addr = self.workspace.data_ptr()
+        self._steps = plan._steps(self._addrs, self._workspace_addr)
 
     def _buffers(self) -> List[torch.Tensor]:
         return [self.k_pool, self.v_pool, self.k_sink, self.v_sink, self.k_tail, self.v_tail,
                 self.seq_lens, self.block_table]
 
-    def _check(self, name: str, t: torch.Tensor, rows, heads: int, dtype=None) -> None:
-        want = tuple(rows if isinstance(rows, tuple) else (rows,)) + (heads, self.head_dim)
-        dtype = dtype or self.dtype
-        if t.device != self.device or t.dtype != dtype or tuple(t.shape) != want:
+    def _check(self, name: str, t: torch.Tensor, want: tuple, dtype) -> None:
+        """Refuses ``t`` unless it is a contiguous ``want``-shaped ``dtype`` tensor on the cache's
+        device: one cheap test on the hot path, the message only on failure."""
+        if (t.shape != want or t.dtype is not dtype or t.get_device() != self._index
+                or not t.is_contiguous()):
+            if t.dtype is dtype and t.get_device() == self._index and t.shape == want:
+                raise InvalidArgument(f"{name} is not contiguous")
             raise InvalidArgument(
-                f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; expected {want} {dtype} "
-                f"on {self.device}"
+                f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; expected {tuple(want)} "
+                f"{dtype} on {self.device}"
             )
-        if not t.is_contiguous():
-            raise InvalidArgument(f"{name} is not contiguous")
 
-    def _check_slots(self, slots: torch.Tensor) -> None:
-        if slots.device != self.device or slots.dtype != torch.int32 or slots.dim() != 1:
+    def _check_slots(self, slots: torch.Tensor) -> int:
+        """The step's sequence count, after checking ``slots``."""
+        if (slots.dtype is not torch.int32 or slots.dim() != 1
+                or slots.get_device() != self._index or not slots.is_contiguous()):
+            if (slots.dtype is torch.int32 and slots.dim() == 1
+                    and slots.get_device() == self._index):
+                raise InvalidArgument("slots is not contiguous")
             raise InvalidArgument(
                 f"slots is {tuple(slots.shape)} {slots.dtype} on {slots.device}; expected a 1-D "
                 f"int32 tensor on {self.device}"
             )
-        if not slots.is_contiguous():
-            raise InvalidArgument("slots is not contiguous")
-        if slots.numel() > self.max_seqs:
+        n = slots.shape[0]
+        if n > self.max_seqs:
             raise InvalidArgument(
-                f"{slots.numel()} rows, more than the plan's max_seqs ({self.max_seqs})"
+                f"{n} rows, more than the plan's max_seqs ({self.max_seqs})"
             )
+        return n
+
+    def _step_rows(self, name: str, t: torch.Tensor, n: int, heads: int) -> Tuple[int, tuple]:
+        """``(q_len, shape)`` of a step's ``[n, heads, head_dim]`` (one token a sequence) or
+        ``[n, q_len, heads, head_dim]`` tensor, after checking it."""
+        shape = t.shape
+        if len(shape) == 4:
+            q_len, want = shape[1], (n, shape[1], heads, self.head_dim)
+        else:
+            q_len, want = 1, (n, heads, self.head_dim)
+        self._check(name, t, want, self.dtype)
+        if not 1 <= q_len <= self.max_q_len:
+            raise InvalidArgument(
+                f"{name} holds {q_len} tokens a sequence; the plan's max_q_len is {self.max_q_len}"
+            )
+        return q_len, want
 
     def prefill(self, slots: Sequence[int], tokens: Sequence[int], k: torch.Tensor,
                 v: torch.Tensor) -> None:
         """Stores prompts packed back to back (``k``, ``v``: ``[Σ tokens, kv_heads, head_dim]``,
         prompt ``i`` of ``tokens[i]`` tokens after prompts ``< i``) into the empty slots
         ``slots`` (host lists). A prompt of 0 tokens empties its slot."""
-        total = sum(int(t) for t in tokens)
-        self._check("k", k, total, self.kv_heads)
-        self._check("v", v, total, self.kv_heads)
+        want = (sum(int(t) for t in tokens), self.kv_heads, self.head_dim)
+        self._check("k", k, want, self.dtype)
+        self._check("v", v, want, self.dtype)
         self.plan._prefill(
-            _ptrs(self._buffers()), _stream(self.device), [int(s) for s in slots],
-            [int(t) for t in tokens], k.data_ptr(), v.data_ptr(), self.workspace.data_ptr(),
+            self._addrs, _raw_stream(self._index), [int(s) for s in slots],
+            [int(t) for t in tokens], k.data_ptr(), v.data_ptr(), self._workspace_addr,
         )
-
-    def _q_len(self, name: str, t: torch.Tensor) -> int:
-        """A step's query tokens a sequence: 1 for ``[n, heads, head_dim]``, ``t.shape[1]`` for
-        ``[n, q_len, heads, head_dim]``."""
-        q_len = t.shape[1] if t.dim() == 4 else 1
-        if not 1 <= q_len <= self.max_q_len:
-            raise InvalidArgument(
-                f"{name} holds {q_len} tokens a sequence; the plan's max_q_len is {self.max_q_len}"
-            )
-        return q_len
 
     def append(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Adds the step's new tokens to each slot of ``slots``: ``k``, ``v`` are
         ``[n, kv_heads, head_dim]`` (one token a sequence) or ``[n, q_len, kv_heads, head_dim]``."""
-        self._check_slots(slots)
-        q_len = self._q_len("k", k)
-        n = slots.numel()
-        self._check("k", k, (n, q_len) if k.dim() == 4 else n, self.kv_heads)
-        self._check("v", v, (n, q_len) if k.dim() == 4 else n, self.kv_heads)
-        shape = (n, q_len, self.kv_heads, self.head_dim)
+        n = self._check_slots(slots)
+        q_len, want = self._step_rows("k", k, n, self.kv_heads)
+        self._check("v", v, want, self.dtype)
         if torch.compiler.is_compiling():
+            shape = (n, q_len, self.kv_heads, self.head_dim)
             torch.ops.kvq.append(self._id, *self._buffers(), slots, k.view(shape), v.view(shape))
         else:
-            self.plan._append(_ptrs(self._buffers()), _stream(self.device), n, q_len,
-                              slots.data_ptr(), k.data_ptr(), v.data_ptr())
+            self._steps.append(_raw_stream(self._index), n, q_len, slots.data_ptr(),
+                               k.data_ptr(), v.data_ptr())
 
-    def attend(self, slots: torch.Tensor, q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, slots: torch.Tensor, q: torch.Tensor, out: Optional[torch.Tensor] = None,
+               lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Attention of the step's query tokens over each slot's cache: ``q`` is
         ``[n, q_heads, head_dim]`` (decode) or ``[n, q_len, q_heads, head_dim]`` (the slot's last
         ``q_len`` tokens, token ``j`` seeing the tokens up to itself), sequence ``i`` for slot
         ``slots[i]``. Returns the output (``q``'s shape and dtype) and the log-sum-exp of each
-        row's scores (``q``'s shape without ``head_dim``, float32, natural log)."""
-        self._check_slots(slots)
-        q_len = self._q_len("q", q)
-        n = slots.numel()
-        self._check("q", q, (n, q_len) if q.dim() == 4 else n, self.q_heads)
-        shape = (n, q_len, self.q_heads, self.head_dim)
+        row's scores (``q``'s shape without ``head_dim``, float32, natural log), written into
+        ``out`` and ``lse`` when given (an engine's own buffers: no allocation)."""
+        n = self._check_slots(slots)
+        q_len, want = self._step_rows("q", q, n, self.q_heads)
         if torch.compiler.is_compiling():
-            out, lse = torch.ops.kvq.attend(self._id, *self._buffers(), slots, q.view(shape),
-                                            self.workspace)
-            return out.view(q.shape), lse.view(q.shape[:-1])
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        self.plan._attend(_ptrs(self._buffers()), _stream(self.device), n, q_len,
-                          slots.data_ptr(), q.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                          self.workspace.data_ptr())
+            shape = (n, q_len, self.q_heads, self.head_dim)
+            o, s = torch.ops.kvq.attend(self._id, *self._buffers(), slots, q.view(shape),
+                                        self.workspace)
+            o, s = o.view(q.shape), s.view(q.shape[:-1])
+            if out is not None:
+                out.copy_(o)
+                o = out
+            if lse is not None:
+                lse.copy_(s)
+                s = lse
+            return o, s
+        if out is None:
+            out = torch.empty_like(q)
+        else:
+            self._check("out", out, want, self.dtype)
+        if lse is None:
+            lse = q.new_empty(want[:-1], dtype=torch.float32)
+        else:
+            self._check("lse", lse, want[:-1], torch.float32)
+        self._steps.attend(_raw_stream(self._index), n, q_len, slots.data_ptr(), q.data_ptr(),
+                           out.data_ptr(), lse.data_ptr())
         return out, lse
 
 
 def merge(plan: Plan, outs: torch.Tensor, lses: torch.Tensor,
-          out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+          out: Optional[torch.Tensor] = None,
+          lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Merges attention states of disjoint parts of each row's tokens (``outs``:
     ``[parts, rows..., head_dim]``, ``lses``: ``[parts, rows...]`` float32, e.g. gathered from the
-    GPUs of a context-parallel group) into the state over all of them: ``(out, lse)``."""
+    GPUs of a context-parallel group) into the state over all of them: ``(out, lse)``, written
+    into ``out`` and ``lse`` when given."""
     parts = outs.shape[0]
-    rows = lses[0].numel()
-    if lses.dtype != torch.float32 or lses.shape[0] != parts or not outs.is_contiguous():
+    if (lses.dtype is not torch.float32 or lses.shape != outs.shape[:-1] or not outs.is_contiguous()
+            or not lses.is_contiguous() or lses.get_device() != outs.get_device()
+            or outs.shape[-1] != plan.head_dim or outs.dtype is not _DTYPES[plan.dtype]):
         raise InvalidArgument(
-            f"outs {tuple(outs.shape)} and lses {tuple(lses.shape)} {lses.dtype}: expected "
-            "contiguous [parts, rows..., head_dim] and [parts, rows...] float32"
+            f"outs {tuple(outs.shape)} {outs.dtype} and lses {tuple(lses.shape)} {lses.dtype}: "
+            f"expected contiguous [parts, rows..., {plan.head_dim}] {_DTYPES[plan.dtype]} and "
+            "[parts, rows...] float32 on one device"
         )
     if out is None:
         out = torch.empty_like(outs[0])
-    lse = torch.empty(lses.shape[1:], dtype=torch.float32, device=lses.device)
-    plan._merge(_stream(outs.device), outs.data_ptr(), lses.contiguous().data_ptr(), parts, rows,
-                out.data_ptr(), lse.data_ptr())
+    elif (out.shape != outs.shape[1:] or out.dtype is not outs.dtype or not out.is_contiguous()
+          or out.get_device() != outs.get_device()):
+        raise InvalidArgument(
+            f"out is {tuple(out.shape)} {out.dtype}; expected a contiguous {tuple(outs.shape[1:])} "
+            f"{outs.dtype} tensor on {outs.device}"
+        )
+    if lse is None:
+        lse = lses.new_empty(lses.shape[1:])
+    elif (lse.shape != lses.shape[1:] or lse.dtype is not torch.float32
+          or not lse.is_contiguous() or lse.get_device() != outs.get_device()):
+        raise InvalidArgument(
+            f"lse is {tuple(lse.shape)} {lse.dtype}; expected a contiguous "
+            f"{tuple(lses.shape[1:])} float32 tensor on {outs.device}"
+        )
+    plan._merge(_raw_stream(outs.get_device()), outs.data_ptr(), lses.data_ptr(), parts,
+                lse.numel(), out.data_ptr(), lse.data_ptr())
     return out, lse

@@ -365,6 +365,16 @@ impl Plan {
         }))
     }
 
+    /// The step calls on one cache's buffers (`cache`, the plan's eight in order) and workspace,
+    /// bound once: `kvq.engine.PagedCache` calls them with only a step's own addresses.
+    fn _steps(slf: Py<Plan>, cache: [u64; 8], workspace: u64) -> Steps {
+        Steps {
+            plan: slf,
+            cache,
+            workspace,
+        }
+    }
+
     /// `kvq_append` on device addresses.
     #[allow(clippy::too_many_arguments)]
     fn _append(
@@ -471,6 +481,76 @@ impl Plan {
     }
 }
 
+/// A plan bound to one cache's buffers and workspace: `kvq_append` and `kvq_attend` with only a
+/// step's own addresses to convert (the eager hot path of `kvq.engine.PagedCache`).
+#[pyclass(frozen, module = "kvq")]
+struct Steps {
+    plan: Py<Plan>,
+    cache: [u64; 8],
+    workspace: u64,
+}
+
+#[pymethods]
+impl Steps {
+    /// `kvq_append` of `n` sequences' `q_len` tokens (device addresses).
+    #[allow(clippy::too_many_arguments)]
+    fn append(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        n: u32,
+        q_len: u32,
+        slots: u64,
+        k_new: u64,
+        v_new: u64,
+    ) -> PyResult<()> {
+        let (plan, cache) = (&self.plan.get().plan, self.cache);
+        status(py.detach(|| unsafe {
+            kvq_capi::kvq_append(
+                plan,
+                &kvq_cache(cache),
+                stream as *mut c_void,
+                n,
+                q_len,
+                slots as *const i32,
+                k_new as *const c_void,
+                v_new as *const c_void,
+            )
+        }))
+    }
+
+    /// `kvq_attend` of `n` sequences' `q_len` query tokens (device addresses; `lse` 0: not
+    /// written).
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        n: u32,
+        q_len: u32,
+        slots: u64,
+        q: u64,
+        out: u64,
+        lse: u64,
+    ) -> PyResult<()> {
+        let (plan, cache, workspace) = (&self.plan.get().plan, self.cache, self.workspace);
+        status(py.detach(|| unsafe {
+            kvq_capi::kvq_attend(
+                plan,
+                &kvq_cache(cache),
+                stream as *mut c_void,
+                n,
+                q_len,
+                slots as *const i32,
+                q as *const c_void,
+                out as *mut c_void,
+                lse as *mut f32,
+                workspace as *mut c_void,
+            )
+        }))
+    }
+}
+
 /// The built-in schemes' names, and whether each has GPU kernels.
 #[pyfunction]
 fn builtin_schemes() -> Vec<(&'static str, bool)> {
@@ -483,6 +563,7 @@ fn _kvq(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<Plan>()?;
     m.add_class::<Buffer>()?;
+    m.add_class::<Steps>()?;
     m.add_function(wrap_pyfunction!(builtin_schemes, m)?)?;
     m.add("KvqError", py.get_type::<KvqError>())?;
     m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;

@@ -182,6 +182,17 @@ def test_merged_parts_equal_the_whole():
     torch.cuda.synchronize()
     assert rel(out, whole) < 3e-3
     assert torch.allclose(lse, whole_lse, rtol=1e-4, atol=1e-4)
+    # Into the caller's buffers, the same bits; bad shapes are named.
+    given = (torch.full_like(out, float("nan")), torch.full_like(lse, float("nan")))
+    got = merge(plan, parts.unsqueeze(1), part_lses.unsqueeze(1), out=given[0], lse=given[1])
+    torch.cuda.synchronize()
+    assert got[0] is given[0] and got[1] is given[1]
+    assert torch.equal(given[0].view(torch.int16), out.view(torch.int16))
+    assert torch.equal(given[1], lse)
+    with pytest.raises(kvq.InvalidArgument, match="lses"):
+        merge(plan, parts.unsqueeze(1), part_lses)
+    with pytest.raises(kvq.InvalidArgument, match="lse is"):
+        merge(plan, parts.unsqueeze(1), part_lses.unsqueeze(1), lse=lse.double())
 
 
 def test_bad_tensors_are_named():
@@ -199,3 +210,26 @@ def test_bad_tensors_are_named():
                      torch.zeros((5, Q_HEADS, HEAD_DIM), dtype=torch.float16, device="cuda"))
     with pytest.raises(kvq.InvalidArgument, match="slots\\[0\\] = 7"):
         cache.prefill([7], [1], q[:, :KV_HEADS], q[:, :KV_HEADS])
+    with pytest.raises(kvq.InvalidArgument, match="q is not contiguous"):
+        cache.attend(slots, q.transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(kvq.InvalidArgument, match="lse is"):
+        cache.attend(slots, q, lse=torch.zeros((1, Q_HEADS), device="cuda", dtype=torch.float64))
+    with pytest.raises(kvq.InvalidArgument, match="out is"):
+        cache.attend(slots, q, out=torch.zeros_like(q).float())
+
+
+def test_attend_writes_into_the_callers_buffers():
+    plan, cache = make("kivi2")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    k = torch.randn((700, KV_HEADS, HEAD_DIM), generator=gen, device="cuda").half()
+    cache.prefill([0, 1], [300, 400], k, k.flip(0))
+    slots = torch.tensor([1, 0], dtype=torch.int32, device="cuda")
+    q = torch.randn((2, Q_HEADS, HEAD_DIM), generator=gen, device="cuda").half()
+    fresh, fresh_lse = cache.attend(slots, q)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((2, Q_HEADS), float("nan"), device="cuda")
+    got, got_lse = cache.attend(slots, q, out=out, lse=lse)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
+    assert torch.equal(out.view(torch.int16), fresh.view(torch.int16))
+    assert torch.equal(lse, fresh_lse)

@@ -46,6 +46,13 @@ impl<K: std::hash::Hash + Eq + Copy, V> Loaded<K, V> {
         map.insert(key, v.clone());
         Ok(v)
     }
+
+    /// A loaded value that `pred` accepts, if any.
+    fn find(&self, pred: impl Fn(&V) -> bool) -> Option<Arc<V>> {
+        let map = self.0.get()?;
+        let map = map.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        map.values().find(|v| pred(v)).cloned()
+    }
 }
 
 static GPUS: Loaded<usize, Gpu> = Loaded::new();
@@ -61,7 +68,9 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>, Failure> {
 }
 
 /// The GPU a caller's stream runs on, the stream borrowed for launches, and a guard that gives the
-/// calling thread its current CUDA context back when the call ends.
+/// calling thread its current CUDA context back when the call ends. A stream of a GPU kvq has
+/// opened is recognised by its context alone (one driver call); only a new GPU's is asked for its
+/// device.
 ///
 /// # Safety
 /// `stream` is null (the thread's current context's legacy stream) or a live `CUstream`.
@@ -69,10 +78,14 @@ pub unsafe fn stream_gpu(
     stream: *mut c_void,
 ) -> Result<(Arc<Gpu>, Arc<CudaStream>, RestoreContext), Failure> {
     let stream = stream as sys::CUstream;
-    let (ordinal, ctx) = unsafe { kvq::runtime::device::stream_device(stream) }
+    let ctx = unsafe { kvq::runtime::device::stream_context(stream) }
         .map_err(|e| Failure::runtime(e.into()))?;
     let restore = RestoreContext::save();
-    let gpu = gpu(ordinal)?;
+    let gpu = match GPUS.find(|g| g.device.owns_context(ctx)) {
+        Some(gpu) => gpu,
+        None => gpu(unsafe { kvq::runtime::device::context_device(ctx) }
+            .map_err(|e| Failure::runtime(e.into()))?)?,
+    };
     let borrowed =
         unsafe { gpu.device.borrow_stream(stream, ctx) }.map_err(|e| Failure::runtime(e.into()))?;
     Ok((gpu, borrowed, restore))

@@ -72,6 +72,15 @@ impl Failure {
     }
 }
 
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}: {}", self.status, self.message)
+    }
+}
+
+/// A failure is an error to Rust callers of the crate (`?` into `Box<dyn Error>`).
+impl std::error::Error for Failure {}
+
 /// The status of a JIT-layer error: the driver's and the GPU's, or NVRTC's and the cache's.
 fn jit_status(e: &JitError) -> KvqStatus {
     match e {

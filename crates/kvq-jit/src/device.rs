@@ -220,16 +220,16 @@ impl Device {
     }
 }
 
-/// The GPU ordinal and context a caller's stream belongs to (an engine's stream, handed to kvq
-/// through the C ABI or the Python package). A null stream, the legacy default stream, stands for
-/// the calling thread's current context; without one that is an error saying so.
+/// The context a caller's stream belongs to (an engine's stream, handed to kvq through the C ABI
+/// or the Python package). A null stream, the legacy default stream, stands for the calling
+/// thread's current context; without one that is an error saying so.
 ///
 /// # Safety
 /// `stream` is null or a stream handle that has not been destroyed.
-pub unsafe fn stream_device(stream: sys::CUstream) -> Result<(usize, sys::CUcontext)> {
+pub unsafe fn stream_context(stream: sys::CUstream) -> Result<sys::CUcontext> {
     // Loads and checks the driver first: every failure below is then a driver's answer.
     device_count()?;
-    guard_driver("find the device of a stream", || {
+    guard_driver("find the context of a stream", || {
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: the caller vouches for the stream; ctx is a valid out-pointer.
         unsafe { sys::cuStreamGetCtx(stream, &mut ctx) }
@@ -242,9 +242,19 @@ pub unsafe fn stream_device(stream: sys::CUstream) -> Result<(usize, sys::CUcont
                     .into(),
             ));
         }
+        Ok(ctx)
+    })
+}
+
+/// The GPU ordinal of a live context (from [`stream_context`]), leaving the thread's current
+/// context as it was.
+///
+/// # Safety
+/// `ctx` is a live context.
+pub unsafe fn context_device(ctx: sys::CUcontext) -> Result<usize> {
+    guard_driver("find the device of a context", || {
         let mut device: sys::CUdevice = 0;
-        // SAFETY: ctx is the stream's live context; it is pushed for the query and popped after,
-        // leaving the thread's current context as it was.
+        // SAFETY: the caller vouches for ctx; it is pushed for the query and popped after.
         let pushed = unsafe { sys::cuCtxPushCurrent_v2(ctx) }.result();
         pushed.map_err(|e| JitError::driver("cuCtxPushCurrent (the stream's context)", e))?;
         let got = unsafe { sys::cuCtxGetDevice(&mut device) }.result();
@@ -252,11 +262,27 @@ pub unsafe fn stream_device(stream: sys::CUstream) -> Result<(usize, sys::CUcont
         let pop = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) }.result();
         got.map_err(|e| JitError::driver("cuCtxGetDevice (the stream's device)", e))?;
         pop.map_err(|e| JitError::driver("cuCtxPopCurrent", e))?;
-        Ok((device.max(0) as usize, ctx))
+        Ok(device.max(0) as usize)
     })
 }
 
+/// The GPU ordinal and context a caller's stream belongs to: [`stream_context`], then
+/// [`context_device`].
+///
+/// # Safety
+/// `stream` is null or a stream handle that has not been destroyed.
+pub unsafe fn stream_device(stream: sys::CUstream) -> Result<(usize, sys::CUcontext)> {
+    let ctx = unsafe { stream_context(stream) }?;
+    Ok((unsafe { context_device(ctx) }?, ctx))
+}
+
 impl Device {
+    /// Whether `ctx` is this device's primary context, the one kvq's modules are loaded into (a
+    /// stream of that context runs on this GPU, with no driver call to ask).
+    pub fn owns_context(&self, ctx: sys::CUcontext) -> bool {
+        ctx == self.ctx.cu_ctx()
+    }
+
     /// A caller's stream of this device, borrowed for launches (dropping the wrapper leaves the
     /// stream alone). `ctx` is the stream's context from [`stream_device`]: it must be this
     /// device's primary context, the one kvq's modules are loaded into (PyTorch and most engines
@@ -269,7 +295,7 @@ impl Device {
         stream: sys::CUstream,
         ctx: sys::CUcontext,
     ) -> Result<Arc<CudaStream>> {
-        if ctx != self.ctx.cu_ctx() {
+        if !self.owns_context(ctx) {
             return Err(JitError::InvalidInput(format!(
                 "the stream belongs to a CUDA context other than GPU {}'s primary context, which \
                  kvq's kernels are loaded into: create the stream in the primary context (as \
