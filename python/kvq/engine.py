@@ -73,9 +73,9 @@ def _append(
 ) -> None:
     # k, v: [n, q_len, kv_heads, head_dim]
     buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table]
-    _PLANS[plan_id]._append(
-        _ptrs(buffers), _raw_stream(k.get_device()), slots.numel(), k.shape[1], slots.data_ptr(),
-        k.data_ptr(), v.data_ptr(),
+    _PLANS[plan_id]._steps(_ptrs(buffers), 0).append(
+        _raw_stream(k.get_device()), slots.numel(), k.shape[1], slots.data_ptr(), k.data_ptr(),
+        v.data_ptr(),
     )
 
 
@@ -103,9 +103,9 @@ def _attend(
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table]
-    _PLANS[plan_id]._attend(
-        _ptrs(buffers), _raw_stream(q.get_device()), slots.numel(), q.shape[1], slots.data_ptr(),
-        q.data_ptr(), out.data_ptr(), lse.data_ptr(), workspace.data_ptr(),
+    _PLANS[plan_id]._steps(_ptrs(buffers), workspace.data_ptr()).attend(
+        _raw_stream(q.get_device()), slots.numel(), q.shape[1], slots.data_ptr(), q.data_ptr(),
+        out.data_ptr(), lse.data_ptr(),
     )
     return out, lse
 
@@ -234,10 +234,8 @@ class PagedCache:
         want = (sum(int(t) for t in tokens), self.kv_heads, self.head_dim)
         self._check("k", k, want, self.dtype)
         self._check("v", v, want, self.dtype)
-        self.plan._prefill(
-            self._addrs, _raw_stream(self._index), [int(s) for s in slots],
-            [int(t) for t in tokens], k.data_ptr(), v.data_ptr(), self._workspace_addr,
-        )
+        self._steps.prefill(_raw_stream(self._index), [int(s) for s in slots],
+                            [int(t) for t in tokens], k.data_ptr(), v.data_ptr())
 
     def append(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Adds the step's new tokens to each slot of ``slots``: ``k``, ``v`` are

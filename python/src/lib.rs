@@ -326,113 +326,15 @@ impl Plan {
         Ok(bytes)
     }
 
-    /// `kvq_prefill` on device addresses (`kvq.torch` passes tensors' `data_ptr()`): `cache` the
-    /// plan's eight buffers in order, `slots` and `tokens` host lists.
-    #[allow(clippy::too_many_arguments)]
-    fn _prefill(
-        &self,
-        py: Python<'_>,
-        cache: [u64; 8],
-        stream: u64,
-        slots: Vec<i32>,
-        tokens: Vec<u32>,
-        k: u64,
-        v: u64,
-        workspace: u64,
-    ) -> PyResult<()> {
-        if slots.len() != tokens.len() {
-            return Err(InvalidArgument::new_err(format!(
-                "{} slots but {} token counts",
-                slots.len(),
-                tokens.len()
-            )));
-        }
-        let plan = &self.plan;
-        let n = u32::try_from(slots.len())
-            .map_err(|_| InvalidArgument::new_err(format!("{} prompts", slots.len())))?;
-        status(py.detach(|| unsafe {
-            kvq_capi::kvq_prefill(
-                plan,
-                &kvq_cache(cache),
-                stream as *mut c_void,
-                n,
-                slots.as_ptr(),
-                tokens.as_ptr(),
-                k as *const c_void,
-                v as *const c_void,
-                workspace as *mut c_void,
-            )
-        }))
-    }
-
-    /// The step calls on one cache's buffers (`cache`, the plan's eight in order) and workspace,
-    /// bound once: `kvq.engine.PagedCache` calls them with only a step's own addresses.
+    /// The step calls on one cache's buffers (`cache`, the plan's eight in order, as device
+    /// addresses) and workspace, bound once: `kvq.engine.PagedCache` calls them with only a
+    /// step's own addresses.
     fn _steps(slf: Py<Plan>, cache: [u64; 8], workspace: u64) -> Steps {
         Steps {
             plan: slf,
             cache,
             workspace,
         }
-    }
-
-    /// `kvq_append` on device addresses.
-    #[allow(clippy::too_many_arguments)]
-    fn _append(
-        &self,
-        py: Python<'_>,
-        cache: [u64; 8],
-        stream: u64,
-        n: u32,
-        q_len: u32,
-        slots: u64,
-        k_new: u64,
-        v_new: u64,
-    ) -> PyResult<()> {
-        let plan = &self.plan;
-        status(py.detach(|| unsafe {
-            kvq_capi::kvq_append(
-                plan,
-                &kvq_cache(cache),
-                stream as *mut c_void,
-                n,
-                q_len,
-                slots as *const i32,
-                k_new as *const c_void,
-                v_new as *const c_void,
-            )
-        }))
-    }
-
-    /// `kvq_attend` on device addresses (`lse` 0: not written).
-    #[allow(clippy::too_many_arguments)]
-    fn _attend(
-        &self,
-        py: Python<'_>,
-        cache: [u64; 8],
-        stream: u64,
-        n: u32,
-        q_len: u32,
-        slots: u64,
-        q: u64,
-        out: u64,
-        lse: u64,
-        workspace: u64,
-    ) -> PyResult<()> {
-        let plan = &self.plan;
-        status(py.detach(|| unsafe {
-            kvq_capi::kvq_attend(
-                plan,
-                &kvq_cache(cache),
-                stream as *mut c_void,
-                n,
-                q_len,
-                slots as *const i32,
-                q as *const c_void,
-                out as *mut c_void,
-                lse as *mut f32,
-                workspace as *mut c_void,
-            )
-        }))
     }
 
     /// `kvq_merge` on device addresses (`lse` 0: not written).
@@ -481,8 +383,9 @@ impl Plan {
     }
 }
 
-/// A plan bound to one cache's buffers and workspace: `kvq_append` and `kvq_attend` with only a
-/// step's own addresses to convert (the eager hot path of `kvq.engine.PagedCache`).
+/// A plan bound to one cache's buffers and workspace (`Plan._steps`): `kvq_prefill`, `kvq_append`
+/// and `kvq_attend` with only a call's own arguments to convert (the eager hot path of
+/// `kvq.engine.PagedCache`, and what its torch custom ops call).
 #[pyclass(frozen, module = "kvq")]
 struct Steps {
     plan: Py<Plan>,
@@ -492,6 +395,42 @@ struct Steps {
 
 #[pymethods]
 impl Steps {
+    /// `kvq_prefill` of prompts packed back to back (`slots` and `tokens` host lists, `k` and `v`
+    /// device addresses).
+    fn prefill(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        slots: Vec<i32>,
+        tokens: Vec<u32>,
+        k: u64,
+        v: u64,
+    ) -> PyResult<()> {
+        if slots.len() != tokens.len() {
+            return Err(InvalidArgument::new_err(format!(
+                "{} slots but {} token counts",
+                slots.len(),
+                tokens.len()
+            )));
+        }
+        let n = u32::try_from(slots.len())
+            .map_err(|_| InvalidArgument::new_err(format!("{} prompts", slots.len())))?;
+        let (plan, cache, workspace) = (&self.plan.get().plan, self.cache, self.workspace);
+        status(py.detach(|| unsafe {
+            kvq_capi::kvq_prefill(
+                plan,
+                &kvq_cache(cache),
+                stream as *mut c_void,
+                n,
+                slots.as_ptr(),
+                tokens.as_ptr(),
+                k as *const c_void,
+                v as *const c_void,
+                workspace as *mut c_void,
+            )
+        }))
+    }
+
     /// `kvq_append` of `n` sequences' `q_len` tokens (device addresses).
     #[allow(clippy::too_many_arguments)]
     fn append(
