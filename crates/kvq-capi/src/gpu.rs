@@ -86,8 +86,9 @@ pub unsafe fn stream_gpu(
         None => gpu(unsafe { kvq::runtime::device::context_device(ctx) }
             .map_err(|e| Failure::runtime(e.into()))?)?,
     };
-    let borrowed =
-        unsafe { gpu.device.borrow_stream(stream, ctx) }.map_err(|e| Failure::runtime(e.into()))?;
+    // A stream of another context is the engine's CUDA setup, not an argument's value.
+    let borrowed = unsafe { gpu.device.borrow_stream(stream, ctx) }
+        .map_err(|e| Failure::new(KvqStatus::Cuda, e.to_string()))?;
     Ok((gpu, borrowed, restore))
 }
 

@@ -18,11 +18,94 @@ use kvq_runtime::testing::harness::{needs, run};
 use kvq_runtime::testing::Need;
 
 fn main() {
-    run(vec![needs(
-        Need::Gpu,
-        "c_steps_equal_the_rust_cache_in_and_out_of_a_graph",
-        c_steps_equal_the_rust_cache_in_and_out_of_a_graph,
-    )])
+    run(vec![
+        needs(
+            Need::Gpu,
+            "c_steps_equal_the_rust_cache_in_and_out_of_a_graph",
+            c_steps_equal_the_rust_cache_in_and_out_of_a_graph,
+        ),
+        needs(
+            Need::Gpu,
+            "a_stream_of_another_context_is_refused_and_the_callers_context_kept",
+            a_stream_of_another_context_is_refused_and_the_callers_context_kept,
+        ),
+    ])
+}
+
+/// An engine's stream in a context of its own (not the device's primary one, where kvq's kernels
+/// live) is refused with `KVQ_STATUS_CUDA` and a message naming the fix, after a call on a
+/// primary-context stream has loaded the GPU (so the refusal is not the first lookup's); the
+/// thread's current context is the engine's again after each call.
+fn a_stream_of_another_context_is_refused_and_the_callers_context_kept() {
+    let case = Case {
+        scheme: "fp16",
+        head_dim: 64,
+        dtype: Dtype::F16,
+    };
+    let plan = KvqPlan::new(case.scheme, &limits(&case, 2, 8, 2, 256, 8)).expect("plan");
+    let device = Device::open(0).expect("GPU");
+    let primary = device.new_stream().expect("stream");
+    let engine = EngineCache::new(&plan, &primary);
+    let mut bytes = 0u64;
+    ok(
+        unsafe { kvq_plan_workspace_bytes(&plan, 0, &mut bytes) },
+        "workspace size",
+    );
+    let workspace = primary.alloc_zeros::<u8>(bytes.max(1) as usize).unwrap();
+    let (slots, q) = (
+        primary.clone_htod(&[0i32, 1]).unwrap(),
+        primary.alloc_zeros::<u16>(2 * Q_LEN * 8 * 64).unwrap(),
+    );
+    let out = primary.alloc_zeros::<u16>(2 * Q_LEN * 8 * 64).unwrap();
+    // The addresses are taken now: cudarc makes the primary context current to hand them out.
+    let (slots, q, out, workspace) = (
+        ptr(&slots, &primary),
+        ptr(&q, &primary),
+        ptr(&out, &primary),
+        ptr(&workspace, &primary),
+    );
+    let attend = |stream: *mut c_void| unsafe {
+        kvq_attend(
+            &plan,
+            &engine.cache,
+            stream,
+            2,
+            1,
+            slots.cast(),
+            q,
+            out,
+            std::ptr::null_mut(),
+            workspace,
+        )
+    };
+    ok(
+        attend(primary.cu_stream().cast()),
+        "a primary-context stream",
+    );
+    primary.synchronize().unwrap();
+    // SAFETY: plain driver calls on this thread; the context and stream are destroyed below.
+    unsafe {
+        let mut own: sys::CUcontext = std::ptr::null_mut();
+        sys::cuCtxCreate_v4(&mut own, std::ptr::null_mut(), 0, 0)
+            .result()
+            .expect("cuCtxCreate");
+        let mut stream: sys::CUstream = std::ptr::null_mut();
+        sys::cuStreamCreate(&mut stream, 0)
+            .result()
+            .expect("cuStreamCreate");
+        let status = attend(stream.cast());
+        let message = CStr::from_ptr(kvq_last_error_message()).to_string_lossy();
+        let mut current: sys::CUcontext = std::ptr::null_mut();
+        sys::cuCtxGetCurrent(&mut current).result().unwrap();
+        sys::cuStreamDestroy_v2(stream).result().unwrap();
+        sys::cuCtxDestroy_v2(own).result().unwrap();
+        assert_eq!(status, KvqStatus::Cuda, "{message}");
+        assert!(message.contains("primary context"), "{message}");
+        assert_eq!(
+            current, own,
+            "the engine's context is current after the call"
+        );
+    }
 }
 
 fn ptr<T>(buf: &CudaSlice<T>, stream: &CudaStream) -> *mut c_void {
