@@ -346,4 +346,7 @@ pub struct EvalArgs {
     /// GPU ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
+    /// Print the results as JSON (per layer and KV head) instead of the table.
+    #[arg(long)]
+    pub json: bool,
 }

@@ -47,6 +47,8 @@ pub struct EvalOptions {
     /// Skip the GPU even when one is usable.
     pub cpu_only: bool,
     pub device: usize,
+    /// Print JSON instead of the table.
+    pub json: bool,
 }
 
 /// One layer's data as the reference takes it.
@@ -60,7 +62,7 @@ pub struct Layer {
 }
 
 /// Per-head results of one layer.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct HeadResult {
     pub head: usize,
     pub k_rel_mse: f64,
@@ -70,7 +72,7 @@ pub struct HeadResult {
 }
 
 /// One layer's results.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct LayerResult {
     pub index: usize,
     pub tokens: usize,
@@ -83,9 +85,15 @@ pub struct LayerResult {
     pub gpu_error: Option<f64>,
     pub heads: Vec<HeadResult>,
     pub bits_per_element: f64,
+    /// Bits per element of the same layer's cache at [`LONG_CONTEXT`] tokens, where the FP16
+    /// windows weigh little.
+    pub bits_per_element_long: f64,
     /// Why the GPU column is empty, when a GPU was there but could not run this layer.
     pub gpu_note: Option<String>,
 }
+
+/// The context the long-context bits per element are given at.
+pub const LONG_CONTEXT: u64 = 32768;
 
 fn input(path: &Path, why: impl Into<String>) -> CliError {
     CliError::Input {
@@ -615,6 +623,7 @@ pub fn evaluate_layer(
         })
         .collect();
     let memory = evaluate::memory(spec, d as u32, h as u32, n as u64)?;
+    let long = evaluate::memory(spec, d as u32, h as u32, LONG_CONTEXT)?;
     Ok(LayerResult {
         index: layer.index,
         tokens: n,
@@ -629,6 +638,7 @@ pub fn evaluate_layer(
             .map(|o| attention::relative_error(o, &exact)),
         heads,
         bits_per_element: memory.bits_per_element(),
+        bits_per_element_long: long.bits_per_element(),
         gpu_note,
     })
 }
@@ -661,10 +671,10 @@ pub fn render(results: &[LayerResult]) -> String {
                 String::new(),
                 sci(hr.k_rel_mse),
                 sci(hr.v_rel_mse),
-                format!("{:.4}", hr.attn_error),
+                sci(hr.attn_error),
             ];
             if gpu {
-                cells.push(hr.gpu_error.map_or("–".into(), |e| format!("{e:.4}")));
+                cells.push(hr.gpu_error.map_or("–".into(), sci));
             }
             t.row(cells);
         }
@@ -679,10 +689,10 @@ pub fn render(results: &[LayerResult]) -> String {
             format!("{:.3}", r.bits_per_element),
             sci(mean(|h| h.k_rel_mse)),
             sci(mean(|h| h.v_rel_mse)),
-            format!("{:.4}", r.attn_error),
+            sci(r.attn_error),
         ];
         if gpu {
-            cells.push(r.gpu_error.map_or("–".into(), |e| format!("{e:.4}")));
+            cells.push(r.gpu_error.map_or("–".into(), sci));
         }
         t.row(cells);
     }
@@ -729,6 +739,22 @@ pub fn run(opts: &EvalOptions) -> Result<String> {
     for l in &layers {
         results.push(evaluate_layer(&opts.scheme, l, gpu.as_ref(), &opts.file)?);
     }
+    let mean = results.iter().map(|r| r.attn_error).sum::<f64>() / results.len().max(1) as f64;
+    if opts.json {
+        // Serialising plain numbers and strings cannot fail; a failure would still be an error.
+        let json_err = |e: serde_json::Error| CliError::Usage(format!("JSON of the results: {e}"));
+        let report = serde_json::json!({
+            "scheme": opts.scheme.label(),
+            "scheme_text": opts.scheme.spec.to_string(),
+            "file": opts.file.display().to_string(),
+            "gpu": gpu.as_ref().map(|g| g.device.props().to_string()),
+            "long_context_tokens": LONG_CONTEXT,
+            "mean_attn_error": mean,
+            "layers": serde_json::to_value(&results).map_err(json_err)?,
+        });
+        let text = serde_json::to_string_pretty(&report).map_err(json_err)?;
+        return Ok(text + "\n");
+    }
     if results.iter().any(|r| !r.captured_queries) {
         lines.push(
             "queries: no `layer.{i}.q` for some layers; there each KV head's query is its key at \
@@ -743,14 +769,19 @@ pub fn run(opts: &EvalOptions) -> Result<String> {
          (payload + metadata + FP16 windows)."
             .into(),
     );
-    let mean = results.iter().map(|r| r.attn_error).sum::<f64>() / results.len().max(1) as f64;
     let mut s = lines.join("\n");
     s.push_str("\n\n");
     s.push_str(&render(&results));
     s.push_str(&format!(
-        "\nmean attention error over {} layer(s): {mean:.4}\n",
+        "\nmean attention error over {} layer(s): {mean:.3e}\n",
         results.len()
     ));
+    for r in &results {
+        s.push_str(&format!(
+            "layer {}: {:.3} bits per element for these {} tokens, {:.3} at {} tokens\n",
+            r.index, r.bits_per_element, r.tokens, r.bits_per_element_long, LONG_CONTEXT
+        ));
+    }
     for note in results.iter().filter_map(|r| r.gpu_note.as_ref()) {
         s.push_str(&format!("note: {note}\n"));
     }

@@ -379,6 +379,7 @@ fn eval_cmd(a: EvalArgs, out: &mut dyn Write) -> Result<()> {
         layers: a.layers.0.clone(),
         cpu_only: a.cpu,
         device: a.device,
+        json: a.json,
     };
     print(out, &eval::run(&opts)?)
 }

@@ -1202,12 +1202,55 @@ fn eval_reads_a_safetensors_capture_and_reports_every_layer_and_head() {
     }
     // Layer 1 caches one token fewer (its last key is the query).
     assert!(out.contains(" 599 "), "{out}");
+    // The cache's bits per element for the capture and at a long context, where the FP16
+    // windows weigh less.
+    let bits = |at: &str| -> f64 {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("layer 0: "))
+            .unwrap_or_else(|| panic!("no bits line for layer 0:\n{out}"));
+        let i = line.find(at).unwrap_or_else(|| panic!("{at:?} in {line}"));
+        line[..i]
+            .split_whitespace()
+            .last()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let (short, long) = (
+        bits(" bits per element for these 600 tokens"),
+        bits(" at 32768 tokens"),
+    );
+    assert!(long < short && long > 2.0 && long < 4.0, "{short} {long}");
     let kivi2 = attn_err_of_layer(&out, 0);
     let int8 = attn_err_of_layer(&run("int8"), 0);
     let fp16 = attn_err_of_layer(&run("fp16"), 0);
     assert!(
         fp16 < int8 && int8 < kivi2 && kivi2 < 1.0,
         "{fp16} {int8} {kivi2}"
+    );
+    // Printed with significant digits: INT8's error (about 10⁻³ here) is far from FP16's (none:
+    // f16 inputs are stored exactly).
+    assert!(fp16 < int8 / 10.0 && int8 > 1e-4, "{fp16} {int8}");
+    // --json: the same results, per layer and head.
+    let o = kvq(
+        &["eval", "--scheme", "kivi2", "--kv", f, "--cpu", "--json"],
+        tmp.path(),
+    );
+    let (json, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).expect("JSON");
+    assert_eq!(v["scheme_text"], "k = int(bits = 2, axis = channel), v = int(bits = 2, axis = token), page = 128, local = 128");
+    let layers = v["layers"].as_array().expect("layers");
+    assert_eq!(layers.len(), 2, "{json}");
+    assert_eq!(layers[0]["heads"].as_array().unwrap().len(), 2);
+    assert_eq!(layers[1]["tokens"], 599);
+    let e = layers[0]["attn_error"].as_f64().unwrap();
+    assert!((e - kivi2).abs() <= 1e-3 * kivi2, "JSON {e}, table {kivi2}");
+    let json_long = layers[0]["bits_per_element_long"].as_f64().unwrap();
+    assert!(
+        (json_long - long).abs() < 5e-4,
+        "JSON {json_long}, table {long}"
     );
     // Scheme text and a layer filter.
     let o = kvq(
