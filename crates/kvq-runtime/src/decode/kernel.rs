@@ -307,7 +307,7 @@ impl DecodeKernel {
         out: &mut CudaSlice<u16>,
         scratch: &mut DecodeScratch,
     ) -> Result<()> {
-        self.enqueue(stream, cache, 1, q, out, None, scratch)
+        self.attend_step(stream, cache, 1, q, out, None, scratch)
     }
 
     /// As [`attend`](Self::attend), and writes each query row's log-sum-exp into `lse`
@@ -325,7 +325,7 @@ impl DecodeKernel {
         lse: &mut CudaSlice<f32>,
         scratch: &mut DecodeScratch,
     ) -> Result<()> {
-        self.enqueue(stream, cache, 1, q, out, Some(lse), scratch)
+        self.attend_step(stream, cache, 1, q, out, Some(lse), scratch)
     }
 
     /// A step of `q_len` query tokens a sequence of `cache` (speculative-decoding verification):
@@ -345,7 +345,53 @@ impl DecodeKernel {
         lse: Option<&mut CudaSlice<f32>>,
         scratch: &mut DecodeScratch,
     ) -> Result<()> {
-        self.enqueue(stream, cache, q_len, q, out, lse, scratch)
+        check_q_len(q_len)?;
+        let shape = self.generated.shape;
+        let d = shape.head_dim as usize;
+        let q_heads = cache.kv_heads * shape.gqa as usize;
+        if *cache.spec != self.spec {
+            return Err(RuntimeError::InvalidInput(format!(
+                "cache holds scheme `{}`, kernel is for `{}`",
+                cache.spec, self.spec
+            )));
+        }
+        self.check_cache(cache.head_dim)?;
+        let rows = cache.batch * q_len;
+        let need = rows * q_heads * d;
+        if q.len() != need || out.len() != need {
+            return Err(RuntimeError::InvalidInput(format!(
+                "q and out must hold [batch {}][q_len {q_len}][q_heads {q_heads}][head_dim {d}] = \
+                 {need} values, got {} and {}",
+                cache.batch,
+                q.len(),
+                out.len()
+            )));
+        }
+        if let Some(lse) = &lse {
+            if lse.len() != rows * q_heads {
+                return Err(RuntimeError::InvalidInput(format!(
+                    "lse must hold [batch {}][q_len {q_len}][q_heads {q_heads}] = {} floats, got {}",
+                    cache.batch,
+                    rows * q_heads,
+                    lse.len()
+                )));
+            }
+        }
+        // SAFETY: every buffer is a cudarc allocation of the sizes checked here, and the view's
+        // cache buffers follow its layout (CacheView's contract).
+        unsafe {
+            self.launch(
+                stream,
+                CacheArgs::from(cache),
+                cache.batch,
+                q_len,
+                Input::Raw(0),
+                Input::Slice(q),
+                Output::Slice(out),
+                lse.map(Output::Slice),
+                scratch,
+            )
+        }
     }
 
     /// [`attend_with_lse`](Self::attend_with_lse) on a cache and buffers the caller owns (an
@@ -405,66 +451,6 @@ impl DecodeKernel {
             )));
         }
         Ok(())
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn enqueue(
-        &self,
-        stream: &Arc<CudaStream>,
-        cache: CacheView<'_>,
-        q_len: usize,
-        q: &CudaSlice<u16>,
-        out: &mut CudaSlice<u16>,
-        lse: Option<&mut CudaSlice<f32>>,
-        scratch: &mut DecodeScratch,
-    ) -> Result<()> {
-        check_q_len(q_len)?;
-        let shape = self.generated.shape;
-        let d = shape.head_dim as usize;
-        let q_heads = cache.kv_heads * shape.gqa as usize;
-        if *cache.spec != self.spec {
-            return Err(RuntimeError::InvalidInput(format!(
-                "cache holds scheme `{}`, kernel is for `{}`",
-                cache.spec, self.spec
-            )));
-        }
-        self.check_cache(cache.head_dim)?;
-        let rows = cache.batch * q_len;
-        let need = rows * q_heads * d;
-        if q.len() != need || out.len() != need {
-            return Err(RuntimeError::InvalidInput(format!(
-                "q and out must hold [batch {}][q_len {q_len}][q_heads {q_heads}][head_dim {d}] = \
-                 {need} values, got {} and {}",
-                cache.batch,
-                q.len(),
-                out.len()
-            )));
-        }
-        if let Some(lse) = &lse {
-            if lse.len() != rows * q_heads {
-                return Err(RuntimeError::InvalidInput(format!(
-                    "lse must hold [batch {}][q_len {q_len}][q_heads {q_heads}] = {} floats, got {}",
-                    cache.batch,
-                    rows * q_heads,
-                    lse.len()
-                )));
-            }
-        }
-        // SAFETY: every buffer is a cudarc allocation of the sizes checked here, and the view's
-        // cache buffers follow its layout (CacheView's contract).
-        unsafe {
-            self.launch(
-                stream,
-                CacheArgs::from(cache),
-                cache.batch,
-                q_len,
-                Input::Raw(0),
-                Input::Slice(q),
-                Output::Slice(out),
-                lse.map(Output::Slice),
-                scratch,
-            )
-        }
     }
 
     /// The step's launches: the range grid (calibrated schemes), the decode grid and, unless one
