@@ -12,9 +12,11 @@
 pub mod attention;
 pub mod commvq;
 mod error;
+pub mod every_token;
 pub mod footprint;
 pub mod int;
 pub mod pack;
+mod par;
 pub mod regions;
 pub mod resources;
 pub mod rope;

@@ -24,7 +24,6 @@ pub mod key_em;
 pub mod layout;
 pub(crate) mod linalg;
 mod pairs;
-mod par;
 mod train;
 mod vectors;
 
