@@ -15,9 +15,12 @@ use std::path::{Path, PathBuf};
 use kvq::codegen::{Dtype, KernelShape, TuneParams};
 use kvq::evaluate;
 use kvq::reference::attention::{self, Queries};
+use kvq::reference::every_token;
 use kvq::reference::int::IntCache;
 use kvq::reference::resources;
+use kvq::reference::step::{self, StepQueries};
 use kvq::reference::synth::try_to_head_major;
+use kvq::reference::Dequantized;
 use kvq::reference::KvTensor;
 use kvq::TensorQuant;
 use safetensors::{Dtype as StDtype, SafeTensorError, SafeTensors};
@@ -59,6 +62,9 @@ pub struct Layer {
     pub q: Queries,
     /// Whether `q` came from the file (else the last-key proxy).
     pub captured_queries: bool,
+    /// A whole sequence's queries (`layer.{i}.q` with a token axis): every token's decode step
+    /// is evaluated, `q` then being the last token's.
+    pub steps: Option<StepQueries>,
 }
 
 /// Per-head results of one layer.
@@ -81,6 +87,10 @@ pub struct LayerResult {
     pub q_heads: usize,
     pub head_dim: usize,
     pub captured_queries: bool,
+    /// Decode steps evaluated: 1 for one query, else those of a whole sequence's queries whose
+    /// cache held a quantized token (`attn_error` is their mean, `worst_step_error` the largest).
+    pub steps: usize,
+    pub worst_step_error: f64,
     pub attn_error: f64,
     pub gpu_error: Option<f64>,
     pub heads: Vec<HeadResult>,
@@ -419,7 +429,55 @@ pub fn read_layers(path: &Path, layout: KvLayout, only: &[usize]) -> Result<Vec<
             "layer {i}: K and V have shape {k_shape:?}, read with --layout {this} as {tokens} \
              token(s) × {kv_heads} KV heads × head_dim {head_dim}"
         );
-        let q = get("q")?;
+        let mut q = get("q")?;
+        // A whole sequence's queries: [tokens, q_heads, head_dim] (heads-first: [q_heads, tokens,
+        // head_dim]), one per cached token, kept token-major for the reference.
+        let mut steps = None;
+        if let Some((shape, values)) = &q {
+            let token_axis = match layout {
+                KvLayout::TokensFirst => 0,
+                KvLayout::HeadsFirst => 1,
+            };
+            if shape.len() == 3 && tokens > 1 && shape[token_axis] == tokens {
+                let q_heads = shape[1 - token_axis];
+                if shape[2] != head_dim || q_heads == 0 || q_heads % kv_heads != 0 {
+                    return Err(input(
+                        path,
+                        format!(
+                            "{read_as}; `layer.{i}.q` has shape {shape:?}: a whole sequence's \
+                             queries must be [{}] with q_heads a multiple of {kv_heads} KV heads",
+                            match layout {
+                                KvLayout::TokensFirst => format!("{tokens}, q_heads, {head_dim}"),
+                                KvLayout::HeadsFirst => format!("q_heads, {tokens}, {head_dim}"),
+                            }
+                        ),
+                    ));
+                }
+                let data = match layout {
+                    KvLayout::TokensFirst => values.clone(),
+                    KvLayout::HeadsFirst => {
+                        let mut out = vec![0.0; values.len()];
+                        for h in 0..q_heads {
+                            for t in 0..tokens {
+                                let from = (h * tokens + t) * head_dim;
+                                let to = (t * q_heads + h) * head_dim;
+                                out[to..to + head_dim]
+                                    .copy_from_slice(&values[from..from + head_dim]);
+                            }
+                        }
+                        out
+                    }
+                };
+                let last = data[(tokens - 1) * q_heads * head_dim..].to_vec();
+                steps = Some(StepQueries {
+                    data,
+                    q_len: tokens,
+                    q_heads,
+                    head_dim,
+                });
+                q = Some((vec![q_heads, head_dim], last));
+            }
+        }
         if let Some((shape, _)) = &q {
             let dims: &[usize] = if shape.len() == 3 && shape[0] == 1 {
                 &shape[1..]
@@ -440,7 +498,12 @@ pub fn read_layers(path: &Path, layout: KvLayout, only: &[usize]) -> Result<Vec<
                     path,
                     format!(
                         "{read_as}; `layer.{i}.q` has shape {shape:?}, and it must be [q_heads, \
-                         {head_dim}] with q_heads a multiple of {kv_heads} KV heads{hint}"
+                         {head_dim}] (the next token's) or {whole} (every token's), with q_heads \
+                         a multiple of {kv_heads} KV heads{hint}",
+                        whole = match layout {
+                            KvLayout::TokensFirst => format!("[{tokens}, q_heads, {head_dim}]"),
+                            KvLayout::HeadsFirst => format!("[q_heads, {tokens}, {head_dim}]"),
+                        }
                     ),
                 ));
             }
@@ -512,6 +575,7 @@ pub fn read_layers(path: &Path, layout: KvLayout, only: &[usize]) -> Result<Vec<
             v,
             q,
             captured_queries: captured,
+            steps,
         });
     }
     Ok(layers)
@@ -578,13 +642,28 @@ pub fn evaluate_layer(
             ),
         ));
     }
-    let exact = attention::exact(&layer.q, &layer.k, &layer.v)
-        .map_err(|e| input(path, format!("layer {}: {e}", layer.index)))?;
-    let out = attention::decode(&layer.q, &deq, spec.calibrate.as_ref())
-        .map_err(|e| input(path, format!("layer {}: {e}", layer.index)))?;
+    let layer_err =
+        |e: kvq::reference::RefError| input(path, format!("layer {}: {e}", layer.index));
+    let exact = attention::exact(&layer.q, &layer.k, &layer.v).map_err(layer_err)?;
+    let out = attention::decode(&layer.q, &deq, spec.calibrate.as_ref()).map_err(layer_err)?;
+    let rows = gqa * d;
+    // Every decode step of a whole sequence's queries: each token over the cache as it stood
+    // then, against exact attention over the unquantized tokens up to it.
+    let per_step = match &layer.steps {
+        Some(q) => Some(every_step_errors(spec, layer, q, rows).map_err(layer_err)?),
+        None => None,
+    };
     // The GPU column is extra: a shape the kernels do not cover leaves it empty, with a note.
     let mut gpu_note = None;
     let gpu_out = match gpu {
+        Some(_) if per_step.is_some() => {
+            gpu_note = Some(format!(
+                "layer {}: whole-sequence queries are evaluated on the CPU reference (the GPU \
+                 column covers one query a layer)",
+                layer.index
+            ));
+            None
+        }
         Some(dev) => {
             let shape = KernelShape::new(d as u32, gqa as u32, Dtype::F16);
             let (q_bits, _) = gpu::to_device_words(&layer.q.data, Dtype::F16);
@@ -604,16 +683,18 @@ pub fn evaluate_layer(
         }
         None => None,
     };
-    let rows = gqa * d;
     let heads = (0..h)
         .map(|head| HeadResult {
             head,
             k_rel_mse: rel_mse(deq.k.head(head), layer.k.head(head)),
             v_rel_mse: rel_mse(deq.v.head(head), layer.v.head(head)),
-            attn_error: attention::relative_error(
-                &out[head * rows..(head + 1) * rows],
-                &exact[head * rows..(head + 1) * rows],
-            ),
+            attn_error: match &per_step {
+                Some(s) => s.head_means[head],
+                None => attention::relative_error(
+                    &out[head * rows..(head + 1) * rows],
+                    &exact[head * rows..(head + 1) * rows],
+                ),
+            },
             gpu_error: gpu_out.as_ref().map(|o| {
                 attention::relative_error(
                     &o[head * rows..(head + 1) * rows],
@@ -632,7 +713,13 @@ pub fn evaluate_layer(
         q_heads: layer.q.q_heads,
         head_dim: d,
         captured_queries: layer.captured_queries,
-        attn_error: attention::relative_error(&out, &exact),
+        steps: per_step.as_ref().map_or(1, |s| s.steps),
+        worst_step_error: per_step
+            .as_ref()
+            .map_or(attention::relative_error(&out, &exact), |s| s.worst),
+        attn_error: per_step
+            .as_ref()
+            .map_or(attention::relative_error(&out, &exact), |s| s.mean),
         gpu_error: gpu_out
             .as_ref()
             .map(|o| attention::relative_error(o, &exact)),
@@ -641,6 +728,66 @@ pub fn evaluate_layer(
         bits_per_element_long: long.bits_per_element(),
         gpu_note,
     })
+}
+
+/// Attention errors of every decode step of a whole sequence that saw a quantized token.
+struct StepErrors {
+    steps: usize,
+    mean: f64,
+    worst: f64,
+    /// Per KV head, the mean over those steps of its query heads' error.
+    head_means: Vec<f64>,
+}
+
+fn every_step_errors(
+    spec: &kvq::SchemeSpec,
+    layer: &Layer,
+    q: &StepQueries,
+    rows: usize,
+) -> std::result::Result<StepErrors, kvq::reference::RefError> {
+    let n = layer.k.tokens;
+    let got = every_token::attend(spec, &layer.k, &layer.v, q)?;
+    let raw = Dequantized {
+        k: layer.k.clone(),
+        v: layer.v.clone(),
+        k_quantized: vec![false; n],
+    };
+    let exact = step::attend(q, &raw, None)?;
+    let first = first_quantized_length(spec, n);
+    let width = q.q_heads * q.head_dim;
+    let h = layer.k.kv_heads;
+    let (mut sum, mut worst, mut head_sums) = (0.0, 0.0f64, vec![0.0; h]);
+    for t in first.saturating_sub(1)..n {
+        let (a, b) = (
+            &got.out[t * width..(t + 1) * width],
+            &exact.out[t * width..(t + 1) * width],
+        );
+        let e = attention::relative_error(a, b);
+        sum += e;
+        worst = worst.max(e);
+        for (head, s) in head_sums.iter_mut().enumerate() {
+            let r = head * rows..(head + 1) * rows;
+            *s += attention::relative_error(&a[r.clone()], &b[r]);
+        }
+    }
+    let steps = n + 1 - first.max(1);
+    Ok(StepErrors {
+        steps,
+        mean: sum / steps as f64,
+        worst,
+        head_means: head_sums.into_iter().map(|s| s / steps as f64).collect(),
+    })
+}
+
+/// The first cache length at which a page of K or V is quantized (`n + 1` if none is by `n`).
+fn first_quantized_length(spec: &kvq::SchemeSpec, n: usize) -> usize {
+    [&spec.k, &spec.v]
+        .into_iter()
+        .filter(|t| t.is_quantized())
+        .map(|t| (spec.sink + spec.local_of(t) + spec.page) as usize)
+        .min()
+        .unwrap_or(n + 1)
+        .min(n + 1)
 }
 
 /// Renders the per-layer/per-head table.
@@ -782,6 +929,13 @@ pub fn run(opts: &EvalOptions) -> Result<String> {
             r.index, r.bits_per_element, r.tokens, r.bits_per_element_long, LONG_CONTEXT
         ));
     }
+    for r in results.iter().filter(|r| r.steps > 1) {
+        s.push_str(&format!(
+            "layer {}: whole-sequence queries: attn err is the mean over the {} decode steps whose \
+             cache held a quantized token (the worst {:.3e})\n",
+            r.index, r.steps, r.worst_step_error
+        ));
+    }
     for note in results.iter().filter_map(|r| r.gpu_note.as_ref()) {
         s.push_str(&format!("note: {note}\n"));
     }
@@ -869,6 +1023,117 @@ mod tests {
             .err()
             .unwrap();
         assert!(err.to_string().contains("no layer 5"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Whole-sequence queries read the same in both layouts; evaluated over every decode step,
+    /// a capture one token past the first page fill has one step, which equals the single-query
+    /// evaluation of its last token's queries, and a longer one averages its steps.
+    #[test]
+    fn whole_sequence_queries_evaluate_every_decode_step() {
+        let dir = std::env::temp_dir().join(format!("kvq-eval-steps-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("kv.safetensors");
+        let scheme = crate::scheme::resolve(
+            "k = int(2, channel), v = int(2, token, local = 32), sink = 8, page = 32",
+        )
+        .unwrap();
+        let (kvh, qh, d) = (2usize, 4usize, 64usize);
+        let mut x = 1u64;
+        let mut noise = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((x >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+                })
+                .collect()
+        };
+        let heads_first = |v: &[f32], n: usize, h: usize| -> Vec<f32> {
+            let mut out = vec![0.0; v.len()];
+            for t in 0..n {
+                for j in 0..h {
+                    out[(j * n + t) * d..(j * n + t + 1) * d]
+                        .copy_from_slice(&v[(t * h + j) * d..(t * h + j + 1) * d]);
+                }
+            }
+            out
+        };
+        let (k, v, q) = (
+            noise(100 * kvh * d),
+            noise(100 * kvh * d),
+            noise(100 * qh * d),
+        );
+        // The first page (K) fills at 8 + 32 = 40 tokens.
+        let n = 40;
+        let (k40, v40, q40) = (&k[..n * kvh * d], &v[..n * kvh * d], &q[..n * qh * d]);
+        write_file(
+            &path,
+            &[
+                ("layer.0.k", vec![n, kvh, d], k40.to_vec()),
+                ("layer.0.v", vec![n, kvh, d], v40.to_vec()),
+                ("layer.0.q", vec![n, qh, d], q40.to_vec()),
+            ],
+        );
+        let tokens_first = read_layers(&path, KvLayout::TokensFirst, &[]).unwrap();
+        let whole = evaluate_layer(&scheme, &tokens_first[0], None, &path).unwrap();
+        assert_eq!(whole.steps, 1);
+        write_file(
+            &path,
+            &[
+                ("layer.0.k", vec![kvh, n, d], heads_first(k40, n, kvh)),
+                ("layer.0.v", vec![kvh, n, d], heads_first(v40, n, kvh)),
+                ("layer.0.q", vec![qh, n, d], heads_first(q40, n, qh)),
+            ],
+        );
+        let read = read_layers(&path, KvLayout::HeadsFirst, &[]).unwrap();
+        assert_eq!(read[0].steps, tokens_first[0].steps);
+        write_file(
+            &path,
+            &[
+                ("layer.0.k", vec![n, kvh, d], k40.to_vec()),
+                ("layer.0.v", vec![n, kvh, d], v40.to_vec()),
+                ("layer.0.q", vec![qh, d], q40[(n - 1) * qh * d..].to_vec()),
+            ],
+        );
+        let single = read_layers(&path, KvLayout::TokensFirst, &[]).unwrap();
+        let one = evaluate_layer(&scheme, &single[0], None, &path).unwrap();
+        assert!(
+            (one.attn_error - whole.attn_error).abs() <= 1e-6 * one.attn_error,
+            "{} vs {}",
+            one.attn_error,
+            whole.attn_error
+        );
+        write_file(
+            &path,
+            &[
+                ("layer.0.k", vec![100, kvh, d], k.clone()),
+                ("layer.0.v", vec![100, kvh, d], v.clone()),
+                ("layer.0.q", vec![100, qh, d], q.clone()),
+            ],
+        );
+        let long = read_layers(&path, KvLayout::TokensFirst, &[]).unwrap();
+        let r = evaluate_layer(&scheme, &long[0], None, &path).unwrap();
+        assert_eq!(r.steps, 100 - 40 + 1);
+        assert!(r.worst_step_error >= r.attn_error && r.attn_error > 0.0);
+        // A query file whose token axis does not match is named with both accepted shapes.
+        write_file(
+            &path,
+            &[
+                ("layer.0.k", vec![100, kvh, d], k),
+                ("layer.0.v", vec![100, kvh, d], v),
+                ("layer.0.q", vec![99, qh, d], q[..99 * qh * d].to_vec()),
+            ],
+        );
+        let err = read_layers(&path, KvLayout::TokensFirst, &[])
+            .err()
+            .unwrap();
+        assert!(
+            err.to_string()
+                .contains("[100, q_heads, 64] (every token's)"),
+            "{err}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
