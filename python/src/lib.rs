@@ -8,6 +8,8 @@ use pyo3::prelude::*;
 
 use std::ffi::c_void;
 
+mod reference;
+
 use kvq_capi::Dtype;
 use kvq_capi::{
     Failure, KvqCache, KvqPlan, KvqPlanLimits, KvqStatus, KVQ_DTYPE_BF16, KVQ_DTYPE_F16,
@@ -266,6 +268,27 @@ impl Plan {
         self.plan.info().sink_tokens
     }
 
+    /// The cache lengths up to `tokens` at which a page of K or V fills and is quantized, in
+    /// order: a step that should show its tokens the cache as one-token decoding does ends just
+    /// before each and takes the filling token alone (`kvq.hf`'s teacher forcing).
+    fn page_fill_lengths(&self, tokens: u32) -> Vec<u32> {
+        let spec = self.plan.spec();
+        let mut out = Vec::new();
+        for t in [&spec.k, &spec.v] {
+            if !t.is_quantized() {
+                continue;
+            }
+            let mut n = spec.sink + spec.local_of(t) + spec.page;
+            while n <= tokens {
+                out.push(n);
+                n += spec.page;
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
     /// Bytes of one pool page (K and V of every KV head).
     #[getter]
     fn page_bytes(&self) -> u64 {
@@ -504,6 +527,7 @@ fn _kvq(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Buffer>()?;
     m.add_class::<Steps>()?;
     m.add_function(wrap_pyfunction!(builtin_schemes, m)?)?;
+    m.add_function(wrap_pyfunction!(reference::_reference_every_token, m)?)?;
     m.add("KvqError", py.get_type::<KvqError>())?;
     m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;
     m.add("InvalidScheme", py.get_type::<InvalidScheme>())?;

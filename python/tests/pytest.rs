@@ -60,6 +60,14 @@ fn lay_out_package(root: &Path) {
         let path = entry.expect("a package file").path();
         if path.extension().is_some_and(|e| e == "py") {
             std::fs::copy(&path, package.join(path.file_name().unwrap())).expect("copy a .py file");
+        } else if path.is_dir() && path.file_name().is_some_and(|n| n == "texts") {
+            // The evaluation texts `kvq.eval` reads, as the wheel ships them.
+            let texts = package.join("texts");
+            std::fs::create_dir_all(&texts).expect("create the texts folder");
+            for text in std::fs::read_dir(&path).expect("python/kvq/texts") {
+                let text = text.expect("a text").path();
+                std::fs::copy(&text, texts.join(text.file_name().unwrap())).expect("copy a text");
+            }
         }
     }
     std::fs::copy(extension_module(), package.join("_kvq.abi3.so"))
@@ -80,11 +88,15 @@ fn the_python_tests_pass_under_pytest() -> Result<(), Skip> {
             "no:cacheprovider",
             "--doctest-modules",
         ])
-        // kvq.engine needs torch to import, and its examples need a GPU; tests/test_engine.py
-        // runs it where both are.
+        // kvq.engine and kvq.hf need torch (and transformers) to import, and their examples a
+        // GPU; tests/test_engine.py and tests/test_hf.py run them where those are.
         .arg(format!(
             "--ignore={}",
             root.join("kvq").join("engine.py").display()
+        ))
+        .arg(format!(
+            "--ignore={}",
+            root.join("kvq").join("hf.py").display()
         ))
         .arg(root.join("kvq"))
         .arg(&tests)
