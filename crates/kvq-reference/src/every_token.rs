@@ -79,26 +79,10 @@ pub fn attend(
             q.q_len
         )));
     }
-    if q.head_dim != k.head_dim || q.data.len() != q.q_len * q.q_heads * q.head_dim {
-        return Err(RefError::Mismatch(format!(
-            "queries [{} x {} x {}] ({} values) against head_dim {}",
-            q.q_len,
-            q.q_heads,
-            q.head_dim,
-            q.data.len(),
-            k.head_dim
-        )));
-    }
-    if k.kv_heads == 0 || q.q_heads == 0 || q.q_heads % k.kv_heads != 0 {
-        return Err(RefError::Mismatch(format!(
-            "{} query heads are not a positive multiple of {} KV heads",
-            q.q_heads, k.kv_heads
-        )));
-    }
+    let group = crate::step::check_heads(q, k)?;
     let full = IntCache::build(spec, k, v)?.dequantize();
     let (kr, vr) = (rounded(k), rounded(v));
     let (kp, vp) = (Pages::of(spec, &spec.k), Pages::of(spec, &spec.v));
-    let group = q.q_heads / k.kv_heads;
     let d = k.head_dim;
     let scale = 1.0 / (d as f64).sqrt();
     let per_head = par::map(q.q_heads, 0, |h| {

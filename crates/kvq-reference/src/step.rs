@@ -105,6 +105,20 @@ fn check(q: &StepQueries, kv: &Dequantized) -> Result<usize, RefError> {
             "k_quantized length differs from tokens".into(),
         ));
     }
+    let group = check_heads(q, k)?;
+    if q.q_len == 0 || q.q_len > k.tokens {
+        return Err(RefError::Mismatch(format!(
+            "a step of {} query tokens over a cache of {} tokens (the step's tokens are the \
+             cache's last)",
+            q.q_len, k.tokens
+        )));
+    }
+    Ok(group)
+}
+
+/// Checks the queries' size against their shape and `k`'s head size and KV heads; returns the
+/// query heads a KV head.
+pub(crate) fn check_heads(q: &StepQueries, k: &crate::KvTensor) -> Result<usize, RefError> {
     if q.head_dim != k.head_dim || q.data.len() != q.q_len * q.q_heads * q.head_dim {
         return Err(RefError::Mismatch(format!(
             "queries [{} x {} x {}] ({} values) against head_dim {}",
@@ -119,13 +133,6 @@ fn check(q: &StepQueries, kv: &Dequantized) -> Result<usize, RefError> {
         return Err(RefError::Mismatch(format!(
             "{} query heads are not a positive multiple of {} KV heads",
             q.q_heads, k.kv_heads
-        )));
-    }
-    if q.q_len == 0 || q.q_len > k.tokens {
-        return Err(RefError::Mismatch(format!(
-            "a step of {} query tokens over a cache of {} tokens (the step's tokens are the \
-             cache's last)",
-            q.q_len, k.tokens
         )));
     }
     Ok(q.q_heads / k.kv_heads)
