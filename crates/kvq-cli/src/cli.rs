@@ -327,11 +327,11 @@ pub struct InfoArgs {
 /// `kvq eval`.
 #[derive(Args, Debug, Clone)]
 pub struct EvalArgs {
-    /// A built-in name or scheme text (integer and FP16 schemes).
+    /// A built-in name or scheme text.
     #[arg(long)]
     pub scheme: String,
-    /// safetensors file with `layer.{i}.k`, `layer.{i}.v` and optional `layer.{i}.q`
-    /// (docs/CLI.md).
+    /// safetensors file with `layer.{i}.k`, `layer.{i}.v` and optional `layer.{i}.q`, and what
+    /// CommVQ and XQuant read besides (docs/CLI.md).
     #[arg(long)]
     pub kv: PathBuf,
     /// Axis order of the K/V tensors.
@@ -343,6 +343,9 @@ pub struct EvalArgs {
     /// Use the CPU reference only, even with a GPU.
     #[arg(long)]
     pub cpu: bool,
+    /// The model's RoPE base θ (CommVQ and XQuant schemes apply RoPE themselves).
+    #[arg(long)]
+    pub rope_theta: Option<f64>,
     /// GPU ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: usize,

@@ -9,6 +9,8 @@
 //!   at the last token and the cache holds the tokens before it (a proxy: in trained models a
 //!   head's queries and keys point the same way; capture real queries for real numbers).
 
+mod families;
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -52,6 +54,8 @@ pub struct EvalOptions {
     pub device: usize,
     /// Print JSON instead of the table.
     pub json: bool,
+    /// The model's RoPE base (CommVQ and XQuant apply RoPE themselves).
+    pub rope_theta: Option<f64>,
 }
 
 /// One layer's data as the reference takes it.
@@ -65,6 +69,8 @@ pub struct Layer {
     /// A whole sequence's queries (`layer.{i}.q` with a token axis): every token's decode step
     /// is evaluated, `q` then being the last token's.
     pub steps: Option<StepQueries>,
+    /// Pre-RoPE keys, the layer input and projections, calibration tokens (CommVQ, XQuant).
+    pub extra: families::Extra,
 }
 
 /// Per-head results of one layer.
@@ -91,6 +97,9 @@ pub struct LayerResult {
     /// cache held a quantized token (`attn_error` is their mean, `worst_step_error` the largest).
     pub steps: usize,
     pub worst_step_error: f64,
+    /// ‖x̂ − x‖² / ‖x‖² of the layer's K and V (the mean of the heads' for integer schemes).
+    pub k_rel_mse: f64,
+    pub v_rel_mse: f64,
     pub attn_error: f64,
     pub gpu_error: Option<f64>,
     pub heads: Vec<HeadResult>,
@@ -370,8 +379,7 @@ pub fn read_layers(path: &Path, layout: KvLayout, only: &[usize]) -> Result<Vec<
         .into_iter()
         .filter(|i| only.is_empty() || only.contains(i))
     {
-        let get = |t: &str| -> Result<Option<(Vec<usize>, Vec<f32>)>> {
-            let name = format!("layer.{i}.{t}");
+        let get_named = |name: String| -> Result<Option<(Vec<usize>, Vec<f32>)>> {
             if !names.contains(&name) {
                 return Ok(None);
             }
@@ -385,6 +393,7 @@ pub fn read_layers(path: &Path, layout: KvLayout, only: &[usize]) -> Result<Vec<
             let values = to_f32(path, &name, view.dtype(), &shape, view.data())?;
             Ok(Some((shape, values)))
         };
+        let get = |t: &str| get_named(format!("layer.{i}.{t}"));
         let missing = |t: &str| {
             input(
                 path,
@@ -530,6 +539,14 @@ pub fn read_layers(path: &Path, layout: KvLayout, only: &[usize]) -> Result<Vec<
             }
         };
         let (mut k, mut v) = (to_tensor(k, "k")?, to_tensor(v, "v")?);
+        let extra = read_extra(
+            i,
+            path,
+            layout,
+            (tokens, kv_heads, head_dim),
+            &get,
+            &get_named,
+        )?;
         let (q, captured) = match q {
             Some((_, values)) => {
                 // The shape was checked above: [q_heads, head_dim] or [1, q_heads, head_dim].
@@ -576,9 +593,119 @@ pub fn read_layers(path: &Path, layout: KvLayout, only: &[usize]) -> Result<Vec<
             q,
             captured_queries: captured,
             steps,
+            extra,
         });
     }
     Ok(layers)
+}
+
+type Tensor = Option<(Vec<usize>, Vec<f32>)>;
+
+/// The tensors CommVQ and XQuant read beyond K, V and the queries, each checked against the
+/// layer's shape (`tokens`, `kv_heads`, `head_dim`).
+fn read_extra(
+    i: usize,
+    path: &Path,
+    layout: KvLayout,
+    (tokens, kv_heads, head_dim): (usize, usize, usize),
+    get: &dyn Fn(&str) -> Result<Tensor>,
+    get_named: &dyn Fn(String) -> Result<Tensor>,
+) -> Result<families::Extra> {
+    let bad = |name: &str, shape: &[usize], want: String| {
+        input(
+            path,
+            format!("layer {i}: `{name}` has shape {shape:?}; expected {want}"),
+        )
+    };
+    // A K/V-shaped tensor of any token count, in the file's layout.
+    let kv_like = |name: String, want_tokens: Option<usize>| -> Result<Option<KvTensor>> {
+        let Some((shape, flat)) = get_named(name.clone())? else {
+            return Ok(None);
+        };
+        let (t, h) = match (layout, shape.as_slice()) {
+            (KvLayout::TokensFirst, [t, h, d]) if *d == head_dim => (*t, *h),
+            (KvLayout::HeadsFirst, [h, t, d]) if *d == head_dim => (*t, *h),
+            _ => (0, 0),
+        };
+        if h != kv_heads || t == 0 || want_tokens.is_some_and(|w| w != t) {
+            let axes = match layout {
+                KvLayout::TokensFirst => "[tokens, kv_heads, head_dim]",
+                KvLayout::HeadsFirst => "[kv_heads, tokens, head_dim]",
+            };
+            let tokens_note = want_tokens.map_or(String::new(), |w| format!(", {w} tokens"));
+            return Err(bad(
+                &name,
+                &shape,
+                format!("{axes} with {kv_heads} KV heads of {head_dim}{tokens_note}"),
+            ));
+        }
+        let tensor = match layout {
+            KvLayout::TokensFirst => try_to_head_major(&flat, t, h, head_dim, &format!("`{name}`"))
+                .map_err(|e| input(path, e.to_string()))?,
+            KvLayout::HeadsFirst => KvTensor::new(flat, h, t, head_dim)
+                .map_err(|e| input(path, format!("`{name}`: {e}")))?,
+        };
+        Ok(Some(tensor))
+    };
+    let mut e = families::Extra {
+        k_pre_rope: kv_like(format!("layer.{i}.k_pre_rope"), Some(tokens))?,
+        calib_v: kv_like(format!("calib.{i}.v"), None)?,
+        ..Default::default()
+    };
+    e.calib_k = match kv_like(format!("calib.{i}.k_pre_rope"), None)? {
+        Some(k) => Some((k, false)),
+        None => kv_like(format!("calib.{i}.k"), None)?.map(|k| (k, true)),
+    };
+    if let (Some((k, _)), Some(v)) = (&e.calib_k, &e.calib_v) {
+        if k.tokens != v.tokens {
+            return Err(input(
+                path,
+                format!(
+                    "layer {i}: calibration keys hold {} tokens and `calib.{i}.v` {}",
+                    k.tokens, v.tokens
+                ),
+            ));
+        }
+    }
+    for (t, slot) in [("x", &mut e.x), ("x_prev", &mut e.x_prev)] {
+        if let Some((shape, flat)) = get(t)? {
+            if shape.len() != 2 || shape[0] != tokens || shape[1] == 0 {
+                return Err(bad(
+                    &format!("layer.{i}.{t}"),
+                    &shape,
+                    format!("[{tokens}, d_model]"),
+                ));
+            }
+            if e.d_model != 0 && e.d_model != shape[1] {
+                return Err(bad(
+                    &format!("layer.{i}.{t}"),
+                    &shape,
+                    format!("[{tokens}, {}]", e.d_model),
+                ));
+            }
+            e.d_model = shape[1];
+            *slot = Some(flat);
+        }
+    }
+    let out = kv_heads * head_dim;
+    for (t, slot) in [("w_k", &mut e.w_k), ("w_v", &mut e.w_v)] {
+        if let Some((shape, flat)) = get(t)? {
+            if e.d_model == 0 || shape != [e.d_model, out] {
+                let d_model = if e.d_model == 0 {
+                    "d_model (that of `layer.{i}.x`)".to_string()
+                } else {
+                    e.d_model.to_string()
+                };
+                return Err(bad(
+                    &format!("layer.{i}.{t}"),
+                    &shape,
+                    format!("[{d_model}, {out}] (in × out: a torch Linear's weight transposed)"),
+                ));
+            }
+            *slot = Some(flat);
+        }
+    }
+    Ok(e)
 }
 
 fn rel_mse(a: &[f32], b: &[f32]) -> f64 {
@@ -593,6 +720,17 @@ pub fn evaluate_layer(
     gpu: Option<&Gpu>,
     path: &Path,
 ) -> Result<LayerResult> {
+    evaluate_layer_with(scheme, layer, gpu, None, path)
+}
+
+/// [`evaluate_layer`] with the model's RoPE base, which CommVQ and XQuant schemes need.
+pub fn evaluate_layer_with(
+    scheme: &Resolved,
+    layer: &Layer,
+    gpu: Option<&Gpu>,
+    rope_theta: Option<f64>,
+    path: &Path,
+) -> Result<LayerResult> {
     let spec = &scheme.spec;
     let (h, n, d) = (layer.k.kv_heads, layer.k.tokens, layer.k.head_dim);
     let gqa = layer.q.q_heads / h;
@@ -603,6 +741,10 @@ pub fn evaluate_layer(
             scheme.label()
         ))
     })?;
+    let family = evaluate::Family::of(spec)?;
+    if family != evaluate::Family::Int {
+        return families::evaluate_layer(spec, &scheme.label(), family, layer, rope_theta, path);
+    }
     let cache = IntCache::build(spec, &layer.k, &layer.v)
         .map_err(|e| input(path, format!("layer {}: {e}", layer.index)))?;
     let deq = cache.dequantize();
@@ -683,7 +825,7 @@ pub fn evaluate_layer(
         }
         None => None,
     };
-    let heads = (0..h)
+    let heads: Vec<HeadResult> = (0..h)
         .map(|head| HeadResult {
             head,
             k_rel_mse: rel_mse(deq.k.head(head), layer.k.head(head)),
@@ -723,6 +865,8 @@ pub fn evaluate_layer(
         gpu_error: gpu_out
             .as_ref()
             .map(|o| attention::relative_error(o, &exact)),
+        k_rel_mse: heads.iter().map(|x| x.k_rel_mse).sum::<f64>() / h as f64,
+        v_rel_mse: heads.iter().map(|x| x.v_rel_mse).sum::<f64>() / h as f64,
         heads,
         bits_per_element: memory.bits_per_element(),
         bits_per_element_long: long.bits_per_element(),
@@ -825,17 +969,14 @@ pub fn render(results: &[LayerResult]) -> String {
             }
             t.row(cells);
         }
-        let mean = |f: fn(&HeadResult) -> f64| {
-            r.heads.iter().map(f).sum::<f64>() / r.heads.len().max(1) as f64
-        };
         let mut cells = vec![
             r.index.to_string(),
             "all".into(),
             r.tokens.to_string(),
             r.quantized_tokens.to_string(),
             format!("{:.3}", r.bits_per_element),
-            sci(mean(|h| h.k_rel_mse)),
-            sci(mean(|h| h.v_rel_mse)),
+            sci(r.k_rel_mse),
+            sci(r.v_rel_mse),
             sci(r.attn_error),
         ];
         if gpu {
@@ -848,14 +989,6 @@ pub fn render(results: &[LayerResult]) -> String {
 
 /// Runs `kvq eval`: the header lines and the table.
 pub fn run(opts: &EvalOptions) -> Result<String> {
-    if !opts.scheme.has_gpu_kernel() {
-        return Err(CliError::Unsupported(format!(
-            "`kvq eval` covers integer and FP16 schemes; `{}` needs more than K/V (CommVQ: \
-             pre-RoPE keys and calibration data, XQuant: the layer input and its projections) — \
-             `kvq demo` evaluates it on synthetic layers",
-            opts.scheme.label()
-        )));
-    }
     let layers = read_layers(&opts.file, opts.layout, &opts.layers)?;
     let mut lines = vec![format!(
         "{} ({}) on {}: {} layer(s)",
@@ -866,6 +999,9 @@ pub fn run(opts: &EvalOptions) -> Result<String> {
     )];
     let gpu = if opts.cpu_only {
         lines.push("GPU: not used (--cpu)".into());
+        None
+    } else if !opts.scheme.has_gpu_kernel() {
+        lines.push("GPU: not used (this scheme runs on the CPU reference only)".into());
         None
     } else {
         match gpu::open(opts.device) {
@@ -884,7 +1020,13 @@ pub fn run(opts: &EvalOptions) -> Result<String> {
     };
     let mut results = Vec::new();
     for l in &layers {
-        results.push(evaluate_layer(&opts.scheme, l, gpu.as_ref(), &opts.file)?);
+        results.push(evaluate_layer_with(
+            &opts.scheme,
+            l,
+            gpu.as_ref(),
+            opts.rope_theta,
+            &opts.file,
+        )?);
     }
     let mean = results.iter().map(|r| r.attn_error).sum::<f64>() / results.len().max(1) as f64;
     if opts.json {
@@ -947,27 +1089,29 @@ mod tests {
     use super::*;
     use safetensors::tensor::TensorView;
 
-    fn write_file(path: &Path, tensors: &[(&str, Vec<usize>, Vec<f32>)]) {
+    /// Writes `tensors` as a safetensors file of `dtype` (f16 or f32) values.
+    fn write_as(path: &Path, dtype: StDtype, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
+        let encode = |x: &f32| match dtype {
+            StDtype::F16 => half::f16::from_f32(*x).to_bits().to_le_bytes().to_vec(),
+            _ => x.to_le_bytes().to_vec(),
+        };
         let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
             .iter()
-            .map(|(n, s, v)| {
-                let b = v
-                    .iter()
-                    .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
-                    .collect();
-                (n.to_string(), s.clone(), b)
-            })
+            .map(|(n, s, v)| (n.clone(), s.clone(), v.iter().flat_map(encode).collect()))
             .collect();
         let views: Vec<(String, TensorView<'_>)> = bytes
             .iter()
-            .map(|(n, s, b)| {
-                (
-                    n.clone(),
-                    TensorView::new(StDtype::F16, s.clone(), b).unwrap(),
-                )
-            })
+            .map(|(n, s, b)| (n.clone(), TensorView::new(dtype, s.clone(), b).unwrap()))
             .collect();
         std::fs::write(path, safetensors::serialize(views, &None).unwrap()).unwrap();
+    }
+
+    fn write_file(path: &Path, tensors: &[(&str, Vec<usize>, Vec<f32>)]) {
+        let owned: Vec<_> = tensors
+            .iter()
+            .map(|(n, s, v)| (n.to_string(), s.clone(), v.clone()))
+            .collect();
+        write_as(path, StDtype::F16, &owned);
     }
 
     #[test]
@@ -1023,6 +1167,108 @@ mod tests {
             .err()
             .unwrap();
         assert!(err.to_string().contains("no layer 5"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn write_f32(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
+        write_as(path, StDtype::F32, tensors);
+    }
+
+    /// `[kv_heads][tokens][head_dim]` as a capture's `[tokens, kv_heads, head_dim]` tensor.
+    fn tokens_first(name: &str, x: &KvTensor) -> (String, Vec<usize>, Vec<f32>) {
+        let (h, n, d) = (x.kv_heads, x.tokens, x.head_dim);
+        let mut out = Vec::with_capacity(x.data.len());
+        for t in 0..n {
+            for j in 0..h {
+                out.extend_from_slice(x.row(j, t));
+            }
+        }
+        (name.to_string(), vec![n, h, d], out)
+    }
+
+    /// A synthetic layer written as a capture (K, V, queries, pre-RoPE keys, layer inputs,
+    /// projections, calibration tokens) scores exactly as `kvq demo`'s evaluation of the same
+    /// layer for CommVQ and XQuant; pre-RoPE keys derived from the post-RoPE ones with
+    /// --rope-theta score within rounding of it; what is missing is named.
+    #[test]
+    fn codebook_and_activation_schemes_read_their_tensors() {
+        let dir = std::env::temp_dir().join(format!("kvq-eval-families-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("capture.safetensors");
+        let cfg = kvq::reference::synth::SynthConfig {
+            tokens: 320,
+            kv_heads: 2,
+            gqa: 2,
+            head_dim: 128,
+            d_model: 96,
+            ..Default::default()
+        };
+        let w = evaluate::Workload::generate(&cfg, 128).unwrap();
+        let (s, held) = (w.data(), w.held_out().unwrap());
+        let (n, dm, hd) = (cfg.tokens, cfg.d_model, cfg.kv_heads * cfg.head_dim);
+        let mut tensors = vec![
+            tokens_first("layer.0.k", &s.k),
+            tokens_first("layer.0.v", &s.v),
+            (
+                "layer.0.q".into(),
+                vec![s.q.q_heads, cfg.head_dim],
+                s.q.data.clone(),
+            ),
+            tokens_first("layer.0.k_pre_rope", &s.k_pre_rope),
+            tokens_first("calib.0.k_pre_rope", &held.k_pre_rope),
+            tokens_first("calib.0.v", &held.v),
+            ("layer.0.x".into(), vec![n, dm], s.layer.x.clone()),
+            ("layer.0.x_prev".into(), vec![n, dm], s.layer.x_prev.clone()),
+            ("layer.0.w_k".into(), vec![dm, hd], s.layer.w_k.clone()),
+            ("layer.0.w_v".into(), vec![dm, hd], s.layer.w_v.clone()),
+        ];
+        write_f32(&path, &tensors);
+        let theta = Some(s.rope.theta);
+        let layers = read_layers(&path, KvLayout::TokensFirst, &[]).unwrap();
+        for name in ["commvq2", "xquant2", "xquant-cl2"] {
+            let scheme = crate::scheme::resolve(name).unwrap();
+            let want = evaluate::evaluate(&scheme.spec, &w).unwrap();
+            let got = evaluate_layer_with(&scheme, &layers[0], None, theta, &path).unwrap();
+            assert_eq!(got.attn_error, want.output_error, "{name}");
+            assert_eq!(
+                (got.k_rel_mse, got.v_rel_mse),
+                (want.k_rel_mse, want.v_rel_mse),
+                "{name}"
+            );
+            assert_eq!(
+                got.bits_per_element,
+                want.memory.bits_per_element(),
+                "{name}"
+            );
+            let err = evaluate_layer_with(&scheme, &layers[0], None, None, &path)
+                .err()
+                .unwrap();
+            assert!(err.to_string().contains("--rope-theta"), "{name}: {err}");
+        }
+        // Pre-RoPE keys rotated back from the post-RoPE ones.
+        tensors.retain(|(n, _, _)| n != "layer.0.k_pre_rope" && n != "layer.0.w_v");
+        write_f32(&path, &tensors);
+        let layers = read_layers(&path, KvLayout::TokensFirst, &[]).unwrap();
+        let commvq = crate::scheme::resolve("commvq2").unwrap();
+        let want = evaluate::evaluate(&commvq.spec, &w).unwrap().output_error;
+        let got = evaluate_layer_with(&commvq, &layers[0], None, theta, &path).unwrap();
+        assert!(
+            (got.attn_error - want).abs() < 0.05 * want,
+            "{} vs {want}",
+            got.attn_error
+        );
+        let xquant = crate::scheme::resolve("xquant2").unwrap();
+        let err = evaluate_layer_with(&xquant, &layers[0], None, theta, &path)
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("`layer.0.w_v`"), "{err}");
+        tensors.retain(|(n, _, _)| !n.starts_with("calib."));
+        write_f32(&path, &tensors);
+        let layers = read_layers(&path, KvLayout::TokensFirst, &[]).unwrap();
+        let err = evaluate_layer_with(&commvq, &layers[0], None, theta, &path)
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("calib.0.v"), "{err}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -380,6 +380,7 @@ fn eval_cmd(a: EvalArgs, out: &mut dyn Write) -> Result<()> {
         cpu_only: a.cpu,
         device: a.device,
         json: a.json,
+        rope_theta: a.rope_theta,
     };
     print(out, &eval::run(&opts)?)
 }

@@ -1316,19 +1316,31 @@ fn eval_names_what_is_missing() {
     );
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).1.contains("not a safetensors file"));
-    // CPU-only schemes are refused with the reason.
-    let o = kvq(
+    // XQuant reads the layer input and projections, and RoPE's base: each named when missing.
+    let kv = f16_bytes(&vec![0.5; 300 * 2 * 128]);
+    write_f16_safetensors(
+        &file,
         &[
+            ("layer.0.k".to_string(), vec![300, 2, 128], kv.clone()),
+            ("layer.0.v".to_string(), vec![300, 2, 128], kv),
+        ],
+    );
+    for (extra, want) in [
+        (&[][..], "--rope-theta"),
+        (&["--rope-theta", "10000"][..], "layer input"),
+    ] {
+        let mut args = vec![
             "eval",
             "--scheme",
             "xquant2",
             "--kv",
             file.to_str().unwrap(),
-        ],
-        tmp.path(),
-    );
-    assert_eq!(o.status.code(), Some(2));
-    assert!(text(&o).1.contains("layer input"), "{}", text(&o).1);
+        ];
+        args.extend_from_slice(extra);
+        let o = kvq(&args, tmp.path());
+        assert_eq!(o.status.code(), Some(2));
+        assert!(text(&o).1.contains(want), "{}", text(&o).1);
+    }
 }
 
 fn info_reports_every_piece_and_never_fails() {

@@ -13,7 +13,15 @@ use kvq_cli::eval::{self, EvalOptions, KvLayout};
 use kvq_cli::scheme::resolve;
 
 /// Built-ins a file the reader accepts is evaluated with.
-pub const SCHEMES: [&str; 6] = ["kivi2", "kitty", "fp16", "int8", "calibquant1", "kitty-pro"];
+pub const SCHEMES: [&str; 7] = [
+    "kivi2",
+    "kitty",
+    "fp16",
+    "int8",
+    "calibquant1",
+    "kitty-pro",
+    "xquant2",
+];
 
 /// Names of the safetensors crate's error variants, as its `Display` (which is `Debug`) prints them.
 const RAW_NAMES: [&str; 14] = [
@@ -102,6 +110,8 @@ pub fn check_file(path: &std::path::Path, salt: u64) -> Result<(), String> {
             device: 0,
             // Every other input through the JSON output too.
             json: salt % 2 == 1,
+            // Every third with a RoPE base (what CommVQ and XQuant schemes need).
+            rope_theta: (salt % 3 == 0).then_some(10_000.0),
         };
         if let Err(e) = eval::run(&opts) {
             readable(&e.to_string())?;
