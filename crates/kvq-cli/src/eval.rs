@@ -107,7 +107,8 @@ pub struct LayerResult {
     /// Bits per element of the same layer's cache at [`LONG_CONTEXT`] tokens, where the FP16
     /// windows weigh little.
     pub bits_per_element_long: f64,
-    /// Why the GPU column is empty, when a GPU was there but could not run this layer.
+    /// A note printed under the table: why the GPU column is empty for this layer, or which
+    /// queries a scheme was evaluated at.
     pub gpu_note: Option<String>,
 }
 
@@ -897,7 +898,11 @@ fn every_step_errors(
         k_quantized: vec![false; n],
     };
     let exact = step::attend(q, &raw, None)?;
-    let first = first_quantized_length(spec, n);
+    // FP16, which quantizes nothing by design, is measured at every step.
+    let first = match first_quantized_length(spec, n) {
+        f if f > n => 1,
+        f => f,
+    };
     let width = q.q_heads * q.head_dim;
     let h = layer.k.kv_heads;
     let (mut sum, mut worst, mut head_sums) = (0.0, 0.0f64, vec![0.0; h]);
@@ -1073,8 +1078,8 @@ pub fn run(opts: &EvalOptions) -> Result<String> {
     }
     for r in results.iter().filter(|r| r.steps > 1) {
         s.push_str(&format!(
-            "layer {}: whole-sequence queries: attn err is the mean over the {} decode steps whose \
-             cache held a quantized token (the worst {:.3e})\n",
+            "layer {}: whole-sequence queries: attn err is the mean over {} decode steps (from the first \
+             whose cache held a quantized token; all of them for FP16; the worst {:.3e})\n",
             r.index, r.steps, r.worst_step_error
         ));
     }
@@ -1363,6 +1368,11 @@ mod tests {
         let r = evaluate_layer(&scheme, &long[0], None, &path).unwrap();
         assert_eq!(r.steps, 100 - 40 + 1);
         assert!(r.worst_step_error >= r.attn_error && r.attn_error > 0.0);
+        // FP16 quantizes nothing: every step, each at f16's rounding of the inputs (none here).
+        let fp16 = crate::scheme::resolve("fp16").unwrap();
+        let r = evaluate_layer(&fp16, &long[0], None, &path).unwrap();
+        assert_eq!(r.steps, 100);
+        assert!(r.attn_error < 1e-6 && r.worst_step_error < 1e-6, "{r:?}");
         // A query file whose token axis does not match is named with both accepted shapes.
         write_file(
             &path,

@@ -62,15 +62,13 @@ pub fn evaluate_layer(
 ) -> Result<LayerResult> {
     let i = layer.index;
     let (h, n, d) = (layer.k.kv_heads, layer.k.tokens, layer.k.head_dim);
-    if layer.steps.is_some() {
-        return Err(input(
-            path,
-            format!(
-                "layer {i}: whole-sequence queries are evaluated for integer and FP16 schemes; \
-                 give `{label}` the next token's queries `[q_heads, {d}]`"
-            ),
-        ));
-    }
+    // A capture made for every decode step serves these schemes at its last step.
+    let note = layer.steps.as_ref().map(|_| {
+        format!(
+            "layer {i}: `{label}` is evaluated at the last token's queries (every decode step: \
+             integer and FP16 schemes)"
+        )
+    });
     let theta = rope_theta.ok_or_else(|| {
         needs(
             path,
@@ -184,6 +182,6 @@ pub fn evaluate_layer(
         v_rel_mse: ev.v_rel_mse,
         bits_per_element: ev.memory.bits_per_element(),
         bits_per_element_long: long.bits_per_element(),
-        gpu_note: None,
+        gpu_note: note,
     })
 }
