@@ -272,21 +272,10 @@ impl Plan {
     /// order: a step that should show its tokens the cache as one-token decoding does ends just
     /// before each and takes the filling token alone (`kvq.hf`'s teacher forcing).
     fn page_fill_lengths(&self, tokens: u32) -> Vec<u32> {
-        let spec = self.plan.spec();
-        let mut out = Vec::new();
-        for t in [&spec.k, &spec.v] {
-            if !t.is_quantized() {
-                continue;
-            }
-            let mut n = spec.sink + spec.local_of(t) + spec.page;
-            while n <= tokens {
-                out.push(n);
-                n += spec.page;
-            }
-        }
-        out.sort_unstable();
-        out.dedup();
-        out
+        kvq::reference::regions::page_fill_lengths(self.plan.spec(), tokens as usize)
+            .into_iter()
+            .map(|n| n as u32)
+            .collect()
     }
 
     /// Bytes of one pool page (K and V of every KV head).

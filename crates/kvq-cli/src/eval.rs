@@ -19,12 +19,12 @@ use kvq::evaluate;
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::every_token;
 use kvq::reference::int::IntCache;
+use kvq::reference::regions;
 use kvq::reference::resources;
 use kvq::reference::step::{self, StepQueries};
 use kvq::reference::synth::try_to_head_major;
 use kvq::reference::Dequantized;
 use kvq::reference::KvTensor;
-use kvq::TensorQuant;
 use safetensors::{Dtype as StDtype, SafeTensorError, SafeTensors};
 
 use crate::error::{CliError, Result};
@@ -753,17 +753,9 @@ pub fn evaluate_layer_with(
     let quantized_k = deq.k_quantized.iter().filter(|q| **q).count();
     // A scheme that quantizes nothing of this capture would score as FP16 does: a near-zero error
     // that says nothing about the scheme. Refuse it, with the length that would measure something.
-    let quantizing: Vec<&TensorQuant> = [&spec.k, &spec.v]
-        .into_iter()
-        .filter(|t| t.is_quantized())
-        .collect();
-    if !quantizing.is_empty() && quantized_k == 0 && quantized_v == 0 {
-        let local = quantizing
-            .iter()
-            .map(|t| spec.local_of(t))
-            .min()
-            .unwrap_or(spec.local);
-        let needed = spec.sink as usize + local as usize + spec.page as usize;
+    if let (Some(needed), 0, 0) = (first_page_fill(spec), quantized_k, quantized_v) {
+        // The window of the tensor whose page fills first.
+        let local = needed - (spec.sink + spec.page) as usize;
         let cached = if layer.captured_queries {
             String::new()
         } else {
@@ -899,10 +891,7 @@ fn every_step_errors(
     };
     let exact = step::attend(q, &raw, None)?;
     // FP16, which quantizes nothing by design, is measured at every step.
-    let first = match first_quantized_length(spec, n) {
-        f if f > n => 1,
-        f => f,
-    };
+    let first = first_page_fill(spec).unwrap_or(1);
     let width = q.q_heads * q.head_dim;
     let h = layer.k.kv_heads;
     let (mut sum, mut worst, mut head_sums) = (0.0, 0.0f64, vec![0.0; h]);
@@ -928,15 +917,12 @@ fn every_step_errors(
     })
 }
 
-/// The first cache length at which a page of K or V is quantized (`n + 1` if none is by `n`).
-fn first_quantized_length(spec: &kvq::SchemeSpec, n: usize) -> usize {
+/// The first cache length at which a page of K or V is quantized (`None` for FP16).
+fn first_page_fill(spec: &kvq::SchemeSpec) -> Option<usize> {
     [&spec.k, &spec.v]
         .into_iter()
-        .filter(|t| t.is_quantized())
-        .map(|t| (spec.sink + spec.local_of(t) + spec.page) as usize)
+        .filter_map(|t| regions::first_page_fill(spec, t))
         .min()
-        .unwrap_or(n + 1)
-        .min(n + 1)
 }
 
 /// Renders the per-layer/per-head table.

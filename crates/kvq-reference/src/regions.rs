@@ -5,6 +5,7 @@
 //! The split depends only on the length, so bulk prefill and lazy token-by-token append produce the
 //! same split (a page is quantized once `local + page` tokens wait in the tail).
 
+use kvq_spec::{SchemeSpec, TensorQuant};
 use std::ops::Range;
 
 /// The split of `len` tokens for one tensor.
@@ -54,6 +55,27 @@ impl TokenRegions {
     }
 }
 
+/// The first cache length at which a page of `tensor` fills and is quantized (`None` for an FP16
+/// tensor): `sink + local + page`, where [`TokenRegions::new`] first counts a page.
+pub fn first_page_fill(spec: &SchemeSpec, tensor: &TensorQuant) -> Option<usize> {
+    tensor
+        .is_quantized()
+        .then(|| (spec.sink + spec.local_of(tensor) + spec.page) as usize)
+}
+
+/// The cache lengths up to `up_to` at which a page of K or V fills and is quantized, ascending
+/// (a step that shows its tokens the cache as one-token decoding does ends before each).
+pub fn page_fill_lengths(spec: &SchemeSpec, up_to: usize) -> Vec<usize> {
+    let mut out: Vec<usize> = [&spec.k, &spec.v]
+        .into_iter()
+        .filter_map(|t| first_page_fill(spec, t))
+        .flat_map(|first| (first..=up_to).step_by(spec.page as usize))
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -68,6 +90,24 @@ mod tests {
             assert!(r.tail().len() < 128 + 128 || len < 32);
             assert!(len <= 32 || r.tail().len() >= 128.min(len - 32));
         }
+    }
+
+    #[test]
+    fn page_fills_are_where_the_regions_gain_a_page() {
+        let spec = SchemeSpec::parse(
+            "k = int(2, channel), v = int(2, token, local = 64), sink = 16, page = 32",
+        )
+        .unwrap();
+        let fills = page_fill_lengths(&spec, 400);
+        for len in 1..=400 {
+            let grows = |local| {
+                TokenRegions::new(len, 16, local, 32).pages
+                    > TokenRegions::new(len - 1, 16, local, 32).pages
+            };
+            assert_eq!(fills.contains(&len), grows(0) || grows(64), "length {len}");
+        }
+        let fp16 = SchemeSpec::parse("k = fp16, v = fp16").unwrap();
+        assert!(page_fill_lengths(&fp16, 1000).is_empty());
     }
 
     #[test]

@@ -79,9 +79,10 @@ pub fn evaluate_layer(
     })?;
     let rope = Rope { theta };
     let e = &layer.extra;
+    // CommVQ reads no layer input: its workload's stays empty.
     let mut calibration = None;
-    let mut x = vec![0.0; n];
-    let (mut x_prev, mut w_k, mut w_v, mut d_model) = (Vec::new(), Vec::new(), Vec::new(), 1);
+    let (mut x, mut x_prev, mut w_k, mut w_v, mut d_model) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), 0);
     match family {
         Family::CommVq => {
             let (Some((k, rotated)), Some(v)) = (&e.calib_k, &e.calib_v) else {
