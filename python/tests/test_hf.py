@@ -62,6 +62,25 @@ def test_fp16_generation_matches_transformers(tiny):
     assert cache.get_seq_length() == 300 + 16 - 1  # the last token is sampled, not cached
 
 
+def test_bfloat16_models_generate_on_the_cache(tiny):
+    import copy
+
+    model = copy.deepcopy(tiny).to(torch.bfloat16)
+    x = ids(400, seed=5)
+    want = token_nll(model, x)
+    got = token_nll(model, x, "fp16", chunk=16)
+    assert (got - want).abs().max().item() < 5e-2
+    _, logits = generate(model, x[:, :300], KvqCache(model, "kitty", max_batch=1, max_seq_len=400))
+    assert torch.isfinite(logits).all()
+
+
+def test_a_float32_model_is_refused_with_the_fix(tiny):
+    import copy
+
+    with pytest.raises(kvq.InvalidArgument, match="dtype=torch.float16"):
+        KvqCache(copy.deepcopy(tiny).float(), "kivi2", max_batch=1, max_seq_len=64)
+
+
 def test_quantized_generation_runs_on_the_cache(tiny):
     prompt = ids(600)
     want, _ = generate(tiny, prompt)
