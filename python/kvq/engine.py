@@ -142,9 +142,13 @@ class PagedCache:
     >>> plan = kvq.Plan("kivi2", head_dim=128, q_heads=32, kv_heads=8, max_seqs=4,
     ...                 max_seq_len=4096, pool_pages=128)      # doctest: +SKIP
     >>> cache = kvq.engine.PagedCache(plan, "cuda")            # doctest: +SKIP
+
+    ``workspace`` (a uint8 CUDA tensor of at least ``plan.workspace_bytes(device)`` bytes) lets
+    caches whose calls run one after another on one stream share their scratch memory, e.g. a
+    model's layers; by default each cache allocates its own.
     """
 
-    def __init__(self, plan: Plan, device="cuda"):
+    def __init__(self, plan: Plan, device="cuda", workspace: Optional[torch.Tensor] = None):
         if not torch.cuda.is_available():
             raise InvalidArgument("kvq.engine.PagedCache needs a CUDA device (torch sees none)")
         self.plan = plan
@@ -182,7 +186,16 @@ class PagedCache:
             self.block_table.copy_(
                 torch.arange(self.max_seqs * pages, dtype=torch.int32).view(self.max_seqs, pages)
             )
-        self.workspace = zeros(plan.workspace_bytes(self.device.index))
+        need = plan.workspace_bytes(self.device.index)
+        if workspace is None:
+            workspace = zeros(need)
+        elif (workspace.dtype is not torch.uint8 or workspace.get_device() != self.device.index
+              or not workspace.is_contiguous() or workspace.numel() < need):
+            raise InvalidArgument(
+                f"workspace is {tuple(workspace.shape)} {workspace.dtype} on {workspace.device}; "
+                f"expected a contiguous uint8 tensor of at least {need} bytes on {self.device}"
+            )
+        self.workspace = workspace
         self._id = _plan_id(plan)
         # The buffers' addresses, taken once: eager calls pass them without touching the tensors
         # (the buffers are updated in place, never replaced).

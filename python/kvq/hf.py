@@ -114,7 +114,8 @@ class KvqLayer(CacheLayerMixin):
         self.owner = owner
         self.length = 0
         self.batch = 0
-        self.paged = PagedCache(owner.plan, owner.device) if owner.backend == "gpu" else None
+        self.paged = (PagedCache(owner.plan, owner.device, owner.workspace)
+                      if owner.backend == "gpu" else None)
         self._slots = {}
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -254,6 +255,13 @@ class KvqCache(Cache):
         self.prefill, self.backend = prefill, backend
         layers = c.num_hidden_layers
         self.kv_bytes = self.plan.total_bytes * layers if backend == "gpu" else 0
+        # The layers run one after another on one stream: one workspace serves them all.
+        self.workspace = None
+        if backend == "gpu":
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
+            self.workspace = torch.zeros(self.plan.workspace_bytes(index), dtype=torch.uint8,
+                                         device=self.device)
         enable(model)
         super().__init__(layers=[KvqLayer(self) for _ in range(layers)])
 

@@ -218,6 +218,28 @@ def test_bad_tensors_are_named():
         cache.attend(slots, q, out=torch.zeros_like(q).float())
 
 
+def test_caches_on_one_stream_share_a_workspace():
+    """Two caches with one workspace, their calls one after another, give each cache's own
+    outputs bit for bit; a workspace too small or of another dtype is refused."""
+    plan, own = make("kivi2")
+    shared = torch.zeros(plan.workspace_bytes(0), dtype=torch.uint8, device="cuda")
+    a, b = PagedCache(plan, "cuda", shared), PagedCache(plan, "cuda", shared)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    for cache in (own, a, b):
+        g = torch.Generator(device="cuda").manual_seed(3)
+        fill(cache, g, [700, 300], 0)
+    q = torch.randn((2, Q_HEADS, HEAD_DIM), generator=gen, device="cuda").half()
+    want, _ = own.attend(slots, q)
+    got_a, _ = a.attend(slots, q)
+    got_b, _ = b.attend(slots, q)
+    assert torch.equal(got_a, want) and torch.equal(got_b, want)
+    with pytest.raises(kvq.InvalidArgument, match="workspace is"):
+        PagedCache(plan, "cuda", shared[:1])
+    with pytest.raises(kvq.InvalidArgument, match="workspace is"):
+        PagedCache(plan, "cuda", shared.float())
+
+
 def test_attend_writes_into_the_callers_buffers():
     plan, cache = make("kivi2")
     gen = torch.Generator(device="cuda").manual_seed(5)
