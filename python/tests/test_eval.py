@@ -43,7 +43,7 @@ def test_steps_reach_every_page_fill_with_a_step_of_one(seed):
 
 
 def test_page_fills_follow_the_scheme_windows():
-    # KIVI-2: sink 0? K pages fill every 128 tokens past its window, V past its own.
+    # A page of K fills every 32 tokens past the sink, one of V past its 64-token window too.
     plan = kvq.Plan("k = int(2, channel), v = int(2, token, local = 64), sink = 16, page = 32",
                     head_dim=64, q_heads=4, kv_heads=2, max_seqs=1, max_seq_len=512,
                     pool_pages=16)

@@ -465,17 +465,12 @@ pub fn read_layers(path: &Path, layout: KvLayout, only: &[usize]) -> Result<Vec<
                 }
                 let data = match layout {
                     KvLayout::TokensFirst => values.clone(),
+                    // [q_heads][tokens][d] read as "tokens" of q_heads rows: token-major out.
                     KvLayout::HeadsFirst => {
-                        let mut out = vec![0.0; values.len()];
-                        for h in 0..q_heads {
-                            for t in 0..tokens {
-                                let from = (h * tokens + t) * head_dim;
-                                let to = (t * q_heads + h) * head_dim;
-                                out[to..to + head_dim]
-                                    .copy_from_slice(&values[from..from + head_dim]);
-                            }
-                        }
-                        out
+                        let what = format!("`layer.{i}.q`");
+                        try_to_head_major(values, q_heads, tokens, head_dim, &what)
+                            .map_err(|e| input(path, e.to_string()))?
+                            .data
                     }
                 };
                 let last = data[(tokens - 1) * q_heads * head_dim..].to_vec();
