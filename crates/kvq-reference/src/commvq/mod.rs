@@ -17,6 +17,7 @@
 pub mod additive;
 mod additive_train;
 mod cache;
+pub mod device;
 mod fast;
 mod footprint;
 pub mod key;
@@ -30,6 +31,10 @@ mod vectors;
 pub use additive::AdditiveCodebook;
 pub use additive_train::AdditiveSchedule;
 pub use cache::{Coding, CommVqCache, Stored};
+pub use device::{
+    device_attend, DeviceCodebooks, DeviceLayout, DeviceSequence, DeviceTensor, SideKind,
+    SideLayout, DEVICE_LAYOUT_VERSION,
+};
 pub use footprint::{Footprint, TensorFootprint};
 pub use key::KeyCodebook;
 pub use key_em::EmSchedule;
