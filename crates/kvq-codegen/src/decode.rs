@@ -67,13 +67,17 @@ pub struct DecodeKernels {
     pub v_tail_capacity: u32,
 }
 
-fn param(ty: &str, name: &str) -> (String, String) {
+pub(crate) fn param(ty: &str, name: &str) -> (String, String) {
     (ty.to_string(), name.to_string())
 }
 
 /// A stable identifier of scheme × shape × tuning, for kernel names and caches (FNV-1a).
 fn kernel_id(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> String {
-    let key = format!("{spec}|{shape:?}|{tune:?}");
+    stable_id(&format!("{spec}|{shape:?}|{tune:?}"))
+}
+
+/// FNV-1a of `key` as 16 hex digits: kernel names that stay the same from run to run.
+pub(crate) fn stable_id(key: &str) -> String {
     let h = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
     });
@@ -444,7 +448,7 @@ fn merge_bytes(tune: &TuneParams, v_dim: usize) -> usize {
 }
 
 /// Eight warps per combine CTA: at B = 1 a head's 50-odd splits take one batch of loads per warp.
-const COMBINE_THREADS: u32 = 256;
+pub(crate) const COMBINE_THREADS: u32 = 256;
 
 /// Bytes of a stage's chunk descriptor (`KvqChunk` in kernels/include/kvq/decode/ring.cuh: two
 /// pointers, three ints, five skews; rounded up to the stage's section alignment in the layout).

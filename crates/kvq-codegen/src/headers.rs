@@ -13,6 +13,7 @@ macro_rules! embedded {
 /// Every kernel header, by the name units include it under. Append new headers here.
 pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/common.cuh",
+    "kvq/io.cuh",
     "kvq/tensor.cuh",
     "kvq/combine.cuh",
     "kvq/merge.cuh",
@@ -37,6 +38,8 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/quantize.cuh",
     "kvq/quantize_regs.cuh",
     "kvq/cache.cuh",
+    "kvq/codebook/side.cuh",
+    "kvq/codebook/decode.cuh",
 ];
 
 /// [`KERNEL_HEADERS`]: what a compile site passes to NVRTC beside a generated unit.

@@ -20,6 +20,7 @@ pub(crate) const TEMPLATES: &[(&str, &str)] = embedded![
     "decode_mma.cuh.tera",
     "cache.cu.tera",
     "merge.cu.tera",
+    "codebook_decode.cu.tera",
 ];
 
 fn engine() -> Result<&'static Tera, CodegenError> {

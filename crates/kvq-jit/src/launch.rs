@@ -148,6 +148,12 @@ impl<'a> Args<'a> {
         self
     }
 
+    /// A `double` parameter (its eight bytes fill the slot).
+    pub fn double(&mut self, value: f64) -> &mut Self {
+        self.slots.push(value.to_bits());
+        self
+    }
+
     /// Launches `func` on the stream; with `overlap`, allowed to overlap the stream's previous
     /// kernel (`cuLaunchKernelEx`, which every driver kvq accepts exports).
     ///

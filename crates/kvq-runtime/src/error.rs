@@ -102,6 +102,10 @@ pub enum RuntimeError {
     /// No kernel could be generated for this scheme and shape.
     #[error(transparent)]
     Codegen(#[from] kvq_codegen::CodegenError),
+
+    /// The CPU reference refused what was handed to it (a cache to upload, a layout to build).
+    #[error(transparent)]
+    Reference(#[from] kvq_reference::RefError),
 }
 
 impl From<kvq_jit::InvalidArch> for RuntimeError {

@@ -8,6 +8,8 @@
 //! * [`decode`]: [`DecodeKernel`] (a scheme's fused decode kernels for one shape),
 //!   [`DecodeScratch`], [`GpuCache`] / [`CacheView`] (caches uploaded in the reference layout).
 //! * [`paged`]: [`PagedKvCache`], a paged cache with the GPU quantizers.
+//! * [`codebook`]: codebook schemes (CommVQ): [`codebook::CodebookKernel`] and
+//!   [`codebook::CodebookCache`], a batch uploaded from the CPU reference's coded sequences.
 //! * [`tune`]: the autotuner ([`Tuner`], `KVQ_TUNE`) and its JSON store of results per GPU.
 //! * [`error`]: [`RuntimeError`], which wraps [`JitError`] (`RuntimeError::Jit`) and adds what
 //!   only launches and the paged cache can get wrong.
@@ -53,6 +55,7 @@
 
 #![warn(missing_docs)]
 
+pub mod codebook;
 pub mod decode;
 pub mod error;
 mod launch;

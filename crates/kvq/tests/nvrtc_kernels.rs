@@ -17,8 +17,8 @@
 mod common;
 use common::{needs, other_calibrated_schemes, other_uncalibrated_schemes, run_trials};
 use kvq::codegen::{
-    cache_kernels_with, decode_kernels, has_decode_kernel, merge_kernel, CodegenError, Dtype,
-    KernelShape, QuantizerForm, TuneParams,
+    cache_kernels_with, codebook_kernels, decode_kernels, has_decode_kernel, merge_kernel,
+    CodegenError, Dtype, KernelShape, QuantizerForm, TuneParams,
 };
 use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
 use kvq::runtime::paged::forms_or_tiled;
@@ -43,7 +43,58 @@ fn main() {
             "the_merge_kernel_compiles_for_sm80_and_sm90a",
             the_merge_kernel_compiles_for_sm80_and_sm90a,
         ),
+        needs(
+            Need::Nvrtc,
+            "codebook_decode_kernels_compile_for_sm80_and_sm90a",
+            codebook_decode_kernels_compile_for_sm80_and_sm90a,
+        ),
     ])
+}
+
+/// Codebook schemes the GPU decode takes: the CommVQ built-ins and custom codebooks on either
+/// side, beside FP16, with the head sizes they allow.
+pub const CODEBOOK_GPU_SCHEMES: &[(&str, &[u32])] = &[
+    ("commvq1", &[128, 256]),
+    ("commvq2", &[128]),
+    (
+        "k = codebook(rope_commutative, levels = 16, residuals = 3, pairs_per_code = 32, span = head), \
+         v = codebook(additive, rows = 64), sink = 16, local = 32, page = 64",
+        &[64, 128],
+    ),
+    (
+        "k = codebook(rope_commutative, levels = 32, residuals = 40, pairs_per_code = 32), v = fp16",
+        &[64],
+    ),
+    (
+        "k = fp16, v = codebook(additive, rows = 128), sink = 8",
+        &[64, 128],
+    ),
+    (
+        "k = codebook(additive, rows = 128), v = codebook(additive, rows = 96), page = 32",
+        &[128],
+    ),
+];
+
+/// The codebook decode unit and its combine for every scheme above, GQA 1/4/8, f16 and bf16.
+fn codebook_decode_kernels_compile_for_sm80_and_sm90a() {
+    let mut jobs = Vec::new();
+    for (text, dims) in CODEBOOK_GPU_SCHEMES {
+        let spec: kvq::SchemeSpec = match kvq::schemes::by_name(text) {
+            Some(b) => b.spec,
+            None => text.parse().unwrap_or_else(|e| panic!("{text}: {e}")),
+        };
+        for &d in *dims {
+            for gqa in [1, 4, 8] {
+                for dtype in [Dtype::F16, Dtype::Bf16] {
+                    let shape = KernelShape::new(d, gqa, dtype);
+                    let k = codebook_kernels(&spec, &shape, 8)
+                        .unwrap_or_else(|e| panic!("{text} {shape:?}: {e}"));
+                    jobs.push(("codebook_decode", shape, k.source));
+                }
+            }
+        }
+    }
+    compile_all_for(&jobs, |shape| shape.gqa == 4);
 }
 
 fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {

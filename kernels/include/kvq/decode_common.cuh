@@ -30,3 +30,12 @@ static __device__ __forceinline__ int kvq_quant_end(int len, int sink_end, int l
     const int rest = len - sink_end - local;
     return sink_end + (rest > 0 ? rest / PAGE : 0) * PAGE;
 }
+
+// A split's tokens for the CUDA-core kernels (generic, codebook): whole tiles of the sequence, as
+// evenly as possible.
+static __device__ __forceinline__ void kvq_split_range(int len, int split, int num_splits, int& t_begin, int& t_end) {
+    const int per = (len + num_splits - 1) / num_splits;
+    const int chunk = (per + TILE - 1) / TILE * TILE;
+    t_begin = min(len, split * chunk);
+    t_end = min(len, t_begin + chunk);
+}

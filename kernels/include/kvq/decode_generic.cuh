@@ -156,13 +156,6 @@ static __device__ __forceinline__ void kvq_load_queries(const kvq_u16* q, int se
                 ? kvq_io_to_f32(q[(((long)seq * kv_heads + kvh) * GQA + h) * D + lane * CPL + j]) * scale : 0.f;
 }
 
-// This split's tokens: whole tiles of the sequence, as evenly as possible.
-static __device__ __forceinline__ void kvq_split_range(int len, int split, int num_splits, int& t_begin, int& t_end) {
-    const int per = (len + num_splits - 1) / num_splits;
-    const int chunk = (per + TILE - 1) / TILE * TILE;
-    t_begin = min(len, split * chunk);
-    t_end = min(len, t_begin + chunk);
-}
 // CalibQuant's calibration needs each query head's score range over quantized keys before the softmax:
 // this pass computes it per split, the decode kernel reduces the splits. Grid (range_splits, kv_heads,
 // batch): its own split count, which the decode kernel is given. The body of the unit's range

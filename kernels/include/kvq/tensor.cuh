@@ -20,14 +20,7 @@
 // only; for an FP16 tensor they compile (divisors are kept non-zero) and go unused.
 #pragma once
 
-// Queries and outputs (decode) or new K/V (cache) in the unit's 16-bit format.
-static __device__ __forceinline__ float kvq_io_to_f32(kvq_u16 x) { return kvq_to_f32<IO>(x); }
-static __device__ __forceinline__ kvq_u16 kvq_f32_to_io(float x) { return kvq_from_f32<IO>(x); }
-// One output value from a query row's unnormalised sum and softmax denominator (0 where no token
-// was seen): the combine kernel's last step, which a decode launch of one part takes itself.
-static __device__ __forceinline__ kvq_u16 kvq_output_value(float sum, float total) {
-    return kvq_f32_to_io(total > 0.f ? sum / total : 0.f);
-}
+#include "kvq/io.cuh"
 
 // A divisor of a tensor's struct that is 0 for FP16 tensors, as 1 there.
 static __device__ __forceinline__ constexpr int kvq_divisor(int x) { return x > 0 ? x : 1; }
