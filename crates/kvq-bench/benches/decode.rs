@@ -14,7 +14,7 @@ use kvq::runtime::tune::{
 };
 use kvq::runtime::{nvrtc, DecodeScratch, Device, GpuTimer, Jit, RuntimeError};
 use kvq_bench::grid::{parse_schemes, BenchConfig};
-use kvq_bench::workload::{prepare, QueryRows};
+use kvq_bench::workload::{prepare, PreparedCache, QueryRows};
 
 /// (scheme, batch, context) pairs: a memory-bound long context at B=1, and a wider short batch.
 const SHAPES: &[(&str, usize, usize)] = &[
@@ -59,7 +59,11 @@ fn bench_all(c: &mut Criterion) -> Result<(), RuntimeError> {
         let Some(prep) = prepared.iter().find(|p| p.scheme.name == name) else {
             continue;
         };
-        let sequences = vec![&prep.cache; batch];
+        // Integer schemes only: the shapes above name none of the codebook ones.
+        let PreparedCache::Int(cache) = &prep.cache else {
+            continue;
+        };
+        let sequences = vec![&**cache; batch];
         let per_copy = batch_device_bytes(&sequences, config.q_heads);
         let copies = plan_copies(per_copy, device.props().l2_bytes, 8 << 30)?;
         let mut rotation =

@@ -1,6 +1,6 @@
 //! Which shapes and schemes a run covers, parsed from flags.
 
-use kvq::codegen::{has_decode_kernel, Dtype};
+use kvq::codegen::{has_codebook_kernel, has_decode_kernel, Dtype};
 use kvq::runtime::decode::DecodeOptions;
 use kvq::schemes::{by_name, is_scheme_text, label, BUILTIN};
 use kvq::SchemeSpec;
@@ -104,11 +104,21 @@ impl BenchConfig {
 }
 
 /// The built-in schemes that have GPU kernels: integer and FP16 K/V caches (not codebooks, not
-/// layer-input caches).
+/// layer-input caches). `all` selects these.
 pub fn gpu_schemes() -> Vec<Scheme> {
     BUILTIN
         .iter()
         .filter(|b| has_decode_kernel(&b.spec))
+        .map(|b| Scheme::new(b.spec))
+        .collect()
+}
+
+/// The codebook built-ins the GPU runs (CommVQ), selected by name: their caches take the CPU
+/// reference's encoder to build, so `all` leaves them out.
+pub fn codebook_schemes() -> Vec<Scheme> {
+    BUILTIN
+        .iter()
+        .filter(|b| has_codebook_kernel(&b.spec))
         .map(|b| Scheme::new(b.spec))
         .collect()
 }
@@ -165,13 +175,14 @@ fn parse_entry(entry: &str) -> Result<Vec<Scheme>> {
 
 /// `scheme`, where a GPU decode kernel covers it.
 fn on_gpu(scheme: Scheme, given: &str) -> Result<Scheme> {
-    if has_decode_kernel(&scheme.spec) {
+    if has_decode_kernel(&scheme.spec) || has_codebook_kernel(&scheme.spec) {
         Ok(scheme)
     } else {
         Err(BenchError::Usage(format!(
-            "`{given}` runs in the CPU reference only; GPU schemes: {} (or scheme text of fp16 \
-             and int(...) tensors)",
-            names(&gpu_schemes())
+            "`{given}` runs in the CPU reference only; GPU schemes: {}, and by name {} (or scheme \
+             text of fp16, int(...) and codebook(...) tensors without calibration)",
+            names(&gpu_schemes()),
+            names(&codebook_schemes())
         )))
     }
 }
@@ -261,7 +272,18 @@ mod tests {
         assert_eq!(parse_schemes("ALL").unwrap().len(), 8);
         assert_eq!(parse_schemes("fp16,kivi2,kivi2").unwrap().len(), 2);
         assert!(parse_schemes("nope").is_err());
-        assert!(parse_schemes("commvq2")
+        // Codebook built-ins by name (their own GPU kernel), not under `all`.
+        let c = parse_schemes("commvq2").unwrap();
+        assert_eq!(
+            c.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
+            ["fp16", "commvq2"]
+        );
+        assert!(parse_schemes("xquant2")
+            .unwrap_err()
+            .to_string()
+            .contains("CPU reference"));
+        let token_books = "k = fp16, v = codebook(additive, rows = 512, span = token)";
+        assert!(parse_schemes(token_books)
             .unwrap_err()
             .to_string()
             .contains("CPU reference"));

@@ -4,13 +4,16 @@
 
 use std::sync::Arc;
 
-use kvq::codegen::{KernelShape, TuneParams};
+use kvq::codegen::{has_codebook_kernel, KernelShape, TuneParams};
+use kvq::reference::commvq::CommVqCache;
+use kvq::reference::int::IntCache;
+use kvq::runtime::codebook::{CodebookCache, CodebookKernel, CodebookScratch};
 use kvq::runtime::cudarc::driver::{CudaSlice, CudaStream};
 use kvq::runtime::tune::{
     batch_device_bytes, default_launch_with, plan_copies, ReferenceCheck, RotatingBatch,
-    TunePolicy, TuneProblem, TuneStore, Tuner,
+    TuneChoice, TunePolicy, TuneProblem, TuneStore, Tuner,
 };
-use kvq::runtime::{DecodeKernel, DecodeScratch, GpuTimer, Jit, RuntimeError, Timing};
+use kvq::runtime::{DecodeKernel, DecodeScratch, GpuTimer, Jit, Pieces, RuntimeError, Timing};
 
 use crate::bytes::{decode_bytes, extra_bytes};
 use crate::copy::copy_bandwidth;
@@ -19,7 +22,7 @@ use crate::error::{BenchError, Result};
 use crate::grid::{format_tokens, BenchConfig, Scheme};
 use crate::read_floor::ReadFloor;
 use crate::report::{BenchResults, Row, Skipped, TunedResult};
-use crate::workload::{checked_rows, prepare, Prepared, QueryRows};
+use crate::workload::{checked_rows, prepare, Prepared, PreparedCache, QueryRows};
 
 /// Device memory left free for the driver, the scratch and the tuner's own buffers.
 const RESERVE: u64 = 2 << 30;
@@ -57,7 +60,11 @@ pub fn run(
     let props = device.props().clone();
     let gqa = config.gqa()?;
     let shape = KernelShape::new(config.head_dim, gqa, config.dtype);
-    for s in &config.schemes {
+    for s in config
+        .schemes
+        .iter()
+        .filter(|s| !has_codebook_kernel(&s.spec))
+    {
         TuneProblem::new(s.spec, shape, config.kv_heads, 1, 1).check()?;
     }
     if config.batches.is_empty() || config.contexts.is_empty() {
@@ -192,6 +199,7 @@ fn compile_defaults(jit: &Jit, schemes: &[Scheme], shape: KernelShape) -> Result
     let results: Vec<std::result::Result<DecodeKernel, RuntimeError>> = std::thread::scope(|s| {
         let handles: Vec<_> = schemes
             .iter()
+            .filter(|sc| !has_codebook_kernel(&sc.spec))
             .map(|sc| {
                 s.spawn(move || {
                     let params = TuneParams::default_for(&sc.spec, &shape);
@@ -243,6 +251,14 @@ fn set_aside(
     Ok(Some(pad))
 }
 
+fn too_big(bytes: u64, budget: u64) -> Outcome {
+    Outcome::Skipped(format!(
+        "needs {:.1} GiB of device memory, the budget is {:.1} GiB",
+        bytes as f64 / (1u64 << 30) as f64,
+        budget as f64 / (1u64 << 30) as f64
+    ))
+}
+
 impl Context<'_> {
     /// The read floor of `row`'s bytes over as many copies as its step rotated through; `None`
     /// (logged) where it could not be measured, e.g. for want of device memory beside the run's.
@@ -269,28 +285,36 @@ impl Context<'_> {
         }
     }
 
+    /// Device memory a shape may take: the configured budget, within what is free.
+    fn memory_budget(&self) -> Result<u64> {
+        let (free, _) = self
+            .jit
+            .device()
+            .context()
+            .mem_get_info()
+            .map_err(|e| RuntimeError::driver("cuMemGetInfo", e))?;
+        Ok(self
+            .config
+            .memory_budget
+            .min((free as u64).saturating_sub(RESERVE)))
+    }
+
     /// Measures one scheme at one batch size and context length.
     fn measure(&mut self, prep: &Prepared, batch: usize, len: usize) -> Result<Outcome> {
+        let cache: &IntCache = match &prep.cache {
+            PreparedCache::Int(c) => c,
+            PreparedCache::Codebook(c) => return self.measure_codebook(prep, c, batch, len),
+        };
         let config = self.config;
         let device = self.jit.device();
         let props = device.props();
         let stream = self.stream.clone();
         let (q_heads, d) = (config.q_heads, config.head_dim as usize);
-        let sequences = vec![&prep.cache; batch];
+        let sequences = vec![cache; batch];
         let per_copy = batch_device_bytes(&sequences, q_heads);
-        let (free, _) = device
-            .context()
-            .mem_get_info()
-            .map_err(|e| RuntimeError::driver("cuMemGetInfo", e))?;
-        let budget = config
-            .memory_budget
-            .min((free as u64).saturating_sub(RESERVE));
+        let budget = self.memory_budget()?;
         if per_copy > budget {
-            return Ok(Outcome::Skipped(format!(
-                "needs {:.1} GiB of device memory, the budget is {:.1} GiB",
-                per_copy as f64 / (1u64 << 30) as f64,
-                budget as f64 / (1u64 << 30) as f64
-            )));
+            return Ok(too_big(per_copy, budget));
         }
         let copies = plan_copies(per_copy, props.l2_bytes, budget)?;
         let mut rotation =
@@ -413,6 +437,111 @@ impl Context<'_> {
             copies: rotation.copies(),
             read_floor_us: None,
             tuned,
+        })))
+    }
+
+    /// Measures a codebook scheme (its own kernel, no tuner yet): `batch` copies of the prepared
+    /// sequence, as many batches as keep the rotation past L2, the default split count.
+    fn measure_codebook(
+        &mut self,
+        prep: &Prepared,
+        cache: &CommVqCache,
+        batch: usize,
+        len: usize,
+    ) -> Result<Outcome> {
+        let config = self.config;
+        let stream = self.stream.clone();
+        let (q_heads, d) = (config.q_heads, config.head_dim as usize);
+        let kernel =
+            CodebookKernel::load(self.jit, &prep.scheme.spec, &self.shape, config.kv_heads)?;
+        let sequences = vec![cache.clone(); batch];
+        let theta = cache.rope().theta;
+        let first = CodebookCache::upload(&stream, kernel.layout(), &sequences, theta)?;
+        let per_copy = first.cache_bytes() as u64;
+        let budget = self.memory_budget()?;
+        if per_copy > budget {
+            return Ok(too_big(per_copy, budget));
+        }
+        let copies = plan_copies(per_copy, self.jit.device().props().l2_bytes, budget)?;
+        let mut batches = vec![first];
+        for _ in 1..copies {
+            batches.push(CodebookCache::upload(
+                &stream,
+                kernel.layout(),
+                &sequences,
+                theta,
+            )?);
+        }
+        let rows = batch * q_heads * d;
+        let q = stream
+            .clone_htod(self.queries.bits_for(batch))
+            .map_err(|e| RuntimeError::driver("upload the queries", e))?;
+        // NaN in every word: an output the kernel never writes fails the check.
+        let mut out = stream
+            .clone_htod(&vec![0x7e00u16; rows])
+            .map_err(|e| RuntimeError::driver("allocate the output", e))?;
+        let splits = kernel.default_splits(batch, len);
+        let mut scratch = CodebookScratch::new(&stream)?;
+        let max_rel_error = if config.check {
+            kernel.attend(&stream, &batches[0], &q, &mut out, splits, &mut scratch)?;
+            let host: Vec<u16> = stream
+                .clone_dtoh(&out)
+                .map_err(|e| RuntimeError::driver("download the output", e))?;
+            let reference = ReferenceCheck::from_rows(
+                prep.reference
+                    .iter()
+                    .filter(|(row, _)| *row < batch)
+                    .cloned()
+                    .collect(),
+                q_heads * d,
+                config.dtype,
+            );
+            match reference.verify(&host) {
+                Ok(e) => Some(e),
+                Err(why) => return Ok(Outcome::Skipped(format!("WRONG OUTPUT: {why}"))),
+            }
+        } else {
+            None
+        };
+        let mut next = 0;
+        let stats = self.timer.time(&stream, config.warmup, config.runs, |s| {
+            next = (next + 1) % batches.len();
+            kernel.attend(s, &batches[next], &q, &mut out, splits, &mut scratch)
+        })?;
+        let median_us = stats.median_us();
+        let bytes = batches[0].read_bytes() + 2 * 2 * rows as u64;
+        let gbps = bytes as f64 / (median_us * 1e-6) / 1e9;
+        let choice = TuneChoice {
+            params: TuneParams {
+                threads: kernel.generated().decode.block,
+                tile_tokens: kernel.generated().tile,
+                min_warps_per_sm: 0,
+                pack_heads: false,
+                short_staging: false,
+                store_scores: false,
+            },
+            splits,
+            pieces: Pieces::default(),
+        };
+        Ok(Outcome::Measured(Box::new(Row {
+            slow_path: None,
+            scheme: prep.scheme.name.clone(),
+            batch,
+            context: len,
+            choice,
+            range_splits: None,
+            median_us,
+            min_us: stats.min_us(),
+            bytes,
+            extra_bytes: 0,
+            stored_scores: false,
+            gbps,
+            pct_of_copy: 100.0 * gbps / self.copy_gbps,
+            speedup_vs_fp16: None,
+            max_rel_error,
+            copies: batches.len(),
+            read_floor_us: None,
+            tuned: None,
         })))
     }
 }

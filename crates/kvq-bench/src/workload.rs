@@ -5,22 +5,67 @@
 //! CPU would take minutes and change nothing the GPU sees (the page table still maps every
 //! sequence to its own pages).
 
-use kvq::codegen::Dtype;
+use kvq::codegen::{has_codebook_kernel, Dtype};
 use kvq::reference::attention::{self, Queries};
+use kvq::reference::commvq::{
+    self, AdditiveSchedule, CalibrationData, CommVqCache, EmSchedule, TrainOptions,
+};
 use kvq::reference::int::IntCache;
 use kvq::reference::resources::AllocError;
+use kvq::reference::rope::Rope;
+use kvq::reference::KvTensor;
 use kvq::runtime::tune::check::default_rows;
 use kvq::runtime::tune::synth::{random_kv, random_queries};
 
 use crate::error::{BenchError, Result};
 use crate::grid::{BenchConfig, Scheme};
 
+/// One sequence's cache, as its scheme's family stores it.
+pub enum PreparedCache {
+    /// FP16 and integer schemes.
+    Int(Box<IntCache>),
+    /// Codebook schemes (CommVQ), with the RoPE their keys were coded under.
+    Codebook(Box<CommVqCache>),
+}
+
+/// Tokens a codebook scheme's codebooks are trained on (the first of the random K/V): timing does
+/// not depend on how good they are, so the training stays short.
+const CODEBOOK_CALIBRATION: usize = 1024;
+
+/// A codebook scheme's cache of `k` (read as keys before RoPE) and `v`, with codebooks trained
+/// briefly on their first tokens.
+fn codebook_cache(scheme: &Scheme, k: &KvTensor, v: &KvTensor, seed: u64) -> Result<CommVqCache> {
+    let reference =
+        |e: kvq::reference::RefError| BenchError::Reference(format!("{}: {e}", scheme.name));
+    let n = k.tokens.min(CODEBOOK_CALIBRATION);
+    let (kc, vc) = (k.prefix(n), v.prefix(n));
+    let rope = Rope::default();
+    let data = CalibrationData {
+        k_pre_rope: &kc,
+        v: &vc,
+        rope,
+    };
+    let options = TrainOptions {
+        em: EmSchedule {
+            steps: 2,
+            ..Default::default()
+        },
+        additive: AdditiveSchedule {
+            iterations: 2,
+            ..Default::default()
+        },
+        ..TrainOptions::seeded(seed)
+    };
+    let books = commvq::train_with(&scheme.spec, &data, &options).map_err(reference)?;
+    CommVqCache::build(&scheme.spec, k, v, rope, &books).map_err(reference)
+}
+
 /// One scheme's cache at one context length, with reference outputs.
 pub struct Prepared {
     /// The scheme.
     pub scheme: Scheme,
     /// One sequence's cache.
-    pub cache: IntCache,
+    pub cache: PreparedCache,
     /// `(row, output)` of the CPU reference for every row any batch checks (empty without
     /// checks).
     pub reference: Vec<(usize, Vec<f32>)>,
@@ -88,11 +133,19 @@ pub fn prepare(
     let (k, v) = random_kv(kv_heads, len, head_dim, seed)?;
     let q_heads = queries.row_len / head_dim.max(1);
     let build = |scheme: &Scheme| -> Result<Prepared> {
-        let cache = IntCache::build(&scheme.spec, &k, &v)
-            .map_err(|e| BenchError::Reference(format!("{}: {e}", scheme.name)))?;
+        let reference_err =
+            |e: kvq::reference::RefError| BenchError::Reference(format!("{}: {e}", scheme.name));
+        let cache = if has_codebook_kernel(&scheme.spec) {
+            PreparedCache::Codebook(Box::new(codebook_cache(scheme, &k, &v, seed)?))
+        } else {
+            PreparedCache::Int(Box::new(
+                IntCache::build(&scheme.spec, &k, &v).map_err(reference_err)?,
+            ))
+        };
         let mut reference = Vec::new();
         if check {
-            let deq = cache.dequantize();
+            // Integer caches are dequantized once, for every row.
+            let mut deq = None;
             for &row in rows {
                 let data = queries
                     .values
@@ -104,8 +157,14 @@ pub fn prepare(
                     q_heads,
                     head_dim,
                 };
-                let out = attention::decode(&q, &deq, scheme.spec.calibrate.as_ref())
-                    .map_err(|e| BenchError::Reference(format!("{}: {e}", scheme.name)))?;
+                let out = match &cache {
+                    PreparedCache::Int(c) => {
+                        let deq = deq.get_or_insert_with(|| c.dequantize());
+                        attention::decode(&q, deq, scheme.spec.calibrate.as_ref())
+                    }
+                    PreparedCache::Codebook(c) => c.attend(&q),
+                }
+                .map_err(reference_err)?;
                 reference.push((row, out));
             }
         }
@@ -154,7 +213,13 @@ mod tests {
         let prepared = prepare(&config, 300, &q, &[0, 1]).unwrap();
         assert_eq!(prepared.len(), 3);
         for p in &prepared {
-            assert_eq!(p.cache.tokens(), 300);
+            let PreparedCache::Int(cache) = &p.cache else {
+                panic!(
+                    "{}: an integer scheme prepared as a codebook",
+                    p.scheme.name
+                )
+            };
+            assert_eq!(cache.tokens(), 300);
             assert_eq!(p.reference.len(), 2);
             assert_eq!(p.reference[1].1.len(), 4 * 64);
             assert!(p.reference[1].1.iter().all(|x| x.is_finite()));
@@ -163,6 +228,33 @@ mod tests {
         config.check = false;
         let unchecked = prepare(&config, 300, &q, &[0, 1]).unwrap();
         assert!(unchecked.iter().all(|p| p.reference.is_empty()));
+    }
+
+    #[test]
+    fn codebook_schemes_prepare_commvq_caches_with_their_reference() {
+        let mut config = BenchConfig::standard();
+        let text =
+            "k = codebook(rope_commutative, levels = 8, residuals = 2, pairs_per_code = 32), \
+                    v = codebook(additive, rows = 64)";
+        config.schemes = parse_schemes(text).unwrap();
+        config.kv_heads = 2;
+        config.head_dim = 64;
+        let q = QueryRows::new(1, 4, 64, Dtype::F16, 3).unwrap();
+        let prepared = prepare(&config, 300, &q, &[0]).unwrap();
+        let p = prepared.iter().find(|p| p.scheme.name != "fp16").unwrap();
+        let PreparedCache::Codebook(cache) = &p.cache else {
+            panic!("a codebook scheme prepared as an integer cache")
+        };
+        assert_eq!(cache.tokens(), 300);
+        // The reference row is the codebook cache's own attention of that query row.
+        let want = cache
+            .attend(&Queries {
+                data: q.values[..4 * 64].to_vec(),
+                q_heads: 4,
+                head_dim: 64,
+            })
+            .unwrap();
+        assert_eq!(p.reference, [(0, want)]);
     }
 
     #[test]

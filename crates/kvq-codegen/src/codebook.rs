@@ -5,15 +5,22 @@ use crate::decode::{param, stable_id, KernelEntry, COMBINE_THREADS};
 use crate::templates::render;
 use crate::{CodegenError, Dtype, KernelShape};
 use kvq_reference::commvq::device::{DeviceLayout, SideKind, SideLayout};
-use kvq_spec::{CacheSource, SchemeSpec};
+use kvq_spec::{CacheSource, Codebook, CodebookQuant, CodebookSpan, SchemeSpec, TensorQuant};
 use serde::Serialize;
 
-/// Threads of a codebook decode CTA: four warps, a token each at a time.
+/// Threads of a codebook decode CTA that gathers its key codebook from global memory: four warps,
+/// a token each at a time.
 pub const CODEBOOK_THREADS: u32 = 128;
-/// Tokens a CTA scores before its softmax step (tiles also end at page and region edges).
+/// Tokens such a CTA scores before its softmax step (tiles also end at page and region edges).
 pub const CODEBOOK_TILE: u32 = 64;
+/// Threads and tile of a CTA that holds its KV head's key codebook in shared memory: one CTA an
+/// SM, so sixteen warps to keep the gathers' latency covered.
+pub const CODEBOOK_SMEM_THREADS: u32 = 512;
+pub const CODEBOOK_SMEM_TILE: u32 = 128;
 /// Static shared memory a CTA may take (the driver refuses more without an opt-in).
 const STATIC_SHARED_LIMIT: usize = 48 * 1024;
+/// Shared memory one CTA may take on sm_80 and sm_90 (static plus dynamic, with the opt-in).
+const CTA_SHARED_LIMIT: usize = 227 * 1024;
 
 /// Generated source of a codebook scheme's decode and its combine, with the device layout the
 /// kernels read (the CPU reference's, `kvq_reference::commvq::device`).
@@ -22,6 +29,10 @@ pub struct CodebookKernels {
     pub scheme: String,
     pub shape: KernelShape,
     pub source: String,
+    /// Whether a CTA holds its KV head's key codebook in shared memory (one CTA an SM).
+    pub book_in_shared_memory: bool,
+    /// Tokens a CTA stages and scores at a time.
+    pub tile: u32,
     /// Split-K decode: grid (num_splits, kv_heads, batch).
     pub decode: KernelEntry,
     /// Merges the splits: grid (q_heads, batch).
@@ -58,6 +69,7 @@ struct UnitCtx {
     page: u32,
     sink: u32,
     sides: Vec<SideCtx>,
+    smem_book: bool,
     decode_name: String,
     combine_name: String,
     combine_threads: u32,
@@ -102,6 +114,75 @@ fn side_ctx(name: &'static str, s: &SideLayout) -> SideCtx {
         }
     }
     ctx
+}
+
+/// Whether the codebook decode kernel takes the scheme: K/V caches whose sides are codebooks or
+/// FP16, at least one a codebook, additive codebooks of one KV head, no score calibration.
+/// (Shapes it refuses are [`codebook_kernels`]'s typed errors.)
+pub fn has_codebook_kernel(spec: &SchemeSpec) -> bool {
+    let side_ok = |t: &TensorQuant| match t {
+        TensorQuant::Fp16 => true,
+        TensorQuant::Int(_) => false,
+        TensorQuant::Codebook(CodebookQuant {
+            codebook: Codebook::Additive { .. },
+            span,
+        }) => *span == CodebookSpan::Head,
+        TensorQuant::Codebook(_) => true,
+    };
+    spec.source == CacheSource::Kv
+        && spec.calibrate.is_none()
+        && side_ok(&spec.k)
+        && side_ok(&spec.v)
+        && [spec.k, spec.v]
+            .iter()
+            .any(|t| matches!(t, TensorQuant::Codebook(_)))
+}
+
+/// Bytes of one KV head's RoPE key codebook as the kernel reads it (f16 re/im pairs), 0 without one.
+fn key_book_bytes(layout: &DeviceLayout) -> usize {
+    match layout.k.kind {
+        SideKind::Rope {
+            levels,
+            residuals,
+            pairs_per_code,
+            groups,
+            ..
+        } => groups * residuals * levels * pairs_per_code * 4,
+        _ => 0,
+    }
+}
+
+/// Floats of the CTA's static shared tables at `tile` tokens.
+fn static_floats(shape: &KernelShape, layout: &DeviceLayout, tile: u32) -> usize {
+    let rows = |s: &SideLayout| match s.kind {
+        SideKind::Additive { rows } => rows,
+        _ => 1,
+    };
+    // Each side's staged tile of codes (kvq_cb_stage_words), and its scales or factors.
+    let stage = |s: &SideLayout| match s.kind {
+        SideKind::Rope {
+            residuals,
+            groups,
+            code_bits,
+            ..
+        } => groups * residuals * (tile as usize * code_bits as usize / 32 + 2),
+        SideKind::Additive { rows } => rows / 32 * tile as usize,
+        SideKind::Fp16 => 1,
+    };
+    let gqa = shape.gqa as usize;
+    gqa * (tile as usize + 5 + shape.head_dim as usize)
+        + gqa * rows(&layout.k)
+        + gqa * rows(&layout.v)
+        + stage(&layout.k)
+        + stage(&layout.v)
+        + 2 * tile as usize
+}
+
+/// Whether the CTA holds its KV head's key codebook in shared memory: gathers from shared memory
+/// instead of L2 (every token gathers `2·R·g` entries of it), where it fits beside the tables.
+fn book_in_shared_memory(shape: &KernelShape, layout: &DeviceLayout) -> bool {
+    let book = key_book_bytes(layout);
+    book > 0 && book + 4 * static_floats(shape, layout, CODEBOOK_SMEM_TILE) <= CTA_SHARED_LIMIT
 }
 
 /// Why the codebook kernel cannot take this scheme and shape, if it cannot.
@@ -156,8 +237,14 @@ pub fn codebook_kernels(
             what,
         });
     }
+    let smem_book = book_in_shared_memory(shape, &layout);
+    let (threads, tile) = if smem_book {
+        (CODEBOOK_SMEM_THREADS, CODEBOOK_SMEM_TILE)
+    } else {
+        (CODEBOOK_THREADS, CODEBOOK_TILE)
+    };
     let id = stable_id(&format!(
-        "codebook|{spec}|{shape:?}|{kv_heads}|{CODEBOOK_THREADS}|{CODEBOOK_TILE}"
+        "codebook|{spec}|{shape:?}|{kv_heads}|{threads}|{tile}|{smem_book}"
     ));
     let ctx = UnitCtx {
         dtype: match shape.dtype {
@@ -166,11 +253,12 @@ pub fn codebook_kernels(
         },
         head_dim: shape.head_dim,
         gqa: shape.gqa,
-        threads: CODEBOOK_THREADS,
-        tile: CODEBOOK_TILE,
+        threads,
+        tile,
         page: spec.page,
         sink: spec.sink,
         sides: vec![side_ctx("KSide", &layout.k), side_ctx("VSide", &layout.v)],
+        smem_book,
         decode_name: format!("kvq_codebook_decode_{id}"),
         combine_name: format!("kvq_combine_{id}"),
         combine_threads: COMBINE_THREADS,
@@ -202,8 +290,12 @@ pub fn codebook_kernels(
             param("uint16_t*", "out"),
         ],
         grid: ["num_splits".into(), "kv_heads".into(), "batch".into()],
-        block: CODEBOOK_THREADS,
-        dynamic_shared_bytes: 0,
+        block: threads,
+        dynamic_shared_bytes: if smem_book {
+            key_book_bytes(&layout) as u32
+        } else {
+            0
+        },
     };
     let combine = KernelEntry {
         name: ctx.combine_name.clone(),
@@ -222,6 +314,8 @@ pub fn codebook_kernels(
         scheme: spec.to_string(),
         shape: *shape,
         source,
+        book_in_shared_memory: smem_book,
+        tile,
         decode,
         combine,
         layout,

@@ -29,7 +29,10 @@ mod templates;
 mod tune;
 
 pub use cache::{cache_kernels, cache_kernels_with, CacheKernels, PageQuantizers};
-pub use codebook::{codebook_kernels, CodebookKernels, CODEBOOK_THREADS, CODEBOOK_TILE};
+pub use codebook::{
+    codebook_kernels, has_codebook_kernel, CodebookKernels, CODEBOOK_SMEM_THREADS,
+    CODEBOOK_SMEM_TILE, CODEBOOK_THREADS, CODEBOOK_TILE,
+};
 pub use decode::{
     decode_groups, decode_head_groups, decode_kernels, decode_piece_rule, decode_runs_pieces,
     decode_slow_path, has_decode_kernel, rule_head_dim, short_staging_changes,

@@ -15,10 +15,12 @@
 
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
-use crate::launch::{Args, Input, Output};
+use crate::launch::{allow_dynamic_shared, Args, Input, Output};
 use crate::nvrtc::{CompileOptions, Source};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
-use kvq_codegen::{codebook_kernels, CodebookKernels, KernelShape, CODEBOOK_TILE};
+use kvq_codegen::{
+    codebook_kernels, CodebookKernels, KernelShape, CODEBOOK_SMEM_TILE, CODEBOOK_TILE,
+};
 use kvq_reference::commvq::device::{DeviceCodebooks, DeviceLayout, DeviceSequence};
 use kvq_reference::commvq::CommVqCache;
 use kvq_spec::SchemeSpec;
@@ -70,6 +72,7 @@ impl CodebookKernel {
                 "kernel list shorter than requested".into(),
             ));
         };
+        allow_dynamic_shared(&decode, &generated.decode)?;
         Ok(Self {
             generated,
             spec: *spec,
@@ -90,12 +93,18 @@ impl CodebookKernel {
         &self.generated
     }
 
-    /// Splits a (sequence, KV head) takes by default: enough CTAs for two waves of the GPU's
-    /// SMs, each split at least four tiles of tokens.
+    /// Splits a (sequence, KV head) takes by default, each at least four tiles of tokens: with
+    /// the codebook in shared memory (one CTA an SM) as many as fill one wave of the GPU's SMs,
+    /// without a partial second wave; otherwise enough CTAs for two waves.
     pub fn default_splits(&self, batch: usize, max_len: usize) -> usize {
         let pairs = (batch * self.kv_heads).max(1);
-        let want = (2 * self.sm_count as usize).div_ceil(pairs);
-        let most = max_len.div_ceil(4 * CODEBOOK_TILE as usize).max(1);
+        let sms = self.sm_count as usize;
+        let (want, tile) = if self.generated.book_in_shared_memory {
+            ((sms / pairs).max(1), CODEBOOK_SMEM_TILE)
+        } else {
+            ((2 * sms).div_ceil(pairs), CODEBOOK_TILE)
+        };
+        let most = max_len.div_ceil(4 * tile as usize).max(1);
         want.clamp(1, most)
     }
 
@@ -140,7 +149,7 @@ impl CodebookKernel {
         let cfg = LaunchConfig {
             grid_dim: (splits as u32, cache.kv_heads as u32, cache.batch as u32),
             block_dim: (self.generated.decode.block, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: self.generated.decode.dynamic_shared_bytes,
         };
         let mut args = Args::new(stream);
         args.buffer(q)
@@ -249,6 +258,7 @@ pub struct CodebookCache {
     batch: usize,
     max_pages: usize,
     rope_theta: f64,
+    read_bytes: u64,
     k_pool: CudaSlice<u8>,
     v_pool: CudaSlice<u8>,
     page_table: CudaSlice<i32>,
@@ -315,6 +325,22 @@ impl CodebookCache {
         let concat = |f: fn(&DeviceSequence) -> &[u16]| -> Vec<u16> {
             seqs.iter().flat_map(|s| f(s).iter().copied()).collect()
         };
+        // What a step reads of the cache: every page block a side holds, and the FP16 rows of
+        // its sink and tail.
+        let side_bytes = |side: &kvq_reference::commvq::device::SideLayout, len: usize| -> u64 {
+            let blocks = side.pages(len) * kv_heads * side.block_bytes;
+            let rows = if side.is_coded() {
+                let r = side.regions(len);
+                (r.sink().len() + r.tail().len()) * kv_heads * d * 2
+            } else {
+                0
+            };
+            (blocks + rows) as u64
+        };
+        let read_bytes = seqs
+            .iter()
+            .map(|s| side_bytes(&layout.k, s.len) + side_bytes(&layout.v, s.len))
+            .sum();
         let lens: Vec<i32> = seqs
             .iter()
             .map(|s| i32::try_from(s.len).unwrap_or(i32::MAX))
@@ -326,6 +352,7 @@ impl CodebookCache {
             batch: seqs.len(),
             max_pages,
             rope_theta,
+            read_bytes,
             k_pool: upload(stream, &k_pool)?,
             v_pool: upload(stream, &v_pool)?,
             page_table: upload(stream, &table)?,
@@ -345,6 +372,12 @@ impl CodebookCache {
     /// Sequences in the batch.
     pub fn batch(&self) -> usize {
         self.batch
+    }
+
+    /// Bytes of the cache a decode step reads: the sides' page blocks and the FP16 rows of their
+    /// sinks and tails (queries and outputs not counted).
+    pub fn read_bytes(&self) -> u64 {
+        self.read_bytes
     }
 
     /// Device bytes of the coded pages, the page table and the FP16 buffers (the codebooks not

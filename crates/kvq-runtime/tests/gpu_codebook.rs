@@ -10,6 +10,7 @@ mod gated;
 use half::{bf16, f16};
 use kvq_codegen::{Dtype, KernelShape};
 use kvq_reference::attention::Queries;
+use kvq_reference::commvq::device::{SideKind, TokenSlot};
 use kvq_reference::commvq::{
     self, AdditiveSchedule, CalibrationData, Codebooks, CommVqCache, EmSchedule, TrainOptions,
 };
@@ -163,19 +164,56 @@ fn io_value(bits: u16, dtype: Dtype) -> f64 {
     }
 }
 
-/// Per channel of each query head: Σ_t p_t·|v̂_t|, the scale of the rounding a sum of the
-/// sequence's weighted values can carry.
-fn weighted_magnitudes(cache: &CommVqCache, deq: &Dequantized, q: &Queries) -> Vec<f64> {
+/// Per channel of each query head, the magnitude of what the kernel sums for it, which scales the
+/// rounding its f32 sums can carry: Σ_t p_t·|v_t| over FP16 rows, and for additive values what the
+/// kernel computes instead of v̂ — (Σp)·|μ| + Σ_j A_j·|C_j ⊙ σ| with A_j = Σ_t p_t·w_t·s_tj (each
+/// row's accumulator, a sum of positive terms, off by at most n·2^-24 of itself).
+fn summed_magnitudes(cache: &CommVqCache, deq: &Dequantized, q: &Queries) -> Vec<f64> {
     let p = cache.probabilities(q).expect("probabilities");
-    let (len, d) = (cache.tokens(), cache.head_dim());
-    let gqa = q.q_heads / cache.kv_heads();
+    let layout = cache.device_layout().expect("layout");
+    let seq = cache.device_sequence().expect("device sequence");
+    let books = cache.device_codebooks().expect("device codebooks");
+    let (len, d, kv) = (cache.tokens(), cache.head_dim(), cache.kv_heads());
+    let gqa = q.q_heads / kv;
+    let rows = match layout.v.kind {
+        SideKind::Additive { rows } => rows,
+        _ => 0,
+    };
     let mut out = vec![0.0; q.q_heads * d];
     for qh in 0..q.q_heads {
+        let head = qh / gqa;
+        let (mut mass, mut acc) = (0.0f64, vec![0.0f64; rows]);
         for t in 0..len {
-            let row = deq.v.row(qh / gqa, t);
-            for c in 0..d {
-                out[qh * d + c] += p[qh * len + t] * (row[c] as f64).abs();
+            let pt = p[qh * len + t];
+            match layout.v.locate(len, t) {
+                TokenSlot::Page { page, row } if rows > 0 => {
+                    let block = &seq.v.blocks[layout.block_range(&layout.v, page, head)];
+                    let word =
+                        |at: usize| u32::from_le_bytes(block[at..at + 4].try_into().unwrap());
+                    let f = layout.v.scales.offset + 2 * row;
+                    let w = f16::from_bits(u16::from_le_bytes([block[f], block[f + 1]])).to_f64();
+                    mass += pt;
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        let bits = word(layout.v.codes.offset + 4 * ((j / 32) * layout.page + row));
+                        if bits >> (j % 32) & 1 == 1 {
+                            *a += pt * w;
+                        }
+                    }
+                }
+                _ => {
+                    for (c, x) in deq.v.row(head, t).iter().enumerate() {
+                        out[qh * d + c] += pt * (*x as f64).abs();
+                    }
+                }
             }
+        }
+        for c in 0..d {
+            let mut m =
+                mass * (books.v_mean.get(head * d + c).copied().unwrap_or(0.0) as f64).abs();
+            for (j, a) in acc.iter().enumerate() {
+                m += a * (books.v_rows_scaled[(head * rows + j) * d + c] as f64).abs();
+            }
+            out[qh * d + c] += m;
         }
     }
     out
@@ -235,7 +273,7 @@ fn codebook_decode_matches_the_reference() {
                         .map(|((c, deq), q)| {
                             (
                                 c.attend(q).expect("reference"),
-                                weighted_magnitudes(c, deq, q),
+                                summed_magnitudes(c, deq, q),
                             )
                         })
                         .collect();
@@ -250,7 +288,9 @@ fn codebook_decode_matches_the_reference() {
                         for (i, cache) in caches.iter().enumerate() {
                             let (want, mag) = &wanted[i];
                             // The output's rounding to the dtype; f32 sums over the sequence's
-                            // tokens (a relative 2^-24 a term), and the scores' f32 rounding.
+                            // tokens (2^-24 of the summed magnitude a term), and the scores' f32
+                            // rounding (1e-4 of it, far above what the f32 sums of 64 rounds and
+                            // the RoPE angles, exact to 1e-7, can reach).
                             let n = cache.tokens() as f64;
                             for (j, w) in want.iter().enumerate() {
                                 let g = io_value(got[i * q_heads * d + j], dtype);

@@ -5,8 +5,9 @@
 // one split and `out` the output itself.
 //
 // The including unit defines (kvq/common.cuh, kvq/io.cuh and kvq/codebook/side.cuh first):
-//   IO, D, GQA (a KV head's query heads, all in one CTA), THREADS, WARPS, TILE, PAGE, SINK, and
-//   KSide, VSide: one struct each of KvqSide's members (side.cuh), every member present.
+//   IO, D, GQA (a KV head's query heads, all in one CTA), THREADS, WARPS, TILE, PAGE, SINK,
+//   KVQ_CB_SMEM_BOOK (the CTA copies its KV head's key codebook into dynamic shared memory first
+//   and gathers from there), and KSide, VSide: one struct each of KvqSide's members (side.cuh).
 //
 // Keys coded by a RoPE-commutative codebook are never decoded into memory: a warp takes a token,
 // lane l the pairs p = l + 32·k of the head, sums the codebook entries its codes select round by
@@ -71,10 +72,35 @@ static __device__ __forceinline__ void kvq_cb_tile_end_of(int t0, int len, int& 
     }
 }
 
-// The f16 value of a page's per-token scale or factor `row`.
+// A coded tile's codes and per-token scales or factors, staged in shared memory before the
+// tile is scored: one round trip a tile instead of one a token. RoPE codes: each (group, round)
+// stream's words from the one holding the tile's first code (KVQ_CB_KW a stream, one more than
+// the codes need, for the pair load of a code's second word); additive codes: [word][token].
 template <class S>
-static __device__ __forceinline__ float kvq_cb_token_scale(const kvq_u8* block, int row) {
-    return kvq_f16_to_f32(((const kvq_u16*)(block + S::SCALES_OFFSET))[row]);
+static __host__ __device__ constexpr int kvq_cb_stage_words() {
+    return S::KIND == KvqCbKind::Rope ? S::GROUPS * S::RESIDUALS * (TILE * S::CODE_BITS / 32 + 2)
+         : S::KIND == KvqCbKind::Additive ? S::ROWS / 32 * TILE : 1;
+}
+template <class S>
+static __device__ __forceinline__ void kvq_cb_stage(const KvqCbLoc& first, int n, kvq_u32* s_codes, float* s_scale) {
+    const kvq_u32* codes = (const kvq_u32*)(first.block + S::CODES_OFFSET);
+    const kvq_u16* scales = (const kvq_u16*)(first.block + S::SCALES_OFFSET);
+    if constexpr (S::KIND == KvqCbKind::Rope) {
+        constexpr int KW = TILE * S::CODE_BITS / 32 + 2;
+        const int w0 = first.row * S::CODE_BITS / 32;
+        const int words = ((first.row + n) * S::CODE_BITS + 31) / 32 - w0 + 1;
+        // A stream's word past its end is the next stream's first or the scales': inside the block.
+        for (int i = threadIdx.x; i < S::GROUPS * S::RESIDUALS * KW; i += THREADS) {
+            const int st = i / KW, w = i % KW;
+            if (w < words) s_codes[i] = codes[st * S::STREAM_WORDS + w0 + w];
+        }
+    } else if constexpr (S::KIND == KvqCbKind::Additive) {
+        for (int i = threadIdx.x; i < S::ROWS / 32 * n; i += THREADS) {
+            const int m = i / n, t = i - m * n;
+            s_codes[m * TILE + t] = codes[m * PAGE + first.row + t];
+        }
+    }
+    for (int t = threadIdx.x; t < n; t += THREADS) s_scale[t] = kvq_f16_to_f32(scales[first.row + t]);
 }
 
 // This lane's query pairs of every head (q_p, q_{p+D/2} for p = 32·k + lane; zeros past D/2),
@@ -117,29 +143,27 @@ static __device__ __forceinline__ void kvq_cb_row_scores(const kvq_u16* k, const
     }
 }
 
-// Partial scores of a RoPE-coded key, row `row` of its page block at position `tok`, without its
-// per-token scale. Lanes fetch a group's round codes (lane r: round r0 + r, from its bit stream) and
-// pass each round's code to the warp, which gathers the two selected entries of its pairs.
+// Partial scores of a RoPE-coded key at position `tok`, without its per-token scale; `codes` the
+// tile's staged streams (kvq_cb_stage), `bit` the key's first code bit in each. Lanes fetch a
+// group's round codes (lane r: round r0 + r) and pass each round's code to the warp, which gathers
+// the two selected entries of its pairs.
 template <class S = KSide>
-static __device__ __forceinline__ void kvq_cb_rope_scores(const kvq_u8* block, int row, int tok, const kvq_u32* book_head,
+static __device__ __forceinline__ void kvq_cb_rope_scores(const kvq_u32* codes, int bit, int tok, const kvq_u32* book_head,
                                                           const double (&turns)[KVQ_CB_PPL], const KvqCbQuery& qp, float (&part)[GQA]) {
     const int lane = threadIdx.x % 32;
-    const kvq_u32* codes = (const kvq_u32*)(block + S::CODES_OFFSET);
+    constexpr int KW = TILE * S::CODE_BITS / 32 + 2;
     constexpr int HALF = S::CODE_BITS / 2;
     constexpr kvq_u32 MASK = (1u << S::CODE_BITS) - 1u, HALF_MASK = (1u << HALF) - 1u;
     float2 sa[KVQ_CB_PPL], sb[KVQ_CB_PPL];
 #pragma unroll
     for (int k = 0; k < KVQ_CB_PPL; ++k) { sa[k] = make_float2(0.f, 0.f); sb[k] = make_float2(0.f, 0.f); }
-    const int bit = row * S::CODE_BITS;
 #pragma unroll
     for (int grp = 0; grp < S::GROUPS; ++grp) {
 #pragma unroll
         for (int r0 = 0; r0 < S::RESIDUALS; r0 += 32) {
             kvq_u32 mine = 0u;
             if (r0 + lane < S::RESIDUALS) {
-                // The stream's word after this code's first one lies inside the block (the next
-                // stream or the scales), so the pair load never leaves it.
-                const kvq_u32* w = codes + (grp * S::RESIDUALS + r0 + lane) * S::STREAM_WORDS + bit / 32;
+                const kvq_u32* w = codes + (grp * S::RESIDUALS + r0 + lane) * KW + bit / 32;
                 mine = __funnelshift_r(w[0], w[1], bit % 32) & MASK;
             }
 #pragma unroll
@@ -175,14 +199,14 @@ static __device__ __forceinline__ void kvq_cb_rope_scores(const kvq_u8* block, i
 }
 
 // Partial scores of an additively coded key (after RoPE) without its factor: Σ_{j∈s} (C_j⊙σ)·q, a
-// lane taking rows lane + 32·m of the per-head table `s_qc` [GQA][ROWS].
+// lane taking rows lane + 32·m of the per-head table `s_qc` [GQA][ROWS]; `codes` the tile's staged
+// [word][token] codes, `i` the key's token in the tile.
 template <class S = KSide>
-static __device__ __forceinline__ void kvq_cb_additive_scores(const kvq_u8* block, int row, const float* s_qc, float (&part)[GQA]) {
+static __device__ __forceinline__ void kvq_cb_additive_scores(const kvq_u32* codes, int i, const float* s_qc, float (&part)[GQA]) {
     const int lane = threadIdx.x % 32;
-    const kvq_u32* codes = (const kvq_u32*)(block + S::CODES_OFFSET);
 #pragma unroll 4
     for (int m = 0; m < S::ROWS / 32; ++m) {
-        const bool on = (codes[m * PAGE + row] >> lane) & 1u;
+        const bool on = (codes[m * TILE + i] >> lane) & 1u;
 #pragma unroll
         for (int h = 0; h < GQA; ++h) part[h] += on ? s_qc[h * S::ROWS + m * 32 + lane] : 0.f;
     }
@@ -207,8 +231,11 @@ static __device__ __forceinline__ void kvq_codebook_decode(
     __shared__ float s_qmu[GQA];
     __shared__ float s_va[VSide::KIND == KvqCbKind::Additive ? GQA * VSide::ROWS : 1];
     __shared__ float s_out[GQA * D];
+    __shared__ kvq_u32 s_kcodes[kvq_cb_stage_words<KSide>()], s_vcodes[kvq_cb_stage_words<VSide>()];
+    __shared__ float s_kscale[TILE], s_vfac[TILE];
     static_assert(sizeof(float) * (GQA * (TILE + 5 + D) + (KSide::KIND == KvqCbKind::Additive ? GQA * KVQ_CB_KROWS : 1) +
-                                   (VSide::KIND == KvqCbKind::Additive ? GQA * VSide::ROWS : 1)) <= 48 * 1024,
+                                   (VSide::KIND == KvqCbKind::Additive ? GQA * VSide::ROWS : 1) + kvq_cb_stage_words<KSide>() +
+                                   kvq_cb_stage_words<VSide>() + 2 * TILE) <= 48 * 1024,
                   "the CTA's tables fit 48 KiB of static shared memory (kvq-codegen refuses larger shapes)");
     const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
     const int num_splits = gridDim.x, kv_heads = gridDim.y;
@@ -220,7 +247,16 @@ static __device__ __forceinline__ void kvq_codebook_decode(
     kvq_cb_load_query(q, head_row, qp);
     double turns[KVQ_CB_PPL];
     if constexpr (KSide::KIND == KvqCbKind::Rope) kvq_cb_rope_turns(rope_theta, turns);
-    const kvq_u32* book_head = k_book + (long)kvh * KSide::GROUPS * KSide::RESIDUALS * KSide::LEVELS * KSide::PAIRS;
+    constexpr int BOOK_WORDS = KSide::GROUPS * KSide::RESIDUALS * KSide::LEVELS * KSide::PAIRS;
+    const kvq_u32* book_head = k_book + (long)kvh * BOOK_WORDS;
+    if constexpr (KVQ_CB_SMEM_BOOK) {
+        // Every token gathers 2·R·g entries of the head's codebook: from shared memory, not L2.
+        extern __shared__ __align__(16) kvq_u32 s_book[];
+        static_assert(BOOK_WORDS % 4 == 0, "the codebook copies in 16-byte pieces");
+        for (int i = threadIdx.x; i < BOOK_WORDS / 4; i += THREADS)
+            ((uint4*)s_book)[i] = ((const uint4*)book_head)[i];
+        book_head = s_book;
+    }
     if (threadIdx.x < GQA) {
         s_m[threadIdx.x] = KVQ_NEG_INF; s_l[threadIdx.x] = 0.f; s_alpha[threadIdx.x] = 1.f; s_mass[threadIdx.x] = 0.f;
     }
@@ -257,10 +293,18 @@ static __device__ __forceinline__ void kvq_codebook_decode(
         kvq_cb_tile_end_of<KSide>(t0, len, t1);
         kvq_cb_tile_end_of<VSide>(t0, len, t1);
         const int n = t1 - t0;
+        const KvqCbLoc k0 = kvq_cb_locate<KSide>(t0, len, slot, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail);
+        const KvqCbLoc v0 = kvq_cb_locate<VSide>(t0, len, slot, kvh, kv_heads, v_pool, page_table, max_pages, v_sink, v_tail);
+        if (k0.kind == KIND_CODED) kvq_cb_stage<KSide>(k0, n, s_kcodes, s_kscale);
+        if (v0.kind == KIND_CODED) kvq_cb_stage<VSide>(v0, n, s_vcodes, s_vfac);
+        __syncthreads();
         // 1. Scores: a warp a token.
         for (int i = warp; i < n; i += WARPS) {
             const int tok = t0 + i;
-            const KvqCbLoc l = kvq_cb_locate<KSide>(tok, len, slot, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail);
+            // A coded tile's rows are contiguous in one block: no page-table read a token.
+            KvqCbLoc l = k0;
+            if (k0.kind == KIND_CODED) l.row = k0.row + i;
+            else l = kvq_cb_locate<KSide>(tok, len, slot, kvh, kv_heads, k_pool, page_table, max_pages, k_sink, k_tail);
             float part[GQA];
 #pragma unroll
             for (int h = 0; h < GQA; ++h) part[h] = 0.f;
@@ -270,11 +314,11 @@ static __device__ __forceinline__ void kvq_codebook_decode(
             if (l.kind != KIND_CODED) {
                 kvq_cb_row_scores(l.f16, qp, part);
             } else if constexpr (KSide::KIND == KvqCbKind::Rope) {
-                kvq_cb_rope_scores(l.block, l.row, tok, book_head, turns, qp, part);
-                mul = kvq_cb_token_scale<KSide>(l.block, l.row);
+                kvq_cb_rope_scores(s_kcodes, l.row * KSide::CODE_BITS - k0.row * KSide::CODE_BITS / 32 * 32, tok, book_head, turns, qp, part);
+                mul = s_kscale[i];
             } else if constexpr (KSide::KIND == KvqCbKind::Additive) {
-                kvq_cb_additive_scores(l.block, l.row, s_qc, part);
-                mul = kvq_cb_token_scale<KSide>(l.block, l.row);
+                kvq_cb_additive_scores(s_kcodes, i, s_qc, part);
+                mul = s_kscale[i];
 #pragma unroll
                 for (int h = 0; h < GQA; ++h) add[h] = s_qmu[h];
             }
@@ -307,7 +351,6 @@ static __device__ __forceinline__ void kvq_codebook_decode(
         }
         __syncthreads();
         // 3. Values.
-        const KvqCbLoc v0 = kvq_cb_locate<VSide>(t0, len, slot, kvh, kv_heads, v_pool, page_table, max_pages, v_sink, v_tail);
 #pragma unroll
         for (int h = 0; h < GQA; ++h) {
             const float a = s_alpha[h];
@@ -319,9 +362,9 @@ static __device__ __forceinline__ void kvq_codebook_decode(
         if (v0.kind == KIND_CODED) {
             if constexpr (VSide::KIND == KvqCbKind::Additive) {
                 // Σ p·w into each code row's accumulator; the probability mass for μ.
-                const kvq_u32* codes = (const kvq_u32*)(v0.block + VSide::CODES_OFFSET);
+#pragma unroll 4
                 for (int i = 0; i < n; ++i) {
-                    const float w = kvq_cb_token_scale<VSide>(v0.block, v0.row + i);
+                    const float w = s_vfac[i];
                     float pw[GQA];
 #pragma unroll
                     for (int h = 0; h < GQA; ++h) pw[h] = s_scores[h * TILE + i] * w;
@@ -329,7 +372,7 @@ static __device__ __forceinline__ void kvq_codebook_decode(
                     for (int j = 0; j < KVQ_CB_VROWS; ++j) {
                         const int r = threadIdx.x + j * THREADS;
                         if (r < VSide::ROWS) {
-                            const bool on = (codes[(r / 32) * PAGE + v0.row + i] >> (r % 32)) & 1u;
+                            const bool on = (s_vcodes[(r / 32) * TILE + i] >> (r % 32)) & 1u;
 #pragma unroll
                             for (int h = 0; h < GQA; ++h) va[h][j] += on ? pw[h] : 0.f;
                         }
