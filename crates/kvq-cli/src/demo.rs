@@ -12,7 +12,7 @@
 use std::io::Write;
 use std::time::Instant;
 
-use kvq::codegen::{Dtype, KernelShape, TuneParams};
+use kvq::codegen::{has_codebook_kernel, Dtype, KernelShape, TuneParams};
 use kvq::evaluate::{self, Evaluation, Memory, Workload};
 use kvq::reference::attention;
 use kvq::reference::int::IntCache;
@@ -343,6 +343,8 @@ fn render(
                 } else {
                     "GPU kernel (CPU reference here)"
                 }
+            } else if has_codebook_kernel(&r.scheme.spec) {
+                "GPU decode in kvq bench (CPU reference here)"
             } else {
                 "CPU reference only (no GPU kernel yet)"
             }

@@ -1,7 +1,7 @@
 //! `--scheme` arguments: a built-in name or scheme text, resolved to a [`SchemeSpec`] with errors
 //! that list the built-ins or point at the offending column.
 
-use kvq::codegen::has_decode_kernel;
+use kvq::codegen::{has_codebook_kernel, has_decode_kernel};
 use kvq::schemes::{by_name, is_scheme_text, BUILTIN};
 use kvq::SchemeSpec;
 
@@ -78,6 +78,12 @@ pub fn resolve_list(arg: &str, gpu_only: bool) -> Result<Vec<Resolved>> {
     let mut out: Vec<Resolved> = Vec::new();
     for name in arg.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let r = resolve(name)?;
+        if gpu_only && !r.has_gpu_kernel() && has_codebook_kernel(&r.spec) {
+            return Err(CliError::Unsupported(format!(
+                "`{name}`: codebook schemes' GPU decode runs in `kvq bench` only so far (no tuner, \
+                 demo latency or kvq gen output yet)"
+            )));
+        }
         if gpu_only && !r.has_gpu_kernel() {
             return Err(CliError::Unsupported(format!(
                 "`{name}` runs in the CPU reference only (no GPU kernel for its family yet); \

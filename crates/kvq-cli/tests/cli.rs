@@ -210,7 +210,7 @@ fn unknown_names_list_the_builtins_and_grammar_errors_point_at_the_column() {
     );
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("no GPU kernel"), "{err}");
+    assert!(err.contains("ships no codebook kernels yet"), "{err}");
     // A shape the scheme cannot hold.
     let o = kvq(
         &[
@@ -1100,7 +1100,13 @@ fn demo_without_a_gpu_prints_the_cpu_table_and_exits_0() {
             .find(|l| l.starts_with(&format!("{} ", b.name)))
             .unwrap_or_else(|| panic!("no row for {}:\n{out}", b.name));
         let gpu = kvq::codegen::has_decode_kernel(&b.spec);
-        assert_eq!(row.contains("CPU reference only"), !gpu, "{row}");
+        let codebook = kvq::codegen::has_codebook_kernel(&b.spec);
+        assert_eq!(
+            row.contains("CPU reference only"),
+            !gpu && !codebook,
+            "{row}"
+        );
+        assert_eq!(row.contains("GPU decode in kvq bench"), codebook, "{row}");
         // attn err is a number for every scheme.
         let cells: Vec<&str> = row.split_whitespace().collect();
         assert!(cells[3].parse::<f64>().is_ok(), "{row}");
@@ -1386,6 +1392,13 @@ fn tune_and_bench_need_a_gpu_and_say_so() {
     }
     // Usage errors come first, GPU or not.
     let o = kvq_without_gpu(&["tune", "--scheme", "commvq2"], tmp.path());
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        text(&o).1.contains("runs in `kvq bench` only"),
+        "{}",
+        text(&o).1
+    );
+    let o = kvq_without_gpu(&["tune", "--scheme", "xquant2"], tmp.path());
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).1.contains("CPU reference only"), "{}", text(&o).1);
     let o = kvq_without_gpu(&["bench", "--q-heads", "30"], tmp.path());

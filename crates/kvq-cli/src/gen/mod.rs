@@ -15,7 +15,7 @@ mod rules;
 
 use std::path::{Path, PathBuf};
 
-use kvq::codegen::{cache_kernels, decode_kernels, KernelShape};
+use kvq::codegen::{cache_kernels, decode_kernels, has_codebook_kernel, KernelShape};
 use kvq::reference::resources;
 use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
 use kvq::runtime::tune::TuneStore;
@@ -256,6 +256,13 @@ fn named_tune_file(path: &Path) -> Result<TuneStore> {
 pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
     let spec = &req.scheme.spec;
     let shape = &req.shape;
+    if has_codebook_kernel(spec) {
+        return Err(CliError::Unsupported(format!(
+            "`{}`: kvq gen ships no codebook kernels yet (CommVQ's GPU decode runs in `kvq bench` \
+             only so far)",
+            req.scheme.label()
+        )));
+    }
     if !req.scheme.has_gpu_kernel() {
         return Err(CliError::Unsupported(format!(
             "`{}` has no GPU kernel yet (CommVQ and XQuant run in the CPU reference only); \
