@@ -19,6 +19,7 @@ mod additive_train;
 mod cache;
 pub mod device;
 mod fast;
+pub mod file;
 mod footprint;
 pub mod key;
 pub mod key_em;
@@ -35,6 +36,7 @@ pub use device::{
     device_attend, DeviceCodebooks, DeviceLayout, DeviceSequence, DeviceTensor, SideKind,
     SideLayout, DEVICE_LAYOUT_VERSION,
 };
+pub use file::{CodebookFileError, CODEBOOK_FILE_FORMAT, CODEBOOK_FILE_LIMIT};
 pub use footprint::{Footprint, TensorFootprint};
 pub use key::KeyCodebook;
 pub use key_em::EmSchedule;
