@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use kvq::codegen::{has_codebook_kernel, KernelShape, TuneParams};
+use kvq::codegen::{has_codebook_kernel, Dtype, KernelShape, TuneParams};
 use kvq::reference::commvq::CommVqCache;
 use kvq::reference::int::IntCache;
 use kvq::runtime::codebook::{CodebookCache, CodebookKernel, CodebookScratch};
@@ -251,6 +251,17 @@ fn set_aside(
     Ok(Some(pad))
 }
 
+/// The prepared reference outputs of the rows a batch of `batch` holds.
+fn reference_rows(prep: &Prepared, batch: usize, row_len: usize, dtype: Dtype) -> ReferenceCheck {
+    let rows = prep
+        .reference
+        .iter()
+        .filter(|(row, _)| *row < batch)
+        .cloned()
+        .collect();
+    ReferenceCheck::from_rows(rows, row_len, dtype)
+}
+
 fn too_big(bytes: u64, budget: u64) -> Outcome {
     Outcome::Skipped(format!(
         "needs {:.1} GiB of device memory, the budget is {:.1} GiB",
@@ -328,15 +339,7 @@ impl Context<'_> {
         let stores_scores = kernel.generated().stores_scores;
         let mut scratch =
             DecodeScratch::with_pieces(&stream, batch, q_heads, d, default.splits, default.pieces)?;
-        let reference = ReferenceCheck::from_rows(
-            prep.reference
-                .iter()
-                .filter(|(row, _)| *row < batch)
-                .cloned()
-                .collect(),
-            q_heads * d,
-            config.dtype,
-        );
+        let reference = reference_rows(prep, batch, q_heads * d, config.dtype);
         let max_rel_error = if config.check {
             let out = rotation.run_checked(0, &stream, kernel, &mut scratch)?;
             match reference.verify(&out) {
@@ -487,15 +490,7 @@ impl Context<'_> {
             let host: Vec<u16> = stream
                 .clone_dtoh(&out)
                 .map_err(|e| RuntimeError::driver("download the output", e))?;
-            let reference = ReferenceCheck::from_rows(
-                prep.reference
-                    .iter()
-                    .filter(|(row, _)| *row < batch)
-                    .cloned()
-                    .collect(),
-                q_heads * d,
-                config.dtype,
-            );
+            let reference = reference_rows(prep, batch, q_heads * d, config.dtype);
             match reference.verify(&host) {
                 Ok(e) => Some(e),
                 Err(why) => return Ok(Outcome::Skipped(format!("WRONG OUTPUT: {why}"))),

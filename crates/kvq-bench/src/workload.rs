@@ -7,9 +7,7 @@
 
 use kvq::codegen::{has_codebook_kernel, Dtype};
 use kvq::reference::attention::{self, Queries};
-use kvq::reference::commvq::{
-    self, AdditiveSchedule, CalibrationData, CommVqCache, EmSchedule, TrainOptions,
-};
+use kvq::reference::commvq::{self, CalibrationData, CommVqCache, TrainOptions};
 use kvq::reference::int::IntCache;
 use kvq::reference::resources::AllocError;
 use kvq::reference::rope::Rope;
@@ -45,18 +43,8 @@ fn codebook_cache(scheme: &Scheme, k: &KvTensor, v: &KvTensor, seed: u64) -> Res
         v: &vc,
         rope,
     };
-    let options = TrainOptions {
-        em: EmSchedule {
-            steps: 2,
-            ..Default::default()
-        },
-        additive: AdditiveSchedule {
-            iterations: 2,
-            ..Default::default()
-        },
-        ..TrainOptions::seeded(seed)
-    };
-    let books = commvq::train_with(&scheme.spec, &data, &options).map_err(reference)?;
+    let books =
+        commvq::train_with(&scheme.spec, &data, &TrainOptions::quick(seed)).map_err(reference)?;
     CommVqCache::build(&scheme.spec, k, v, rope, &books).map_err(reference)
 }
 

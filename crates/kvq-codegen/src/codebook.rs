@@ -1,7 +1,7 @@
 //! The codebook schemes' (CommVQ's) decode unit: a thin translation unit of the two sides' layout
 //! traits over `kernels/include/kvq/codebook/decode.cuh`, and its launch metadata.
 
-use crate::decode::{param, stable_id, KernelEntry, COMBINE_THREADS};
+use crate::decode::{cache_params, combine_entry, param, stable_id, KernelEntry, COMBINE_THREADS};
 use crate::templates::render;
 use crate::{CodegenError, Dtype, KernelShape};
 use kvq_reference::commvq::device::{DeviceLayout, SideKind, SideLayout};
@@ -266,29 +266,21 @@ pub fn codebook_kernels(
     let source = render("codebook_decode.cu.tera", &ctx)?;
     let decode = KernelEntry {
         name: ctx.decode_name.clone(),
-        params: vec![
-            param("const uint16_t*", "q"),
-            param("const uint8_t*", "k_pool"),
-            param("const uint8_t*", "v_pool"),
-            param("const int32_t*", "page_table"),
-            param("int32_t", "max_pages"),
-            param("const uint16_t*", "k_sink"),
-            param("const uint16_t*", "v_sink"),
-            param("const uint16_t*", "k_tail"),
-            param("const uint16_t*", "v_tail"),
-            param("const int32_t*", "seq_lens"),
-            param("const int32_t*", "seq_slots"),
-            param("int32_t", "q_len"),
-            param("const uint32_t*", "k_book"),
-            param("const float*", "k_rows"),
-            param("const float*", "k_mean"),
-            param("const float*", "v_rows"),
-            param("const float*", "v_mean"),
-            param("double", "rope_theta"),
-            param("float*", "part_acc"),
-            param("float*", "part_ml"),
-            param("uint16_t*", "out"),
-        ],
+        params: [
+            cache_params(),
+            vec![
+                param("const uint32_t*", "k_book"),
+                param("const float*", "k_rows"),
+                param("const float*", "k_mean"),
+                param("const float*", "v_rows"),
+                param("const float*", "v_mean"),
+                param("double", "rope_theta"),
+                param("float*", "part_acc"),
+                param("float*", "part_ml"),
+                param("uint16_t*", "out"),
+            ],
+        ]
+        .concat(),
         grid: ["num_splits".into(), "kv_heads".into(), "batch".into()],
         block: threads,
         dynamic_shared_bytes: if smem_book {
@@ -297,19 +289,7 @@ pub fn codebook_kernels(
             0
         },
     };
-    let combine = KernelEntry {
-        name: ctx.combine_name.clone(),
-        params: vec![
-            param("const float*", "part_acc"),
-            param("const float*", "part_ml"),
-            param("uint16_t*", "out"),
-            param("float*", "lse"),
-            param("int32_t", "num_parts"),
-        ],
-        grid: ["q_heads".into(), "batch".into(), "1".into()],
-        block: COMBINE_THREADS,
-        dynamic_shared_bytes: 0,
-    };
+    let combine = combine_entry(&ctx.combine_name);
     Ok(CodebookKernels {
         scheme: spec.to_string(),
         shape: *shape,

@@ -71,6 +71,42 @@ pub(crate) fn param(ty: &str, name: &str) -> (String, String) {
     (ty.to_string(), name.to_string())
 }
 
+/// The parameters every decode entry point starts with: the queries, the paged cache (pools, page
+/// table, FP16 sink and tail buffers) and which rows of which sequences a launch takes.
+pub(crate) fn cache_params() -> Vec<(String, String)> {
+    vec![
+        param("const uint16_t*", "q"),
+        param("const uint8_t*", "k_pool"),
+        param("const uint8_t*", "v_pool"),
+        param("const int32_t*", "page_table"),
+        param("int32_t", "max_pages"),
+        param("const uint16_t*", "k_sink"),
+        param("const uint16_t*", "v_sink"),
+        param("const uint16_t*", "k_tail"),
+        param("const uint16_t*", "v_tail"),
+        param("const int32_t*", "seq_lens"),
+        param("const int32_t*", "seq_slots"),
+        param("int32_t", "q_len"),
+    ]
+}
+
+/// The combine entry point (kvq/combine.cuh) every split-K decode family shares.
+pub(crate) fn combine_entry(name: &str) -> KernelEntry {
+    KernelEntry {
+        name: name.to_string(),
+        params: vec![
+            param("const float*", "part_acc"),
+            param("const float*", "part_ml"),
+            param("uint16_t*", "out"),
+            param("float*", "lse"),
+            param("int32_t", "num_parts"),
+        ],
+        grid: ["q_heads".into(), "batch".into(), "1".into()],
+        block: COMBINE_THREADS,
+        dynamic_shared_bytes: 0,
+    }
+}
+
 /// A stable identifier of scheme × shape × tuning, for kernel names and caches (FNV-1a).
 fn kernel_id(spec: &SchemeSpec, shape: &KernelShape, tune: &TuneParams) -> String {
     stable_id(&format!("{spec}|{shape:?}|{tune:?}"))
@@ -820,28 +856,20 @@ pub fn decode_kernels(
     let source = render("decode.cu.tera", &ctx)?;
     let decode = KernelEntry {
         name: ctx.decode_name.clone(),
-        params: vec![
-            param("const uint16_t*", "q"),
-            param("const uint8_t*", "k_pool"),
-            param("const uint8_t*", "v_pool"),
-            param("const int32_t*", "page_table"),
-            param("int32_t", "max_pages"),
-            param("const uint16_t*", "k_sink"),
-            param("const uint16_t*", "v_sink"),
-            param("const uint16_t*", "k_tail"),
-            param("const uint16_t*", "v_tail"),
-            param("const int32_t*", "seq_lens"),
-            param("const int32_t*", "seq_slots"),
-            param("int32_t", "q_len"),
-            param("const float*", "score_range"),
-            param("const float*", "scores"),
-            param("int32_t", "range_splits"),
-            param("float*", "part_acc"),
-            param("float*", "part_ml"),
-            param("int32_t", "num_pieces"),
-            param("int32_t", "piece_permille"),
-            param("uint16_t*", "out"),
-        ],
+        params: [
+            cache_params(),
+            vec![
+                param("const float*", "score_range"),
+                param("const float*", "scores"),
+                param("int32_t", "range_splits"),
+                param("float*", "part_acc"),
+                param("float*", "part_ml"),
+                param("int32_t", "num_pieces"),
+                param("int32_t", "piece_permille"),
+                param("uint16_t*", "out"),
+            ],
+        ]
+        .concat(),
         grid: [
             "num_splits + num_pieces".to_string(),
             grid_rows.clone(),
@@ -850,19 +878,7 @@ pub fn decode_kernels(
         block: tune.threads,
         dynamic_shared_bytes: ctx.mma.decode_shared_bytes() as u32,
     };
-    let combine = KernelEntry {
-        name: ctx.combine_name.clone(),
-        params: vec![
-            param("const float*", "part_acc"),
-            param("const float*", "part_ml"),
-            param("uint16_t*", "out"),
-            param("float*", "lse"),
-            param("int32_t", "num_parts"),
-        ],
-        grid: ["q_heads".into(), "batch".into(), "1".into()],
-        block: COMBINE_THREADS,
-        dynamic_shared_bytes: 0,
-    };
+    let combine = combine_entry(&ctx.combine_name);
     let range = calibrate.map(|_| KernelEntry {
         name: ctx.range_name.clone(),
         params: vec![

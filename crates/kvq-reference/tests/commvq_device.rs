@@ -7,9 +7,8 @@ use kvq_reference::attention::{relative_error, Queries};
 use kvq_reference::commvq::device::{block_rope_code, TokenSlot};
 use kvq_reference::commvq::layout::unpack_stream;
 use kvq_reference::commvq::{
-    self, device_attend, AdditiveSchedule, CalibrationData, Codebooks, Coding, CommVqCache,
-    DeviceCodebooks, DeviceLayout, DeviceSequence, EmSchedule, SideKind, TensorCodebook,
-    TrainOptions, DEVICE_LAYOUT_VERSION,
+    self, device_attend, CalibrationData, Codebooks, Coding, CommVqCache, DeviceCodebooks,
+    DeviceLayout, DeviceSequence, SideKind, TensorCodebook, TrainOptions, DEVICE_LAYOUT_VERSION,
 };
 use kvq_reference::synth::{generate, SynthConfig, SynthKv};
 use kvq_reference::RefError;
@@ -46,19 +45,9 @@ fn layer(tokens: usize, head_dim: usize, seed: u64) -> SynthKv {
     })
 }
 
-/// One EM step and two additive iterations: the layout does not care how good the codebooks are.
+/// Quick codebooks (TrainOptions::quick): the layout does not care how good they are.
 fn train(spec: &SchemeSpec, s: &SynthKv) -> Codebooks {
-    let options = TrainOptions {
-        em: EmSchedule {
-            steps: 1,
-            ..Default::default()
-        },
-        additive: AdditiveSchedule {
-            iterations: 2,
-            sweeps: 1,
-        },
-        ..TrainOptions::seeded(7)
-    };
+    let options = TrainOptions::quick(7);
     let data = CalibrationData {
         k_pre_rope: &s.k_pre_rope,
         v: &s.v,

@@ -4,8 +4,8 @@
 
 use half::f16;
 use kvq_reference::commvq::{
-    self, AdditiveSchedule, CalibrationData, CodebookFileError, Codebooks, CommVqCache, EmSchedule,
-    TensorCodebook, TrainOptions, CODEBOOK_FILE_FORMAT, DEVICE_LAYOUT_VERSION,
+    self, CalibrationData, CodebookFileError, Codebooks, CommVqCache, TensorCodebook, TrainOptions,
+    CODEBOOK_FILE_FORMAT, DEVICE_LAYOUT_VERSION,
 };
 use kvq_reference::synth::{generate, SynthConfig, SynthKv};
 use kvq_spec::SchemeSpec;
@@ -48,19 +48,9 @@ fn layer() -> &'static SynthKv {
     })
 }
 
-/// Two EM steps and two additive iterations: the file does not care how good the codebooks are.
+/// Quick codebooks (TrainOptions::quick): the file does not care how good they are.
 fn train(text: &str) -> Codebooks {
-    let options = TrainOptions {
-        em: EmSchedule {
-            steps: 2,
-            ..Default::default()
-        },
-        additive: AdditiveSchedule {
-            iterations: 2,
-            sweeps: 1,
-        },
-        ..TrainOptions::seeded(11)
-    };
+    let options = TrainOptions::quick(11);
     let s = layer();
     let data = CalibrationData {
         k_pre_rope: &s.k_pre_rope,

@@ -15,8 +15,8 @@
 
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
-use crate::launch::{allow_dynamic_shared, Args, Input, Output};
-use crate::nvrtc::{CompileOptions, Source};
+use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args, Input, Output};
+use crate::nvrtc::CompileOptions;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use kvq_codegen::{
     codebook_kernels, CodebookKernels, KernelShape, CODEBOOK_SMEM_TILE, CODEBOOK_TILE,
@@ -36,10 +36,6 @@ pub struct CodebookKernel {
     sm_count: u32,
 }
 
-fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
-    move |e| RuntimeError::launch(name, e)
-}
-
 impl CodebookKernel {
     /// Generates, compiles (through the JIT's caches) and loads the kernels of `spec` for `shape`
     /// over caches of `kv_heads` KV heads.
@@ -52,14 +48,7 @@ impl CodebookKernel {
         let heads = u32::try_from(kv_heads)
             .map_err(|_| RuntimeError::InvalidInput(format!("{kv_heads} KV heads")))?;
         let generated = codebook_kernels(spec, shape, heads)?;
-        // The unit includes kvq's kernel headers; NVRTC gets them in memory.
-        let source = kvq_codegen::kernel_headers().iter().fold(
-            Source::new(
-                format!("{}.cu", generated.decode.name),
-                generated.source.clone(),
-            ),
-            |s, (name, text)| s.with_header(*name, *text),
-        );
+        let source = unit_source(&generated.decode.name, &generated.source);
         let names = [
             generated.decode.name.as_str(),
             generated.combine.name.as_str(),

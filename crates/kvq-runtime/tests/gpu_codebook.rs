@@ -11,9 +11,7 @@ use half::{bf16, f16};
 use kvq_codegen::{Dtype, KernelShape};
 use kvq_reference::attention::Queries;
 use kvq_reference::commvq::device::{SideKind, TokenSlot};
-use kvq_reference::commvq::{
-    self, AdditiveSchedule, CalibrationData, Codebooks, CommVqCache, EmSchedule, TrainOptions,
-};
+use kvq_reference::commvq::{self, CalibrationData, Codebooks, CommVqCache, TrainOptions};
 use kvq_reference::synth::{generate, SynthConfig, SynthKv};
 use kvq_reference::Dequantized;
 use kvq_runtime::codebook::{CodebookCache, CodebookKernel, CodebookScratch};
@@ -116,18 +114,7 @@ fn train(spec: &SchemeSpec, head_dim: usize, seed: u64) -> Codebooks {
         v: &cal.v,
         rope: cal.rope,
     };
-    let options = TrainOptions {
-        em: EmSchedule {
-            steps: 2,
-            ..Default::default()
-        },
-        additive: AdditiveSchedule {
-            iterations: 2,
-            ..Default::default()
-        },
-        ..TrainOptions::seeded(seed)
-    };
-    commvq::train_with(spec, &data, &options).expect("training")
+    commvq::train_with(spec, &data, &TrainOptions::quick(seed)).expect("training")
 }
 
 /// The queries in the kernel's dtype, and as the reference sees them (the same rounded values).

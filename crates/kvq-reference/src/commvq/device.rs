@@ -737,22 +737,7 @@ fn check_queries(
     seq: &DeviceSequence,
     q: &Queries,
 ) -> Result<usize, RefError> {
-    if q.head_dim != layout.head_dim
-        || q.data.len() != q.q_heads * q.head_dim
-        || layout.kv_heads == 0
-        || q.q_heads % layout.kv_heads != 0
-    {
-        return Err(RefError::Mismatch(format!(
-            "{} query heads of {} channels against {} KV heads of {}",
-            q.q_heads, q.head_dim, layout.kv_heads, layout.head_dim
-        )));
-    }
-    if seq.len == 0 {
-        return Err(RefError::Mismatch(
-            "attention over an empty sequence".into(),
-        ));
-    }
-    Ok(q.q_heads / layout.kv_heads)
+    super::check_queries(q, layout.kv_heads, layout.head_dim, seq.len)
 }
 
 fn check_tensor(

@@ -17,21 +17,7 @@ use kvq_spec::CodebookSpan;
 
 impl CommVqCache {
     fn check_queries(&self, q: &Queries) -> Result<usize, RefError> {
-        if q.head_dim != self.head_dim
-            || q.data.len() != q.q_heads * q.head_dim
-            || q.q_heads % self.kv_heads != 0
-        {
-            return Err(RefError::Mismatch(format!(
-                "{} query heads of {} channels against {} KV heads of {}",
-                q.q_heads, q.head_dim, self.kv_heads, self.head_dim
-            )));
-        }
-        if self.tokens == 0 {
-            return Err(RefError::Mismatch(
-                "attention over an empty sequence".into(),
-            ));
-        }
-        Ok(q.q_heads / self.kv_heads)
+        super::check_queries(q, self.kv_heads, self.head_dim, self.tokens)
     }
 
     /// Pre-softmax scores `q·k̂/√D` `[q_heads][tokens]`, computed from the codes without decoding keys.

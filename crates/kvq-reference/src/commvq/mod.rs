@@ -74,6 +74,32 @@ pub(crate) fn check_inputs(spec: &SchemeSpec, k: &KvTensor, v: &KvTensor) -> Res
     Ok(())
 }
 
+/// The query heads a KV head serves (GQA) for decode queries `q` over a sequence of `tokens` tokens
+/// of `kv_heads` heads of `head_dim`; a mismatch or an empty sequence is refused.
+pub(crate) fn check_queries(
+    q: &crate::attention::Queries,
+    kv_heads: usize,
+    head_dim: usize,
+    tokens: usize,
+) -> Result<usize, RefError> {
+    if q.head_dim != head_dim
+        || q.data.len() != q.q_heads * q.head_dim
+        || kv_heads == 0
+        || q.q_heads % kv_heads != 0
+    {
+        return Err(RefError::Mismatch(format!(
+            "{} query heads of {} channels against {kv_heads} KV heads of {head_dim}",
+            q.q_heads, q.head_dim
+        )));
+    }
+    if tokens == 0 {
+        return Err(RefError::Mismatch(
+            "attention over an empty sequence".into(),
+        ));
+    }
+    Ok(q.q_heads / kv_heads)
+}
+
 /// `k` rotated to positions `0..tokens`.
 pub(crate) fn post_rope(k: &KvTensor, rope: Rope) -> KvTensor {
     let mut out = k.clone();

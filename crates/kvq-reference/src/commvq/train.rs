@@ -55,6 +55,23 @@ impl TrainOptions {
             threads: 0,
         }
     }
+
+    /// Two EM steps a round and two additive iterations: codebooks in seconds, for work whose
+    /// result does not depend on their quality (timing kernels, checking a kernel or a file
+    /// against the reference on the same codebooks).
+    pub fn quick(seed: u64) -> Self {
+        Self {
+            em: EmSchedule {
+                steps: 2,
+                ..EmSchedule::default()
+            },
+            additive: AdditiveSchedule {
+                iterations: 2,
+                ..AdditiveSchedule::default()
+            },
+            ..Self::seeded(seed)
+        }
+    }
 }
 
 /// Trains the codebooks `spec` needs with default options.

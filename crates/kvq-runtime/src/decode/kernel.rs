@@ -11,8 +11,8 @@ use super::scratch::{DecodeScratch, WorkspaceLayout};
 use super::splits::Pieces;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
-use crate::launch::{allow_dynamic_shared, Args, Input, Output};
-use crate::nvrtc::{CompileOptions, Source};
+use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args, Input, Output};
+use crate::nvrtc::CompileOptions;
 
 /// The compiled decode kernels of one scheme × shape × tuning.
 pub struct DecodeKernel {
@@ -89,10 +89,6 @@ fn check_q_len(q_len: usize) -> Result<()> {
     Ok(())
 }
 
-fn launch_err(name: &str) -> impl Fn(cudarc::driver::DriverError) -> RuntimeError + '_ {
-    move |e| RuntimeError::launch(name, e)
-}
-
 impl DecodeKernel {
     /// Generates, compiles (through the JIT's caches) and loads the kernels; refuses a scheme and
     /// shape that only the generic CUDA-core kernel serves ([`RuntimeError::SlowPath`];
@@ -123,14 +119,7 @@ impl DecodeKernel {
             });
         }
         let generated = decode_kernels(spec, shape, tune)?;
-        // The unit includes kvq's kernel headers; NVRTC gets them in memory.
-        let source = kvq_codegen::kernel_headers().iter().fold(
-            Source::new(
-                format!("{}.cu", generated.decode.name),
-                generated.source.clone(),
-            ),
-            |s, (name, text)| s.with_header(*name, *text),
-        );
+        let source = unit_source(&generated.decode.name, &generated.source);
         let mut names = vec![
             generated.decode.name.as_str(),
             generated.combine.name.as_str(),

@@ -6,8 +6,8 @@ use kvq_spec::SchemeSpec;
 
 use crate::error::Result;
 use crate::jit::Jit;
-use crate::launch::allow_dynamic_shared;
-use crate::nvrtc::{CompileOptions, Source};
+use crate::launch::{allow_dynamic_shared, unit_source};
+use crate::nvrtc::CompileOptions;
 
 /// A loaded kernel and its launch metadata.
 pub(crate) struct Loaded {
@@ -39,14 +39,7 @@ impl CacheFunctions {
         forms: QuantizerForms,
     ) -> Result<Self> {
         let generated = cache_kernels_with(spec, head_dim, dtype, forms)?;
-        // The unit includes kvq's kernel headers; NVRTC gets them in memory.
-        let source = kvq_codegen::kernel_headers().iter().fold(
-            Source::new(
-                format!("{}.cu", generated.append.name),
-                generated.source.clone(),
-            ),
-            |s, (name, text)| s.with_header(*name, *text),
-        );
+        let source = unit_source(&generated.append.name, &generated.source);
         let module = jit.module(&source, &CompileOptions::default())?;
         let load = |entry: &KernelEntry| -> Result<Loaded> {
             let f = module.function(&entry.name)?;

@@ -1,6 +1,6 @@
 #pragma once
 // Split-K decode attention over a paged CommVQ cache, straight from the codes (docs/CODEBOOKS.md
-// §5, the device layout of kvq_reference::commvq::device). Grid (num_splits, kv_heads, rows),
+// §2.2, the device layout of kvq_reference::commvq::device). Grid (num_splits, kv_heads, rows),
 // block THREADS; writes each split's unnormalised output and (m, l) for kvq/combine.cuh, or with
 // one split and `out` the output itself.
 //
@@ -74,8 +74,8 @@ static __device__ __forceinline__ void kvq_cb_tile_end_of(int t0, int len, int& 
 
 // A coded tile's codes and per-token scales or factors, staged in shared memory before the
 // tile is scored: one round trip a tile instead of one a token. RoPE codes: each (group, round)
-// stream's words from the one holding the tile's first code (KVQ_CB_KW a stream, one more than
-// the codes need, for the pair load of a code's second word); additive codes: [word][token].
+// stream's words from the one holding the tile's first code (TILE·CODE_BITS/32 + 2 a stream, one
+// more than the codes need, for the pair load of a code's second word); additive codes: [word][token].
 template <class S>
 static __host__ __device__ constexpr int kvq_cb_stage_words() {
     return S::KIND == KvqCbKind::Rope ? S::GROUPS * S::RESIDUALS * (TILE * S::CODE_BITS / 32 + 2)
