@@ -301,3 +301,85 @@ pub fn codebook_kernels(
         layout,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(text: &str) -> SchemeSpec {
+        SchemeSpec::parse(text).unwrap()
+    }
+
+    const COMMVQ1: &str = "k = codebook(rope_commutative, levels = 64, residuals = 10, pairs_per_code = 64, span = token), \
+                           v = codebook(additive, rows = 128)";
+    const COMMVQ2: &str = "k = codebook(rope_commutative, levels = 64, residuals = 21, pairs_per_code = 64, span = token), \
+                           v = codebook(additive, rows = 256)";
+
+    #[test]
+    fn the_codebook_kernel_takes_codebook_and_fp16_sides_without_calibration() {
+        assert!(has_codebook_kernel(&spec(COMMVQ1)));
+        assert!(has_codebook_kernel(&spec(
+            "k = fp16, v = codebook(additive, rows = 64)"
+        )));
+        assert!(!has_codebook_kernel(&spec("k = fp16, v = fp16")));
+        assert!(!has_codebook_kernel(&spec(
+            "k = int(2, channel), v = codebook(additive, rows = 64)"
+        )));
+        assert!(!has_codebook_kernel(&spec(
+            "k = fp16, v = codebook(additive, rows = 512, span = token)"
+        )));
+        assert!(!has_codebook_kernel(&spec(
+            "k = int(2, channel), v = int(2, token), source = x(latent)"
+        )));
+    }
+
+    #[test]
+    fn shapes_the_kernel_cannot_take_are_typed_errors_naming_why() {
+        let shape = KernelShape::new(64, 4, Dtype::F16);
+        let sixteen = spec(
+            "k = codebook(rope_commutative, levels = 8, residuals = 2, pairs_per_code = 16), v = fp16",
+        );
+        let e = codebook_kernels(&sixteen, &shape, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("16 pairs a code"), "{e}");
+        let wide = KernelShape::new(128, 128, Dtype::F16);
+        let e = codebook_kernels(&spec(COMMVQ2), &wide, 8)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("GQA 128") && e.contains("shared memory"), "{e}");
+    }
+
+    #[test]
+    fn a_codebook_that_fits_shared_memory_is_held_there_one_cta_an_sm() {
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        let one = codebook_kernels(&spec(COMMVQ1), &shape, 8).unwrap();
+        assert!(one.book_in_shared_memory);
+        // 10 rounds × 64 entries × 64 pairs, an f16 pair each.
+        assert_eq!(one.decode.dynamic_shared_bytes, 10 * 64 * 64 * 4);
+        assert_eq!(
+            (one.decode.block, one.tile),
+            (CODEBOOK_SMEM_THREADS, CODEBOOK_SMEM_TILE)
+        );
+        assert!(one.source.contains("KVQ_CB_SMEM_BOOK = true"));
+        let two = codebook_kernels(&spec(COMMVQ2), &shape, 8).unwrap();
+        assert!(!two.book_in_shared_memory);
+        assert_eq!(two.decode.dynamic_shared_bytes, 0);
+        assert_eq!(
+            (two.decode.block, two.tile),
+            (CODEBOOK_THREADS, CODEBOOK_TILE)
+        );
+    }
+
+    #[test]
+    fn the_unit_is_thin_traits_and_entry_points() {
+        let shape = KernelShape::new(128, 8, Dtype::Bf16);
+        let k = codebook_kernels(&spec(COMMVQ2), &shape, 8).unwrap();
+        let lines = k.source.lines().count();
+        assert!(lines <= 150, "{lines} lines");
+        assert!(!k.source.contains("{%") && !k.source.contains("{{"));
+        assert!(k.source.contains(&k.decode.name) && k.source.contains(&k.combine.name));
+        assert_eq!(k.decode.params.len(), 21);
+        assert_eq!(k.decode.params[17], ("double".into(), "rope_theta".into()));
+    }
+}
