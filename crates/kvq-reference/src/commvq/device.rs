@@ -46,7 +46,7 @@ pub enum SideKind {
     Fp16,
     /// RoPE-commutative codes of the keys before RoPE.
     Rope {
-        /// `N'`: entries per pair and round.
+        /// `N'`: entries per pair, per round.
         levels: usize,
         residuals: usize,
         pairs_per_code: usize,

@@ -6,7 +6,7 @@
 //   CODES_OFFSET, SCALES_OFFSET   bytes into a coded block (codes u32, per-token f16 scales/factors);
 //   LOCAL, TAIL_CAP   the FP16 local window and the tail ring's rows (local + page);
 //   LEVELS, RESIDUALS, PAIRS, GROUPS, CODE_BITS, STREAM_WORDS   RoPE-commutative codes: entries per
-//                 pair and round, rounds, pairs a code, groups a head, bits a code (a and b), words of
+//                 pair in each round, rounds, pairs a code, groups a head, bits a code (a and b), words of
 //                 one (group, round) stream of the page's codes;
 //   ROWS          binary additive codes: rows of the codebook (bits a code).
 enum class KvqCbKind : int { Fp16 = 0, Rope = 1, Additive = 2 };
