@@ -13,8 +13,9 @@ use serde::Serialize;
 pub const CODEBOOK_THREADS: u32 = 128;
 /// Tokens such a CTA scores before its softmax step (tiles also end at page and region edges).
 pub const CODEBOOK_TILE: u32 = 64;
-/// Threads and tile of a CTA that holds its KV head's key codebook in shared memory: one CTA an
-/// SM, so sixteen warps to keep the gathers' latency covered.
+/// Threads and tile of a CTA that holds its KV head's key codebook in shared memory: a codebook
+/// the size of CommVQ-1's (160 KiB) leaves room for one CTA an SM, so sixteen warps to keep the
+/// gathers' latency covered.
 pub const CODEBOOK_SMEM_THREADS: u32 = 512;
 pub const CODEBOOK_SMEM_TILE: u32 = 128;
 /// Static shared memory a CTA may take (the driver refuses more without an opt-in).
@@ -29,7 +30,7 @@ pub struct CodebookKernels {
     pub scheme: String,
     pub shape: KernelShape,
     pub source: String,
-    /// Whether a CTA holds its KV head's key codebook in shared memory (one CTA an SM).
+    /// Whether a CTA holds its KV head's key codebook in shared memory.
     pub book_in_shared_memory: bool,
     /// Tokens a CTA stages and scores at a time.
     pub tile: u32,
@@ -75,6 +76,8 @@ struct UnitCtx {
     combine_threads: u32,
 }
 
+/// A side's traits; those its kind does not use hold harmless values, because the unit declares
+/// every member for every side (kvq/codebook/side.cuh) and the header's sizes divide by them.
 fn side_ctx(name: &'static str, s: &SideLayout) -> SideCtx {
     let mut ctx = SideCtx {
         name,

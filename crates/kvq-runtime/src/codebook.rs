@@ -83,8 +83,10 @@ impl CodebookKernel {
     }
 
     /// Splits a (sequence, KV head) takes by default, each at least four tiles of tokens: with
-    /// the codebook in shared memory (one CTA an SM) as many as fill one wave of the GPU's SMs,
-    /// without a partial second wave; otherwise enough CTAs for two waves.
+    /// the codebook in shared memory as many as fill one wave of the GPU's SMs at one CTA an SM
+    /// (what CommVQ-1's 160 KiB codebook allows; a smaller one would fit more CTAs, which this
+    /// rule does not ask the occupancy for yet), without a partial second wave; otherwise enough
+    /// CTAs for two waves.
     pub fn default_splits(&self, batch: usize, max_len: usize) -> usize {
         let pairs = (batch * self.kv_heads).max(1);
         let sms = self.sm_count as usize;

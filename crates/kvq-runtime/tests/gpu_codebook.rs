@@ -27,7 +27,7 @@ fn main() {
     gated::run_gpu_tests(TESTS)
 }
 
-/// A scheme, the head sizes it is checked at, and whether the longest sequence joins the batch.
+/// A scheme (a built-in's name or scheme text) and the head sizes it is checked at.
 struct Case {
     text: &'static str,
     dims: &'static [usize],
