@@ -40,6 +40,7 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/cache.cuh",
     "kvq/codebook/side.cuh",
     "kvq/codebook/decode.cuh",
+    "kvq/codebook/encode.cuh",
 ];
 
 /// [`KERNEL_HEADERS`]: what a compile site passes to NVRTC beside a generated unit.

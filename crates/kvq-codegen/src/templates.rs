@@ -20,7 +20,9 @@ pub(crate) const TEMPLATES: &[(&str, &str)] = embedded![
     "decode_mma.cuh.tera",
     "cache.cu.tera",
     "merge.cu.tera",
+    "codebook_sides.cu.tera",
     "codebook_decode.cu.tera",
+    "codebook_encode.cu.tera",
 ];
 
 fn engine() -> Result<&'static Tera, CodegenError> {

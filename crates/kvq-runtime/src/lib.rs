@@ -8,8 +8,9 @@
 //! * [`decode`]: [`DecodeKernel`] (a scheme's fused decode kernels for one shape),
 //!   [`DecodeScratch`], [`GpuCache`] / [`CacheView`] (caches uploaded in the reference layout).
 //! * [`paged`]: [`PagedKvCache`], a paged cache with the GPU quantizers.
-//! * [`codebook`]: codebook schemes (CommVQ): [`codebook::CodebookKernel`] and
-//!   [`codebook::CodebookCache`], a batch uploaded from the CPU reference's coded sequences.
+//! * [`codebook`]: codebook schemes (CommVQ): [`codebook::CodebookKernel`],
+//!   [`codebook::CodebookCache`] (uploaded from the CPU reference, or filled on the GPU by
+//!   [`codebook::CodebookEncoder`]).
 //! * [`tune`]: the autotuner ([`Tuner`], `KVQ_TUNE`) and its JSON store of results per GPU.
 //! * [`error`]: [`RuntimeError`], which wraps [`JitError`] (`RuntimeError::Jit`) and adds what
 //!   only launches and the paged cache can get wrong.

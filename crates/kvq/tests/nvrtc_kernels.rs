@@ -17,8 +17,8 @@
 mod common;
 use common::{needs, other_calibrated_schemes, other_uncalibrated_schemes, run_trials};
 use kvq::codegen::{
-    cache_kernels_with, codebook_kernels, decode_kernels, has_decode_kernel, merge_kernel,
-    CodegenError, Dtype, KernelShape, QuantizerForm, TuneParams,
+    cache_kernels_with, codebook_encode_kernels, codebook_kernels, decode_kernels,
+    has_decode_kernel, merge_kernel, CodegenError, Dtype, KernelShape, QuantizerForm, TuneParams,
 };
 use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
 use kvq::runtime::paged::forms_or_tiled;
@@ -47,6 +47,11 @@ fn main() {
             Need::Nvrtc,
             "codebook_decode_kernels_compile_for_sm80_and_sm90a",
             codebook_decode_kernels_compile_for_sm80_and_sm90a,
+        ),
+        needs(
+            Need::Nvrtc,
+            "codebook_encode_kernels_compile_for_sm80_and_sm90a",
+            codebook_encode_kernels_compile_for_sm80_and_sm90a,
         ),
     ])
 }
@@ -95,6 +100,25 @@ fn codebook_decode_kernels_compile_for_sm80_and_sm90a() {
         }
     }
     compile_all_for(&jobs, |shape| shape.gqa == 4);
+}
+
+/// The codebook cache-filling unit (rows and page encoders) for every scheme above, f16 and bf16.
+fn codebook_encode_kernels_compile_for_sm80_and_sm90a() {
+    let mut jobs = Vec::new();
+    for (text, dims) in CODEBOOK_GPU_SCHEMES {
+        let spec: kvq::SchemeSpec = match kvq::schemes::by_name(text) {
+            Some(b) => b.spec,
+            None => text.parse().unwrap_or_else(|e| panic!("{text}: {e}")),
+        };
+        for &d in *dims {
+            for dtype in [Dtype::F16, Dtype::Bf16] {
+                let k = codebook_encode_kernels(&spec, d, dtype, 8)
+                    .unwrap_or_else(|e| panic!("{text} d{d} {dtype:?}: {e}"));
+                jobs.push(("codebook_encode", (d, dtype), k.source));
+            }
+        }
+    }
+    compile_all_for(&jobs, |(_, dtype)| *dtype == Dtype::F16);
 }
 
 fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {

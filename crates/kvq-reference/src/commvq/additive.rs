@@ -117,9 +117,9 @@ pub(crate) fn dim(span: CodebookSpan, kv_heads: usize, head_dim: usize) -> usize
 
 /// Precomputed row norms and in-pair cross products of one book, for the encoder.
 pub(crate) struct BookEncoder {
-    rows: Vec<f64>,
-    norm: Vec<f64>,
-    pair_cross: Vec<f64>,
+    pub rows: Vec<f64>,
+    pub norm: Vec<f64>,
+    pub pair_cross: Vec<f64>,
     dim: usize,
 }
 
@@ -243,5 +243,5 @@ pub(crate) fn encode_vector(
     let decoded = enc.decode(&code);
     let dn = decoded.iter().map(|x| x * x).sum::<f64>().sqrt();
     let w = if dn > 0.0 { norm / dn } else { 0.0 };
-    (code, half::f16::from_f64(w).to_f32())
+    (code, super::f16_of_f64(w).to_f32())
 }

@@ -9,7 +9,6 @@
 use super::additive::BookEncoder;
 use super::linalg::solve_spd;
 use crate::RefError;
-use half::f16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -78,7 +77,11 @@ pub(crate) fn train_book(
     if err < best.0 {
         best = (err, book);
     }
-    Ok(best.1.iter().map(|x| f16::from_f64(*x).to_f32()).collect())
+    Ok(best
+        .1
+        .iter()
+        .map(|x| super::f16_of_f64(*x).to_f32())
+        .collect())
 }
 
 /// Ridge of the codebook update, relative to the mean diagonal of `SᵀS`.

@@ -112,7 +112,7 @@ pub struct CommVqCache {
     pub(crate) v: Stored,
 }
 
-fn coding(
+pub(crate) fn coding(
     t: &TensorQuant,
     cb: Option<&TensorCodebook>,
     which: &str,
@@ -178,12 +178,35 @@ impl CommVqCache {
         codebooks: &Codebooks,
     ) -> Result<Self, RefError> {
         super::check_inputs(spec, k_pre_rope, v)?;
+        let k_post = super::post_rope(k_pre_rope, rope);
+        Self::build_rotated(spec, k_pre_rope, &k_post, v, rope, codebooks)
+    }
+
+    /// Codes a sequence whose keys are given both before and after RoPE, as an engine holds them
+    /// (a GPU cache takes both in its 16-bit format; this is what it must equal): codes of
+    /// RoPE-commutative keys from `k_pre_rope`, FP16 key rows and additive key codes from
+    /// `k_post_rope`, which is not checked against `rope`.
+    pub fn build_rotated(
+        spec: &SchemeSpec,
+        k_pre_rope: &KvTensor,
+        k_post_rope: &KvTensor,
+        v: &KvTensor,
+        rope: Rope,
+        codebooks: &Codebooks,
+    ) -> Result<Self, RefError> {
+        super::check_inputs(spec, k_pre_rope, v)?;
         let (h, d, len) = (k_pre_rope.kv_heads, k_pre_rope.head_dim, k_pre_rope.tokens);
+        let k_post = k_post_rope;
+        if (k_post.kv_heads, k_post.head_dim, k_post.tokens) != (h, d, len) {
+            return Err(RefError::Mismatch(format!(
+                "K before RoPE is [{h} × {len} × {d}] but after RoPE [{} × {} × {}]",
+                k_post.kv_heads, k_post.tokens, k_post.head_dim
+            )));
+        }
         let k_coding = coding(&spec.k, codebooks.k.as_ref(), "k", h, d)?;
         let v_coding = coding(&spec.v, codebooks.v.as_ref(), "v", h, d)?;
-        let k_post = super::post_rope(k_pre_rope, rope);
-        crate::int::check_cacheable(&k_post, "k after RoPE")?;
-        let k = store(spec, &spec.k, k_coding, k_pre_rope, &k_post)?;
+        crate::int::check_cacheable(k_post, "k after RoPE")?;
+        let k = store(spec, &spec.k, k_coding, k_pre_rope, k_post)?;
         let v = store(spec, &spec.v, v_coding, v, v)?;
         Ok(Self {
             spec: *spec,

@@ -21,9 +21,10 @@
 //! numbers, additive rows pre-multiplied by the channel scale σ (exact in f32), and the mean μ.
 
 use super::additive::AdditiveCodebook;
-use super::cache::{Coding, CommVqCache, Stored};
+use super::cache::{coding, Coding, CommVqCache, Stored};
 use super::key::KeyCodebook;
 use super::layout::stream_words;
+use super::train::Codebooks;
 use crate::attention::{calibrate_score, Queries};
 use crate::int::{align, Section};
 use crate::regions::TokenRegions;
@@ -441,13 +442,33 @@ impl CommVqCache {
 
     /// The codebooks this cache holds as device tensors; refuses values a device f16 cannot hold exactly.
     pub fn device_codebooks(&self) -> Result<DeviceCodebooks, RefError> {
+        DeviceCodebooks::of_codings(&self.k.coding, &self.v.coding)
+    }
+}
+
+impl DeviceCodebooks {
+    /// A layer's `codebooks` as device tensors for `spec` at `kv_heads` heads of `head_dim` (what a
+    /// cache built by the GPU, with no reference cache to ask, holds); refuses codebooks of another
+    /// scheme or shape, and values a device f16 cannot hold exactly.
+    pub fn new(
+        spec: &SchemeSpec,
+        codebooks: &Codebooks,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Self, RefError> {
+        let k = coding(&spec.k, codebooks.k.as_ref(), "k", kv_heads, head_dim)?;
+        let v = coding(&spec.v, codebooks.v.as_ref(), "v", kv_heads, head_dim)?;
+        Self::of_codings(&k, &v)
+    }
+
+    fn of_codings(k: &Coding, v: &Coding) -> Result<Self, RefError> {
         let mut books = DeviceCodebooks::default();
-        match &self.k.coding {
+        match k {
             Coding::Fp16 => {}
             Coding::Rope { codebook, .. } => books.k_rope = pack_rope(codebook)?,
             Coding::Additive(cb) => (books.k_rows_scaled, books.k_mean) = scale_rows(cb, Which::K)?,
         }
-        match &self.v.coding {
+        match v {
             Coding::Fp16 => {}
             Coding::Rope { .. } => {
                 return Err(RefError::WrongEntryPoint(

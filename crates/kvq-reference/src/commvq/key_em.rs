@@ -14,7 +14,6 @@
 use super::key::{RoundTables, Scratch};
 use super::linalg::solve_spd;
 use crate::RefError;
-use half::f16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -61,7 +60,10 @@ pub(crate) fn train_group(
     let mut scratch = Scratch::new(levels);
     for _ in 0..residuals {
         let table = train_round(&resid, n, dim, levels, schedule, &mut rng)?;
-        let stored: Vec<f32> = table.iter().map(|x| f16::from_f64(*x).to_f32()).collect();
+        let stored: Vec<f32> = table
+            .iter()
+            .map(|x| super::f16_of_f64(*x).to_f32())
+            .collect();
         let tables = RoundTables::new(
             &stored.iter().map(|x| *x as f64).collect::<Vec<_>>(),
             levels,

@@ -18,6 +18,7 @@ pub mod additive;
 mod additive_train;
 mod cache;
 pub mod device;
+pub mod encoder;
 mod fast;
 pub mod file;
 mod footprint;
@@ -36,6 +37,7 @@ pub use device::{
     device_attend, DeviceCodebooks, DeviceLayout, DeviceSequence, DeviceTensor, SideKind,
     SideLayout, DEVICE_LAYOUT_VERSION,
 };
+pub use encoder::{AdditiveTables, EncoderTables, RopeTables, SideTables};
 pub use file::{CodebookFileError, CODEBOOK_FILE_FORMAT, CODEBOOK_FILE_LIMIT};
 pub use footprint::{Footprint, TensorFootprint};
 pub use key::KeyCodebook;
@@ -46,6 +48,13 @@ pub use train::{train, train_with, CalibrationData, Codebooks, TensorCodebook, T
 use crate::rope::Rope;
 use crate::{KvTensor, RefError};
 use kvq_spec::{CacheSource, SchemeSpec, TensorQuant};
+
+/// An f64 rounded to f16 the way every host and the GPU encoders round it: to the nearest f32, then
+/// to the nearest f16 (both ties to even). `half`'s own `f16::from_f64` goes through f32 on CPUs with
+/// F16C and directly elsewhere, so the codes and codebooks would depend on the host.
+pub(crate) fn f16_of_f64(x: f64) -> half::f16 {
+    half::f16::from_f32(x as f32)
+}
 
 /// Checks what every CommVQ entry point needs: a codebook/FP16 scheme over K/V, agreeing finite tensors.
 pub(crate) fn check_inputs(spec: &SchemeSpec, k: &KvTensor, v: &KvTensor) -> Result<(), RefError> {
@@ -109,4 +118,22 @@ pub(crate) fn post_rope(k: &KvTensor, rope: Rope) -> KvTensor {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Just above a tie of f16 but a tie once in f32: through f32 it rounds to even, as the GPU
+    /// encoders do, whatever the host's `half` would do in one step.
+    #[test]
+    fn f64_to_f16_rounds_through_f32_on_every_host() {
+        let x = 1.0 + 2f64.powi(-11) + 2f64.powi(-40);
+        assert_eq!(f16_of_f64(x), half::f16::ONE);
+        assert_eq!(
+            f16_of_f64(1.0 + 2f64.powi(-11) + 2f64.powi(-20)).to_f64(),
+            1.0 + 2f64.powi(-10)
+        );
+        assert!(f16_of_f64(65520.0).is_infinite() && f16_of_f64(65519.0).to_f64() == 65504.0);
+    }
 }

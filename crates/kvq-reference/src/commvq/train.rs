@@ -9,7 +9,6 @@ use super::{pairs, vectors};
 use crate::par;
 use crate::rope::Rope;
 use crate::{KvTensor, RefError};
-use half::f16;
 use kvq_spec::{Codebook, CodebookSpan, SchemeSpec, TensorQuant};
 
 /// A trained codebook of one tensor.
@@ -196,7 +195,7 @@ fn train_additive(
             }
         }
         for (dst, v) in mean[b * dim..(b + 1) * dim].iter_mut().zip(&m) {
-            *dst = f16::from_f64(*v).to_f32();
+            *dst = super::f16_of_f64(*v).to_f32();
         }
         let mut s = vec![0.0f64; dim];
         for t in 0..x.tokens {
@@ -206,7 +205,7 @@ fn train_additive(
             }
         }
         for (dst, v) in scale[b * dim..(b + 1) * dim].iter_mut().zip(&s) {
-            let h = f16::from_f64(*v);
+            let h = super::f16_of_f64(*v);
             *dst = if h.to_f32() > 0.0 && h.is_finite() {
                 h.to_f32()
             } else {

@@ -1,7 +1,6 @@
 //! The vectors a codebook sees: which scalars share a scale (keys) or a code (additive tensors).
 
 use crate::{KvTensor, RefError};
-use half::f16;
 use kvq_spec::CodebookSpan;
 
 /// Per-vector key scales `‖k‖` rounded to f16: `[kv_head][token]` for `span = head`, `[token]` for
@@ -24,7 +23,7 @@ pub(crate) fn key_scales(k: &KvTensor, span: CodebookSpan) -> Result<Vec<f32>, R
     };
     raw.into_iter()
         .map(|(head, token, n)| {
-            let s = f16::from_f64(n);
+            let s = super::f16_of_f64(n);
             if s.is_finite() {
                 Ok(s.to_f32())
             } else {

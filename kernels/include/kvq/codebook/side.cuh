@@ -8,5 +8,7 @@
 //   LEVELS, RESIDUALS, PAIRS, GROUPS, CODE_BITS, STREAM_WORDS   RoPE-commutative codes: entries per
 //                 pair in each round, rounds, pairs a code, groups a head, bits a code (a and b), words of
 //                 one (group, round) stream of the page's codes;
-//   ROWS          binary additive codes: rows of the codebook (bits a code).
+//   ROWS          binary additive codes: rows of the codebook (bits a code);
+//   TOKEN_SCALE   RoPE-commutative keys with span = token: a token's one scale is its norm over all KV
+//                 heads (each head's block repeats it).
 enum class KvqCbKind : int { Fp16 = 0, Rope = 1, Additive = 2 };

@@ -1,6 +1,7 @@
 //! The codebook schemes' (CommVQ's) decode unit: a thin translation unit of the two sides' layout
 //! traits over `kernels/include/kvq/codebook/decode.cuh`, and its launch metadata.
 
+use super::sides::{side_ctx, SideCtx};
 use crate::decode::{cache_params, combine_entry, param, stable_id, KernelEntry, COMBINE_THREADS};
 use crate::templates::render;
 use crate::{CodegenError, Dtype, KernelShape};
@@ -43,24 +44,6 @@ pub struct CodebookKernels {
 }
 
 #[derive(Serialize)]
-struct SideCtx {
-    name: &'static str,
-    kind: &'static str,
-    block_bytes: usize,
-    codes_offset: usize,
-    scales_offset: usize,
-    local: usize,
-    tail_cap: usize,
-    levels: usize,
-    residuals: usize,
-    pairs: usize,
-    groups: usize,
-    code_bits: u32,
-    stream_words: usize,
-    rows: usize,
-}
-
-#[derive(Serialize)]
 struct UnitCtx {
     dtype: String,
     head_dim: u32,
@@ -74,49 +57,6 @@ struct UnitCtx {
     decode_name: String,
     combine_name: String,
     combine_threads: u32,
-}
-
-/// A side's traits; those its kind does not use hold harmless values, because the unit declares
-/// every member for every side (kvq/codebook/side.cuh) and the header's sizes divide by them.
-fn side_ctx(name: &'static str, s: &SideLayout) -> SideCtx {
-    let mut ctx = SideCtx {
-        name,
-        kind: "Fp16",
-        block_bytes: s.block_bytes,
-        codes_offset: s.codes.offset,
-        scales_offset: s.scales.offset,
-        local: s.local,
-        tail_cap: s.tail_cap.max(1),
-        levels: 1,
-        residuals: 1,
-        pairs: 32,
-        groups: 1,
-        code_bits: 2,
-        stream_words: 1,
-        rows: 32,
-    };
-    match s.kind {
-        SideKind::Fp16 => {}
-        SideKind::Rope {
-            levels,
-            residuals,
-            pairs_per_code,
-            code_bits,
-            groups,
-            stream_words,
-            ..
-        } => {
-            ctx.kind = "Rope";
-            (ctx.levels, ctx.residuals, ctx.pairs, ctx.groups) =
-                (levels, residuals, pairs_per_code, groups);
-            (ctx.code_bits, ctx.stream_words) = (code_bits, stream_words);
-        }
-        SideKind::Additive { rows } => {
-            ctx.kind = "Additive";
-            ctx.rows = rows;
-        }
-    }
-    ctx
 }
 
 /// Whether the codebook decode kernel takes the scheme: K/V caches whose sides are codebooks or

@@ -1,0 +1,292 @@
+//! The codebook schemes' cache-filling unit: a chunk's FP16 rows and pending rows
+//! ([`CodebookEncodeKernels::store`]) and each coded side's page encoder, over
+//! `kernels/include/kvq/codebook/encode.cuh`. The encoders write the reference's device layout bit
+//! for bit (`kvq_reference::commvq::device`), from the tables of `kvq_reference::commvq::encoder`.
+
+use super::sides::{side_ctx, SideCtx};
+use crate::decode::{param, stable_id, KernelEntry};
+use crate::templates::render;
+use crate::{CodegenError, Dtype};
+use kvq_reference::commvq::device::{DeviceLayout, SideKind, SideLayout};
+use kvq_spec::{CacheSource, SchemeSpec};
+use serde::Serialize;
+
+/// Warps of a RoPE key encoder CTA (a warp codes one token's group vector at a time).
+pub const ENCODE_WARPS: u32 = 8;
+/// Threads of the row-storing kernel (a CTA a token and KV head, threads over the channels).
+pub const STORE_THREADS: u32 = 128;
+/// Most threads of an additive encoder CTA (a thread a token of the page).
+const ADDITIVE_THREADS: u32 = 128;
+/// Static shared memory a CTA may take without the opt-in.
+const STATIC_SHARED_LIMIT: usize = 48 * 1024;
+/// The encoders keep a token's residual in registers and local memory.
+const MAX_HEAD_DIM: usize = 256;
+
+/// Generated cache-filling kernels of a codebook scheme at one head size and input format.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CodebookEncodeKernels {
+    pub scheme: String,
+    pub head_dim: u32,
+    pub dtype: Dtype,
+    pub source: String,
+    /// A chunk's rows: grid (chunk tokens, kv_heads).
+    pub store: KernelEntry,
+    /// Pages of the key side (absent for FP16 keys): grid (pages, kv_heads).
+    pub encode_k: Option<KernelEntry>,
+    /// Pages of the value side (absent for FP16 values): grid (pages, kv_heads).
+    pub encode_v: Option<KernelEntry>,
+    #[serde(skip)]
+    pub layout: DeviceLayout,
+}
+
+#[derive(Serialize)]
+struct EncoderCtx {
+    name: String,
+    side: &'static str,
+    threads: u32,
+}
+
+#[derive(Serialize)]
+struct UnitCtx {
+    dtype: String,
+    head_dim: u32,
+    page: u32,
+    sink: u32,
+    encode_warps: u32,
+    store_threads: u32,
+    store_name: String,
+    sides: Vec<SideCtx>,
+    encoders: Vec<EncoderCtx>,
+}
+
+/// Bytes of the RoPE key encoder's static shared tables (kvq_encode_rope_keys).
+fn rope_shared_bytes(side: &SideLayout) -> usize {
+    match side.kind {
+        SideKind::Rope {
+            levels,
+            residuals,
+            pairs_per_code,
+            groups,
+            ..
+        } => {
+            let warps = ENCODE_WARPS as usize;
+            8 * warps * 2 * pairs_per_code
+                + 8 * 2 * warps * levels
+                + 4 * groups * residuals * side.page
+                + 8 * side.page
+        }
+        _ => 0,
+    }
+}
+
+fn unsupported(spec: &SchemeSpec, layout: &DeviceLayout) -> Option<String> {
+    if spec.source != CacheSource::Kv {
+        return Some("schemes that cache layer activations (XQuant)".into());
+    }
+    if layout.head_dim > MAX_HEAD_DIM {
+        return Some(format!(
+            "head_dim {} (at most {MAX_HEAD_DIM})",
+            layout.head_dim
+        ));
+    }
+    if let SideKind::Rope { levels, .. } = layout.k.kind {
+        if levels > 1024 {
+            return Some(format!(
+                "{levels} levels (at most 1024: a warp scans every (a, b) pair of a round)"
+            ));
+        }
+    }
+    let shared = rope_shared_bytes(&layout.k);
+    if shared > STATIC_SHARED_LIMIT {
+        return Some(format!(
+            "a key page encoder needs {} KiB of shared memory (codes of every round of the page), over {} KiB",
+            shared.div_ceil(1024),
+            STATIC_SHARED_LIMIT / 1024
+        ));
+    }
+    None
+}
+
+fn encoder_entry(name: &str, threads: u32) -> KernelEntry {
+    KernelEntry {
+        name: name.to_string(),
+        params: vec![
+            param("const uint16_t*", "src"),
+            param("int32_t", "tok_stride"),
+            param("int32_t", "head_stride"),
+            param("int32_t", "first"),
+            param("int32_t", "cap"),
+            param("int32_t", "page0"),
+            param("int32_t", "slot"),
+            param("uint8_t*", "pool"),
+            param("const int32_t*", "page_table"),
+            param("int32_t", "max_pages"),
+            param("const double*", "t0"),
+            param("const double*", "t1"),
+            param("const double*", "t2"),
+            param("const double*", "t3"),
+            param("const double*", "t4"),
+            param("uint32_t*", "status"),
+        ],
+        grid: ["pages".into(), "kv_heads".into(), "1".into()],
+        block: threads,
+        dynamic_shared_bytes: 0,
+    }
+}
+
+fn store_entry(name: &str) -> KernelEntry {
+    KernelEntry {
+        name: name.to_string(),
+        params: vec![
+            param("const uint16_t*", "k_pre"),
+            param("const uint16_t*", "k_post"),
+            param("const uint16_t*", "v"),
+            param("int32_t", "r0"),
+            param("int32_t", "t0"),
+            param("int32_t", "k_ring_from"),
+            param("int32_t", "v_ring_from"),
+            param("int32_t", "slot"),
+            param("uint8_t*", "k_pool"),
+            param("uint8_t*", "v_pool"),
+            param("const int32_t*", "page_table"),
+            param("int32_t", "max_pages"),
+            param("uint16_t*", "k_sink"),
+            param("uint16_t*", "v_sink"),
+            param("uint16_t*", "k_tail"),
+            param("uint16_t*", "v_tail"),
+            param("uint16_t*", "k_pending"),
+            param("uint16_t*", "v_pending"),
+            param("uint32_t*", "status"),
+        ],
+        grid: ["chunk_tokens".into(), "kv_heads".into(), "1".into()],
+        block: STORE_THREADS,
+        dynamic_shared_bytes: 0,
+    }
+}
+
+/// Threads of a side's page encoder, `None` for an FP16 side.
+fn encoder_threads(side: &SideLayout) -> Option<u32> {
+    match side.kind {
+        SideKind::Fp16 => None,
+        SideKind::Rope { .. } => Some(32 * ENCODE_WARPS),
+        SideKind::Additive { .. } => {
+            let page = u32::try_from(side.page).unwrap_or(u32::MAX);
+            Some(page.div_ceil(32).clamp(1, ADDITIVE_THREADS / 32) * 32)
+        }
+    }
+}
+
+/// The cache-filling kernels of a codebook scheme for `kv_heads` heads of `head_dim` channels
+/// handed in `dtype`.
+pub fn codebook_encode_kernels(
+    spec: &SchemeSpec,
+    head_dim: u32,
+    dtype: Dtype,
+    kv_heads: u32,
+) -> Result<CodebookEncodeKernels, CodegenError> {
+    let layout = DeviceLayout::new(spec, kv_heads as usize, head_dim as usize)?;
+    if let Some(what) = unsupported(spec, &layout) {
+        return Err(CodegenError::Unsupported {
+            family: "codebook encode",
+            what,
+        });
+    }
+    let id = stable_id(&format!(
+        "codebook-encode|{spec}|{head_dim}|{dtype:?}|{kv_heads}"
+    ));
+    let mut encoders = Vec::new();
+    let mut entry = |side: &SideLayout, name: &'static str, which: &str| {
+        encoder_threads(side).map(|threads| {
+            let e = EncoderCtx {
+                name: format!("kvq_cb_encode_{which}_{id}"),
+                side: name,
+                threads,
+            };
+            let k = encoder_entry(&e.name, threads);
+            encoders.push(e);
+            k
+        })
+    };
+    let encode_k = entry(&layout.k, "KSide", "k");
+    let encode_v = entry(&layout.v, "VSide", "v");
+    let ctx = UnitCtx {
+        dtype: match dtype {
+            Dtype::F16 => "f16".into(),
+            Dtype::Bf16 => "bf16".into(),
+        },
+        head_dim,
+        page: spec.page,
+        sink: spec.sink,
+        encode_warps: ENCODE_WARPS,
+        store_threads: STORE_THREADS,
+        store_name: format!("kvq_cb_store_{id}"),
+        sides: vec![side_ctx("KSide", &layout.k), side_ctx("VSide", &layout.v)],
+        encoders,
+    };
+    let source = render("codebook_encode.cu.tera", &ctx)?;
+    Ok(CodebookEncodeKernels {
+        scheme: spec.to_string(),
+        head_dim,
+        dtype,
+        source,
+        store: store_entry(&ctx.store_name),
+        encode_k,
+        encode_v,
+        layout,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(text: &str) -> SchemeSpec {
+        SchemeSpec::parse(text).unwrap()
+    }
+
+    const COMMVQ2: &str = "k = codebook(rope_commutative, levels = 64, residuals = 21, pairs_per_code = 64, span = token), \
+                           v = codebook(additive, rows = 256)";
+
+    #[test]
+    fn a_coded_side_gets_an_encoder_an_fp16_side_none() {
+        let both = codebook_encode_kernels(&spec(COMMVQ2), 128, Dtype::F16, 8).unwrap();
+        let (k, v) = (both.encode_k.unwrap(), both.encode_v.unwrap());
+        assert_eq!(k.block, 32 * ENCODE_WARPS);
+        assert_eq!(v.block, 128);
+        assert!(both.source.contains(&k.name) && both.source.contains(&v.name));
+        assert!(both.source.contains(&both.store.name));
+        assert!(both.source.contains("TOKEN_SCALE = true"));
+        let keys_only = codebook_encode_kernels(
+            &spec("k = fp16, v = codebook(additive, rows = 64), page = 32"),
+            64,
+            Dtype::Bf16,
+            2,
+        )
+        .unwrap();
+        assert!(keys_only.encode_k.is_none());
+        assert_eq!(keys_only.encode_v.unwrap().block, 32);
+        assert!(keys_only.source.contains("KvqDtype::Bf16"));
+    }
+
+    #[test]
+    fn the_unit_is_thin() {
+        let k = codebook_encode_kernels(&spec(COMMVQ2), 128, Dtype::F16, 8).unwrap();
+        assert!(k.source.lines().count() <= 80, "{}", k.source);
+        assert!(!k.source.contains("{%") && !k.source.contains("{{"));
+        assert_eq!(k.store.params.len(), 19);
+        assert_eq!(k.encode_k.unwrap().params.len(), 16);
+    }
+
+    #[test]
+    fn shapes_the_encoder_cannot_take_are_typed_errors() {
+        let huge = spec(
+            "k = codebook(rope_commutative, levels = 4, residuals = 15, pairs_per_code = 2), v = fp16",
+        );
+        let e = codebook_encode_kernels(&huge, 128, Dtype::F16, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("shared memory"), "{e}");
+        let xq = spec("k = int(2, channel), v = int(2, token), source = x(latent)");
+        assert!(codebook_encode_kernels(&xq, 128, Dtype::F16, 2).is_err());
+    }
+}

@@ -1,0 +1,13 @@
+//! Codebook schemes (CommVQ): the decode unit ([`decode`]) and the cache-filling unit ([`encode`]),
+//! thin translation units over `kernels/include/kvq/codebook/`, sharing their side traits
+//! ([`sides`]).
+
+mod decode;
+mod encode;
+mod sides;
+
+pub use decode::{
+    codebook_kernels, has_codebook_kernel, CodebookKernels, CODEBOOK_SMEM_THREADS,
+    CODEBOOK_SMEM_TILE, CODEBOOK_THREADS, CODEBOOK_TILE,
+};
+pub use encode::{codebook_encode_kernels, CodebookEncodeKernels, ENCODE_WARPS, STORE_THREADS};

@@ -1,0 +1,363 @@
+#pragma once
+// Filling a paged CommVQ cache on the GPU (docs/CODEBOOKS.md §5): the FP16 rows of a chunk of new
+// tokens, and whole pages encoded into their (page, KV head) blocks, bit for bit the blocks
+// kvq_reference::commvq::device lays out from CommVqCache::build_rotated on the same inputs.
+//
+// The including unit defines (kvq/common.cuh, kvq/io.cuh and kvq/codebook/side.cuh first):
+//   IO, D, PAGE, SINK, KSide and VSide (side.cuh's members), and ENCODE_WARPS (warps of a RoPE
+//   key encoder CTA).
+//
+// Exactness: the reference encoders compute in f64 (kvq_reference::commvq::key, ::additive). Every
+// arithmetic step here is the same IEEE f64 operation in the same order — explicit __dadd_rn /
+// __dsub_rn / __dmul_rn, so no multiply-add is ever contracted — and the tables a step reads are
+// the reference's own, computed on the host (kvq_reference::commvq::encoder). Its 4-way dot product
+// is reproduced accumulator by accumulator; a sum over an iterator starts at -0.0 as Rust's does.
+// Conversions: f16/bf16 → f32 → f64 are exact; f64 → f16 rounds to f32 first, as the reference does.
+//
+// Inputs are rows of the unit's 16-bit format. A chunk's source for the encoders is either the
+// caller's tensor ([token][kv_head][D]) or a sequence's pending ring ([kv_head][TAIL_CAP][D], the
+// not yet coded tokens in the input format, slot (t − sink_end) mod TAIL_CAP as the FP16 tail).
+
+// Status words of a launch, zeroed by the host first: [0] flags, [1] the first token whose input
+// is out of range, [2] the first token whose scale or factor overflows f16.
+static constexpr kvq_u32 KVQ_CB_BAD_INPUT = 1, KVQ_CB_SCALE_OVERFLOW = 2, KVQ_CB_FACTOR_OVERFLOW = 4;
+static constexpr float KVQ_F16_MAX = 65504.f;
+
+static __device__ __forceinline__ void kvq_cb_flag(kvq_u32* status, kvq_u32 flag, int word, int token) {
+    atomicOr(status, flag);
+    atomicMin(status + word, (kvq_u32)token);
+}
+
+// f64 → f16 as the reference rounds it (kvq_reference::commvq::f16_of_f64): to the nearest f32,
+// then to the nearest f16, not PTX's one-step cvt.rn.f16.f64, which can differ in the last bit.
+static __device__ __forceinline__ kvq_u16 kvq_f64_to_f16(double x) { return kvq_f32_to_f16(__double2float_rn(x)); }
+static __device__ __forceinline__ bool kvq_f16_bits_finite(kvq_u16 h) { return (h & 0x7c00) != 0x7c00; }
+static __device__ __forceinline__ double kvq_io_to_f64(kvq_u16 x) { return (double)kvq_io_to_f32(x); }
+
+// The reference's dot product (kvq_reference::commvq::key::dot): four interleaved partial sums over
+// whole chunks of four, then ((a0 + a1) + (a2 + a3)) + the remainder's sequential sum.
+template <int N>
+static __device__ __forceinline__ double kvq_dot4(const double* x, const double* y) {
+    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+#pragma unroll 4
+    for (int k = 0; k < N / 4; ++k) {
+        a0 = __dadd_rn(a0, __dmul_rn(x[4 * k], y[4 * k]));
+        a1 = __dadd_rn(a1, __dmul_rn(x[4 * k + 1], y[4 * k + 1]));
+        a2 = __dadd_rn(a2, __dmul_rn(x[4 * k + 2], y[4 * k + 2]));
+        a3 = __dadd_rn(a3, __dmul_rn(x[4 * k + 3], y[4 * k + 3]));
+    }
+    double tail = -0.0;
+#pragma unroll
+    for (int i = N / 4 * 4; i < N; ++i) tail = __dadd_rn(tail, __dmul_rn(x[i], y[i]));
+    return __dadd_rn(__dadd_rn(__dadd_rn(a0, a1), __dadd_rn(a2, a3)), tail);
+}
+
+// Rows of a chunk's source: token r of the chunk (r from `first`) of KV head h.
+struct KvqCbRows {
+    const kvq_u16* base;
+    long tok_stride, head_stride;
+    int first, cap;   // cap > 0: a ring of `cap` rows, token r at row (first + r) % cap
+    __device__ __forceinline__ const kvq_u16* row(int h, int r) const {
+        const long at = cap > 0 ? (long)((first + r) % cap) : (long)(first + r);
+        return base + h * head_stride + at * tok_stride;
+    }
+};
+
+// Whether a 16-bit input value is one the cache takes: finite and within f16's range (the
+// reference's check_cacheable).
+static __device__ __forceinline__ bool kvq_cb_cacheable(kvq_u16 x) {
+    const float f = kvq_io_to_f32(x);
+    return fabsf(f) <= KVQ_F16_MAX;   // false for NaN and ±inf too
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rows: a chunk's FP16 rows into the sink, tail ring or FP16 pages, its coded sides' inputs into
+// the pending rings, every input value checked. Grid (chunk tokens, kv_heads), block 128.
+
+template <class S>
+static __device__ __forceinline__ void kvq_cb_store_side(const kvq_u16* fp16_src, const kvq_u16* coded_src, int tok, int ring_from,
+                                                         int slot, int kvh, int kv_heads, kvq_u8* pool, const kvq_i32* page_table,
+                                                         int max_pages, kvq_u16* sink, kvq_u16* tail, kvq_u16* pending) {
+    if constexpr (S::KIND == KvqCbKind::Fp16) {
+        const long phys = page_table[(long)slot * max_pages + tok / PAGE];
+        kvq_u16* dst = (kvq_u16*)(pool + (phys * kv_heads + kvh) * (long)S::BLOCK_BYTES) + (tok % PAGE) * D;
+        for (int c = threadIdx.x; c < D; c += blockDim.x) dst[c] = kvq_f32_to_f16(kvq_io_to_f32(fp16_src[c]));
+    } else {
+        if (tok < SINK) {
+            kvq_u16* dst = sink + (((long)slot * kv_heads + kvh) * SINK + tok) * D;
+            for (int c = threadIdx.x; c < D; c += blockDim.x) dst[c] = kvq_f32_to_f16(kvq_io_to_f32(fp16_src[c]));
+        } else if (tok >= ring_from) {
+            const long row = (((long)slot * kv_heads + kvh) * S::TAIL_CAP + (tok - SINK) % S::TAIL_CAP) * D;
+            for (int c = threadIdx.x; c < D; c += blockDim.x) {
+                tail[row + c] = kvq_f32_to_f16(kvq_io_to_f32(fp16_src[c]));
+                pending[row + c] = coded_src[c];
+            }
+        }
+    }
+}
+
+// Tokens t0 .. t0 + gridDim.x of sequence `slot`, rows r0 … of `k_pre`, `k_post`, `v`
+// ([row][kv_head][D]; k_pre only read when keys are RoPE-coded). A coded side's tokens below its
+// `ring_from` are left to a page encoder that reads the caller's tensors.
+static __device__ __forceinline__ void kvq_cb_store_rows(const kvq_u16* k_pre, const kvq_u16* k_post, const kvq_u16* v, int r0, int t0,
+                                                         int k_ring_from, int v_ring_from, int slot, kvq_u8* k_pool, kvq_u8* v_pool,
+                                                         const kvq_i32* page_table, int max_pages, kvq_u16* k_sink, kvq_u16* v_sink,
+                                                         kvq_u16* k_tail, kvq_u16* v_tail, kvq_u16* k_pending, kvq_u16* v_pending,
+                                                         kvq_u32* status) {
+    const int kvh = blockIdx.y, kv_heads = gridDim.y, tok = t0 + blockIdx.x;
+    const long at = ((long)(r0 + blockIdx.x) * kv_heads + kvh) * D;
+    bool ok = true;
+    for (int c = threadIdx.x; c < D; c += blockDim.x) {
+        ok = ok && kvq_cb_cacheable(k_post[at + c]) && kvq_cb_cacheable(v[at + c]);
+        if constexpr (KSide::KIND == KvqCbKind::Rope) ok = ok && kvq_cb_cacheable(k_pre[at + c]);
+    }
+    if (!ok) kvq_cb_flag(status, KVQ_CB_BAD_INPUT, 1, tok);
+    const kvq_u16* k_coded = KSide::KIND == KvqCbKind::Rope ? k_pre + at : k_post + at;
+    kvq_cb_store_side<KSide>(k_post + at, k_coded, tok, k_ring_from, slot, kvh, kv_heads, k_pool, page_table, max_pages, k_sink,
+                             k_tail, k_pending);
+    kvq_cb_store_side<VSide>(v + at, v + at, tok, v_ring_from, slot, kvh, kv_heads, v_pool, page_table, max_pages, v_sink, v_tail,
+                             v_pending);
+}
+
+// A coded page's block: zeroed by the whole CTA (alignment gaps included) before it is written.
+template <class S>
+static __device__ __forceinline__ kvq_u8* kvq_cb_zero_block(kvq_u8* pool, const kvq_i32* page_table, int max_pages, int slot,
+                                                            int page, int kvh, int kv_heads) {
+    const long phys = page_table[(long)slot * max_pages + page];
+    kvq_u8* block = pool + (phys * kv_heads + kvh) * (long)S::BLOCK_BYTES;
+    for (int i = threadIdx.x; i < S::BLOCK_BYTES / 4; i += blockDim.x) ((kvq_u32*)block)[i] = 0;
+    __syncthreads();
+    return block;
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE-commutative keys (kvq_reference::commvq::key::GroupEncoder): grid (pages, kv_heads), block
+// ENCODE_WARPS warps; page j of the launch is logical page page0 + j, its tokens the source's rows
+// j·PAGE … A warp codes one (token, group) vector at a time: lanes compute the projections α, β of
+// the entries, then the lanes' shares of the N'² distances and a warp argmin (ties: the smallest
+// a·N' + b, the reference's first strict minimum), then the residual update.
+
+struct KvqRopeTables { const double *c, *ic, *norm, *cross; };
+
+static constexpr int KVQ_RK_DIM = 2 * KSide::PAIRS;   // a group vector's real dimension
+static constexpr int KVQ_RK_LEVELS = KSide::LEVELS;
+
+// The f16 scale of token r (its key's norm, over one head or all heads for span = token) and its
+// reciprocal, as kvq_reference::commvq::vectors::key_scales and encode_rope compute them.
+static __device__ __forceinline__ void kvq_rk_scale(const KvqCbRows& src, int r, int kvh, int kv_heads, kvq_u16& bits, double& inv,
+                                                    bool& bad_input) {
+    double sum = -0.0;
+    const int h0 = KSide::TOKEN_SCALE ? 0 : kvh, h1 = KSide::TOKEN_SCALE ? kv_heads : kvh + 1;
+    bad_input = false;
+    for (int h = h0; h < h1; ++h) {
+        const kvq_u16* row = src.row(h, r);
+        for (int c = 0; c < D; ++c) {
+            bad_input = bad_input || !kvq_cb_cacheable(row[c]);
+            const double x = kvq_io_to_f64(row[c]);
+            sum = __dadd_rn(sum, __dmul_rn(x, x));
+        }
+    }
+    bits = kvq_f64_to_f16(__dsqrt_rn(sum));
+    const double s = (double)kvq_f16_to_f32(bits);
+    inv = s > 0.0 ? __ddiv_rn(1.0, s) : 0.0;
+}
+
+static __device__ void kvq_encode_rope_keys(KvqCbRows src, int page0, int slot, kvq_u8* pool, const kvq_i32* page_table, int max_pages,
+                                            KvqRopeTables tab, kvq_u32* status) {
+    constexpr int G = KSide::PAIRS, GROUPS = KSide::GROUPS, R = KSide::RESIDUALS, L = KVQ_RK_LEVELS, DIM = KVQ_RK_DIM;
+    constexpr int HALF_BITS = KSide::CODE_BITS / 2;
+    __shared__ double z_s[ENCODE_WARPS][DIM];
+    __shared__ double alpha_s[ENCODE_WARPS][L], beta_s[ENCODE_WARPS][L];
+    __shared__ kvq_u32 codes_s[GROUPS * R * PAGE];
+    __shared__ double inv_s[PAGE];
+    const int j = blockIdx.x, kvh = blockIdx.y, kv_heads = gridDim.y;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int page = page0 + j;
+    src.first += j * PAGE;
+    kvq_u8* block = kvq_cb_zero_block<KSide>(pool, page_table, max_pages, slot, page, kvh, kv_heads);
+    kvq_u16* scales = (kvq_u16*)(block + KSide::SCALES_OFFSET);
+    for (int r = threadIdx.x; r < PAGE; r += blockDim.x) {
+        kvq_u16 bits;
+        bool bad;
+        kvq_rk_scale(src, r, kvh, kv_heads, bits, inv_s[r], bad);
+        const int tok = SINK + page * PAGE + r;
+        if (bad) kvq_cb_flag(status, KVQ_CB_BAD_INPUT, 1, tok);
+        if (!kvq_f16_bits_finite(bits)) kvq_cb_flag(status, KVQ_CB_SCALE_OVERFLOW, 2, tok);
+        scales[r] = bits;
+    }
+    __syncthreads();
+    double* z = z_s[warp];
+    double* alpha = alpha_s[warp];
+    double* beta = beta_s[warp];
+    for (int v = warp; v < PAGE * GROUPS; v += ENCODE_WARPS) {
+        const int r = v / GROUPS, group = v % GROUPS;
+        const kvq_u16* row = src.row(kvh, r);
+        const double inv = inv_s[r];
+        for (int i = lane; i < G; i += 32) {   // pairs::gather: (x_p, x_{p+D/2}) · inv
+            const int p = group * G + i;
+            z[2 * i] = __dmul_rn(kvq_io_to_f64(row[p]), inv);
+            z[2 * i + 1] = __dmul_rn(kvq_io_to_f64(row[p + D / 2]), inv);
+        }
+        __syncwarp();
+        for (int round = 0; round < R; ++round) {
+            const long t = ((long)kvh * GROUPS + group) * R + round;
+            const double* c = tab.c + t * L * DIM;
+            const double* ic = tab.ic + t * L * DIM;
+            const double* norm = tab.norm + t * L;
+            const double* cross = tab.cross + t * L * L;
+            for (int k = lane; k < L; k += 32) {
+                alpha[k] = kvq_dot4<DIM>(z, c + (long)k * DIM);
+                beta[k] = kvq_dot4<DIM>(z, ic + (long)k * DIM);
+            }
+            __syncwarp();
+            // RoundTables::distances then nearest: (norm_a − 2α_a) + norm_b − 2β_b + 2χ_ab.
+            double best = __longlong_as_double(0x7ff0000000000000ll);
+            int at = -1;
+            for (int i = lane; i < L * L; i += 32) {
+                const int a = i / L, b = i % L;
+                const double base = __dsub_rn(norm[a], __dmul_rn(2.0, alpha[a]));
+                const double d = __dadd_rn(__dsub_rn(__dadd_rn(base, norm[b]), __dmul_rn(2.0, beta[b])), __dmul_rn(2.0, cross[i]));
+                if (d < best) { best = d; at = i; }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const double ob = __shfl_xor_sync(0xffffffffu, best, o);
+                const int oat = __shfl_xor_sync(0xffffffffu, at, o);
+                const bool take = oat >= 0 && (at < 0 || ob < best || (!(best < ob) && oat < at));
+                if (take) { best = ob; at = oat; }
+            }
+            if (at < 0) at = 0;   // every distance NaN or +inf: the reference keeps index 0
+            const int a = at / L, b = at % L;
+            const double* ca = c + (long)a * DIM;
+            const double* icb = ic + (long)b * DIM;
+            for (int i = lane; i < DIM; i += 32) z[i] = __dsub_rn(z[i], __dadd_rn(ca[i], icb[i]));
+            if (lane == 0) codes_s[(group * R + round) * PAGE + r] = (kvq_u32)a << HALF_BITS | (kvq_u32)b;
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    // Pack each (group, round) stream: code r at bits r·w .. r·w + w, LSB first, maybe straddling.
+    constexpr int W = KSide::CODE_BITS, SW = KSide::STREAM_WORDS;
+    kvq_u32* words = (kvq_u32*)(block + KSide::CODES_OFFSET);
+    for (int i = threadIdx.x; i < GROUPS * R * SW; i += blockDim.x) {
+        const int stream = i / SW, w = i % SW;
+        const kvq_u32* cs = codes_s + stream * PAGE;
+        kvq_u32 word = 0;
+        const int lo = (32 * w) / W, hi = min(PAGE - 1, (32 * w + 31) / W);
+        for (int r = lo; r <= hi; ++r) {
+            const int shift = r * W - 32 * w;   // may be negative: the code's high part
+            const unsigned long long c = cs[r];
+            word |= (kvq_u32)(shift >= 0 ? c << shift : c >> -shift);
+        }
+        words[i] = word;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Binary additive tensors (kvq_reference::commvq::additive::encode_vector, span = head): grid
+// (pages, kv_heads), a thread a token. u = (x − μ) ⊘ σ, its direction coded by iterated conditional
+// modes over the row pairs from the zero code (at most ENCODE_SWEEPS passes), w = ‖u‖ / ‖s·C‖.
+
+struct KvqAdditiveTables { const double *rows, *norm, *pair_cross, *mean, *scale; };
+static constexpr int KVQ_ENCODE_SWEEPS = 6;   // kvq_reference::commvq::additive::ENCODE_SWEEPS
+
+template <class S>
+static __device__ void kvq_encode_additive(KvqCbRows src, int page0, int slot, kvq_u8* pool, const kvq_i32* page_table, int max_pages,
+                                           KvqAdditiveTables tab, kvq_u32* status) {
+    constexpr int ROWS = S::ROWS, WORDS = ROWS / 32;
+    const int j = blockIdx.x, kvh = blockIdx.y, kv_heads = gridDim.y;
+    const int page = page0 + j;
+    src.first += j * PAGE;
+    kvq_u8* block = kvq_cb_zero_block<S>(pool, page_table, max_pages, slot, page, kvh, kv_heads);
+    const double* rows = tab.rows + (long)kvh * ROWS * D;
+    const double* norm = tab.norm + (long)kvh * ROWS;
+    const double* pair_cross = tab.pair_cross + (long)kvh * (ROWS / 2);
+    const double* mean = tab.mean + (long)kvh * D;
+    const double* scale = tab.scale + (long)kvh * D;
+    for (int r = threadIdx.x; r < PAGE; r += blockDim.x) {
+        const kvq_u16* x = src.row(kvh, r);
+        const int tok = SINK + page * PAGE + r;
+        double res[D];
+        double sum = -0.0;
+        bool bad = false;
+        for (int c = 0; c < D; ++c) {
+            bad = bad || !kvq_cb_cacheable(x[c]);
+            res[c] = __ddiv_rn(__dsub_rn(kvq_io_to_f64(x[c]), mean[c]), scale[c]);
+            sum = __dadd_rn(sum, __dmul_rn(res[c], res[c]));
+        }
+        if (bad) kvq_cb_flag(status, KVQ_CB_BAD_INPUT, 1, tok);
+        const double unorm = __dsqrt_rn(sum);
+        kvq_u32 code[WORDS];
+#pragma unroll
+        for (int w = 0; w < WORDS; ++w) code[w] = 0;
+        kvq_u16 factor = 0;
+        if (unorm != 0.0) {
+            for (int c = 0; c < D; ++c) res[c] = __ddiv_rn(res[c], unorm);   // the target; the code is empty
+            for (int sweep = 0; sweep < KVQ_ENCODE_SWEEPS; ++sweep) {
+                bool changed = false;
+                for (int grp = 0; grp < ROWS / 2; ++grp) {
+                    const int a = 2 * grp, b = a + 1;
+                    const kvq_u32 bits = code[a / 32] >> (a % 32);
+                    const double sa = (double)(bits & 1), sb = (double)(bits >> 1 & 1);
+                    const double q = pair_cross[grp], na = norm[a], nb = norm[b];
+                    const double* ra = rows + (long)a * D;
+                    const double* rb = rows + (long)b * D;
+                    const double da = __dadd_rn(__dadd_rn(kvq_dot4<D>(res, ra), __dmul_rn(sa, na)), __dmul_rn(sb, q));
+                    const double db = __dadd_rn(__dadd_rn(kvq_dot4<D>(res, rb), __dmul_rn(sb, nb)), __dmul_rn(sa, q));
+                    double best = 0.0;
+                    int choice = 0;   // bit 0: row a on, bit 1: row b on
+#pragma unroll
+                    for (int opt = 1; opt <= 3; ++opt) {   // (on, off), (off, on), (on, on)
+                        const double oa = (double)(opt & 1), ob = (double)(opt >> 1);
+                        const double cost =
+                            __dadd_rn(__dadd_rn(__dadd_rn(__dmul_rn(-2.0, __dadd_rn(__dmul_rn(oa, da), __dmul_rn(ob, db))), __dmul_rn(oa, na)),
+                                                __dmul_rn(ob, nb)),
+                                      __dmul_rn(__dmul_rn(__dmul_rn(2.0, oa), ob), q));
+                        if (cost < best) { best = cost; choice = opt; }
+                    }
+                    const int old = (int)(bits & 3);
+                    if (choice != old) {
+                        changed = true;
+                        // Row a then row b: add a row leaving the code, subtract one joining it.
+                        for (int e = 0; e < 2; ++e) {
+                            const int was = old >> e & 1, now = choice >> e & 1;
+                            const double* row = e == 0 ? ra : rb;
+                            if (was && !now) for (int c = 0; c < D; ++c) res[c] = __dadd_rn(res[c], row[c]);
+                            if (!was && now) for (int c = 0; c < D; ++c) res[c] = __dsub_rn(res[c], row[c]);
+                        }
+                        code[a / 32] = (code[a / 32] & ~(3u << (a % 32))) | (kvq_u32)choice << (a % 32);
+                    }
+                }
+                if (!changed) break;
+            }
+            // ‖s·C‖: each channel's sum of the code's rows in row order, then the squares in order.
+            double dn2 = -0.0;
+            for (int c = 0; c < D; ++c) {
+                double o = 0.0;
+                for (int row = 0; row < ROWS; ++row)
+                    if (code[row / 32] >> (row % 32) & 1) o = __dadd_rn(o, rows[(long)row * D + c]);
+                dn2 = __dadd_rn(dn2, __dmul_rn(o, o));
+            }
+            const double dn = __dsqrt_rn(dn2);
+            factor = kvq_f64_to_f16(dn > 0.0 ? __ddiv_rn(unorm, dn) : 0.0);
+            if (!kvq_f16_bits_finite(factor)) kvq_cb_flag(status, KVQ_CB_FACTOR_OVERFLOW, 2, tok);
+        }
+        kvq_u32* words = (kvq_u32*)(block + S::CODES_OFFSET);
+#pragma unroll
+        for (int w = 0; w < WORDS; ++w) words[w * PAGE + r] = code[w];
+        ((kvq_u16*)(block + S::SCALES_OFFSET))[r] = factor;
+    }
+}
+
+// One side's page encoder, its tables t0… in the order kvq_reference::commvq::encoder lists them:
+// RoPE keys (c, ic, norm, cross), additive (rows, norm, pair_cross, mean, scale).
+template <class S>
+static __device__ __forceinline__ void kvq_cb_encode_pages(KvqCbRows src, int page0, int slot, kvq_u8* pool, const kvq_i32* page_table,
+                                                           int max_pages, const double* t0, const double* t1, const double* t2,
+                                                           const double* t3, const double* t4, kvq_u32* status) {
+    if constexpr (S::KIND == KvqCbKind::Rope) {
+        kvq_encode_rope_keys(src, page0, slot, pool, page_table, max_pages, KvqRopeTables{t0, t1, t2, t3}, status);
+    } else if constexpr (S::KIND == KvqCbKind::Additive) {
+        kvq_encode_additive<S>(src, page0, slot, pool, page_table, max_pages, KvqAdditiveTables{t0, t1, t2, t3, t4}, status);
+    }
+}
