@@ -11,12 +11,14 @@ use kvq_reference::commvq::device::{DeviceLayout, SideKind, SideLayout};
 use kvq_spec::{CacheSource, SchemeSpec};
 use serde::Serialize;
 
-/// Warps of a RoPE key encoder CTA (a warp codes one token's group vector at a time).
-pub const ENCODE_WARPS: u32 = 8;
+/// Warps of an encoder CTA: a RoPE key encoder's warp codes up to [`ENCODE_TOKENS`] tokens' group
+/// vectors together, an additive encoder's takes four tokens, eight lanes each.
+pub const ENCODE_WARPS: u32 = 4;
+/// Tokens a RoPE key encoder warp codes together where shared memory allows (fewer otherwise):
+/// each table entry it reads serves them all.
+pub const ENCODE_TOKENS: u32 = 4;
 /// Threads of the row-storing kernel (a CTA a token and KV head, threads over the channels).
 pub const STORE_THREADS: u32 = 128;
-/// Most threads of an additive encoder CTA (a thread a token of the page).
-const ADDITIVE_THREADS: u32 = 128;
 /// Static shared memory a CTA may take without the opt-in.
 const STATIC_SHARED_LIMIT: usize = 48 * 1024;
 /// The encoders keep a token's residual in registers and local memory.
@@ -53,14 +55,17 @@ struct UnitCtx {
     page: u32,
     sink: u32,
     encode_warps: u32,
+    encode_tokens: u32,
     store_threads: u32,
     store_name: String,
     sides: Vec<SideCtx>,
     encoders: Vec<EncoderCtx>,
 }
 
-/// Bytes of the RoPE key encoder's static shared tables (kvq_encode_rope_keys).
-fn rope_shared_bytes(side: &SideLayout) -> usize {
+/// Bytes of a side's encoder's static shared tables (kvq/codebook/encode.cuh) when a RoPE key warp
+/// codes `tokens` tokens together.
+fn shared_bytes(side: &SideLayout, tokens: usize) -> usize {
+    let warps = ENCODE_WARPS as usize;
     match side.kind {
         SideKind::Rope {
             levels,
@@ -69,14 +74,23 @@ fn rope_shared_bytes(side: &SideLayout) -> usize {
             groups,
             ..
         } => {
-            let warps = ENCODE_WARPS as usize;
-            8 * warps * 2 * pairs_per_code
-                + 8 * 2 * warps * levels
+            8 * warps * tokens * 2 * pairs_per_code
+                + 8 * 2 * warps * tokens * levels
                 + 4 * groups * residuals * side.page
                 + 8 * side.page
         }
-        _ => 0,
+        // Eight lanes a token, its residual in shared memory.
+        SideKind::Additive { .. } => 8 * warps * 32 / 8 * side.head_dim,
+        SideKind::Fp16 => 0,
     }
+}
+
+/// Tokens a RoPE key warp codes together: the most of ENCODE_TOKENS, 2, 1 that fit.
+fn rope_tokens(side: &SideLayout) -> u32 {
+    [ENCODE_TOKENS, 2, 1]
+        .into_iter()
+        .find(|&t| shared_bytes(side, t as usize) <= STATIC_SHARED_LIMIT)
+        .unwrap_or(1)
 }
 
 fn unsupported(spec: &SchemeSpec, layout: &DeviceLayout) -> Option<String> {
@@ -96,7 +110,7 @@ fn unsupported(spec: &SchemeSpec, layout: &DeviceLayout) -> Option<String> {
             ));
         }
     }
-    let shared = rope_shared_bytes(&layout.k);
+    let shared = shared_bytes(&layout.k, 1);
     if shared > STATIC_SHARED_LIMIT {
         return Some(format!(
             "a key page encoder needs {} KiB of shared memory (codes of every round of the page), over {} KiB",
@@ -168,11 +182,7 @@ fn store_entry(name: &str) -> KernelEntry {
 fn encoder_threads(side: &SideLayout) -> Option<u32> {
     match side.kind {
         SideKind::Fp16 => None,
-        SideKind::Rope { .. } => Some(32 * ENCODE_WARPS),
-        SideKind::Additive { .. } => {
-            let page = u32::try_from(side.page).unwrap_or(u32::MAX);
-            Some(page.div_ceil(32).clamp(1, ADDITIVE_THREADS / 32) * 32)
-        }
+        SideKind::Rope { .. } | SideKind::Additive { .. } => Some(32 * ENCODE_WARPS),
     }
 }
 
@@ -218,6 +228,7 @@ pub fn codebook_encode_kernels(
         page: spec.page,
         sink: spec.sink,
         encode_warps: ENCODE_WARPS,
+        encode_tokens: rope_tokens(&layout.k),
         store_threads: STORE_THREADS,
         store_name: format!("kvq_cb_store_{id}"),
         sides: vec![side_ctx("KSide", &layout.k), side_ctx("VSide", &layout.v)],
@@ -251,8 +262,8 @@ mod tests {
     fn a_coded_side_gets_an_encoder_an_fp16_side_none() {
         let both = codebook_encode_kernels(&spec(COMMVQ2), 128, Dtype::F16, 8).unwrap();
         let (k, v) = (both.encode_k.unwrap(), both.encode_v.unwrap());
-        assert_eq!(k.block, 32 * ENCODE_WARPS);
-        assert_eq!(v.block, 128);
+        assert_eq!((k.block, v.block), (32 * ENCODE_WARPS, 32 * ENCODE_WARPS));
+        assert!(both.source.contains("ENCODE_TOKENS = 4;"));
         assert!(both.source.contains(&k.name) && both.source.contains(&v.name));
         assert!(both.source.contains(&both.store.name));
         assert!(both.source.contains("TOKEN_SCALE = true"));
@@ -264,7 +275,7 @@ mod tests {
         )
         .unwrap();
         assert!(keys_only.encode_k.is_none());
-        assert_eq!(keys_only.encode_v.unwrap().block, 32);
+        assert_eq!(keys_only.encode_v.unwrap().block, 32 * ENCODE_WARPS);
         assert!(keys_only.source.contains("KvqDtype::Bf16"));
     }
 

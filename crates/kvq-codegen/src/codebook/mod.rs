@@ -10,4 +10,6 @@ pub use decode::{
     codebook_kernels, has_codebook_kernel, CodebookKernels, CODEBOOK_SMEM_THREADS,
     CODEBOOK_SMEM_TILE, CODEBOOK_THREADS, CODEBOOK_TILE,
 };
-pub use encode::{codebook_encode_kernels, CodebookEncodeKernels, ENCODE_WARPS, STORE_THREADS};
+pub use encode::{
+    codebook_encode_kernels, CodebookEncodeKernels, ENCODE_TOKENS, ENCODE_WARPS, STORE_THREADS,
+};

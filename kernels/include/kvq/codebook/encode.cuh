@@ -4,8 +4,8 @@
 // kvq_reference::commvq::device lays out from CommVqCache::build_rotated on the same inputs.
 //
 // The including unit defines (kvq/common.cuh, kvq/io.cuh and kvq/codebook/side.cuh first):
-//   IO, D, PAGE, SINK, KSide and VSide (side.cuh's members), and ENCODE_WARPS (warps of a RoPE
-//   key encoder CTA).
+//   IO, D, PAGE, SINK, KSide and VSide (side.cuh's members), ENCODE_WARPS (warps of an encoder
+//   CTA) and ENCODE_TOKENS (tokens a warp of the RoPE key encoder codes together).
 //
 // Exactness: the reference encoders compute in f64 (kvq_reference::commvq::key, ::additive). Every
 // arithmetic step here is the same IEEE f64 operation in the same order — explicit __dadd_rn /
@@ -133,9 +133,11 @@ static __device__ __forceinline__ kvq_u8* kvq_cb_zero_block(kvq_u8* pool, const 
 // ---------------------------------------------------------------------------------------------
 // RoPE-commutative keys (kvq_reference::commvq::key::GroupEncoder): grid (pages, kv_heads), block
 // ENCODE_WARPS warps; page j of the launch is logical page page0 + j, its tokens the source's rows
-// j·PAGE … A warp codes one (token, group) vector at a time: lanes compute the projections α, β of
-// the entries, then the lanes' shares of the N'² distances and a warp argmin (ties: the smallest
-// a·N' + b, the reference's first strict minimum), then the residual update.
+// j·PAGE … A warp codes ENCODE_TOKENS tokens' vectors of one group together, so each table entry it
+// reads serves them all: lanes compute the projections α, β of the entries, then the lanes' shares
+// of the N'² distances and a warp argmin per token (ties: the smallest a·N' + b, the reference's
+// first strict minimum), then the residual updates. Each token's arithmetic is its own, in the
+// reference's order.
 
 struct KvqRopeTables { const double *c, *ic, *norm, *cross; };
 
@@ -162,12 +164,39 @@ static __device__ __forceinline__ void kvq_rk_scale(const KvqCbRows& src, int r,
     inv = s > 0.0 ? __ddiv_rn(1.0, s) : 0.0;
 }
 
+// kvq_dot4 of T vectors x[t] (rows of stride N) with one y, reading each y element once.
+template <int T, int N>
+static __device__ __forceinline__ void kvq_dot4_many(const double* x, const double* y, double (&out)[T]) {
+    double a[T][4];
+#pragma unroll
+    for (int t = 0; t < T; ++t) a[t][0] = a[t][1] = a[t][2] = a[t][3] = 0.0;
+#pragma unroll 2
+    for (int k = 0; k < N / 4; ++k) {
+        const double y0 = y[4 * k], y1 = y[4 * k + 1], y2 = y[4 * k + 2], y3 = y[4 * k + 3];
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            const double* xt = x + t * N + 4 * k;
+            a[t][0] = __dadd_rn(a[t][0], __dmul_rn(xt[0], y0));
+            a[t][1] = __dadd_rn(a[t][1], __dmul_rn(xt[1], y1));
+            a[t][2] = __dadd_rn(a[t][2], __dmul_rn(xt[2], y2));
+            a[t][3] = __dadd_rn(a[t][3], __dmul_rn(xt[3], y3));
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+        double tail = -0.0;
+#pragma unroll
+        for (int i = N / 4 * 4; i < N; ++i) tail = __dadd_rn(tail, __dmul_rn(x[t * N + i], y[i]));
+        out[t] = __dadd_rn(__dadd_rn(__dadd_rn(a[t][0], a[t][1]), __dadd_rn(a[t][2], a[t][3])), tail);
+    }
+}
+
 static __device__ void kvq_encode_rope_keys(KvqCbRows src, int page0, int slot, kvq_u8* pool, const kvq_i32* page_table, int max_pages,
                                             KvqRopeTables tab, kvq_u32* status) {
     constexpr int G = KSide::PAIRS, GROUPS = KSide::GROUPS, R = KSide::RESIDUALS, L = KVQ_RK_LEVELS, DIM = KVQ_RK_DIM;
-    constexpr int HALF_BITS = KSide::CODE_BITS / 2;
-    __shared__ double z_s[ENCODE_WARPS][DIM];
-    __shared__ double alpha_s[ENCODE_WARPS][L], beta_s[ENCODE_WARPS][L];
+    constexpr int T = ENCODE_TOKENS, HALF_BITS = KSide::CODE_BITS / 2;
+    __shared__ double z_s[ENCODE_WARPS][T][DIM];
+    __shared__ double alpha_s[ENCODE_WARPS][T][L], beta_s[ENCODE_WARPS][T][L];
     __shared__ kvq_u32 codes_s[GROUPS * R * PAGE];
     __shared__ double inv_s[PAGE];
     const int j = blockIdx.x, kvh = blockIdx.y, kv_heads = gridDim.y;
@@ -186,52 +215,70 @@ static __device__ void kvq_encode_rope_keys(KvqCbRows src, int page0, int slot, 
         scales[r] = bits;
     }
     __syncthreads();
-    double* z = z_s[warp];
-    double* alpha = alpha_s[warp];
-    double* beta = beta_s[warp];
-    for (int v = warp; v < PAGE * GROUPS; v += ENCODE_WARPS) {
-        const int r = v / GROUPS, group = v % GROUPS;
-        const kvq_u16* row = src.row(kvh, r);
-        const double inv = inv_s[r];
-        for (int i = lane; i < G; i += 32) {   // pairs::gather: (x_p, x_{p+D/2}) · inv
-            const int p = group * G + i;
-            z[2 * i] = __dmul_rn(kvq_io_to_f64(row[p]), inv);
-            z[2 * i + 1] = __dmul_rn(kvq_io_to_f64(row[p + D / 2]), inv);
+    double* z = &z_s[warp][0][0];
+    double* alpha = &alpha_s[warp][0][0];
+    double* beta = &beta_s[warp][0][0];
+    constexpr int CHUNKS = (PAGE + T - 1) / T;   // a group's tokens, T at a time
+    for (int w = warp; w < GROUPS * CHUNKS; w += ENCODE_WARPS) {
+        const int group = w / CHUNKS, r0 = (w % CHUNKS) * T;
+        // Tokens past the page repeat its last token: computed, never written.
+        for (int i = lane; i < T * G; i += 32) {   // pairs::gather: (x_p, x_{p+D/2}) · inv
+            const int t = i / G, pair = i % G, r = min(r0 + t, PAGE - 1);
+            const kvq_u16* row = src.row(kvh, r);
+            const int p = group * G + pair;
+            z[t * DIM + 2 * pair] = __dmul_rn(kvq_io_to_f64(row[p]), inv_s[r]);
+            z[t * DIM + 2 * pair + 1] = __dmul_rn(kvq_io_to_f64(row[p + D / 2]), inv_s[r]);
         }
         __syncwarp();
         for (int round = 0; round < R; ++round) {
-            const long t = ((long)kvh * GROUPS + group) * R + round;
-            const double* c = tab.c + t * L * DIM;
-            const double* ic = tab.ic + t * L * DIM;
-            const double* norm = tab.norm + t * L;
-            const double* cross = tab.cross + t * L * L;
+            const long tb = ((long)kvh * GROUPS + group) * R + round;
+            const double* c = tab.c + tb * L * DIM;
+            const double* ic = tab.ic + tb * L * DIM;
+            const double* norm = tab.norm + tb * L;
+            const double* cross = tab.cross + tb * L * L;
             for (int k = lane; k < L; k += 32) {
-                alpha[k] = kvq_dot4<DIM>(z, c + (long)k * DIM);
-                beta[k] = kvq_dot4<DIM>(z, ic + (long)k * DIM);
+                double a[T], b[T];
+                kvq_dot4_many<T, DIM>(z, c + (long)k * DIM, a);
+                kvq_dot4_many<T, DIM>(z, ic + (long)k * DIM, b);
+#pragma unroll
+                for (int t = 0; t < T; ++t) { alpha[t * L + k] = a[t]; beta[t * L + k] = b[t]; }
             }
             __syncwarp();
             // RoundTables::distances then nearest: (norm_a − 2α_a) + norm_b − 2β_b + 2χ_ab.
-            double best = __longlong_as_double(0x7ff0000000000000ll);
-            int at = -1;
+            double best[T];
+            int at[T];
+#pragma unroll
+            for (int t = 0; t < T; ++t) { best[t] = __longlong_as_double(0x7ff0000000000000ll); at[t] = -1; }
             for (int i = lane; i < L * L; i += 32) {
                 const int a = i / L, b = i % L;
-                const double base = __dsub_rn(norm[a], __dmul_rn(2.0, alpha[a]));
-                const double d = __dadd_rn(__dsub_rn(__dadd_rn(base, norm[b]), __dmul_rn(2.0, beta[b])), __dmul_rn(2.0, cross[i]));
-                if (d < best) { best = d; at = i; }
+                const double na = norm[a], nb = norm[b], x2 = __dmul_rn(2.0, cross[i]);
+#pragma unroll
+                for (int t = 0; t < T; ++t) {
+                    const double base = __dsub_rn(na, __dmul_rn(2.0, alpha[t * L + a]));
+                    const double d = __dadd_rn(__dsub_rn(__dadd_rn(base, nb), __dmul_rn(2.0, beta[t * L + b])), x2);
+                    if (d < best[t]) { best[t] = d; at[t] = i; }
+                }
             }
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                const double ob = __shfl_xor_sync(0xffffffffu, best, o);
-                const int oat = __shfl_xor_sync(0xffffffffu, at, o);
-                const bool take = oat >= 0 && (at < 0 || ob < best || (!(best < ob) && oat < at));
-                if (take) { best = ob; at = oat; }
+            for (int t = 0; t < T; ++t) {
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) {
+                    const double ob = __shfl_xor_sync(0xffffffffu, best[t], o);
+                    const int oat = __shfl_xor_sync(0xffffffffu, at[t], o);
+                    const bool take = oat >= 0 && (at[t] < 0 || ob < best[t] || (!(best[t] < ob) && oat < at[t]));
+                    if (take) { best[t] = ob; at[t] = oat; }
+                }
+                if (at[t] < 0) at[t] = 0;   // every distance NaN or +inf: the reference keeps index 0
             }
-            if (at < 0) at = 0;   // every distance NaN or +inf: the reference keeps index 0
-            const int a = at / L, b = at % L;
-            const double* ca = c + (long)a * DIM;
-            const double* icb = ic + (long)b * DIM;
-            for (int i = lane; i < DIM; i += 32) z[i] = __dsub_rn(z[i], __dadd_rn(ca[i], icb[i]));
-            if (lane == 0) codes_s[(group * R + round) * PAGE + r] = (kvq_u32)a << HALF_BITS | (kvq_u32)b;
+            __syncwarp();   // every lane has read α and β before the next round writes them
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                const int a = at[t] / L, b = at[t] % L;
+                const double* ca = c + (long)a * DIM;
+                const double* icb = ic + (long)b * DIM;
+                for (int i = lane; i < DIM; i += 32) z[t * DIM + i] = __dsub_rn(z[t * DIM + i], __dadd_rn(ca[i], icb[i]));
+                if (lane == 0 && r0 + t < PAGE) codes_s[(group * R + round) * PAGE + r0 + t] = (kvq_u32)a << HALF_BITS | (kvq_u32)b;
+            }
             __syncwarp();
         }
     }
@@ -255,18 +302,39 @@ static __device__ void kvq_encode_rope_keys(KvqCbRows src, int page0, int slot, 
 
 // ---------------------------------------------------------------------------------------------
 // Binary additive tensors (kvq_reference::commvq::additive::encode_vector, span = head): grid
-// (pages, kv_heads), a thread a token. u = (x − μ) ⊘ σ, its direction coded by iterated conditional
-// modes over the row pairs from the zero code (at most ENCODE_SWEEPS passes), w = ‖u‖ / ‖s·C‖.
+// (pages, kv_heads), ENCODE_WARPS warps, eight lanes a token (four tokens a warp). u = (x − μ) ⊘ σ,
+// its direction coded by iterated conditional modes over the row pairs from the zero code (at most
+// ENCODE_SWEEPS passes), w = ‖u‖ / ‖s·C‖. The eight lanes split each pass's two dot products by
+// the reference's four accumulators (lanes 0–3 row a, 4–7 row b) and the residual's channels; the
+// sums over channels in order stay on one lane.
 
 struct KvqAdditiveTables { const double *rows, *norm, *pair_cross, *mean, *scale; };
 static constexpr int KVQ_ENCODE_SWEEPS = 6;   // kvq_reference::commvq::additive::ENCODE_SWEEPS
+static constexpr int KVQ_AV_LANES = 8;        // lanes a token
+static constexpr int KVQ_AV_TOKENS = ENCODE_WARPS * 32 / KVQ_AV_LANES;   // tokens a CTA at a time
+
+// One of the reference's dot products of the residual `res` with `row`, from the lanes of a half
+// (four lanes, accumulator `acc` each): ((a0 + a1) + (a2 + a3)) + the remainder's sum.
+static __device__ __forceinline__ double kvq_av_half_dot(const double* res, const double* row, int lane) {
+    const int acc = lane % 4, first = lane & ~3;
+    double a = 0.0;
+    for (int k = 0; k < D / 4; ++k) a = __dadd_rn(a, __dmul_rn(res[4 * k + acc], row[4 * k + acc]));
+    double tail = -0.0;
+    for (int i = D / 4 * 4; i < D; ++i) tail = __dadd_rn(tail, __dmul_rn(res[i], row[i]));
+    const double a0 = __shfl_sync(0xffffffffu, a, first), a1 = __shfl_sync(0xffffffffu, a, first + 1);
+    const double a2 = __shfl_sync(0xffffffffu, a, first + 2), a3 = __shfl_sync(0xffffffffu, a, first + 3);
+    return __dadd_rn(__dadd_rn(__dadd_rn(a0, a1), __dadd_rn(a2, a3)), tail);
+}
 
 template <class S>
 static __device__ void kvq_encode_additive(KvqCbRows src, int page0, int slot, kvq_u8* pool, const kvq_i32* page_table, int max_pages,
                                            KvqAdditiveTables tab, kvq_u32* status) {
     constexpr int ROWS = S::ROWS, WORDS = ROWS / 32;
+    __shared__ double res_s[KVQ_AV_TOKENS][D];
     const int j = blockIdx.x, kvh = blockIdx.y, kv_heads = gridDim.y;
     const int page = page0 + j;
+    const int lane = threadIdx.x % 32, sub = threadIdx.x / KVQ_AV_LANES, jl = lane % KVQ_AV_LANES;
+    const int lead = lane - jl;   // the token's first lane
     src.first += j * PAGE;
     kvq_u8* block = kvq_cb_zero_block<S>(pool, page_table, max_pages, slot, page, kvh, kv_heads);
     const double* rows = tab.rows + (long)kvh * ROWS * D;
@@ -274,78 +342,97 @@ static __device__ void kvq_encode_additive(KvqCbRows src, int page0, int slot, k
     const double* pair_cross = tab.pair_cross + (long)kvh * (ROWS / 2);
     const double* mean = tab.mean + (long)kvh * D;
     const double* scale = tab.scale + (long)kvh * D;
-    for (int r = threadIdx.x; r < PAGE; r += blockDim.x) {
-        const kvq_u16* x = src.row(kvh, r);
+    double* res = res_s[sub];
+    // Every lane of a warp runs the same number of passes of the same loops (shuffles need the
+    // whole warp): a token past the page or already settled computes and changes nothing.
+    for (int r0 = 0; r0 < PAGE; r0 += KVQ_AV_TOKENS) {
+        const int r = r0 + sub;
+        const bool live = r < PAGE;
+        const kvq_u16* x = src.row(kvh, live ? r : PAGE - 1);
         const int tok = SINK + page * PAGE + r;
-        double res[D];
-        double sum = -0.0;
         bool bad = false;
-        for (int c = 0; c < D; ++c) {
+        for (int c = jl; c < D; c += KVQ_AV_LANES) {
             bad = bad || !kvq_cb_cacheable(x[c]);
             res[c] = __ddiv_rn(__dsub_rn(kvq_io_to_f64(x[c]), mean[c]), scale[c]);
-            sum = __dadd_rn(sum, __dmul_rn(res[c], res[c]));
         }
-        if (bad) kvq_cb_flag(status, KVQ_CB_BAD_INPUT, 1, tok);
-        const double unorm = __dsqrt_rn(sum);
+        if (bad && live) kvq_cb_flag(status, KVQ_CB_BAD_INPUT, 1, tok);
+        __syncwarp();
+        double sum = -0.0;
+        if (jl == 0)
+            for (int c = 0; c < D; ++c) sum = __dadd_rn(sum, __dmul_rn(res[c], res[c]));
+        const double unorm = __dsqrt_rn(__shfl_sync(0xffffffffu, sum, lead));
         kvq_u32 code[WORDS];
 #pragma unroll
         for (int w = 0; w < WORDS; ++w) code[w] = 0;
-        kvq_u16 factor = 0;
-        if (unorm != 0.0) {
-            for (int c = 0; c < D; ++c) res[c] = __ddiv_rn(res[c], unorm);   // the target; the code is empty
-            for (int sweep = 0; sweep < KVQ_ENCODE_SWEEPS; ++sweep) {
-                bool changed = false;
-                for (int grp = 0; grp < ROWS / 2; ++grp) {
-                    const int a = 2 * grp, b = a + 1;
-                    const kvq_u32 bits = code[a / 32] >> (a % 32);
-                    const double sa = (double)(bits & 1), sb = (double)(bits >> 1 & 1);
-                    const double q = pair_cross[grp], na = norm[a], nb = norm[b];
-                    const double* ra = rows + (long)a * D;
-                    const double* rb = rows + (long)b * D;
-                    const double da = __dadd_rn(__dadd_rn(kvq_dot4<D>(res, ra), __dmul_rn(sa, na)), __dmul_rn(sb, q));
-                    const double db = __dadd_rn(__dadd_rn(kvq_dot4<D>(res, rb), __dmul_rn(sb, nb)), __dmul_rn(sa, q));
-                    double best = 0.0;
-                    int choice = 0;   // bit 0: row a on, bit 1: row b on
+        const bool coded = unorm != 0.0;
+        if (coded)
+            for (int c = jl; c < D; c += KVQ_AV_LANES) res[c] = __ddiv_rn(res[c], unorm);   // the target
+        __syncwarp();
+        bool active = coded;
+        for (int sweep = 0; sweep < KVQ_ENCODE_SWEEPS && __any_sync(0xffffffffu, active); ++sweep) {
+            bool changed = false;
+            for (int grp = 0; grp < ROWS / 2; ++grp) {
+                const int a = 2 * grp, b = a + 1;
+                const kvq_u32 bits = code[a / 32] >> (a % 32);
+                const double sa = (double)(bits & 1), sb = (double)(bits >> 1 & 1);
+                const double q = pair_cross[grp], na = norm[a], nb = norm[b];
+                const double* ra = rows + (long)a * D;
+                const double* rb = rows + (long)b * D;
+                const double dot = kvq_av_half_dot(res, jl < 4 ? ra : rb, lane);
+                const double dot_a = __shfl_sync(0xffffffffu, dot, lead), dot_b = __shfl_sync(0xffffffffu, dot, lead + 4);
+                const double da = __dadd_rn(__dadd_rn(dot_a, __dmul_rn(sa, na)), __dmul_rn(sb, q));
+                const double db = __dadd_rn(__dadd_rn(dot_b, __dmul_rn(sb, nb)), __dmul_rn(sa, q));
+                double best = 0.0;
+                int choice = 0;   // bit 0: row a on, bit 1: row b on
 #pragma unroll
-                    for (int opt = 1; opt <= 3; ++opt) {   // (on, off), (off, on), (on, on)
-                        const double oa = (double)(opt & 1), ob = (double)(opt >> 1);
-                        const double cost =
-                            __dadd_rn(__dadd_rn(__dadd_rn(__dmul_rn(-2.0, __dadd_rn(__dmul_rn(oa, da), __dmul_rn(ob, db))), __dmul_rn(oa, na)),
-                                                __dmul_rn(ob, nb)),
-                                      __dmul_rn(__dmul_rn(__dmul_rn(2.0, oa), ob), q));
-                        if (cost < best) { best = cost; choice = opt; }
-                    }
-                    const int old = (int)(bits & 3);
-                    if (choice != old) {
-                        changed = true;
-                        // Row a then row b: add a row leaving the code, subtract one joining it.
-                        for (int e = 0; e < 2; ++e) {
-                            const int was = old >> e & 1, now = choice >> e & 1;
-                            const double* row = e == 0 ? ra : rb;
-                            if (was && !now) for (int c = 0; c < D; ++c) res[c] = __dadd_rn(res[c], row[c]);
-                            if (!was && now) for (int c = 0; c < D; ++c) res[c] = __dsub_rn(res[c], row[c]);
-                        }
-                        code[a / 32] = (code[a / 32] & ~(3u << (a % 32))) | (kvq_u32)choice << (a % 32);
-                    }
+                for (int opt = 1; opt <= 3; ++opt) {   // (on, off), (off, on), (on, on)
+                    const double oa = (double)(opt & 1), ob = (double)(opt >> 1);
+                    const double cost =
+                        __dadd_rn(__dadd_rn(__dadd_rn(__dmul_rn(-2.0, __dadd_rn(__dmul_rn(oa, da), __dmul_rn(ob, db))), __dmul_rn(oa, na)),
+                                            __dmul_rn(ob, nb)),
+                                  __dmul_rn(__dmul_rn(__dmul_rn(2.0, oa), ob), q));
+                    if (cost < best) { best = cost; choice = opt; }
                 }
-                if (!changed) break;
+                const int old = (int)(bits & 3);
+                __syncwarp();   // the dots have read the residual
+                if (active && choice != old) {
+                    changed = true;
+                    // Row a then row b: add a row leaving the code, subtract one joining it.
+                    for (int e = 0; e < 2; ++e) {
+                        const int was = old >> e & 1, now = choice >> e & 1;
+                        const double* row = e == 0 ? ra : rb;
+                        if (was && !now) for (int c = jl; c < D; c += KVQ_AV_LANES) res[c] = __dadd_rn(res[c], row[c]);
+                        if (!was && now) for (int c = jl; c < D; c += KVQ_AV_LANES) res[c] = __dsub_rn(res[c], row[c]);
+                    }
+                    code[a / 32] = (code[a / 32] & ~(3u << (a % 32))) | (kvq_u32)choice << (a % 32);
+                }
+                __syncwarp();
             }
-            // ‖s·C‖: each channel's sum of the code's rows in row order, then the squares in order.
-            double dn2 = -0.0;
-            for (int c = 0; c < D; ++c) {
-                double o = 0.0;
-                for (int row = 0; row < ROWS; ++row)
-                    if (code[row / 32] >> (row % 32) & 1) o = __dadd_rn(o, rows[(long)row * D + c]);
-                dn2 = __dadd_rn(dn2, __dmul_rn(o, o));
-            }
-            const double dn = __dsqrt_rn(dn2);
-            factor = kvq_f64_to_f16(dn > 0.0 ? __ddiv_rn(unorm, dn) : 0.0);
-            if (!kvq_f16_bits_finite(factor)) kvq_cb_flag(status, KVQ_CB_FACTOR_OVERFLOW, 2, tok);
+            active = active && changed;
         }
-        kvq_u32* words = (kvq_u32*)(block + S::CODES_OFFSET);
+        // ‖s·C‖: each channel's sum of the code's rows in row order, then the squares in order.
+        for (int c = jl; c < D; c += KVQ_AV_LANES) {
+            double o = 0.0;
+            for (int row = 0; row < ROWS; ++row)
+                if (code[row / 32] >> (row % 32) & 1) o = __dadd_rn(o, rows[(long)row * D + c]);
+            res[c] = o;
+        }
+        __syncwarp();
+        if (jl == 0 && live) {
+            kvq_u16 factor = 0;
+            if (coded) {
+                double dn2 = -0.0;
+                for (int c = 0; c < D; ++c) dn2 = __dadd_rn(dn2, __dmul_rn(res[c], res[c]));
+                const double dn = __dsqrt_rn(dn2);
+                factor = kvq_f64_to_f16(dn > 0.0 ? __ddiv_rn(unorm, dn) : 0.0);
+                if (!kvq_f16_bits_finite(factor)) kvq_cb_flag(status, KVQ_CB_FACTOR_OVERFLOW, 2, tok);
+            }
+            kvq_u32* words = (kvq_u32*)(block + S::CODES_OFFSET);
 #pragma unroll
-        for (int w = 0; w < WORDS; ++w) words[w * PAGE + r] = code[w];
-        ((kvq_u16*)(block + S::SCALES_OFFSET))[r] = factor;
+            for (int w = 0; w < WORDS; ++w) words[w * PAGE + r] = code[w];
+            ((kvq_u16*)(block + S::SCALES_OFFSET))[r] = factor;
+        }
+        __syncwarp();
     }
 }
 
