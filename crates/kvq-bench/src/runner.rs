@@ -443,8 +443,9 @@ impl Context<'_> {
         })))
     }
 
-    /// Measures a codebook scheme (its own kernel, no tuner yet): `batch` copies of the prepared
-    /// sequence, as many batches as keep the rotation past L2, the default split count.
+    /// Measures a codebook scheme (its own kernel): `batch` copies of the prepared sequence, as
+    /// many batches as keep the rotation past L2, the default launch, and with `--tune` the
+    /// tuner's choice timed against it in interleaved rounds.
     fn measure_codebook(
         &mut self,
         prep: &Prepared,
@@ -485,24 +486,71 @@ impl Context<'_> {
             .map_err(|e| RuntimeError::driver("allocate the output", e))?;
         let splits = kernel.default_splits(batch, len);
         let mut scratch = CodebookScratch::new(&stream)?;
-        let max_rel_error = if config.check {
-            kernel.attend(&stream, &batches[0], &q, &mut out, splits, &mut scratch)?;
+        let reference = reference_rows(prep, batch, q_heads * d, config.dtype);
+        let mut check = |k: &CodebookKernel, splits: usize, scratch: &mut CodebookScratch| {
+            let poison = vec![0x7e00u16; rows];
+            stream
+                .memcpy_htod(&poison, &mut out)
+                .map_err(|e| RuntimeError::driver("poison the output", e))?;
+            k.attend(&stream, &batches[0], &q, &mut out, splits, scratch)?;
             let host: Vec<u16> = stream
                 .clone_dtoh(&out)
                 .map_err(|e| RuntimeError::driver("download the output", e))?;
-            let reference = reference_rows(prep, batch, q_heads * d, config.dtype);
-            match reference.verify(&host) {
+            Ok::<_, BenchError>(reference.verify(&host))
+        };
+        let max_rel_error = if config.check {
+            match check(&kernel, splits, &mut scratch)? {
                 Ok(e) => Some(e),
                 Err(why) => return Ok(Outcome::Skipped(format!("WRONG OUTPUT: {why}"))),
             }
         } else {
             None
         };
+        // The tuner's choice, checked like the default.
+        let mut tuned = None;
+        if let Some(tuner) = self.tuner.as_mut() {
+            let started = std::time::Instant::now();
+            let problem =
+                TuneProblem::new(prep.scheme.spec, self.shape, config.kv_heads, batch, len);
+            let refs: Vec<&CodebookCache> = batches.iter().collect();
+            let report = tuner.tune_codebook_on(&problem, &refs, &q)?;
+            let tk = CodebookKernel::load_with(
+                self.jit,
+                &prep.scheme.spec,
+                &self.shape,
+                config.kv_heads,
+                &report.chosen.params,
+            )?;
+            let mut ts = CodebookScratch::new(&stream)?;
+            if config.check {
+                if let Err(why) = check(&tk, report.chosen.splits, &mut ts)? {
+                    return Ok(Outcome::Skipped(format!(
+                        "WRONG OUTPUT from the tuned {}: {why}",
+                        report.chosen
+                    )));
+                }
+            }
+            tuned = Some((report, tk, ts, started.elapsed()));
+        }
+        let rounds = if tuned.is_some() { ROUNDS } else { 1 };
+        let per_round = config.runs.max(rounds).div_ceil(rounds);
+        let (mut base, mut fast) = (Vec::new(), Vec::new());
         let mut next = 0;
-        let stats = self.timer.time(&stream, config.warmup, config.runs, |s| {
-            next = (next + 1) % batches.len();
-            kernel.attend(s, &batches[next], &q, &mut out, splits, &mut scratch)
-        })?;
+        for _ in 0..rounds {
+            let t = self.timer.time(&stream, config.warmup, per_round, |s| {
+                next = (next + 1) % batches.len();
+                kernel.attend(s, &batches[next], &q, &mut out, splits, &mut scratch)
+            })?;
+            base.extend(t.samples_us);
+            if let Some((report, tk, ts, _)) = tuned.as_mut() {
+                let t = self.timer.time(&stream, config.warmup, per_round, |s| {
+                    next = (next + 1) % batches.len();
+                    tk.attend(s, &batches[next], &q, &mut out, report.chosen.splits, ts)
+                })?;
+                fast.extend(t.samples_us);
+            }
+        }
+        let stats = Timing { samples_us: base };
         let median_us = stats.median_us();
         let bytes = batches[0].read_bytes() + 2 * 2 * rows as u64;
         let gbps = bytes as f64 / (median_us * 1e-6) / 1e9;
@@ -536,7 +584,17 @@ impl Context<'_> {
             max_rel_error,
             copies: batches.len(),
             read_floor_us: None,
-            tuned: None,
+            tuned: tuned.map(|(report, _, _, took)| {
+                let t = Timing { samples_us: fast }.median_us();
+                TunedResult {
+                    choice: report.chosen.as_tune_choice(),
+                    median_us: t,
+                    gain: median_us / t,
+                    tune_seconds: took.as_secs_f64(),
+                    candidates: report.candidates,
+                    rejected: report.rejected,
+                }
+            }),
         })))
     }
 }

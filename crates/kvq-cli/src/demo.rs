@@ -22,6 +22,7 @@ use kvq::runtime::RuntimeError;
 
 use crate::error::{CliError, Result};
 use crate::gpu::{self, Gpu, Latency};
+use crate::gpu_codebook;
 use crate::scheme::Resolved;
 use crate::table::{Align, Table};
 
@@ -161,6 +162,30 @@ fn gpu_columns(
     let data = w.data();
     let err_shape = KernelShape::new(cfg.head_dim as u32, cfg.gqa as u32, opts.dtype);
     let (q_bits, _) = gpu::to_device_words(&data.q.data, opts.dtype);
+    for r in rows
+        .iter_mut()
+        .filter(|r| !r.scheme.has_gpu_kernel() && has_codebook_kernel(&r.scheme.spec))
+    {
+        // The layer coded by the GPU encoders with the codebooks the CPU column trained.
+        let spec = r.scheme.spec;
+        let result = w
+            .codebooks(&spec)
+            .map_err(|e| e.to_string())
+            .and_then(|books| {
+                gpu_codebook::decode_layer(
+                    g,
+                    &spec,
+                    &err_shape,
+                    &books,
+                    (&data.k_pre_rope, &data.k, &data.v),
+                    data.rope,
+                    &data.q.data,
+                )
+                .map(|o| attention::relative_error(&o, w.exact_output()))
+                .map_err(|e| e.to_string())
+            });
+        r.gpu_error = Some(result);
+    }
     for r in rows.iter_mut().filter(|r| r.scheme.has_gpu_kernel()) {
         let result = IntCache::build(&r.scheme.spec, &data.k, &data.v)
             .map_err(|e| e.to_string())
@@ -178,7 +203,10 @@ fn gpu_columns(
     let gpu_rows: Vec<usize> = (0..rows.len())
         .filter(|&i| rows[i].scheme.has_gpu_kernel())
         .collect();
-    if gpu_rows.is_empty() {
+    let codebook_rows: Vec<usize> = (0..rows.len())
+        .filter(|&i| !rows[i].scheme.has_gpu_kernel() && rows[i].scheme.runs_on_gpu())
+        .collect();
+    if gpu_rows.is_empty() && codebook_rows.is_empty() {
         return Ok(());
     }
     progress(&format!(
@@ -252,6 +280,41 @@ fn gpu_columns(
             Err(e) => progress(&format!("{label}: {e}")),
         }
         rows[i].latency = Some(result);
+    }
+    // Codebook schemes: their caches are coded on the GPU from the same random K/V.
+    if !codebook_rows.is_empty() {
+        let (k, v) = synth::random_kv(
+            opts.kv_heads,
+            opts.context,
+            opts.head_dim as usize,
+            opts.seed,
+            Tails::Laplace,
+        )
+        .map_err(RuntimeError::Memory)?;
+        for &i in &codebook_rows {
+            let label = rows[i].scheme.label();
+            let spec = rows[i].scheme.spec;
+            let result = gpu_codebook::measure(
+                g,
+                &mut tuner,
+                &spec,
+                &shape,
+                (&k, &v),
+                opts.batch.max(1),
+                opts.warmup,
+                opts.runs,
+                opts.seed,
+            )
+            .map_err(|e| e.to_string());
+            match &result {
+                Ok(l) => progress(&format!(
+                    "{label}: {:.1} µs ({}, {:?})",
+                    l.median_us, l.choice, l.source
+                )),
+                Err(e) => progress(&format!("{label}: {e}")),
+            }
+            rows[i].latency = Some(result);
+        }
     }
     Ok(())
 }
@@ -337,14 +400,12 @@ fn render(
             }
         }
         cells.push(
-            if r.scheme.has_gpu_kernel() {
+            if r.scheme.runs_on_gpu() {
                 if gpu {
                     "GPU kernel"
                 } else {
                     "GPU kernel (CPU reference here)"
                 }
-            } else if has_codebook_kernel(&r.scheme.spec) {
-                "GPU decode in kvq bench (CPU reference here)"
             } else {
                 "CPU reference only (no GPU kernel yet)"
             }

@@ -7,6 +7,7 @@ pub mod error;
 pub mod eval;
 pub mod gen;
 pub mod gpu;
+mod gpu_codebook;
 pub mod info;
 pub mod run;
 pub mod sample;

@@ -5,8 +5,9 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvq::codegen::KernelShape;
+use kvq::codegen::{has_codebook_kernel, KernelShape};
 use kvq::evaluate;
+use kvq::runtime::codebook::{codebook_problem_key, CodebookLaunch};
 use kvq::runtime::decode::{DecodeOptions, PiecesOverride};
 use kvq::runtime::tune::{TuneOptions, TuneProblem, Tuner};
 use kvq::runtime::{Arch, InvalidArch};
@@ -24,7 +25,7 @@ use crate::gen::{self, GenRequest};
 use crate::gpu;
 use crate::info;
 use crate::sample::SampleSpec;
-use crate::scheme::{self, resolve, resolve_list};
+use crate::scheme::{self, resolve, resolve_list, Resolved};
 use crate::table::{Align, Table};
 
 fn print(out: &mut dyn Write, text: &str) -> Result<()> {
@@ -244,45 +245,10 @@ fn tune_cmd(a: TuneArgs, out: &mut dyn Write) -> Result<()> {
         for &batch in &a.batch.0 {
             for &context in &a.context.0 {
                 let problem = TuneProblem::new(s.spec, shape, a.kv_heads, batch, context);
-                let stored = if a.force {
-                    None
+                let row = if has_codebook_kernel(&s.spec) {
+                    codebook_tune_row(&mut tuner, s, &problem, a.force)?
                 } else {
-                    tuner.store().lookup(tuner.gpu(), &problem.key()).cloned()
-                };
-                let row = match stored {
-                    Some(e) => vec![
-                        "stored".to_string(),
-                        e.choice.to_string(),
-                        format!("{:.1}", e.default_us),
-                        format!("{:.1}", e.tuned_us),
-                        format!("{:.3}", e.default_us / e.tuned_us.max(f64::MIN_POSITIVE)),
-                        e.candidates.to_string(),
-                        e.rejected.to_string(),
-                        "–".to_string(),
-                    ],
-                    None => {
-                        eprintln!(
-                            "[kvq tune] {} batch {batch} context {}",
-                            s.label(),
-                            format_tokens(context)
-                        );
-                        let r = tuner.tune(&problem)?;
-                        vec![
-                            if r.truncated {
-                                "tuned (budget hit)"
-                            } else {
-                                "tuned"
-                            }
-                            .to_string(),
-                            r.chosen.to_string(),
-                            format!("{:.1}", r.default_us),
-                            format!("{:.1}", r.chosen_us),
-                            format!("{:.3}", r.speedup()),
-                            r.candidates.len().to_string(),
-                            r.rejected().to_string(),
-                            format!("{:.1}", r.elapsed.as_secs_f64()),
-                        ]
-                    }
+                    tune_row(&mut tuner, s, &problem, a.force)?
                 };
                 let mut cells = vec![s.label(), batch.to_string(), format_tokens(context)];
                 cells.extend(row);
@@ -383,4 +349,104 @@ fn eval_cmd(a: EvalArgs, out: &mut dyn Write) -> Result<()> {
         rope_theta: a.rope_theta,
     };
     print(out, &eval::run(&opts)?)
+}
+
+/// `kvq tune`'s cells for an integer or FP16 scheme: its stored result, or a tuning session now.
+fn tune_row(
+    tuner: &mut Tuner<'_>,
+    s: &Resolved,
+    problem: &TuneProblem,
+    force: bool,
+) -> Result<Vec<String>> {
+    let stored = if force {
+        None
+    } else {
+        tuner.store().lookup(tuner.gpu(), &problem.key()).cloned()
+    };
+    Ok(match stored {
+        Some(e) => stored_cells(&e, e.choice.to_string()),
+        None => {
+            eprintln!(
+                "[kvq tune] {} batch {} context {}",
+                s.label(),
+                problem.batch,
+                format_tokens(problem.max_len)
+            );
+            let r = tuner.tune(problem)?;
+            vec![
+                if r.truncated {
+                    "tuned (budget hit)"
+                } else {
+                    "tuned"
+                }
+                .to_string(),
+                r.chosen.to_string(),
+                format!("{:.1}", r.default_us),
+                format!("{:.1}", r.chosen_us),
+                format!("{:.3}", r.speedup()),
+                r.candidates.len().to_string(),
+                r.rejected().to_string(),
+                format!("{:.1}", r.elapsed.as_secs_f64()),
+            ]
+        }
+    })
+}
+
+/// `kvq tune`'s cells for a codebook scheme (CommVQ): its stored launch, or a tuning session on
+/// synthetic caches coded on the GPU.
+fn codebook_tune_row(
+    tuner: &mut Tuner<'_>,
+    s: &Resolved,
+    problem: &TuneProblem,
+    force: bool,
+) -> Result<Vec<String>> {
+    let key = codebook_problem_key(problem)?;
+    let stored = if force {
+        None
+    } else {
+        tuner.store().lookup(tuner.gpu(), &key).cloned()
+    };
+    if let Some(e) = stored {
+        let launch = match e.codebook {
+            Some(params) => CodebookLaunch {
+                params,
+                splits: e.choice.splits,
+            }
+            .to_string(),
+            None => e.choice.to_string(),
+        };
+        return Ok(stored_cells(&e, launch));
+    }
+    eprintln!(
+        "[kvq tune] {} batch {} context {} (codebooks trained briefly, caches coded on the GPU)",
+        s.label(),
+        problem.batch,
+        format_tokens(problem.max_len)
+    );
+    let started = std::time::Instant::now();
+    let r = tuner.tune_codebook(problem)?;
+    Ok(vec![
+        "tuned".to_string(),
+        r.chosen.to_string(),
+        format!("{:.1}", r.default_us),
+        format!("{:.1}", r.chosen_us),
+        format!("{:.3}", r.speedup()),
+        r.candidates.to_string(),
+        r.rejected.to_string(),
+        format!("{:.1}", started.elapsed().as_secs_f64()),
+    ])
+}
+
+/// The cells of a stored result.
+fn stored_cells(e: &kvq::runtime::tune::TuneEntry, launch: String) -> Vec<String> {
+    vec![
+        "stored".to_string(),
+        launch,
+        format!("{:.1}", e.default_us),
+        format!("{:.1}", e.tuned_us),
+        format!("{:.3}", e.default_us / e.tuned_us.max(f64::MIN_POSITIVE)),
+        e.candidates.to_string(),
+        e.rejected.to_string(),
+        "–".to_string(),
+    ]
 }

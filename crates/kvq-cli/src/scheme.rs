@@ -28,6 +28,11 @@ impl Resolved {
     pub fn has_gpu_kernel(&self) -> bool {
         has_decode_kernel(&self.spec)
     }
+
+    /// Whether its decode runs on the GPU: the integer/FP16 kernel or the codebook one.
+    pub fn runs_on_gpu(&self) -> bool {
+        self.has_gpu_kernel() || has_codebook_kernel(&self.spec)
+    }
 }
 
 fn builtin_names() -> Vec<String> {
@@ -58,8 +63,8 @@ pub fn resolve(arg: &str) -> Result<Resolved> {
     Ok(Resolved { name, spec })
 }
 
-/// `all` (every built-in, or every built-in with a GPU kernel when `gpu_only`), or a comma list of
-/// built-in names, in the order given, without repeats.
+/// `all` (every built-in, or every built-in whose decode runs on the GPU when `gpu_only`), or a
+/// comma list of built-in names, in the order given, without repeats.
 pub fn resolve_list(arg: &str, gpu_only: bool) -> Result<Vec<Resolved>> {
     let pick = |b: &kvq::schemes::Builtin| Resolved {
         name: Some(b.name),
@@ -69,7 +74,7 @@ pub fn resolve_list(arg: &str, gpu_only: bool) -> Result<Vec<Resolved>> {
         return Ok(BUILTIN
             .iter()
             .map(pick)
-            .filter(|r| !gpu_only || r.has_gpu_kernel())
+            .filter(|r| !gpu_only || r.runs_on_gpu())
             .collect());
     }
     if is_scheme_text(arg) {
@@ -78,19 +83,13 @@ pub fn resolve_list(arg: &str, gpu_only: bool) -> Result<Vec<Resolved>> {
     let mut out: Vec<Resolved> = Vec::new();
     for name in arg.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let r = resolve(name)?;
-        if gpu_only && !r.has_gpu_kernel() && has_codebook_kernel(&r.spec) {
-            return Err(CliError::Unsupported(format!(
-                "`{name}`: codebook schemes' GPU decode runs in `kvq bench` only so far (no tuner, \
-                 demo latency or kvq gen output yet)"
-            )));
-        }
-        if gpu_only && !r.has_gpu_kernel() {
+        if gpu_only && !r.runs_on_gpu() {
             return Err(CliError::Unsupported(format!(
                 "`{name}` runs in the CPU reference only (no GPU kernel for its family yet); \
                  GPU schemes: {}",
                 BUILTIN
                     .iter()
-                    .filter(|b| has_decode_kernel(&b.spec))
+                    .filter(|b| has_decode_kernel(&b.spec) || has_codebook_kernel(&b.spec))
                     .map(|b| b.name)
                     .collect::<Vec<_>>()
                     .join(", ")
@@ -138,8 +137,9 @@ mod tests {
     #[test]
     fn lists_resolve_in_order_and_gpu_only_refuses_cpu_schemes() {
         let all = resolve_list("all", true).unwrap();
-        assert_eq!(all.len(), 8);
-        assert!(all.iter().all(Resolved::has_gpu_kernel));
+        assert_eq!(all.len(), 10);
+        assert!(all.iter().all(Resolved::runs_on_gpu));
+        assert_eq!(all.iter().filter(|r| !r.has_gpu_kernel()).count(), 2);
         assert_eq!(resolve_list("all", false).unwrap().len(), BUILTIN.len());
         let l = resolve_list("int8, kivi2,int8", true).unwrap();
         assert_eq!(

@@ -508,6 +508,7 @@ fn gen_uses_tuned_block_parameters_from_the_tune_file() {
         rejected: 0,
         tuned_at_unix: 1,
         kvq_version: "0.1.0".into(),
+        codebook: None,
     });
     store.save().unwrap();
     let (m, _, dir) = gen_and_check(
@@ -1106,7 +1107,11 @@ fn demo_without_a_gpu_prints_the_cpu_table_and_exits_0() {
             !gpu && !codebook,
             "{row}"
         );
-        assert_eq!(row.contains("GPU decode in kvq bench"), codebook, "{row}");
+        assert_eq!(
+            row.contains("GPU kernel (CPU reference here)"),
+            gpu || codebook,
+            "{row}"
+        );
         // attn err is a number for every scheme.
         let cells: Vec<&str> = row.split_whitespace().collect();
         assert!(cells[3].parse::<f64>().is_ok(), "{row}");
@@ -1390,14 +1395,11 @@ fn tune_and_bench_need_a_gpu_and_say_so() {
         assert_eq!(o.status.code(), Some(3), "{args:?}: {err}");
         assert!(err.contains("needs a GPU"), "{err}");
     }
-    // Usage errors come first, GPU or not.
+    // Codebook schemes tune too: without a GPU that is the missing GPU, not a usage error.
     let o = kvq_without_gpu(&["tune", "--scheme", "commvq2"], tmp.path());
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        text(&o).1.contains("runs in `kvq bench` only"),
-        "{}",
-        text(&o).1
-    );
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o).1);
+    assert!(text(&o).1.contains("needs a GPU"), "{}", text(&o).1);
+    // Usage errors come first, GPU or not.
     let o = kvq_without_gpu(&["tune", "--scheme", "xquant2"], tmp.path());
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o).1.contains("CPU reference only"), "{}", text(&o).1);

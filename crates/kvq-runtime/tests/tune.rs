@@ -66,6 +66,7 @@ fn entry(p: &TuneProblem, splits: usize) -> TuneEntry {
         rejected: 1,
         tuned_at_unix: 1_800_000_000,
         kvq_version: "0.1.0".into(),
+        codebook: None,
     }
 }
 
@@ -198,5 +199,49 @@ fn a_changed_candidate_set_misses_the_results_chosen_from_the_old_one() {
         32_768,
     );
     assert_ne!(int8.key().candidates, p.key().candidates);
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// A codebook scheme's result: keyed by the codebook candidate set (not the integer one), its
+/// launch shape stored beside the choice, and read back although its threads and tile are not
+/// integer-decode parameters.
+#[test]
+fn codebook_results_round_trip_under_their_own_candidate_key() {
+    let commvq1: kvq_spec::SchemeSpec =
+        "k = codebook(rope_commutative, levels = 64, residuals = 10, \
+         pairs_per_code = 64, span = token), v = codebook(additive, rows = 128)"
+            .parse()
+            .unwrap();
+    let p = TuneProblem::new(commvq1, KernelShape::new(128, 4, Dtype::F16), 8, 16, 32_768);
+    let key = kvq_runtime::codebook::codebook_problem_key(&p).unwrap();
+    assert!(key.candidates.starts_with("cb-"), "{key}");
+    let params = kvq_codegen::CodebookParams {
+        threads: 512,
+        tile: 128,
+        book_in_shared_memory: true,
+    };
+    let mut e = entry(&p, 12);
+    e.problem = key.clone();
+    e.choice.params.threads = 512;
+    e.choice.params.tile_tokens = 128;
+    e.codebook = Some(params);
+    let dir = temp_dir("codebook");
+    let path = dir.join(TUNE_FILE);
+    let mut store = TuneStore::empty(&path);
+    store.insert(e.clone());
+    store.save().unwrap();
+    let back = TuneStore::open(&path);
+    assert_eq!(back.lookup(&h100(), &key), Some(&e));
+    // The integer key of the same problem finds nothing.
+    assert_eq!(back.lookup(&h100(), &p.key()), None);
+    // A codebook entry of an impossible launch is skipped, not used.
+    let mut bad = e.clone();
+    bad.codebook = Some(kvq_codegen::CodebookParams {
+        threads: 100,
+        ..params
+    });
+    let mut store = TuneStore::empty(&path);
+    store.insert(bad);
+    assert_eq!(store.lookup(&h100(), &key), None);
     let _ = fs::remove_dir_all(&dir);
 }

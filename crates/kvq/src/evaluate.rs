@@ -423,6 +423,19 @@ impl Workload {
         Self { train, ..self }
     }
 
+    /// A codebook scheme's codebooks for this layer, trained on the held-out tokens as
+    /// [`evaluate`] trains them (deterministic: the same codebooks every call), for a GPU cache of
+    /// the same layer to be coded with.
+    pub fn codebooks(&self, spec: &SchemeSpec) -> Result<commvq::Codebooks, EvalError> {
+        let held = self.held_out.as_ref().ok_or(EvalError::NoCalibration)?;
+        let data = CalibrationData {
+            k_pre_rope: &held.k_pre_rope,
+            v: &held.v,
+            rope: self.data.rope,
+        };
+        Ok(commvq::train_with(spec, &data, &self.train)?)
+    }
+
     /// The cached sequence, its queries and its layer.
     pub fn data(&self) -> &SynthKv {
         &self.data
@@ -545,13 +558,7 @@ pub fn evaluate(spec: &SchemeSpec, w: &Workload) -> Result<Evaluation, EvalError
     let deq = match family {
         Family::Int => IntCache::build(spec, &s.k, &s.v)?.dequantize(),
         Family::CommVq => {
-            let held = w.held_out.as_ref().ok_or(EvalError::NoCalibration)?;
-            let data = CalibrationData {
-                k_pre_rope: &held.k_pre_rope,
-                v: &held.v,
-                rope: s.rope,
-            };
-            let books = commvq::train_with(spec, &data, &w.train)?;
+            let books = w.codebooks(spec)?;
             CommVqCache::build(spec, &s.k_pre_rope, &s.v, s.rope, &books)?.dequantize()
         }
         Family::XQuant => {

@@ -7,22 +7,122 @@ use crate::templates::render;
 use crate::{CodegenError, Dtype, KernelShape};
 use kvq_reference::commvq::device::{DeviceLayout, SideKind, SideLayout};
 use kvq_spec::{CacheSource, Codebook, CodebookQuant, CodebookSpan, SchemeSpec, TensorQuant};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-/// Threads of a codebook decode CTA that gathers its key codebook from global memory: four warps,
-/// a token each at a time.
+/// Threads of a default codebook decode CTA that gathers its key codebook from L2: four warps, a
+/// token each at a time.
 pub const CODEBOOK_THREADS: u32 = 128;
 /// Tokens such a CTA scores before its softmax step (tiles also end at page and region edges).
 pub const CODEBOOK_TILE: u32 = 64;
-/// Threads and tile of a CTA that holds its KV head's key codebook in shared memory: a codebook
-/// the size of CommVQ-1's (160 KiB) leaves room for one CTA an SM, so sixteen warps to keep the
-/// gathers' latency covered.
+/// Threads and tile of a default CTA that holds its KV head's key codebook in shared memory: a
+/// codebook the size of CommVQ-1's (160 KiB) leaves room for one CTA an SM, so sixteen warps to
+/// keep the gathers' latency covered. (On an H200 the tuner found four warps gathering from L2,
+/// with more splits, faster at long contexts and slower at short ones: BENCHMARKS.md.)
 pub const CODEBOOK_SMEM_THREADS: u32 = 512;
 pub const CODEBOOK_SMEM_TILE: u32 = 128;
 /// Static shared memory a CTA may take (the driver refuses more without an opt-in).
 const STATIC_SHARED_LIMIT: usize = 48 * 1024;
 /// Shared memory one CTA may take on sm_80 and sm_90 (static plus dynamic, with the opt-in).
 const CTA_SHARED_LIMIT: usize = 227 * 1024;
+
+/// A codebook decode's launch shape, what the tuner chooses among ([`codebook_candidates`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CodebookParams {
+    /// Threads of a CTA (a multiple of 32; a warp scores one token at a time).
+    pub threads: u32,
+    /// Tokens a CTA stages and scores before its softmax step.
+    pub tile: u32,
+    /// Whether a CTA copies its KV head's key codebook into shared memory first (gathers from
+    /// there instead of L2); only where it fits beside the tables.
+    pub book_in_shared_memory: bool,
+}
+
+impl CodebookParams {
+    /// The untuned launch: with the codebook in shared memory where it fits at
+    /// [`CODEBOOK_SMEM_TILE`] (one CTA an SM, so sixteen warps), otherwise four warps gathering
+    /// from L2.
+    pub fn default_for(
+        spec: &SchemeSpec,
+        shape: &KernelShape,
+    ) -> Result<CodebookParams, CodegenError> {
+        let layout = DeviceLayout::new(spec, 1, shape.head_dim as usize)?;
+        Ok(if book_fits(shape, &layout, CODEBOOK_SMEM_TILE) {
+            CodebookParams {
+                threads: CODEBOOK_SMEM_THREADS,
+                tile: CODEBOOK_SMEM_TILE,
+                book_in_shared_memory: true,
+            }
+        } else {
+            CodebookParams {
+                threads: CODEBOOK_THREADS,
+                tile: CODEBOOK_TILE,
+                book_in_shared_memory: false,
+            }
+        })
+    }
+}
+
+/// Block sizes and tiles the tuner tries (each also with the key codebook in shared memory where
+/// it fits): the defaults, half and double their warps, and tiles around them.
+const CANDIDATE_THREADS: [u32; 3] = [128, 256, 512];
+const CANDIDATE_TILES: [u32; 2] = [64, 128];
+
+/// Every launch shape the codebook decode can take for `spec` at `shape` among the tuner's grid:
+/// the default first.
+pub fn codebook_candidates(
+    spec: &SchemeSpec,
+    shape: &KernelShape,
+) -> Result<Vec<CodebookParams>, CodegenError> {
+    let default = CodebookParams::default_for(spec, shape)?;
+    let layout = DeviceLayout::new(spec, 1, shape.head_dim as usize)?;
+    let mut out = vec![default];
+    for threads in CANDIDATE_THREADS {
+        for tile in CANDIDATE_TILES {
+            for smem in [false, true] {
+                let p = CodebookParams {
+                    threads,
+                    tile,
+                    book_in_shared_memory: smem,
+                };
+                if p != default && launchable(shape, &layout, &p).is_none() {
+                    out.push(p);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Why `p` cannot launch at this shape, if it cannot.
+fn launchable(shape: &KernelShape, layout: &DeviceLayout, p: &CodebookParams) -> Option<String> {
+    if p.threads == 0 || p.threads % 32 != 0 || p.threads > 1024 {
+        return Some(format!(
+            "{} threads (a multiple of 32, at most 1024)",
+            p.threads
+        ));
+    }
+    if p.tile == 0 || p.tile > 256 {
+        return Some(format!("a tile of {} tokens (1 to 256)", p.tile));
+    }
+    let table = 4 * static_floats(shape, layout, p.tile);
+    if table > STATIC_SHARED_LIMIT {
+        return Some(format!(
+            "a tile of {} tokens: the CTA's tables take {} KiB of shared memory, over {} KiB",
+            p.tile,
+            table.div_ceil(1024),
+            STATIC_SHARED_LIMIT / 1024
+        ));
+    }
+    if p.book_in_shared_memory && !book_fits(shape, layout, p.tile) {
+        return Some(format!(
+            "the key codebook in shared memory ({} KiB beside {} KiB of tables, over {} KiB, or no RoPE keys)",
+            key_book_bytes(layout).div_ceil(1024),
+            table.div_ceil(1024),
+            CTA_SHARED_LIMIT / 1024
+        ));
+    }
+    None
+}
 
 /// Generated source of a codebook scheme's decode and its combine, with the device layout the
 /// kernels read (the CPU reference's, `kvq_reference::commvq::device`).
@@ -31,6 +131,8 @@ pub struct CodebookKernels {
     pub scheme: String,
     pub shape: KernelShape,
     pub source: String,
+    /// The launch shape it was generated for.
+    pub params: CodebookParams,
     /// Whether a CTA holds its KV head's key codebook in shared memory.
     pub book_in_shared_memory: bool,
     /// Tokens a CTA stages and scores at a time.
@@ -121,11 +223,11 @@ fn static_floats(shape: &KernelShape, layout: &DeviceLayout, tile: u32) -> usize
         + 2 * tile as usize
 }
 
-/// Whether the CTA holds its KV head's key codebook in shared memory: gathers from shared memory
-/// instead of L2 (every token gathers `2·R·g` entries of it), where it fits beside the tables.
-fn book_in_shared_memory(shape: &KernelShape, layout: &DeviceLayout) -> bool {
+/// Whether a KV head's key codebook fits in a CTA's shared memory beside the tables of a `tile`:
+/// gathers from shared memory instead of L2 (every token gathers `2·R·g` entries of it).
+fn book_fits(shape: &KernelShape, layout: &DeviceLayout, tile: u32) -> bool {
     let book = key_book_bytes(layout);
-    book > 0 && book + 4 * static_floats(shape, layout, CODEBOOK_SMEM_TILE) <= CTA_SHARED_LIMIT
+    book > 0 && book + 4 * static_floats(shape, layout, tile) <= CTA_SHARED_LIMIT
 }
 
 /// Why the codebook kernel cannot take this scheme and shape, if it cannot.
@@ -167,25 +269,39 @@ fn unsupported(spec: &SchemeSpec, shape: &KernelShape, layout: &DeviceLayout) ->
     None
 }
 
-/// The decode and combine kernels of a codebook scheme for one shape.
+/// The decode and combine kernels of a codebook scheme for one shape, with the default launch
+/// ([`CodebookParams::default_for`]).
 pub fn codebook_kernels(
     spec: &SchemeSpec,
     shape: &KernelShape,
     kv_heads: u32,
 ) -> Result<CodebookKernels, CodegenError> {
+    codebook_kernels_with(
+        spec,
+        shape,
+        kv_heads,
+        &CodebookParams::default_for(spec, shape)?,
+    )
+}
+
+/// [`codebook_kernels`] with the launch shape `params` (a tuner's choice); shapes that cannot
+/// launch are typed errors naming why.
+pub fn codebook_kernels_with(
+    spec: &SchemeSpec,
+    shape: &KernelShape,
+    kv_heads: u32,
+    params: &CodebookParams,
+) -> Result<CodebookKernels, CodegenError> {
     let layout = DeviceLayout::new(spec, kv_heads as usize, shape.head_dim as usize)?;
-    if let Some(what) = unsupported(spec, shape, &layout) {
+    if let Some(what) =
+        unsupported(spec, shape, &layout).or_else(|| launchable(shape, &layout, params))
+    {
         return Err(CodegenError::Unsupported {
             family: "codebook decode",
             what,
         });
     }
-    let smem_book = book_in_shared_memory(shape, &layout);
-    let (threads, tile) = if smem_book {
-        (CODEBOOK_SMEM_THREADS, CODEBOOK_SMEM_TILE)
-    } else {
-        (CODEBOOK_THREADS, CODEBOOK_TILE)
-    };
+    let (threads, tile, smem_book) = (params.threads, params.tile, params.book_in_shared_memory);
     let id = stable_id(&format!(
         "codebook|{spec}|{shape:?}|{kv_heads}|{threads}|{tile}|{smem_book}"
     ));
@@ -237,6 +353,7 @@ pub fn codebook_kernels(
         scheme: spec.to_string(),
         shape: *shape,
         source,
+        params: *params,
         book_in_shared_memory: smem_book,
         tile,
         decode,
@@ -312,6 +429,21 @@ mod tests {
             (two.decode.block, two.tile),
             (CODEBOOK_THREADS, CODEBOOK_TILE)
         );
+        // Gathering CommVQ-1's codebook from L2 instead is a candidate; holding CommVQ-2's is not.
+        let l2 = CodebookParams {
+            threads: CODEBOOK_THREADS,
+            tile: CODEBOOK_SMEM_TILE,
+            book_in_shared_memory: false,
+        };
+        assert!(codebook_candidates(&spec(COMMVQ1), &shape)
+            .unwrap()
+            .contains(&l2));
+        let held = CodebookParams {
+            book_in_shared_memory: true,
+            ..l2
+        };
+        let e = codebook_kernels_with(&spec(COMMVQ2), &shape, 8, &held).unwrap_err();
+        assert!(e.to_string().contains("shared memory"), "{e}");
     }
 
     #[test]
@@ -324,5 +456,62 @@ mod tests {
         assert!(k.source.contains(&k.decode.name) && k.source.contains(&k.combine.name));
         assert_eq!(k.decode.params.len(), 21);
         assert_eq!(k.decode.params[17], ("double".into(), "rope_theta".into()));
+    }
+
+    #[test]
+    fn every_candidate_generates_and_the_default_comes_first() {
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        for (text, smem) in [(COMMVQ1, true), (COMMVQ2, false)] {
+            let spec = spec(text);
+            let c = codebook_candidates(&spec, &shape).unwrap();
+            assert_eq!(c[0], CodebookParams::default_for(&spec, &shape).unwrap());
+            assert_eq!(c[0].book_in_shared_memory, smem);
+            assert!(c.len() >= 6, "{c:?}");
+            // CommVQ-2's codebook never fits; CommVQ-1's does at some tiles.
+            assert_eq!(c.iter().any(|p| p.book_in_shared_memory), smem);
+            let mut names = std::collections::HashSet::new();
+            for p in &c {
+                let k = codebook_kernels_with(&spec, &shape, 8, p).unwrap();
+                assert_eq!((k.decode.block, k.tile, k.params), (p.threads, p.tile, *p));
+                assert!(names.insert(k.decode.name), "{p:?} repeats a kernel name");
+            }
+        }
+    }
+
+    #[test]
+    fn launch_shapes_that_cannot_run_are_typed_errors() {
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        let two = spec(COMMVQ2);
+        for (p, why) in [
+            (
+                CodebookParams {
+                    threads: 100,
+                    tile: 64,
+                    book_in_shared_memory: false,
+                },
+                "threads",
+            ),
+            (
+                CodebookParams {
+                    threads: 128,
+                    tile: 0,
+                    book_in_shared_memory: false,
+                },
+                "tile",
+            ),
+            (
+                CodebookParams {
+                    threads: 128,
+                    tile: 64,
+                    book_in_shared_memory: true,
+                },
+                "codebook in shared memory",
+            ),
+        ] {
+            let e = codebook_kernels_with(&two, &shape, 8, &p)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(why), "{p:?}: {e}");
+        }
     }
 }

@@ -7,8 +7,9 @@ mod encode;
 mod sides;
 
 pub use decode::{
-    codebook_kernels, has_codebook_kernel, CodebookKernels, CODEBOOK_SMEM_THREADS,
-    CODEBOOK_SMEM_TILE, CODEBOOK_THREADS, CODEBOOK_TILE,
+    codebook_candidates, codebook_kernels, codebook_kernels_with, has_codebook_kernel,
+    CodebookKernels, CodebookParams, CODEBOOK_SMEM_THREADS, CODEBOOK_SMEM_TILE, CODEBOOK_THREADS,
+    CODEBOOK_TILE,
 };
 pub use encode::{
     codebook_encode_kernels, CodebookEncodeKernels, ENCODE_TOKENS, ENCODE_WARPS, STORE_THREADS,

@@ -1,6 +1,6 @@
 //! The encoders' precomputed tables, as a GPU encoder reads them: the same f64 values the reference
-//! encoders compute from a codebook before they code a token ([`super::key::RoundTables`] for
-//! RoPE-commutative keys, [`super::additive::BookEncoder`] for binary additive tensors), so a device
+//! encoders compute from a codebook before they code a token (`key::RoundTables` for
+//! RoPE-commutative keys, `additive::BookEncoder` for binary additive tensors), so a device
 //! encoder that follows their arithmetic step by step writes the reference's codes bit for bit.
 //!
 //! Tables are per layer, `f64`, little-endian when uploaded; a side stored in FP16 has none.

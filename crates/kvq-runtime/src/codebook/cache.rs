@@ -30,7 +30,7 @@ pub(super) fn upload<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZero
         .map_err(|e| RuntimeError::driver("upload a codebook cache buffer", e))
 }
 
-/// A batch of CommVQ-coded sequences in device memory, in the layout [`CodebookKernel`] reads:
+/// A batch of CommVQ-coded sequences in device memory, in the layout [`CodebookKernel`](super::CodebookKernel) reads:
 /// page pools of (page, KV head) blocks with a page table, FP16 sink and tail buffers, and the
 /// layer's codebooks.
 pub struct CodebookCache {
@@ -259,6 +259,11 @@ impl CodebookCache {
     /// Tokens sequence `slot` holds.
     pub fn len(&self, slot: usize) -> Option<usize> {
         self.lens.get(slot).copied()
+    }
+
+    /// Tokens of the longest sequence.
+    pub fn max_tokens(&self) -> usize {
+        self.lens.iter().copied().max().unwrap_or(0)
     }
 
     /// Whether no sequence holds a token.

@@ -7,9 +7,7 @@ use crate::jit::Jit;
 use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args, Input, Output};
 use crate::nvrtc::CompileOptions;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
-use kvq_codegen::{
-    codebook_kernels, CodebookKernels, KernelShape, CODEBOOK_SMEM_TILE, CODEBOOK_TILE,
-};
+use kvq_codegen::{codebook_kernels_with, CodebookKernels, CodebookParams, KernelShape};
 use kvq_reference::commvq::device::DeviceLayout;
 use kvq_spec::SchemeSpec;
 use std::sync::Arc;
@@ -33,9 +31,26 @@ impl CodebookKernel {
         shape: &KernelShape,
         kv_heads: usize,
     ) -> Result<Self> {
+        Self::load_with(
+            jit,
+            spec,
+            shape,
+            kv_heads,
+            &CodebookParams::default_for(spec, shape)?,
+        )
+    }
+
+    /// [`CodebookKernel::load`] with the launch shape `params` (a tuner's choice).
+    pub fn load_with(
+        jit: &Jit,
+        spec: &SchemeSpec,
+        shape: &KernelShape,
+        kv_heads: usize,
+        params: &CodebookParams,
+    ) -> Result<Self> {
         let heads = u32::try_from(kv_heads)
             .map_err(|_| RuntimeError::InvalidInput(format!("{kv_heads} KV heads")))?;
-        let generated = codebook_kernels(spec, shape, heads)?;
+        let generated = codebook_kernels_with(spec, shape, heads, params)?;
         let source = unit_source(&generated.decode.name, &generated.source);
         let names = [
             generated.decode.name.as_str(),
@@ -72,18 +87,17 @@ impl CodebookKernel {
 
     /// Splits a (sequence, KV head) takes by default, each at least four tiles of tokens: with
     /// the codebook in shared memory as many as fill one wave of the GPU's SMs at one CTA an SM
-    /// (what CommVQ-1's 160 KiB codebook allows; a smaller one would fit more CTAs, which this
-    /// rule does not ask the occupancy for yet), without a partial second wave; otherwise enough
-    /// CTAs for two waves.
+    /// (what CommVQ-1's 160 KiB codebook allows), without a partial second wave; otherwise enough
+    /// CTAs for two waves. The tuner finds better counts at long contexts (BENCHMARKS.md).
     pub fn default_splits(&self, batch: usize, max_len: usize) -> usize {
         let pairs = (batch * self.kv_heads).max(1);
         let sms = self.sm_count as usize;
-        let (want, tile) = if self.generated.book_in_shared_memory {
-            ((sms / pairs).max(1), CODEBOOK_SMEM_TILE)
+        let want = if self.generated.book_in_shared_memory {
+            (sms / pairs).max(1)
         } else {
-            ((2 * sms).div_ceil(pairs), CODEBOOK_TILE)
+            (2 * sms).div_ceil(pairs)
         };
-        let most = max_len.div_ceil(4 * tile as usize).max(1);
+        let most = max_len.div_ceil(4 * self.generated.tile as usize).max(1);
         want.clamp(1, most)
     }
 

@@ -17,7 +17,9 @@
 mod cache;
 mod decode;
 mod encode;
+mod tune;
 
 pub use cache::{CacheArrays, CodebookCache};
 pub use decode::{CodebookKernel, CodebookScratch};
 pub use encode::{CodebookEncoder, EncodeInputs};
+pub use tune::{codebook_problem_key, default_codebook_launch, CodebookLaunch, CodebookTuneReport};

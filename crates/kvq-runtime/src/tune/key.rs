@@ -198,6 +198,12 @@ impl TuneProblem {
 
     /// The store key of this problem.
     pub fn key(&self) -> ProblemKey {
+        self.key_with_candidates(candidates_checksum(&self.spec, &self.shape))
+    }
+
+    /// The store key of this problem chosen from the candidate set of checksum `candidates`
+    /// (another kernel family's set).
+    pub fn key_with_candidates(&self, candidates: String) -> ProblemKey {
         ProblemKey {
             scheme_hash: format!("{:016x}", self.spec.stable_hash()),
             head_dim: self.shape.head_dim,
@@ -206,7 +212,7 @@ impl TuneProblem {
             kv_heads: self.kv_heads,
             batch_bucket: batch_bucket(self.batch),
             context_bucket: context_bucket(self.max_len),
-            candidates: candidates_checksum(&self.spec, &self.shape),
+            candidates,
         }
     }
 }

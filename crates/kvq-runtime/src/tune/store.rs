@@ -63,7 +63,22 @@ impl Stored for TuneEntry {
         &self.problem
     }
     fn check(&self) -> std::result::Result<(), String> {
-        self.choice.check().map_err(|e| e.to_string())
+        match &self.codebook {
+            // A codebook launch: its own parameters (the decode templates' do not apply); the
+            // kernel generator refuses any the problem's shape cannot take when it is loaded.
+            Some(p) if p.threads % 32 == 0 && (32..=1024).contains(&p.threads) && p.tile > 0 => {
+                if self.choice.splits >= 1 {
+                    Ok(())
+                } else {
+                    Err("a codebook launch of no splits".into())
+                }
+            }
+            Some(p) => Err(format!(
+                "a codebook launch of {} threads, tile {}",
+                p.threads, p.tile
+            )),
+            None => self.choice.check().map_err(|e| e.to_string()),
+        }
     }
 }
 
@@ -140,6 +155,10 @@ pub struct TuneEntry {
     pub tuned_at_unix: u64,
     /// The kvq-runtime version that measured it.
     pub kvq_version: String,
+    /// A codebook scheme's launch shape (`choice` then holds its threads, tile and splits); absent
+    /// for the integer schemes and in files written before codebook tuning.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub codebook: Option<kvq_codegen::CodebookParams>,
 }
 
 impl TuneEntry {
@@ -435,6 +454,7 @@ pub(crate) mod tests {
             rejected: 0,
             tuned_at_unix: 1_700_000_000,
             kvq_version: "0.1.0".into(),
+            codebook: None,
         }
     }
 

@@ -164,6 +164,7 @@ impl TuneReport {
             rejected: self.rejected(),
             tuned_at_unix: unix_now(),
             kvq_version: env!("CARGO_PKG_VERSION").into(),
+            codebook: None,
         }
     }
 }
@@ -237,6 +238,24 @@ impl<'j> Tuner<'j> {
     /// The GPU results are recorded for.
     pub fn gpu(&self) -> &GpuKey {
         &self.gpu
+    }
+
+    /// The JIT the tuner compiles and times with.
+    pub fn jit(&self) -> &Jit {
+        self.jit
+    }
+
+    /// Stores `entry` (replacing one of the same GPU and key) and saves the file; returns where,
+    /// or `None` (with a warning) when only the in-memory store holds it.
+    pub(crate) fn store_entry(&mut self, entry: TuneEntry) -> Option<PathBuf> {
+        self.store.insert(entry);
+        match self.store.save() {
+            Ok(()) => Some(self.store.path().to_path_buf()),
+            Err(e) => {
+                warn(&format!("tuning result kept in memory only: {e}"));
+                None
+            }
+        }
     }
 
     /// The untuned default for `problem` on this GPU (loads the kernel of

@@ -1,0 +1,209 @@
+//! `kvq demo`'s GPU columns for codebook schemes (CommVQ): the layer coded by the GPU encoders and
+//! decoded by the codebook kernel (its error against exact attention), and the decode's latency on
+//! a long random sequence coded the same way, launched as the tuner says.
+
+use kvq::codegen::{Dtype, KernelShape};
+use kvq::reference::commvq::{self, CalibrationData, Codebooks, TrainOptions};
+use kvq::reference::rope::Rope;
+use kvq::reference::KvTensor;
+use kvq::runtime::codebook::{
+    CodebookCache, CodebookEncoder, CodebookKernel, CodebookScratch, EncodeInputs,
+};
+use kvq::runtime::cudarc::driver::CudaSlice;
+use kvq::runtime::tune::synth::{random_queries, round_to_word};
+use kvq::runtime::tune::{plan_copies, TuneProblem, Tuner};
+use kvq::runtime::{GpuTimer, RuntimeError};
+use kvq::SchemeSpec;
+
+use crate::gpu::{Gpu, Latency};
+
+/// Tokens of the latency workload's K/V its codebooks are trained on (decode time does not depend
+/// on their quality).
+const LATENCY_CALIBRATION: usize = 1024;
+
+/// `[token][kv_head][D]` device words of a `[kv_head][token][D]` tensor.
+fn words(t: &KvTensor, dtype: Dtype) -> Vec<u16> {
+    let (h, d) = (t.kv_heads, t.head_dim);
+    let mut out = vec![0u16; t.data.len()];
+    for head in 0..h {
+        for tok in 0..t.tokens {
+            for (c, x) in t.row(head, tok).iter().enumerate() {
+                out[(tok * h + head) * d + c] = round_to_word(*x, dtype).0;
+            }
+        }
+    }
+    out
+}
+
+fn upload(gpu: &Gpu, w: &[u16]) -> Result<CudaSlice<u16>, RuntimeError> {
+    gpu.device
+        .default_stream()
+        .clone_htod(w)
+        .map_err(|e| RuntimeError::driver("upload K/V", e))
+}
+
+/// A cache of `batch` copies of one sequence (keys before and after RoPE, values), coded on the
+/// GPU.
+fn coded_cache(
+    gpu: &Gpu,
+    encoder: &CodebookEncoder,
+    batch: usize,
+    (k_pre, k_post, v): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+    tokens: usize,
+    theta: f64,
+) -> Result<CodebookCache, RuntimeError> {
+    let stream = gpu.device.default_stream();
+    let mut cache = encoder.new_cache(&stream, batch, tokens, theta)?;
+    let inputs = EncodeInputs {
+        k_pre_rope: k_pre,
+        k_post_rope: k_post,
+        v,
+        tokens,
+    };
+    for slot in 0..batch {
+        encoder.append(&stream, &mut cache, slot, &inputs)?;
+    }
+    Ok(cache)
+}
+
+/// The kernel's output for one sequence — `k_pre`, `k_post` (keys before and after RoPE) and `v`
+/// coded on the GPU with `books` — and queries `q` (f32 `[q_heads][D]`), as f32.
+pub fn decode_layer(
+    gpu: &Gpu,
+    spec: &SchemeSpec,
+    shape: &KernelShape,
+    books: &Codebooks,
+    (k_pre, k_post, v): (&KvTensor, &KvTensor, &KvTensor),
+    rope: Rope,
+    q: &[f32],
+) -> Result<Vec<f32>, RuntimeError> {
+    let (h, d, len) = (k_pre.kv_heads, k_pre.head_dim, k_pre.tokens);
+    let encoder = CodebookEncoder::load(&gpu.jit, spec, books, d, h, shape.dtype)?;
+    let dev = |t: &KvTensor| upload(gpu, &words(t, shape.dtype));
+    let (a, b, c) = (dev(k_pre)?, dev(k_post)?, dev(v)?);
+    let cache = coded_cache(gpu, &encoder, 1, (&a, &b, &c), len, rope.theta)?;
+    let kernel = CodebookKernel::load(&gpu.jit, spec, shape, h)?;
+    let stream = gpu.device.default_stream();
+    let q_words: Vec<u16> = q.iter().map(|&x| round_to_word(x, shape.dtype).0).collect();
+    let q = upload(gpu, &q_words)?;
+    let mut out = upload(gpu, &vec![0x7e00u16; q_words.len()])?;
+    let mut scratch = CodebookScratch::new(&stream)?;
+    kernel.attend(
+        &stream,
+        &cache,
+        &q,
+        &mut out,
+        kernel.default_splits(1, len),
+        &mut scratch,
+    )?;
+    let host: Vec<u16> = stream
+        .clone_dtoh(&out)
+        .map_err(|e| RuntimeError::driver("download the output", e))?;
+    Ok(host
+        .iter()
+        .map(|&w| match shape.dtype {
+            Dtype::F16 => half::f16::from_bits(w).to_f32(),
+            Dtype::Bf16 => half::bf16::from_bits(w).to_f32(),
+        })
+        .collect())
+}
+
+/// Latency of one decode of `batch` copies of the random sequence `(k, v)` (keys read as before
+/// RoPE, and as after it for the FP16 rows: timing does not depend on which): codebooks trained
+/// briefly on its first tokens, caches coded on the GPU in enough copies to rotate past L2, the
+/// launch chosen by `tuner`'s policy, one output checked finite, then `runs` timed decodes.
+#[allow(clippy::too_many_arguments)]
+pub fn measure(
+    gpu: &Gpu,
+    tuner: &mut Tuner<'_>,
+    spec: &SchemeSpec,
+    shape: &KernelShape,
+    (k, v): (&KvTensor, &KvTensor),
+    batch: usize,
+    warmup: usize,
+    runs: usize,
+    seed: u64,
+) -> Result<Latency, RuntimeError> {
+    let (h, d, len) = (k.kv_heads, k.head_dim, k.tokens);
+    let n = len.min(LATENCY_CALIBRATION);
+    let (kc, vc) = (k.prefix(n), v.prefix(n));
+    let data = CalibrationData {
+        k_pre_rope: &kc,
+        v: &vc,
+        rope: Rope::default(),
+    };
+    let books = commvq::train_with(spec, &data, &TrainOptions::quick(seed))
+        .map_err(|e| RuntimeError::InvalidInput(format!("codebooks for the latency run: {e}")))?;
+    let encoder = CodebookEncoder::load(&gpu.jit, spec, &books, d, h, shape.dtype)?;
+    let (kd, vd) = (
+        upload(gpu, &words(k, shape.dtype))?,
+        upload(gpu, &words(v, shape.dtype))?,
+    );
+    let theta = Rope::default().theta;
+    let first = coded_cache(gpu, &encoder, batch, (&kd, &kd, &vd), len, theta)?;
+    let (free, _) = gpu
+        .device
+        .context()
+        .mem_get_info()
+        .map_err(|e| RuntimeError::driver("cuMemGetInfo", e))?;
+    let copies = plan_copies(
+        first.cache_bytes() as u64,
+        gpu.device.props().l2_bytes,
+        (free as u64 / 2).min(16 << 30),
+    )?;
+    let mut batches = vec![first];
+    for _ in 1..copies {
+        batches.push(coded_cache(
+            gpu,
+            &encoder,
+            batch,
+            (&kd, &kd, &vd),
+            len,
+            theta,
+        )?);
+    }
+    let problem = TuneProblem::new(*spec, *shape, h, batch, len);
+    let (q_words, _) = random_queries(batch * problem.q_heads() * d, shape.dtype, seed)?;
+    let q = upload(gpu, &q_words)?;
+    let refs: Vec<&CodebookCache> = batches.iter().collect();
+    let (launch, source) = tuner.choose_codebook(&problem, &refs, &q)?;
+    let kernel = CodebookKernel::load_with(&gpu.jit, spec, shape, h, &launch.params)?;
+    let stream = gpu.device.default_stream();
+    let mut out = upload(gpu, &vec![0x7e00u16; q_words.len()])?;
+    let mut scratch = CodebookScratch::new(&stream)?;
+    kernel.attend(
+        &stream,
+        &batches[0],
+        &q,
+        &mut out,
+        launch.splits,
+        &mut scratch,
+    )?;
+    let host: Vec<u16> = stream
+        .clone_dtoh(&out)
+        .map_err(|e| RuntimeError::driver("download the output", e))?;
+    if host
+        .iter()
+        .any(|&w| (w & 0x7c00) == 0x7c00 && shape.dtype == Dtype::F16)
+        || host
+            .iter()
+            .any(|&w| (w & 0x7f80) == 0x7f80 && shape.dtype == Dtype::Bf16)
+    {
+        return Err(RuntimeError::InvalidInput(format!(
+            "`{spec}`: the GPU output holds NaN or infinite values; not timed"
+        )));
+    }
+    let timer = GpuTimer::new(&gpu.jit)?;
+    let mut next = 0;
+    let timing = timer.time(&stream, warmup, runs.max(1), |s| {
+        next = (next + 1) % batches.len();
+        kernel.attend(s, &batches[next], &q, &mut out, launch.splits, &mut scratch)
+    })?;
+    Ok(Latency {
+        median_us: timing.median_us(),
+        choice: launch.as_tune_choice(),
+        source,
+        max_rel_error: f64::NAN,
+        copies: batches.len(),
+    })
+}
