@@ -30,6 +30,7 @@ import struct
 import sys
 
 LAYOUT_VERSION = "kvq-layout-2"
+CODEBOOK_LAYOUT_VERSION = "kvq-codebook-layout-1"
 
 
 class EmbedError(Exception):
@@ -56,9 +57,10 @@ def load_sample(gen_dir):
     manifest = load_json(os.path.join(gen_dir, "manifest.json"))
     if manifest.get("format") != "kvq-gen" or manifest.get("version") != 5:
         raise EmbedError(f"{gen_dir}/manifest.json is not a kvq-gen version 5 manifest")
-    if manifest.get("layout_version") != LAYOUT_VERSION:
+    want = CODEBOOK_LAYOUT_VERSION if manifest.get("family") == "codebook" else LAYOUT_VERSION
+    if manifest.get("layout_version") != want:
         raise EmbedError(
-            f"layout {manifest.get('layout_version')!r}, this engine reads {LAYOUT_VERSION!r}"
+            f"layout {manifest.get('layout_version')!r}, this engine reads {want!r}"
         )
     if not manifest.get("sample"):
         raise EmbedError(f"{gen_dir} has no sample: run `kvq gen ... --sample`")
@@ -82,7 +84,7 @@ def load_sample(gen_dir):
 # allocates or chooses.
 SAMPLE_INPUTS = ("k_pool", "v_pool", "page_table", "k_sink", "v_sink", "k_tail", "v_tail",
                  "seq_lens", "q")
-ENGINE_VALUES = ("out", "part_acc", "part_ml", "score_range", "scores", "max_pages", "seq_slots",
+ENGINE_VALUES = ("out", "part_acc", "part_ml", "lse", "score_range", "scores", "max_pages", "seq_slots",
                  "q_len",
                  "num_splits", "range_splits", "num_pieces", "piece_permille", "num_parts")
 # The names grid formulas may use (run_decode's `env`).
@@ -111,7 +113,7 @@ def check_launch(manifest):
 
 
 def element_bytes(element):
-    return {"u8": 1, "i32": 4, "f16": 2, "bf16": 2, "f32": 4}[element]
+    return {"u8": 1, "i32": 4, "u32": 4, "f16": 2, "bf16": 2, "f32": 4}[element]
 
 
 def check_layout(manifest, sample, buffers):
@@ -418,6 +420,8 @@ class Engine:
                 holders.append(CUdeviceptr(v.value if isinstance(v, CUdeviceptr) else v))
             elif p["c_type"] == "int32_t":
                 holders.append(ctypes.c_int32(v))
+            elif p["c_type"] == "double":
+                holders.append(ctypes.c_double(v))
             else:
                 raise EmbedError(f"{kernel['name']}: parameter type {p['c_type']!r} not handled")
         args = (ctypes.c_void_p * len(holders))(
@@ -530,6 +534,94 @@ def verify(output, sample, buffers, d):
     return worst, failures
 
 
+# --------------------------------------------------------------------------------------------
+# A codebook scheme (CommVQ): decode -> combine over the sample's paged cache and codebooks
+# --------------------------------------------------------------------------------------------
+
+CODEBOOK_INPUTS = ("k_pool", "v_pool", "page_table", "k_sink", "v_sink", "k_tail", "v_tail",
+                   "seq_lens", "q", "k_book", "k_rows", "k_mean", "v_rows", "v_mean")
+
+
+def check_codebook_sample(manifest, sample, buffers):
+    """Every buffer the decode reads is in the sample, sized as sample.json says, the pools as the
+    manifest's layout; returns a list of problems."""
+    problems = []
+    layout = manifest["layout"]
+    for f in sample["files"]:
+        n = 1
+        for x in f["shape"]:
+            n *= x
+        if max(n, 1) * element_bytes(f["element"]) != f["bytes"]:
+            problems.append(f"{f['name']}: shape {f['shape']} of {f['element']} is not {f['bytes']} bytes")
+    for side in ("k", "v"):
+        pool = next((f for f in sample["files"] if f["name"] == f"{side}_pool"), None)
+        if pool is None or pool["shape"][2] != layout[side]["block_bytes"]:
+            problems.append(f"{side}_pool blocks are not the manifest's {layout[side]['block_bytes']} bytes")
+    for name in CODEBOOK_INPUTS + ("expected",):
+        if name not in buffers:
+            problems.append(f"the sample has no {name}")
+    return problems
+
+
+def run_codebook(args, manifest, sample, buffers, log):
+    problems = check_codebook_sample(manifest, sample, buffers)
+    for p in problems:
+        log(f"layout mismatch: {p}")
+    if problems:
+        return 1
+    log("sample buffers match the documented layout "
+        f"({manifest['layout_version']}, codebooks {manifest['layout']['codebook_file']['format']})")
+    if args.check_only:
+        decode_image(args.gen_dir, args.arch or "sm_90a", log)
+        unit_image(args.gen_dir, "encode.cu", args.arch or "sm_90a", log)
+        log("check-only: stopping before the driver")
+        return 0
+    engine = Engine(args.device, log)
+    try:
+        encode_image = unit_image(args.gen_dir, "encode.cu", args.arch or engine.arch, log)
+        engine.check_entry_points(
+            encode_image, [k["name"] for k in manifest["kernels"] if k.get("file") == "encode.cu"])
+        image = decode_image(args.gen_dir, args.arch or engine.arch, log)
+        kernels = {k["role"]: k for k in manifest["kernels"]}
+        functions = engine.load(image, [kernels[r]["name"] for r in ("decode", "combine")])
+        device = {name: engine.upload(buffers[name]) for name in CODEBOOK_INPUTS}
+        batch, q_heads, d = sample["batch"], sample["q_heads"], manifest["shape"]["head_dim"]
+        convert = f16_to_float if manifest["shape"]["dtype"] == "f16" else bf16_to_float
+        splits_list = ([int(s) for s in args.splits.split(",") if s.strip()] if args.splits
+                       else sorted({sample["num_splits"], 1, 7}))
+        failed = False
+        for splits in splits_list:
+            out = engine.alloc(batch * q_heads * d * 2)
+            engine.cu("cuMemsetD16Async", out, 0xFFFF, batch * q_heads * d, engine.stream)
+            part_acc = engine.alloc(batch * q_heads * splits * d * 4)
+            part_ml = engine.alloc(batch * q_heads * splits * 2 * 4)
+            values = dict(device)
+            values.update({
+                "max_pages": sample["max_pages"], "seq_slots": 0, "q_len": 1,
+                "rope_theta": sample["rope_theta"], "part_acc": part_acc, "part_ml": part_ml,
+                "out": out if splits == 1 else 0, "lse": 0, "num_parts": splits,
+            })
+            env = {"num_splits": splits, "kv_heads": sample["kv_heads"], "batch": batch,
+                   "q_heads": q_heads}
+            engine.launch(functions[kernels["decode"]["name"]], kernels["decode"], values, env)
+            if splits > 1:
+                values["out"] = out
+                engine.launch(functions[kernels["combine"]["name"]], kernels["combine"], values, env)
+            engine.cu("cuStreamSynchronize", engine.stream)
+            raw = engine.download(out, batch * q_heads * d * 2)
+            words = struct.unpack(f"<{batch * q_heads * d}H", raw)
+            worst, failures = verify([convert(w) for w in words], sample, buffers, d)
+            log(f"decode -> combine with {splits} split(s) on the engine's stream: "
+                f"{'FAIL' if failures else 'ok'}, largest relative error {worst:.2e} "
+                f"(tolerance {sample['tolerance']:.0e})")
+            for f in failures:
+                log(f"  {f}")
+            failed = failed or bool(failures)
+    finally:
+        engine.close()
+    return 1 if failed else 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("gen_dir", help="output folder of `kvq gen ... --sample`")
@@ -556,6 +648,8 @@ def main():
         log(f"scheme {manifest['scheme']['text']}; head_dim {manifest['shape']['head_dim']}, "
             f"gqa {manifest['shape']['gqa']}, {manifest['shape']['dtype']}; batch of "
             f"{sample['batch']} sequences {sample['seq_lens']}, {sample['kv_heads']} KV heads")
+        if manifest.get("family") == "codebook":
+            return run_codebook(args, manifest, sample, buffers, log)
         problems = check_layout(manifest, sample, buffers)
         if problems:
             for p in problems:

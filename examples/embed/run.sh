@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The embedding example in one command: build `kvq`, generate kernels and a sample batch for a few
-# schemes and shapes (including scheme text, a calibrated scheme and bf16), then let
+# schemes and shapes (including scheme text, a calibrated scheme, bf16 and CommVQ), then let
 # examples/embed/embed.py — plain Python with ctypes, the CUDA driver API and NVRTC, no kvq — launch
 # them on its own buffers and stream and check the outputs against the CPU reference.
 #
@@ -40,6 +40,9 @@ cases=(
     "calibquant1-gqa11|calibquant1|128|11|f16"
     "kivi2-mqa71|kivi2|64|71|bf16"
     "custom|k = int(3, channel), v = int(4, token, group = 32), sink = 16, local = 64|128|4|f16"
+    "commvq1|commvq1|128|4|f16"
+    "commvq2-bf16|commvq2|128|4|bf16"
+    "codebook-custom|k = codebook(rope_commutative, levels = 16, residuals = 3, pairs_per_code = 32, span = head), v = codebook(additive, rows = 64), sink = 16, local = 32, page = 64|64|8|f16"
 )
 
 failed=0

@@ -11,6 +11,7 @@ mod gpu_codebook;
 pub mod info;
 pub mod run;
 pub mod sample;
+pub mod sample_codebook;
 pub mod scheme;
 pub mod table;
 

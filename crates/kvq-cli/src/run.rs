@@ -122,7 +122,7 @@ fn schemes_cmd(a: SchemesArgs, out: &mut dyn Write) -> Result<()> {
             bits4,
             bits32,
             saved,
-            if kvq::codegen::has_decode_kernel(&b.spec) {
+            if kvq::codegen::has_decode_kernel(&b.spec) || has_codebook_kernel(&b.spec) {
                 "GPU + CPU"
             } else {
                 "CPU only"

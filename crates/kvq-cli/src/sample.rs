@@ -23,7 +23,7 @@ use crate::error::{CliError, Result};
 /// Folder of the sample inside `kvq gen`'s output.
 pub const SAMPLE_DIR: &str = "sample";
 /// Byte of pool blocks no sequence uses.
-const POISON: u8 = 0xA5;
+pub(crate) const POISON: u8 = 0xA5;
 
 /// What sample to write.
 #[derive(Debug, Clone, PartialEq)]
@@ -120,13 +120,13 @@ fn gather(
 }
 
 /// Little-endian bytes of 16- and 32-bit values.
-fn le16(v: &[u16]) -> Vec<u8> {
+pub(crate) fn le16(v: &[u16]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
-fn le32i(v: &[i32]) -> Vec<u8> {
+pub(crate) fn le32i(v: &[i32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
-fn le32f(v: &[f32]) -> Vec<u8> {
+pub(crate) fn le32f(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 

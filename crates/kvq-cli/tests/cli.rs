@@ -200,7 +200,7 @@ fn unknown_names_list_the_builtins_and_grammar_errors_point_at_the_column() {
         &[
             "gen",
             "--scheme",
-            "commvq2",
+            "xquant2",
             "--head-dim",
             "128",
             "--out",
@@ -210,7 +210,53 @@ fn unknown_names_list_the_builtins_and_grammar_errors_point_at_the_column() {
     );
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("ships no codebook kernels yet"), "{err}");
+    assert!(err.contains("has no GPU kernel yet"), "{err}");
+    // A codebook scheme: both units, the headers, and a manifest of the codebook family.
+    let cb = tmp.path().join("commvq2");
+    let o = kvq(
+        &[
+            "gen",
+            "--scheme",
+            "commvq2",
+            "--head-dim",
+            "128",
+            "--out",
+            cb.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    for f in [
+        "decode.cu",
+        "encode.cu",
+        "kvq_kernels.h",
+        "README.md",
+        "include/kvq/codebook/encode.cuh",
+    ] {
+        assert!(cb.join(f).is_file(), "{f} missing");
+    }
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(cb.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["family"], "codebook");
+    assert_eq!(m["layout_version"], "kvq-codebook-layout-1");
+    let roles: Vec<&str> = m["kernels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        roles,
+        ["decode", "combine", "store", "encode_k", "encode_v"]
+    );
+    assert_eq!(m["layout"]["k"]["kind"], "rope_commutative");
+    assert_eq!(m["layout"]["codebook_file"]["format"], "kvq-codebooks-1");
+    let header = std::fs::read_to_string(cb.join("kvq_kernels.h")).unwrap();
+    assert!(
+        header.contains("KVQ_ENCODE_K_NAME") && header.contains("double rope_theta"),
+        "{header}"
+    );
     // A shape the scheme cannot hold.
     let o = kvq(
         &[

@@ -67,7 +67,7 @@ pub(super) fn header_text(
     layout: &LayoutInfo,
     kernels: &[KernelInfo],
 ) -> String {
-    let (lower, tag) = (prefix.lower(), prefix.upper());
+    let tag = prefix.upper();
     let mut h = String::new();
     let guard = format!("{tag}_KERNELS_H");
     let _ = writeln!(h, "/* kvq generated header — do not edit. */");
@@ -121,6 +121,16 @@ pub(super) fn header_text(
         "#define {tag}_V_TAIL_CAPACITY {}",
         layout.v.tail_capacity
     );
+    kernel_declarations(&mut h, prefix, kernels);
+    let _ = writeln!(h, "\n#endif /* {guard} */");
+
+    ascii(&h)
+}
+
+/// Per kernel: its launch constants, parameter struct, argument helper and (under nvcc) the entry
+/// point's declaration, inside `extern "C"` for C++.
+pub(super) fn kernel_declarations(h: &mut String, prefix: &CPrefix, kernels: &[KernelInfo]) {
+    let (lower, tag) = (prefix.lower(), prefix.upper());
     let _ = writeln!(h, "\n#ifdef __cplusplus\nextern \"C\" {{\n#endif");
     for k in kernels {
         let role = k.role.to_ascii_lowercase();
@@ -174,11 +184,7 @@ pub(super) fn header_text(
             signature.join(", ")
         );
     }
-    let _ = writeln!(
-        h,
-        "\n#ifdef __cplusplus\n}}\n#endif\n\n#endif /* {guard} */"
-    );
-    ascii(&h)
+    let _ = writeln!(h, "\n#ifdef __cplusplus\n}}\n#endif");
 }
 
 /// `text` as the body of a C string literal: quotes and backslashes escaped.
@@ -187,7 +193,7 @@ fn c_string(text: &str) -> String {
 }
 
 /// The header in plain ASCII, so any C compiler and editor reads it as written.
-fn ascii(text: &str) -> String {
+pub(super) fn ascii(text: &str) -> String {
     let mut s = String::with_capacity(text.len());
     for c in text.chars() {
         match c {

@@ -216,7 +216,7 @@ pub(super) struct Manifest {
 
 /// Bytes and alignment of a parameter's C type (pointers and `int32_t` are all kvq uses).
 fn c_type_size(c_type: &str) -> usize {
-    if c_type.ends_with('*') || c_type.contains("64") {
+    if c_type.ends_with('*') || c_type.contains("64") || c_type == "double" {
         8
     } else if c_type.contains("16") {
         2
@@ -307,11 +307,37 @@ fn about_param(name: &str, dtype: Dtype) -> String {
         "slot" => "the sequence's slot".into(),
         "jobs" => "[jobs][2] i32 (first input token, page-table entry slot·max_pages + page)".into(),
         "n" => "entries of slots".into(),
+        // Codebook schemes (kvq/codebook/*.cuh).
+        "k_book" => "RoPE-commutative key codebook [kv_heads][groups][residuals][levels][pairs] u32 (layout.codebooks); null without".into(),
+        "k_rows" | "v_rows" => "additive rows C ⊙ σ [kv_heads][rows][head_dim] f32; null without".into(),
+        "k_mean" | "v_mean" => "additive means μ [kv_heads][head_dim] f32; null without".into(),
+        "rope_theta" => "RoPE base (double): keys are coded before RoPE and rotated by the decode".into(),
+        "k_pre" => format!("new keys before RoPE [tokens][kv_heads][head_dim] {io} (read when keys are RoPE-coded)"),
+        "k_post" => format!("new keys after RoPE [tokens][kv_heads][head_dim] {io}"),
+        "v" => format!("new values [tokens][kv_heads][head_dim] {io}"),
+        "r0" => "first row of k_pre/k_post/v this launch stores".into(),
+        "t0" => "store: sequence position of row r0; encoders: the first table (layout.codebooks), f64".into(),
+        "k_ring_from" | "v_ring_from" => "a coded side's tokens below this go to no ring (a page encoder reads them from the input); 0: every non-sink token".into(),
+        "k_pending" | "v_pending" => format!("pending rings [sequence slots][kv_heads][tail_capacity][head_dim] {io}"),
+        "status" => "u32[3]: flags, first bad-input token, first overflowing token (zero the flags, 0xFFFFFFFF the tokens, first)".into(),
+        "src" => format!("rows the encoder codes, {io}: the input [tokens][kv_heads][head_dim] or a sequence's pending ring"),
+        "tok_stride" => "elements between a source's consecutive tokens".into(),
+        "head_stride" => "elements between a source's consecutive KV heads".into(),
+        "first" => "the row (ring slot) of the launch's first token".into(),
+        "cap" => "ring rows (tail_capacity) for a pending ring, 0 for the input".into(),
+        "page0" => "logical page of the launch's first block (gridDim.x pages from it)".into(),
+        "t1" | "t2" | "t3" | "t4" => "encoder tables (layout.codebooks), f64".into(),
         _ => String::new(),
     }
 }
 
-fn kernel_info(role: &str, file: &str, about: &str, e: &KernelEntry, dtype: Dtype) -> KernelInfo {
+pub(super) fn kernel_info(
+    role: &str,
+    file: &str,
+    about: &str,
+    e: &KernelEntry,
+    dtype: Dtype,
+) -> KernelInfo {
     let mut offset = 0usize;
     let params: Vec<ParamInfo> = e
         .params

@@ -8,6 +8,7 @@
 //! and `header` write the two descriptions of the kernels, and `rules` gives the manifest the
 //! runtime's untuned launch rules as data.
 
+mod codebook;
 mod header;
 mod manifest;
 mod params;
@@ -162,9 +163,12 @@ fn remove_stale(out: &Path, writes_cache: bool, writes_sample: bool) {
     if let Ok(entries) = std::fs::read_dir(out) {
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            let cubin = (name.starts_with("decode.") || name.starts_with("cache."))
+            let cubin = (name.starts_with("decode.")
+                || name.starts_with("cache.")
+                || name.starts_with("encode."))
                 && name.ends_with(".cubin");
-            if cubin || (!writes_cache && name == CACHE_FILE) {
+            // A codebook scheme's encode unit is rewritten by its own run.
+            if cubin || (!writes_cache && name == CACHE_FILE) || name == codebook::ENCODE_FILE {
                 let _ = std::fs::remove_file(e.path());
             }
         }
@@ -257,17 +261,13 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
     let spec = &req.scheme.spec;
     let shape = &req.shape;
     if has_codebook_kernel(spec) {
-        return Err(CliError::Unsupported(format!(
-            "`{}`: kvq gen ships no codebook kernels yet (CommVQ's GPU decode runs in `kvq bench` \
-             only so far)",
-            req.scheme.label()
-        )));
+        return codebook::generate(req);
     }
     if !req.scheme.has_gpu_kernel() {
         return Err(CliError::Unsupported(format!(
-            "`{}` has no GPU kernel yet (CommVQ and XQuant run in the CPU reference only); \
-             GPU schemes: fp16, kivi2, kivi4, kitty, kitty-pro, calibquant1, calibquant2, int8, \
-             or scheme text of fp16/int(...) tensors",
+            "`{}` has no GPU kernel yet (XQuant runs in the CPU reference only); GPU schemes: \
+             fp16, kivi2, kivi4, kitty, kitty-pro, calibquant1, calibquant2, int8, commvq1, \
+             commvq2, or scheme text of fp16/int(...)/codebook(...) tensors",
             req.scheme.label()
         )));
     }
