@@ -7,7 +7,7 @@ use kvq::reference::commvq::{self, CalibrationData, Codebooks, TrainOptions};
 use kvq::reference::rope::Rope;
 use kvq::reference::KvTensor;
 use kvq::runtime::codebook::{
-    CodebookCache, CodebookEncoder, CodebookKernel, CodebookScratch, EncodeInputs,
+    input_words, CodebookCache, CodebookEncoder, CodebookKernel, CodebookScratch, EncodeInputs,
 };
 use kvq::runtime::cudarc::driver::CudaSlice;
 use kvq::runtime::tune::synth::{random_queries, round_to_word};
@@ -20,20 +20,6 @@ use crate::gpu::{Gpu, Latency};
 /// Tokens of the latency workload's K/V its codebooks are trained on (decode time does not depend
 /// on their quality).
 const LATENCY_CALIBRATION: usize = 1024;
-
-/// `[token][kv_head][D]` device words of a `[kv_head][token][D]` tensor.
-fn words(t: &KvTensor, dtype: Dtype) -> Vec<u16> {
-    let (h, d) = (t.kv_heads, t.head_dim);
-    let mut out = vec![0u16; t.data.len()];
-    for head in 0..h {
-        for tok in 0..t.tokens {
-            for (c, x) in t.row(head, tok).iter().enumerate() {
-                out[(tok * h + head) * d + c] = round_to_word(*x, dtype).0;
-            }
-        }
-    }
-    out
-}
 
 fn upload(gpu: &Gpu, w: &[u16]) -> Result<CudaSlice<u16>, RuntimeError> {
     gpu.device
@@ -79,7 +65,7 @@ pub fn decode_layer(
 ) -> Result<Vec<f32>, RuntimeError> {
     let (h, d, len) = (k_pre.kv_heads, k_pre.head_dim, k_pre.tokens);
     let encoder = CodebookEncoder::load(&gpu.jit, spec, books, d, h, shape.dtype)?;
-    let dev = |t: &KvTensor| upload(gpu, &words(t, shape.dtype));
+    let dev = |t: &KvTensor| upload(gpu, &input_words(t, shape.dtype));
     let (a, b, c) = (dev(k_pre)?, dev(k_post)?, dev(v)?);
     let cache = coded_cache(gpu, &encoder, 1, (&a, &b, &c), len, rope.theta)?;
     let kernel = CodebookKernel::load(&gpu.jit, spec, shape, h)?;
@@ -136,8 +122,8 @@ pub fn measure(
         .map_err(|e| RuntimeError::InvalidInput(format!("codebooks for the latency run: {e}")))?;
     let encoder = CodebookEncoder::load(&gpu.jit, spec, &books, d, h, shape.dtype)?;
     let (kd, vd) = (
-        upload(gpu, &words(k, shape.dtype))?,
-        upload(gpu, &words(v, shape.dtype))?,
+        upload(gpu, &input_words(k, shape.dtype))?,
+        upload(gpu, &input_words(v, shape.dtype))?,
     );
     let theta = Rope::default().theta;
     let first = coded_cache(gpu, &encoder, batch, (&kd, &kd, &vd), len, theta)?;

@@ -58,13 +58,59 @@ pub struct Written {
     pub summary: String,
 }
 
+/// One buffer of a sample, as `sample.json` lists it.
 #[derive(Serialize)]
-struct FileInfo {
+pub(crate) struct FileInfo {
     name: String,
     file: String,
     element: String,
     shape: Vec<usize>,
     bytes: usize,
+}
+
+/// A buffer to write: name, element type, shape in elements, little-endian bytes.
+pub(crate) type Buffer<'a> = (&'a str, &'a str, Vec<usize>, Vec<u8>);
+
+/// Files written, with their sizes.
+pub(crate) type Files = Vec<(PathBuf, u64)>;
+
+/// Writes each buffer as `dir/<name>.bin`: the files written and their `sample.json` entries.
+pub(crate) fn write_buffers(
+    dir: &Path,
+    entries: Vec<Buffer<'_>>,
+) -> Result<(Files, Vec<FileInfo>)> {
+    let mut files = Vec::new();
+    let mut infos = Vec::new();
+    for (name, element, shape_of, bytes) in entries {
+        let file = format!("{name}.bin");
+        let path = dir.join(&file);
+        std::fs::write(&path, &bytes).map_err(|source| CliError::Write {
+            path: path.clone(),
+            source,
+        })?;
+        files.push((path, bytes.len() as u64));
+        infos.push(FileInfo {
+            name: name.into(),
+            file,
+            element: element.into(),
+            shape: shape_of,
+            bytes: bytes.len(),
+        });
+    }
+    Ok((files, infos))
+}
+
+/// Writes `info` as `dir/sample.json` and lists it in `files`.
+pub(crate) fn write_json<T: Serialize>(dir: &Path, info: &T, files: &mut Files) -> Result<()> {
+    let json = serde_json::to_string_pretty(info)
+        .map_err(|e| CliError::Usage(format!("sample.json: {e}")))?;
+    let path = dir.join("sample.json");
+    std::fs::write(&path, json.as_bytes()).map_err(|source| CliError::Write {
+        path: path.clone(),
+        source,
+    })?;
+    files.push((path, json.len() as u64));
+    Ok(())
 }
 
 #[derive(Serialize)]
@@ -300,24 +346,7 @@ pub fn write(
         ("q", &io, vec![batch, q_heads, d], le16(&q_bits)),
         ("expected", "f32", vec![batch, q_heads, d], le32f(&expected)),
     ];
-    let mut files = Vec::new();
-    let mut infos = Vec::new();
-    for (name, element, shape_of, bytes) in entries {
-        let file = format!("{name}.bin");
-        let path = dir.join(&file);
-        std::fs::write(&path, &bytes).map_err(|source| CliError::Write {
-            path: path.clone(),
-            source,
-        })?;
-        files.push((path, bytes.len() as u64));
-        infos.push(FileInfo {
-            name: name.into(),
-            file,
-            element: element.into(),
-            shape: shape_of,
-            bytes: bytes.len(),
-        });
-    }
+    let (mut files, infos) = write_buffers(&dir, entries)?;
     let info = SampleInfo {
         format: "kvq-gen-sample".into(),
         scheme: spec.to_string(),
@@ -346,14 +375,7 @@ pub fn write(
                 .into(),
         ],
     };
-    let json = serde_json::to_string_pretty(&info)
-        .map_err(|e| CliError::Usage(format!("sample.json: {e}")))?;
-    let path = dir.join("sample.json");
-    std::fs::write(&path, json.as_bytes()).map_err(|source| CliError::Write {
-        path: path.clone(),
-        source,
-    })?;
-    files.push((path, json.len() as u64));
+    write_json(&dir, &info, &mut files)?;
     Ok(Written {
         dir_name: SAMPLE_DIR.into(),
         files,

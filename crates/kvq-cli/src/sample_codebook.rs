@@ -4,7 +4,7 @@
 //! decode reads them and as a `kvq-codebooks-1` file, queries, and the reference's output — so an
 //! engine that embeds the generated decode checks its launch against known bytes without kvq.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use kvq::codegen::{Dtype, KernelShape};
 use kvq::reference::attention::Queries;
@@ -18,19 +18,13 @@ use kvq::SchemeSpec;
 use serde::Serialize;
 
 use crate::error::{CliError, Result};
-use crate::sample::{le16, le32f, le32i, SampleSpec, Written, POISON, SAMPLE_DIR};
+use crate::sample::{
+    le16, le32f, le32i, write_buffers, write_json, Buffer, FileInfo, SampleSpec, Written, POISON,
+    SAMPLE_DIR,
+};
 
 /// The file the layer's codebooks are saved to inside the sample.
 pub const CODEBOOK_FILE: &str = "codebooks.safetensors";
-
-#[derive(Serialize)]
-struct FileInfo {
-    name: String,
-    file: String,
-    element: String,
-    shape: Vec<usize>,
-    bytes: usize,
-}
 
 #[derive(Serialize)]
 struct SampleInfo {
@@ -187,7 +181,7 @@ pub fn write(
     let per_seq = |rows: usize| vec![batch, h, rows, d];
     let io = shape.dtype.to_string();
     let u32le = |v: &[u32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    let entries: Vec<(&str, &str, Vec<usize>, Vec<u8>)> = vec![
+    let entries: Vec<Buffer> = vec![
         (
             "k_pool",
             "u8",
@@ -264,24 +258,7 @@ pub fn write(
         ("q", &io, vec![batch, q_heads, d], le16(&q_bits)),
         ("expected", "f32", vec![batch, q_heads, d], le32f(&expected)),
     ];
-    let mut files: Vec<(PathBuf, u64)> = Vec::new();
-    let mut infos = Vec::new();
-    for (name, element, shape_of, bytes) in entries {
-        let file = format!("{name}.bin");
-        let path = dir.join(&file);
-        std::fs::write(&path, &bytes).map_err(|source| CliError::Write {
-            path: path.clone(),
-            source,
-        })?;
-        files.push((path, bytes.len() as u64));
-        infos.push(FileInfo {
-            name: name.into(),
-            file,
-            element: element.into(),
-            shape: shape_of,
-            bytes: bytes.len(),
-        });
-    }
+    let (mut files, infos) = write_buffers(&dir, entries)?;
     let book_path = dir.join(CODEBOOK_FILE);
     books
         .save(&book_path, spec, h, d)
@@ -322,14 +299,7 @@ pub fn write(
                 .into(),
         ],
     };
-    let json = serde_json::to_string_pretty(&info)
-        .map_err(|e| CliError::Usage(format!("sample.json: {e}")))?;
-    let path = dir.join("sample.json");
-    std::fs::write(&path, json.as_bytes()).map_err(|source| CliError::Write {
-        path: path.clone(),
-        source,
-    })?;
-    files.push((path, json.len() as u64));
+    write_json(&dir, &info, &mut files)?;
     Ok(Written {
         dir_name: SAMPLE_DIR.into(),
         files,

@@ -43,6 +43,26 @@ pub struct EncodeInputs<'a> {
     pub tokens: usize,
 }
 
+/// A reference tensor (`[kv_head][token][D]` f32) as the `[token][kv_head][D]` words of `dtype`
+/// [`EncodeInputs`] take, each value rounded to nearest.
+pub fn input_words(t: &kvq_reference::KvTensor, dtype: Dtype) -> Vec<u16> {
+    let (h, d) = (t.kv_heads, t.head_dim);
+    let mut out = vec![0u16; t.data.len()];
+    for head in 0..h {
+        for tok in 0..t.tokens {
+            for (c, x) in t.row(head, tok).iter().enumerate() {
+                out[(tok * h + head) * d + c] = crate::tune::synth::round_to_word(*x, dtype).0;
+            }
+        }
+    }
+    out
+}
+
+/// `x` as a kernel's `int`, refused past i32.
+fn narrow(what: &str, x: usize) -> Result<i32> {
+    i32::try_from(x).map_err(|_| RuntimeError::InvalidInput(format!("{what} {x} past i32")))
+}
+
 /// One coded side's page encoder and its tables on the device.
 struct SideEncoder {
     function: CudaFunction,
@@ -80,14 +100,11 @@ impl CodebookEncoder {
         kv_heads: usize,
         dtype: Dtype,
     ) -> Result<Self> {
-        let narrow = |what: &str, x: usize| {
-            u32::try_from(x).map_err(|_| RuntimeError::InvalidInput(format!("{x} {what}")))
-        };
         let generated = codebook_encode_kernels(
             spec,
-            narrow("channels a head", head_dim)?,
+            narrow("channels a head", head_dim)? as u32,
             dtype,
-            narrow("KV heads", kv_heads)?,
+            narrow("KV heads", kv_heads)? as u32,
         )?;
         let tables = EncoderTables::new(spec, codebooks, kv_heads, head_dim)?;
         let books = DeviceCodebooks::new(spec, codebooks, kv_heads, head_dim)?;
@@ -376,9 +393,6 @@ impl CodebookEncoder {
             Which::V => self.v.as_ref(),
         }
         .ok_or_else(|| RuntimeError::InvalidInput("no encoder for an FP16 side".into()))?;
-        let int = |what: &str, x: usize| {
-            i32::try_from(x).map_err(|_| RuntimeError::InvalidInput(format!("{what} {x} past i32")))
-        };
         let Some(Pending { k, v, status, .. }) = cache.pending.as_mut() else {
             return Err(RuntimeError::InvalidInput(
                 "an uploaded cache cannot grow".into(),
@@ -408,15 +422,15 @@ impl CodebookEncoder {
         };
         let mut args = Args::new(stream);
         args.ptr(base)
-            .int(int("row stride", rows.tok_stride)?)
-            .int(int("head stride", rows.head_stride)?)
-            .int(int("first row", rows.first)?)
-            .int(int("ring rows", rows.cap)?)
-            .int(int("page", page0)?)
-            .int(int("sequence", slot)?)
+            .int(narrow("row stride", rows.tok_stride)?)
+            .int(narrow("head stride", rows.head_stride)?)
+            .int(narrow("first row", rows.first)?)
+            .int(narrow("ring rows", rows.cap)?)
+            .int(narrow("page", page0)?)
+            .int(narrow("sequence", slot)?)
             .buffer_mut(pool)
             .buffer(&cache.page_table)
-            .int(int("pages", cache.max_pages)?)
+            .int(narrow("pages", cache.max_pages)?)
             .buffer(&enc.tables[0])
             .buffer(&enc.tables[1])
             .buffer(&enc.tables[2])
@@ -442,9 +456,6 @@ impl CodebookEncoder {
         k_ring_from: i32,
         v_ring_from: i32,
     ) -> Result<()> {
-        let int = |what: &str, x: usize| {
-            i32::try_from(x).map_err(|_| RuntimeError::InvalidInput(format!("{what} {x} past i32")))
-        };
         let pending = cache
             .pending
             .as_mut()
@@ -462,15 +473,15 @@ impl CodebookEncoder {
         args.buffer(inputs.k_pre_rope)
             .buffer(inputs.k_post_rope)
             .buffer(inputs.v)
-            .int(int("row", r0)?)
-            .int(int("token", t0)?)
+            .int(narrow("row", r0)?)
+            .int(narrow("token", t0)?)
             .int(k_ring_from)
             .int(v_ring_from)
-            .int(int("sequence", slot)?)
+            .int(narrow("sequence", slot)?)
             .buffer_mut(&mut cache.k_pool)
             .buffer_mut(&mut cache.v_pool)
             .buffer(&cache.page_table)
-            .int(int("pages", cache.max_pages)?)
+            .int(narrow("pages", cache.max_pages)?)
             .buffer_mut(&mut cache.k_sink)
             .buffer_mut(&mut cache.v_sink)
             .buffer_mut(&mut cache.k_tail)
@@ -523,8 +534,7 @@ impl CodebookEncoder {
             )));
         }
         cache.lens[slot] = new_len;
-        let len = i32::try_from(new_len)
-            .map_err(|_| RuntimeError::InvalidInput(format!("{new_len} tokens past i32")))?;
+        let len = narrow("tokens", new_len)?;
         let mut one = cache.seq_lens.slice_mut(slot..slot + 1);
         stream
             .memcpy_htod(&[len], &mut one)

@@ -21,5 +21,5 @@ mod tune;
 
 pub use cache::{CacheArrays, CodebookCache};
 pub use decode::{CodebookKernel, CodebookScratch};
-pub use encode::{CodebookEncoder, EncodeInputs};
+pub use encode::{input_words, CodebookEncoder, EncodeInputs};
 pub use tune::{codebook_problem_key, default_codebook_launch, CodebookLaunch, CodebookTuneReport};

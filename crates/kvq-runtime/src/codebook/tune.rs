@@ -28,12 +28,12 @@ use kvq_reference::rope::Rope;
 
 use super::cache::CodebookCache;
 use super::decode::{CodebookKernel, CodebookScratch};
-use super::encode::{CodebookEncoder, EncodeInputs};
+use super::encode::{input_words, CodebookEncoder, EncodeInputs};
 use crate::error::{Result, RuntimeError};
 use crate::timing::GpuTimer;
 use crate::tune::plan_copies;
 use crate::tune::store::{checksum, unix_now};
-use crate::tune::synth::{random_kv, random_queries, round_to_word};
+use crate::tune::synth::{random_kv, random_queries};
 use crate::tune::{
     select_winner, split_candidates, tolerance, CandidateResult, ChoiceSource, ProblemKey,
     TuneChoice, TuneEntry, TunePolicy, TuneProblem, Tuner, SPLIT_FACTORS,
@@ -183,23 +183,15 @@ impl Tuner<'_> {
         let dtype = problem.shape.dtype;
         let encoder = CodebookEncoder::load(self.jit(), &problem.spec, &books, d, h, dtype)?;
         let stream = self.jit().device().default_stream();
-        let words = |t: &kvq_reference::KvTensor| -> Vec<u16> {
-            let mut out = vec![0u16; t.data.len()];
-            for head in 0..h {
-                for tok in 0..t.tokens {
-                    for (c, x) in t.row(head, tok).iter().enumerate() {
-                        out[(tok * h + head) * d + c] = round_to_word(*x, dtype).0;
-                    }
-                }
-            }
-            out
-        };
         let upload = |w: Vec<u16>| {
             stream
                 .clone_htod(&w)
                 .map_err(|e| RuntimeError::driver("upload the tuning K/V", e))
         };
-        let (k_dev, v_dev) = (upload(words(&k))?, upload(words(&v))?);
+        let (k_dev, v_dev) = (
+            upload(input_words(&k, dtype))?,
+            upload(input_words(&v, dtype))?,
+        );
         drop((k, v));
         let inputs = EncodeInputs {
             k_pre_rope: &k_dev,
