@@ -71,6 +71,41 @@ pub(crate) struct FileInfo {
 /// A buffer to write: name, element type, shape in elements, little-endian bytes.
 pub(crate) type Buffer<'a> = (&'a str, &'a str, Vec<usize>, Vec<u8>);
 
+/// A batch's page table with physical pages handed out from the top down (so a launch that
+/// ignored the table would read the wrong blocks).
+pub(crate) struct Pages {
+    /// `[sequence][max_pages]` i32, −1 past a sequence's pages.
+    pub table: Vec<i32>,
+    /// Each sequence's physical pages, in logical order.
+    pub slots: Vec<Vec<usize>>,
+    pub physical: usize,
+    pub max_pages: usize,
+}
+
+/// The page table of sequences holding `counts` logical pages each.
+pub(crate) fn pages_from_the_top(counts: &[usize]) -> Pages {
+    let physical: usize = counts.iter().sum();
+    let max_pages = counts.iter().copied().max().unwrap_or(0).max(1);
+    let mut table = vec![-1i32; counts.len() * max_pages];
+    let mut slots = Vec::new();
+    let mut next = physical;
+    for (b, &n) in counts.iter().enumerate() {
+        let mut own = Vec::new();
+        for j in 0..n {
+            next -= 1;
+            own.push(next);
+            table[b * max_pages + j] = next as i32;
+        }
+        slots.push(own);
+    }
+    Pages {
+        table,
+        slots,
+        physical,
+        max_pages,
+    }
+}
+
 /// Files written, with their sizes.
 pub(crate) type Files = Vec<(PathBuf, u64)>;
 
@@ -237,25 +272,16 @@ pub fn write(
         })
         .collect::<Result<_>>()?;
 
-    // Logical page slots per sequence; physical pages handed out from the top down.
     let counts: Vec<usize> = caches
         .iter()
         .map(|c| c.k().pages().max(c.v().pages()))
         .collect();
-    let physical: usize = counts.iter().sum();
-    let max_pages = counts.iter().copied().max().unwrap_or(0).max(1);
-    let mut page_table = vec![-1i32; caches.len() * max_pages];
-    let mut slots = Vec::new();
-    let mut next = physical;
-    for (b, &n) in counts.iter().enumerate() {
-        let mut own = Vec::new();
-        for j in 0..n {
-            next -= 1;
-            own.push(next);
-            page_table[b * max_pages + j] = next as i32;
-        }
-        slots.push(own);
-    }
+    let Pages {
+        table: page_table,
+        slots,
+        physical,
+        max_pages,
+    } = pages_from_the_top(&counts);
     let ks: Vec<&TensorStore> = caches.iter().map(|c| c.k()).collect();
     let vs: Vec<&TensorStore> = caches.iter().map(|c| c.v()).collect();
     let k = gather(&ks, &slots, physical, h);

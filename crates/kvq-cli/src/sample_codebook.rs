@@ -19,8 +19,8 @@ use serde::Serialize;
 
 use crate::error::{CliError, Result};
 use crate::sample::{
-    le16, le32f, le32i, write_buffers, write_json, Buffer, FileInfo, SampleSpec, Written, POISON,
-    SAMPLE_DIR,
+    le16, le32f, le32i, pages_from_the_top, write_buffers, write_json, Buffer, FileInfo, Pages,
+    SampleSpec, Written, POISON, SAMPLE_DIR,
 };
 
 /// The file the layer's codebooks are saved to inside the sample.
@@ -130,20 +130,12 @@ pub fn write(
 
     // Logical pages per sequence (K and V share the table); physical pages from the top down.
     let counts: Vec<usize> = seqs.iter().map(|q| q.k.pages.max(q.v.pages)).collect();
-    let physical: usize = counts.iter().sum();
-    let max_pages = counts.iter().copied().max().unwrap_or(0).max(1);
-    let mut page_table = vec![-1i32; seqs.len() * max_pages];
-    let mut slots = Vec::new();
-    let mut next = physical;
-    for (b, &n) in counts.iter().enumerate() {
-        let mut own = Vec::new();
-        for j in 0..n {
-            next -= 1;
-            own.push(next);
-            page_table[b * max_pages + j] = next as i32;
-        }
-        slots.push(own);
-    }
+    let Pages {
+        table: page_table,
+        slots,
+        physical,
+        max_pages,
+    } = pages_from_the_top(&counts);
     let ks: Vec<&DeviceTensor> = seqs.iter().map(|q| &q.k).collect();
     let vs: Vec<&DeviceTensor> = seqs.iter().map(|q| &q.v).collect();
     let k_pool = gather(&layout, &layout.k, &ks, &slots, physical);

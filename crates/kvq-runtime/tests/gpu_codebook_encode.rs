@@ -42,7 +42,7 @@ const COMMVQ1: &str = "k = codebook(rope_commutative, levels = 64, residuals = 1
 const COMMVQ2: &str = "k = codebook(rope_commutative, levels = 64, residuals = 21, pairs_per_code = 64, span = token), \
                        v = codebook(additive, rows = 256)";
 
-/// Schemes and head sizes: the built-ins, other levels and rounds, `span = head` and `token`,
+/// Schemes and head sizes: the built-ins, other levels and residual counts, `span = head` and `token`,
 /// FP16 on either side, additive keys, small pages.
 const CASES: &[(&str, &[usize])] = &[
     (COMMVQ1, &[128]),
