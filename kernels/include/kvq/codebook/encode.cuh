@@ -236,26 +236,31 @@ static __device__ void kvq_encode_rope_keys(KvqCbRows src, int page0, int slot, 
             const double* ic = tab.ic + tb * L * DIM;
             const double* norm = tab.norm + tb * L;
             const double* cross = tab.cross + tb * L * L;
+            // alpha holds each entry's row term norm_a − 2α_a and beta 2β_b: the values
+            // RoundTables::distances computes for them, once per entry instead of per pair.
             for (int k = lane; k < L; k += 32) {
                 double a[T], b[T];
                 kvq_dot4_many<T, DIM>(z, c + (long)k * DIM, a);
                 kvq_dot4_many<T, DIM>(z, ic + (long)k * DIM, b);
+                const double nk = norm[k];
 #pragma unroll
-                for (int t = 0; t < T; ++t) { alpha[t * L + k] = a[t]; beta[t * L + k] = b[t]; }
+                for (int t = 0; t < T; ++t) {
+                    alpha[t * L + k] = __dsub_rn(nk, __dmul_rn(2.0, a[t]));
+                    beta[t * L + k] = __dmul_rn(2.0, b[t]);
+                }
             }
             __syncwarp();
-            // RoundTables::distances then nearest: (norm_a − 2α_a) + norm_b − 2β_b + 2χ_ab.
+            // RoundTables::distances then nearest: ((norm_a − 2α_a) + norm_b) − 2β_b + 2χ_ab.
             double best[T];
             int at[T];
 #pragma unroll
             for (int t = 0; t < T; ++t) { best[t] = __longlong_as_double(0x7ff0000000000000ll); at[t] = -1; }
             for (int i = lane; i < L * L; i += 32) {
                 const int a = i / L, b = i % L;
-                const double na = norm[a], nb = norm[b], x2 = __dmul_rn(2.0, cross[i]);
+                const double nb = norm[b], x2 = __dmul_rn(2.0, cross[i]);
 #pragma unroll
                 for (int t = 0; t < T; ++t) {
-                    const double base = __dsub_rn(na, __dmul_rn(2.0, alpha[t * L + a]));
-                    const double d = __dadd_rn(__dsub_rn(__dadd_rn(base, nb), __dmul_rn(2.0, beta[t * L + b])), x2);
+                    const double d = __dadd_rn(__dsub_rn(__dadd_rn(alpha[t * L + a], nb), beta[t * L + b]), x2);
                     if (d < best[t]) { best[t] = d; at[t] = i; }
                 }
             }
