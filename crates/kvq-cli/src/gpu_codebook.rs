@@ -2,7 +2,7 @@
 //! decoded by the codebook kernel (its error against exact attention), and the decode's latency on
 //! a long random sequence coded the same way, launched as the tuner says.
 
-use kvq::codegen::{Dtype, KernelShape};
+use kvq::codegen::KernelShape;
 use kvq::reference::commvq::{self, CalibrationData, Codebooks, TrainOptions};
 use kvq::reference::rope::Rope;
 use kvq::reference::KvTensor;
@@ -10,7 +10,7 @@ use kvq::runtime::codebook::{
     input_words, CodebookCache, CodebookEncoder, CodebookKernel, CodebookScratch, EncodeInputs,
 };
 use kvq::runtime::cudarc::driver::CudaSlice;
-use kvq::runtime::tune::synth::{random_queries, round_to_word};
+use kvq::runtime::tune::synth::{random_queries, round_to_word, word_to_f32};
 use kvq::runtime::tune::{plan_copies, TuneProblem, Tuner};
 use kvq::runtime::{GpuTimer, RuntimeError};
 use kvq::SchemeSpec;
@@ -85,13 +85,7 @@ pub fn decode_layer(
     let host: Vec<u16> = stream
         .clone_dtoh(&out)
         .map_err(|e| RuntimeError::driver("download the output", e))?;
-    Ok(host
-        .iter()
-        .map(|&w| match shape.dtype {
-            Dtype::F16 => half::f16::from_bits(w).to_f32(),
-            Dtype::Bf16 => half::bf16::from_bits(w).to_f32(),
-        })
-        .collect())
+    Ok(host.iter().map(|&w| word_to_f32(w, shape.dtype)).collect())
 }
 
 /// Latency of one decode of `batch` copies of the random sequence `(k, v)` (keys read as before
@@ -168,12 +162,9 @@ pub fn measure(
     let host: Vec<u16> = stream
         .clone_dtoh(&out)
         .map_err(|e| RuntimeError::driver("download the output", e))?;
-    if host
+    if !host
         .iter()
-        .any(|&w| (w & 0x7c00) == 0x7c00 && shape.dtype == Dtype::F16)
-        || host
-            .iter()
-            .any(|&w| (w & 0x7f80) == 0x7f80 && shape.dtype == Dtype::Bf16)
+        .all(|&w| word_to_f32(w, shape.dtype).is_finite())
     {
         return Err(RuntimeError::InvalidInput(format!(
             "`{spec}`: the GPU output holds NaN or infinite values; not timed"

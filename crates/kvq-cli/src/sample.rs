@@ -148,25 +148,35 @@ pub(crate) fn write_json<T: Serialize>(dir: &Path, info: &T, files: &mut Files) 
     Ok(())
 }
 
+/// `sample.json`: the batch, its buffers and how to check an output. A codebook scheme's sample
+/// (`crate::sample_codebook`) adds its family, RoPE base and codebook file.
 #[derive(Serialize)]
-struct SampleInfo {
-    format: String,
-    scheme: String,
-    batch: usize,
-    kv_heads: usize,
-    q_heads: usize,
-    head_dim: u32,
-    gqa: u32,
-    dtype: Dtype,
-    seq_lens: Vec<usize>,
-    max_pages: usize,
-    physical_pages: usize,
-    num_splits: usize,
+pub(crate) struct SampleInfo {
+    pub format: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub family: Option<&'static str>,
+    pub scheme: String,
+    pub batch: usize,
+    pub kv_heads: usize,
+    pub q_heads: usize,
+    pub head_dim: u32,
+    pub gqa: u32,
+    pub dtype: Dtype,
+    pub seq_lens: Vec<usize>,
+    pub max_pages: usize,
+    pub physical_pages: usize,
+    pub num_splits: usize,
+    /// RoPE base the keys were coded under (codebook schemes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
     /// Largest accepted ‖out − expected‖ / ‖expected‖ per sequence.
-    tolerance: f64,
-    seed: u64,
-    files: Vec<FileInfo>,
-    notes: Vec<String>,
+    pub tolerance: f64,
+    pub seed: u64,
+    /// The layer's codebooks file (codebook schemes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub codebook_file: Option<&'static str>,
+    pub files: Vec<FileInfo>,
+    pub notes: Vec<String>,
 }
 
 /// Host copies of one tensor's device buffers for the whole batch.
@@ -374,7 +384,8 @@ pub fn write(
     ];
     let (mut files, infos) = write_buffers(&dir, entries)?;
     let info = SampleInfo {
-        format: "kvq-gen-sample".into(),
+        format: "kvq-gen-sample",
+        family: None,
         scheme: spec.to_string(),
         batch,
         kv_heads: h,
@@ -386,8 +397,10 @@ pub fn write(
         max_pages,
         physical_pages: physical,
         num_splits: s.num_splits,
+        rope_theta: None,
         tolerance: tolerance(shape.dtype),
         seed: s.seed,
+        codebook_file: None,
         files: infos,
         notes: vec![
             "little-endian raw arrays; shapes in elements; an empty buffer holds one poison \

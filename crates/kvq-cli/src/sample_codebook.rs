@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use kvq::codegen::{Dtype, KernelShape};
+use kvq::codegen::KernelShape;
 use kvq::reference::attention::Queries;
 use kvq::reference::commvq::device::{DeviceLayout, DeviceTensor, SideLayout};
 use kvq::reference::commvq::{self, CalibrationData, CommVqCache, TrainOptions};
@@ -15,39 +15,15 @@ use kvq::reference::synth::{generate, SynthConfig};
 use kvq::runtime::tune::synth::{random_kv, random_queries};
 use kvq::runtime::tune::tolerance;
 use kvq::SchemeSpec;
-use serde::Serialize;
 
 use crate::error::{CliError, Result};
 use crate::sample::{
-    le16, le32f, le32i, pages_from_the_top, write_buffers, write_json, Buffer, FileInfo, Pages,
+    le16, le32f, le32i, pages_from_the_top, write_buffers, write_json, Buffer, Pages, SampleInfo,
     SampleSpec, Written, POISON, SAMPLE_DIR,
 };
 
 /// The file the layer's codebooks are saved to inside the sample.
 pub const CODEBOOK_FILE: &str = "codebooks.safetensors";
-
-#[derive(Serialize)]
-struct SampleInfo {
-    format: &'static str,
-    family: &'static str,
-    scheme: String,
-    batch: usize,
-    kv_heads: usize,
-    q_heads: usize,
-    head_dim: u32,
-    gqa: u32,
-    dtype: Dtype,
-    seq_lens: Vec<usize>,
-    max_pages: usize,
-    physical_pages: usize,
-    num_splits: usize,
-    rope_theta: f64,
-    tolerance: f64,
-    seed: u64,
-    codebook_file: &'static str,
-    files: Vec<FileInfo>,
-    notes: Vec<String>,
-}
 
 /// Refuses a sample that cannot be made, as the integer sample does.
 pub fn check(s: &SampleSpec, shape: &KernelShape) -> Result<()> {
@@ -262,7 +238,7 @@ pub fn write(
     files.push((book_path, book_bytes));
     let info = SampleInfo {
         format: "kvq-gen-sample",
-        family: "codebook",
+        family: Some("codebook"),
         scheme: spec.to_string(),
         batch,
         kv_heads: h,
@@ -274,10 +250,10 @@ pub fn write(
         max_pages,
         physical_pages: physical,
         num_splits: s.num_splits,
-        rope_theta: rope.theta,
+        rope_theta: Some(rope.theta),
         tolerance: tolerance(shape.dtype),
         seed: s.seed,
-        codebook_file: CODEBOOK_FILE,
+        codebook_file: Some(CODEBOOK_FILE),
         files: infos,
         notes: vec![
             "little-endian raw arrays; shapes in elements; an empty buffer holds one element \

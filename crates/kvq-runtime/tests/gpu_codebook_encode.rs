@@ -3,9 +3,9 @@
 //! sequence grown chunk by chunk and token by token, must both hold — byte for byte — the page
 //! blocks, sink rows and tail rows `CommVqCache::build_rotated(…).device_sequence()` lays out for
 //! the same 16-bit inputs; decode over the GPU-filled cache must equal decode over the reference's
-//! uploaded one bit for bit; bad inputs are typed errors that append nothing. `KVQ_SEED` repeats a
-//! run's inputs. Runs under its own harness: without a GPU each test shows as ignored;
-//! KVQ_REQUIRE_GPU=1 makes that a failure.
+//! uploaded one bit for bit; bad inputs are typed errors, nothing from the failing part on
+//! appended. `KVQ_SEED` repeats a run's inputs. Runs under its own harness: without a GPU each test
+//! shows as ignored; KVQ_REQUIRE_GPU=1 makes that a failure.
 
 mod gated;
 
@@ -27,8 +27,8 @@ const TESTS: &[(&str, fn())] = &[
         codebook_encode_writes_the_reference_bytes,
     ),
     (
-        "codebook_encode_refuses_bad_inputs_and_appends_nothing",
-        codebook_encode_refuses_bad_inputs_and_appends_nothing,
+        "codebook_encode_refuses_bad_inputs_from_the_failing_part_on",
+        codebook_encode_refuses_bad_inputs_from_the_failing_part_on,
     ),
     ("codebook_encode_throughput", codebook_encode_throughput),
 ];
@@ -410,7 +410,7 @@ fn decode_agrees(
     );
 }
 
-fn codebook_encode_refuses_bad_inputs_and_appends_nothing() {
+fn codebook_encode_refuses_bad_inputs_from_the_failing_part_on() {
     let device = Device::open(0).expect("device");
     let jit = Jit::new(&device).expect("jit");
     let stream = device.default_stream();

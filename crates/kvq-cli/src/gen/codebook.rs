@@ -598,17 +598,12 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
         compiled,
         sample: sample.clone(),
     };
-    let json = serde_json::to_string_pretty(&manifest)
-        .map_err(|e| CliError::Usage(format!("manifest: {e}")))?;
-    write_file(&req.out.join(MANIFEST_FILE), json.as_bytes(), &mut files)?;
-    Ok(GenOutcome {
+    super::finish(
+        &req.out,
+        &manifest,
+        &manifest.kernels,
         files,
-        kernels: manifest
-            .kernels
-            .iter()
-            .map(|k| format!("{:<18} {}", k.role, k.name))
-            .collect(),
-        compiled: compiled_lines,
+        compiled_lines,
         notes,
-    })
+    )
 }

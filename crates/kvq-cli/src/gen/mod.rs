@@ -373,9 +373,6 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
         compiled,
         sample: sample_file,
     };
-    let json = serde_json::to_string_pretty(&manifest)
-        .map_err(|e| CliError::Usage(format!("manifest: {e}")))?;
-    write_file(&req.out.join(MANIFEST_FILE), json.as_bytes(), &mut files)?;
     if params_source == "tuned" {
         notes.push(format!(
             "block parameters from {} tuned result(s): threads {} tile_tokens {} \
@@ -389,14 +386,35 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
             params.store_scores
         ));
     }
+    finish(
+        &req.out,
+        &manifest,
+        &manifest.kernels,
+        files,
+        compiled_lines,
+        notes,
+    )
+}
+
+/// Writes `manifest.json` last and lists what the run wrote.
+fn finish<M: serde::Serialize>(
+    out: &Path,
+    manifest: &M,
+    kernels: &[manifest::KernelInfo],
+    mut files: Vec<(PathBuf, u64)>,
+    compiled: Vec<String>,
+    notes: Vec<String>,
+) -> Result<GenOutcome> {
+    let json = serde_json::to_string_pretty(manifest)
+        .map_err(|e| CliError::Usage(format!("manifest: {e}")))?;
+    write_file(&out.join(MANIFEST_FILE), json.as_bytes(), &mut files)?;
     Ok(GenOutcome {
         files,
-        kernels: manifest
-            .kernels
+        kernels: kernels
             .iter()
             .map(|k| format!("{:<18} {}", k.role, k.name))
             .collect(),
-        compiled: compiled_lines,
+        compiled,
         notes,
     })
 }

@@ -179,7 +179,7 @@ impl CommVqCache {
     ) -> Result<Self, RefError> {
         super::check_inputs(spec, k_pre_rope, v)?;
         let k_post = super::post_rope(k_pre_rope, rope);
-        Self::build_rotated(spec, k_pre_rope, &k_post, v, rope, codebooks)
+        Self::code(spec, k_pre_rope, &k_post, v, rope, codebooks)
     }
 
     /// Codes a sequence whose keys are given both before and after RoPE, as an engine holds them
@@ -203,6 +203,19 @@ impl CommVqCache {
                 k_post.kv_heads, k_post.tokens, k_post.head_dim
             )));
         }
+        Self::code(spec, k_pre_rope, k_post, v, rope, codebooks)
+    }
+
+    /// [`CommVqCache::build_rotated`] on inputs already checked (`check_inputs`, agreeing shapes).
+    fn code(
+        spec: &SchemeSpec,
+        k_pre_rope: &KvTensor,
+        k_post: &KvTensor,
+        v: &KvTensor,
+        rope: Rope,
+        codebooks: &Codebooks,
+    ) -> Result<Self, RefError> {
+        let (h, d, len) = (k_pre_rope.kv_heads, k_pre_rope.head_dim, k_pre_rope.tokens);
         let k_coding = coding(&spec.k, codebooks.k.as_ref(), "k", h, d)?;
         let v_coding = coding(&spec.v, codebooks.v.as_ref(), "v", h, d)?;
         crate::int::check_cacheable(k_post, "k after RoPE")?;

@@ -33,7 +33,7 @@ use crate::error::{Result, RuntimeError};
 use crate::timing::GpuTimer;
 use crate::tune::plan_copies;
 use crate::tune::store::{checksum, unix_now};
-use crate::tune::synth::{random_kv, random_queries};
+use crate::tune::synth::{random_kv, random_queries, word_to_f32};
 use crate::tune::{
     select_winner, split_candidates, tolerance, CandidateResult, ChoiceSource, ProblemKey,
     TuneChoice, TuneEntry, TunePolicy, TuneProblem, Tuner, SPLIT_FACTORS,
@@ -271,9 +271,8 @@ impl Tuner<'_> {
             scratch: CodebookScratch::new(&stream)?,
             next: 0,
         };
-        let (default, default_kernel) = default_codebook_launch(self, problem)?;
-        let want = session.output(&default_kernel, default.splits)?;
-        // The candidates: every launch shape × split counts around its own default.
+        // The candidates, the default launch shape first (codebook_candidates' order): every
+        // launch shape × split counts around its own default.
         let mut kernels: Vec<(CodebookParams, std::result::Result<CodebookKernel, String>)> =
             Vec::new();
         for params in codebook_candidates(&problem.spec, &problem.shape)? {
@@ -286,6 +285,24 @@ impl Tuner<'_> {
             );
             kernels.push((params, k.map_err(|e| e.to_string())));
         }
+        let default_kernel = match kernels.first() {
+            Some((_, Ok(k))) => k,
+            Some((_, Err(e))) => {
+                return Err(RuntimeError::InvalidInput(format!(
+                    "the default codebook decode does not build: {e}"
+                )))
+            }
+            None => {
+                return Err(RuntimeError::InvalidInput(
+                    "no codebook launch shape".into(),
+                ))
+            }
+        };
+        let default = CodebookLaunch {
+            params: kernels[0].0,
+            splits: default_kernel.default_splits(problem.batch, problem.max_len),
+        };
+        let want = session.output(default_kernel, default.splits)?;
         let mut launches: Vec<(CodebookLaunch, Option<usize>, Option<String>)> =
             vec![(default, Some(0), None)];
         for (i, (params, k)) in kernels.iter().enumerate() {
@@ -314,13 +331,9 @@ impl Tuner<'_> {
                 )),
             }
         }
-        // Index 0 of `launches` runs the default kernel (`kernels` holds it too, at its own index).
-        let kernel_of = |slot: Option<usize>, l: &CodebookLaunch| -> Option<&CodebookKernel> {
-            let i = slot?;
-            if l == &default {
-                return Some(&default_kernel);
-            }
-            kernels.get(i).and_then(|(_, k)| k.as_ref().ok())
+        // A launch's kernel: `kernels[slot]` (the default launch's is kernels[0]).
+        let kernel_of = |slot: Option<usize>| -> Option<&CodebookKernel> {
+            kernels.get(slot?)?.1.as_ref().ok()
         };
         let mut results: Vec<CandidateResult> = Vec::with_capacity(launches.len());
         for (l, slot, rejected) in &launches {
@@ -332,7 +345,7 @@ impl Tuner<'_> {
                 rejected: rejected.clone(),
             };
             if r.rejected.is_none() {
-                match kernel_of(*slot, l) {
+                match kernel_of(*slot) {
                     Some(k) => match session.time(k, l.splits, options.warmup, options.coarse_runs)
                     {
                         Ok(us) => r.coarse_us = Some(us),
@@ -359,7 +372,7 @@ impl Tuner<'_> {
         let tol = tolerance(problem.shape.dtype);
         for &i in &finalists {
             let (l, slot, _) = &launches[i];
-            let Some(k) = kernel_of(*slot, l) else {
+            let Some(k) = kernel_of(*slot) else {
                 continue;
             };
             match session.output(k, l.splits) {
@@ -387,7 +400,7 @@ impl Tuner<'_> {
         for _ in 0..rounds {
             for &i in &live {
                 let (l, slot, _) = &launches[i];
-                if let Some(k) = kernel_of(*slot, l) {
+                if let Some(k) = kernel_of(*slot) {
                     match session.time(k, l.splits, 1, per_round) {
                         Ok(us) => samples[i].push(us),
                         Err(e) => results[i].rejected = Some(e.to_string()),
@@ -460,10 +473,7 @@ fn as_choice(l: &CodebookLaunch) -> TuneChoice {
 /// The largest relative error of `got` against `want` (both device words of `dtype`), over the
 /// largest |want|; `None` when `got` holds a NaN or an infinity.
 fn compare(got: &[u16], want: &[u16], dtype: Dtype) -> Option<f64> {
-    let value = |b: u16| match dtype {
-        Dtype::F16 => half::f16::from_bits(b).to_f64(),
-        Dtype::Bf16 => half::bf16::from_bits(b).to_f64(),
-    };
+    let value = |b: u16| f64::from(word_to_f32(b, dtype));
     let scale = want
         .iter()
         .map(|&b| value(b).abs())
