@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ._kvq import InvalidArgument, Plan
+from ._kvq import InvalidArgument, Plan, UnsupportedScheme
 
 __all__ = ["PagedCache", "merge"]
 
@@ -149,6 +149,11 @@ class PagedCache:
     """
 
     def __init__(self, plan: Plan, device="cuda", workspace: Optional[torch.Tensor] = None):
+        if any(b.name == "codebooks" and b.nbytes > 0 for b in plan.buffers):
+            raise UnsupportedScheme(
+                f"kvq.engine.PagedCache does not hold codebook caches yet (scheme `{plan.scheme}`); "
+                "the C API serves them (kvq_codebooks_load, kvq_prefill_prerope, kvq_append_prerope)"
+            )
         if not torch.cuda.is_available():
             raise InvalidArgument("kvq.engine.PagedCache needs a CUDA device (torch sees none)")
         self.plan = plan

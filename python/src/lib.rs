@@ -89,7 +89,8 @@ fn status(s: KvqStatus) -> PyResult<()> {
     Err(raise(Failure::new(s, message)))
 }
 
-/// The eight buffer addresses, in the plan's order, as the C struct.
+/// The eight buffer addresses of the integer schemes' caches, in the plan's order, as the C
+/// struct (codebook plans' four further buffers NULL: `PagedCache` refuses those plans).
 fn kvq_cache(p: [u64; 8]) -> KvqCache {
     let a = |i: usize| p[i] as *mut c_void;
     KvqCache {
@@ -101,6 +102,10 @@ fn kvq_cache(p: [u64; 8]) -> KvqCache {
         v_tail: a(5),
         seq_lens: a(6),
         page_table: a(7),
+        k_pending: std::ptr::null_mut(),
+        v_pending: std::ptr::null_mut(),
+        status: std::ptr::null_mut(),
+        codebooks: std::ptr::null_mut(),
     }
 }
 
@@ -162,7 +167,7 @@ struct Plan {
 #[pymethods]
 impl Plan {
     #[new]
-    #[pyo3(signature = (scheme, *, head_dim, q_heads, kv_heads, max_seqs, max_seq_len, pool_pages, dtype = None, max_q_len = 1))]
+    #[pyo3(signature = (scheme, *, head_dim, q_heads, kv_heads, max_seqs, max_seq_len, pool_pages, dtype = None, max_q_len = 1, rope_theta = 0.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         scheme: &str,
@@ -174,6 +179,7 @@ impl Plan {
         pool_pages: i64,
         dtype: Option<&Bound<'_, PyAny>>,
         max_q_len: i64,
+        rope_theta: f64,
     ) -> PyResult<Plan> {
         let limits = KvqPlanLimits {
             head_dim: limit("head_dim", head_dim)?,
@@ -187,6 +193,7 @@ impl Plan {
             max_seq_len: limit("max_seq_len", max_seq_len)?,
             pool_pages: limit("pool_pages", pool_pages)?,
             max_q_len: limit("max_q_len", max_q_len)?,
+            rope_theta,
         };
         KvqPlan::new(scheme, &limits)
             .map(|plan| Plan { plan })

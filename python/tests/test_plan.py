@@ -16,7 +16,7 @@ def test_a_builtin_plans_its_buffers():
     assert plan.dtype == "float16"
     names = [b.name for b in plan.buffers]
     assert names == ["k_pool", "v_pool", "k_sink", "v_sink", "k_tail", "v_tail", "seq_lens",
-                     "page_table"]
+                     "page_table", "k_pending", "v_pending", "status", "codebooks"]
     assert sum(b.nbytes for b in plan.buffers) == plan.total_bytes
     assert all(b.alignment == 256 for b in plan.buffers)
     pools = sum(b.nbytes for b in plan.buffers if b.name.endswith("_pool"))
@@ -96,3 +96,26 @@ def test_a_plan_is_shared_between_threads():
     for t in threads:
         t.join()
     assert seen == [plan.total_bytes] * 4
+
+
+def test_codebook_plans_need_the_rope_base_and_list_their_own_buffers():
+    with pytest.raises(kvq.InvalidArgument, match="rope_theta"):
+        kvq.Plan("commvq1", **LIMITS)
+    with pytest.raises(kvq.UnsupportedShape, match="max_q_len"):
+        kvq.Plan("commvq1", rope_theta=500000.0, max_q_len=2, **LIMITS)
+    plan = kvq.Plan("commvq1", rope_theta=500000.0, **LIMITS)
+    sizes = {b.name: b.nbytes for b in plan.buffers}
+    assert sizes["codebooks"] > 0 and sizes["status"] == 16 * 16
+    assert sizes["k_pending"] == sizes["k_tail"] > 0
+    # An integer plan has none of them.
+    kivi = {b.name: b.nbytes for b in kvq.Plan("kivi2", **LIMITS).buffers}
+    assert [kivi[n] for n in ("k_pending", "v_pending", "status", "codebooks")] == [0, 0, 0, 0]
+
+
+def test_paged_cache_says_it_does_not_hold_codebook_caches():
+    pytest.importorskip("torch")
+    from kvq.engine import PagedCache
+
+    plan = kvq.Plan("commvq1", rope_theta=500000.0, **LIMITS)
+    with pytest.raises(kvq.UnsupportedScheme, match="kvq_append_prerope"):
+        PagedCache(plan, "cuda")

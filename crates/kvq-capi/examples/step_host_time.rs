@@ -72,6 +72,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         max_seq_len: prompt + 4 * STEPS as u32,
         pool_pages: 1,
         max_q_len: 1,
+        rope_theta: 0.0,
     };
     limits.pool_pages = batch * KvqPlan::new(&scheme, &limits)?.info().max_pages_per_seq;
     let plan = KvqPlan::new(&scheme, &limits)?;
@@ -101,6 +102,10 @@ fn run() -> Result<(), Box<dyn Error>> {
         v_tail: c(5),
         seq_lens: c(6),
         page_table: c(7),
+        k_pending: c(8),
+        v_pending: c(9),
+        status: c(10),
+        codebooks: c(11),
     };
     let ptrs = CachePtrs {
         kv_heads: KV_HEADS as usize,

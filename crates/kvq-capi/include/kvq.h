@@ -46,7 +46,38 @@ typedef enum KvqStatus {
 // kernels loaded for it on each GPU it has run on. Opaque to C.
 typedef struct KvqPlan KvqPlan;
 
-// The shape and limits a plan is made for. Every field must be set; none may be 0.
+// A plan's buffers in the engine's memory (device pointers, each allocated as `kvq_plan_buffer`
+// says for the same index). A buffer of 0 bytes may be NULL.
+typedef struct KvqCache {
+  // Buffer 0: K page blocks.
+  void *k_pool;
+  // Buffer 1: V page blocks.
+  void *v_pool;
+  // Buffer 2: K's FP16 sinks.
+  void *k_sink;
+  // Buffer 3: V's FP16 sinks.
+  void *v_sink;
+  // Buffer 4: K's FP16 tail rings.
+  void *k_tail;
+  // Buffer 5: V's FP16 tail rings.
+  void *v_tail;
+  // Buffer 6: tokens per sequence slot.
+  void *seq_lens;
+  // Buffer 7: the block table, `[sequence slot][max_pages_per_seq]` i32.
+  void *page_table;
+  // Buffer 8: codebook schemes' K inputs not yet coded (NULL for other schemes).
+  void *k_pending;
+  // Buffer 9: codebook schemes' V inputs not yet coded (NULL for other schemes).
+  void *v_pending;
+  // Buffer 10: codebook schemes' per-slot encoder status, zeroed once by the engine (NULL for
+  // other schemes).
+  void *status;
+  // Buffer 11: codebook schemes' codebooks, written by `kvq_codebooks_load` (NULL for other
+  // schemes).
+  void *codebooks;
+} KvqCache;
+
+// The shape and limits a plan is made for. Every field must be set; none but `rope_theta` may be 0.
 typedef struct KvqPlanLimits {
   // Channels per head: 64 to 256 in multiples of 16.
   uint32_t head_dim;
@@ -63,8 +94,12 @@ typedef struct KvqPlanLimits {
   // Pages in the engine's page pool (each holds one page of K and V for every KV head).
   uint32_t pool_pages;
   // Most query tokens a sequence in one step (1: decode only; more: speculative-decoding
-  // verification, each token seeing the tokens up to itself).
+  // verification, each token seeing the tokens up to itself). Codebook schemes take 1.
   uint32_t max_q_len;
+  // RoPE base of the model's keys (e.g. 500000 for LLaMA-3). Codebook schemes with
+  // RoPE-commutative keys need it: they code keys before RoPE and rotate them in the decode.
+  // Other schemes ignore it (0 is fine).
+  double rope_theta;
 } KvqPlanLimits;
 
 // Sizes that follow from a plan.
@@ -99,33 +134,51 @@ typedef struct KvqBuffer {
   const char *layout;
 } KvqBuffer;
 
-// A plan's buffers in the engine's memory (device pointers, each allocated as `kvq_plan_buffer`
-// says for the same index). A buffer of 0 bytes may be NULL.
-typedef struct KvqCache {
-  // Buffer 0: K page blocks.
-  void *k_pool;
-  // Buffer 1: V page blocks.
-  void *v_pool;
-  // Buffer 2: K's FP16 sinks.
-  void *k_sink;
-  // Buffer 3: V's FP16 sinks.
-  void *v_sink;
-  // Buffer 4: K's FP16 tail rings.
-  void *k_tail;
-  // Buffer 5: V's FP16 tail rings.
-  void *v_tail;
-  // Buffer 6: tokens per sequence slot.
-  void *seq_lens;
-  // Buffer 7: the block table, `[sequence slot][max_pages_per_seq]` i32.
-  void *page_table;
-} KvqCache;
-
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
 
 // kvq's version, e.g. `"0.1.0"` (static storage).
 const char *kvq_version(void);
+
+// Reads the `kvq-codebooks-1` file at `path` (one layer's codebooks, trained for the plan's
+// scheme at its KV heads and head size: anything else is refused with a message naming the
+// difference) and writes them into `cache->codebooks` on `stream`, stream-ordered before any
+// later call on it. Call it once per layer before the layer's first prefill.
+//
+// # Safety
+// `plan` and `cache` are NULL or valid, `path` NULL or a NUL-terminated string, `stream` NULL
+// or a live stream of the device's primary context; `cache->codebooks` device memory of the
+// plan's `codebooks` size.
+enum KvqStatus kvq_codebooks_load(const struct KvqPlan *plan,
+                                  const struct KvqCache *cache,
+                                  void *stream,
+                                  const char *path);
+
+// `kvq_codebooks_load` from the file's `len` bytes at `data` (host memory), for engines that
+// keep codebooks inside their own checkpoint.
+//
+// # Safety
+// As `kvq_codebooks_load`; `data` NULL or `len` readable bytes.
+enum KvqStatus kvq_codebooks_load_bytes(const struct KvqPlan *plan,
+                                        const struct KvqCache *cache,
+                                        void *stream,
+                                        const uint8_t *data,
+                                        size_t len);
+
+// Waits for `stream` and reports what a codebook plan's encoders refused since the last check:
+// `KVQ_INVALID_ARGUMENT` naming the first slot, its token and why (a key or value NaN, infinite or
+// past f16's range; a scale or factor past f16's range), with how many slots were flagged. The
+// refused tokens were not appended (a prompt leaves its slot empty), and a flagged slot took no
+// later token until this call, which clears the flags. `KVQ_OK` when nothing was refused, and
+// always for plans without encoders (the integer schemes and FP16). Synchronises: call it where
+// the engine may wait (after a prefill, every so many decode steps).
+//
+// # Safety
+// As `kvq_prefill`.
+enum KvqStatus kvq_cache_check(const struct KvqPlan *plan,
+                               const struct KvqCache *cache,
+                               void *stream);
 
 // Compiles (or loads from the disk cache) `plan`'s kernels on GPU `device` now, so that no later
 // call compiles: call it before capturing a CUDA graph (merge, prefill, append and attend).
@@ -219,7 +272,8 @@ const char *kvq_status_name(int32_t status);
 // names (the engine writes those entries first), and its slot's length becomes its tokens; a
 // prompt of 0 tokens empties its slot (before appending to a new sequence). `workspace` is the
 // plan's workspace (`kvq_plan_workspace_bytes`). Runs on `stream` with no allocation; the job
-// list is copied from the host, so the call does not belong in a CUDA graph.
+// list is copied from the host, so the call does not belong in a CUDA graph. A plan that codes
+// keys before RoPE (RoPE-commutative codebooks) takes `kvq_prefill_prerope` instead.
 //
 // # Safety
 // `plan` and `cache` are NULL or valid; `slots` and `tokens` NULL or `n` readable values;
@@ -235,13 +289,35 @@ enum KvqStatus kvq_prefill(const struct KvqPlan *plan,
                            const void *v,
                            void *workspace);
 
+// `kvq_prefill` for a plan that codes keys before RoPE (RoPE-commutative codebooks, e.g.
+// CommVQ): `k_pre_rope` holds the prompts' keys before RoPE, `k` the same keys after it (what
+// the FP16 sink and tail keep), both `[Σ tokens][kv_heads][head_dim]`. The encoders code every
+// page the prompt fills, bit for bit as kvq's CPU reference; a value that is NaN, infinite or
+// past f16's range, or a page whose scale overflows f16, leaves the slot empty and says so in its
+// status (`kvq_cache_check`). Other plans take it too (`k_pre_rope` is then not read).
+//
+// # Safety
+// As `kvq_prefill`; `k_pre_rope` device memory of `k`'s size.
+enum KvqStatus kvq_prefill_prerope(const struct KvqPlan *plan,
+                                   const struct KvqCache *cache,
+                                   void *stream,
+                                   uint32_t n,
+                                   const int32_t *slots,
+                                   const uint32_t *tokens,
+                                   const void *k_pre_rope,
+                                   const void *k,
+                                   const void *v,
+                                   void *workspace);
+
 // Appends `q_len` tokens' K and V to each of `n` sequences: `k_new`/`v_new` are
 // `[n][q_len][kv_heads][head_dim]` in the plan's dtype, sequence `i` for the slot `slots[i]` names
 // (`slots`: `n` i32 in device memory, distinct; −1 marks a padding sequence, skipped). Token by
 // token, each goes to position `seq_lens[slot]`; when it completes a page (after the sink and
 // local window), that page is quantized into the pool page the block table names for it; then
 // `seq_lens[slot]` grows by one. No host synchronisation, no allocation: capturable in a CUDA
-// graph.
+// graph. A plan that codes keys before RoPE takes `kvq_append_prerope` instead; in a codebook
+// plan a token the encoders refuse (see `kvq_prefill_prerope`) is not appended, and its slot takes
+// no more tokens until `kvq_cache_check` has reported it.
 //
 // # Safety
 // As `kvq_prefill`; `slots` holds `n` device i32, each −1 or a slot below max_seqs whose
@@ -254,6 +330,21 @@ enum KvqStatus kvq_append(const struct KvqPlan *plan,
                           const int32_t *slots,
                           const void *k_new,
                           const void *v_new);
+
+// `kvq_append` for a plan that codes keys before RoPE: `k_pre_rope` holds the new keys before
+// RoPE, `k_new` after it, both `[n][q_len][kv_heads][head_dim]`. Capturable in a CUDA graph.
+//
+// # Safety
+// As `kvq_append`; `k_pre_rope` device memory of `k_new`'s size.
+enum KvqStatus kvq_append_prerope(const struct KvqPlan *plan,
+                                  const struct KvqCache *cache,
+                                  void *stream,
+                                  uint32_t n,
+                                  uint32_t q_len,
+                                  const int32_t *slots,
+                                  const void *k_pre_rope,
+                                  const void *k_new,
+                                  const void *v_new);
 
 // Attention of `q_len` query tokens for each of `n` sequences (1: decode; more: a verification
 // step of speculative decoding): `q` and `out` are `[n][q_len][q_heads][head_dim]` in the plan's

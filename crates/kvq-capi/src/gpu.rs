@@ -8,6 +8,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use kvq::codegen::{Dtype, KernelShape};
+use kvq::runtime::codebook::CodebookSteps;
 use kvq::runtime::cudarc::driver::{sys, CudaStream};
 use kvq::runtime::device::RestoreContext;
 use kvq::runtime::tune::{default_launch, TuneProblem};
@@ -198,30 +199,127 @@ impl PlanKernels {
     }
 }
 
-/// A plan's kernels by GPU ordinal, loaded on first use.
-#[derive(Default)]
-pub struct PlanGpus(Mutex<HashMap<usize, Arc<PlanKernels>>>);
+/// A codebook plan's kernels on one GPU: the encoders and decode, the split count each batch size
+/// gets, and the workspace they take.
+pub struct CodebookPlanKernels {
+    /// Store, page encoders, decode and combine.
+    pub steps: CodebookSteps,
+    /// Splits of an attend of `n` sequences, at index `n - 1`.
+    splits: Vec<usize>,
+    /// Bytes of the workspace every call of the plan on this GPU may use.
+    pub workspace_bytes: usize,
+}
 
-impl std::fmt::Debug for PlanGpus {
+impl CodebookPlanKernels {
+    fn load(gpu: &Gpu, plan: &KvqPlan) -> Result<CodebookPlanKernels, Failure> {
+        let l = plan.limits();
+        let shape = KernelShape::new(l.head_dim, l.q_heads / l.kv_heads, plan.dtype());
+        let steps = CodebookSteps::load(&gpu.jit, plan.spec(), &shape, l.kv_heads as usize)
+            .map_err(Failure::runtime)?;
+        let max_rows = (l.max_seqs as usize).min(u16::MAX as usize);
+        let splits: Vec<usize> = (1..=max_rows)
+            .map(|n| steps.decode.default_splits(n, l.max_seq_len as usize))
+            .collect();
+        let workspace_bytes = splits
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| steps.workspace_bytes(i + 1, s))
+            .max()
+            .unwrap_or(0);
+        Ok(CodebookPlanKernels {
+            steps,
+            splits,
+            workspace_bytes,
+        })
+    }
+
+    /// Splits of an attend of `n` sequences (1 up to the plan's `max_seqs`).
+    pub fn steps_splits(&self, n: usize) -> Result<usize, Failure> {
+        n.checked_sub(1)
+            .and_then(|i| self.splits.get(i).copied())
+            .ok_or_else(|| {
+                Failure::argument(format!(
+                    "{n} sequences (the plan takes 1 to {})",
+                    self.splits.len()
+                ))
+            })
+    }
+}
+
+/// What a plan has loaded on each GPU it has run on (by ordinal), loaded on first use.
+pub struct PerGpu<T>(Mutex<HashMap<usize, Arc<T>>>);
+
+impl<T> Default for PerGpu<T> {
+    fn default() -> Self {
+        PerGpu(Mutex::new(HashMap::new()))
+    }
+}
+
+impl<T> std::fmt::Debug for PerGpu<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        f.debug_struct("PlanGpus")
+        f.debug_struct("PerGpu")
             .field("ordinals", &map.keys().collect::<Vec<_>>())
             .finish()
     }
 }
 
-/// `plan`'s kernels on `gpu`, compiled (through the disk cache) on first use.
-pub fn plan_kernels(gpu: &Gpu, plan: &KvqPlan) -> Result<Arc<PlanKernels>, Failure> {
-    let ordinal = gpu.device.ordinal();
-    // A load runs under the lock: a second thread waits for the first one's compile.
-    let mut map = plan.loaded.0.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(k) = map.get(&ordinal) {
-        return Ok(k.clone());
+impl<T> PerGpu<T> {
+    /// GPU `ordinal`'s value, loaded by `load` on first use. A load runs under the lock: a second
+    /// thread waits for the first one's compile.
+    fn get_or_load(
+        &self,
+        ordinal: usize,
+        load: impl FnOnce() -> Result<T, Failure>,
+    ) -> Result<Arc<T>, Failure> {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(k) = map.get(&ordinal) {
+            return Ok(k.clone());
+        }
+        let k = Arc::new(load()?);
+        map.insert(ordinal, k.clone());
+        Ok(k)
     }
-    let k = Arc::new(PlanKernels::load(gpu, plan)?);
-    map.insert(ordinal, k.clone());
-    Ok(k)
+}
+
+/// A plan's kernels, by family, on each GPU.
+#[derive(Debug, Default)]
+pub struct PlanGpus {
+    integer: PerGpu<PlanKernels>,
+    codebook: PerGpu<CodebookPlanKernels>,
+}
+
+/// `plan`'s kernels on `gpu`, compiled (through the disk cache) on first use; an error for a
+/// codebook plan ([`codebook_plan_kernels`]).
+pub fn plan_kernels(gpu: &Gpu, plan: &KvqPlan) -> Result<Arc<PlanKernels>, Failure> {
+    if plan.codebook_sizes().is_some() {
+        return Err(Failure::new(
+            KvqStatus::Internal,
+            "a codebook plan's kernels are CodebookPlanKernels",
+        ));
+    }
+    plan.loaded
+        .integer
+        .get_or_load(gpu.device.ordinal(), || PlanKernels::load(gpu, plan))
+}
+
+/// A codebook plan's kernels on `gpu`, compiled (through the disk cache) on first use.
+pub fn codebook_plan_kernels(
+    gpu: &Gpu,
+    plan: &KvqPlan,
+) -> Result<Arc<CodebookPlanKernels>, Failure> {
+    plan.loaded.codebook.get_or_load(gpu.device.ordinal(), || {
+        CodebookPlanKernels::load(gpu, plan)
+    })
+}
+
+/// The plan's workspace bytes on `gpu`, its kernels loaded first.
+fn workspace_bytes(gpu: &Gpu, plan: &KvqPlan) -> Result<usize, Failure> {
+    Ok(if plan.codebook_sizes().is_some() {
+        codebook_plan_kernels(gpu, plan)?.workspace_bytes
+    } else {
+        plan_kernels(gpu, plan)?.workspace_bytes
+    })
 }
 
 /// Compiles (or loads from the disk cache) `plan`'s kernels on GPU `device` now, so that no later
@@ -238,7 +336,7 @@ pub unsafe extern "C" fn kvq_plan_load(plan: *const KvqPlan, device: i32) -> Kvq
         let _context = keep_current_context()?;
         let gpu = gpu(ordinal)?;
         merge_kernel(&gpu, plan)?;
-        plan_kernels(&gpu, plan).map(|_| ())
+        workspace_bytes(&gpu, plan).map(|_| ())
     })
 }
 
@@ -261,7 +359,7 @@ pub unsafe extern "C" fn kvq_plan_workspace_bytes(
             .map_err(|_| Failure::argument(format!("device {device} (expected an ordinal ≥ 0)")))?;
         let _context = keep_current_context()?;
         let gpu = gpu(ordinal)?;
-        *bytes = plan_kernels(&gpu, plan)?.workspace_bytes as u64;
+        *bytes = workspace_bytes(&gpu, plan)? as u64;
         Ok(())
     })
 }

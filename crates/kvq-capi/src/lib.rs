@@ -42,13 +42,18 @@
 //! assert!(info.page_bytes < 2 * 128 * 8 * 128 * 2 / 4 + 2 * 128 * 8 * 8);
 //! ```
 
+mod codebooks;
 mod gpu;
 mod merge;
 mod plan;
 mod status;
 mod steps;
 
-pub use gpu::{gpu, kvq_plan_load, kvq_plan_workspace_bytes, plan_kernels, Gpu, PlanKernels};
+pub use codebooks::{kvq_cache_check, kvq_codebooks_load, kvq_codebooks_load_bytes};
+pub use gpu::{
+    codebook_plan_kernels, gpu, kvq_plan_load, kvq_plan_workspace_bytes, plan_kernels,
+    CodebookPlanKernels, Gpu, PlanKernels,
+};
 /// The element types a plan's kernels take (`KvqPlan::dtype`).
 pub use kvq::codegen::Dtype;
 pub use merge::kvq_merge;
@@ -58,7 +63,9 @@ pub use plan::{
     KVQ_BUFFER_ALIGNMENT, KVQ_DTYPE_BF16, KVQ_DTYPE_F16,
 };
 pub use status::{call, kvq_last_error_message, kvq_status_name, Failure, KvqStatus};
-pub use steps::{kvq_append, kvq_attend, kvq_prefill, KvqCache};
+pub use steps::{
+    kvq_append, kvq_append_prerope, kvq_attend, kvq_prefill, kvq_prefill_prerope, KvqCache,
+};
 
 /// kvq's version, e.g. `"0.1.0"` (static storage).
 #[no_mangle]

@@ -4,9 +4,14 @@
 
 use std::ffi::{c_char, CStr, CString};
 
-use kvq::codegen::{decode_kernels, CodegenError, Dtype, KernelShape, TuneParams, MAX_GQA};
+use kvq::codegen::{
+    codebook_encode_kernels, codebook_kernels, decode_kernels, CodegenError, Dtype, KernelShape,
+    TuneParams, MAX_GQA,
+};
+use kvq::runtime::codebook::CodebookSizes;
 use kvq::runtime::{CacheConfig, CacheSizes};
 use kvq::SchemeSpec;
+use kvq::{Codebook, TensorQuant};
 
 use crate::gpu::PlanGpus;
 use crate::status::{call, Failure, KvqStatus};
@@ -19,9 +24,9 @@ pub const KVQ_DTYPE_BF16: u32 = 1;
 /// Alignment, in bytes, every buffer of a plan needs (what `cudaMalloc` returns).
 pub const KVQ_BUFFER_ALIGNMENT: u64 = 256;
 
-/// The shape and limits a plan is made for. Every field must be set; none may be 0.
+/// The shape and limits a plan is made for. Every field must be set; none but `rope_theta` may be 0.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KvqPlanLimits {
     /// Channels per head: 64 to 256 in multiples of 16.
     pub head_dim: u32,
@@ -38,8 +43,12 @@ pub struct KvqPlanLimits {
     /// Pages in the engine's page pool (each holds one page of K and V for every KV head).
     pub pool_pages: u32,
     /// Most query tokens a sequence in one step (1: decode only; more: speculative-decoding
-    /// verification, each token seeing the tokens up to itself).
+    /// verification, each token seeing the tokens up to itself). Codebook schemes take 1.
     pub max_q_len: u32,
+    /// RoPE base of the model's keys (e.g. 500000 for LLaMA-3). Codebook schemes with
+    /// RoPE-commutative keys need it: they code keys before RoPE and rotate them in the decode.
+    /// Other schemes ignore it (0 is fine).
+    pub rope_theta: f64,
 }
 
 /// Sizes that follow from a plan.
@@ -87,12 +96,14 @@ pub struct KvqPlan {
     dtype: Dtype,
     sizes: CacheSizes,
     scheme_text: CString,
+    /// A codebook scheme's own sizes (pending rings, status words, codebook buffer).
+    codebook: Option<CodebookSizes>,
     pub(crate) loaded: PlanGpus,
 }
 
 /// The buffers of every plan, in the order `kvq_plan_buffer` numbers them (and `KvqCache` holds
 /// them).
-const BUFFERS: [(&CStr, &CStr); 8] = [
+const BUFFERS: [(&CStr, &CStr); 12] = [
     (
         c"k_pool",
         c"[pool page][kv_head][k_block_bytes] bytes: K page blocks (docs/LAYOUT.md)",
@@ -126,6 +137,23 @@ const BUFFERS: [(&CStr, &CStr); 8] = [
         c"[sequence slot][max_pages_per_seq] i32: the engine's block table, pool page of each \
           logical page (written by the engine before a call fills the page)",
     ),
+    (
+        c"k_pending",
+        c"[sequence slot][kv_head][ring][head_dim] 16-bit: codebook schemes' K inputs not yet coded",
+    ),
+    (
+        c"v_pending",
+        c"[sequence slot][kv_head][ring][head_dim] 16-bit: codebook schemes' V inputs not yet coded",
+    ),
+    (
+        c"status",
+        c"[sequence slot][4] u32, zeroed by the engine once: what a codebook scheme's encoders \
+          found wrong (read by kvq_cache_check)",
+    ),
+    (
+        c"codebooks",
+        c"one layer's codebooks and encoder tables, written by kvq_codebooks_load",
+    ),
 ];
 
 impl KvqPlan {
@@ -134,6 +162,9 @@ impl KvqPlan {
         let spec = resolve_scheme(scheme)?;
         let dtype = check_limits(limits)?;
         let shape = KernelShape::new(limits.head_dim, limits.q_heads / limits.kv_heads, dtype);
+        if is_codebook(&spec) {
+            return Self::codebook(spec, limits, dtype, &shape);
+        }
         check_fast_kernel(&spec, &shape)?;
         let cfg = CacheConfig {
             kv_heads: limits.kv_heads as usize,
@@ -154,8 +185,86 @@ impl KvqPlan {
             dtype,
             sizes,
             scheme_text,
+            codebook: None,
             loaded: PlanGpus::default(),
         })
+    }
+
+    /// A plan of a codebook scheme: its kernels generated once to check the shape, its sizes
+    /// from the device layout.
+    fn codebook(
+        spec: SchemeSpec,
+        limits: &KvqPlanLimits,
+        dtype: Dtype,
+        shape: &KernelShape,
+    ) -> Result<KvqPlan, Failure> {
+        let refuse = |status, what: String| Err(Failure::new(status, what));
+        if limits.max_q_len != 1 {
+            return refuse(
+                KvqStatus::UnsupportedShape,
+                format!(
+                    "limits.max_q_len is {}: codebook schemes decode one query token a sequence \
+                     a step (set max_q_len = 1)",
+                    limits.max_q_len
+                ),
+            );
+        }
+        let rope = matches!(
+            spec.k,
+            TensorQuant::Codebook(c) if matches!(c.codebook, Codebook::RopeCommutative { .. })
+        );
+        let theta = limits.rope_theta;
+        if rope && !(theta.is_finite() && theta > 1.0) {
+            return refuse(
+                KvqStatus::InvalidArgument,
+                format!(
+                    "limits.rope_theta is {theta}: `{spec}` codes keys before RoPE and rotates them \
+                     in the decode, so it needs the model's RoPE base (e.g. 10000 or 500000)"
+                ),
+            );
+        }
+        let generated = codebook_kernels(&spec, shape, limits.kv_heads)
+            .and_then(|_| codebook_encode_kernels(&spec, limits.head_dim, dtype, limits.kv_heads));
+        match generated {
+            Ok(_) => {}
+            Err(CodegenError::Unsupported { what, .. }) => {
+                return refuse(
+                    KvqStatus::UnsupportedScheme,
+                    format!("no GPU kernel for `{spec}`: {what}"),
+                )
+            }
+            Err(e) => {
+                return refuse(
+                    KvqStatus::UnsupportedShape,
+                    format!("`{spec}` at head_dim {}: {e}", limits.head_dim),
+                )
+            }
+        }
+        let sizes = CodebookSizes::new(
+            &spec,
+            limits.kv_heads as usize,
+            limits.head_dim as usize,
+            limits.max_seqs as usize,
+            limits.pool_pages as usize,
+            limits.max_seq_len as usize,
+        )
+        .map_err(|e| Failure::argument(format!("{e} (scheme `{spec}`)")))?;
+        let scheme_text = CString::new(spec.to_string())
+            .map_err(|_| Failure::new(KvqStatus::Internal, "scheme text with a NUL byte"))?;
+        Ok(KvqPlan {
+            spec,
+            limits: *limits,
+            dtype,
+            sizes: sizes.cache,
+            scheme_text,
+            codebook: Some(sizes),
+            loaded: PlanGpus::default(),
+        })
+    }
+
+    /// A codebook scheme's own sizes, `None` for the integer schemes and FP16.
+    pub fn codebook_sizes(&self) -> Option<&CodebookSizes> {
+        self.codebook.as_ref()
     }
 
     /// The scheme, validated.
@@ -181,6 +290,7 @@ impl KvqPlan {
     /// Buffer `index` of [`Self::buffer_count`].
     pub fn buffer(&self, index: usize) -> Option<KvqBuffer> {
         let s = &self.sizes;
+        let cb = self.codebook.as_ref();
         let bytes = [
             s.k_pool_bytes,
             s.v_pool_bytes,
@@ -190,6 +300,10 @@ impl KvqPlan {
             2 * s.v_tail_halves,
             4 * self.limits.max_seqs as usize,
             4 * s.page_table_entries,
+            cb.map_or(0, |c| 2 * c.k_pending_halves),
+            cb.map_or(0, |c| 2 * c.v_pending_halves),
+            cb.map_or(0, |c| 4 * c.status_words),
+            cb.map_or(0, |c| c.codebooks.bytes),
         ];
         let (name, layout) = BUFFERS.get(index)?;
         Some(KvqBuffer {
@@ -230,8 +344,19 @@ impl KvqPlan {
 pub fn builtin_schemes() -> Vec<(&'static str, bool)> {
     kvq::schemes::BUILTIN
         .iter()
-        .map(|b| (b.name, kvq::codegen::has_decode_kernel(&b.spec)))
+        .map(|b| {
+            let gpu = kvq::codegen::has_decode_kernel(&b.spec)
+                || kvq::codegen::has_codebook_kernel(&b.spec);
+            (b.name, gpu)
+        })
         .collect()
+}
+
+/// Whether `spec` codes either side with codebooks (CommVQ and custom codebook schemes).
+pub(crate) fn is_codebook(spec: &SchemeSpec) -> bool {
+    [spec.k, spec.v]
+        .iter()
+        .any(|t| matches!(t, TensorQuant::Codebook(_)))
 }
 
 /// A built-in's name or scheme text, validated.
@@ -271,6 +396,12 @@ fn check_limits(l: &KvqPlanLimits) -> Result<Dtype, Failure> {
                 "limits.{name} is 0 (every limit must be at least 1)"
             )));
         }
+    }
+    if !(l.rope_theta.is_finite() && l.rope_theta >= 0.0) {
+        return Err(Failure::argument(format!(
+            "limits.rope_theta is {} (expected the model's RoPE base, or 0 where the scheme needs none)",
+            l.rope_theta
+        )));
     }
     if l.max_q_len > l.max_seq_len {
         return Err(Failure::argument(format!(

@@ -8,11 +8,12 @@ use std::ffi::c_void;
 
 use std::sync::Arc;
 
+use kvq::runtime::codebook::{CodebookPtrs, StepInputs};
 use kvq::runtime::cudarc::driver::CudaStream;
 use kvq::runtime::device::RestoreContext;
 use kvq::runtime::CachePtrs;
 
-use crate::gpu::{plan_kernels, stream_gpu, PlanKernels};
+use crate::gpu::{codebook_plan_kernels, plan_kernels, stream_gpu, PlanKernels};
 use crate::plan::KvqPlan;
 use crate::status::{call, Failure, KvqStatus};
 
@@ -37,10 +38,20 @@ pub struct KvqCache {
     pub seq_lens: *mut c_void,
     /// Buffer 7: the block table, `[sequence slot][max_pages_per_seq]` i32.
     pub page_table: *mut c_void,
+    /// Buffer 8: codebook schemes' K inputs not yet coded (NULL for other schemes).
+    pub k_pending: *mut c_void,
+    /// Buffer 9: codebook schemes' V inputs not yet coded (NULL for other schemes).
+    pub v_pending: *mut c_void,
+    /// Buffer 10: codebook schemes' per-slot encoder status, zeroed once by the engine (NULL for
+    /// other schemes).
+    pub status: *mut c_void,
+    /// Buffer 11: codebook schemes' codebooks, written by `kvq_codebooks_load` (NULL for other
+    /// schemes).
+    pub codebooks: *mut c_void,
 }
 
-/// The cache's pointers for the runtime, or an error naming a NULL buffer the plan needs.
-fn cache_ptrs(plan: &KvqPlan, cache: &KvqCache) -> Result<CachePtrs, Failure> {
+/// Checks that every buffer the plan needs is set; an error names a NULL one.
+fn check_buffers(plan: &KvqPlan, cache: &KvqCache) -> Result<(), Failure> {
     let fields = [
         cache.k_pool,
         cache.v_pool,
@@ -50,6 +61,10 @@ fn cache_ptrs(plan: &KvqPlan, cache: &KvqCache) -> Result<CachePtrs, Failure> {
         cache.v_tail,
         cache.seq_lens,
         cache.page_table,
+        cache.k_pending,
+        cache.v_pending,
+        cache.status,
+        cache.codebooks,
     ];
     for (i, ptr) in fields.iter().enumerate() {
         let b = plan
@@ -61,6 +76,12 @@ fn cache_ptrs(plan: &KvqPlan, cache: &KvqCache) -> Result<CachePtrs, Failure> {
             return Err(Failure::argument(format!("cache->{name} is NULL")));
         }
     }
+    Ok(())
+}
+
+/// The cache's pointers for the integer kernels.
+fn cache_ptrs(plan: &KvqPlan, cache: &KvqCache) -> Result<CachePtrs, Failure> {
+    check_buffers(plan, cache)?;
     let l = plan.limits();
     Ok(CachePtrs {
         kv_heads: l.kv_heads as usize,
@@ -77,18 +98,73 @@ fn cache_ptrs(plan: &KvqPlan, cache: &KvqCache) -> Result<CachePtrs, Failure> {
     })
 }
 
+/// The cache's pointers for a codebook plan's kernels.
+pub(crate) fn codebook_ptrs(plan: &KvqPlan, cache: &KvqCache) -> Result<CodebookPtrs, Failure> {
+    check_buffers(plan, cache)?;
+    Ok(CodebookPtrs {
+        max_pages: plan.sizes().max_pages,
+        rope_theta: plan.limits().rope_theta,
+        k_pool: cache.k_pool as u64,
+        v_pool: cache.v_pool as u64,
+        page_table: cache.page_table as u64,
+        k_sink: cache.k_sink as u64,
+        v_sink: cache.v_sink as u64,
+        k_tail: cache.k_tail as u64,
+        v_tail: cache.v_tail as u64,
+        seq_lens: cache.seq_lens as u64,
+        k_pending: cache.k_pending as u64,
+        v_pending: cache.v_pending as u64,
+        status: cache.status as u64,
+        codebooks: cache.codebooks as u64,
+    })
+}
+
+/// A cache's pointers for the plan's family of kernels.
+pub(crate) enum Ptrs {
+    Integer(CachePtrs),
+    Codebook(CodebookPtrs),
+}
+
 /// The plan and cache behind two argument pointers.
 ///
 /// # Safety
 /// Each pointer is NULL or valid.
-unsafe fn plan_and_cache<'a>(
+pub(crate) unsafe fn plan_and_cache<'a>(
     plan: *const KvqPlan,
     cache: *const KvqCache,
-) -> Result<(&'a KvqPlan, CachePtrs), Failure> {
+) -> Result<(&'a KvqPlan, Ptrs), Failure> {
     let plan = unsafe { plan.as_ref() }.ok_or_else(|| Failure::argument("plan is NULL"))?;
     let cache = unsafe { cache.as_ref() }.ok_or_else(|| Failure::argument("cache is NULL"))?;
-    let ptrs = cache_ptrs(plan, cache)?;
+    let ptrs = if plan.codebook_sizes().is_some() {
+        Ptrs::Codebook(codebook_ptrs(plan, cache)?)
+    } else {
+        Ptrs::Integer(cache_ptrs(plan, cache)?)
+    };
     Ok((plan, ptrs))
+}
+
+/// Whether the plan's keys are coded before RoPE (RoPE-commutative codebooks), so that its
+/// prefill and append take the keys before RoPE too.
+fn codes_pre_rope_keys(plan: &KvqPlan) -> bool {
+    plan.codebook_sizes().is_some_and(|c| {
+        matches!(
+            c.layout.k.kind,
+            kvq::reference::commvq::device::SideKind::Rope { .. }
+        )
+    })
+}
+
+/// Checks the pre-RoPE keys argument against the plan: required exactly when it codes keys
+/// before RoPE (`what` names the call for the message).
+fn check_pre_rope(plan: &KvqPlan, k_pre_rope: *const c_void, what: &str) -> Result<(), Failure> {
+    if codes_pre_rope_keys(plan) && k_pre_rope.is_null() {
+        return Err(Failure::argument(format!(
+            "{what}: `{}` codes keys before RoPE; call {what}_prerope with the keys before RoPE \
+             beside those after it",
+            plan.spec()
+        )));
+    }
+    Ok(())
 }
 
 /// Checks a step's sequence count against the plan.
@@ -154,7 +230,8 @@ fn check_q_len(plan: &KvqPlan, q_len: u32, what: &str) -> Result<(), Failure> {
 /// names (the engine writes those entries first), and its slot's length becomes its tokens; a
 /// prompt of 0 tokens empties its slot (before appending to a new sequence). `workspace` is the
 /// plan's workspace (`kvq_plan_workspace_bytes`). Runs on `stream` with no allocation; the job
-/// list is copied from the host, so the call does not belong in a CUDA graph.
+/// list is copied from the host, so the call does not belong in a CUDA graph. A plan that codes
+/// keys before RoPE (RoPE-commutative codebooks) takes `kvq_prefill_prerope` instead.
 ///
 /// # Safety
 /// `plan` and `cache` are NULL or valid; `slots` and `tokens` NULL or `n` readable values;
@@ -173,67 +250,175 @@ pub unsafe extern "C" fn kvq_prefill(
     v: *const c_void,
     workspace: *mut c_void,
 ) -> KvqStatus {
-    call(|| {
-        let (plan, ptrs) = unsafe { plan_and_cache(plan, cache) }?;
-        check_count(plan, n, "kvq_prefill")?;
-        if n == 0 {
-            return Ok(());
-        }
-        if slots.is_null() || tokens.is_null() {
-            return Err(Failure::argument("slots or tokens is NULL"));
-        }
-        // SAFETY: the caller vouches for `n` readable values each.
-        let (slots, tokens) = unsafe {
-            (
-                std::slice::from_raw_parts(slots, n as usize),
-                std::slice::from_raw_parts(tokens, n as usize),
-            )
-        };
-        let l = plan.limits();
-        let mut prompts = Vec::with_capacity(n as usize);
-        for (i, (&slot, &t)) in slots.iter().zip(tokens).enumerate() {
-            if slot < 0 || slot as u32 >= l.max_seqs {
-                return Err(Failure::argument(format!(
-                    "slots[{i}] = {slot} (expected 0 up to max_seqs − 1 = {})",
-                    l.max_seqs - 1
-                )));
-            }
-            if t > l.max_seq_len {
-                return Err(Failure::argument(format!(
-                    "tokens[{i}] = {t}, longer than the plan's max_seq_len ({})",
-                    l.max_seq_len
-                )));
-            }
-            if prompts.iter().any(|&(s, _)| s == slot as usize) {
-                return Err(Failure::argument(format!(
-                    "slot {slot} appears twice among the prompts"
-                )));
-            }
-            prompts.push((slot as usize, t as usize));
-        }
-        let total: usize = prompts.iter().map(|p| p.1).sum();
-        if total > 0 && (k.is_null() || v.is_null()) {
-            return Err(Failure::argument("k or v is NULL"));
-        }
-        if workspace.is_null() {
-            return Err(Failure::argument("workspace is NULL"));
-        }
-        let (kernels, stream, _context) = unsafe { step_gpu(plan, stream) }?;
-        // SAFETY: the caller vouches for the buffers; the workspace holds the job list of any
-        // prefill within the plan's limits (PlanKernels::load).
-        unsafe {
-            kernels.writer.prefill_raw(
-                &stream,
-                &ptrs,
-                &prompts,
-                k as u64,
-                v as u64,
-                workspace as u64,
-                kernels.workspace_bytes / 4,
-            )
-        }
-        .map_err(Failure::runtime)
+    let inputs = Inputs {
+        k_pre_rope: std::ptr::null(),
+        k,
+        v,
+    };
+    call(|| unsafe {
+        prefill(
+            "kvq_prefill",
+            plan,
+            cache,
+            stream,
+            n,
+            slots,
+            tokens,
+            inputs,
+            workspace,
+        )
     })
+}
+
+/// `kvq_prefill` for a plan that codes keys before RoPE (RoPE-commutative codebooks, e.g.
+/// CommVQ): `k_pre_rope` holds the prompts' keys before RoPE, `k` the same keys after it (what
+/// the FP16 sink and tail keep), both `[Σ tokens][kv_heads][head_dim]`. The encoders code every
+/// page the prompt fills, bit for bit as kvq's CPU reference; a value that is NaN, infinite or
+/// past f16's range, or a page whose scale overflows f16, leaves the slot empty and says so in its
+/// status (`kvq_cache_check`). Other plans take it too (`k_pre_rope` is then not read).
+///
+/// # Safety
+/// As `kvq_prefill`; `k_pre_rope` device memory of `k`'s size.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvq_prefill_prerope(
+    plan: *const KvqPlan,
+    cache: *const KvqCache,
+    stream: *mut c_void,
+    n: u32,
+    slots: *const i32,
+    tokens: *const u32,
+    k_pre_rope: *const c_void,
+    k: *const c_void,
+    v: *const c_void,
+    workspace: *mut c_void,
+) -> KvqStatus {
+    let inputs = Inputs { k_pre_rope, k, v };
+    call(|| unsafe {
+        prefill(
+            "kvq_prefill",
+            plan,
+            cache,
+            stream,
+            n,
+            slots,
+            tokens,
+            inputs,
+            workspace,
+        )
+    })
+}
+
+/// A step's new keys and values as the caller passed them.
+#[derive(Clone, Copy)]
+struct Inputs {
+    k_pre_rope: *const c_void,
+    k: *const c_void,
+    v: *const c_void,
+}
+
+impl Inputs {
+    fn step(&self) -> StepInputs {
+        StepInputs {
+            k_pre_rope: self.k_pre_rope as u64,
+            k: self.k as u64,
+            v: self.v as u64,
+        }
+    }
+}
+
+/// `kvq_prefill` and `kvq_prefill_prerope`.
+///
+/// # Safety
+/// As `kvq_prefill_prerope`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn prefill(
+    what: &str,
+    plan: *const KvqPlan,
+    cache: *const KvqCache,
+    stream: *mut c_void,
+    n: u32,
+    slots: *const i32,
+    tokens: *const u32,
+    inputs: Inputs,
+    workspace: *mut c_void,
+) -> Result<(), Failure> {
+    let (plan, ptrs) = unsafe { plan_and_cache(plan, cache) }?;
+    check_count(plan, n, what)?;
+    if n == 0 {
+        return Ok(());
+    }
+    if slots.is_null() || tokens.is_null() {
+        return Err(Failure::argument("slots or tokens is NULL"));
+    }
+    // SAFETY: the caller vouches for `n` readable values each.
+    let (slots, tokens) = unsafe {
+        (
+            std::slice::from_raw_parts(slots, n as usize),
+            std::slice::from_raw_parts(tokens, n as usize),
+        )
+    };
+    let l = plan.limits();
+    let mut prompts = Vec::with_capacity(n as usize);
+    for (i, (&slot, &t)) in slots.iter().zip(tokens).enumerate() {
+        if slot < 0 || slot as u32 >= l.max_seqs {
+            return Err(Failure::argument(format!(
+                "slots[{i}] = {slot} (expected 0 up to max_seqs − 1 = {})",
+                l.max_seqs - 1
+            )));
+        }
+        if t > l.max_seq_len {
+            return Err(Failure::argument(format!(
+                "tokens[{i}] = {t}, longer than the plan's max_seq_len ({})",
+                l.max_seq_len
+            )));
+        }
+        if prompts.iter().any(|&(s, _)| s == slot as usize) {
+            return Err(Failure::argument(format!(
+                "slot {slot} appears twice among the prompts"
+            )));
+        }
+        prompts.push((slot as usize, t as usize));
+    }
+    let total: usize = prompts.iter().map(|p| p.1).sum();
+    if total > 0 && (inputs.k.is_null() || inputs.v.is_null()) {
+        return Err(Failure::argument("k or v is NULL"));
+    }
+    if total > 0 {
+        check_pre_rope(plan, inputs.k_pre_rope, what)?;
+    }
+    if workspace.is_null() {
+        return Err(Failure::argument("workspace is NULL"));
+    }
+    let (gpu, stream, _context) = unsafe { stream_gpu(stream) }?;
+    match ptrs {
+        Ptrs::Codebook(p) => {
+            let kernels = codebook_plan_kernels(&gpu, plan)?;
+            // SAFETY: the caller vouches for the buffers; slots and lengths are checked above.
+            unsafe {
+                kernels
+                    .steps
+                    .prefill_raw(&stream, &p, &prompts, &inputs.step())
+            }
+        }
+        Ptrs::Integer(ptrs) => {
+            let kernels = plan_kernels(&gpu, plan)?;
+            // SAFETY: the caller vouches for the buffers; the workspace holds the job list of any
+            // prefill within the plan's limits (PlanKernels::load).
+            unsafe {
+                kernels.writer.prefill_raw(
+                    &stream,
+                    &ptrs,
+                    &prompts,
+                    inputs.k as u64,
+                    inputs.v as u64,
+                    workspace as u64,
+                    kernels.workspace_bytes / 4,
+                )
+            }
+        }
+    }
+    .map_err(Failure::runtime)
 }
 
 /// Appends `q_len` tokens' K and V to each of `n` sequences: `k_new`/`v_new` are
@@ -242,12 +427,15 @@ pub unsafe extern "C" fn kvq_prefill(
 /// token, each goes to position `seq_lens[slot]`; when it completes a page (after the sink and
 /// local window), that page is quantized into the pool page the block table names for it; then
 /// `seq_lens[slot]` grows by one. No host synchronisation, no allocation: capturable in a CUDA
-/// graph.
+/// graph. A plan that codes keys before RoPE takes `kvq_append_prerope` instead; in a codebook
+/// plan a token the encoders refuse (see `kvq_prefill_prerope`) is not appended, and its slot takes
+/// no more tokens until `kvq_cache_check` has reported it.
 ///
 /// # Safety
 /// As `kvq_prefill`; `slots` holds `n` device i32, each −1 or a slot below max_seqs whose
 /// block-table row names the page its token completes.
 #[no_mangle]
+#[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn kvq_append(
     plan: *const KvqPlan,
     cache: *const KvqCache,
@@ -258,31 +446,93 @@ pub unsafe extern "C" fn kvq_append(
     k_new: *const c_void,
     v_new: *const c_void,
 ) -> KvqStatus {
-    call(|| {
-        let (plan, ptrs) = unsafe { plan_and_cache(plan, cache) }?;
-        let pointers = [
-            ("slots", slots.is_null()),
-            ("k_new", k_new.is_null()),
-            ("v_new", v_new.is_null()),
-        ];
-        if !check_step(plan, n, q_len, "kvq_append", &pointers)? {
-            return Ok(());
+    let inputs = Inputs {
+        k_pre_rope: std::ptr::null(),
+        k: k_new,
+        v: v_new,
+    };
+    call(|| unsafe { append("kvq_append", plan, cache, stream, n, q_len, slots, inputs) })
+}
+
+/// `kvq_append` for a plan that codes keys before RoPE: `k_pre_rope` holds the new keys before
+/// RoPE, `k_new` after it, both `[n][q_len][kv_heads][head_dim]`. Capturable in a CUDA graph.
+///
+/// # Safety
+/// As `kvq_append`; `k_pre_rope` device memory of `k_new`'s size.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvq_append_prerope(
+    plan: *const KvqPlan,
+    cache: *const KvqCache,
+    stream: *mut c_void,
+    n: u32,
+    q_len: u32,
+    slots: *const i32,
+    k_pre_rope: *const c_void,
+    k_new: *const c_void,
+    v_new: *const c_void,
+) -> KvqStatus {
+    let inputs = Inputs {
+        k_pre_rope,
+        k: k_new,
+        v: v_new,
+    };
+    call(|| unsafe { append("kvq_append", plan, cache, stream, n, q_len, slots, inputs) })
+}
+
+/// `kvq_append` and `kvq_append_prerope`.
+///
+/// # Safety
+/// As `kvq_append_prerope`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn append(
+    what: &str,
+    plan: *const KvqPlan,
+    cache: *const KvqCache,
+    stream: *mut c_void,
+    n: u32,
+    q_len: u32,
+    slots: *const i32,
+    inputs: Inputs,
+) -> Result<(), Failure> {
+    let (plan, ptrs) = unsafe { plan_and_cache(plan, cache) }?;
+    let pointers = [
+        ("slots", slots.is_null()),
+        ("k_new", inputs.k.is_null()),
+        ("v_new", inputs.v.is_null()),
+    ];
+    if !check_step(plan, n, q_len, what, &pointers)? {
+        return Ok(());
+    }
+    check_pre_rope(plan, inputs.k_pre_rope, what)?;
+    let (gpu, stream, _context) = unsafe { stream_gpu(stream) }?;
+    match ptrs {
+        Ptrs::Codebook(p) => {
+            let kernels = codebook_plan_kernels(&gpu, plan)?;
+            // SAFETY: the caller vouches for the buffers and slots (q_len is 1: the plan's limit).
+            unsafe {
+                kernels
+                    .steps
+                    .append_raw(&stream, &p, n as usize, slots as u64, &inputs.step())
+            }
         }
-        let (kernels, stream, _context) = unsafe { step_gpu(plan, stream) }?;
-        // SAFETY: the caller vouches for the buffers and slots.
-        unsafe {
-            kernels.writer.append_raw(
-                &stream,
-                &ptrs,
-                n as usize,
-                q_len as usize,
-                slots as u64,
-                k_new as u64,
-                v_new as u64,
-            )
+        Ptrs::Integer(ptrs) => {
+            let kernels = plan_kernels(&gpu, plan)?;
+            // SAFETY: the caller vouches for the buffers and slots.
+            unsafe {
+                kernels.writer.append_raw(
+                    &stream,
+                    &ptrs,
+                    n as usize,
+                    q_len as usize,
+                    slots as u64,
+                    inputs.k as u64,
+                    inputs.v as u64,
+                )
+            }
         }
-        .map_err(Failure::runtime)
-    })
+    }
+    .map_err(Failure::runtime)
 }
 
 /// Attention of `q_len` query tokens for each of `n` sequences (1: decode; more: a verification
@@ -321,6 +571,30 @@ pub unsafe extern "C" fn kvq_attend(
         if !check_step(plan, n, q_len, "kvq_attend", &pointers)? {
             return Ok(());
         }
+        let ptrs = match ptrs {
+            Ptrs::Integer(ptrs) => ptrs,
+            Ptrs::Codebook(p) => {
+                let (gpu, stream, _context) = unsafe { stream_gpu(stream) }?;
+                let kernels = codebook_plan_kernels(&gpu, plan)?;
+                let splits = kernels.steps_splits(n as usize)?;
+                // SAFETY: the caller vouches for the buffers, slots and workspace (the plan's
+                // size, which covers `splits` for `n` sequences).
+                return unsafe {
+                    kernels.steps.attend_raw(
+                        &stream,
+                        &p,
+                        n as usize,
+                        slots as u64,
+                        q as u64,
+                        out as u64,
+                        lse as u64,
+                        splits,
+                        workspace as u64,
+                    )
+                }
+                .map_err(Failure::runtime);
+            }
+        };
         let (kernels, stream, _context) = unsafe { step_gpu(plan, stream) }?;
         // SAFETY: the caller vouches for the workspace (the plan's size).
         let rows = n as usize * q_len as usize;

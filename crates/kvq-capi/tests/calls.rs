@@ -2,7 +2,7 @@
 //! them: arguments are checked before the driver is touched, and a missing driver or GPU is
 //! `KVQ_STATUS_CUDA` with a message, never a crash. tests/gpu.rs runs them on a GPU.
 
-use std::ffi::{c_void, CStr};
+use std::ffi::{c_void, CStr, CString};
 use std::ptr;
 
 use kvq_capi::*;
@@ -17,6 +17,7 @@ fn plan() -> KvqPlan {
         max_seq_len: 4096,
         pool_pages: 64,
         max_q_len: 4,
+        rope_theta: 0.0,
     };
     KvqPlan::new("kivi2", &limits).unwrap()
 }
@@ -104,6 +105,10 @@ fn fake_cache() -> KvqCache {
         v_tail: fake,
         seq_lens: fake,
         page_table: fake,
+        k_pending: fake,
+        v_pending: fake,
+        status: fake,
+        codebooks: fake,
     }
 }
 
@@ -253,12 +258,112 @@ fn a_plan_lists_the_lengths_and_the_block_table() {
             "k_tail",
             "v_tail",
             "seq_lens",
-            "page_table"
+            "page_table",
+            "k_pending",
+            "v_pending",
+            "status",
+            "codebooks"
         ]
     );
+    // An integer scheme needs none of the codebook schemes' buffers.
+    for i in 8..12 {
+        assert_eq!(plan.buffer(i).unwrap().bytes, 0);
+    }
     assert_eq!(plan.buffer(6).unwrap().bytes, 4 * 4);
     assert_eq!(
         plan.buffer(7).unwrap().bytes,
         4 * 4 * u64::from(info.max_pages_per_seq)
+    );
+}
+
+/// Codebook plans' calls refuse what they cannot take before touching a GPU: a plain append or
+/// prefill where keys are coded before RoPE, codebooks for a plan without any, a missing or wrong
+/// codebook file; `kvq_cache_check` on an integer plan has nothing to report.
+#[test]
+fn codebook_calls_refuse_bad_arguments_without_a_gpu() {
+    let limits = KvqPlanLimits {
+        head_dim: 128,
+        q_heads: 32,
+        kv_heads: 8,
+        dtype: KVQ_DTYPE_F16,
+        max_seqs: 4,
+        max_seq_len: 4096,
+        pool_pages: 256,
+        max_q_len: 1,
+        rope_theta: 500_000.0,
+    };
+    let commvq = KvqPlan::new("commvq1", &limits).unwrap();
+    let cache = fake_cache();
+    let fake = 0x1000 as *const c_void;
+    let status = unsafe {
+        kvq_append(
+            &commvq,
+            &cache,
+            ptr::null_mut(),
+            2,
+            1,
+            fake.cast(),
+            fake,
+            fake,
+        )
+    };
+    assert_eq!(status, KvqStatus::InvalidArgument);
+    assert!(
+        last_message().contains("kvq_append_prerope"),
+        "{}",
+        last_message()
+    );
+    let (status, message) = prefill_fake(&commvq, &cache, &[0], &[5]);
+    assert_eq!(status, KvqStatus::InvalidArgument);
+    assert!(message.contains("kvq_prefill_prerope"), "{message}");
+    let status = unsafe {
+        kvq_append_prerope(
+            &commvq,
+            &cache,
+            ptr::null_mut(),
+            2,
+            2,
+            fake.cast(),
+            fake,
+            fake,
+            fake,
+        )
+    };
+    assert_eq!(status, KvqStatus::InvalidArgument);
+    assert!(last_message().contains("q_len 2"), "{}", last_message());
+
+    let missing = CString::new("/nonexistent/kvq-books.safetensors").unwrap();
+    let status = unsafe { kvq_codebooks_load(&commvq, &cache, ptr::null_mut(), missing.as_ptr()) };
+    assert_eq!(status, KvqStatus::InvalidArgument);
+    assert!(
+        last_message().contains("codebook file"),
+        "{}",
+        last_message()
+    );
+    let junk = [0u8; 64];
+    let status = unsafe {
+        kvq_codebooks_load_bytes(&commvq, &cache, ptr::null_mut(), junk.as_ptr(), junk.len())
+    };
+    assert_eq!(status, KvqStatus::InvalidArgument);
+    assert!(last_message().contains("safetensors"), "{}", last_message());
+
+    let kivi = KvqPlan::new(
+        "kivi2",
+        &KvqPlanLimits {
+            rope_theta: 0.0,
+            ..limits
+        },
+    )
+    .unwrap();
+    let status = unsafe { kvq_codebooks_load(&kivi, &cache, ptr::null_mut(), missing.as_ptr()) };
+    assert_eq!(status, KvqStatus::InvalidArgument);
+    assert!(
+        last_message().contains("no codebooks"),
+        "{}",
+        last_message()
+    );
+    assert_eq!(
+        unsafe { kvq_cache_check(&kivi, &cache, ptr::null_mut()) },
+        KvqStatus::Ok
     );
 }

@@ -158,6 +158,10 @@ impl EngineCache {
             v_tail: p[5],
             seq_lens: p[6],
             page_table: p[7],
+            k_pending: p[8],
+            v_pending: p[9],
+            status: p[10],
+            codebooks: p[11],
         };
         EngineCache {
             _buffers: buffers,
@@ -751,6 +755,7 @@ fn limits(
         max_seq_len: max_len as u32,
         pool_pages: pool_pages as u32,
         max_q_len: Q_LEN as u32,
+        rope_theta: 0.0,
     }
 }
 

@@ -3,7 +3,7 @@
 use std::ffi::{c_char, CStr, CString};
 use std::ptr;
 
-use kvq::codegen::{decode_slow_path, has_decode_kernel, Dtype, KernelShape};
+use kvq::codegen::{decode_slow_path, has_codebook_kernel, has_decode_kernel, Dtype, KernelShape};
 use kvq::runtime::{CacheConfig, CacheSizes};
 use kvq::schemes::BUILTIN;
 use kvq_capi::*;
@@ -18,6 +18,7 @@ fn limits(head_dim: u32) -> KvqPlanLimits {
         max_seq_len: 8192,
         pool_pages: 256,
         max_q_len: 1,
+        rope_theta: 0.0,
     }
 }
 
@@ -97,7 +98,7 @@ fn every_gpu_builtin_plans_every_fast_head_dim_with_the_runtime_sizes() {
 fn schemes_without_a_gpu_kernel_are_unsupported_schemes() {
     let cpu_only: Vec<_> = BUILTIN
         .iter()
-        .filter(|b| !has_decode_kernel(&b.spec))
+        .filter(|b| !has_decode_kernel(&b.spec) && !has_codebook_kernel(&b.spec))
         .collect();
     assert!(!cpu_only.is_empty());
     for b in cpu_only {
@@ -210,11 +211,11 @@ fn null_and_non_utf8_arguments_are_errors_not_crashes() {
     );
     let mut buf: KvqBuffer = unsafe { std::mem::zeroed() };
     assert_eq!(
-        unsafe { kvq_plan_buffer(plan, 8, &mut buf) },
+        unsafe { kvq_plan_buffer(plan, 12, &mut buf) },
         KvqStatus::InvalidArgument
     );
     assert!(
-        last_message().contains("buffer index 8"),
+        last_message().contains("buffer index 12"),
         "{}",
         last_message()
     );
@@ -257,4 +258,74 @@ fn the_largest_limits_plan_or_are_refused_never_wrapped() {
     let (status, message) = create("kivi2", &l).unwrap_err();
     assert_eq!(status, KvqStatus::InvalidArgument);
     assert!(message.contains("would take more than"), "{message}");
+}
+
+/// Codebook schemes (CommVQ, custom codebooks) plan without a GPU: the device layout's sizes, the
+/// four buffers of their own, and the limits they cannot serve refused with what to change.
+#[test]
+fn codebook_plans_size_their_buffers_and_refuse_what_they_cannot_serve() {
+    use kvq::reference::commvq::device::DeviceLayout;
+    use kvq::runtime::codebook::CodebookBufferLayout;
+    let rope = KvqPlanLimits {
+        rope_theta: 500_000.0,
+        ..limits(128)
+    };
+    let plan = create("commvq1", &rope).unwrap();
+    let plan_ref = unsafe { &*plan };
+    let spec = kvq::schemes::by_name("commvq1").unwrap().spec;
+    let layout = DeviceLayout::new(&spec, 8, 128).unwrap();
+    let info = plan_ref.info();
+    assert_eq!(info.k_block_bytes as usize, layout.k.block_bytes);
+    assert_eq!(info.v_block_bytes as usize, layout.v.block_bytes);
+    assert_eq!(info.page_tokens as usize, layout.page);
+    let bytes = |i: usize| plan_ref.buffer(i).unwrap().bytes as usize;
+    assert_eq!(bytes(0), 256 * 8 * layout.k.block_bytes);
+    // Pending rings beside the FP16 tails, the same size; one status line a slot.
+    assert_eq!(bytes(8), bytes(4));
+    assert_eq!(bytes(9), bytes(5));
+    assert!(bytes(8) > 0);
+    assert_eq!(bytes(10), 4 * 4 * 4);
+    assert_eq!(bytes(11), CodebookBufferLayout::new(&layout).bytes);
+    // CommVQ-1's coded pages are about an eighth of FP16's.
+    assert!(
+        info.page_bytes < (2 * 128 * 8 * 128 * 2 / 6) as u64,
+        "{info:?}"
+    );
+    unsafe { kvq_plan_destroy(plan) };
+
+    let (status, message) = create("commvq1", &limits(128)).unwrap_err();
+    assert_eq!(status, KvqStatus::InvalidArgument);
+    assert!(message.contains("rope_theta"), "{message}");
+    let (status, message) = create(
+        "commvq1",
+        &KvqPlanLimits {
+            max_q_len: 2,
+            ..rope
+        },
+    )
+    .unwrap_err();
+    assert_eq!(status, KvqStatus::UnsupportedShape);
+    assert!(message.contains("max_q_len"), "{message}");
+    let (status, message) = create(
+        "commvq1",
+        &KvqPlanLimits {
+            rope_theta: f64::NAN,
+            ..rope
+        },
+    )
+    .unwrap_err();
+    assert_eq!(status, KvqStatus::InvalidArgument);
+    assert!(message.contains("rope_theta"), "{message}");
+    // Values only coded, keys FP16: no RoPE base needed.
+    let plan = create(
+        "k = fp16, v = codebook(additive, rows = 128), sink = 8",
+        &limits(64),
+    )
+    .unwrap();
+    assert_eq!(
+        unsafe { &*plan }.buffer(8).unwrap().bytes,
+        0,
+        "FP16 keys have no pending ring"
+    );
+    unsafe { kvq_plan_destroy(plan) };
 }

@@ -248,13 +248,26 @@ fn unknown_names_list_the_builtins_and_grammar_errors_point_at_the_column() {
         .collect();
     assert_eq!(
         roles,
-        ["decode", "combine", "store", "encode_k", "encode_v"]
+        [
+            "decode",
+            "combine",
+            "store",
+            "encode_k",
+            "encode_v",
+            "step_store",
+            "step_encode_k",
+            "step_encode_v",
+            "step_commit",
+            "set_length"
+        ]
     );
     assert_eq!(m["layout"]["k"]["kind"], "rope_commutative");
     assert_eq!(m["layout"]["codebook_file"]["format"], "kvq-codebooks-1");
     let header = std::fs::read_to_string(cb.join("kvq_kernels.h")).unwrap();
     assert!(
-        header.contains("KVQ_ENCODE_K_NAME") && header.contains("double rope_theta"),
+        header.contains("KVQ_ENCODE_K_NAME")
+            && header.contains("KVQ_STEP_COMMIT_NAME")
+            && header.contains("double rope_theta"),
         "{header}"
     );
     // A shape the scheme cannot hold.

@@ -32,8 +32,8 @@ pub use cache::{cache_kernels, cache_kernels_with, CacheKernels, PageQuantizers}
 pub use codebook::{
     codebook_candidates, codebook_encode_kernels, codebook_kernels, codebook_kernels_with,
     has_codebook_kernel, CodebookEncodeKernels, CodebookKernels, CodebookParams,
-    CODEBOOK_SMEM_THREADS, CODEBOOK_SMEM_TILE, CODEBOOK_THREADS, CODEBOOK_TILE, ENCODE_TOKENS,
-    ENCODE_WARPS, STORE_THREADS,
+    CodebookStepKernels, CODEBOOK_SMEM_THREADS, CODEBOOK_SMEM_TILE, CODEBOOK_STATUS_WORDS,
+    CODEBOOK_THREADS, CODEBOOK_TILE, ENCODE_TOKENS, ENCODE_WARPS, STORE_THREADS,
 };
 pub use decode::{
     decode_groups, decode_head_groups, decode_kernels, decode_piece_rule, decode_runs_pieces,

@@ -392,6 +392,43 @@ fn kernels(decode: &CodebookKernels, encode: &CodebookEncodeKernels) -> Vec<Kern
             ));
         }
     }
+    let st = &encode.steps;
+    out.push(kernel_info(
+        "step_store",
+        ENCODE_FILE,
+        "one new token a sequence at its device-held length (graph-capturable): rows checked \
+         and stored as `store` does, coded sides' inputs into the pending rings",
+        &st.store,
+        dtype,
+    ));
+    for (role, e) in [
+        ("step_encode_k", &st.encode_k),
+        ("step_encode_v", &st.encode_v),
+    ] {
+        if let Some(e) = e {
+            out.push(kernel_info(
+                role,
+                ENCODE_FILE,
+                "codes the page a sequence's new token closes, if any, from its pending ring",
+                e,
+                dtype,
+            ));
+        }
+    }
+    out.push(kernel_info(
+        "step_commit",
+        ENCODE_FILE,
+        "advances seq_lens by one for each step row whose slot stayed clean",
+        &st.commit,
+        dtype,
+    ));
+    out.push(kernel_info(
+        "set_length",
+        ENCODE_FILE,
+        "empties a slot before a prompt (begin = 1), or sets its length after one if clean",
+        &st.set_length,
+        dtype,
+    ));
     out
 }
 
@@ -570,12 +607,21 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
                 }
             ),
             fill_steps: vec![
-                "store: grid (new tokens, kv_heads); status zeroed first as {0, 0xFFFFFFFF, \
-                 0xFFFFFFFF}"
+                "host-driven chunk (a prompt, or tokens whose length the host knows): store, grid \
+                 (new tokens, kv_heads); then encode_k / encode_v, grid (pages, kv_heads), for \
+                 every page the chunk filled"
                     .into(),
-                "encode_k / encode_v: grid (pages, kv_heads) for every page the append filled; \
-                 then read status: flags 1 bad input (token in [1]), 2 key norm past f16, 4 value \
-                 factor past f16 (token in [2])"
+                "graph-capturable step (one token a sequence, lengths read on the device, slots[i] \
+                 −1 skips a row): step_store, grid (n, kv_heads); step_encode_k / step_encode_v, \
+                 grid (n, kv_heads), each codes the page its sequence's token closes; \
+                 step_commit, grid (ceil(n / 128)), advances the clean slots' seq_lens by one. A \
+                 prompt into an empty slot: set_length(slot, 0, begin = 1), the chunk above with \
+                 status + 4·slot, set_length(slot, tokens, 0)"
+                    .into(),
+                "status: 4 u32 a slot, all zero when clean (zero them once); [0] flags 1 bad input \
+                 (NaN, inf or past f16), 2 key norm past f16, 4 value factor past f16; [1] the \
+                 first bad token and [2] the first overflowing token, complemented (~word); a \
+                 flagged slot takes no step until the host clears it"
                     .into(),
             ],
             scratch: vec![

@@ -37,13 +37,38 @@ pub struct CodebookEncodeKernels {
     pub encode_k: Option<KernelEntry>,
     /// Pages of the value side (absent for FP16 values): grid (pages, kv_heads).
     pub encode_v: Option<KernelEntry>,
+    /// Engine steps, lengths read on the device (graph-capturable): one new token of each of `n`
+    /// sequences stored (grid (n, kv_heads)), the page it closes on each coded side coded from the
+    /// slot's pending ring (grid (n, kv_heads)), then the clean slots' lengths advanced.
+    pub steps: CodebookStepKernels,
     #[serde(skip)]
     pub layout: DeviceLayout,
 }
 
+/// The step kernels of [`CodebookEncodeKernels`] (kvq/codebook/encode.cuh, "Engine steps").
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CodebookStepKernels {
+    /// Each sequence's new token: grid (n, kv_heads).
+    pub store: KernelEntry,
+    /// The key page the new tokens close: grid (n, kv_heads); absent for FP16 keys.
+    pub encode_k: Option<KernelEntry>,
+    /// The value page the new tokens close: grid (n, kv_heads); absent for FP16 values.
+    pub encode_v: Option<KernelEntry>,
+    /// The clean slots' lengths advanced by one: grid (⌈n / 128⌉), block 128.
+    pub commit: KernelEntry,
+    /// One slot emptied before a prompt (`begin` ≠ 0), or its length set after one if its status
+    /// stayed clean: grid (1), block 1.
+    pub set_length: KernelEntry,
+}
+
+/// u32 status words an engine cache keeps a sequence slot (KVQ_CB_STATUS_WORDS): flags, the first
+/// bad input's token and the first overflow's, each complemented; all zero when clean.
+pub const CODEBOOK_STATUS_WORDS: usize = 4;
+
 #[derive(Serialize)]
 struct EncoderCtx {
     name: String,
+    step_name: String,
     side: &'static str,
     threads: u32,
 }
@@ -58,6 +83,9 @@ struct UnitCtx {
     encode_tokens: u32,
     store_threads: u32,
     store_name: String,
+    step_store_name: String,
+    step_commit_name: String,
+    set_length_name: String,
     sides: Vec<SideCtx>,
     encoders: Vec<EncoderCtx>,
 }
@@ -178,6 +206,87 @@ fn store_entry(name: &str) -> KernelEntry {
     }
 }
 
+fn step_encoder_entry(name: &str, threads: u32) -> KernelEntry {
+    KernelEntry {
+        name: name.to_string(),
+        params: vec![
+            param("const uint16_t*", "pending"),
+            param("const int32_t*", "slots"),
+            param("const int32_t*", "seq_lens"),
+            param("uint8_t*", "pool"),
+            param("const int32_t*", "page_table"),
+            param("int32_t", "max_pages"),
+            param("const double*", "t0"),
+            param("const double*", "t1"),
+            param("const double*", "t2"),
+            param("const double*", "t3"),
+            param("const double*", "t4"),
+            param("uint32_t*", "status"),
+        ],
+        grid: ["n".into(), "kv_heads".into(), "1".into()],
+        block: threads,
+        dynamic_shared_bytes: 0,
+    }
+}
+
+fn step_kernels(names: &UnitCtx, encoders: &[EncoderCtx], k: bool, v: bool) -> CodebookStepKernels {
+    let mut store = store_entry(&names.step_store_name);
+    store.params = vec![
+        param("const uint16_t*", "k_pre"),
+        param("const uint16_t*", "k_post"),
+        param("const uint16_t*", "v"),
+        param("const int32_t*", "slots"),
+        param("const int32_t*", "seq_lens"),
+        param("uint8_t*", "k_pool"),
+        param("uint8_t*", "v_pool"),
+        param("const int32_t*", "page_table"),
+        param("int32_t", "max_pages"),
+        param("uint16_t*", "k_sink"),
+        param("uint16_t*", "v_sink"),
+        param("uint16_t*", "k_tail"),
+        param("uint16_t*", "v_tail"),
+        param("uint16_t*", "k_pending"),
+        param("uint16_t*", "v_pending"),
+        param("uint32_t*", "status"),
+    ];
+    store.grid = ["n".into(), "kv_heads".into(), "1".into()];
+    let mut encoders = encoders
+        .iter()
+        .map(|e| step_encoder_entry(&e.step_name, e.threads));
+    let encode_k = if k { encoders.next() } else { None };
+    let encode_v = if v { encoders.next() } else { None };
+    CodebookStepKernels {
+        store,
+        encode_k,
+        encode_v,
+        commit: KernelEntry {
+            name: names.step_commit_name.clone(),
+            params: vec![
+                param("const int32_t*", "slots"),
+                param("int32_t", "n"),
+                param("int32_t*", "seq_lens"),
+                param("const uint32_t*", "status"),
+            ],
+            grid: ["ceil(n / 128)".into(), "1".into(), "1".into()],
+            block: 128,
+            dynamic_shared_bytes: 0,
+        },
+        set_length: KernelEntry {
+            name: names.set_length_name.clone(),
+            params: vec![
+                param("int32_t", "slot"),
+                param("int32_t", "len"),
+                param("int32_t", "begin"),
+                param("int32_t*", "seq_lens"),
+                param("uint32_t*", "status"),
+            ],
+            grid: ["1".into(), "1".into(), "1".into()],
+            block: 1,
+            dynamic_shared_bytes: 0,
+        },
+    }
+}
+
 /// Threads of a side's page encoder, `None` for an FP16 side.
 fn encoder_threads(side: &SideLayout) -> Option<u32> {
     match side.kind {
@@ -209,6 +318,7 @@ pub fn codebook_encode_kernels(
         encoder_threads(side).map(|threads| {
             let e = EncoderCtx {
                 name: format!("kvq_cb_encode_{which}_{id}"),
+                step_name: format!("kvq_cb_step_encode_{which}_{id}"),
                 side: name,
                 threads,
             };
@@ -231,10 +341,14 @@ pub fn codebook_encode_kernels(
         encode_tokens: rope_tokens(&layout.k),
         store_threads: STORE_THREADS,
         store_name: format!("kvq_cb_store_{id}"),
+        step_store_name: format!("kvq_cb_step_store_{id}"),
+        step_commit_name: format!("kvq_cb_step_commit_{id}"),
+        set_length_name: format!("kvq_cb_set_length_{id}"),
         sides: vec![side_ctx("KSide", &layout.k), side_ctx("VSide", &layout.v)],
         encoders,
     };
     let source = render("codebook_encode.cu.tera", &ctx)?;
+    let steps = step_kernels(&ctx, &ctx.encoders, encode_k.is_some(), encode_v.is_some());
     Ok(CodebookEncodeKernels {
         scheme: spec.to_string(),
         head_dim,
@@ -243,6 +357,7 @@ pub fn codebook_encode_kernels(
         store: store_entry(&ctx.store_name),
         encode_k,
         encode_v,
+        steps,
         layout,
     })
 }

@@ -12,5 +12,6 @@ pub use decode::{
     CODEBOOK_TILE,
 };
 pub use encode::{
-    codebook_encode_kernels, CodebookEncodeKernels, ENCODE_TOKENS, ENCODE_WARPS, STORE_THREADS,
+    codebook_encode_kernels, CodebookEncodeKernels, CodebookStepKernels, CODEBOOK_STATUS_WORDS,
+    ENCODE_TOKENS, ENCODE_WARPS, STORE_THREADS,
 };

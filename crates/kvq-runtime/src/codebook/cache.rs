@@ -195,10 +195,8 @@ impl CodebookCache {
             |side: &SideLayout| n(&[batch, h, if side.is_coded() { side.tail_cap } else { 0 }, d]);
         let sink =
             |side: &SideLayout| n(&[batch, h, if side.is_coded() { side.sink } else { 0 }, d]);
-        let mut status = alloc::<u32>(stream, 3)?;
-        stream
-            .memcpy_htod(&[0u32, u32::MAX, u32::MAX], &mut status)
-            .map_err(|e| RuntimeError::driver("reset the encoder status", e))?;
+        // Zeroed status words are clean (kvq/codebook/encode.cuh).
+        let status = alloc::<u32>(stream, kvq_codegen::CODEBOOK_STATUS_WORDS)?;
         Ok(Self {
             spec: *spec,
             layout: *layout,

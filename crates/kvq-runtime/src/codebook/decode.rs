@@ -194,6 +194,86 @@ impl CodebookKernel {
     }
 }
 
+impl CodebookKernel {
+    /// [`Self::attend`] on an engine's memory ([`super::CodebookPtrs`]): `n` query rows, row `i`
+    /// for the slot `slots[i]` names (device i32; −1: a padding row), `books` the addresses of the
+    /// decode's five codebook tensors (k_book, k_rows, k_mean, v_rows, v_mean), partials at
+    /// `part_acc` (`[n·q_heads·splits][D]` f32) and `part_ml` (`[n·q_heads·splits][2]` f32). The
+    /// combine always runs, so `out` and `lse` (0: not written) come from one place.
+    ///
+    /// # Safety
+    /// Every address is device memory of `stream`'s context of those sizes.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn attend_ptrs(
+        &self,
+        stream: &Arc<CudaStream>,
+        p: &super::CodebookPtrs,
+        books: &[u64; 5],
+        n: usize,
+        slots: u64,
+        q: u64,
+        out: u64,
+        lse: u64,
+        splits: usize,
+        part_acc: u64,
+        part_ml: u64,
+    ) -> Result<()> {
+        if splits == 0 || splits > 1024 {
+            return Err(RuntimeError::InvalidInput(format!(
+                "{splits} splits (1 to 1024)"
+            )));
+        }
+        let rows = u32::try_from(n)
+            .ok()
+            .filter(|&r| r <= u16::MAX as u32)
+            .ok_or_else(|| RuntimeError::InvalidInput(format!("{n} query rows (at most 65535)")))?;
+        let max_pages = i32::try_from(p.max_pages)
+            .map_err(|_| RuntimeError::InvalidInput(format!("{} pages", p.max_pages)))?;
+        let cfg = LaunchConfig {
+            grid_dim: (splits as u32, self.kv_heads as u32, rows),
+            block_dim: (self.generated.decode.block, 1, 1),
+            shared_mem_bytes: self.generated.decode.dynamic_shared_bytes,
+        };
+        let mut args = Args::new(stream);
+        args.ptr(q)
+            .ptr(p.k_pool)
+            .ptr(p.v_pool)
+            .ptr(p.page_table)
+            .int(max_pages)
+            .ptr(p.k_sink)
+            .ptr(p.v_sink)
+            .ptr(p.k_tail)
+            .ptr(p.v_tail)
+            .ptr(p.seq_lens)
+            .ptr(slots)
+            .int(1);
+        for b in books {
+            args.ptr(*b);
+        }
+        args.double(p.rope_theta).ptr(part_acc).ptr(part_ml).null();
+        // SAFETY: the decode entry's params; the caller vouches for the buffers.
+        unsafe { args.launch(&self.decode, cfg, false) }
+            .map_err(launch_err(&self.generated.decode.name))?;
+        let q_heads = self.kv_heads as u32 * self.generated.shape.gqa;
+        let cfg = LaunchConfig {
+            grid_dim: (q_heads, rows, 1),
+            block_dim: (self.generated.combine.block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = Args::new(stream);
+        args.ptr(part_acc).ptr(part_ml).ptr(out);
+        if lse == 0 {
+            args.null();
+        } else {
+            args.ptr(lse);
+        }
+        args.int(splits as i32);
+        // SAFETY: as above; the partials hold `splits` parts a head.
+        unsafe { args.launch(&self.combine, cfg, false) }
+            .map_err(launch_err(&self.generated.combine.name))
+    }
+}
+
 /// The split partials a decode writes and its combine reads, grown as launches need.
 pub struct CodebookScratch {
     part_acc: CudaSlice<f32>,

@@ -512,26 +512,10 @@ impl CodebookEncoder {
             .clone_dtoh(&pending.status)
             .map_err(|e| RuntimeError::driver("read the encoder status", e))?;
         stream
-            .memcpy_htod(&[0u32, u32::MAX, u32::MAX], &mut pending.status)
+            .memset_zeros(&mut pending.status)
             .map_err(|e| RuntimeError::driver("reset the encoder status", e))?;
-        let flags = status[0];
-        if flags & BAD_INPUT != 0 {
-            return Err(RuntimeError::InvalidInput(format!(
-                "sequence {slot}, token {}: a key or value is NaN, infinite or past f16's range \
-                 (±65504); nothing from it on was appended",
-                status[1]
-            )));
-        }
-        if flags & (SCALE_OVERFLOW | FACTOR_OVERFLOW) != 0 {
-            let what = if flags & SCALE_OVERFLOW != 0 {
-                "its key's norm (the per-vector scale)"
-            } else {
-                "its value's norm over the codebook's channel scales (the code's factor)"
-            };
-            return Err(RuntimeError::InvalidInput(format!(
-                "sequence {slot}, token {}: {what} exceeds f16's range; its page was not appended",
-                status[2]
-            )));
+        if let Some(e) = status_error(slot, &status) {
+            return Err(e);
         }
         cache.lens[slot] = new_len;
         let len = narrow("tokens", new_len)?;
@@ -540,6 +524,33 @@ impl CodebookEncoder {
             .memcpy_htod(&[len], &mut one)
             .map_err(|e| RuntimeError::driver("record the sequence length", e))
     }
+}
+
+/// The error a sequence's status words (kvq/codebook/encode.cuh: flags, then the first bad
+/// token's and the first overflow's, complemented) report, `None` when they are clean.
+pub fn status_error(slot: usize, status: &[u32]) -> Option<RuntimeError> {
+    let word = |i: usize| status.get(i).copied().unwrap_or(0);
+    let token = |i: usize| !word(i);
+    let flags = word(0);
+    if flags & BAD_INPUT != 0 {
+        return Some(RuntimeError::InvalidInput(format!(
+            "sequence {slot}, token {}: a key or value is NaN, infinite or past f16's range \
+             (±65504); nothing from it on was appended",
+            token(1)
+        )));
+    }
+    if flags & (SCALE_OVERFLOW | FACTOR_OVERFLOW) != 0 {
+        let what = if flags & SCALE_OVERFLOW != 0 {
+            "its key's norm (the per-vector scale)"
+        } else {
+            "its value's norm over the codebook's channel scales (the code's factor)"
+        };
+        return Some(RuntimeError::InvalidInput(format!(
+            "sequence {slot}, token {}: {what} exceeds f16's range; its page was not appended",
+            token(2)
+        )));
+    }
+    None
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -18,14 +18,17 @@
 // caller's tensor ([token][kv_head][D]) or a sequence's pending ring ([kv_head][TAIL_CAP][D], the
 // not yet coded tokens in the input format, slot (t − sink_end) mod TAIL_CAP as the FP16 tail).
 
-// Status words of a launch, zeroed by the host first: [0] flags, [1] the first token whose input
-// is out of range, [2] the first token whose scale or factor overflows f16.
+// Status words, all zero when nothing went wrong (so zeroed memory is a clean status): [0] flags,
+// [1] the first token whose input is out of range, [2] the first token whose scale or factor
+// overflows f16, each token stored complemented (~t) so that an atomic max keeps the first.
+// Engine caches keep KVQ_CB_STATUS_WORDS a sequence slot.
 static constexpr kvq_u32 KVQ_CB_BAD_INPUT = 1, KVQ_CB_SCALE_OVERFLOW = 2, KVQ_CB_FACTOR_OVERFLOW = 4;
+static constexpr int KVQ_CB_STATUS_WORDS = 4;
 static constexpr float KVQ_F16_MAX = 65504.f;
 
 static __device__ __forceinline__ void kvq_cb_flag(kvq_u32* status, kvq_u32 flag, int word, int token) {
     atomicOr(status, flag);
-    atomicMin(status + word, (kvq_u32)token);
+    atomicMax(status + word, ~(kvq_u32)token);
 }
 
 // f64 → f16 as the reference rounds it (kvq_reference::commvq::f16_of_f64): to the nearest f32,
@@ -96,16 +99,15 @@ static __device__ __forceinline__ void kvq_cb_store_side(const kvq_u16* fp16_src
     }
 }
 
-// Tokens t0 .. t0 + gridDim.x of sequence `slot`, rows r0 … of `k_pre`, `k_post`, `v`
-// ([row][kv_head][D]; k_pre only read when keys are RoPE-coded). A coded side's tokens below its
-// `ring_from` are left to a page encoder that reads the caller's tensors.
-static __device__ __forceinline__ void kvq_cb_store_rows(const kvq_u16* k_pre, const kvq_u16* k_post, const kvq_u16* v, int r0, int t0,
-                                                         int k_ring_from, int v_ring_from, int slot, kvq_u8* k_pool, kvq_u8* v_pool,
-                                                         const kvq_i32* page_table, int max_pages, kvq_u16* k_sink, kvq_u16* v_sink,
-                                                         kvq_u16* k_tail, kvq_u16* v_tail, kvq_u16* k_pending, kvq_u16* v_pending,
-                                                         kvq_u32* status) {
-    const int kvh = blockIdx.y, kv_heads = gridDim.y, tok = t0 + blockIdx.x;
-    const long at = ((long)(r0 + blockIdx.x) * kv_heads + kvh) * D;
+// Token `tok` of sequence `slot`, KV head `kvh`: row `row` of `k_pre`, `k_post`, `v` ([row][kv_head][D];
+// k_pre only read when keys are RoPE-coded). A coded side's tokens below its `ring_from` are left to
+// a page encoder that reads the caller's tensors.
+static __device__ __forceinline__ void kvq_cb_store_rows(const kvq_u16* k_pre, const kvq_u16* k_post, const kvq_u16* v, int row, int tok,
+                                                         int kvh, int kv_heads, int k_ring_from, int v_ring_from, int slot,
+                                                         kvq_u8* k_pool, kvq_u8* v_pool, const kvq_i32* page_table, int max_pages,
+                                                         kvq_u16* k_sink, kvq_u16* v_sink, kvq_u16* k_tail, kvq_u16* v_tail,
+                                                         kvq_u16* k_pending, kvq_u16* v_pending, kvq_u32* status) {
+    const long at = ((long)row * kv_heads + kvh) * D;
     bool ok = true;
     for (int c = threadIdx.x; c < D; c += blockDim.x) {
         ok = ok && kvq_cb_cacheable(k_post[at + c]) && kvq_cb_cacheable(v[at + c]);
@@ -191,18 +193,15 @@ static __device__ __forceinline__ void kvq_dot4_many(const double* x, const doub
     }
 }
 
-static __device__ void kvq_encode_rope_keys(KvqCbRows src, int page0, int slot, kvq_u8* pool, const kvq_i32* page_table, int max_pages,
-                                            KvqRopeTables tab, kvq_u32* status) {
+static __device__ void kvq_encode_rope_keys(KvqCbRows src, int page, int kvh, int kv_heads, int slot, kvq_u8* pool,
+                                            const kvq_i32* page_table, int max_pages, KvqRopeTables tab, kvq_u32* status) {
     constexpr int G = KSide::PAIRS, GROUPS = KSide::GROUPS, R = KSide::RESIDUALS, L = KVQ_RK_LEVELS, DIM = KVQ_RK_DIM;
     constexpr int T = ENCODE_TOKENS, HALF_BITS = KSide::CODE_BITS / 2;
     __shared__ double z_s[ENCODE_WARPS][T][DIM];
     __shared__ double alpha_s[ENCODE_WARPS][T][L], beta_s[ENCODE_WARPS][T][L];
     __shared__ kvq_u32 codes_s[GROUPS * R * PAGE];
     __shared__ double inv_s[PAGE];
-    const int j = blockIdx.x, kvh = blockIdx.y, kv_heads = gridDim.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int page = page0 + j;
-    src.first += j * PAGE;
     kvq_u8* block = kvq_cb_zero_block<KSide>(pool, page_table, max_pages, slot, page, kvh, kv_heads);
     kvq_u16* scales = (kvq_u16*)(block + KSide::SCALES_OFFSET);
     for (int r = threadIdx.x; r < PAGE; r += blockDim.x) {
@@ -332,15 +331,12 @@ static __device__ __forceinline__ double kvq_av_half_dot(const double* res, cons
 }
 
 template <class S>
-static __device__ void kvq_encode_additive(KvqCbRows src, int page0, int slot, kvq_u8* pool, const kvq_i32* page_table, int max_pages,
-                                           KvqAdditiveTables tab, kvq_u32* status) {
+static __device__ void kvq_encode_additive(KvqCbRows src, int page, int kvh, int kv_heads, int slot, kvq_u8* pool,
+                                           const kvq_i32* page_table, int max_pages, KvqAdditiveTables tab, kvq_u32* status) {
     constexpr int ROWS = S::ROWS, WORDS = ROWS / 32;
     __shared__ double res_s[KVQ_AV_TOKENS][D];
-    const int j = blockIdx.x, kvh = blockIdx.y, kv_heads = gridDim.y;
-    const int page = page0 + j;
     const int lane = threadIdx.x % 32, sub = threadIdx.x / KVQ_AV_LANES, jl = lane % KVQ_AV_LANES;
     const int lead = lane - jl;   // the token's first lane
-    src.first += j * PAGE;
     kvq_u8* block = kvq_cb_zero_block<S>(pool, page_table, max_pages, slot, page, kvh, kv_heads);
     const double* rows = tab.rows + (long)kvh * ROWS * D;
     const double* norm = tab.norm + (long)kvh * ROWS;
@@ -441,15 +437,98 @@ static __device__ void kvq_encode_additive(KvqCbRows src, int page0, int slot, k
     }
 }
 
-// One side's page encoder, its tables t0… in the order kvq_reference::commvq::encoder lists them:
-// RoPE keys (c, ic, norm, cross), additive (rows, norm, pair_cross, mean, scale).
+// One side's encoder of page `page`, KV head `kvh` (its tokens the source's rows from src.first), its
+// tables t0… in the order kvq_reference::commvq::encoder lists them: RoPE keys (c, ic, norm, cross),
+// additive (rows, norm, pair_cross, mean, scale).
+template <class S>
+static __device__ __forceinline__ void kvq_cb_encode_page(KvqCbRows src, int page, int kvh, int kv_heads, int slot, kvq_u8* pool,
+                                                          const kvq_i32* page_table, int max_pages, const double* t0, const double* t1,
+                                                          const double* t2, const double* t3, const double* t4, kvq_u32* status) {
+    if constexpr (S::KIND == KvqCbKind::Rope) {
+        kvq_encode_rope_keys(src, page, kvh, kv_heads, slot, pool, page_table, max_pages, KvqRopeTables{t0, t1, t2, t3}, status);
+    } else if constexpr (S::KIND == KvqCbKind::Additive) {
+        kvq_encode_additive<S>(src, page, kvh, kv_heads, slot, pool, page_table, max_pages, KvqAdditiveTables{t0, t1, t2, t3, t4},
+                               status);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chunk launches (a host that knows the sequence's length): grid (pages, kv_heads), page j of the
+// launch logical page page0 + j, its tokens the source's rows from first + j·PAGE.
 template <class S>
 static __device__ __forceinline__ void kvq_cb_encode_pages(KvqCbRows src, int page0, int slot, kvq_u8* pool, const kvq_i32* page_table,
                                                            int max_pages, const double* t0, const double* t1, const double* t2,
                                                            const double* t3, const double* t4, kvq_u32* status) {
-    if constexpr (S::KIND == KvqCbKind::Rope) {
-        kvq_encode_rope_keys(src, page0, slot, pool, page_table, max_pages, KvqRopeTables{t0, t1, t2, t3}, status);
-    } else if constexpr (S::KIND == KvqCbKind::Additive) {
-        kvq_encode_additive<S>(src, page0, slot, pool, page_table, max_pages, KvqAdditiveTables{t0, t1, t2, t3, t4}, status);
+    src.first += blockIdx.x * PAGE;
+    kvq_cb_encode_page<S>(src, page0 + blockIdx.x, blockIdx.y, gridDim.y, slot, pool, page_table, max_pages, t0, t1, t2, t3, t4,
+                          status);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Engine steps (graph-capturable: lengths read on the device). A step appends one token to each of
+// n sequences, sequence i in slot slots[i] (−1: padding), at position seq_lens[slot]; a slot whose
+// status holds an unreported error takes nothing until the host has read and cleared it. The
+// commit kernel then advances the lengths of the slots that stayed clean.
+
+// Coded pages of a side at `len` tokens (kvq_reference::regions::TokenRegions).
+template <class S>
+static __device__ __forceinline__ int kvq_cb_coded_pages(int len) {
+    const int rest = len - min(len, SINK) - S::LOCAL;
+    return rest > 0 ? rest / PAGE : 0;
+}
+
+// Whether every thread of the CTA sees slot `slot` usable: a real slot with a clean status.
+static __device__ __forceinline__ bool kvq_cb_slot_open(int slot, const kvq_u32* status) {
+    return __syncthreads_or(threadIdx.x == 0 && slot >= 0 && status[(long)slot * KVQ_CB_STATUS_WORDS] == 0) != 0;
+}
+
+// Grid (n, kv_heads): sequence blockIdx.x's new token, row blockIdx.x of the inputs, every coded
+// side's row into its pending ring (the page encoders read it there).
+static __device__ __forceinline__ void kvq_cb_step_store(const kvq_u16* k_pre, const kvq_u16* k_post, const kvq_u16* v, const kvq_i32* slots,
+                                                         const kvq_i32* seq_lens, kvq_u8* k_pool, kvq_u8* v_pool,
+                                                         const kvq_i32* page_table, int max_pages, kvq_u16* k_sink, kvq_u16* v_sink,
+                                                         kvq_u16* k_tail, kvq_u16* v_tail, kvq_u16* k_pending, kvq_u16* v_pending,
+                                                         kvq_u32* status) {
+    const int slot = slots[blockIdx.x];
+    if (!kvq_cb_slot_open(slot, status)) return;
+    kvq_cb_store_rows(k_pre, k_post, v, blockIdx.x, seq_lens[slot], blockIdx.y, gridDim.y, 0, 0, slot, k_pool, v_pool, page_table,
+                      max_pages, k_sink, v_sink, k_tail, v_tail, k_pending, v_pending, status + (long)slot * KVQ_CB_STATUS_WORDS);
+}
+
+// Grid (n, kv_heads): the page sequence blockIdx.x's new token closes on side S, if any, coded from
+// the slot's pending ring ([slot][kv_head][TAIL_CAP][D]).
+template <class S>
+static __device__ __forceinline__ void kvq_cb_step_encode(const kvq_u16* pending, const kvq_i32* slots, const kvq_i32* seq_lens,
+                                                          kvq_u8* pool, const kvq_i32* page_table, int max_pages, const double* t0,
+                                                          const double* t1, const double* t2, const double* t3, const double* t4,
+                                                          kvq_u32* status) {
+    const int slot = slots[blockIdx.x];
+    if (!kvq_cb_slot_open(slot, status)) return;
+    const int len = seq_lens[slot], page = kvq_cb_coded_pages<S>(len);
+    if (kvq_cb_coded_pages<S>(len + 1) == page) return;
+    const int kv_heads = gridDim.y;
+    const KvqCbRows src{pending + (long)slot * kv_heads * S::TAIL_CAP * D, D, (long)S::TAIL_CAP * D, (page * PAGE) % S::TAIL_CAP,
+                        S::TAIL_CAP};
+    kvq_cb_encode_page<S>(src, page, blockIdx.y, kv_heads, slot, pool, page_table, max_pages, t0, t1, t2, t3, t4,
+                          status + (long)slot * KVQ_CB_STATUS_WORDS);
+}
+
+// Grid (ceil(n / blockDim.x)): seq_lens[slots[i]] += 1 where the slot stayed clean.
+static __device__ __forceinline__ void kvq_cb_step_commit(const kvq_i32* slots, int n, kvq_i32* seq_lens, const kvq_u32* status) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int slot = slots[i];
+    if (slot >= 0 && status[(long)slot * KVQ_CB_STATUS_WORDS] == 0) seq_lens[slot] += 1;
+}
+
+// One thread: `begin` empties slot `slot` (length 0, status clean) before a prompt; otherwise its
+// length becomes `len` if its status stayed clean.
+static __device__ __forceinline__ void kvq_cb_set_length(int slot, int len, int begin, kvq_i32* seq_lens, kvq_u32* status) {
+    kvq_u32* st = status + (long)slot * KVQ_CB_STATUS_WORDS;
+    if (begin) {
+        for (int w = 0; w < KVQ_CB_STATUS_WORDS; ++w) st[w] = 0;
+        seq_lens[slot] = 0;
+    } else if (st[0] == 0) {
+        seq_lens[slot] = len;
     }
 }
