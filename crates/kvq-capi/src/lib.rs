@@ -34,6 +34,7 @@
 //!     max_seq_len: 32768,
 //!     pool_pages: 16 * 256,
 //!     max_q_len: 1,
+//!     rope_theta: 0.0,
 //! };
 //! let plan = KvqPlan::new("kivi2", &limits).unwrap();
 //! let info = plan.info();

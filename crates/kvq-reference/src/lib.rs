@@ -23,6 +23,7 @@ pub mod rope;
 pub mod step;
 pub mod synth;
 mod tensor;
+mod tensor_file;
 pub mod xquant;
 
 pub use error::RefError;

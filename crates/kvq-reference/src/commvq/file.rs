@@ -24,13 +24,13 @@ use super::device::DEVICE_LAYOUT_VERSION;
 use super::key::KeyCodebook;
 use super::train::{Codebooks, TensorCodebook};
 use crate::resources::{self, AllocError};
+use crate::tensor_file::{self, Expected, TensorProblem};
 use crate::RefError;
 use half::f16;
 use kvq_spec::{CacheSource, Codebook, CodebookQuant, SchemeSpec, TensorQuant};
 use safetensors::tensor::{Metadata, TensorView};
 use safetensors::{Dtype, SafeTensors};
-use std::collections::{BTreeSet, HashMap};
-use std::io::Write;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// The format this module reads and writes (metadata `kvq.format`); bumped on any change a reader
@@ -148,27 +148,20 @@ impl Side {
     }
 }
 
-/// One tensor the scheme needs: its name and shape.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Expected {
-    name: String,
-    shape: Vec<usize>,
+/// A tensor the scheme needs, named `<side>.<what>`.
+fn expected(side: Side, what: &str, shape: Vec<usize>) -> Expected {
+    Expected {
+        name: format!("{}.{what}", side.name()),
+        shape,
+        dtype: Dtype::F16,
+    }
 }
 
-impl Expected {
-    fn new(side: Side, what: &str, shape: Vec<usize>) -> Self {
-        Self {
-            name: format!("{}.{what}", side.name()),
-            shape,
-        }
-    }
-
-    /// Elements of the tensor, refused on overflow (a hand-built scheme may ask for anything).
-    fn len(&self) -> Result<usize> {
-        resources::product(&self.shape).ok_or_else(|| {
-            AllocError::overflow(format!("codebook tensor `{}` {:?}", self.name, self.shape)).into()
-        })
-    }
+/// Elements of a tensor, refused on overflow (a hand-built scheme may ask for anything).
+fn element_count(e: &Expected) -> Result<usize> {
+    resources::product(&e.shape).ok_or_else(|| {
+        AllocError::overflow(format!("codebook tensor `{}` {:?}", e.name, e.shape)).into()
+    })
 }
 
 /// The caller's scheme, checked once: what every entry point needs before touching tensors.
@@ -221,7 +214,7 @@ fn expected_side(
             // dividing by zero all the same.
             let groups = head_dim / 2 / g.max(1);
             let shape = vec![kv_heads, groups, residuals as usize, levels as usize, g, 2];
-            vec![Expected::new(side, "entries", shape)]
+            vec![expected(side, "entries", shape)]
         }
         Codebook::Additive { rows } => {
             let books = additive::books(c.span, kv_heads);
@@ -230,9 +223,9 @@ fn expected_side(
                 .map(|_| additive::dim(c.span, kv_heads, head_dim))
                 .ok_or_else(|| AllocError::overflow("an additive codebook's vector size"))?;
             vec![
-                Expected::new(side, "table", vec![books, rows as usize, dim]),
-                Expected::new(side, "channel_scale", vec![books, dim]),
-                Expected::new(side, "mean", vec![books, dim]),
+                expected(side, "table", vec![books, rows as usize, dim]),
+                expected(side, "channel_scale", vec![books, dim]),
+                expected(side, "mean", vec![books, dim]),
             ]
         }
     })
@@ -245,7 +238,7 @@ fn expected_tensors(spec: &SchemeSpec, kv_heads: usize, head_dim: usize) -> Resu
     let mut elements = 0usize;
     for e in &all {
         elements = elements
-            .checked_add(e.len()?)
+            .checked_add(element_count(e)?)
             .ok_or_else(|| AllocError::overflow("the codebook tensors"))?;
     }
     resources::check(resources::bytes_of::<f32>(elements), "the codebook tensors")?;
@@ -416,91 +409,48 @@ fn check_metadata(
     Ok(())
 }
 
-/// A safetensors error as a sentence (the crate's own are bare variant names).
+/// A safetensors error as this module's error.
 fn not_safetensors(e: &safetensors::SafeTensorError, len: usize) -> CodebookFileError {
-    use safetensors::SafeTensorError as E;
-    let why = match e {
-        E::HeaderTooSmall => format!(
-            "{len} bytes, fewer than the 8-byte header length a safetensors file starts with"
-        ),
-        E::HeaderTooLarge | E::InvalidHeaderLength => {
-            "its first 8 bytes give a header length the file does not hold".into()
-        }
-        E::InvalidHeader | E::InvalidHeaderStart | E::InvalidHeaderDeserialization => {
-            "the header is not the JSON of a safetensors file".into()
-        }
-        E::TensorInvalidInfo => "a tensor's shape and dtype disagree with its data offsets".into(),
-        E::InvalidOffset(name) => format!("tensor `{name}`'s data offsets do not follow on"),
-        E::MetadataIncompleteBuffer => {
-            "the tensors' data does not cover the bytes after the header exactly".into()
-        }
-        E::ValidationOverflow => "a tensor's size in bytes overflows".into(),
-        other => format!("{other}"),
-    };
-    CodebookFileError::NotSafetensors(why)
+    CodebookFileError::NotSafetensors(tensor_file::safetensors_problem(e, len))
 }
 
 /// The tensors of `expected` from a parsed header and the data after it, checked for presence,
 /// dtype and shape; then no others.
 fn read_tensors(meta: &Metadata, data: &[u8], expected: &[Expected]) -> Result<Vec<Vec<f32>>> {
-    let mut out = Vec::with_capacity(expected.len());
-    for e in expected {
-        let info = meta
-            .info(&e.name)
-            .ok_or_else(|| CodebookFileError::MissingTensor {
-                tensor: e.name.clone(),
-                expected: e.shape.clone(),
-            })?;
-        if info.dtype != Dtype::F16 {
-            return Err(CodebookFileError::WrongDtype {
-                tensor: e.name.clone(),
-                expected: "F16",
-                found: format!("{:?}", info.dtype),
-            });
+    let bytes = tensor_file::tensor_bytes(meta, data, expected).map_err(|p| match p {
+        TensorProblem::Missing { tensor, expected } => {
+            CodebookFileError::MissingTensor { tensor, expected }
         }
-        if info.shape != e.shape {
-            return Err(CodebookFileError::TensorShape {
-                tensor: e.name.clone(),
-                expected: e.shape.clone(),
-                found: info.shape.clone(),
-            });
+        TensorProblem::WrongDtype {
+            tensor,
+            expected,
+            found,
+        } => CodebookFileError::WrongDtype {
+            tensor,
+            expected,
+            found,
+        },
+        TensorProblem::Shape {
+            tensor,
+            expected,
+            found,
+        } => CodebookFileError::TensorShape {
+            tensor,
+            expected,
+            found,
+        },
+        TensorProblem::Unexpected { tensor, expected } => {
+            CodebookFileError::UnexpectedTensor { tensor, expected }
         }
-        // `read_metadata` has checked the offsets against the buffer; `get` keeps this total anyway.
-        let (start, end) = info.data_offsets;
-        let bytes = data.get(start..end).ok_or_else(|| {
-            CodebookFileError::NotSafetensors(format!(
-                "tensor `{}`'s data offsets lie outside the file",
-                e.name
-            ))
-        })?;
-        out.push(f16_values(&e.name, bytes)?);
-    }
-    let known: BTreeSet<&str> = expected.iter().map(|e| e.name.as_str()).collect();
-    // Sorted, so that the same file always names the same tensor.
-    let extra: BTreeSet<String> = meta
-        .tensors()
-        .into_keys()
-        .filter(|n| !known.contains(n.as_str()))
-        .collect();
-    if let Some(name) = extra.into_iter().next() {
-        return Err(CodebookFileError::UnexpectedTensor {
-            tensor: name,
-            expected: describe(expected),
-        });
-    }
-    Ok(out)
-}
-
-/// "`k.entries`, `v.table`, …", or "no tensors" (an FP16/FP16 scheme).
-fn describe(expected: &[Expected]) -> String {
-    if expected.is_empty() {
-        return "no tensors".into();
-    }
+        TensorProblem::OutOfFile { tensor } => CodebookFileError::NotSafetensors(format!(
+            "tensor `{tensor}`'s data offsets lie outside the file"
+        )),
+    })?;
     expected
         .iter()
-        .map(|e| format!("`{}`", e.name))
-        .collect::<Vec<_>>()
-        .join(", ")
+        .zip(bytes)
+        .map(|(e, b)| f16_values(&e.name, b))
+        .collect()
 }
 
 /// One side's codebook from its tensors' values (in [`expected_side`]'s order).
@@ -629,46 +579,12 @@ impl Codebooks {
     }
 }
 
-/// A temporary name next to `path`, unique to this process and call, so concurrent saves of one
-/// file do not write into each other's temporary.
-fn temporary_path(path: &Path) -> Result<PathBuf> {
-    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let name = path.file_name().ok_or_else(|| CodebookFileError::Io {
-        path: path.to_path_buf(),
-        why: "cannot write the codebook file: the path names no file".into(),
-    })?;
-    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let mut tmp = std::ffi::OsString::from(".");
-    tmp.push(name);
-    tmp.push(format!(".tmp-{}-{n}", std::process::id()));
-    Ok(path.with_file_name(tmp))
-}
-
-/// Writes and syncs a temporary file, then renames it to `path`; the temporary is removed on
-/// failure. Errors name `path` (what the caller asked for) and say which step failed.
+/// [`tensor_file::write_atomically`], its error naming `path`.
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = temporary_path(path)?;
-    let io = |step: &str, e: std::io::Error| CodebookFileError::Io {
-        path: path.to_path_buf(),
-        why: format!("cannot {step} `{}`: {e}", tmp.display()),
-    };
-    let written = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&tmp)
-        .map_err(|e| io("create the temporary file", e))
-        .and_then(|mut f| {
-            f.write_all(bytes)
-                .map_err(|e| io("write the temporary file", e))?;
-            // On disk before the rename, so a crash leaves the old file or the new one.
-            f.sync_all().map_err(|e| io("flush the temporary file", e))
-        })
-        .and_then(|()| {
-            std::fs::rename(&tmp, path).map_err(|e| io("rename into place the temporary file", e))
-        });
-    if written.is_err() {
-        // Best effort: the temporary may not exist (creation failed), and the first error matters.
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written
+    tensor_file::write_atomically(path, bytes, "the codebook file").map_err(|why| {
+        CodebookFileError::Io {
+            path: path.to_path_buf(),
+            why,
+        }
+    })
 }

@@ -11,9 +11,11 @@
 //!   ([`XQuantCache::weighted_values`]).
 
 mod cache;
+mod file;
 mod lift;
 pub mod projection;
 pub mod svd;
 
 pub use cache::XQuantCache;
+pub use file::{ProjectionFileError, PROJECTION_FILE_FORMAT, PROJECTION_FILE_LIMIT};
 pub use projection::{LatentProjection, Projections};
