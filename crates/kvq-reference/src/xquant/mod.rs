@@ -11,6 +11,7 @@
 //!   ([`XQuantCache::weighted_values`]).
 
 mod cache;
+mod eigen;
 mod file;
 mod lift;
 pub mod projection;
