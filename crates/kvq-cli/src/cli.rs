@@ -346,6 +346,10 @@ pub struct EvalArgs {
     /// The model's RoPE base θ (CommVQ and XQuant schemes apply RoPE themselves).
     #[arg(long)]
     pub rope_theta: Option<f64>,
+    /// With a whole sequence's queries, evaluate the last token's only (as CommVQ and XQuant
+    /// always are), so that every scheme is measured at the same step.
+    #[arg(long)]
+    pub last_query: bool,
     /// GPU ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: usize,

@@ -56,6 +56,8 @@ pub struct EvalOptions {
     pub json: bool,
     /// The model's RoPE base (CommVQ and XQuant apply RoPE themselves).
     pub rope_theta: Option<f64>,
+    /// Evaluate a whole sequence's queries at the last token only.
+    pub last_query: bool,
 }
 
 /// One layer's data as the reference takes it.
@@ -975,7 +977,13 @@ pub fn render(results: &[LayerResult]) -> String {
 
 /// Runs `kvq eval`: the header lines and the table.
 pub fn run(opts: &EvalOptions) -> Result<String> {
-    let layers = read_layers(&opts.file, opts.layout, &opts.layers)?;
+    let mut layers = read_layers(&opts.file, opts.layout, &opts.layers)?;
+    if opts.last_query {
+        // `q` already holds the last token's queries; dropping the others leaves that one step.
+        for l in &mut layers {
+            l.steps = None;
+        }
+    }
     let mut lines = vec![format!(
         "{} ({}) on {}: {} layer(s)",
         opts.scheme.label(),
@@ -1349,6 +1357,43 @@ mod tests {
         let r = evaluate_layer(&scheme, &long[0], None, &path).unwrap();
         assert_eq!(r.steps, 100 - 40 + 1);
         assert!(r.worst_step_error >= r.attn_error && r.attn_error > 0.0);
+        // `--last-query`: the last token's step alone, as a file holding only its queries.
+        let mut opts = EvalOptions {
+            scheme: scheme.clone(),
+            file: path.clone(),
+            layout: KvLayout::TokensFirst,
+            layers: Vec::new(),
+            cpu_only: true,
+            device: 0,
+            json: true,
+            rope_theta: None,
+            last_query: true,
+        };
+        let last: serde_json::Value = serde_json::from_str(&run(&opts).unwrap()).unwrap();
+        write_file(
+            &path,
+            &[
+                ("layer.0.k", vec![100, kvh, d], k.clone()),
+                ("layer.0.v", vec![100, kvh, d], v.clone()),
+                ("layer.0.q", vec![qh, d], q[99 * qh * d..].to_vec()),
+            ],
+        );
+        opts.last_query = false;
+        let alone: serde_json::Value = serde_json::from_str(&run(&opts).unwrap()).unwrap();
+        assert_eq!(last["layers"][0]["steps"], 1);
+        assert_eq!(
+            last["layers"][0]["attn_error"],
+            alone["layers"][0]["attn_error"]
+        );
+        assert_ne!(last["layers"][0]["attn_error"], r.attn_error);
+        write_file(
+            &path,
+            &[
+                ("layer.0.k", vec![100, kvh, d], k.clone()),
+                ("layer.0.v", vec![100, kvh, d], v.clone()),
+                ("layer.0.q", vec![100, qh, d], q.clone()),
+            ],
+        );
         // FP16 quantizes nothing: every step, each at f16's rounding of the inputs (none here).
         let fp16 = crate::scheme::resolve("fp16").unwrap();
         let r = evaluate_layer(&fp16, &long[0], None, &path).unwrap();

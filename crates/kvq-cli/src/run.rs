@@ -347,6 +347,7 @@ fn eval_cmd(a: EvalArgs, out: &mut dyn Write) -> Result<()> {
         device: a.device,
         json: a.json,
         rope_theta: a.rope_theta,
+        last_query: a.last_query,
     };
     print(out, &eval::run(&opts)?)
 }

@@ -112,6 +112,8 @@ pub fn check_file(path: &std::path::Path, salt: u64) -> Result<(), String> {
             json: salt % 2 == 1,
             // Every third with a RoPE base (what CommVQ and XQuant schemes need).
             rope_theta: (salt % 3 == 0).then_some(10_000.0),
+            // Every fifth at the last query only.
+            last_query: salt % 5 == 0,
         };
         if let Err(e) = eval::run(&opts) {
             readable(&e.to_string())?;
