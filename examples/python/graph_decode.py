@@ -89,7 +89,7 @@ def main():
             lambda: probe.append(slots, kn, vn), lambda: probe.attend(slots, q, out=out, lse=lse)),
         "torch.ops.kvq.*": (
             lambda: torch.ops.kvq.append(probe._id, *buffers, slots, kn.unsqueeze(1),
-                                         vn.unsqueeze(1)),
+                                         vn.unsqueeze(1), None),
             lambda: torch.ops.kvq.attend(probe._id, *buffers, slots, q.unsqueeze(1),
                                          probe.workspace)),
         "extension (what PagedCache calls after its checks)": (

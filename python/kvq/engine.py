@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ._kvq import InvalidArgument, Plan, UnsupportedScheme
+from ._kvq import InvalidArgument, Plan
 
 __all__ = ["PagedCache", "merge"]
 
@@ -70,7 +70,7 @@ def _op(name: str, mutates_args: Tuple[str, ...]):
 
 
 @_op("append", mutates_args=("k_pool", "v_pool", "k_sink", "v_sink", "k_tail", "v_tail",
-                             "seq_lens"))
+                             "seq_lens", "k_pending", "v_pending", "status"))
 def _append(
     plan_id: int,
     k_pool: torch.Tensor,
@@ -81,20 +81,27 @@ def _append(
     v_tail: torch.Tensor,
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
+    k_pending: torch.Tensor,
+    v_pending: torch.Tensor,
+    status: torch.Tensor,
+    codebooks: torch.Tensor,
     slots: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    k_pre_rope: Optional[torch.Tensor],
 ) -> None:
-    # k, v: [n, q_len, kv_heads, head_dim]
-    buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table]
+    # k, v (and k_pre_rope): [n, q_len, kv_heads, head_dim]
+    buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
+               v_pending, status, codebooks]
     _PLANS[plan_id]._steps(_ptrs(buffers), 0).append(
         _raw_stream(k.get_device()), slots.numel(), k.shape[1], slots.data_ptr(), k.data_ptr(),
-        v.data_ptr(),
+        v.data_ptr(), 0 if k_pre_rope is None else k_pre_rope.data_ptr(),
     )
 
 
 @torch.library.register_fake("kvq::append")
-def _(plan_id, k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, slots, k, v):
+def _(plan_id, k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
+      v_pending, status, codebooks, slots, k, v, k_pre_rope):
     return None
 
 
@@ -109,6 +116,10 @@ def _attend(
     v_tail: torch.Tensor,
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
+    k_pending: torch.Tensor,
+    v_pending: torch.Tensor,
+    status: torch.Tensor,
+    codebooks: torch.Tensor,
     slots: torch.Tensor,
     q: torch.Tensor,
     workspace: torch.Tensor,
@@ -116,7 +127,8 @@ def _attend(
     # q: [n, q_len, q_heads, head_dim]
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table]
+    buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
+               v_pending, status, codebooks]
     _PLANS[plan_id]._steps(_ptrs(buffers), workspace.data_ptr()).attend(
         _raw_stream(q.get_device()), slots.numel(), q.shape[1], slots.data_ptr(), q.data_ptr(),
         out.data_ptr(), lse.data_ptr(),
@@ -125,8 +137,8 @@ def _attend(
 
 
 @torch.library.register_fake("kvq::attend")
-def _(plan_id, k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, slots, q,
-      workspace):
+def _(plan_id, k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
+      v_pending, status, codebooks, slots, q, workspace):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -143,17 +155,21 @@ class PagedCache:
     ...                 max_seq_len=4096, pool_pages=128)      # doctest: +SKIP
     >>> cache = kvq.engine.PagedCache(plan, "cuda")            # doctest: +SKIP
 
+    A codebook plan (CommVQ) takes its layer's codebooks first and, where it codes keys before
+    RoPE, the keys before RoPE beside those after it:
+
+    >>> plan = kvq.Plan("commvq1", head_dim=128, q_heads=32, kv_heads=8, max_seqs=4,
+    ...                 max_seq_len=4096, pool_pages=128, rope_theta=500000.0)  # doctest: +SKIP
+    >>> cache = kvq.engine.PagedCache(plan, "cuda")            # doctest: +SKIP
+    >>> cache.load_codebooks("layer0.safetensors")             # doctest: +SKIP
+    >>> cache.prefill([0], [n], k, v, k_pre_rope=k_before_rope)  # doctest: +SKIP
+
     ``workspace`` (a uint8 CUDA tensor of at least ``plan.workspace_bytes(device)`` bytes) lets
     caches whose calls run one after another on one stream share their scratch memory, e.g. a
     model's layers; by default each cache allocates its own.
     """
 
     def __init__(self, plan: Plan, device="cuda", workspace: Optional[torch.Tensor] = None):
-        if any(b.name == "codebooks" and b.nbytes > 0 for b in plan.buffers):
-            raise UnsupportedScheme(
-                f"kvq.engine.PagedCache does not hold codebook caches yet (scheme `{plan.scheme}`); "
-                "the C API serves them (kvq_codebooks_load, kvq_prefill_prerope, kvq_append_prerope)"
-            )
         if not torch.cuda.is_available():
             raise InvalidArgument("kvq.engine.PagedCache needs a CUDA device (torch sees none)")
         self.plan = plan
@@ -183,6 +199,13 @@ class PagedCache:
         self.k_tail = zeros(sizes["k_tail"])
         self.v_tail = zeros(sizes["v_tail"])
         self.seq_lens = zeros(self.max_seqs, torch.int32)
+        # Codebook schemes' own buffers (0 bytes, one byte allocated, for the others): pending
+        # rings, per-slot encoder status (zero is clean), the layer's codebooks.
+        self.k_pending = zeros(max(sizes["k_pending"], 1))
+        self.v_pending = zeros(max(sizes["v_pending"], 1))
+        self.status = zeros(max(sizes["status"], 1))
+        self.codebooks = zeros(max(sizes["codebooks"], 1))
+        self.takes_pre_rope_keys = plan.takes_pre_rope_keys
         pages = plan.max_pages_per_seq
         self.block_table = torch.full(
             (self.max_seqs, pages), -1, dtype=torch.int32, device=self.device
@@ -211,7 +234,37 @@ class PagedCache:
 
     def _buffers(self) -> List[torch.Tensor]:
         return [self.k_pool, self.v_pool, self.k_sink, self.v_sink, self.k_tail, self.v_tail,
-                self.seq_lens, self.block_table]
+                self.seq_lens, self.block_table, self.k_pending, self.v_pending, self.status,
+                self.codebooks]
+
+    def load_codebooks(self, codebooks) -> None:
+        """Writes a codebook plan's layer codebooks into the cache: ``codebooks`` is a
+        ``kvq-codebooks-1`` file's path or bytes (trained for the plan's scheme and shape; anything
+        else raises :class:`InvalidArgument` naming the difference). Call it before the first
+        prefill."""
+        if not isinstance(codebooks, (bytes, bytearray, memoryview)):
+            with open(codebooks, "rb") as f:
+                codebooks = f.read()
+        self._steps.codebooks_load(_raw_stream(self._index), bytes(codebooks))
+
+    def check(self) -> None:
+        """Waits for the device and raises :class:`InvalidArgument` for what a codebook plan's
+        encoders refused since the last check (a NaN, infinite or out-of-range key or value, a
+        scale past f16): such a token was not appended, and its slot took no later token until
+        this call, which clears the flag. Does nothing for other plans."""
+        self._steps.check(_raw_stream(self._index))
+
+    def _pre_rope(self, k_pre_rope: Optional[torch.Tensor], want: tuple) -> int:
+        """The address of ``k_pre_rope`` after checking it against the plan's need for it."""
+        if not self.takes_pre_rope_keys:
+            return 0
+        if k_pre_rope is None:
+            raise InvalidArgument(
+                f"`{self.plan.scheme}` codes keys before RoPE: pass k_pre_rope (the keys before "
+                "RoPE, k's shape) beside k"
+            )
+        self._check("k_pre_rope", k_pre_rope, want, self.dtype)
+        return k_pre_rope.data_ptr()
 
     def _check(self, name: str, t: torch.Tensor, want: tuple, dtype) -> None:
         """Refuses ``t`` unless it is a contiguous ``want``-shaped ``dtype`` tensor on the cache's
@@ -259,28 +312,36 @@ class PagedCache:
         return q_len, want
 
     def prefill(self, slots: Sequence[int], tokens: Sequence[int], k: torch.Tensor,
-                v: torch.Tensor) -> None:
+                v: torch.Tensor, k_pre_rope: Optional[torch.Tensor] = None) -> None:
         """Stores prompts packed back to back (``k``, ``v``: ``[Σ tokens, kv_heads, head_dim]``,
         prompt ``i`` of ``tokens[i]`` tokens after prompts ``< i``) into the empty slots
-        ``slots`` (host lists). A prompt of 0 tokens empties its slot."""
+        ``slots`` (host lists). A prompt of 0 tokens empties its slot. ``k_pre_rope`` (``k``'s
+        shape): the same keys before RoPE, which plans coding keys before RoPE
+        (``plan.takes_pre_rope_keys``: CommVQ) need."""
         want = (sum(int(t) for t in tokens), self.kv_heads, self.head_dim)
         self._check("k", k, want, self.dtype)
         self._check("v", v, want, self.dtype)
+        pre = self._pre_rope(k_pre_rope, want)
         self._steps.prefill(_raw_stream(self._index), [int(s) for s in slots],
-                            [int(t) for t in tokens], k.data_ptr(), v.data_ptr())
+                            [int(t) for t in tokens], k.data_ptr(), v.data_ptr(), pre)
 
-    def append(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def append(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               k_pre_rope: Optional[torch.Tensor] = None) -> None:
         """Adds the step's new tokens to each slot of ``slots``: ``k``, ``v`` are
-        ``[n, kv_heads, head_dim]`` (one token a sequence) or ``[n, q_len, kv_heads, head_dim]``."""
+        ``[n, kv_heads, head_dim]`` (one token a sequence) or ``[n, q_len, kv_heads, head_dim]``;
+        ``k_pre_rope`` as for :meth:`prefill`."""
         n = self._check_slots(slots)
         q_len, want = self._step_rows("k", k, n, self.kv_heads)
         self._check("v", v, want, self.dtype)
+        pre = self._pre_rope(k_pre_rope, want)
         if torch.compiler.is_compiling():
             shape = (n, q_len, self.kv_heads, self.head_dim)
-            torch.ops.kvq.append(self._id, *self._buffers(), slots, k.view(shape), v.view(shape))
+            k_pre = None if pre == 0 else k_pre_rope.view(shape)
+            torch.ops.kvq.append(self._id, *self._buffers(), slots, k.view(shape), v.view(shape),
+                                 k_pre)
         else:
             self._steps.append(_raw_stream(self._index), n, q_len, slots.data_ptr(),
-                               k.data_ptr(), v.data_ptr())
+                               k.data_ptr(), v.data_ptr(), pre)
 
     def attend(self, slots: torch.Tensor, q: torch.Tensor, out: Optional[torch.Tensor] = None,
                lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -89,9 +89,9 @@ fn status(s: KvqStatus) -> PyResult<()> {
     Err(raise(Failure::new(s, message)))
 }
 
-/// The eight buffer addresses of the integer schemes' caches, in the plan's order, as the C
-/// struct (codebook plans' four further buffers NULL: `PagedCache` refuses those plans).
-fn kvq_cache(p: [u64; 8]) -> KvqCache {
+/// The plan's twelve buffer addresses in order (the last four 0 where the scheme has no use for
+/// them), as the C struct.
+fn kvq_cache(p: [u64; 12]) -> KvqCache {
     let a = |i: usize| p[i] as *mut c_void;
     KvqCache {
         k_pool: a(0),
@@ -102,10 +102,10 @@ fn kvq_cache(p: [u64; 8]) -> KvqCache {
         v_tail: a(5),
         seq_lens: a(6),
         page_table: a(7),
-        k_pending: std::ptr::null_mut(),
-        v_pending: std::ptr::null_mut(),
-        status: std::ptr::null_mut(),
-        codebooks: std::ptr::null_mut(),
+        k_pending: a(8),
+        v_pending: a(9),
+        status: a(10),
+        codebooks: a(11),
     }
 }
 
@@ -345,15 +345,28 @@ impl Plan {
         Ok(bytes)
     }
 
-    /// The step calls on one cache's buffers (`cache`, the plan's eight in order, as device
-    /// addresses) and workspace, bound once: `kvq.engine.PagedCache` calls them with only a
-    /// step's own addresses.
-    fn _steps(slf: Py<Plan>, cache: [u64; 8], workspace: u64) -> Steps {
+    /// The step calls on one cache's buffers (`cache`, the plan's twelve in order, as device
+    /// addresses; 0 for a buffer of 0 bytes) and workspace, bound once: `kvq.engine.PagedCache`
+    /// calls them with only a step's own addresses.
+    fn _steps(slf: Py<Plan>, cache: [u64; 12], workspace: u64) -> Steps {
         Steps {
             plan: slf,
             cache,
             workspace,
         }
+    }
+
+    /// Whether prefill and append take the keys before RoPE too (`k_pre_rope`): codebook schemes
+    /// with RoPE-commutative keys, which code keys before RoPE and rotate them in the decode.
+    #[getter]
+    fn takes_pre_rope_keys(&self) -> bool {
+        self.plan.takes_pre_rope_keys()
+    }
+
+    /// The RoPE base the plan was made with (`rope_theta=`; 0 where the scheme needs none).
+    #[getter]
+    fn rope_theta(&self) -> f64 {
+        self.plan.limits().rope_theta
     }
 
     /// `kvq_merge` on device addresses (`lse` 0: not written).
@@ -408,14 +421,16 @@ impl Plan {
 #[pyclass(frozen, module = "kvq")]
 struct Steps {
     plan: Py<Plan>,
-    cache: [u64; 8],
+    cache: [u64; 12],
     workspace: u64,
 }
 
 #[pymethods]
 impl Steps {
-    /// `kvq_prefill` of prompts packed back to back (`slots` and `tokens` host lists, `k` and `v`
-    /// device addresses).
+    /// `kvq_prefill_prerope` of prompts packed back to back (`slots` and `tokens` host lists, `k`,
+    /// `v` and `k_pre_rope` device addresses; `k_pre_rope` 0 where the plan does not take it).
+    #[pyo3(signature = (stream, slots, tokens, k, v, k_pre_rope = 0))]
+    #[allow(clippy::too_many_arguments)]
     fn prefill(
         &self,
         py: Python<'_>,
@@ -424,6 +439,7 @@ impl Steps {
         tokens: Vec<u32>,
         k: u64,
         v: u64,
+        k_pre_rope: u64,
     ) -> PyResult<()> {
         if slots.len() != tokens.len() {
             return Err(InvalidArgument::new_err(format!(
@@ -436,13 +452,14 @@ impl Steps {
             .map_err(|_| InvalidArgument::new_err(format!("{} prompts", slots.len())))?;
         let (plan, cache, workspace) = (&self.plan.get().plan, self.cache, self.workspace);
         status(py.detach(|| unsafe {
-            kvq_capi::kvq_prefill(
+            kvq_capi::kvq_prefill_prerope(
                 plan,
                 &kvq_cache(cache),
                 stream as *mut c_void,
                 n,
                 slots.as_ptr(),
                 tokens.as_ptr(),
+                k_pre_rope as *const c_void,
                 k as *const c_void,
                 v as *const c_void,
                 workspace as *mut c_void,
@@ -450,7 +467,9 @@ impl Steps {
         }))
     }
 
-    /// `kvq_append` of `n` sequences' `q_len` tokens (device addresses).
+    /// `kvq_append_prerope` of `n` sequences' `q_len` tokens (device addresses; `k_pre_rope` 0
+    /// where the plan does not take it).
+    #[pyo3(signature = (stream, n, q_len, slots, k_new, v_new, k_pre_rope = 0))]
     #[allow(clippy::too_many_arguments)]
     fn append(
         &self,
@@ -461,16 +480,18 @@ impl Steps {
         slots: u64,
         k_new: u64,
         v_new: u64,
+        k_pre_rope: u64,
     ) -> PyResult<()> {
         let (plan, cache) = (&self.plan.get().plan, self.cache);
         status(py.detach(|| unsafe {
-            kvq_capi::kvq_append(
+            kvq_capi::kvq_append_prerope(
                 plan,
                 &kvq_cache(cache),
                 stream as *mut c_void,
                 n,
                 q_len,
                 slots as *const i32,
+                k_pre_rope as *const c_void,
                 k_new as *const c_void,
                 v_new as *const c_void,
             )
@@ -507,6 +528,30 @@ impl Steps {
             )
         }))
     }
+
+    /// `kvq_codebooks_load_bytes`: a `kvq-codebooks-1` file's bytes into the cache's `codebooks`
+    /// buffer.
+    fn codebooks_load(&self, py: Python<'_>, stream: u64, data: &[u8]) -> PyResult<()> {
+        let (plan, cache) = (&self.plan.get().plan, self.cache);
+        status(py.detach(|| unsafe {
+            kvq_capi::kvq_codebooks_load_bytes(
+                plan,
+                &kvq_cache(cache),
+                stream as *mut c_void,
+                data.as_ptr(),
+                data.len(),
+            )
+        }))
+    }
+
+    /// `kvq_cache_check`: waits for `stream` and raises what the encoders refused since the last
+    /// check (clearing it).
+    fn check(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+        let (plan, cache) = (&self.plan.get().plan, self.cache);
+        status(py.detach(|| unsafe {
+            kvq_capi::kvq_cache_check(plan, &kvq_cache(cache), stream as *mut c_void)
+        }))
+    }
 }
 
 /// The built-in schemes' names, and whether each has GPU kernels.
@@ -524,6 +569,8 @@ fn _kvq(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Steps>()?;
     m.add_function(wrap_pyfunction!(builtin_schemes, m)?)?;
     m.add_function(wrap_pyfunction!(reference::_reference_every_token, m)?)?;
+    m.add_function(wrap_pyfunction!(reference::_reference_codebooks, m)?)?;
+    m.add_function(wrap_pyfunction!(reference::_reference_codebook_attend, m)?)?;
     m.add("KvqError", py.get_type::<KvqError>())?;
     m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;
     m.add("InvalidScheme", py.get_type::<InvalidScheme>())?;

@@ -63,3 +63,99 @@ pub fn _reference_every_token<'py>(
         PyBytes::new(py, &bytes(&state.lse)),
     ))
 }
+
+/// `[tokens][kv_heads][head_dim]` float32 bytes `name` as the reference's head-major tensor.
+fn kv_tensor(
+    name: &str,
+    bytes: &[u8],
+    tokens: usize,
+    kv_heads: usize,
+    d: usize,
+) -> PyResult<kvq::reference::KvTensor> {
+    let flat = floats(name, bytes, tokens * kv_heads * d)?;
+    try_to_head_major(&flat, tokens, kv_heads, d, "tensor")
+        .map_err(|e| InvalidArgument::new_err(format!("{name}: {e}")))
+}
+
+/// Codebooks for a codebook plan, trained by the CPU reference on `tokens` calibration tokens
+/// (`k_pre_rope`, `v`: `[tokens][kv_heads][head_dim]` float32 bytes) with the quick schedule
+/// (seconds; for tests and examples, not for a model's quality), as `kvq-codebooks-1` bytes.
+#[pyfunction]
+pub fn _reference_codebooks<'py>(
+    py: Python<'py>,
+    plan: &Plan,
+    tokens: usize,
+    k_pre_rope: &[u8],
+    v: &[u8],
+    seed: u64,
+) -> PyResult<Bound<'py, PyBytes>> {
+    use kvq::reference::commvq::{self, CalibrationData, TrainOptions};
+    let l = plan.plan.limits();
+    let (d, kvh) = (l.head_dim as usize, l.kv_heads as usize);
+    let k = kv_tensor("k_pre_rope", k_pre_rope, tokens, kvh, d)?;
+    let v = kv_tensor("v", v, tokens, kvh, d)?;
+    let spec = *plan.plan.spec();
+    let rope = kvq::reference::rope::Rope {
+        theta: l.rope_theta,
+    };
+    let bytes = py
+        .detach(|| {
+            let data = CalibrationData {
+                k_pre_rope: &k,
+                v: &v,
+                rope,
+            };
+            let books = commvq::train_with(&spec, &data, &TrainOptions::quick(seed))
+                .map_err(|e| e.to_string())?;
+            books
+                .to_safetensors(&spec, kvh, d)
+                .map_err(|e| e.to_string())
+        })
+        .map_err(|e| InvalidArgument::new_err(format!("training codebooks: {e}")))?;
+    Ok(PyBytes::new(py, &bytes))
+}
+
+/// One sequence's attention on the CPU reference for a codebook plan: the sequence coded with
+/// `codebooks` (`kvq-codebooks-1` bytes) from its keys before and after RoPE and its values
+/// (`[tokens][kv_heads][head_dim]` float32 bytes), attended by the next token's queries `q`
+/// (`[q_heads][head_dim]`). Returns the output, `[q_heads][head_dim]` float32 bytes.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn _reference_codebook_attend<'py>(
+    py: Python<'py>,
+    plan: &Plan,
+    codebooks: &[u8],
+    tokens: usize,
+    k_pre_rope: &[u8],
+    k: &[u8],
+    v: &[u8],
+    q: &[u8],
+) -> PyResult<Bound<'py, PyBytes>> {
+    use kvq::reference::attention::Queries;
+    use kvq::reference::commvq::{Codebooks, CommVqCache};
+    let l = plan.plan.limits();
+    let (d, kvh, qh) = (l.head_dim as usize, l.kv_heads as usize, l.q_heads as usize);
+    let k_pre = kv_tensor("k_pre_rope", k_pre_rope, tokens, kvh, d)?;
+    let k_post = kv_tensor("k", k, tokens, kvh, d)?;
+    let v = kv_tensor("v", v, tokens, kvh, d)?;
+    let q = Queries {
+        data: floats("q", q, qh * d)?,
+        q_heads: qh,
+        head_dim: d,
+    };
+    let spec = *plan.plan.spec();
+    let rope = kvq::reference::rope::Rope {
+        theta: l.rope_theta,
+    };
+    let out = py
+        .detach(|| {
+            let books =
+                Codebooks::from_safetensors(codebooks, &spec, kvh, d).map_err(|e| e.to_string())?;
+            let cache = CommVqCache::build_rotated(&spec, &k_pre, &k_post, &v, rope, &books)
+                .map_err(|e| e.to_string())?;
+            cache.attend(&q).map_err(|e| e.to_string())
+        })
+        .map_err(|e| InvalidArgument::new_err(format!("reference attention: {e}")))?;
+    let bytes: Vec<u8> = out.iter().flat_map(|f| f.to_ne_bytes()).collect();
+    Ok(PyBytes::new(py, &bytes))
+}

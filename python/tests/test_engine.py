@@ -255,3 +255,89 @@ def test_attend_writes_into_the_callers_buffers():
     assert got.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
     assert torch.equal(out.view(torch.int16), fresh.view(torch.int16))
     assert torch.equal(lse, fresh_lse)
+
+
+def rope(x, start, theta):
+    """LLaMA's half-split RoPE of ``x`` ([t, heads, d] float32) at positions start.., in float64."""
+    t, d = x.shape[0], x.shape[-1]
+    half = d // 2
+    pos = torch.arange(start, start + t, dtype=torch.float64, device=x.device)[:, None]
+    inv = theta ** (-2.0 * torch.arange(half, dtype=torch.float64, device=x.device) / d)
+    ang = pos * inv
+    c, s = torch.cos(ang)[:, None, :], torch.sin(ang)[:, None, :]
+    a, b = x[..., :half].double(), x[..., half:].double()
+    return torch.cat([a * c - b * s, a * s + b * c], -1).float()
+
+
+def host_bytes(t):
+    return t.float().contiguous().cpu().numpy().tobytes()
+
+
+def test_a_codebook_plan_prefills_appends_and_attends_as_the_reference(tmp_path):
+    """CommVQ-1 through PagedCache: codebooks trained by the CPU reference and loaded from a file,
+    prompts and appends with the keys before and after RoPE (slots out of order, a padding row),
+    then attention against the CPU reference coding the same tokens with the same codebooks; a
+    NaN value is refused and reported by check()."""
+    theta = 10000.0
+    limits = dict(head_dim=HEAD_DIM, q_heads=Q_HEADS, kv_heads=KV_HEADS, max_seqs=4,
+                  max_seq_len=512, rope_theta=theta)
+    with pytest.raises(kvq.InvalidArgument, match="rope_theta"):
+        kvq.Plan("commvq1", pool_pages=64, **{**limits, "rope_theta": 0.0})
+    pages = kvq.Plan("commvq1", pool_pages=1, **limits).max_pages_per_seq
+    plan = kvq.Plan("commvq1", pool_pages=4 * pages, **limits)
+    assert plan.takes_pre_rope_keys and plan.rope_theta == theta
+    cache = PagedCache(plan, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=gen, device="cuda").half()
+
+    cal_k, cal_v = rand(512, KV_HEADS, HEAD_DIM), rand(512, KV_HEADS, HEAD_DIM)
+    books = kvq._kvq._reference_codebooks(plan, 512, host_bytes(cal_k), host_bytes(cal_v), 7)
+    path = tmp_path / "layer0.safetensors"
+    path.write_bytes(books)
+    cache.load_codebooks(str(path))
+    with pytest.raises(kvq.InvalidArgument, match="codebook file"):
+        cache.load_codebooks(books[: len(books) // 2])
+
+    prompts, steps, slots_of = [200, 0], 180, [3, 1]
+    total = [p + steps for p in prompts]
+    k_pre = [rand(t, KV_HEADS, HEAD_DIM) for t in total]
+    k_post = [rope(k.float(), 0, theta).half() for k in k_pre]
+    v = [rand(t, KV_HEADS, HEAD_DIM) for t in total]
+    with pytest.raises(kvq.InvalidArgument, match="k_pre_rope"):
+        cache.prefill(slots_of, prompts, torch.cat([k[:p] for k, p in zip(k_post, prompts)]),
+                      torch.cat([x[:p] for x, p in zip(v, prompts)]))
+    cache.prefill(slots_of, prompts, torch.cat([k[:p] for k, p in zip(k_post, prompts)]),
+                  torch.cat([x[:p] for x, p in zip(v, prompts)]),
+                  k_pre_rope=torch.cat([k[:p] for k, p in zip(k_pre, prompts)]))
+    # Rows: sequence 1, padding (NaN, never read), sequence 0.
+    slots = torch.tensor([slots_of[1], -1, slots_of[0]], dtype=torch.int32, device="cuda")
+    nan = torch.full((KV_HEADS, HEAD_DIM), float("nan"), device="cuda").half()
+    for s in range(steps):
+        row = lambda xs: torch.stack([xs[1][prompts[1] + s], nan, xs[0][prompts[0] + s]])
+        cache.append(slots, row(k_post), row(v), k_pre_rope=row(k_pre))
+    cache.check()
+    assert cache.seq_lens[slots_of[0]].item() == total[0]
+    assert cache.seq_lens[slots_of[1]].item() == total[1]
+
+    q = rand(3, Q_HEADS, HEAD_DIM)
+    out, lse = cache.attend(slots, q)
+    assert torch.all(out[1] == 0) and torch.isfinite(lse[0]).all() and torch.isfinite(lse[2]).all()
+    for row, seq in [(0, 1), (2, 0)]:
+        want = kvq._kvq._reference_codebook_attend(
+            plan, books, total[seq], host_bytes(k_pre[seq]), host_bytes(k_post[seq]),
+            host_bytes(v[seq]), host_bytes(q[row]))
+        want = torch.frombuffer(bytearray(want), dtype=torch.float32).view(Q_HEADS, HEAD_DIM)
+        got = out[row].float().cpu()
+        assert (got - want).abs().max().item() <= 2e-2 * want.abs().max().item(), row
+
+    # A NaN key is refused: the slot keeps its length until check() reports it.
+    bad = rand(3, KV_HEADS, HEAD_DIM)
+    bad[0, 0, 5] = float("nan")
+    cache.append(slots, bad, rand(3, KV_HEADS, HEAD_DIM), k_pre_rope=rand(3, KV_HEADS, HEAD_DIM))
+    with pytest.raises(kvq.InvalidArgument, match="NaN"):
+        cache.check()
+    assert cache.seq_lens[slots_of[1]].item() == total[1]
+    assert cache.seq_lens[slots_of[0]].item() == total[0] + 1
+    cache.check()

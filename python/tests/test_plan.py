@@ -110,12 +110,3 @@ def test_codebook_plans_need_the_rope_base_and_list_their_own_buffers():
     # An integer plan has none of them.
     kivi = {b.name: b.nbytes for b in kvq.Plan("kivi2", **LIMITS).buffers}
     assert [kivi[n] for n in ("k_pending", "v_pending", "status", "codebooks")] == [0, 0, 0, 0]
-
-
-def test_paged_cache_says_it_does_not_hold_codebook_caches():
-    pytest.importorskip("torch")
-    from kvq.engine import PagedCache
-
-    plan = kvq.Plan("commvq1", rope_theta=500000.0, **LIMITS)
-    with pytest.raises(kvq.UnsupportedScheme, match="kvq_append_prerope"):
-        PagedCache(plan, "cuda")

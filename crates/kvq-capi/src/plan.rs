@@ -267,6 +267,17 @@ impl KvqPlan {
         self.codebook.as_ref()
     }
 
+    /// Whether the plan codes keys before RoPE (RoPE-commutative codebooks), so that its prefill
+    /// and append take the keys before RoPE too (`kvq_prefill_prerope`, `kvq_append_prerope`).
+    pub fn takes_pre_rope_keys(&self) -> bool {
+        self.codebook.as_ref().is_some_and(|c| {
+            matches!(
+                c.layout.k.kind,
+                kvq::reference::commvq::device::SideKind::Rope { .. }
+            )
+        })
+    }
+
     /// The scheme, validated.
     pub fn spec(&self) -> &SchemeSpec {
         &self.spec

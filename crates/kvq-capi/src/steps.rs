@@ -143,21 +143,10 @@ pub(crate) unsafe fn plan_and_cache<'a>(
     Ok((plan, ptrs))
 }
 
-/// Whether the plan's keys are coded before RoPE (RoPE-commutative codebooks), so that its
-/// prefill and append take the keys before RoPE too.
-fn codes_pre_rope_keys(plan: &KvqPlan) -> bool {
-    plan.codebook_sizes().is_some_and(|c| {
-        matches!(
-            c.layout.k.kind,
-            kvq::reference::commvq::device::SideKind::Rope { .. }
-        )
-    })
-}
-
 /// Checks the pre-RoPE keys argument against the plan: required exactly when it codes keys
 /// before RoPE (`what` names the call for the message).
 fn check_pre_rope(plan: &KvqPlan, k_pre_rope: *const c_void, what: &str) -> Result<(), Failure> {
-    if codes_pre_rope_keys(plan) && k_pre_rope.is_null() {
+    if plan.takes_pre_rope_keys() && k_pre_rope.is_null() {
         return Err(Failure::argument(format!(
             "{what}: `{}` codes keys before RoPE; call {what}_prerope with the keys before RoPE \
              beside those after it",
