@@ -41,6 +41,7 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/codebook/side.cuh",
     "kvq/codebook/decode.cuh",
     "kvq/codebook/encode.cuh",
+    "kvq/xquant/decode.cuh",
 ];
 
 /// [`KERNEL_HEADERS`]: what a compile site passes to NVRTC beside a generated unit.

@@ -27,6 +27,7 @@ pub mod rules;
 mod shape;
 mod templates;
 mod tune;
+mod xquant;
 
 pub use cache::{cache_kernels, cache_kernels_with, CacheKernels, PageQuantizers};
 pub use codebook::{
@@ -48,3 +49,6 @@ pub use merge::{merge_kernel, MergeKernel, MERGE_THREADS};
 pub use quantizer::{QuantizerForm, QuantizerForms};
 pub use shape::{Dtype, KernelShape};
 pub use tune::TuneParams;
+pub use xquant::{
+    latent_spec, xquant_kernels, xquant_rank, XQuantKernels, XQUANT_THREADS, XQUANT_TILE,
+};

@@ -23,6 +23,7 @@ pub(crate) const TEMPLATES: &[(&str, &str)] = embedded![
     "codebook_sides.cu.tera",
     "codebook_decode.cu.tera",
     "codebook_encode.cu.tera",
+    "xquant_decode.cu.tera",
 ];
 
 fn engine() -> Result<&'static Tera, CodegenError> {

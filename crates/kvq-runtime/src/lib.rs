@@ -64,6 +64,7 @@ pub mod paged;
 #[doc(hidden)]
 pub mod testing;
 pub mod tune;
+pub mod xquant;
 
 /// The JIT layer under this crate, and its modules where this crate's users have always found
 /// them (`kvq_runtime::nvrtc`, `kvq_runtime::device`, …).

@@ -18,7 +18,8 @@ mod common;
 use common::{needs, other_calibrated_schemes, other_uncalibrated_schemes, run_trials};
 use kvq::codegen::{
     cache_kernels_with, codebook_encode_kernels, codebook_kernels, decode_kernels,
-    has_decode_kernel, merge_kernel, CodegenError, Dtype, KernelShape, QuantizerForm, TuneParams,
+    has_decode_kernel, merge_kernel, xquant_kernels, CodegenError, Dtype, KernelShape,
+    QuantizerForm, TuneParams,
 };
 use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
 use kvq::runtime::paged::forms_or_tiled;
@@ -52,6 +53,11 @@ fn main() {
             Need::Nvrtc,
             "codebook_encode_kernels_compile_for_sm80_and_sm90a",
             codebook_encode_kernels_compile_for_sm80_and_sm90a,
+        ),
+        needs(
+            Need::Nvrtc,
+            "xquant_decode_kernels_compile_for_sm80_and_sm90a",
+            xquant_decode_kernels_compile_for_sm80_and_sm90a,
         ),
     ])
 }
@@ -119,6 +125,35 @@ fn codebook_encode_kernels_compile_for_sm80_and_sm90a() {
         }
     }
     compile_all_for(&jobs, |(_, dtype)| *dtype == Dtype::F16);
+}
+
+/// XQuant's latent decode: the built-ins at 2, 3 and 4 bits and a grouped custom scheme, head_dim
+/// 64 and 128, GQA 1 to 8, latents of 96 (SmolLM2-like) to 1024 channels, both dtypes.
+fn xquant_decode_kernels_compile_for_sm80_and_sm90a() {
+    let mut jobs = Vec::new();
+    for text in [
+        "xquant2",
+        "xquant3",
+        "xquant4",
+        "k = int(2, channel), v = int(2, token, group = 32), sink = 4, local = 32, page = 64, source = x(latent)",
+    ] {
+        let spec: kvq::SchemeSpec = match kvq::schemes::by_name(text) {
+            Some(b) => b.spec,
+            None => text.parse().unwrap_or_else(|e| panic!("{text}: {e}")),
+        };
+        for (d, gqa, dtype, d_model) in [
+            (64, 1, Dtype::F16, 96),
+            (64, 7, Dtype::Bf16, 576),
+            (128, 4, Dtype::F16, 4096),
+            (128, 8, Dtype::Bf16, 4096),
+        ] {
+            let shape = KernelShape::new(d, gqa, dtype);
+            let k = xquant_kernels(&spec, &shape, 8, d_model)
+                .unwrap_or_else(|e| panic!("{text} {shape:?}: {e}"));
+            jobs.push(("xquant", shape, k.source));
+        }
+    }
+    compile_all_for(&jobs, |shape| shape.dtype == Dtype::F16);
 }
 
 fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {

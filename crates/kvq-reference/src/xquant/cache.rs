@@ -145,6 +145,11 @@ impl XQuantCache {
         &self.projections
     }
 
+    /// The RoPE the keys are rebuilt with.
+    pub fn rope(&self) -> Rope {
+        self.rope
+    }
+
     /// What is stored: the K latent as tensor `k` (per-channel in the scheme's spec) and the V latent as
     /// tensor `v` (per-token), each `[1][tokens][rank]`, in the integer layout of `docs/LAYOUT.md`.
     /// For `x(cross_layer)` these are the latents of the delta `X_i − X̂_{i−1}`.

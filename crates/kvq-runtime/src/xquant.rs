@@ -1,0 +1,279 @@
+//! XQuant (`source = x(latent)`) on the GPU: the fused decode over a batch's latent caches
+//! ([`XQuantKernel`], [`XQuantDeviceCache`]). The latents live in the integer store of
+//! docs/LAYOUT.md as one "head" of `R` channels; the decode rebuilds K from them per tile and
+//! never rebuilds V (docs/CODEBOOKS.md §3.1). This first kernel rebuilds K on CUDA cores.
+//!
+//! ```no_run
+//! # fn demo(jit: &kvq_runtime::Jit, cache: &kvq_reference::xquant::XQuantCache,
+//! #         q: &cudarc::driver::CudaSlice<u16>, out: &mut cudarc::driver::CudaSlice<u16>)
+//! #         -> kvq_runtime::Result<()> {
+//! use kvq_codegen::{Dtype, KernelShape};
+//! use kvq_runtime::xquant::{XQuantDeviceCache, XQuantKernel, XQuantScratch};
+//! let p = cache.projections();
+//! let kernel = XQuantKernel::load(jit, cache.spec(), &KernelShape::new(p.head_dim as u32, 4, Dtype::F16),
+//!                                 p.kv_heads, p.d_model())?;
+//! let stream = jit.device().default_stream();
+//! let gpu = XQuantDeviceCache::upload(&stream, std::slice::from_ref(cache))?;
+//! let mut scratch = XQuantScratch::new(&stream)?;
+//! kernel.attend(&stream, &gpu, q, out, 4, &mut scratch)?;
+//! # Ok(()) }
+//! ```
+
+use crate::decode::GpuCache;
+use crate::error::{Result, RuntimeError};
+use crate::jit::Jit;
+use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args, Input, Output};
+use crate::nvrtc::CompileOptions;
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
+use kvq_codegen::{xquant_kernels, KernelShape, XQuantKernels};
+use kvq_reference::xquant::XQuantCache;
+use kvq_spec::SchemeSpec;
+use std::sync::Arc;
+
+/// An XQuant scheme's decode and combine kernels for one shape, compiled and loaded.
+pub struct XQuantKernel {
+    generated: XQuantKernels,
+    spec: SchemeSpec,
+    kv_heads: usize,
+    decode: CudaFunction,
+    combine: CudaFunction,
+}
+
+/// A batch's XQuant caches in device memory: the latents' integer store, the projections' up
+/// factors (f32, `[R][kv_heads·head_dim]`) and the RoPE frequencies.
+pub struct XQuantDeviceCache {
+    spec: SchemeSpec,
+    latents: GpuCache,
+    kv_heads: usize,
+    head_dim: usize,
+    rank: usize,
+    up_k: CudaSlice<f32>,
+    up_v: CudaSlice<f32>,
+    rope_freq: CudaSlice<f64>,
+}
+
+/// The split partials a decode writes and its combine reads, grown as launches need.
+pub struct XQuantScratch {
+    part_acc: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+}
+
+fn invalid(msg: String) -> RuntimeError {
+    RuntimeError::InvalidInput(msg)
+}
+
+fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    n: usize,
+) -> Result<CudaSlice<T>> {
+    stream
+        .alloc_zeros::<T>(n.max(1))
+        .map_err(|e| RuntimeError::driver("allocate XQuant scratch", e))
+}
+
+impl XQuantScratch {
+    /// An empty scratch on `stream`'s device.
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
+        Ok(Self {
+            part_acc: alloc(stream, 1)?,
+            part_ml: alloc(stream, 1)?,
+        })
+    }
+
+    fn reserve(&mut self, stream: &Arc<CudaStream>, parts: usize, head_dim: usize) -> Result<()> {
+        if self.part_acc.len() < parts * head_dim {
+            self.part_acc = alloc(stream, parts * head_dim)?;
+        }
+        if self.part_ml.len() < parts * 2 {
+            self.part_ml = alloc(stream, parts * 2)?;
+        }
+        Ok(())
+    }
+}
+
+impl XQuantDeviceCache {
+    /// Uploads `caches` (one per sequence, all of one scheme, projections and RoPE).
+    pub fn upload(stream: &Arc<CudaStream>, caches: &[XQuantCache]) -> Result<Self> {
+        let first = caches
+            .first()
+            .ok_or_else(|| invalid("a batch of no sequences".into()))?;
+        for (i, c) in caches.iter().enumerate() {
+            if c.spec() != first.spec()
+                || c.projections() != first.projections()
+                || c.rope() != first.rope()
+            {
+                return Err(invalid(format!(
+                    "sequence {i} differs from sequence 0 in scheme, projections or RoPE"
+                )));
+            }
+        }
+        let stored: Vec<&kvq_reference::int::IntCache> =
+            caches.iter().map(|c| c.stored()).collect();
+        let latents = GpuCache::upload(stream, &stored)?;
+        let p = first.projections();
+        let (h, d) = (p.kv_heads, p.head_dim);
+        let theta = first.rope().theta;
+        let freq: Vec<f64> = (0..d / 2)
+            .map(|i| theta.powf(-2.0 * i as f64 / d as f64))
+            .collect();
+        let up = |v: &[f32], what: &str| {
+            stream
+                .clone_htod(v)
+                .map_err(|e| RuntimeError::driver(format!("upload {what}"), e))
+        };
+        Ok(Self {
+            spec: *first.spec(),
+            kv_heads: h,
+            head_dim: d,
+            rank: p.k.rank,
+            up_k: up(&p.k.up, "up_k")?,
+            up_v: up(&p.v.up, "up_v")?,
+            rope_freq: stream
+                .clone_htod(&freq)
+                .map_err(|e| RuntimeError::driver("upload the RoPE frequencies", e))?,
+            latents,
+        })
+    }
+
+    /// Sequences of the batch.
+    pub fn batch(&self) -> usize {
+        self.latents.batch()
+    }
+}
+
+impl XQuantKernel {
+    /// Generates, compiles (through the JIT's caches) and loads the decode of `spec` for `shape`
+    /// over caches of `kv_heads` KV heads whose layer input is `d_model` wide.
+    pub fn load(
+        jit: &Jit,
+        spec: &SchemeSpec,
+        shape: &KernelShape,
+        kv_heads: usize,
+        d_model: usize,
+    ) -> Result<Self> {
+        let narrow = |x: usize, what: &str| {
+            u32::try_from(x).map_err(|_| invalid(format!("{what} {x} past u32")))
+        };
+        let generated = xquant_kernels(
+            spec,
+            shape,
+            narrow(kv_heads, "KV heads")?,
+            narrow(d_model, "d_model")?,
+        )?;
+        let source = unit_source(&generated.decode.name, &generated.source);
+        let names = [
+            generated.decode.name.as_str(),
+            generated.combine.name.as_str(),
+        ];
+        let mut functions = jit
+            .functions(&source, &names, &CompileOptions::default())?
+            .into_iter();
+        let (Some(decode), Some(combine)) = (functions.next(), functions.next()) else {
+            return Err(invalid("kernel list shorter than requested".into()));
+        };
+        allow_dynamic_shared(&decode, &generated.decode)?;
+        Ok(Self {
+            generated,
+            spec: *spec,
+            kv_heads,
+            decode,
+            combine,
+        })
+    }
+
+    /// The generated source and launch metadata.
+    pub fn generated(&self) -> &XQuantKernels {
+        &self.generated
+    }
+
+    /// Enqueues decode attention for every sequence of `cache`: `q` and `out` are
+    /// `[batch][kv_heads·gqa][head_dim]` in the kernel's dtype; `splits` parts a (sequence, KV
+    /// head), merged by the combine.
+    pub fn attend(
+        &self,
+        stream: &Arc<CudaStream>,
+        cache: &XQuantDeviceCache,
+        q: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+        splits: usize,
+        scratch: &mut XQuantScratch,
+    ) -> Result<()> {
+        let shape = self.generated.shape;
+        let d = shape.head_dim as usize;
+        if cache.spec != self.spec
+            || cache.kv_heads != self.kv_heads
+            || cache.head_dim != d
+            || cache.rank != self.generated.rank
+        {
+            return Err(invalid(format!(
+                "cache holds `{}` with {} KV heads of {} and latents of {}; the kernel is for `{}` \
+                 with {} of {d} and latents of {}",
+                cache.spec,
+                cache.kv_heads,
+                cache.head_dim,
+                cache.rank,
+                self.spec,
+                self.kv_heads,
+                self.generated.rank
+            )));
+        }
+        let batch = cache.batch();
+        let q_heads = self.kv_heads * shape.gqa as usize;
+        let need = batch * q_heads * d;
+        if q.len() != need || out.len() != need {
+            return Err(invalid(format!(
+                "q and out must hold [batch {batch}][q_heads {q_heads}][head_dim {d}] = {need} \
+                 values, got {} and {}",
+                q.len(),
+                out.len()
+            )));
+        }
+        if splits == 0 || splits > 1024 {
+            return Err(invalid(format!("{splits} splits (1 to 1024)")));
+        }
+        scratch.reserve(stream, batch * q_heads * splits, d)?;
+        let view = cache.latents.view();
+        let max_pages = i32::try_from(view.max_pages)
+            .map_err(|_| invalid(format!("{} pages", view.max_pages)))?;
+        let cfg = LaunchConfig {
+            grid_dim: (splits as u32, self.kv_heads as u32, batch as u32),
+            block_dim: (self.generated.decode.block, 1, 1),
+            shared_mem_bytes: self.generated.decode.dynamic_shared_bytes,
+        };
+        let mut args = Args::new(stream);
+        args.buffer(q)
+            .buffer(view.k_pool)
+            .buffer(view.v_pool)
+            .buffer(view.page_table)
+            .int(max_pages)
+            .buffer(view.k_sink)
+            .buffer(view.v_sink)
+            .buffer(view.k_tail)
+            .buffer(view.v_tail)
+            .buffer(view.seq_lens)
+            .null()
+            .buffer(&cache.up_k)
+            .buffer(&cache.up_v)
+            .buffer(&cache.rope_freq)
+            .buffer_mut(&mut scratch.part_acc)
+            .buffer_mut(&mut scratch.part_ml);
+        // SAFETY: the arguments follow the decode entry's params; the latents were uploaded for
+        // this batch, the partials reserved for this grid.
+        unsafe { args.launch(&self.decode, cfg, false) }
+            .map_err(launch_err(&self.generated.decode.name))?;
+        let cfg = LaunchConfig {
+            grid_dim: (q_heads as u32, batch as u32, 1),
+            block_dim: (self.generated.combine.block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = Args::new(stream);
+        args.input(Input::Slice(&scratch.part_acc))
+            .input(Input::Slice(&scratch.part_ml))
+            .output(Output::Slice(out))
+            .null()
+            .int(splits as i32);
+        // SAFETY: as above; the partials hold `splits` parts a head.
+        unsafe { args.launch(&self.combine, cfg, false) }
+            .map_err(launch_err(&self.generated.combine.name))
+    }
+}
