@@ -61,6 +61,7 @@ pub mod decode;
 pub mod error;
 mod launch;
 pub mod paged;
+pub mod split_scratch;
 #[doc(hidden)]
 pub mod testing;
 pub mod tune;

@@ -52,43 +52,11 @@ pub struct XQuantDeviceCache {
     rope_freq: CudaSlice<f64>,
 }
 
-/// The split partials a decode writes and its combine reads, grown as launches need.
-pub struct XQuantScratch {
-    part_acc: CudaSlice<f32>,
-    part_ml: CudaSlice<f32>,
-}
+/// The split partials the XQuant decode writes and its combine reads.
+pub type XQuantScratch = crate::split_scratch::SplitScratch;
 
 fn invalid(msg: String) -> RuntimeError {
     RuntimeError::InvalidInput(msg)
-}
-
-fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-    stream: &Arc<CudaStream>,
-    n: usize,
-) -> Result<CudaSlice<T>> {
-    stream
-        .alloc_zeros::<T>(n.max(1))
-        .map_err(|e| RuntimeError::driver("allocate XQuant scratch", e))
-}
-
-impl XQuantScratch {
-    /// An empty scratch on `stream`'s device.
-    pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
-        Ok(Self {
-            part_acc: alloc(stream, 1)?,
-            part_ml: alloc(stream, 1)?,
-        })
-    }
-
-    fn reserve(&mut self, stream: &Arc<CudaStream>, parts: usize, head_dim: usize) -> Result<()> {
-        if self.part_acc.len() < parts * head_dim {
-            self.part_acc = alloc(stream, parts * head_dim)?;
-        }
-        if self.part_ml.len() < parts * 2 {
-            self.part_ml = alloc(stream, parts * 2)?;
-        }
-        Ok(())
-    }
 }
 
 impl XQuantDeviceCache {

@@ -1,7 +1,7 @@
 //! The fused decode of a codebook scheme over a [`CodebookCache`]: split-K attention straight from
 //! the codes, and the combine of its splits.
 
-use super::cache::{alloc, CodebookCache};
+use super::cache::CodebookCache;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
 use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args, Input, Output};
@@ -274,28 +274,5 @@ impl CodebookKernel {
     }
 }
 
-/// The split partials a decode writes and its combine reads, grown as launches need.
-pub struct CodebookScratch {
-    part_acc: CudaSlice<f32>,
-    part_ml: CudaSlice<f32>,
-}
-
-impl CodebookScratch {
-    /// An empty scratch on `stream`'s device.
-    pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
-        Ok(Self {
-            part_acc: alloc(stream, 1)?,
-            part_ml: alloc(stream, 1)?,
-        })
-    }
-
-    fn reserve(&mut self, stream: &Arc<CudaStream>, parts: usize, head_dim: usize) -> Result<()> {
-        if self.part_acc.len() < parts * head_dim {
-            self.part_acc = alloc(stream, parts * head_dim)?;
-        }
-        if self.part_ml.len() < parts * 2 {
-            self.part_ml = alloc(stream, parts * 2)?;
-        }
-        Ok(())
-    }
-}
+/// The split partials the codebook decode writes and its combine reads.
+pub type CodebookScratch = crate::split_scratch::SplitScratch;
