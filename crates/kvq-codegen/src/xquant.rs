@@ -81,8 +81,11 @@ fn unsupported(spec: &SchemeSpec, shape: &KernelShape, rank: usize) -> Option<St
     if spec.calibrate.is_some() {
         return Some("calibrated scores".into());
     }
-    if shape.head_dim % 2 != 0 || shape.head_dim > 256 {
-        return Some(format!("head_dim {} (even, at most 256)", shape.head_dim));
+    if shape.head_dim % 32 != 0 || shape.head_dim > 256 {
+        return Some(format!(
+            "head_dim {} (a multiple of 32 up to 256: K is rebuilt in 8-column tiles over four warps)",
+            shape.head_dim
+        ));
     }
     if shape.gqa > XQUANT_TILE || shape.gqa * XQUANT_TILE > XQUANT_THREADS {
         return Some(format!(
@@ -148,7 +151,8 @@ pub fn xquant_kernels(
             param("const uint16_t*", "v_tail"),
             param("const int32_t*", "seq_lens"),
             param("const int32_t*", "seq_slots"),
-            param("const float*", "up_k"),
+            param("const uint16_t*", "up_k_hi"),
+            param("const uint16_t*", "up_k_lo"),
             param("const float*", "up_v"),
             param("const double*", "rope_freq"),
             param("float*", "part_acc"),

@@ -1,7 +1,7 @@
 //! XQuant (`source = x(latent)`) on the GPU: the fused decode over a batch's latent caches
 //! ([`XQuantKernel`], [`XQuantDeviceCache`]). The latents live in the integer store of
-//! docs/LAYOUT.md as one "head" of `R` channels; the decode rebuilds K from them per tile and
-//! never rebuilds V (docs/CODEBOOKS.md §3.1). This first kernel rebuilds K on CUDA cores.
+//! docs/LAYOUT.md as one "head" of `R` channels; the decode rebuilds K from them per tile on tensor
+//! cores and never rebuilds V (docs/CODEBOOKS.md §3.1).
 //!
 //! ```no_run
 //! # fn demo(jit: &kvq_runtime::Jit, cache: &kvq_reference::xquant::XQuantCache,
@@ -40,14 +40,16 @@ pub struct XQuantKernel {
 }
 
 /// A batch's XQuant caches in device memory: the latents' integer store, the projections' up
-/// factors (f32, `[R][kv_heads·head_dim]`) and the RoPE frequencies.
+/// factors (`up_k` transposed and split in two f16 halves for the tensor cores, `up_v` in f32) and
+/// the RoPE frequencies.
 pub struct XQuantDeviceCache {
     spec: SchemeSpec,
     latents: GpuCache,
     kv_heads: usize,
     head_dim: usize,
     rank: usize,
-    up_k: CudaSlice<f32>,
+    up_k_hi: CudaSlice<u16>,
+    up_k_lo: CudaSlice<u16>,
     up_v: CudaSlice<f32>,
     rope_freq: CudaSlice<f64>,
 }
@@ -89,12 +91,19 @@ impl XQuantDeviceCache {
                 .clone_htod(v)
                 .map_err(|e| RuntimeError::driver(format!("upload {what}"), e))
         };
+        let (hi, lo) = split_transposed(&p.k.up, p.k.rank, p.k.out);
+        let up16 = |v: &[u16], what: &str| {
+            stream
+                .clone_htod(v)
+                .map_err(|e| RuntimeError::driver(format!("upload {what}"), e))
+        };
         Ok(Self {
             spec: *first.spec(),
             kv_heads: h,
             head_dim: d,
             rank: p.k.rank,
-            up_k: up(&p.k.up, "up_k")?,
+            up_k_hi: up16(&hi, "up_k (high half)")?,
+            up_k_lo: up16(&lo, "up_k (low half)")?,
             up_v: up(&p.v.up, "up_v")?,
             rope_freq: stream
                 .clone_htod(&freq)
@@ -107,6 +116,21 @@ impl XQuantDeviceCache {
     pub fn batch(&self) -> usize {
         self.latents.batch()
     }
+}
+
+/// `up` (`[rank][out]` f32) transposed to `[out][rank]` and split into f16 halves, `x ≈ hi + lo`
+/// to about f32's precision (each rounded to nearest), as the tensor-core rebuild reads it.
+fn split_transposed(up: &[f32], rank: usize, out: usize) -> (Vec<u16>, Vec<u16>) {
+    let (mut hi, mut lo) = (vec![0u16; rank * out], vec![0u16; rank * out]);
+    for r in 0..rank {
+        for o in 0..out {
+            let x = up[r * out + o];
+            let h = half::f16::from_f32(x);
+            hi[o * rank + r] = h.to_bits();
+            lo[o * rank + r] = half::f16::from_f32(x - h.to_f32()).to_bits();
+        }
+    }
+    (hi, lo)
 }
 
 impl XQuantKernel {
@@ -220,7 +244,8 @@ impl XQuantKernel {
             .buffer(view.v_tail)
             .buffer(view.seq_lens)
             .null()
-            .buffer(&cache.up_k)
+            .buffer(&cache.up_k_hi)
+            .buffer(&cache.up_k_lo)
             .buffer(&cache.up_v)
             .buffer(&cache.rope_freq)
             .buffer_mut(&mut scratch.part_acc)

@@ -15,13 +15,16 @@ use kvq_reference::synth::{generate, SynthConfig};
 use kvq_reference::xquant::{Projections, XQuantCache};
 use kvq_runtime::tune::synth::{random_queries, word_to_f32};
 use kvq_runtime::xquant::{XQuantDeviceCache, XQuantKernel, XQuantScratch};
-use kvq_runtime::{Device, Jit};
+use kvq_runtime::{Device, GpuTimer, Jit};
 use kvq_spec::SchemeSpec;
 
-const TESTS: &[(&str, fn())] = &[(
-    "xquant_decode_matches_the_reference",
-    xquant_decode_matches_the_reference,
-)];
+const TESTS: &[(&str, fn())] = &[
+    (
+        "xquant_decode_matches_the_reference",
+        xquant_decode_matches_the_reference,
+    ),
+    ("xquant_decode_time", xquant_decode_time),
+];
 
 fn main() {
     gated::run_gpu_tests(TESTS)
@@ -172,4 +175,64 @@ fn xquant_decode_matches_the_reference() {
         }
     }
     println!("{checked} outputs checked; the largest error is {worst:.3} of its bound");
+}
+
+/// Times the decode (printing only: docs/BENCHMARKS.md holds the measured tables) at 32 query /
+/// 8 KV heads of 128, latents of 1,024 channels (`d_model` 1,024), 4,096 tokens, B = 1 and 16
+/// (one sequence's cache repeated), with the K rebuild's rate in tensor-core FLOP/s (three f16
+/// passes a product).
+fn xquant_decode_time() {
+    let device = Device::open(0).expect("GPU");
+    let jit = Jit::new(&device).expect("JIT");
+    let stream = device.default_stream();
+    let timer = GpuTimer::new(&jit).expect("timer");
+    let (kv, d, gqa, dm, len) = (8usize, 128usize, 4usize, 1024usize, 4096usize);
+    let layer = generate(&SynthConfig {
+        tokens: len,
+        kv_heads: kv,
+        gqa,
+        head_dim: d,
+        d_model: dm,
+        seed: 11,
+        ..Default::default()
+    });
+    let proj = Projections::from_weights(&layer.layer.w_k, &layer.layer.w_v, dm, kv, d).unwrap();
+    for text in ["xquant2", "xquant4"] {
+        let spec: SchemeSpec = match text {
+            "xquant2" => "k = int(2, channel), v = int(2, token), source = x(latent)",
+            _ => "k = int(4, channel), v = int(4, token), source = x(latent)",
+        }
+        .parse()
+        .unwrap();
+        let one = XQuantCache::build(&spec, &layer.layer.x, &proj, layer.rope).unwrap();
+        let kernel = XQuantKernel::load(
+            &jit,
+            &spec,
+            &KernelShape::new(d as u32, gqa as u32, Dtype::F16),
+            kv,
+            dm,
+        )
+        .unwrap();
+        for (batch, splits) in [(1usize, 64usize), (16, 8)] {
+            let caches = vec![one.clone(); batch];
+            let gpu = XQuantDeviceCache::upload(&stream, &caches).unwrap();
+            let per = kv * gqa * d;
+            let (q_bits, _) = random_queries(batch * per, Dtype::F16, 3).unwrap();
+            let q_dev = stream.clone_htod(&q_bits).unwrap();
+            let mut out = stream.alloc_zeros::<u16>(batch * per).unwrap();
+            let mut scratch = XQuantScratch::new(&stream).unwrap();
+            let t = timer
+                .time(&stream, 3, 20, |s| {
+                    kernel.attend(s, &gpu, &q_dev, &mut out, splits, &mut scratch)
+                })
+                .unwrap();
+            let us = t.median_us();
+            let flops = 3.0 * 2.0 * (batch * len * kv * 1024 * d) as f64;
+            println!(
+                "{text} B={batch} L={len} ({splits} splits): {us:.1} us, K rebuild at {:.0} TFLOP/s \
+                 of f16 tensor work (3 passes)",
+                flops / us / 1e6
+            );
+        }
+    }
 }

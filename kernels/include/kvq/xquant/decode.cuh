@@ -7,8 +7,10 @@
 // Σ_t p_t·l̂_v,t over the latent and multiplies by up_v once per split. Grid (num_splits, kv_heads,
 // rows), block THREADS; writes each split's unnormalised output and (m, l) for kvq/combine.cuh.
 //
-// This first kernel rebuilds K on CUDA cores (f32, the latents and projections as the reference
-// holds them); the tensor-core rebuild the floor asks for replaces step 2 (CODEBOOKS.md §3.1).
+// K is rebuilt on tensor cores (mma m16n8k16, the tile's 16 tokens as M, the KV head's columns
+// over the warps) in three passes of split f16 operands, x = hi + lo for the latents and for up_k:
+// hi·hi + hi·lo + lo·hi keeps the product to about f32's precision, three times the one-pass
+// cost (CODEBOOKS.md §3.1 on the floor and the one-pass option).
 //
 // The including unit defines (kvq/common.cuh, kvq/io.cuh, kvq/tensor.cuh and kvq/decode_common.cuh
 // first): IO, D (head_dim of K, V and the queries), XR (the latent width R: the cached tensors'
@@ -16,6 +18,9 @@
 static_assert(D % 2 == 0 && D <= 256, "head_dim: even, at most 256");
 static_assert(GQA * TILE <= THREADS, "a thread a (query head, token) score");
 static_assert(GQA <= TILE, "the split's latent sums reuse the tile's latent buffer");
+static_assert(TILE == 16 && THREADS == 128, "K's rebuild: the tile is an mma's 16 rows, four warps");
+static_assert(D % 32 == 0 && XR % 16 == 0, "K's rebuild: 8-column tiles over four warps, k-steps of 16");
+static constexpr int XQ_NT = D / 32;   // 8-column mma tiles a warp rebuilds
 static constexpr int R = XR;
 static constexpr int HD = D;
 static constexpr int XQ_RPT = (R + THREADS - 1) / THREADS;   // latent channels a thread accumulates
@@ -47,6 +52,64 @@ static __device__ __forceinline__ float xq_latent(const XqLoc& l, int c) {
     return l.page ? kvq_page_value<T>(l.block, l.row, c) : kvq_f16_to_f32(l.f16[c]);
 }
 
+// x as f16 bits rounded to nearest, and the f16 bits of what that rounding left.
+static __device__ __forceinline__ void xq_split(float x, kvq_u32& hi, kvq_u32& lo) {
+    const kvq_u16 h = kvq_f32_to_f16(x);
+    hi = h;
+    lo = kvq_f32_to_f16(x - kvq_f16_to_f32(h));
+}
+
+static __device__ __forceinline__ void xq_mma(float (&c)[4], kvq_u32 a0, kvq_u32 a1, kvq_u32 a2, kvq_u32 a3, kvq_u32 b0,
+                                              kvq_u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 { %0, %1, %2, %3 }, { %4, %5, %6, %7 }, { %8, %9 }, { %0, %1, %2, %3 };"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The A fragment of rows (g, g + 8) at columns k, k + 1 of the tile's latents, as hi and lo f16x2.
+static __device__ __forceinline__ void xq_a_pair(const float* lat, int row, int k, kvq_u32& hi, kvq_u32& lo) {
+    kvq_u32 h0, l0, h1, l1;
+    xq_split(lat[row * XR + k], h0, l0);
+    xq_split(lat[row * XR + k + 1], h1, l1);
+    hi = h0 | (h1 << 16);
+    lo = l0 | (l1 << 16);
+}
+
+// K = L̂·up_k for the tile (rows past n are zero latents), into s_k [TILE][D]: warp w rebuilds
+// columns [w·D/4, (w+1)·D/4). up_hi and up_lo are up_kᵀ split in f16, [kv_heads·D][XR].
+static __device__ __forceinline__ void xq_rebuild_k(const float* lat, const kvq_u16* up_hi, const kvq_u16* up_lo, int kvh,
+                                                    float* s_k) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+    float c[XQ_NT][4];
+#pragma unroll
+    for (int nt = 0; nt < XQ_NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
+    const long col0 = (long)kvh * D + warp * (D / 4);
+    for (int kk = 0; kk < XR; kk += 16) {
+        kvq_u32 ah[4], al[4];
+        xq_a_pair(lat, g, kk + 2 * tq, ah[0], al[0]);
+        xq_a_pair(lat, g + 8, kk + 2 * tq, ah[1], al[1]);
+        xq_a_pair(lat, g, kk + 2 * tq + 8, ah[2], al[2]);
+        xq_a_pair(lat, g + 8, kk + 2 * tq + 8, ah[3], al[3]);
+#pragma unroll
+        for (int nt = 0; nt < XQ_NT; ++nt) {
+            const long at = (col0 + nt * 8 + g) * XR + kk + 2 * tq;
+            const kvq_u32 bh0 = *(const kvq_u32*)(up_hi + at), bh1 = *(const kvq_u32*)(up_hi + at + 8);
+            const kvq_u32 bl0 = *(const kvq_u32*)(up_lo + at), bl1 = *(const kvq_u32*)(up_lo + at + 8);
+            xq_mma(c[nt], al[0], al[1], al[2], al[3], bh0, bh1);
+            xq_mma(c[nt], ah[0], ah[1], ah[2], ah[3], bl0, bl1);
+            xq_mma(c[nt], ah[0], ah[1], ah[2], ah[3], bh0, bh1);
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < XQ_NT; ++nt) {
+        const int j = warp * (D / 4) + nt * 8 + 2 * tq;
+        s_k[g * D + j] = c[nt][0];
+        s_k[g * D + j + 1] = c[nt][1];
+        s_k[(g + 8) * D + j] = c[nt][2];
+        s_k[(g + 8) * D + j + 1] = c[nt][3];
+    }
+}
+
 // End of the tile starting at t0: within one region and page of both tensors.
 template <class T>
 static __device__ __forceinline__ int xq_tile_end(int t0, int t1, int len) {
@@ -62,8 +125,8 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     const kvq_u16* __restrict__ q, const kvq_u8* __restrict__ k_pool, const kvq_u8* __restrict__ v_pool,
     const kvq_i32* __restrict__ page_table, int max_pages, const kvq_u16* __restrict__ k_sink,
     const kvq_u16* __restrict__ v_sink, const kvq_u16* __restrict__ k_tail, const kvq_u16* __restrict__ v_tail,
-    const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots, const float* __restrict__ up_k,
-    const float* __restrict__ up_v, const double* __restrict__ rope_freq, float* __restrict__ part_acc,
+    const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots, const kvq_u16* __restrict__ up_k_hi,
+    const kvq_u16* __restrict__ up_k_lo, const float* __restrict__ up_v, const double* __restrict__ rope_freq, float* __restrict__ part_acc,
     float* __restrict__ part_ml)
 {
     extern __shared__ __align__(16) float xq_smem[];
@@ -91,25 +154,23 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         const int t1 = min(xq_tile_end<KTensor>(t0, min(t_end, t0 + TILE), len),
                            xq_tile_end<VTensor>(t0, min(t_end, t0 + TILE), len));
         const int n = t1 - t0;
-        // 1. The tile's K latents, dequantized as the reference does.
+        // 1. The tile's K latents, dequantized as the reference does (rows past n zero).
         const XqLoc k0 = xq_locate<KTensor>(t0, len, slot, k_pool, page_table, max_pages, k_sink, k_tail);
-        for (int i = threadIdx.x; i < n * R; i += THREADS) {
+        for (int i = threadIdx.x; i < TILE * R; i += THREADS) {
             const int t = i / R, c = i % R;
-            XqLoc l = k0;
-            if (l.page) l.row += t;
-            else l = xq_locate<KTensor>(t0 + t, len, slot, k_pool, page_table, max_pages, k_sink, k_tail);
-            s_lat[t * R + c] = xq_latent<KTensor>(l, c);
+            float x = 0.f;
+            if (t < n) {
+                XqLoc l = k0;
+                if (l.page) l.row += t;
+                else l = xq_locate<KTensor>(t0 + t, len, slot, k_pool, page_table, max_pages, k_sink, k_tail);
+                x = xq_latent<KTensor>(l, c);
+            }
+            s_lat[t * R + c] = x;
         }
         __syncthreads();
-        // 2. K = L̂_k·up_k for this KV head's columns, then RoPE at each token's position.
-        for (int i = threadIdx.x; i < n * HD; i += THREADS) {
-            const int t = i / HD, j = i % HD;
-            const float* lat = s_lat + t * R;
-            const float* w = up_k + kvh * HD + j;
-            float sum = 0.f;
-            for (int c = 0; c < R; ++c) sum = fmaf(lat[c], w[(long)c * OUT], sum);
-            s_k[t * HD + j] = sum;
-        }
+        // 2. K = L̂_k·up_k for this KV head's columns on tensor cores, then RoPE at each token's
+        //    position.
+        xq_rebuild_k(s_lat, up_k_hi, up_k_lo, kvh, s_k);
         __syncthreads();
         for (int i = threadIdx.x; i < n * (HD / 2); i += THREADS) {
             const int t = i / (HD / 2), j = i % (HD / 2);
