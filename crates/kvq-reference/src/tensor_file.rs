@@ -228,3 +228,65 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8], what: &str) -> Result<
     }
     written
 }
+
+/// Why a file's metadata is not what its format writes (each format maps it to its own error).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum MetaProblem {
+    Missing {
+        key: &'static str,
+    },
+    UnknownFormat {
+        found: String,
+    },
+    Bad {
+        key: &'static str,
+        value: String,
+        why: String,
+    },
+}
+
+/// A file's `__metadata__`, read by key.
+pub(crate) struct FileMeta<'a>(pub Option<&'a std::collections::HashMap<String, String>>);
+
+impl<'a> FileMeta<'a> {
+    pub fn get(&self, key: &'static str) -> Result<&'a String, MetaProblem> {
+        self.0
+            .and_then(|m| m.get(key))
+            .ok_or(MetaProblem::Missing { key })
+    }
+
+    /// Checks that `key` names the format `expected`.
+    pub fn format(&self, key: &'static str, expected: &str) -> Result<(), MetaProblem> {
+        let found = self.get(key)?;
+        if found != expected {
+            return Err(MetaProblem::UnknownFormat {
+                found: found.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The scheme `key` holds, and its text as written.
+    pub fn scheme(
+        &self,
+        key: &'static str,
+    ) -> Result<(kvq_spec::SchemeSpec, &'a String), MetaProblem> {
+        let text = self.get(key)?;
+        let spec = kvq_spec::SchemeSpec::parse(text).map_err(|e| MetaProblem::Bad {
+            key,
+            value: text.clone(),
+            why: format!("not a valid scheme: {e}"),
+        })?;
+        Ok((spec, text))
+    }
+
+    /// The count `key` holds (decimal).
+    pub fn count(&self, key: &'static str) -> Result<usize, MetaProblem> {
+        let value = self.get(key)?;
+        value.parse().map_err(|e| MetaProblem::Bad {
+            key,
+            value: value.clone(),
+            why: format!("not a count: {e}"),
+        })
+    }
+}

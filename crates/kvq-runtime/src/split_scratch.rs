@@ -3,7 +3,9 @@
 //! kvq-allocated and grown as launches need.
 
 use crate::error::{Result, RuntimeError};
-use cudarc::driver::{CudaSlice, CudaStream};
+use crate::launch::{launch_err, Args, Input, Output};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
+use kvq_codegen::KernelEntry;
 use std::sync::Arc;
 
 /// Split partials in device memory, grown by the launches that need more.
@@ -41,5 +43,32 @@ impl SplitScratch {
             self.part_ml = alloc(stream, parts * 2)?;
         }
         Ok(())
+    }
+
+    /// Enqueues the shared combine (`function`, generated as `entry`) over `splits` partials of
+    /// each query head of `(q_heads, rows)` into `out` (`[rows][q_heads][head_dim]`, no LSE).
+    pub(crate) fn combine(
+        &self,
+        stream: &Arc<CudaStream>,
+        function: &CudaFunction,
+        entry: &KernelEntry,
+        out: &mut CudaSlice<u16>,
+        (q_heads, rows): (usize, usize),
+        splits: usize,
+    ) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (q_heads as u32, rows as u32, 1),
+            block_dim: (entry.block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = Args::new(stream);
+        args.input(Input::Slice(&self.part_acc))
+            .input(Input::Slice(&self.part_ml))
+            .output(Output::Slice(out))
+            .null()
+            .int(splits as i32);
+        // SAFETY: the combine entry's params; the caller's decode filled `splits` partials of
+        // every head into this scratch, reserved for that grid.
+        unsafe { args.launch(function, cfg, false) }.map_err(launch_err(&entry.name))
     }
 }

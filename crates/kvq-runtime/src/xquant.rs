@@ -22,7 +22,7 @@
 use crate::decode::GpuCache;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
-use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args, Input, Output};
+use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args};
 use crate::nvrtc::CompileOptions;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use kvq_codegen::{xquant_kernels, KernelShape, XQuantKernels};
@@ -254,19 +254,13 @@ impl XQuantKernel {
         // this batch, the partials reserved for this grid.
         unsafe { args.launch(&self.decode, cfg, false) }
             .map_err(launch_err(&self.generated.decode.name))?;
-        let cfg = LaunchConfig {
-            grid_dim: (q_heads as u32, batch as u32, 1),
-            block_dim: (self.generated.combine.block, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut args = Args::new(stream);
-        args.input(Input::Slice(&scratch.part_acc))
-            .input(Input::Slice(&scratch.part_ml))
-            .output(Output::Slice(out))
-            .null()
-            .int(splits as i32);
-        // SAFETY: as above; the partials hold `splits` parts a head.
-        unsafe { args.launch(&self.combine, cfg, false) }
-            .map_err(launch_err(&self.generated.combine.name))
+        scratch.combine(
+            stream,
+            &self.combine,
+            &self.generated.combine,
+            out,
+            (q_heads, batch),
+            splits,
+        )
     }
 }

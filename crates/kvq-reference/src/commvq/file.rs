@@ -24,7 +24,7 @@ use super::device::DEVICE_LAYOUT_VERSION;
 use super::key::KeyCodebook;
 use super::train::{Codebooks, TensorCodebook};
 use crate::resources::{self, AllocError};
-use crate::tensor_file::{self, Expected, TensorProblem};
+use crate::tensor_file::{self, Expected, FileMeta, MetaProblem, TensorProblem};
 use crate::RefError;
 use half::f16;
 use kvq_spec::{CacheSource, Codebook, CodebookQuant, SchemeSpec, TensorQuant};
@@ -131,6 +131,18 @@ pub enum CodebookFileError {
 }
 
 type Result<T> = std::result::Result<T, CodebookFileError>;
+
+impl From<MetaProblem> for CodebookFileError {
+    fn from(p: MetaProblem) -> Self {
+        match p {
+            MetaProblem::Missing { key } => CodebookFileError::MissingMetadata { key },
+            MetaProblem::UnknownFormat { found } => CodebookFileError::UnknownFormat { found },
+            MetaProblem::Bad { key, value, why } => {
+                CodebookFileError::BadMetadata { key, value, why }
+            }
+        }
+    }
+}
 
 /// Which side a tensor belongs to (its name prefix).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -364,22 +376,9 @@ fn check_metadata(
     kv_heads: usize,
     head_dim: usize,
 ) -> Result<()> {
-    let get = |key: &'static str| {
-        meta.and_then(|m| m.get(key))
-            .ok_or(CodebookFileError::MissingMetadata { key })
-    };
-    let format = get(KEY_FORMAT)?;
-    if format != CODEBOOK_FILE_FORMAT {
-        return Err(CodebookFileError::UnknownFormat {
-            found: format.clone(),
-        });
-    }
-    let text = get(KEY_SCHEME)?;
-    let found = SchemeSpec::parse(text).map_err(|e| CodebookFileError::BadMetadata {
-        key: KEY_SCHEME,
-        value: text.clone(),
-        why: format!("not a valid scheme: {e}"),
-    })?;
+    let meta = FileMeta(meta);
+    meta.format(KEY_FORMAT, CODEBOOK_FILE_FORMAT)?;
+    let (found, text) = meta.scheme(KEY_SCHEME)?;
     // Only the K and V declarations shape a codebook: page, sink, local and calibration do not,
     // so codebooks trained under one page size serve the same tensors under another.
     if (found.k, found.v, found.source) != (spec.k, spec.v, spec.source) {
@@ -392,12 +391,7 @@ fn check_metadata(
         (KEY_KV_HEADS, "kv_heads", kv_heads),
         (KEY_HEAD_DIM, "head_dim", head_dim),
     ] {
-        let value = get(key)?;
-        let found: usize = value.parse().map_err(|e| CodebookFileError::BadMetadata {
-            key,
-            value: value.clone(),
-            why: format!("not a count: {e}"),
-        })?;
+        let found = meta.count(key)?;
         if found != expected {
             return Err(CodebookFileError::ShapeMismatch {
                 what,

@@ -15,7 +15,7 @@
 
 use super::projection::{LatentProjection, Projections};
 use crate::resources::{self, AllocError};
-use crate::tensor_file::{self, Expected};
+use crate::tensor_file::{self, Expected, FileMeta, MetaProblem};
 use kvq_spec::{CacheSource, SchemeSpec};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
@@ -95,6 +95,18 @@ pub enum ProjectionFileError {
 }
 
 type Result<T> = std::result::Result<T, ProjectionFileError>;
+
+impl From<MetaProblem> for ProjectionFileError {
+    fn from(p: MetaProblem) -> Self {
+        match p {
+            MetaProblem::Missing { key } => ProjectionFileError::MissingMetadata { key },
+            MetaProblem::UnknownFormat { found } => ProjectionFileError::UnknownFormat { found },
+            MetaProblem::Bad { key, value, why } => {
+                ProjectionFileError::BadMetadata { key, value, why }
+            }
+        }
+    }
+}
 
 /// The shape a file records: `[d_model, kv_heads, head_dim, rank]`.
 fn shape_of(p: &Projections) -> [usize; 4] {
@@ -213,23 +225,9 @@ impl Projections {
         let (header, meta) = SafeTensors::read_metadata(bytes).map_err(|e| {
             ProjectionFileError::NotSafetensors(tensor_file::safetensors_problem(&e, bytes.len()))
         })?;
-        let m = meta.metadata().as_ref();
-        let get = |key: &'static str| {
-            m.and_then(|m| m.get(key))
-                .ok_or(ProjectionFileError::MissingMetadata { key })
-        };
-        let format = get(KEY_FORMAT)?;
-        if format != PROJECTION_FILE_FORMAT {
-            return Err(ProjectionFileError::UnknownFormat {
-                found: format.clone(),
-            });
-        }
-        let text = get(KEY_SCHEME)?;
-        let found = SchemeSpec::parse(text).map_err(|e| ProjectionFileError::BadMetadata {
-            key: KEY_SCHEME,
-            value: text.clone(),
-            why: format!("not a valid scheme: {e}"),
-        })?;
+        let m = FileMeta(meta.metadata().as_ref());
+        m.format(KEY_FORMAT, PROJECTION_FILE_FORMAT)?;
+        let (found, text) = m.scheme(KEY_SCHEME)?;
         if found.source != spec.source {
             return Err(ProjectionFileError::SourceMismatch {
                 expected: spec.to_string(),
@@ -238,14 +236,7 @@ impl Projections {
         }
         let mut shape = [0usize; 4];
         for (slot, (key, _)) in shape.iter_mut().zip(SHAPE_KEYS) {
-            let value = get(key)?;
-            *slot = value
-                .parse()
-                .map_err(|e| ProjectionFileError::BadMetadata {
-                    key,
-                    value: value.clone(),
-                    why: format!("not a count: {e}"),
-                })?;
+            *slot = m.count(key)?;
         }
         let out = kv_heads * head_dim;
         let rank = d_model.min(out).div_ceil(32) * 32;

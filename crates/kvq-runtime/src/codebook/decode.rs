@@ -4,7 +4,7 @@
 use super::cache::CodebookCache;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
-use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args, Input, Output};
+use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args, Output};
 use crate::nvrtc::CompileOptions;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use kvq_codegen::{codebook_kernels_with, CodebookKernels, CodebookParams, KernelShape};
@@ -177,20 +177,14 @@ impl CodebookKernel {
         unsafe { args.launch(&self.decode, cfg, false) }
             .map_err(launch_err(&self.generated.decode.name))?;
         let Some(out) = out else { return Ok(()) };
-        let cfg = LaunchConfig {
-            grid_dim: (q_heads as u32, cache.batch as u32, 1),
-            block_dim: (self.generated.combine.block, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut args = Args::new(stream);
-        args.input(Input::Slice(&scratch.part_acc))
-            .input(Input::Slice(&scratch.part_ml))
-            .output(Output::Slice(out))
-            .null()
-            .int(splits as i32);
-        // SAFETY: as above; the partials hold `splits` parts a head.
-        unsafe { args.launch(&self.combine, cfg, false) }
-            .map_err(launch_err(&self.generated.combine.name))
+        scratch.combine(
+            stream,
+            &self.combine,
+            &self.generated.combine,
+            out,
+            (q_heads, cache.batch),
+            splits,
+        )
     }
 }
 
