@@ -37,7 +37,7 @@ create_exception!(
     kvq,
     UnsupportedScheme,
     KvqError,
-    "A valid scheme without a GPU kernel (CommVQ, XQuant: CPU reference only)."
+    "A valid scheme this surface does not run (XQuant: its GPU decode is not on it yet)."
 );
 create_exception!(
     kvq,

@@ -72,7 +72,7 @@ def test_errors_are_typed_and_say_what_to_change():
 
 def test_cpu_only_schemes_are_unsupported_schemes():
     cpu_only = [name for name, gpu in kvq.builtin_schemes() if not gpu]
-    assert cpu_only, "CommVQ and XQuant run in the CPU reference only"
+    assert cpu_only, "XQuant is not on the engine surface"
     for name in cpu_only:
         with pytest.raises(kvq.UnsupportedScheme, match="no GPU kernel"):
             kvq.Plan(name, **LIMITS)

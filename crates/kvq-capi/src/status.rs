@@ -22,7 +22,8 @@ pub enum KvqStatus {
     InvalidArgument = 1,
     /// The scheme text does not parse or validate (the message points at the offending column).
     InvalidScheme = 2,
-    /// The scheme is valid but has no GPU kernel (CommVQ and XQuant run in the CPU reference only).
+    /// The scheme is valid but this surface does not run it (XQuant: its GPU decode is not on the
+    /// engine surface yet).
     UnsupportedScheme = 3,
     /// The scheme cannot serve this shape on the fast kernels (the message says why); kvq never
     /// falls back to a slow kernel silently.

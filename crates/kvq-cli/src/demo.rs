@@ -12,7 +12,7 @@
 use std::io::Write;
 use std::time::Instant;
 
-use kvq::codegen::{has_codebook_kernel, Dtype, KernelShape, TuneParams};
+use kvq::codegen::{has_codebook_kernel, has_xquant_kernel, Dtype, KernelShape, TuneParams};
 use kvq::evaluate::{self, Evaluation, Memory, Workload};
 use kvq::reference::attention;
 use kvq::reference::int::IntCache;
@@ -23,6 +23,7 @@ use kvq::runtime::RuntimeError;
 use crate::error::{CliError, Result};
 use crate::gpu::{self, Gpu, Latency};
 use crate::gpu_codebook;
+use crate::gpu_xquant;
 use crate::scheme::Resolved;
 use crate::table::{Align, Table};
 
@@ -186,6 +187,16 @@ fn gpu_columns(
             });
         r.gpu_error = Some(result);
     }
+    for r in rows
+        .iter_mut()
+        .filter(|r| has_xquant_kernel(&r.scheme.spec))
+    {
+        // The layer's input through its projections, cached by the CPU reference.
+        let result = gpu_xquant::decode_layer(g, &r.scheme.spec, &err_shape, w)
+            .map(|o| attention::relative_error(&o, w.exact_output()))
+            .map_err(|e| e.to_string());
+        r.gpu_error = Some(result);
+    }
     for r in rows.iter_mut().filter(|r| r.scheme.has_gpu_kernel()) {
         let result = IntCache::build(&r.scheme.spec, &data.k, &data.v)
             .map_err(|e| e.to_string())
@@ -204,9 +215,12 @@ fn gpu_columns(
         .filter(|&i| rows[i].scheme.has_gpu_kernel())
         .collect();
     let codebook_rows: Vec<usize> = (0..rows.len())
-        .filter(|&i| !rows[i].scheme.has_gpu_kernel() && rows[i].scheme.runs_on_gpu())
+        .filter(|&i| has_codebook_kernel(&rows[i].scheme.spec))
         .collect();
-    if gpu_rows.is_empty() && codebook_rows.is_empty() {
+    let xquant_rows: Vec<usize> = (0..rows.len())
+        .filter(|&i| has_xquant_kernel(&rows[i].scheme.spec))
+        .collect();
+    if gpu_rows.is_empty() && codebook_rows.is_empty() && xquant_rows.is_empty() {
         return Ok(());
     }
     progress(&format!(
@@ -272,13 +286,7 @@ fn gpu_columns(
             }
             Err(e) => Err(e.clone()),
         };
-        match &result {
-            Ok(l) => progress(&format!(
-                "{label}: {:.1} µs ({}, {:?})",
-                l.median_us, l.choice, l.source
-            )),
-            Err(e) => progress(&format!("{label}: {e}")),
-        }
+        report_latency(&label, &result);
         rows[i].latency = Some(result);
     }
     // Codebook schemes: their caches are coded on the GPU from the same random K/V.
@@ -306,17 +314,40 @@ fn gpu_columns(
                 opts.seed,
             )
             .map_err(|e| e.to_string());
-            match &result {
-                Ok(l) => progress(&format!(
-                    "{label}: {:.1} µs ({}, {:?})",
-                    l.median_us, l.choice, l.source
-                )),
-                Err(e) => progress(&format!("{label}: {e}")),
-            }
+            report_latency(&label, &result);
             rows[i].latency = Some(result);
         }
     }
+    // XQuant latent schemes: random latents of the same length (the decode's time does not depend
+    // on their values).
+    for &i in &xquant_rows {
+        let label = rows[i].scheme.label();
+        let result = gpu_xquant::measure(
+            g,
+            &rows[i].scheme.spec,
+            &shape,
+            opts.kv_heads,
+            opts.context,
+            opts.batch.max(1),
+            opts.warmup,
+            opts.runs,
+            opts.seed,
+        )
+        .map_err(|e| e.to_string());
+        report_latency(&label, &result);
+        rows[i].latency = Some(result);
+    }
     Ok(())
+}
+
+fn report_latency(label: &str, result: &std::result::Result<Latency, String>) {
+    match result {
+        Ok(l) => progress(&format!(
+            "{label}: {:.1} µs ({}, {:?})",
+            l.median_us, l.choice, l.source
+        )),
+        Err(e) => progress(&format!("{label}: {e}")),
+    }
 }
 
 fn render(
@@ -400,7 +431,7 @@ fn render(
             }
         }
         cells.push(
-            if r.scheme.runs_on_gpu() {
+            if r.scheme.decodes_on_gpu() {
                 if gpu {
                     "GPU kernel"
                 } else {

@@ -5,6 +5,7 @@
 
 use kvq::codegen::{KernelShape, TuneParams};
 use kvq::reference::int::IntCache;
+use kvq::runtime::cudarc::driver::{CudaSlice, CudaStream};
 use kvq::runtime::device::synchronize_stream;
 use kvq::runtime::tune::check::default_rows;
 use kvq::runtime::tune::synth::{random_queries, word_to_f32};
@@ -15,6 +16,7 @@ use kvq::runtime::tune::{
 use kvq::runtime::{
     nvrtc, DecodeKernel, DecodeScratch, Device, GpuCache, GpuTimer, Jit, RuntimeError,
 };
+use std::sync::Arc;
 
 /// An opened GPU with its JIT.
 pub struct Gpu {
@@ -187,6 +189,52 @@ pub fn measure(
 }
 
 /// `(bits, f32 values)` of `values` rounded to the kernel's dtype.
+/// Copies of a batch of `bytes` to rotate through so the timed decodes read past L2, within half
+/// the free device memory (at most 16 GiB).
+pub fn rotation_copies(gpu: &Gpu, bytes: usize) -> Result<usize, RuntimeError> {
+    let (free, _) = gpu
+        .device
+        .context()
+        .mem_get_info()
+        .map_err(|e| RuntimeError::driver("cuMemGetInfo", e))?;
+    plan_copies(
+        bytes as u64,
+        gpu.device.props().l2_bytes,
+        (free as u64 / 2).min(16 << 30),
+    )
+}
+
+/// Runs `attend(stream, copy 0, out)` once and refuses an output with NaN or infinite values
+/// (named by `spec`), then times `runs` launches (after `warmup`) rotating over `copies` copies of
+/// the batch; the median in µs. Shared by the decodes not timed through [`measure`].
+pub fn check_then_time(
+    gpu: &Gpu,
+    spec: &kvq::SchemeSpec,
+    out: &mut CudaSlice<u16>,
+    dtype: kvq::codegen::Dtype,
+    copies: usize,
+    (warmup, runs): (usize, usize),
+    mut attend: impl FnMut(&Arc<CudaStream>, usize, &mut CudaSlice<u16>) -> Result<(), RuntimeError>,
+) -> Result<f64, RuntimeError> {
+    let stream = gpu.device.default_stream();
+    attend(&stream, 0, out)?;
+    let host: Vec<u16> = stream
+        .clone_dtoh(out)
+        .map_err(|e| RuntimeError::driver("download the output", e))?;
+    if !host.iter().all(|&w| word_to_f32(w, dtype).is_finite()) {
+        return Err(RuntimeError::InvalidInput(format!(
+            "`{spec}`: the GPU output holds NaN or infinite values; not timed"
+        )));
+    }
+    let timer = GpuTimer::new(&gpu.jit)?;
+    let mut next = 0;
+    let timing = timer.time(&stream, warmup, runs.max(1), |s| {
+        next = (next + 1) % copies.max(1);
+        attend(s, next, out)
+    })?;
+    Ok(timing.median_us())
+}
+
 pub fn to_device_words(values: &[f32], dtype: kvq::codegen::Dtype) -> (Vec<u16>, Vec<f32>) {
     values
         .iter()

@@ -11,11 +11,11 @@ use kvq::runtime::codebook::{
 };
 use kvq::runtime::cudarc::driver::CudaSlice;
 use kvq::runtime::tune::synth::{random_queries, round_to_word, word_to_f32};
-use kvq::runtime::tune::{plan_copies, TuneProblem, Tuner};
-use kvq::runtime::{GpuTimer, RuntimeError};
+use kvq::runtime::tune::{TuneProblem, Tuner};
+use kvq::runtime::RuntimeError;
 use kvq::SchemeSpec;
 
-use crate::gpu::{Gpu, Latency};
+use crate::gpu::{check_then_time, rotation_copies, Gpu, Latency};
 
 /// Tokens of the latency workload's K/V its codebooks are trained on (decode time does not depend
 /// on their quality).
@@ -121,16 +121,7 @@ pub fn measure(
     );
     let theta = Rope::default().theta;
     let first = coded_cache(gpu, &encoder, batch, (&kd, &kd, &vd), len, theta)?;
-    let (free, _) = gpu
-        .device
-        .context()
-        .mem_get_info()
-        .map_err(|e| RuntimeError::driver("cuMemGetInfo", e))?;
-    let copies = plan_copies(
-        first.cache_bytes() as u64,
-        gpu.device.props().l2_bytes,
-        (free as u64 / 2).min(16 << 30),
-    )?;
+    let copies = rotation_copies(gpu, first.cache_bytes())?;
     let mut batches = vec![first];
     for _ in 1..copies {
         batches.push(coded_cache(
@@ -151,33 +142,17 @@ pub fn measure(
     let stream = gpu.device.default_stream();
     let mut out = upload(gpu, &vec![0x7e00u16; q_words.len()])?;
     let mut scratch = CodebookScratch::new(&stream)?;
-    kernel.attend(
-        &stream,
-        &batches[0],
-        &q,
+    let median_us = check_then_time(
+        gpu,
+        spec,
         &mut out,
-        launch.splits,
-        &mut scratch,
+        shape.dtype,
+        batches.len(),
+        (warmup, runs),
+        |s, i, out| kernel.attend(s, &batches[i], &q, out, launch.splits, &mut scratch),
     )?;
-    let host: Vec<u16> = stream
-        .clone_dtoh(&out)
-        .map_err(|e| RuntimeError::driver("download the output", e))?;
-    if !host
-        .iter()
-        .all(|&w| word_to_f32(w, shape.dtype).is_finite())
-    {
-        return Err(RuntimeError::InvalidInput(format!(
-            "`{spec}`: the GPU output holds NaN or infinite values; not timed"
-        )));
-    }
-    let timer = GpuTimer::new(&gpu.jit)?;
-    let mut next = 0;
-    let timing = timer.time(&stream, warmup, runs.max(1), |s| {
-        next = (next + 1) % batches.len();
-        kernel.attend(s, &batches[next], &q, &mut out, launch.splits, &mut scratch)
-    })?;
     Ok(Latency {
-        median_us: timing.median_us(),
+        median_us,
         choice: launch.as_tune_choice(),
         source,
         max_rel_error: f64::NAN,

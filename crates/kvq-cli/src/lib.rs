@@ -8,6 +8,7 @@ pub mod eval;
 pub mod gen;
 pub mod gpu;
 mod gpu_codebook;
+mod gpu_xquant;
 pub mod info;
 pub mod run;
 pub mod sample;

@@ -1,7 +1,7 @@
 //! `--scheme` arguments: a built-in name or scheme text, resolved to a [`SchemeSpec`] with errors
 //! that list the built-ins or point at the offending column.
 
-use kvq::codegen::{has_codebook_kernel, has_decode_kernel};
+use kvq::codegen::{has_codebook_kernel, has_decode_kernel, has_xquant_kernel};
 use kvq::schemes::{by_name, is_scheme_text, BUILTIN};
 use kvq::SchemeSpec;
 
@@ -23,15 +23,22 @@ impl Resolved {
         kvq::schemes::label(&self.spec)
     }
 
-    /// Whether the GPU kernels cover this scheme (integer and FP16 K/V caches; CommVQ and XQuant
-    /// run in the CPU reference only: [`has_decode_kernel`]).
+    /// Whether the integer/FP16 decode and cache kernels cover this scheme
+    /// ([`has_decode_kernel`]); codebook and XQuant schemes have their own decodes.
     pub fn has_gpu_kernel(&self) -> bool {
         has_decode_kernel(&self.spec)
     }
 
-    /// Whether its decode runs on the GPU: the integer/FP16 kernel or the codebook one.
+    /// Whether its decode runs on the GPU through the tuner: the integer/FP16 kernel or the
+    /// codebook one.
     pub fn runs_on_gpu(&self) -> bool {
         self.has_gpu_kernel() || has_codebook_kernel(&self.spec)
+    }
+
+    /// Whether any GPU decode serves it: [`runs_on_gpu`](Self::runs_on_gpu)'s, or XQuant's over
+    /// its latents (not tuned yet; XQuant-CL runs in the CPU reference only).
+    pub fn decodes_on_gpu(&self) -> bool {
+        self.runs_on_gpu() || has_xquant_kernel(&self.spec)
     }
 }
 

@@ -210,7 +210,9 @@ pub fn cache_kernels_with(
     if let CacheSource::X(_) = spec.source {
         return Err(CodegenError::Unsupported {
             family: "cache",
-            what: format!("`{spec}` (XQuant rematerialisation; the CPU reference covers it)"),
+            what: format!(
+                "`{spec}` (XQuant latents: no GPU cache writes yet; the CPU reference builds them)"
+            ),
         });
     }
     if [spec.k, spec.v]

@@ -668,7 +668,8 @@ pub const MAX_GQA: u32 = 128;
 pub const GENERIC_MAX_GQA: u32 = 64;
 
 /// Whether the scheme's family has a GPU decode kernel: K/V caches of `fp16` and `int(...)`
-/// tensors (XQuant and codebook tensors run in the CPU reference only). The command line and the
+/// tensors (XQuant latents and codebook tensors have their own decodes: `xquant_kernels`,
+/// `codebook_kernels`). The command line and the
 /// bench runner ask this before they take a scheme for the GPU.
 pub fn has_decode_kernel(spec: &SchemeSpec) -> bool {
     !matches!(spec.source, CacheSource::X(_))
@@ -781,7 +782,7 @@ pub fn decode_kernels(
     if let CacheSource::X(_) = spec.source {
         return Err(CodegenError::Unsupported {
             family: "decode",
-            what: format!("`{spec}` (XQuant rematerialisation; the CPU reference covers it)"),
+            what: format!("`{spec}` (XQuant: its latent decode is `xquant_kernels`)"),
         });
     }
     if [spec.k, spec.v]

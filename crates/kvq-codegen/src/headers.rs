@@ -41,6 +41,9 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/codebook/side.cuh",
     "kvq/codebook/decode.cuh",
     "kvq/codebook/encode.cuh",
+    "kvq/xquant/latents.cuh",
+    "kvq/xquant/rebuild.cuh",
+    "kvq/xquant/values.cuh",
     "kvq/xquant/decode.cuh",
 ];
 

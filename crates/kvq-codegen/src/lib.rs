@@ -50,5 +50,6 @@ pub use quantizer::{QuantizerForm, QuantizerForms};
 pub use shape::{Dtype, KernelShape};
 pub use tune::TuneParams;
 pub use xquant::{
-    latent_spec, xquant_kernels, xquant_rank, XQuantKernels, XQUANT_THREADS, XQUANT_TILE,
+    has_xquant_kernel, latent_spec, xquant_kernels, xquant_rank, xquant_tile, RebuildPrecision,
+    XQuantKernels, XQUANT_THREADS,
 };

@@ -198,3 +198,46 @@ fn wrong_inputs_are_typed_errors() {
     ));
     assert!(Projections::from_weights(&s.layer.w_k[1..], &s.layer.w_v, 96, 2, 64).is_err());
 }
+
+#[test]
+fn latents_from_elsewhere_store_as_the_layer_input_does() {
+    let s = layer(96);
+    let p = projections(&s);
+    let spec: SchemeSpec = "k = int(4, channel), v = int(4, token), source = x(latent)"
+        .parse()
+        .unwrap();
+    let x = &s.layer.x[..200 * 96];
+    let built = XQuantCache::build(&spec, x, &p, s.rope).unwrap();
+    let given =
+        XQuantCache::from_latents(&spec, &p.k.project(x), &p.v.project(x), &p, s.rope).unwrap();
+    assert_eq!(built, given);
+    let short = p.v.project(&x[..199 * 96]);
+    assert!(matches!(
+        XQuantCache::from_latents(&spec, &p.k.project(x), &short, &p, s.rope),
+        Err(RefError::Mismatch(_))
+    ));
+    let cl: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(cross_layer)"
+        .parse()
+        .unwrap();
+    assert!(matches!(
+        XQuantCache::from_latents(&cl, &p.k.project(x), &p.v.project(x), &p, s.rope),
+        Err(RefError::WrongEntryPoint(_))
+    ));
+}
+
+#[test]
+fn an_f16_rebuild_moves_k_by_f16_roundings_only() {
+    let s = layer(96);
+    let p = projections(&s);
+    let spec: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(latent)"
+        .parse()
+        .unwrap();
+    let cache = XQuantCache::build(&spec, &s.layer.x[..150 * 96], &p, s.rope).unwrap();
+    let (exact, f16) = (cache.dequantize(), cache.dequantize_f16_rebuild());
+    assert_eq!(exact.v.data, f16.v.data);
+    let err = relative_error(&f16.k.data, &exact.k.data);
+    // Two roundings of 2^-11 a product, partly cancelling over 96 latents: well below 2^-8,
+    // and not zero.
+    println!("relative K error of the f16 rebuild: {err:.3e}");
+    assert!(err > 0.0 && err < 2f64.powi(-8), "{err}");
+}

@@ -7,11 +7,12 @@
 //! # fn demo(jit: &kvq_runtime::Jit, cache: &kvq_reference::xquant::XQuantCache,
 //! #         q: &cudarc::driver::CudaSlice<u16>, out: &mut cudarc::driver::CudaSlice<u16>)
 //! #         -> kvq_runtime::Result<()> {
-//! use kvq_codegen::{Dtype, KernelShape};
+//! use kvq_codegen::{Dtype, KernelShape, RebuildPrecision};
 //! use kvq_runtime::xquant::{XQuantDeviceCache, XQuantKernel, XQuantScratch};
 //! let p = cache.projections();
-//! let kernel = XQuantKernel::load(jit, cache.spec(), &KernelShape::new(p.head_dim as u32, 4, Dtype::F16),
-//!                                 p.kv_heads, p.d_model())?;
+//! let shape = KernelShape::new(p.head_dim as u32, 4, Dtype::F16);
+//! let kernel = XQuantKernel::load(jit, cache.spec(), &shape, p.kv_heads, p.d_model(),
+//!                                 RebuildPrecision::F32)?;
 //! let stream = jit.device().default_stream();
 //! let gpu = XQuantDeviceCache::upload(&stream, std::slice::from_ref(cache))?;
 //! let mut scratch = XQuantScratch::new(&stream)?;
@@ -25,7 +26,7 @@ use crate::jit::Jit;
 use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args};
 use crate::nvrtc::CompileOptions;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
-use kvq_codegen::{xquant_kernels, KernelShape, XQuantKernels};
+use kvq_codegen::{xquant_kernels, KernelShape, RebuildPrecision, XQuantKernels};
 use kvq_reference::xquant::XQuantCache;
 use kvq_spec::SchemeSpec;
 use std::sync::Arc;
@@ -35,6 +36,7 @@ pub struct XQuantKernel {
     generated: XQuantKernels,
     spec: SchemeSpec,
     kv_heads: usize,
+    sm_count: u32,
     decode: CudaFunction,
     combine: CudaFunction,
 }
@@ -116,6 +118,17 @@ impl XQuantDeviceCache {
     pub fn batch(&self) -> usize {
         self.latents.batch()
     }
+
+    /// The longest sequence's tokens.
+    pub fn max_len(&self) -> usize {
+        self.latents.max_len()
+    }
+
+    /// Device bytes of the latents' store (pages, FP16 rows, page table, lengths); the
+    /// projections' factors not included.
+    pub fn latent_bytes(&self) -> usize {
+        self.latents.device_bytes()
+    }
 }
 
 /// `up` (`[rank][out]` f32) transposed to `[out][rank]` and split into f16 halves, `x ≈ hi + lo`
@@ -135,13 +148,15 @@ fn split_transposed(up: &[f32], rank: usize, out: usize) -> (Vec<u16>, Vec<u16>)
 
 impl XQuantKernel {
     /// Generates, compiles (through the JIT's caches) and loads the decode of `spec` for `shape`
-    /// over caches of `kv_heads` KV heads whose layer input is `d_model` wide.
+    /// over caches of `kv_heads` KV heads whose layer input is `d_model` wide, K rebuilt at
+    /// `precision`.
     pub fn load(
         jit: &Jit,
         spec: &SchemeSpec,
         shape: &KernelShape,
         kv_heads: usize,
         d_model: usize,
+        precision: RebuildPrecision,
     ) -> Result<Self> {
         let narrow = |x: usize, what: &str| {
             u32::try_from(x).map_err(|_| invalid(format!("{what} {x} past u32")))
@@ -151,6 +166,7 @@ impl XQuantKernel {
             shape,
             narrow(kv_heads, "KV heads")?,
             narrow(d_model, "d_model")?,
+            precision,
         )?;
         let source = unit_source(&generated.decode.name, &generated.source);
         let names = [
@@ -168,6 +184,7 @@ impl XQuantKernel {
             generated,
             spec: *spec,
             kv_heads,
+            sm_count: jit.device().props().sm_count,
             decode,
             combine,
         })
@@ -176,6 +193,39 @@ impl XQuantKernel {
     /// The generated source and launch metadata.
     pub fn generated(&self) -> &XQuantKernels {
         &self.generated
+    }
+
+    /// Splits for `batch` sequences of at most `max_len` tokens: about one CTA an SM (the decode
+    /// holds an SM's registers alone), never more splits than tiles.
+    pub fn default_splits(&self, batch: usize, max_len: usize) -> usize {
+        let pairs = (batch * self.kv_heads).max(1);
+        let most = max_len
+            .div_ceil(kvq_codegen::xquant_tile(self.generated.shape.head_dim) as usize)
+            .max(1);
+        (self.sm_count as usize).div_ceil(pairs).clamp(1, most)
+    }
+
+    /// The compiled decode's registers a thread, local-memory bytes a thread (spills) and CTAs
+    /// an SM can hold at its shared memory.
+    pub fn footprint(&self) -> Result<(i32, i32, u32)> {
+        let err = |what: &'static str| move |e| RuntimeError::driver(what, e);
+        let regs = self
+            .decode
+            .num_regs()
+            .map_err(err("read the decode's registers"))?;
+        let local = self
+            .decode
+            .local_size_bytes()
+            .map_err(err("read the decode's local memory"))?;
+        let ctas = self
+            .decode
+            .occupancy_max_active_blocks_per_multiprocessor(
+                self.generated.decode.block,
+                self.generated.decode.dynamic_shared_bytes as usize,
+                None,
+            )
+            .map_err(err("read the decode's occupancy"))?;
+        Ok((regs, local, ctas))
     }
 
     /// Enqueues decode attention for every sequence of `cache`: `q` and `out` are

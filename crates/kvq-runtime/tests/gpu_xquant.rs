@@ -9,7 +9,7 @@
 
 mod gated;
 
-use kvq_codegen::{Dtype, KernelShape};
+use kvq_codegen::{Dtype, KernelShape, RebuildPrecision};
 use kvq_reference::attention::{self, Queries};
 use kvq_reference::synth::{generate, SynthConfig};
 use kvq_reference::xquant::{Projections, XQuantCache};
@@ -76,6 +76,30 @@ const CASES: &[Case] = &[
         d_model: 576,
         lengths: &[1, 3, 101, 4097],
     },
+    Case {
+        scheme: "k = int(2, channel), v = int(2, token), source = x(latent)",
+        head_dim: 128,
+        gqa: 1,
+        dtype: Dtype::Bf16,
+        d_model: 256,
+        lengths: &[1, 129, 4097, 33000],
+    },
+    Case {
+        scheme: "k = int(4, channel), v = int(2, token), sink = 8, source = x(latent)",
+        head_dim: 256,
+        gqa: 2,
+        dtype: Dtype::F16,
+        d_model: 512,
+        lengths: &[1, 129, 1000],
+    },
+    Case {
+        scheme: "k = int(8, channel, symmetric), v = int(3, token), source = x(latent)",
+        head_dim: 96,
+        gqa: 3,
+        dtype: Dtype::F16,
+        d_model: 192,
+        lengths: &[1, 200],
+    },
 ];
 
 fn seed() -> u64 {
@@ -124,52 +148,60 @@ fn xquant_decode_matches_the_reference() {
         let per = q_heads * d;
         let (q_bits, q_vals) = random_queries(caches.len() * per, case.dtype, s ^ 7).unwrap();
         let shape = KernelShape::new(d as u32, gqa as u32, case.dtype);
-        let kernel = XQuantKernel::load(&jit, &spec, &shape, KV_HEADS, dm)
-            .unwrap_or_else(|e| panic!("{} {shape:?}: {e}", case.scheme));
         let gpu = XQuantDeviceCache::upload(&stream, &caches).expect("upload");
         let q_dev = stream.clone_htod(&q_bits).unwrap();
         let mut scratch = XQuantScratch::new(&stream).unwrap();
-        let wanted: Vec<Vec<f32>> = caches
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let q = Queries {
-                    data: q_vals[i * per..][..per].to_vec(),
-                    q_heads,
-                    head_dim: d,
-                };
-                attention::decode(&q, &c.dequantize(), None).unwrap()
-            })
-            .collect();
         let eps = match case.dtype {
             Dtype::F16 => 2f64.powi(-11),
             Dtype::Bf16 => 2f64.powi(-8),
         };
-        for splits in [1usize, 3, 16] {
-            let mut out = stream.clone_htod(&vec![0x7e00u16; q_bits.len()]).unwrap();
-            kernel
-                .attend(&stream, &gpu, &q_dev, &mut out, splits, &mut scratch)
-                .unwrap_or_else(|e| panic!("{}: {e}", case.scheme));
-            let got: Vec<u16> = stream.clone_dtoh(&out).unwrap();
-            for (i, want) in wanted.iter().enumerate() {
-                let top = want.iter().fold(1e-6f64, |m, w| m.max(w.abs() as f64));
-                for (j, w) in want.iter().enumerate() {
-                    let g = word_to_f32(got[i * per + j], case.dtype) as f64;
-                    // The output's rounding to the dtype, plus f32 sums (K rebuilt over the
-                    // latent, scores, Σ p·l̂) against the reference's f64: 1e-4 of the largest
-                    // output is far above both.
-                    let bound = eps * (*w as f64).abs() + 1e-4 * top;
-                    let err = (g - *w as f64).abs();
-                    assert!(
-                        err <= bound,
-                        "{} d{d} GQA {gqa} {:?} splits {splits}: sequence of {} tokens, output {j}: \
-                         {g} against {w} (error {err:.3e}, bound {bound:.3e})",
-                        case.scheme,
-                        case.dtype,
-                        case.lengths[i]
-                    );
-                    worst = worst.max(err / bound);
-                    checked += 1;
+        for precision in [RebuildPrecision::F32, RebuildPrecision::F16] {
+            let kernel = XQuantKernel::load(&jit, &spec, &shape, KV_HEADS, dm, precision)
+                .unwrap_or_else(|e| panic!("{} {shape:?} {precision:?}: {e}", case.scheme));
+            // The one-pass rebuild's reference rounds the latents and up_k to f16 first, as the
+            // kernel does; what is left in both is f32 summation.
+            let wanted: Vec<Vec<f32>> = caches
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    let q = Queries {
+                        data: q_vals[i * per..][..per].to_vec(),
+                        q_heads,
+                        head_dim: d,
+                    };
+                    let kv = match precision {
+                        RebuildPrecision::F32 => c.dequantize(),
+                        RebuildPrecision::F16 => c.dequantize_f16_rebuild(),
+                    };
+                    attention::decode(&q, &kv, None).unwrap()
+                })
+                .collect();
+            for splits in [1usize, 3, 16] {
+                let mut out = stream.clone_htod(&vec![0x7e00u16; q_bits.len()]).unwrap();
+                kernel
+                    .attend(&stream, &gpu, &q_dev, &mut out, splits, &mut scratch)
+                    .unwrap_or_else(|e| panic!("{}: {e}", case.scheme));
+                let got: Vec<u16> = stream.clone_dtoh(&out).unwrap();
+                for (i, want) in wanted.iter().enumerate() {
+                    let top = want.iter().fold(1e-6f64, |m, w| m.max(w.abs() as f64));
+                    for (j, w) in want.iter().enumerate() {
+                        let g = word_to_f32(got[i * per + j], case.dtype) as f64;
+                        // The output's rounding to the dtype, plus f32 sums (K rebuilt over the
+                        // latent, scores, Σ p·l̂) against the reference's f64: 1e-4 of the
+                        // largest output is far above both.
+                        let bound = eps * (*w as f64).abs() + 1e-4 * top;
+                        let err = (g - *w as f64).abs();
+                        assert!(
+                            err <= bound,
+                            "{} d{d} GQA {gqa} {:?} {precision:?} splits {splits}: sequence of {} \
+                             tokens, output {j}: {g} against {w} (error {err:.3e}, bound {bound:.3e})",
+                            case.scheme,
+                            case.dtype,
+                            case.lengths[i]
+                        );
+                        worst = worst.max(err / bound);
+                        checked += 1;
+                    }
                 }
             }
         }
@@ -178,17 +210,19 @@ fn xquant_decode_matches_the_reference() {
 }
 
 /// Times the decode (printing only: docs/BENCHMARKS.md holds the measured tables) at 32 query /
-/// 8 KV heads of 128, latents of 1,024 channels (`d_model` 1,024), 4,096 tokens, B = 1 and 16
-/// (one sequence's cache repeated), with the K rebuild's rate in tensor-core FLOP/s (three f16
-/// passes a product).
+/// 8 KV heads of 128 and latents of 1,024 channels (the latent width of any d_model ≥ 1,024, 4,096
+/// included: the decode never reads d_model), B = 1 and 16 (one sequence's cache repeated) × L =
+/// 4K and 32K, both rebuild precisions, over a sweep of split counts (the best printed). The
+/// latents are random (the time does not depend on their values), so long caches build quickly.
+/// The rate is the K rebuild's useful work, 2·R·D FLOP a token and KV head, over the whole step.
 fn xquant_decode_time() {
     let device = Device::open(0).expect("GPU");
     let jit = Jit::new(&device).expect("JIT");
     let stream = device.default_stream();
     let timer = GpuTimer::new(&jit).expect("timer");
-    let (kv, d, gqa, dm, len) = (8usize, 128usize, 4usize, 1024usize, 4096usize);
+    let (kv, d, gqa, dm) = (8usize, 128usize, 4usize, 1024usize);
     let layer = generate(&SynthConfig {
-        tokens: len,
+        tokens: 64,
         kv_heads: kv,
         gqa,
         head_dim: d,
@@ -197,6 +231,19 @@ fn xquant_decode_time() {
         ..Default::default()
     });
     let proj = Projections::from_weights(&layer.layer.w_k, &layer.layer.w_v, dm, kv, d).unwrap();
+    let r = proj.k.rank;
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut latents = |n: usize| -> Vec<f32> {
+        (0..n * r)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+            })
+            .collect()
+    };
+    let x32k = (latents(32768), latents(32768));
     for text in ["xquant2", "xquant4"] {
         let spec: SchemeSpec = match text {
             "xquant2" => "k = int(2, channel), v = int(2, token), source = x(latent)",
@@ -204,35 +251,69 @@ fn xquant_decode_time() {
         }
         .parse()
         .unwrap();
-        let one = XQuantCache::build(&spec, &layer.layer.x, &proj, layer.rope).unwrap();
-        let kernel = XQuantKernel::load(
-            &jit,
-            &spec,
-            &KernelShape::new(d as u32, gqa as u32, Dtype::F16),
-            kv,
-            dm,
-        )
-        .unwrap();
-        for (batch, splits) in [(1usize, 64usize), (16, 8)] {
-            let caches = vec![one.clone(); batch];
-            let gpu = XQuantDeviceCache::upload(&stream, &caches).unwrap();
-            let per = kv * gqa * d;
-            let (q_bits, _) = random_queries(batch * per, Dtype::F16, 3).unwrap();
-            let q_dev = stream.clone_htod(&q_bits).unwrap();
-            let mut out = stream.alloc_zeros::<u16>(batch * per).unwrap();
-            let mut scratch = XQuantScratch::new(&stream).unwrap();
-            let t = timer
-                .time(&stream, 3, 20, |s| {
-                    kernel.attend(s, &gpu, &q_dev, &mut out, splits, &mut scratch)
-                })
-                .unwrap();
-            let us = t.median_us();
-            let flops = 3.0 * 2.0 * (batch * len * kv * 1024 * d) as f64;
-            println!(
-                "{text} B={batch} L={len} ({splits} splits): {us:.1} us, K rebuild at {:.0} TFLOP/s \
-                 of f16 tensor work (3 passes)",
-                flops / us / 1e6
-            );
+        for len in [4096usize, 32768] {
+            let one = XQuantCache::from_latents(
+                &spec,
+                &x32k.0[..len * r],
+                &x32k.1[..len * r],
+                &proj,
+                layer.rope,
+            )
+            .unwrap();
+            for batch in [1usize, 16] {
+                let caches = vec![one.clone(); batch];
+                let gpu = XQuantDeviceCache::upload(&stream, &caches).unwrap();
+                let per = kv * gqa * d;
+                let (q_bits, _) = random_queries(batch * per, Dtype::F16, 3).unwrap();
+                let q_dev = stream.clone_htod(&q_bits).unwrap();
+                let mut out = stream.alloc_zeros::<u16>(batch * per).unwrap();
+                let mut scratch = XQuantScratch::new(&stream).unwrap();
+                for precision in [RebuildPrecision::F32, RebuildPrecision::F16] {
+                    // KVQ_TIME_ONLY="xquant2 F16 B=16 L=4096" (a part of the label) times one
+                    // configuration, e.g. under a profiler.
+                    let label = format!("{text} {precision:?} B={batch} L={len}");
+                    if std::env::var("KVQ_TIME_ONLY").is_ok_and(|f| !label.contains(&f)) {
+                        continue;
+                    }
+                    let shape = KernelShape::new(d as u32, gqa as u32, Dtype::F16);
+                    let kernel =
+                        XQuantKernel::load(&jit, &spec, &shape, kv, dm, precision).unwrap();
+                    if len == 4096 && batch == 1 {
+                        let (regs, local, ctas) = kernel.footprint().unwrap();
+                        println!(
+                            "{text} {precision:?}: {regs} registers, {local} spilled bytes a \
+                             thread, {ctas} CTAs an SM"
+                        );
+                    }
+                    let mut time = |splits: usize| {
+                        timer
+                            .time(&stream, 2, 10, |s| {
+                                kernel.attend(s, &gpu, &q_dev, &mut out, splits, &mut scratch)
+                            })
+                            .unwrap()
+                            .median_us()
+                    };
+                    let default_splits = kernel.default_splits(batch, len);
+                    let default_us = time(default_splits);
+                    let mut best = (default_us, default_splits);
+                    for splits in [1usize, 2, 4, 8, 16, 32, 64] {
+                        if splits * 128 <= len && splits != default_splits {
+                            let us = time(splits);
+                            if us < best.0 {
+                                best = (us, splits);
+                            }
+                        }
+                    }
+                    let flops = 2.0 * (batch * len * kv * r * d) as f64;
+                    println!(
+                        "{label}: {default_us:.1} us at the default {default_splits} splits (K \
+                         rebuild {:.0} TFLOP/s of useful work); best {:.1} us at {} splits",
+                        flops / default_us / 1e6,
+                        best.0,
+                        best.1
+                    );
+                }
+            }
         }
     }
 }

@@ -19,7 +19,7 @@ use common::{needs, other_calibrated_schemes, other_uncalibrated_schemes, run_tr
 use kvq::codegen::{
     cache_kernels_with, codebook_encode_kernels, codebook_kernels, decode_kernels,
     has_decode_kernel, merge_kernel, xquant_kernels, CodegenError, Dtype, KernelShape,
-    QuantizerForm, TuneParams,
+    QuantizerForm, RebuildPrecision, TuneParams,
 };
 use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
 use kvq::runtime::paged::forms_or_tiled;
@@ -141,14 +141,16 @@ fn xquant_decode_kernels_compile_for_sm80_and_sm90a() {
             Some(b) => b.spec,
             None => text.parse().unwrap_or_else(|e| panic!("{text}: {e}")),
         };
-        for (d, gqa, dtype, d_model) in [
-            (64, 1, Dtype::F16, 96),
-            (64, 7, Dtype::Bf16, 576),
-            (128, 4, Dtype::F16, 4096),
-            (128, 8, Dtype::Bf16, 4096),
+        for (d, gqa, dtype, d_model, precision) in [
+            (64, 1, Dtype::F16, 96, RebuildPrecision::F32),
+            (64, 7, Dtype::Bf16, 576, RebuildPrecision::F16),
+            (128, 4, Dtype::F16, 4096, RebuildPrecision::F16),
+            (128, 8, Dtype::Bf16, 4096, RebuildPrecision::F32),
+            (256, 2, Dtype::F16, 1024, RebuildPrecision::F32),
+            (96, 3, Dtype::F16, 384, RebuildPrecision::F16),
         ] {
             let shape = KernelShape::new(d, gqa, dtype);
-            let k = xquant_kernels(&spec, &shape, 8, d_model)
+            let k = xquant_kernels(&spec, &shape, 8, d_model, precision)
                 .unwrap_or_else(|e| panic!("{text} {shape:?}: {e}"));
             jobs.push(("xquant", shape, k.source));
         }
@@ -178,8 +180,8 @@ fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {
                             assert!(gpu_scheme, "{} should have no decode kernel yet", b.name);
                             jobs.push((b.name, shape, k.source));
                         }
-                        // Codebook and XQuant schemes run in the CPU reference only (for now), and
-                        // say so with a typed error.
+                        // Codebook and XQuant schemes have their own decodes (tested above), and
+                        // the integer path says so with a typed error.
                         Err(CodegenError::Unsupported { .. }) if !gpu_scheme => {}
                         Err(e) => panic!("{} {shape:?}: {e}", b.name),
                     }

@@ -265,7 +265,7 @@ pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
     }
     if !req.scheme.has_gpu_kernel() {
         return Err(CliError::Unsupported(format!(
-            "`{}` has no GPU kernel yet (XQuant runs in the CPU reference only); GPU schemes: \
+            "`{}` has no kernels in `kvq gen` yet (XQuant's GPU decode is not exported); schemes: \
              fp16, kivi2, kivi4, kitty, kitty-pro, calibquant1, calibquant2, int8, commvq1, \
              commvq2, or scheme text of fp16/int(...)/codebook(...) tensors",
             req.scheme.label()

@@ -76,10 +76,39 @@ impl XQuantCache {
         projections: &Projections,
         rope: Rope,
     ) -> Result<Self, RefError> {
-        let tokens = check_x(spec, XSource::Latent, x, projections, "x")?;
+        check_x(spec, XSource::Latent, x, projections, "x")?;
         let (pk, pv) = (&projections.k, &projections.v);
-        let lk = latent_tensor(pk.project(x), tokens, pk.rank)?;
-        let lv = latent_tensor(pv.project(x), tokens, pv.rank)?;
+        Self::from_latents(spec, &pk.project(x), &pv.project(x), projections, rope)
+    }
+
+    /// `source = x(latent)` from latents computed elsewhere (`[tokens][rank]` each, e.g. `X·down`
+    /// on a GPU): quantized and stored as [`build`](Self::build) stores its own.
+    pub fn from_latents(
+        spec: &SchemeSpec,
+        latent_k: &[f32],
+        latent_v: &[f32],
+        projections: &Projections,
+        rope: Rope,
+    ) -> Result<Self, RefError> {
+        if spec.source != CacheSource::X(XSource::Latent) {
+            return Err(RefError::WrongEntryPoint(format!(
+                "`XQuantCache::from_latents` serves `source = x(latent)`; this scheme is `{spec}`"
+            )));
+        }
+        let (pk, pv) = (&projections.k, &projections.v);
+        let rank = pk.rank.max(1);
+        let tokens = latent_k.len() / rank;
+        if latent_k.len() != tokens * pk.rank || latent_v.len() != tokens * pv.rank {
+            return Err(RefError::Mismatch(format!(
+                "latents of {} and {} values are not the same tokens of rank {} and {}",
+                latent_k.len(),
+                latent_v.len(),
+                pk.rank,
+                pv.rank
+            )));
+        }
+        let lk = latent_tensor(latent_k.to_vec(), tokens, pk.rank)?;
+        let lv = latent_tensor(latent_v.to_vec(), tokens, pv.rank)?;
         Ok(Self {
             spec: *spec,
             tokens,
@@ -180,15 +209,36 @@ impl XQuantCache {
     /// Rematerialised `K̂ = RoPE(L̂_k · up_k)` and `V̂ = L̂_v · up_v`.
     pub fn dequantize(&self) -> Dequantized {
         let (lk, lv, k_quantized) = self.latents();
+        let k = self.rebuild_k(&self.projections.k.expand(&lk));
         let (h, d) = (self.projections.kv_heads, self.projections.head_dim);
-        let mut k = to_head_major(&self.projections.k.expand(&lk), self.tokens, h, d);
+        let v = to_head_major(&self.projections.v.expand(&lv), self.tokens, h, d);
+        Dequantized { k, v, k_quantized }
+    }
+
+    /// As [`dequantize`](Self::dequantize), with K rebuilt from the f16 roundings (to nearest) of
+    /// the latents and of `up_k`, products summed in f64: what a one-pass f16 tensor-core rebuild
+    /// computes up to its f32 sums (kvq-codegen's `RebuildPrecision::F16`).
+    pub fn dequantize_f16_rebuild(&self) -> Dequantized {
+        let (lk, lv, k_quantized) = self.latents();
+        let round = |x: &[f32]| -> Vec<f32> {
+            x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect()
+        };
+        let p = &self.projections;
+        let k = self.rebuild_k(&matmul64(&round(&lk), &round(&p.k.up), p.k.rank, p.k.out));
+        let v = to_head_major(&p.v.expand(&lv), self.tokens, p.kv_heads, p.head_dim);
+        Dequantized { k, v, k_quantized }
+    }
+
+    /// `[tokens][kv_heads·head_dim]` products to head-major K with RoPE at each position.
+    fn rebuild_k(&self, rows: &[f32]) -> KvTensor {
+        let (h, d) = (self.projections.kv_heads, self.projections.head_dim);
+        let mut k = to_head_major(rows, self.tokens, h, d);
         for head in 0..h {
             for t in 0..self.tokens {
                 self.rope.apply(k.row_mut(head, t), t);
             }
         }
-        let v = to_head_major(&self.projections.v.expand(&lv), self.tokens, h, d);
-        Dequantized { k, v, k_quantized }
+        k
     }
 
     /// `Σ_t p_t v̂_t` `[q_heads][head_dim]` without rematerialising V: `(Σ_t p_t l̂_t) · up_v`.

@@ -64,6 +64,21 @@ static __device__ __forceinline__ kvq_u32 kvq_trans8x8(kvq_u32 x) {
     asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
     return y;
 }
+// Shared-memory address of a generic pointer into shared memory, and a 16-byte asynchronous copy to it.
+static __device__ __forceinline__ unsigned kvq_smem_u32(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+static __device__ __forceinline__ void kvq_cp_async16(unsigned dst, const kvq_u8* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+// Four 8x8 matrices of 16-bit values from shared memory as mma fragments: lane l gives the row
+// address of matrix l / 8, row l % 8, and receives row l / 4, columns 2(l % 4) + {0, 1} of each.
+static __device__ __forceinline__ void kvq_ldsm_x4(kvq_u32 (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
 static __device__ __forceinline__ float kvq_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

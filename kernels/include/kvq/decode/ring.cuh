@@ -77,12 +77,6 @@ static_assert(KVQ_STAGES == 0 || sizeof(KvqChunk) <= ST_HEADER_BYTES, "the stage
 
 // The shared-memory address of a generic pointer into shared memory. Worked out once per warp: per
 // copy, the conversion cost a read of the CTA's shared window (S2R) and 64-bit arithmetic.
-static __device__ __forceinline__ unsigned kvq_smem_u32(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-static __device__ __forceinline__ void kvq_cp_async16(unsigned dst, const kvq_u8* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
 // Copies [src, src + bytes) to shared address dst in 16-byte pieces from the 16-byte boundary below
 // src (the general staging path where the header keeps skews, see KvqChunk); returns where src's
 // first byte lands (0, as sections start aligned).

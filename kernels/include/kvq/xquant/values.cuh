@@ -1,0 +1,145 @@
+#pragma once
+// V's side of the XQuant decode (kvq/xquant/decode.cuh): Σ_t p_t·l̂_v,t over the latent, a row a
+// query head, which the split multiplies by up_v once at its end.
+//
+// On tensor cores (TENSOR_V: token-axis V latents with one group a row, 2 or 4 bits, R ≤ 1024), for
+// tiles wholly inside the quantized region: l̂_t,c = s_t·code_t,c + z_t, so
+// Σ_t p_t·l̂_t,c = Σ_t (p_t·s_t)·code_t,c + Σ_t p_t·z_t. The codes are exact in f16; W = p·s is split
+// into two f16 halves (two products, about f32's precision); the tile's code rows wait in shared
+// memory (cp.async during K's rebuild), and each warp owns every eighth 16-channel m-tile of the
+// latent: O_c,h += codeᵀ·W, with the channels as the mma's rows and the query heads (8, padded) as
+// its columns. The zero term Σ p·z is a number a query head.
+//
+// Elsewhere (tiles with FP16 sink or tail rows, and other V latents), on CUDA cores: a thread owns
+// XQ_VQ consecutive channels and adds Σ_t p_t·l̂_t,c into the split's sums in shared memory, a batch
+// of tokens' raw latents in flight at once.
+static constexpr int XQ_VMT = (XR / 16 + 7) / 8;                     // V m-tiles a warp (tensor path)
+static constexpr int XQ_VROW = XR * VTensor::BITS / 8;               // bytes of a V code row
+static constexpr int XQ_VLD = XQ_VROW + 16;                          // staged V row stride (bytes): banks apart
+static constexpr int XQ_WLD = XQ_M + 8;                              // W row stride (halves): banks apart
+static_assert(!TENSOR_V || (VTensor::AXIS == KvqAxis::Token && VTensor::GROUPS_PER_TOKEN == 1 &&
+                            (VTensor::BITS == 2 || VTensor::BITS == 4) && XR <= 1024 && XQ_VROW % 16 == 0),
+              "tensor-core values: token-axis latents, one group a row, 2 or 4 bits, at most 1024, whole 16-byte rows");
+
+using XqVSpan = XqSpan<VTensor, XQ_VQ>;
+
+// Copies the tile's V code rows (page rows only: the tensor path's tiles) into sV by cp.async.
+static __device__ __forceinline__ void xq_copy_v_rows(const XqLoc* vloc, int n, kvq_u8* sV) {
+    constexpr int PIECES = XQ_VROW / 16;
+    for (int i = threadIdx.x; i < n * PIECES; i += THREADS) {
+        const int t = i / PIECES, k = (i % PIECES) * 16;
+        const XqLoc l = vloc[t];
+        const kvq_u8* src = l.block + VTensor::CODES_OFFSET + (long)l.row * XQ_VROW + k;
+        kvq_cp_async16(kvq_smem_u32(sV + t * XQ_VLD + k), src);
+    }
+}
+
+// Scale and zero of a page row's V latents (one group a row); symmetric codes' zero is −offset·scale.
+static __device__ __forceinline__ void xq_v_scale_zero(const XqLoc& l, float& s, float& z) {
+    s = 0.f;
+    z = 0.f;
+    if (!l.page) return;
+    s = kvq_f16_to_f32(((const kvq_u16*)(l.block + VTensor::SCALES_OFFSET))[l.row]);
+    if constexpr (VTensor::SYMMETRIC) z = -(float)VTensor::OFFSET * s;
+    else z = kvq_f16_to_f32(((const kvq_u16*)(l.block + VTensor::ZEROS_OFFSET))[l.row]);
+}
+
+// Codes of one channel at two tokens (two words shifted so the channel sits at bit 0 or 16; `high`
+// picks 16) as an exact f16 pair, the first token low.
+template <bool HIGH>
+static __device__ __forceinline__ kvq_u32 xq_code_pair(kvq_u32 a, kvq_u32 b) {
+    constexpr kvq_u32 MASK = VTensor::MASK * 0x10001u;
+    const kvq_u32 v = kvq_prmt(a, b, HIGH ? 0x7632u : 0x5410u);
+    return kvq_h2_sub(kvq_and_or<MASK>(v, 0x64006400u), 0x64006400u);
+}
+
+// vo += codeᵀ·W over the tile's XQ_M tokens for this warp's m-tiles (m-tile i is channels
+// 16·(warp + 8i) + [0, 16)); W is [2 parts][8 heads][XQ_WLD] f16, zero past the tile's tokens.
+static __device__ __forceinline__ void xq_values_mma(float (&vo)[XQ_VMT][4], const kvq_u8* sV, const kvq_u16* sW, int warp,
+                                                     int lane) {
+    const int g = lane / 4, tq = lane % 4;
+#pragma unroll 2
+    for (int ks = 0; ks < XQ_M / 16; ++ks) {
+        const int t0 = ks * 16 + 2 * tq;
+        kvq_u32 b[2][2];
+#pragma unroll
+        for (int part = 0; part < 2; ++part) {
+            b[part][0] = *(const kvq_u32*)(sW + (part * 8 + g) * XQ_WLD + t0);
+            b[part][1] = *(const kvq_u32*)(sW + (part * 8 + g) * XQ_WLD + t0 + 8);
+        }
+        const kvq_u32* r0 = (const kvq_u32*)(sV + t0 * XQ_VLD);
+        const kvq_u32* r1 = (const kvq_u32*)(sV + (t0 + 1) * XQ_VLD);
+        const kvq_u32* r8 = (const kvq_u32*)(sV + (t0 + 8) * XQ_VLD);
+        const kvq_u32* r9 = (const kvq_u32*)(sV + (t0 + 9) * XQ_VLD);
+#pragma unroll
+        for (int i = 0; i < XQ_VMT; ++i) {
+            const int mt = warp + 8 * i;
+            if (mt < XR / 16) {
+                kvq_u32 a[4];
+                if constexpr (VTensor::BITS == 2) {
+                    // Channel g at bit 2g of word mt, channel g + 8 at bit 2g + 16.
+                    const int sh = 2 * g;
+                    const kvq_u32 w0 = r0[mt] >> sh, w1 = r1[mt] >> sh, w8 = r8[mt] >> sh, w9 = r9[mt] >> sh;
+                    a[0] = xq_code_pair<false>(w0, w1);
+                    a[1] = xq_code_pair<true>(w0, w1);
+                    a[2] = xq_code_pair<false>(w8, w9);
+                    a[3] = xq_code_pair<true>(w8, w9);
+                } else {
+                    // Channel g at bit 4g of word 2mt, channel g + 8 at bit 4g of word 2mt + 1.
+                    const int sh = 4 * g;
+                    a[0] = xq_code_pair<false>(r0[2 * mt] >> sh, r1[2 * mt] >> sh);
+                    a[1] = xq_code_pair<false>(r0[2 * mt + 1] >> sh, r1[2 * mt + 1] >> sh);
+                    a[2] = xq_code_pair<false>(r8[2 * mt] >> sh, r9[2 * mt] >> sh);
+                    a[3] = xq_code_pair<false>(r8[2 * mt + 1] >> sh, r9[2 * mt + 1] >> sh);
+                }
+                kvq_mma(vo[i], a[0], a[1], a[2], a[3], b[0][0], b[0][1]);
+                kvq_mma(vo[i], a[0], a[1], a[2], a[3], b[1][0], b[1][1]);
+            }
+        }
+    }
+}
+
+// Σ_t p_t·l̂_t over the tile's n tokens into the split's sums vsum [GQA][XR] on CUDA cores: this
+// thread's channels XQ_VQ·(threadIdx.x + THREADS·j) + [0, XQ_VQ).
+static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const float (*p)[XQ_M], int n, float* vsum) {
+    constexpr int VJ = (XR + XQ_VQ * THREADS - 1) / (XQ_VQ * THREADS);
+    constexpr int VB = 8 / VJ;   // tokens whose raw latents are loaded before any is used
+    for (int tb = 0; tb < n; tb += VB) {
+        XqVSpan raw[VB][VJ];
+#pragma unroll
+        for (int u = 0; u < VB; ++u)
+            if (tb + u < n) {
+                const XqLoc l = vloc[tb + u];
+#pragma unroll
+                for (int j = 0; j < VJ; ++j) {
+                    const int c0 = XQ_VQ * (threadIdx.x + THREADS * j);
+                    if (c0 < XR) raw[u][j].load(l, c0);
+                }
+            }
+#pragma unroll
+        for (int j = 0; j < VJ; ++j) {
+            const int c0 = XQ_VQ * (threadIdx.x + THREADS * j);
+            if (c0 >= XR) continue;
+            float acc[GQA][XQ_VQ];
+#pragma unroll
+            for (int h = 0; h < GQA; ++h)
+#pragma unroll
+                for (int e = 0; e < XQ_VQ; ++e) acc[h][e] = vsum[h * XR + c0 + e];
+#pragma unroll
+            for (int u = 0; u < VB; ++u)
+                if (tb + u < n) {
+                    float x[XQ_VQ];
+#pragma unroll
+                    for (int e = 0; e < XQ_VQ; ++e) x[e] = raw[u][j].value(c0, e);
+#pragma unroll
+                    for (int h = 0; h < GQA; ++h)
+#pragma unroll
+                        for (int e = 0; e < XQ_VQ; ++e) acc[h][e] = fmaf(p[h][tb + u], x[e], acc[h][e]);
+                }
+#pragma unroll
+            for (int h = 0; h < GQA; ++h)
+#pragma unroll
+                for (int e = 0; e < XQ_VQ; ++e) vsum[h * XR + c0 + e] = acc[h][e];
+        }
+    }
+}
