@@ -64,6 +64,10 @@ pub fn xquant_tile(head_dim: u32) -> u32 {
 /// latents with one group a row, 2 or 4 bits, at most 1,024 wide, rows of whole 16-byte pieces.
 /// Other latents sum on CUDA cores.
 fn tensor_values(spec: &SchemeSpec, rank: usize) -> bool {
+    if spec.source != CacheSource::X(XSource::Latent) {
+        // XQuant-CL adds its accumulator's latents on CUDA cores.
+        return false;
+    }
     match &spec.v {
         TensorQuant::Int(q) => {
             q.axis == Axis::Token
@@ -133,6 +137,7 @@ struct UnitCtx {
     tile: u32,
     passes: u32,
     tensor_v: bool,
+    cross_layer: bool,
     smem_bytes: usize,
     page: u32,
     sink: u32,
@@ -143,12 +148,12 @@ struct UnitCtx {
     combine_threads: u32,
 }
 
-/// Whether `spec` has a GPU decode over its XQuant latents (`source = x(latent)` with plain
-/// integer latents, uncalibrated); shapes are checked when the kernel is built
-/// ([`xquant_kernels`]).
+/// Whether `spec` has a GPU decode over its XQuant latents (`source = x(latent)` or
+/// `x(cross_layer)` with plain integer latents, uncalibrated); shapes are checked when the kernel
+/// is built ([`xquant_kernels`]).
 pub fn has_xquant_kernel(spec: &SchemeSpec) -> bool {
     let plain = |t: &TensorQuant| matches!(t, TensorQuant::Int(q) if q.boost.is_none());
-    spec.source == CacheSource::X(XSource::Latent)
+    matches!(spec.source, CacheSource::X(_))
         && plain(&spec.k)
         && plain(&spec.v)
         && spec.calibrate.is_none()
@@ -175,12 +180,8 @@ fn unsupported(
     rank: usize,
     precision: RebuildPrecision,
 ) -> Option<String> {
-    match spec.source {
-        CacheSource::X(XSource::Latent) => {}
-        CacheSource::X(XSource::CrossLayer) => {
-            return Some("cross-layer XQuant (the accumulator path is not built yet)".into())
-        }
-        CacheSource::Kv => return Some("schemes that cache K and V (not XQuant)".into()),
+    if spec.source == CacheSource::Kv {
+        return Some("schemes that cache K and V (not XQuant)".into());
     }
     for (name, t) in [("k", &spec.k), ("v", &spec.v)] {
         match t {
@@ -254,6 +255,7 @@ pub fn xquant_kernels(
         tile: xquant_tile(shape.head_dim),
         passes: precision.passes(),
         tensor_v: tensor_values(spec, rank),
+        cross_layer: spec.source == CacheSource::X(XSource::CrossLayer),
         smem_bytes: dynamic_shared_bytes(spec, shape, rank, precision),
         page: spec.page,
         sink: spec.sink,
@@ -282,6 +284,9 @@ pub fn xquant_kernels(
             param("const uint16_t*", "up_k_lo"),
             param("const float*", "up_v"),
             param("const double*", "rope_freq"),
+            param("const float*", "base_k"),
+            param("const float*", "base_v"),
+            param("int32_t", "base_rows"),
             param("float*", "part_acc"),
             param("float*", "part_ml"),
         ],
@@ -348,8 +353,15 @@ mod tests {
         assert!(!k.source.contains("{{") && !k.source.contains("{%"));
         assert_eq!(xquant_rank(576, 3, 64), 192);
         assert_eq!(xquant_rank(96, 2, 64), 96);
+        let cl: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(cross_layer)"
+            .parse()
+            .unwrap();
+        let k_cl = xquant_kernels(&cl, &shape, 8, 4096, RebuildPrecision::F16).unwrap();
+        assert!(k_cl
+            .source
+            .contains("static constexpr bool CROSS_LAYER = true;"));
+        assert!(!k_cl.tensor_values);
         for bad in [
-            "k = int(2, channel), v = int(2, token), source = x(cross_layer)",
             "k = int(2, channel), v = int(2, token)",
             "k = int(8, token, group = 4), v = int(2, token), source = x(latent)",
         ] {
@@ -359,11 +371,9 @@ mod tests {
                 Err(CodegenError::Unsupported { .. })
             ));
         }
-        assert!(has_xquant_kernel(&spec));
+        assert!(has_xquant_kernel(&spec) && has_xquant_kernel(&cl));
         assert!(!has_xquant_kernel(
-            &"k = int(2, channel), v = int(2, token), source = x(cross_layer)"
-                .parse()
-                .unwrap()
+            &"k = int(2, channel), v = int(2, token)".parse().unwrap()
         ));
         for (d, gqa) in [(48, 4), (128, 9), (288, 1)] {
             assert!(xquant_kernels(

@@ -1,7 +1,8 @@
-//! XQuant (`source = x(latent)`) on the GPU: the fused decode over a batch's latent caches
-//! ([`XQuantKernel`], [`XQuantDeviceCache`]). The latents live in the integer store of
-//! docs/LAYOUT.md as one "head" of `R` channels; the decode rebuilds K from them per tile on tensor
-//! cores and never rebuilds V (docs/CODEBOOKS.md §3.1).
+//! XQuant (`source = x(latent)` and `x(cross_layer)`) on the GPU: the fused decode over a batch's
+//! latent caches ([`XQuantKernel`], [`XQuantDeviceCache`]). The latents live in the integer store
+//! of docs/LAYOUT.md as one "head" of `R` channels; the decode rebuilds K from them per tile on
+//! tensor cores and never rebuilds V (docs/CODEBOOKS.md §3.1). XQuant-CL's caches carry their
+//! accumulator's latents, which the decode adds to the stored deltas.
 //!
 //! ```no_run
 //! # fn demo(jit: &kvq_runtime::Jit, cache: &kvq_reference::xquant::XQuantCache,
@@ -28,7 +29,7 @@ use crate::nvrtc::CompileOptions;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use kvq_codegen::{xquant_kernels, KernelShape, RebuildPrecision, XQuantKernels};
 use kvq_reference::xquant::XQuantCache;
-use kvq_spec::SchemeSpec;
+use kvq_spec::{CacheSource, SchemeSpec, XSource};
 use std::sync::Arc;
 
 /// An XQuant scheme's decode and combine kernels for one shape, compiled and loaded.
@@ -54,6 +55,10 @@ pub struct XQuantDeviceCache {
     up_k_lo: CudaSlice<u16>,
     up_v: CudaSlice<f32>,
     rope_freq: CudaSlice<f64>,
+    /// XQuant-CL: the accumulator's latents (`X̂_{i−1}·down_k`, `·down_v`), f32
+    /// `[batch][base_rows][rank]`, which the decode adds to the stored deltas.
+    base: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    base_rows: usize,
 }
 
 /// The split partials the XQuant decode writes and its combine reads.
@@ -82,6 +87,36 @@ impl XQuantDeviceCache {
         let stored: Vec<&kvq_reference::int::IntCache> =
             caches.iter().map(|c| c.stored()).collect();
         let latents = GpuCache::upload(stream, &stored)?;
+        let base_rows = latents.max_len().max(1);
+        let base = match first.spec().source {
+            CacheSource::X(XSource::CrossLayer) => {
+                let rank = first.projections().k.rank;
+                let (mut k, mut v) = (
+                    vec![0f32; caches.len() * base_rows * rank],
+                    vec![0f32; caches.len() * base_rows * rank],
+                );
+                for (i, c) in caches.iter().enumerate() {
+                    let (bk, bv) = c.accumulator_latents().ok_or_else(|| {
+                        invalid(format!(
+                            "sequence {i}: a cross-layer cache without its accumulator"
+                        ))
+                    })?;
+                    let at = i * base_rows * rank;
+                    k[at..at + bk.len()].copy_from_slice(bk);
+                    v[at..at + bv.len()].copy_from_slice(bv);
+                }
+                let up = |x: &[f32], what: &str| {
+                    stream
+                        .clone_htod(x)
+                        .map_err(|e| RuntimeError::driver(format!("upload {what}"), e))
+                };
+                Some((
+                    up(&k, "the accumulator's K latents")?,
+                    up(&v, "the accumulator's V latents")?,
+                ))
+            }
+            _ => None,
+        };
         let p = first.projections();
         let (h, d) = (p.kv_heads, p.head_dim);
         let theta = first.rope().theta;
@@ -111,6 +146,8 @@ impl XQuantDeviceCache {
                 .clone_htod(&freq)
                 .map_err(|e| RuntimeError::driver("upload the RoPE frequencies", e))?,
             latents,
+            base,
+            base_rows,
         })
     }
 
@@ -277,6 +314,8 @@ impl XQuantKernel {
         let view = cache.latents.view();
         let max_pages = i32::try_from(view.max_pages)
             .map_err(|_| invalid(format!("{} pages", view.max_pages)))?;
+        let base_rows = i32::try_from(cache.base_rows)
+            .map_err(|_| invalid(format!("{} accumulator rows", cache.base_rows)))?;
         let cfg = LaunchConfig {
             grid_dim: (splits as u32, self.kv_heads as u32, batch as u32),
             block_dim: (self.generated.decode.block, 1, 1),
@@ -297,7 +336,12 @@ impl XQuantKernel {
             .buffer(&cache.up_k_hi)
             .buffer(&cache.up_k_lo)
             .buffer(&cache.up_v)
-            .buffer(&cache.rope_freq)
+            .buffer(&cache.rope_freq);
+        match &cache.base {
+            Some((k, v)) => args.buffer(k).buffer(v),
+            None => args.null().null(),
+        };
+        args.int(base_rows)
             .buffer_mut(&mut scratch.part_acc)
             .buffer_mut(&mut scratch.part_ml);
         // SAFETY: the arguments follow the decode entry's params; the latents were uploaded for

@@ -23,6 +23,10 @@ const TESTS: &[(&str, fn())] = &[
         "xquant_decode_matches_the_reference",
         xquant_decode_matches_the_reference,
     ),
+    (
+        "xquant_cross_layer_stack_matches_the_reference",
+        xquant_cross_layer_stack_matches_the_reference,
+    ),
     ("xquant_decode_time", xquant_decode_time),
 ];
 
@@ -115,11 +119,89 @@ fn seed() -> u64 {
     s
 }
 
+/// One scheme and shape over a batch of caches (one per sequence), both rebuild precisions, 1/3/16
+/// splits: every output against the reference's attention within its bound. Returns the outputs
+/// checked and the largest error over its bound.
+#[allow(clippy::too_many_arguments)]
+fn check_batch(
+    jit: &Jit,
+    label: &str,
+    spec: &SchemeSpec,
+    shape: KernelShape,
+    d_model: usize,
+    caches: &[XQuantCache],
+    seed: u64,
+) -> (usize, f64) {
+    let stream = jit.device().default_stream();
+    let (d, gqa) = (shape.head_dim as usize, shape.gqa as usize);
+    let q_heads = KV_HEADS * gqa;
+    let per = q_heads * d;
+    let (q_bits, q_vals) = random_queries(caches.len() * per, shape.dtype, seed ^ 7).unwrap();
+    let gpu = XQuantDeviceCache::upload(&stream, caches).expect("upload");
+    let q_dev = stream.clone_htod(&q_bits).unwrap();
+    let mut scratch = XQuantScratch::new(&stream).unwrap();
+    let eps = match shape.dtype {
+        Dtype::F16 => 2f64.powi(-11),
+        Dtype::Bf16 => 2f64.powi(-8),
+    };
+    let (mut checked, mut worst) = (0usize, 0f64);
+    for precision in [RebuildPrecision::F32, RebuildPrecision::F16] {
+        let kernel = XQuantKernel::load(jit, spec, &shape, KV_HEADS, d_model, precision)
+            .unwrap_or_else(|e| panic!("{label} {shape:?} {precision:?}: {e}"));
+        // The one-pass rebuild's reference rounds the latents and up_k to f16 first, as the
+        // kernel does; what is left in both is f32 summation.
+        let wanted: Vec<Vec<f32>> = caches
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let q = Queries {
+                    data: q_vals[i * per..][..per].to_vec(),
+                    q_heads,
+                    head_dim: d,
+                };
+                let kv = match precision {
+                    RebuildPrecision::F32 => c.dequantize(),
+                    RebuildPrecision::F16 => c.dequantize_f16_rebuild(),
+                };
+                attention::decode(&q, &kv, None).unwrap()
+            })
+            .collect();
+        for splits in [1usize, 3, 16] {
+            let mut out = stream.clone_htod(&vec![0x7e00u16; q_bits.len()]).unwrap();
+            kernel
+                .attend(&stream, &gpu, &q_dev, &mut out, splits, &mut scratch)
+                .unwrap_or_else(|e| panic!("{label}: {e}"));
+            let got: Vec<u16> = stream.clone_dtoh(&out).unwrap();
+            for (i, want) in wanted.iter().enumerate() {
+                let top = want.iter().fold(1e-6f64, |m, w| m.max(w.abs() as f64));
+                for (j, w) in want.iter().enumerate() {
+                    let g = word_to_f32(got[i * per + j], shape.dtype) as f64;
+                    // The output's rounding to the dtype, plus f32 sums (K rebuilt over the
+                    // latent, scores, Σ p·l̂) against the reference's f64: 1e-4 of the largest
+                    // output is far above both.
+                    let bound = eps * (*w as f64).abs() + 1e-4 * top;
+                    let err = (g - *w as f64).abs();
+                    assert!(
+                        err <= bound,
+                        "{label} d{d} GQA {gqa} {:?} {precision:?} splits {splits}: sequence of \
+                         {} tokens, output {j}: {g} against {w} (error {err:.3e}, bound \
+                         {bound:.3e})",
+                        shape.dtype,
+                        caches[i].tokens()
+                    );
+                    worst = worst.max(err / bound);
+                    checked += 1;
+                }
+            }
+        }
+    }
+    (checked, worst)
+}
+
 fn xquant_decode_matches_the_reference() {
     let s = seed();
     let device = Device::open(0).expect("GPU");
     let jit = Jit::new(&device).expect("JIT");
-    let stream = device.default_stream();
     let (mut checked, mut worst) = (0usize, 0f64);
     for (ci, case) in CASES.iter().enumerate() {
         let s = s ^ (ci as u64 * 0x51ed);
@@ -144,69 +226,72 @@ fn xquant_decode_matches_the_reference() {
                 XQuantCache::build(&spec, &layer.layer.x[..n * dm], &proj, layer.rope).unwrap()
             })
             .collect();
-        let q_heads = KV_HEADS * gqa;
-        let per = q_heads * d;
-        let (q_bits, q_vals) = random_queries(caches.len() * per, case.dtype, s ^ 7).unwrap();
         let shape = KernelShape::new(d as u32, gqa as u32, case.dtype);
-        let gpu = XQuantDeviceCache::upload(&stream, &caches).expect("upload");
-        let q_dev = stream.clone_htod(&q_bits).unwrap();
-        let mut scratch = XQuantScratch::new(&stream).unwrap();
-        let eps = match case.dtype {
-            Dtype::F16 => 2f64.powi(-11),
-            Dtype::Bf16 => 2f64.powi(-8),
-        };
-        for precision in [RebuildPrecision::F32, RebuildPrecision::F16] {
-            let kernel = XQuantKernel::load(&jit, &spec, &shape, KV_HEADS, dm, precision)
-                .unwrap_or_else(|e| panic!("{} {shape:?} {precision:?}: {e}", case.scheme));
-            // The one-pass rebuild's reference rounds the latents and up_k to f16 first, as the
-            // kernel does; what is left in both is f32 summation.
-            let wanted: Vec<Vec<f32>> = caches
-                .iter()
-                .enumerate()
-                .map(|(i, c)| {
-                    let q = Queries {
-                        data: q_vals[i * per..][..per].to_vec(),
-                        q_heads,
-                        head_dim: d,
-                    };
-                    let kv = match precision {
-                        RebuildPrecision::F32 => c.dequantize(),
-                        RebuildPrecision::F16 => c.dequantize_f16_rebuild(),
-                    };
-                    attention::decode(&q, &kv, None).unwrap()
-                })
-                .collect();
-            for splits in [1usize, 3, 16] {
-                let mut out = stream.clone_htod(&vec![0x7e00u16; q_bits.len()]).unwrap();
-                kernel
-                    .attend(&stream, &gpu, &q_dev, &mut out, splits, &mut scratch)
-                    .unwrap_or_else(|e| panic!("{}: {e}", case.scheme));
-                let got: Vec<u16> = stream.clone_dtoh(&out).unwrap();
-                for (i, want) in wanted.iter().enumerate() {
-                    let top = want.iter().fold(1e-6f64, |m, w| m.max(w.abs() as f64));
-                    for (j, w) in want.iter().enumerate() {
-                        let g = word_to_f32(got[i * per + j], case.dtype) as f64;
-                        // The output's rounding to the dtype, plus f32 sums (K rebuilt over the
-                        // latent, scores, Σ p·l̂) against the reference's f64: 1e-4 of the
-                        // largest output is far above both.
-                        let bound = eps * (*w as f64).abs() + 1e-4 * top;
-                        let err = (g - *w as f64).abs();
-                        assert!(
-                            err <= bound,
-                            "{} d{d} GQA {gqa} {:?} {precision:?} splits {splits}: sequence of {} \
-                             tokens, output {j}: {g} against {w} (error {err:.3e}, bound {bound:.3e})",
-                            case.scheme,
-                            case.dtype,
-                            case.lengths[i]
-                        );
-                        worst = worst.max(err / bound);
-                        checked += 1;
-                    }
-                }
-            }
-        }
+        let (n, w) = check_batch(&jit, case.scheme, &spec, shape, dm, &caches, s);
+        checked += n;
+        worst = worst.max(w);
     }
     println!("{checked} outputs checked; the largest error is {worst:.3} of its bound");
+}
+
+/// XQuant-CL over a stack of four layers: each layer's cache holds the latents of its input's
+/// delta against the accumulator the previous layers built (`XQuantCache::build_cross_layer`),
+/// and the decode adds the accumulator's latents back. Every layer of two sequences (129 and 700
+/// tokens, FP16 local rows among them) against the reference.
+fn xquant_cross_layer_stack_matches_the_reference() {
+    let s = seed() ^ 0xc1;
+    let device = Device::open(0).expect("GPU");
+    let jit = Jit::new(&device).expect("JIT");
+    let text = "k = int(2, channel), v = int(2, token), source = x(cross_layer)";
+    let spec: SchemeSpec = text.parse().unwrap();
+    // d_model 96 < 2·kv_heads·head_dim: the lift from both latents back to X is a well-posed
+    // least-squares problem (at 256, square and ill-conditioned, the accumulator diverges).
+    let (d, gqa, dm, lengths) = (64usize, 4usize, 96usize, [129usize, 700]);
+    let layers: Vec<_> = (0..4u64)
+        .map(|i| {
+            generate(&SynthConfig {
+                tokens: 700,
+                kv_heads: KV_HEADS,
+                gqa,
+                head_dim: d,
+                d_model: dm,
+                seed: s.wrapping_add(i),
+                ..Default::default()
+            })
+        })
+        .collect();
+    let projections: Vec<Projections> = layers
+        .iter()
+        .map(|l| Projections::from_weights(&l.layer.w_k, &l.layer.w_v, dm, KV_HEADS, d).unwrap())
+        .collect();
+    // Each sequence walks the stack, carrying its accumulator X̂ from layer to layer.
+    let mut per_layer: Vec<Vec<XQuantCache>> = vec![Vec::new(); layers.len()];
+    for &n in &lengths {
+        let mut x_hat = vec![0f32; n * dm];
+        for (i, (layer, proj)) in layers.iter().zip(&projections).enumerate() {
+            let (cache, next) = XQuantCache::build_cross_layer(
+                &spec,
+                &layer.layer.x[..n * dm],
+                &x_hat,
+                proj,
+                layer.rope,
+            )
+            .unwrap();
+            per_layer[i].push(cache);
+            x_hat = next;
+        }
+    }
+    let shape = KernelShape::new(d as u32, gqa as u32, Dtype::F16);
+    let (mut checked, mut worst) = (0usize, 0f64);
+    for (i, caches) in per_layer.iter().enumerate() {
+        let label = format!("{text}, layer {i}");
+        let (n, w) = check_batch(&jit, &label, &spec, shape, dm, caches, s ^ i as u64);
+        checked += n;
+        worst = worst.max(w);
+    }
+    println!(
+        "{checked} outputs over 4 layers checked; the largest error is {worst:.3} of its bound"
+    );
 }
 
 /// Times the decode (printing only: docs/BENCHMARKS.md holds the measured tables) at 32 query /

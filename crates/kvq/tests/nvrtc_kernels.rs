@@ -127,14 +127,16 @@ fn codebook_encode_kernels_compile_for_sm80_and_sm90a() {
     compile_all_for(&jobs, |(_, dtype)| *dtype == Dtype::F16);
 }
 
-/// XQuant's latent decode: the built-ins at 2, 3 and 4 bits and a grouped custom scheme, head_dim
-/// 64 and 128, GQA 1 to 8, latents of 96 (SmolLM2-like) to 1024 channels, both dtypes.
+/// XQuant's latent decode: the built-ins at 2, 3 and 4 bits, XQuant-CL and a grouped custom
+/// scheme, head_dim 64 to 256, GQA 1 to 8, latents of 96 (SmolLM2-like) to 1024 channels, both
+/// dtypes and both rebuild precisions.
 fn xquant_decode_kernels_compile_for_sm80_and_sm90a() {
     let mut jobs = Vec::new();
     for text in [
         "xquant2",
         "xquant3",
         "xquant4",
+        "xquant-cl2",
         "k = int(2, channel), v = int(2, token, group = 32), sink = 4, local = 32, page = 64, source = x(latent)",
     ] {
         let spec: kvq::SchemeSpec = match kvq::schemes::by_name(text) {

@@ -21,7 +21,9 @@
 // The including unit defines (kvq/common.cuh, kvq/io.cuh, kvq/tensor.cuh, kvq/decode_common.cuh
 // and kvq/decode/helpers.cuh first): IO, D (head_dim of K, V and the queries), XR (the latent
 // width R), GQA, THREADS, TILE (tokens a tile: 128, or 64 past head_dim 128), PAGE, SINK, PASSES,
-// TENSOR_V (V's sums on tensor cores, kvq/xquant/values.cuh), SMEM_BYTES (the launch's dynamic
+// TENSOR_V (V's sums on tensor cores, kvq/xquant/values.cuh), CROSS_LAYER (XQuant-CL: the stored
+// latents are deltas, and base_k, base_v hold the accumulator's latents, f32 [slot][base_rows][XR],
+// added to them), SMEM_BYTES (the launch's dynamic
 // shared memory), and KTensor, VTensor (kvq/tensor.cuh's traits at width R).
 static_assert(THREADS == 256, "eight warps");
 static_assert(TILE == (D <= 128 ? 128 : 64), "the warp tiling's rows (kvq-codegen's xquant_tile)");
@@ -64,7 +66,8 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     const kvq_u16* __restrict__ v_sink, const kvq_u16* __restrict__ k_tail, const kvq_u16* __restrict__ v_tail,
     const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots, const kvq_u16* __restrict__ up_k_hi,
     const kvq_u16* __restrict__ up_k_lo, const float* __restrict__ up_v, const double* __restrict__ rope_freq,
-    float* __restrict__ part_acc, float* __restrict__ part_ml)
+    const float* __restrict__ base_k, const float* __restrict__ base_v, int base_rows, float* __restrict__ part_acc,
+    float* __restrict__ part_ml)
 {
     // Dynamic shared memory: the rebuild's two stages, the tile's V code rows (tensor path), the
     // split's latent sums [GQA][XR] (CUDA-core path, and the whole sums at the end).
@@ -106,6 +109,9 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         const bool tensor_v = TENSOR_V && t0 >= sink_end && t0 + n <= v_qend;
         XqLoc kl{false, nullptr, nullptr, 0};
         if (live) kl = xq_locate<KTensor>(t0 + my_row, len, slot, k_pool, page_table, max_pages, k_sink, k_tail);
+        // Cross-layer schemes: the tile's rows of the accumulator's latents (row my_row for K).
+        const long base_row0 = ((long)slot * base_rows + t0) * XR;
+        const float* const kb = CROSS_LAYER ? base_k + base_row0 + (long)my_row * XR : nullptr;
         float v_s = 0.f, v_z = 0.f;
         if (my_c == 0) {
             XqLoc vl{false, nullptr, nullptr, 0};
@@ -124,11 +130,11 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         const bool k_pages = n == XQ_M && t0 >= sink_end && t0 + n <= k_qend;
         XqCodes raw;
         if (live) {
-            xq_prefetch_span(kl, my_c);
-            if (CHUNKS > 1) xq_prefetch_span(kl, XQ_KC + my_c);
+            xq_prefetch_span(kl, my_c, kb);
+            if (CHUNKS > 1) xq_prefetch_span(kl, XQ_KC + my_c, kb);
             xq_load_codes(kl, my_c, raw);
         }
-        xq_store_a<false>(raw, kl, live, my_c, stages + my_row * XQ_LD + my_c, stages + XQ_A_HALVES + my_row * XQ_LD + my_c);
+        xq_store_a<false>(raw, kl, live, my_c, kb, stages + my_row * XQ_LD + my_c, stages + XQ_A_HALVES + my_row * XQ_LD + my_c);
         xq_copy_b(ad, up_k_hi, up_k_lo, kvh, 0, stages_u32);
         for (int kc = 0; kc < CHUNKS; ++kc) {
             asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -140,7 +146,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             if (more) {
                 xq_copy_b(ad, up_k_hi, up_k_lo, kvh, (kc + 1) * XQ_KC, stages_u32 + next);
                 if (live) {
-                    if (kc + 2 < CHUNKS) xq_prefetch_span(kl, (kc + 2) * XQ_KC + my_c);
+                    if (kc + 2 < CHUNKS) xq_prefetch_span(kl, (kc + 2) * XQ_KC + my_c, kb);
                     xq_load_codes(kl, (kc + 1) * XQ_KC + my_c, raw);
                 }
             } else if (kc == 0 && tensor_v) {
@@ -148,8 +154,8 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             }
             xq_mma_chunk(acc, ad, cur);
             if (more) {
-                if (k_pages) xq_store_a<true>(raw, kl, live, (kc + 1) * XQ_KC + my_c, next_a, next_a + XQ_A_HALVES);
-                else xq_store_a<false>(raw, kl, live, (kc + 1) * XQ_KC + my_c, next_a, next_a + XQ_A_HALVES);
+                if (k_pages) xq_store_a<true>(raw, kl, live, (kc + 1) * XQ_KC + my_c, kb, next_a, next_a + XQ_A_HALVES);
+                else xq_store_a<false>(raw, kl, live, (kc + 1) * XQ_KC + my_c, kb, next_a, next_a + XQ_A_HALVES);
             }
         }
         if (my_c == 0) { s_vs[my_row] = v_s; s_vz[my_row] = v_z; }
@@ -237,7 +243,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             }
         } else {
             __syncthreads();
-            xq_values_cuda(s_vloc, s_p, n, s_vsum);
+            xq_values_cuda(s_vloc, s_p, n, CROSS_LAYER ? base_v + base_row0 : nullptr, s_vsum);
         }
         __syncthreads();
     }

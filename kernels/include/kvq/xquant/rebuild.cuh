@@ -16,8 +16,9 @@ static __device__ __forceinline__ void xq_prefetch_l1(const void* p) {
 
 // Asks L1 for the lines of a span's codes and parameters (no registers held), a chunk before
 // xq_load_codes reads them, so the loads that must wait in registers find them close.
-static __device__ __forceinline__ void xq_prefetch_span(const XqLoc& l, int c0) {
+static __device__ __forceinline__ void xq_prefetch_span(const XqLoc& l, int c0, const float* base) {
     using T = KTensor;
+    if constexpr (CROSS_LAYER) xq_prefetch_l1(base + c0);
     if (!l.page) {
         xq_prefetch_l1(l.f16 + c0);
         return;
@@ -74,12 +75,13 @@ static __device__ __forceinline__ kvq_u32 xq_code_pair(const XqCodes& r, int c0,
 // eight values at a time. PASSES = 3 decodes as kvq_page_value (fma(scale, code, zero) in f32)
 // and splits; PASSES = 1 takes one f16x2 fma of the f16 scale and zero pairs (the exact value
 // rounded once to f16; 3-bit codes, which span two planes, decode in f32 and round).
-// PAGE_ONLY: every row of the tile is a live page row (no branch on the row's kind).
+// PAGE_ONLY: every row of the tile is a live page row (no branch on the row's kind). CROSS_LAYER:
+// `base` is the row's accumulator latents (f32), added to every value before it is rounded.
 template <bool PAGE_ONLY>
-static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc& l, bool live, int c0, kvq_u16* hi,
-                                                  kvq_u16* lo) {
+static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc& l, bool live, int c0, const float* base,
+                                                  kvq_u16* hi, kvq_u16* lo) {
     using T = KTensor;
-    constexpr bool PACKED = PASSES == 1 && T::BITS != 3;
+    constexpr bool PACKED = PASSES == 1 && T::BITS != 3 && !CROSS_LAYER;
     if constexpr (PAGE_ONLY) live = true;
 #pragma unroll
     for (int o = 0; o < XQ_APT; o += 8) {
@@ -87,6 +89,16 @@ static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc&
         if (!PAGE_ONLY && live && !l.page) {
             const uint4 x = *(const uint4*)(l.f16 + c0 + o);
             h[0] = x.x; h[1] = x.y; h[2] = x.z; h[3] = x.w;
+            if constexpr (CROSS_LAYER) {
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const float x0 = kvq_f16_to_f32((kvq_u16)h[k]) + base[c0 + o + 2 * k];
+                    const float x1 = kvq_f16_to_f32((kvq_u16)(h[k] >> 16)) + base[c0 + o + 2 * k + 1];
+                    h[k] = kvq_h2_pack(x0, x1);
+                    if constexpr (PASSES == 3)
+                        g[k] = kvq_h2_pack(x0 - kvq_f16_to_f32((kvq_u16)h[k]), x1 - kvq_f16_to_f32((kvq_u16)(h[k] >> 16)));
+                }
+            }
         } else if (PAGE_ONLY || live) {
             // Scale and zero pairs (f16x2) of the 8 channels: per channel, or one per row group.
             kvq_u32 sw[4], zw[4];
@@ -116,6 +128,7 @@ static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc&
                         const float sc = kvq_f16_to_f32((kvq_u16)(sw[k / 2] >> (16 * e)));
                         if constexpr (T::SYMMETRIC) x[e] = sc * (code - (float)T::OFFSET);
                         else x[e] = fmaf(sc, code, kvq_f16_to_f32((kvq_u16)(zw[k / 2] >> (16 * e))));
+                        if constexpr (CROSS_LAYER) x[e] += base[c0 + o + k + e];
                     }
                     h[k / 2] = kvq_h2_pack(x[0], x[1]);
                     if constexpr (PASSES == 3)

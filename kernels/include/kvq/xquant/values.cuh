@@ -17,6 +17,7 @@ static constexpr int XQ_VMT = (XR / 16 + 7) / 8;                     // V m-tile
 static constexpr int XQ_VROW = XR * VTensor::BITS / 8;               // bytes of a V code row
 static constexpr int XQ_VLD = XQ_VROW + 16;                          // staged V row stride (bytes): banks apart
 static constexpr int XQ_WLD = XQ_M + 8;                              // W row stride (halves): banks apart
+static_assert(!TENSOR_V || !CROSS_LAYER, "cross-layer latents add their accumulator on CUDA cores");
 static_assert(!TENSOR_V || (VTensor::AXIS == KvqAxis::Token && VTensor::GROUPS_PER_TOKEN == 1 &&
                             (VTensor::BITS == 2 || VTensor::BITS == 4) && XR <= 1024 && XQ_VROW % 16 == 0),
               "tensor-core values: token-axis latents, one group a row, 2 or 4 bits, at most 1024, whole 16-byte rows");
@@ -100,8 +101,10 @@ static __device__ __forceinline__ void xq_values_mma(float (&vo)[XQ_VMT][4], con
 }
 
 // Σ_t p_t·l̂_t over the tile's n tokens into the split's sums vsum [GQA][XR] on CUDA cores: this
-// thread's channels XQ_VQ·(threadIdx.x + THREADS·j) + [0, XQ_VQ).
-static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const float (*p)[XQ_M], int n, float* vsum) {
+// thread's channels XQ_VQ·(threadIdx.x + THREADS·j) + [0, XQ_VQ). CROSS_LAYER: `base` holds the
+// tile's rows of accumulator latents (f32, XR apart), added to each latent.
+static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const float (*p)[XQ_M], int n, const float* base,
+                                                      float* vsum) {
     constexpr int VJ = (XR + XQ_VQ * THREADS - 1) / (XQ_VQ * THREADS);
     constexpr int VB = 8 / VJ;   // tokens whose raw latents are loaded before any is used
     for (int tb = 0; tb < n; tb += VB) {
@@ -130,7 +133,10 @@ static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const f
                 if (tb + u < n) {
                     float x[XQ_VQ];
 #pragma unroll
-                    for (int e = 0; e < XQ_VQ; ++e) x[e] = raw[u][j].value(c0, e);
+                    for (int e = 0; e < XQ_VQ; ++e) {
+                        x[e] = raw[u][j].value(c0, e);
+                        if constexpr (CROSS_LAYER) x[e] += base[(long)(tb + u) * XR + c0 + e];
+                    }
 #pragma unroll
                     for (int h = 0; h < GQA; ++h)
 #pragma unroll
