@@ -194,6 +194,17 @@ pub struct GenArgs {
     /// scheme or tuning changes. Give each header its own prefix to include several in one file.
     #[arg(long, default_value = "kvq")]
     pub prefix: CPrefix,
+    /// XQuant schemes: KV heads of the model (with --d-model, it fixes the latent width).
+    #[arg(long)]
+    pub kv_heads: Option<u32>,
+    /// XQuant schemes: the layer input's width (latents are min(d_model, kv_heads·head_dim) wide,
+    /// padded to a multiple of 32).
+    #[arg(long)]
+    pub d_model: Option<u32>,
+    /// XQuant schemes: how K is rebuilt from the latents, `f16` (one product of f16 roundings,
+    /// the default) or `f32` (three split products, f32's precision).
+    #[arg(long)]
+    pub rebuild: Option<String>,
     /// Also write sample/: a small batch in the device layout, queries and the reference output.
     #[arg(long)]
     pub sample: bool,

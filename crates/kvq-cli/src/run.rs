@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvq::codegen::{has_codebook_kernel, KernelShape};
+use kvq::codegen::{has_codebook_kernel, KernelShape, RebuildPrecision};
 use kvq::evaluate;
 use kvq::runtime::codebook::{codebook_problem_key, CodebookLaunch};
 use kvq::runtime::decode::{DecodeOptions, PiecesOverride};
@@ -21,7 +21,7 @@ use crate::cli::{
 use crate::demo::{self, DemoOptions};
 use crate::error::{CliError, Result};
 use crate::eval::{self, EvalOptions};
-use crate::gen::{self, GenRequest};
+use crate::gen::{self, GenRequest, XQuantRequest};
 use crate::gpu;
 use crate::info;
 use crate::sample::SampleSpec;
@@ -170,6 +170,20 @@ fn gen_cmd(a: GenArgs, out: &mut dyn Write) -> Result<()> {
         store_scores: a.store_scores,
         tune_file: a.tune_file.clone(),
         prefix: a.prefix.clone(),
+        xquant: XQuantRequest {
+            kv_heads: a.kv_heads,
+            d_model: a.d_model,
+            rebuild: match a.rebuild.as_deref() {
+                None => None,
+                Some("f16") => Some(RebuildPrecision::F16),
+                Some("f32") => Some(RebuildPrecision::F32),
+                Some(other) => {
+                    return Err(CliError::Usage(format!(
+                        "--rebuild: `{other}` (f16 or f32)"
+                    )))
+                }
+            },
+        },
         sample: a.sample.then(|| SampleSpec {
             lengths: a.sample_lengths.0.clone(),
             kv_heads: a.sample_kv_heads,

@@ -195,7 +195,7 @@ fn unknown_names_list_the_builtins_and_grammar_errors_point_at_the_column() {
     );
     assert_eq!(lines[1], format!("  {bad}"));
     assert_eq!(lines[2], format!("  {}^^^^", " ".repeat(32)));
-    // A valid scheme without a GPU kernel.
+    // An XQuant scheme needs the model's width for its latents; other schemes refuse the flags.
     let o = kvq(
         &[
             "gen",
@@ -210,7 +210,64 @@ fn unknown_names_list_the_builtins_and_grammar_errors_point_at_the_column() {
     );
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("has no kernels in `kvq gen` yet"), "{err}");
+    assert!(err.contains("give --kv-heads and --d-model"), "{err}");
+    let o = kvq(
+        &[
+            "gen",
+            "--scheme",
+            "kivi2",
+            "--head-dim",
+            "128",
+            "--d-model",
+            "4096",
+            "--out",
+            dir,
+        ],
+        tmp.path(),
+    );
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("are for XQuant schemes"), "{err}");
+    // With them: the decode unit, the headers, and a manifest of the xquant family.
+    let xq = tmp.path().join("xquant-cl2");
+    let o = kvq(
+        &[
+            "gen",
+            "--scheme",
+            "xquant-cl2",
+            "--head-dim",
+            "128",
+            "--kv-heads",
+            "8",
+            "--d-model",
+            "4096",
+            "--rebuild",
+            "f32",
+            "--out",
+            xq.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    let (_, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(xq.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["family"], "xquant");
+    assert_eq!(m["latent"]["rank"], 1024);
+    assert_eq!(m["latent"]["rebuild"], "f32");
+    assert_eq!(m["latent"]["cross_layer"], true);
+    assert_eq!(
+        m["layout"]["projection_file"]["format"],
+        "kvq-projections-1"
+    );
+    assert!(xq.join("decode.cu").exists() && xq.join("include/kvq/xquant/rebuild.cuh").exists());
+    let names: Vec<&str> = m["kernels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["decode", "combine"]);
     // A codebook scheme: both units, the headers, and a manifest of the codebook family.
     let cb = tmp.path().join("commvq2");
     let o = kvq(

@@ -17,11 +17,11 @@ use kvq::runtime::codebook::codebook_problem_key;
 use kvq::runtime::tune::{TuneProblem, TuneStore};
 use serde::Serialize;
 
+use super::family::{self, buffer, BufferInfo};
 use super::manifest::{kernel_info, scheme_info, CompiledInfo, KernelInfo, SchemeInfo};
 use super::{
-    compile_sources, header, remove_stale, write_file, write_headers, GenOutcome, GenRequest,
-    DECODE_FILE, HEADER_FILE, INCLUDE_DIR, MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_VERSION,
-    README_FILE,
+    header, GenOutcome, GenRequest, DECODE_FILE, HEADER_FILE, INCLUDE_DIR, MANIFEST_FILE,
+    MANIFEST_FORMAT, MANIFEST_VERSION, README_FILE,
 };
 use crate::error::{CliError, Result};
 use crate::sample_codebook;
@@ -49,14 +49,6 @@ struct SideInfo {
     stream_words: Option<usize>,
     token_scale: Option<bool>,
     additive_rows: Option<usize>,
-}
-
-#[derive(Serialize)]
-struct BufferInfo {
-    name: &'static str,
-    shape: String,
-    element: &'static str,
-    about: String,
 }
 
 #[derive(Serialize)]
@@ -172,15 +164,6 @@ fn side_info(s: &SideLayout) -> SideInfo {
         }
     }
     i
-}
-
-fn buffer(name: &'static str, shape: &str, element: &'static str, about: &str) -> BufferInfo {
-    BufferInfo {
-        name,
-        shape: shape.into(),
-        element,
-        about: about.into(),
-    }
 }
 
 fn layout_info(l: &DeviceLayout) -> LayoutInfo {
@@ -445,46 +428,19 @@ scheme: `{scheme}`; head_dim {head_dim}, GQA {gqa}, {dtype}.
 - `{MANIFEST_FILE}`: entry points, launch shapes, the device layout ({DEVICE_LAYOUT_VERSION}), the \
 codebook tensors each kernel reads and the codebook file format ({CODEBOOK_FILE_FORMAT}).
 
-## Compiling
-
-Each unit is C++17 and needs the headers under `{INCLUDE_DIR}/` and no CUDA toolkit header. \
-Compile it for the GPU's architecture (`{arch}` below), load the CUBIN with `cuModuleLoadData`, \
-look the entry points up by the names in `{MANIFEST_FILE}`, and before launching the decode set \
-its `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` to its dynamic shared memory when that is \
-not 0 (the codebook held in shared memory).
-
-- NVRTC: options `--std=c++17 --gpu-architecture={arch} --include-path=<this folder>/{INCLUDE_DIR}`.
-- nvcc: `nvcc -std=c++17 -arch={arch} -cubin -I {INCLUDE_DIR} {DECODE_FILE} -o decode.cubin`.
-",
+{compiling}",
         scheme = req.scheme.spec,
         head_dim = req.shape.head_dim,
         gqa = req.shape.gqa,
         dtype = req.shape.dtype,
+        compiling = family::compiling_section(arch, DECODE_FILE),
     )
 }
 
 fn header_text(req: &GenRequest, layout: &DeviceLayout, kernels: &[KernelInfo]) -> String {
     let tag = req.prefix.upper();
     let mut h = String::new();
-    let guard = format!("{tag}_KERNELS_H");
-    let _ = writeln!(h, "/* kvq generated header — do not edit. */");
-    let _ = writeln!(h, "/* scheme: {} */", req.scheme.spec);
-    let _ = writeln!(
-        h,
-        "/* layout: {DEVICE_LAYOUT_VERSION} (docs/CODEBOOKS.md); launch and buffer shapes: manifest.json */"
-    );
-    let _ = writeln!(
-        h,
-        "#ifndef {guard}\n#define {guard}\n\n#include <stdint.h>\n"
-    );
-    let _ = writeln!(
-        h,
-        "#define {tag}_LAYOUT_VERSION \"{DEVICE_LAYOUT_VERSION}\""
-    );
-    let _ = writeln!(h, "#define {tag}_SCHEME_LABEL \"{}\"", req.scheme.label());
-    let _ = writeln!(h, "#define {tag}_DTYPE \"{}\"", req.shape.dtype);
-    let _ = writeln!(h, "#define {tag}_HEAD_DIM {}", req.shape.head_dim);
-    let _ = writeln!(h, "#define {tag}_GQA {}", req.shape.gqa);
+    let guard = family::header_prologue(&mut h, req, DEVICE_LAYOUT_VERSION, "docs/CODEBOOKS.md");
     let _ = writeln!(h, "#define {tag}_PAGE_TOKENS {}", layout.page);
     let _ = writeln!(h, "#define {tag}_SINK {}", layout.sink);
     for (side, name) in [(&layout.k, "K"), (&layout.v, "V")] {
@@ -522,46 +478,21 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
         ));
     }
     let kernels = kernels(&decode, &encode);
-    std::fs::create_dir_all(&req.out).map_err(|source| CliError::Write {
-        path: req.out.clone(),
-        source,
-    })?;
-    remove_stale(&req.out, false, req.sample.is_some());
-    let mut files = Vec::new();
-    write_file(
-        &req.out.join(DECODE_FILE),
-        decode.source.as_bytes(),
-        &mut files,
+    let arch = family::arch_name(req);
+    let family::Written {
+        mut files,
+        compiled,
+        compiled_lines,
+    } = family::write_folder(
+        req,
+        &[
+            (DECODE_FILE, decode.source.as_str()),
+            (ENCODE_FILE, encode.source.as_str()),
+        ],
+        &readme(req, &arch),
+        &header_text(req, &layout, &kernels),
+        &mut notes,
     )?;
-    write_file(
-        &req.out.join(ENCODE_FILE),
-        encode.source.as_bytes(),
-        &mut files,
-    )?;
-    write_headers(&req.out, &mut files)?;
-    let arch = req
-        .arch
-        .map_or_else(|| "sm_90a".to_string(), |a| a.to_string());
-    write_file(
-        &req.out.join(README_FILE),
-        readme(req, &arch).as_bytes(),
-        &mut files,
-    )?;
-    let header = header_text(req, &layout, &kernels);
-    write_file(&req.out.join(HEADER_FILE), header.as_bytes(), &mut files)?;
-    let (compiled, compiled_lines) = match req.arch {
-        Some(arch) => compile_sources(
-            &req.out,
-            arch,
-            &[
-                (DECODE_FILE, decode.source.as_str()),
-                (ENCODE_FILE, encode.source.as_str()),
-            ],
-            &mut files,
-            &mut notes,
-        )?,
-        None => (Vec::new(), Vec::new()),
-    };
     let sample = match &req.sample {
         Some(s) => {
             let written = sample_codebook::write(&req.out, spec, shape, s)?;
@@ -624,20 +555,7 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
                  flagged slot takes no step until the host clears it"
                     .into(),
             ],
-            scratch: vec![
-                buffer(
-                    "part_acc",
-                    "[batch·q_heads][num_splits][head_dim]",
-                    "f32",
-                    "partial outputs",
-                ),
-                buffer(
-                    "part_ml",
-                    "[batch·q_heads][num_splits][2]",
-                    "f32",
-                    "partials' (max, denominator)",
-                ),
-            ],
+            scratch: family::split_scratch(),
         },
         layout: layout_info(&layout),
         tuned,

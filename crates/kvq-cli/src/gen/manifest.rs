@@ -372,7 +372,11 @@ pub(super) fn kernel_info(
     }
 }
 
-fn tensor_info(spec: &SchemeSpec, t: &TensorQuant, head_dim: usize) -> Result<TensorInfo> {
+pub(super) fn tensor_info(
+    spec: &SchemeSpec,
+    t: &TensorQuant,
+    head_dim: usize,
+) -> Result<TensorInfo> {
     let page = spec.page as usize;
     match t {
         TensorQuant::Fp16 => Ok(TensorInfo {

@@ -9,14 +9,18 @@
 //! runtime's untuned launch rules as data.
 
 mod codebook;
+mod family;
 mod header;
 mod manifest;
 mod params;
 mod rules;
+mod xquant;
 
 use std::path::{Path, PathBuf};
 
-use kvq::codegen::{cache_kernels, decode_kernels, has_codebook_kernel, KernelShape};
+use kvq::codegen::{
+    cache_kernels, decode_kernels, has_codebook_kernel, has_xquant_kernel, KernelShape,
+};
 use kvq::reference::resources;
 use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
 use kvq::runtime::tune::TuneStore;
@@ -71,6 +75,16 @@ pub struct GenRequest {
     pub sample: Option<SampleSpec>,
     /// The prefix of every name in the C header (`kvq_decode_params`, `KVQ_HEAD_DIM`, ...).
     pub prefix: CPrefix,
+    /// XQuant schemes: the model's KV heads and input width, and the rebuild's precision.
+    pub xquant: XQuantRequest,
+}
+
+/// What an XQuant scheme's kernels need beyond the shape (refused for other schemes).
+#[derive(Debug, Clone, Default)]
+pub struct XQuantRequest {
+    pub kv_heads: Option<u32>,
+    pub d_model: Option<u32>,
+    pub rebuild: Option<kvq::codegen::RebuildPrecision>,
 }
 
 /// What was written, for the listing and for tests.
@@ -260,14 +274,24 @@ fn named_tune_file(path: &Path) -> Result<TuneStore> {
 pub fn generate(req: &GenRequest) -> Result<GenOutcome> {
     let spec = &req.scheme.spec;
     let shape = &req.shape;
+    if has_xquant_kernel(spec) {
+        return xquant::generate(req);
+    }
+    let x = &req.xquant;
+    if x.kv_heads.is_some() || x.d_model.is_some() || x.rebuild.is_some() {
+        return Err(CliError::Usage(format!(
+            "--kv-heads, --d-model and --rebuild are for XQuant schemes; `{}` is not one",
+            req.scheme.label()
+        )));
+    }
     if has_codebook_kernel(spec) {
         return codebook::generate(req);
     }
     if !req.scheme.has_gpu_kernel() {
         return Err(CliError::Unsupported(format!(
-            "`{}` has no kernels in `kvq gen` yet (XQuant's GPU decode is not exported); schemes: \
-             fp16, kivi2, kivi4, kitty, kitty-pro, calibquant1, calibquant2, int8, commvq1, \
-             commvq2, or scheme text of fp16/int(...)/codebook(...) tensors",
+            "`{}` has no kernels in `kvq gen` yet; schemes: fp16, kivi2, kivi4, kitty, kitty-pro, \
+             calibquant1, calibquant2, int8, commvq1, commvq2, xquant2, xquant3, xquant4, \
+             xquant-cl2, or scheme text of fp16/int(...)/codebook(...) tensors or integer latents",
             req.scheme.label()
         )));
     }

@@ -1,0 +1,374 @@
+//! `kvq gen` for XQuant schemes (`source = x(latent)` and `x(cross_layer)`): the decode unit (the
+//! fused decode that rebuilds K from the latents on tensor cores, and the combine), the kernel
+//! headers, a C header, a manifest with the latent store's layout (docs/LAYOUT.md at the latent
+//! width), the projection tensors the decode reads and how to make them from a projection file
+//! (`kvq-projections-1`), and a README.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use kvq::codegen::{
+    latent_spec, xquant_kernels, xquant_rank, xquant_tile, KernelShape, RebuildPrecision,
+    XQuantKernels,
+};
+use kvq::reference::int::LAYOUT_VERSION;
+use kvq::reference::xquant::PROJECTION_FILE_FORMAT;
+use kvq::{CacheSource, XSource};
+use serde::Serialize;
+
+use super::family::{self, buffer, BufferInfo};
+use super::manifest::{
+    kernel_info, scheme_info, tensor_info, CompiledInfo, KernelInfo, SchemeInfo, TensorInfo,
+};
+use super::{
+    header, GenOutcome, GenRequest, DECODE_FILE, HEADER_FILE, INCLUDE_DIR, MANIFEST_FILE,
+    MANIFEST_FORMAT, MANIFEST_VERSION, README_FILE,
+};
+use crate::error::{CliError, Result};
+
+#[derive(Serialize)]
+struct LatentInfo {
+    kv_heads: u32,
+    d_model: u32,
+    /// Channels of each latent (`R`): min(d_model, kv_heads·head_dim), padded to a multiple of 32.
+    rank: usize,
+    /// `f16` (one product) or `f32` (three split products).
+    rebuild: &'static str,
+    /// Tokens a CTA rebuilds and scores together.
+    tile_tokens: u32,
+    /// Whether V's latent sums run on tensor cores (else CUDA cores); no effect on results.
+    tensor_values: bool,
+    cross_layer: bool,
+}
+
+#[derive(Serialize)]
+struct LayoutInfo {
+    version: &'static str,
+    doc: &'static str,
+    /// The latents are stored as one "head" of `rank` channels a sequence, in the integer store's
+    /// page blocks and FP16 sink and tail rows.
+    latent_head_dim: usize,
+    page_tokens: u32,
+    sink: u32,
+    k: TensorInfo,
+    v: TensorInfo,
+    buffers: Vec<BufferInfo>,
+    projection_file: ProjectionFileInfo,
+}
+
+#[derive(Serialize)]
+struct ProjectionFileInfo {
+    format: &'static str,
+    doc: &'static str,
+    /// How the decode's projection buffers come from the file's tensors.
+    to_buffers: Vec<String>,
+}
+
+#[derive(Serialize)]
+struct LaunchInfo {
+    decode_steps: Vec<String>,
+    notes: Vec<String>,
+    num_splits: String,
+    scratch: Vec<BufferInfo>,
+}
+
+#[derive(Serialize)]
+struct Manifest {
+    format: String,
+    version: u32,
+    family: &'static str,
+    kvq_version: String,
+    layout_version: &'static str,
+    scheme: SchemeInfo,
+    shape: KernelShape,
+    latent: LatentInfo,
+    files: BTreeMap<String, String>,
+    kernels: Vec<KernelInfo>,
+    launch: LaunchInfo,
+    layout: LayoutInfo,
+    compiled: Vec<CompiledInfo>,
+}
+
+fn layout_info(req: &GenRequest, k: &XQuantKernels, cross_layer: bool) -> Result<LayoutInfo> {
+    let latents = latent_spec(&req.scheme.spec);
+    let r = k.rank;
+    let mut buffers = vec![
+        buffer(
+            "q / out",
+            "[batch][kv_heads·gqa][head_dim]",
+            "io dtype",
+            "query head h reads KV head h / gqa",
+        ),
+        buffer(
+            "k_pool / v_pool",
+            "[physical_pages][layout.{k,v}.block_bytes]",
+            "u8",
+            "one block per page of a sequence's K (V) latents: `rank` channels, one \"head\"",
+        ),
+        buffer(
+            "page_table",
+            "[sequence slots][max_pages]",
+            "i32",
+            "logical page → physical page, shared by the K and V latents",
+        ),
+        buffer(
+            "k_sink / v_sink",
+            &format!("[sequence slots][sink][{r}]"),
+            "f16",
+            "the first tokens' latents",
+        ),
+        buffer(
+            "k_tail / v_tail",
+            &format!("[sequence slots][tail_capacity][{r}]"),
+            "f16",
+            "recent tokens' latents, token t at slot (t − sink_end) mod tail_capacity",
+        ),
+        buffer("seq_lens", "[sequence slots]", "i32", "tokens per sequence"),
+        buffer(
+            "seq_slots",
+            "[batch] or null",
+            "i32",
+            "row i's sequence slot (null: slot i; −1: a padding row)",
+        ),
+        buffer(
+            "up_k_hi",
+            &format!("[kv_heads·head_dim][{r}]"),
+            "f16",
+            "up_kᵀ (a K column's latent weights contiguous), rounded to nearest",
+        ),
+        buffer(
+            "up_k_lo",
+            &format!("[kv_heads·head_dim][{r}]"),
+            "f16",
+            "what that rounding left, f16(x − hi); read by the f32 rebuild only (may be null for \
+             the f16 one)",
+        ),
+        buffer(
+            "up_v",
+            &format!("[{r}][kv_heads·head_dim]"),
+            "f32",
+            "the V projection's up factor as in the file",
+        ),
+        buffer(
+            "rope_freq",
+            "[head_dim / 2]",
+            "f64",
+            "theta^(−2i / head_dim): K's pairs (i, i + head_dim/2) turn by position·rope_freq[i]",
+        ),
+    ];
+    buffers.push(if cross_layer {
+        buffer(
+            "base_k / base_v",
+            &format!("[sequence slots][base_rows][{r}]"),
+            "f32",
+            "XQuant-CL: the accumulator's latents X̂_{i−1}·down_k, X̂_{i−1}·down_v of this layer, \
+             added to every stored latent (docs/CODEBOOKS.md §3.1 on what keeping them costs)",
+        )
+    } else {
+        buffer(
+            "base_k / base_v",
+            "null",
+            "f32",
+            "XQuant-CL only; pass null and base_rows 0",
+        )
+    });
+    Ok(LayoutInfo {
+        version: LAYOUT_VERSION,
+        doc: "docs/LAYOUT.md at the latent width (page blocks, regions); docs/CODEBOOKS.md §3",
+        latent_head_dim: r,
+        page_tokens: latents.page,
+        sink: latents.sink,
+        k: tensor_info(&latents, &latents.k, r)?,
+        v: tensor_info(&latents, &latents.v, r)?,
+        buffers,
+        projection_file: ProjectionFileInfo {
+            format: PROJECTION_FILE_FORMAT,
+            doc: "crates/kvq-reference/src/xquant/file.rs: safetensors, k.down/k.up/v.down/v.up \
+                  F32, k.singular/v.singular F64; metadata kvq.format, kvq.scheme, kvq.d_model, \
+                  kvq.kv_heads, kvq.head_dim, kvq.rank",
+            to_buffers: vec![
+                "up_k_hi[o][r] = f16(k.up[r][o]); up_k_lo[o][r] = f16(k.up[r][o] − up_k_hi[o][r])"
+                    .into(),
+                "up_v = v.up as stored".into(),
+                format!(
+                    "k.down, v.down [{} × {r}] make the latents from the layer input, X·down (the \
+                     cache writes; docs/CODEBOOKS.md §3)",
+                    req.xquant.d_model.unwrap_or(0)
+                ),
+            ],
+        },
+    })
+}
+
+fn readme(req: &GenRequest, arch: &str, rank: usize) -> String {
+    format!(
+        "# kvq generated kernels (XQuant scheme)
+
+scheme: `{scheme}`; head_dim {head_dim}, GQA {gqa}, {dtype}; latents of {rank} channels.
+
+- `{DECODE_FILE}`: the decode unit (the fused split-K decode that rebuilds K from the latents on \
+tensor cores and never rebuilds V, and the combine); sm_80 or later.
+- `{INCLUDE_DIR}/kvq/`: the kernels' code, CUDA headers the unit `#include \"kvq/…\"`.
+- `{HEADER_FILE}`: C header with launch constants and a parameter struct per kernel.
+- `{MANIFEST_FILE}`: entry points, launch shapes, the latent store's layout ({LAYOUT_VERSION} at \
+the latent width), the projection buffers and how they come from a `{PROJECTION_FILE_FORMAT}` file.
+
+{compiling}",
+        scheme = req.scheme.spec,
+        head_dim = req.shape.head_dim,
+        gqa = req.shape.gqa,
+        dtype = req.shape.dtype,
+        compiling = family::compiling_section(arch, DECODE_FILE),
+    )
+}
+
+fn header_text(
+    req: &GenRequest,
+    k: &XQuantKernels,
+    layout: &LayoutInfo,
+    kernels: &[KernelInfo],
+) -> String {
+    let tag = req.prefix.upper();
+    let mut h = String::new();
+    let guard = family::header_prologue(
+        &mut h,
+        req,
+        LAYOUT_VERSION,
+        "docs/LAYOUT.md at the latent width",
+    );
+    let _ = writeln!(h, "#define {tag}_LATENT_RANK {}", k.rank);
+    let _ = writeln!(h, "#define {tag}_PAGE_TOKENS {}", layout.page_tokens);
+    let _ = writeln!(h, "#define {tag}_SINK {}", layout.sink);
+    for (side, name) in [(&layout.k, "K"), (&layout.v, "V")] {
+        let _ = writeln!(h, "#define {tag}_{name}_BLOCK_BYTES {}", side.block_bytes);
+        let _ = writeln!(
+            h,
+            "#define {tag}_{name}_TAIL_CAPACITY {}",
+            side.tail_capacity
+        );
+    }
+    header::kernel_declarations(&mut h, &req.prefix, kernels);
+    let _ = writeln!(h, "\n#endif /* {guard} */");
+    header::ascii(&h)
+}
+
+/// Writes the folder for an XQuant scheme; see the module docs.
+pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
+    let spec = &req.scheme.spec;
+    let shape = &req.shape;
+    let x = &req.xquant;
+    let (Some(kv_heads), Some(d_model)) = (x.kv_heads, x.d_model) else {
+        return Err(CliError::Usage(format!(
+            "`{}` caches the layer input's latents, whose width follows from the model: give \
+             --kv-heads and --d-model",
+            req.scheme.label()
+        )));
+    };
+    if req.sample.is_some()
+        || req.threads.is_some()
+        || req.tile_tokens.is_some()
+        || req.min_warps_per_sm.is_some()
+        || req.pack_heads.is_some()
+        || req.short_staging.is_some()
+        || req.store_scores.is_some()
+    {
+        return Err(CliError::Usage(
+            "XQuant schemes take --kv-heads, --d-model and --rebuild (the block flags and \
+             --sample are the integer and codebook decodes')"
+                .into(),
+        ));
+    }
+    let precision = x.rebuild.unwrap_or_default();
+    let k = xquant_kernels(spec, shape, kv_heads, d_model, precision)?;
+    debug_assert_eq!(
+        k.rank,
+        xquant_rank(d_model as usize, kv_heads as usize, shape.head_dim as usize)
+    );
+    let cross_layer = spec.source == CacheSource::X(XSource::CrossLayer);
+    let layout = layout_info(req, &k, cross_layer)?;
+    let dtype = shape.dtype;
+    let kernels = vec![
+        kernel_info(
+            "decode",
+            DECODE_FILE,
+            "split-K XQuant decode: per (split, KV head, sequence), every query head of the KV head; \
+             K rebuilt from the latents per tile on tensor cores with RoPE, V's latents summed and \
+             multiplied by up_v once per split; writes a partial per split",
+            &k.decode,
+            dtype,
+        ),
+        kernel_info(
+            "combine",
+            DECODE_FILE,
+            "merges the splits' partials into the outputs (and optionally each row's LSE)",
+            &k.combine,
+            dtype,
+        ),
+    ];
+    let mut notes = Vec::new();
+    let arch = family::arch_name(req);
+    let family::Written {
+        files,
+        compiled,
+        compiled_lines,
+    } = family::write_folder(
+        req,
+        &[(DECODE_FILE, k.source.as_str())],
+        &readme(req, &arch, k.rank),
+        &header_text(req, &k, &layout, &kernels),
+        &mut notes,
+    )?;
+    let mut names = BTreeMap::new();
+    names.insert("decode".to_string(), DECODE_FILE.to_string());
+    names.insert("header".to_string(), HEADER_FILE.to_string());
+    names.insert("include".to_string(), format!("{INCLUDE_DIR}/"));
+    names.insert("readme".to_string(), README_FILE.to_string());
+    let manifest = Manifest {
+        format: MANIFEST_FORMAT.into(),
+        version: MANIFEST_VERSION,
+        family: "xquant",
+        kvq_version: env!("CARGO_PKG_VERSION").into(),
+        layout_version: LAYOUT_VERSION,
+        scheme: scheme_info(&req.scheme),
+        shape: *shape,
+        latent: LatentInfo {
+            kv_heads,
+            d_model,
+            rank: k.rank,
+            rebuild: match precision {
+                RebuildPrecision::F16 => "f16",
+                RebuildPrecision::F32 => "f32",
+            },
+            tile_tokens: xquant_tile(shape.head_dim),
+            tensor_values: k.tensor_values,
+            cross_layer,
+        },
+        files: names,
+        kernels,
+        launch: LaunchInfo {
+            decode_steps: vec!["decode".into(), "combine".into()],
+            notes: vec![
+                "decode: grid (num_splits, kv_heads, batch), block 256, the dynamic shared memory \
+                 the kernel entry states; always followed by the combine"
+                    .into(),
+                "combine: grid (q_heads, batch), num_parts = num_splits".into(),
+            ],
+            num_splits: format!(
+                "any value in 1..=1024; the runtime's default: ceil(SMs / (batch·kv_heads)), at \
+                 most one split a tile of {} tokens (the decode holds an SM alone)",
+                xquant_tile(shape.head_dim)
+            ),
+            scratch: family::split_scratch(),
+        },
+        layout,
+        compiled,
+    };
+    super::finish(
+        &req.out,
+        &manifest,
+        &manifest.kernels,
+        files,
+        compiled_lines,
+        notes,
+    )
+}
