@@ -1,10 +1,11 @@
-//! `kvq demo`'s GPU columns for XQuant latent schemes (`source = x(latent)`): the workload's layer
-//! cached by the CPU reference (the latents of its input through the SVD of its projections) and
-//! decoded by the fused XQuant kernel, K rebuilt on tensor cores (its error against exact
-//! attention), and the decode's latency on random latents of the latency workload's length.
+//! `kvq demo`'s GPU columns for XQuant schemes (`source = x(latent)`, `x(cross_layer)`): the
+//! workload's layer cached by the CPU reference as the CPU column caches it
+//! ([`evaluate::xquant_cache`]) and decoded by the fused XQuant kernel, K rebuilt on tensor cores
+//! (its error against exact attention), and the decode's latency on random latents of the latency
+//! workload's length (XQuant-CL: random accumulator latents too).
 
 use kvq::codegen::{KernelShape, TuneParams};
-use kvq::evaluate::Workload;
+use kvq::evaluate::{self, Workload};
 use kvq::reference::synth::{generate, SynthConfig};
 use kvq::reference::xquant::{Projections, XQuantCache};
 use kvq::runtime::cudarc::driver::CudaSlice;
@@ -13,7 +14,7 @@ use kvq::runtime::tune::synth::{random_queries, round_to_word, word_to_f32};
 use kvq::runtime::tune::{ChoiceSource, TuneChoice};
 use kvq::runtime::xquant::{XQuantDeviceCache, XQuantKernel, XQuantScratch};
 use kvq::runtime::RuntimeError;
-use kvq::SchemeSpec;
+use kvq::{CacheSource, SchemeSpec, XSource};
 
 use crate::gpu::{check_then_time, rotation_copies, Gpu, Latency};
 
@@ -39,8 +40,7 @@ pub fn decode_layer(
     let p = w
         .projections()
         .map_err(|e| reference("the layer's projections", e))?;
-    let cache = XQuantCache::build(spec, &data.layer.x, p, data.rope)
-        .map_err(|e| reference("the latent cache", e))?;
+    let cache = evaluate::xquant_cache(spec, w).map_err(|e| reference("the latent cache", e))?;
     let kernel = XQuantKernel::load(
         &gpu.jit,
         spec,
@@ -114,8 +114,18 @@ pub fn measure(
         random_latents(tokens * p.k.rank, &mut state),
         random_latents(tokens * p.v.rank, &mut state),
     );
-    let one = XQuantCache::from_latents(spec, &lk, &lv, &p, layer.rope)
-        .map_err(|e| reference("the latency run's latent cache", e))?;
+    let one = match spec.source {
+        CacheSource::X(XSource::CrossLayer) => {
+            // The accumulator's latents: more random values, added by the decode to each.
+            let (bk, bv) = (
+                random_latents(tokens * p.k.rank, &mut state),
+                random_latents(tokens * p.v.rank, &mut state),
+            );
+            XQuantCache::from_cross_layer_latents(spec, (&lk, &lv), (&bk, &bv), &p, layer.rope)
+        }
+        _ => XQuantCache::from_latents(spec, &lk, &lv, &p, layer.rope),
+    }
+    .map_err(|e| reference("the latency run's latent cache", e))?;
     drop((lk, lv));
     let stream = gpu.device.default_stream();
     let sequences = vec![one; batch.max(1)];

@@ -50,7 +50,7 @@ fn gpu_demo_adds_kernel_error_and_latency() {
         &[
             "demo",
             "--schemes",
-            "kivi2,calibquant2,int8,xquant2",
+            "kivi2,calibquant2,int8,xquant2,xquant-cl2",
             "--tokens",
             "512",
             "--calibration",
@@ -69,7 +69,14 @@ fn gpu_demo_adds_kernel_error_and_latency() {
     );
     let header = out.lines().find(|l| l.starts_with("scheme ")).unwrap();
     assert!(header.contains("attn err (GPU)") && header.contains("latency µs"));
-    for name in ["fp16", "kivi2", "calibquant2", "int8", "xquant2"] {
+    for name in [
+        "fp16",
+        "kivi2",
+        "calibquant2",
+        "int8",
+        "xquant2",
+        "xquant-cl2",
+    ] {
         let c = row(&out, name);
         // scheme bits saved err mse err_gpu latency x_fp16 launch…
         let cpu: f64 = c[3].parse().unwrap();

@@ -241,3 +241,44 @@ fn an_f16_rebuild_moves_k_by_f16_roundings_only() {
     println!("relative K error of the f16 rebuild: {err:.3e}");
     assert!(err > 0.0 && err < 2f64.powi(-8), "{err}");
 }
+
+#[test]
+fn cross_layer_latents_from_elsewhere_store_as_the_chain_does() {
+    let s = layer(96);
+    let p = projections(&s);
+    let spec: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(cross_layer)"
+        .parse()
+        .unwrap();
+    let zeros = vec![0.0f32; s.layer.x_prev.len()];
+    let (_, x_hat_prev) =
+        XQuantCache::build_cross_layer(&spec, &s.layer.x_prev, &zeros, &p, s.rope).unwrap();
+    let (built, _) =
+        XQuantCache::build_cross_layer(&spec, &s.layer.x, &x_hat_prev, &p, s.rope).unwrap();
+    let delta: Vec<f32> = s
+        .layer
+        .x
+        .iter()
+        .zip(&x_hat_prev)
+        .map(|(a, b)| a - b)
+        .collect();
+    let given = XQuantCache::from_cross_layer_latents(
+        &spec,
+        (&p.k.project(&delta), &p.v.project(&delta)),
+        (&p.k.project(&x_hat_prev), &p.v.project(&x_hat_prev)),
+        &p,
+        s.rope,
+    )
+    .unwrap();
+    assert_eq!(built, given);
+    let short = p.k.project(&x_hat_prev[..96]);
+    assert!(matches!(
+        XQuantCache::from_cross_layer_latents(
+            &spec,
+            (&p.k.project(&delta), &p.v.project(&delta)),
+            (&short, &p.v.project(&x_hat_prev)),
+            &p,
+            s.rope,
+        ),
+        Err(RefError::Mismatch(_))
+    ));
+}

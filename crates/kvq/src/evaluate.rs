@@ -544,6 +544,27 @@ fn check_workload_memory(
     Ok(())
 }
 
+/// An XQuant scheme's cache of the workload's layer (the latents of its input through the SVD of
+/// its projections). XQuant-CL runs a chain of two layers sharing this layer's weights: the
+/// previous layer's input (`x_prev`) with a zero accumulator, then this layer's delta against its
+/// reconstruction.
+pub fn xquant_cache(spec: &SchemeSpec, w: &Workload) -> Result<XQuantCache, EvalError> {
+    let s = &w.data;
+    let p = w.projections()?;
+    match Family::of(spec)? {
+        Family::XQuant => Ok(XQuantCache::build(spec, &s.layer.x, p, s.rope)?),
+        Family::XQuantCrossLayer => {
+            let zeros = vec![0.0f32; s.layer.x_prev.len()];
+            let (_, x_hat_prev) =
+                XQuantCache::build_cross_layer(spec, &s.layer.x_prev, &zeros, p, s.rope)?;
+            Ok(XQuantCache::build_cross_layer(spec, &s.layer.x, &x_hat_prev, p, s.rope)?.0)
+        }
+        other => Err(EvalError::Reference(RefError::WrongEntryPoint(format!(
+            "`{spec}` is a {other} scheme, not XQuant"
+        )))),
+    }
+}
+
 /// Builds `spec`'s cache of the workload with the CPU reference and measures its attention error.
 ///
 /// CommVQ trains its codebooks on the workload's held-out tokens first (the slow part: one to two
@@ -561,20 +582,9 @@ pub fn evaluate(spec: &SchemeSpec, w: &Workload) -> Result<Evaluation, EvalError
             let books = w.codebooks(spec)?;
             CommVqCache::build(spec, &s.k_pre_rope, &s.v, s.rope, &books)?.dequantize()
         }
-        Family::XQuant => {
-            let p = w.projections()?;
-            rank = p.k.rank;
-            XQuantCache::build(spec, &s.layer.x, p, s.rope)?.dequantize()
-        }
-        Family::XQuantCrossLayer => {
-            let p = w.projections()?;
-            rank = p.k.rank;
-            let zeros = vec![0.0f32; s.layer.x_prev.len()];
-            let (_, x_hat_prev) =
-                XQuantCache::build_cross_layer(spec, &s.layer.x_prev, &zeros, p, s.rope)?;
-            let (cache, _) =
-                XQuantCache::build_cross_layer(spec, &s.layer.x, &x_hat_prev, p, s.rope)?;
-            cache.dequantize()
+        Family::XQuant | Family::XQuantCrossLayer => {
+            rank = w.projections()?.k.rank;
+            xquant_cache(spec, w)?.dequantize()
         }
     };
     let memory = memory_with_rank(spec, d as u32, h as u32, rank, s.k.tokens as u64)?;

@@ -95,6 +95,45 @@ impl XQuantCache {
                 "`XQuantCache::from_latents` serves `source = x(latent)`; this scheme is `{spec}`"
             )));
         }
+        Self::store_latents(spec, latent_k, latent_v, projections, rope)
+    }
+
+    /// `source = x(cross_layer)` from latents computed elsewhere: the deltas' latents (stored) and
+    /// the accumulator's (`X̂_{i−1}·down`, added back when decoding), `[tokens][rank]` each.
+    pub fn from_cross_layer_latents(
+        spec: &SchemeSpec,
+        (delta_k, delta_v): (&[f32], &[f32]),
+        (base_k, base_v): (&[f32], &[f32]),
+        projections: &Projections,
+        rope: Rope,
+    ) -> Result<Self, RefError> {
+        if spec.source != CacheSource::X(XSource::CrossLayer) {
+            return Err(RefError::WrongEntryPoint(format!(
+                "`XQuantCache::from_cross_layer_latents` serves `source = x(cross_layer)`; this \
+                 scheme is `{spec}`"
+            )));
+        }
+        if base_k.len() != delta_k.len() || base_v.len() != delta_v.len() {
+            return Err(RefError::Mismatch(format!(
+                "the accumulator's latents ({} and {} values) and the deltas' ({} and {}) differ",
+                base_k.len(),
+                base_v.len(),
+                delta_k.len(),
+                delta_v.len()
+            )));
+        }
+        let mut cache = Self::store_latents(spec, delta_k, delta_v, projections, rope)?;
+        cache.base = Some((base_k.to_vec(), base_v.to_vec()));
+        Ok(cache)
+    }
+
+    fn store_latents(
+        spec: &SchemeSpec,
+        latent_k: &[f32],
+        latent_v: &[f32],
+        projections: &Projections,
+        rope: Rope,
+    ) -> Result<Self, RefError> {
         let (pk, pv) = (&projections.k, &projections.v);
         let rank = pk.rank.max(1);
         let tokens = latent_k.len() / rank;
