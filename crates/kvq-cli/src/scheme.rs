@@ -36,7 +36,7 @@ impl Resolved {
     }
 
     /// Whether any GPU decode serves it: [`runs_on_gpu`](Self::runs_on_gpu)'s, or XQuant's over
-    /// its latents (not tuned yet; XQuant-CL runs in the CPU reference only).
+    /// its latents (latent and cross-layer schemes; not tuned yet).
     pub fn decodes_on_gpu(&self) -> bool {
         self.runs_on_gpu() || has_xquant_kernel(&self.spec)
     }
