@@ -168,6 +168,14 @@ impl XQuantDeviceCache {
     }
 }
 
+/// Splits of `tiles` tiles for `pairs` (sequence, KV head) pairs on `sms` SMs at one CTA an SM:
+/// the most that fit one wave, then the fewest that give each split the same number of tiles.
+fn one_wave_splits(sms: usize, pairs: usize, tiles: usize) -> usize {
+    let tiles = tiles.max(1);
+    let want = (sms / pairs.max(1)).clamp(1, tiles);
+    tiles.div_ceil(tiles.div_ceil(want))
+}
+
 /// `up` (`[rank][out]` f32) transposed to `[out][rank]` and split into f16 halves, `x ≈ hi + lo`
 /// to about f32's precision (each rounded to nearest), as the tensor-core rebuild reads it.
 fn split_transposed(up: &[f32], rank: usize, out: usize) -> (Vec<u16>, Vec<u16>) {
@@ -232,14 +240,13 @@ impl XQuantKernel {
         &self.generated
     }
 
-    /// Splits for `batch` sequences of at most `max_len` tokens: about one CTA an SM (the decode
-    /// holds an SM's registers alone), never more splits than tiles.
+    /// Splits for `batch` sequences of at most `max_len` tokens: as many as fit one wave of one
+    /// CTA an SM (the decode holds an SM's registers alone; a CTA past the wave costs a whole
+    /// second one), then as few as cover the same tiles a split (no empty splits).
     pub fn default_splits(&self, batch: usize, max_len: usize) -> usize {
-        let pairs = (batch * self.kv_heads).max(1);
-        let most = max_len
-            .div_ceil(kvq_codegen::xquant_tile(self.generated.shape.head_dim) as usize)
-            .max(1);
-        (self.sm_count as usize).div_ceil(pairs).clamp(1, most)
+        let tiles =
+            max_len.div_ceil(kvq_codegen::xquant_tile(self.generated.shape.head_dim) as usize);
+        one_wave_splits(self.sm_count as usize, batch * self.kv_heads, tiles)
     }
 
     /// The compiled decode's registers a thread, local-memory bytes a thread (spills) and CTAs
@@ -356,5 +363,25 @@ impl XQuantKernel {
             (q_heads, batch),
             splits,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::one_wave_splits;
+
+    #[test]
+    fn splits_fill_one_wave_without_empty_ones() {
+        // 132 SMs (an H200), 8 KV heads: 16 splits a sequence, never 17 (a second wave).
+        assert_eq!(one_wave_splits(132, 8, 32), 16);
+        assert_eq!(one_wave_splits(132, 8, 256), 16);
+        // A wave of whole pairs already: one split each.
+        assert_eq!(one_wave_splits(132, 128, 256), 1);
+        assert_eq!(one_wave_splits(132, 1000, 4), 1);
+        // Short sequences: no more splits than tiles, and 7 tiles in 5 wanted splits take 4
+        // splits of 2 tiles (the fifth would be empty).
+        assert_eq!(one_wave_splits(132, 8, 3), 3);
+        assert_eq!(one_wave_splits(40, 8, 7), 4);
+        assert_eq!(one_wave_splits(132, 0, 0), 1);
     }
 }

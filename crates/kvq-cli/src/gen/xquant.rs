@@ -354,8 +354,9 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
                 "combine: grid (q_heads, batch), num_parts = num_splits".into(),
             ],
             num_splits: format!(
-                "any value in 1..=1024; the runtime's default: ceil(SMs / (batch·kv_heads)), at \
-                 most one split a tile of {} tokens (the decode holds an SM alone)",
+                "any value in 1..=1024; the runtime's default: floor(SMs / (batch·kv_heads)) (one \
+                 wave at one CTA an SM), at most one split a tile of {} tokens, then the fewest \
+                 splits with the same tiles each",
                 xquant_tile(shape.head_dim)
             ),
             scratch: family::split_scratch(),

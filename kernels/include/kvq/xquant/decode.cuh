@@ -79,6 +79,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     __shared__ __align__(16) kvq_u16 s_w[2 * 8 * XQ_WLD];
     __shared__ XqLoc s_vloc[XQ_M];
     __shared__ float s_m[GQA], s_l[GQA], s_z[GQA], s_alpha[8];
+    __shared__ float2 s_rope_step[D / 2];
     const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
     const int num_splits = gridDim.x, kv_heads = gridDim.y, OUT = kv_heads * D;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
@@ -91,6 +92,12 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     for (int i = threadIdx.x; i < GQA * XR; i += THREADS) s_vsum[i] = 0.f;
     for (int i = threadIdx.x; i < 2 * 8 * XQ_WLD; i += THREADS) s_w[i] = 0;
     if (threadIdx.x < 8) s_alpha[threadIdx.x] = 1.f;
+    for (int j = threadIdx.x; j < D / 2; j += THREADS) {
+        // A lane's rows are 8 apart: the angle a row further on turns by 8·f_j.
+        double sn, cs;
+        sincos(8.0 * rope_freq[j], &sn, &cs);
+        s_rope_step[j] = make_float2((float)cs, (float)sn);
+    }
     if (threadIdx.x < GQA) { s_m[threadIdx.x] = KVQ_NEG_INF; s_l[threadIdx.x] = 0.f; s_z[threadIdx.x] = 0.f; }
     __syncthreads();
 
@@ -161,7 +168,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         if (my_c == 0) { s_vs[my_row] = v_s; s_vz[my_row] = v_z; }
         // 2. RoPE, then the warp's share of each (query head, token) score: its columns, summed
         //    over the four lanes of a row, then over the XQ_WN column warps through s_sp.
-        xq_rope(acc, rope_freq, t0, wm, wn, lane);
+        xq_rope(acc, rope_freq, s_rope_step, t0, wm, wn, lane);
 #pragma unroll
         for (int h = 0; h < GQA; ++h)
 #pragma unroll

@@ -229,29 +229,34 @@ static __device__ __forceinline__ void xq_mma_chunk(float (&acc)[XQ_MT][XQ_NT][4
 }
 
 // RoPE at each row's position, in registers: the warp holds columns j and j + D/2 in n-tiles nt
-// and nt + XQ_NH. Angles in f64, reduced to [-π, π] before the f32 sine and cosine.
-static __device__ __forceinline__ void xq_rope(float (&acc)[XQ_MT][XQ_NT][4], const double* rope_freq, int t0, int wm,
-                                               int wn, int lane) {
+// and nt + XQ_NH, and each lane rows r0 + 8k (k < 2·XQ_MT). The angle of row r0 comes from f64
+// (reduced to [-π, π] before the f32 sine and cosine); each next row's turns by 8·f_j more, a
+// complex product with `step[j]` = (cos 8f_j, sin 8f_j) — f32 error of a few 1e-7 after three.
+static __device__ __forceinline__ void xq_rope(float (&acc)[XQ_MT][XQ_NT][4], const double* rope_freq, const float2* step,
+                                               int t0, int wm, int wn, int lane) {
     const int g = lane / 4, tq = lane % 4;
 #pragma unroll
     for (int nt = 0; nt < XQ_NH; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const double f = rope_freq[wn * XQ_HC + nt * 8 + 2 * tq + e];
+            const int j = wn * XQ_HC + nt * 8 + 2 * tq + e;
+            const double th = (double)(t0 + wm * XQ_MT * 16 + g) * rope_freq[j];
+            const double red = fma(-rint(th * 0.15915494309189535), 6.283185307179586, th);
+            float sn, cs;
+            sincosf((float)red, &sn, &cs);
+            const float2 d = step[j];
 #pragma unroll
-            for (int mt = 0; mt < XQ_MT; ++mt)
-#pragma unroll
-                for (int rh = 0; rh < 2; ++rh) {
-                    const int pos = t0 + wm * XQ_MT * 16 + mt * 16 + g + rh * 8;
-                    const double th = (double)pos * f;
-                    const double red = fma(-rint(th * 0.15915494309189535), 6.283185307179586, th);
-                    float sn, cs;
-                    sincosf((float)red, &sn, &cs);
-                    float& a = acc[mt][nt][rh * 2 + e];
-                    float& b = acc[mt][nt + XQ_NH][rh * 2 + e];
-                    const float x = a, y = b;
-                    a = fmaf(x, cs, -y * sn);
-                    b = fmaf(x, sn, y * cs);
+            for (int k = 0; k < 2 * XQ_MT; ++k) {
+                if (k > 0) {
+                    const float c2 = fmaf(cs, d.x, -sn * d.y);
+                    sn = fmaf(sn, d.x, cs * d.y);
+                    cs = c2;
                 }
+                float& a = acc[k / 2][nt][(k % 2) * 2 + e];
+                float& b = acc[k / 2][nt + XQ_NH][(k % 2) * 2 + e];
+                const float x = a, y = b;
+                a = fmaf(x, cs, -y * sn);
+                b = fmaf(x, sn, y * cs);
+            }
         }
 }
