@@ -73,6 +73,11 @@ fn main() {
             "gen_output_compiles_from_its_files_as_the_readme_says",
             gen_output_compiles_from_its_files_as_the_readme_says,
         ),
+        needs(
+            Need::Nvrtc,
+            "gen_xquant_output_compiles_from_its_files",
+            gen_xquant_output_compiles_from_its_files,
+        ),
         plain(
             "gen_sample_matches_the_manifest_layout",
             gen_sample_matches_the_manifest_layout,
@@ -1099,6 +1104,52 @@ fn gen_output_compiles_from_its_files_as_the_readme_says() {
         for arch in [Arch::SM_80, Arch::SM_90A] {
             let c = compile(&source, arch, Output::Cubin, &options)
                 .unwrap_or_else(|e| panic!("{file} for {arch} from the written files: {e}"));
+            assert!(!c.image.is_empty());
+        }
+    }
+}
+
+/// An XQuant scheme's folder: its decode unit compiles from the written headers alone, for sm_80
+/// and sm_90a, at both rebuild precisions, and the C header names the latent width.
+fn gen_xquant_output_compiles_from_its_files() {
+    use kvq::runtime::nvrtc::{compile, IncludeDirs};
+    use kvq::runtime::{Arch, CompileOptions, Output, Source};
+    let tmp = TempDir::new("gen-xquant");
+    for (scheme, rebuild) in [("xquant2", "f16"), ("xquant-cl2", "f32")] {
+        let dir = tmp.path().join(scheme);
+        let o = kvq(
+            &[
+                "gen",
+                "--scheme",
+                scheme,
+                "--head-dim",
+                "128",
+                "--gqa",
+                "4",
+                "--kv-heads",
+                "8",
+                "--d-model",
+                "4096",
+                "--rebuild",
+                rebuild,
+                "--out",
+                dir.to_str().unwrap(),
+            ],
+            tmp.path(),
+        );
+        let (_, err) = text(&o);
+        assert!(o.status.success(), "{err}");
+        let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
+        assert!(header.contains("#define KVQ_LATENT_RANK 1024"), "{header}");
+        let options =
+            CompileOptions::default().include_dirs(IncludeDirs::Only(vec![dir.join("include")]));
+        let source = Source::new(
+            "decode.cu",
+            std::fs::read_to_string(dir.join("decode.cu")).unwrap(),
+        );
+        for arch in [Arch::SM_80, Arch::SM_90A] {
+            let c = compile(&source, arch, Output::Cubin, &options)
+                .unwrap_or_else(|e| panic!("{scheme} for {arch} from the written files: {e}"));
             assert!(!c.image.is_empty());
         }
     }
