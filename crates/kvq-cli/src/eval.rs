@@ -995,7 +995,7 @@ pub fn run(opts: &EvalOptions) -> Result<String> {
         lines.push("GPU: not used (--cpu)".into());
         None
     } else if !opts.scheme.has_gpu_kernel() {
-        lines.push("GPU: not used (this scheme runs on the CPU reference only)".into());
+        lines.push("GPU: not used (eval's GPU column covers the integer and FP16 schemes)".into());
         None
     } else {
         match gpu::open(opts.device) {
