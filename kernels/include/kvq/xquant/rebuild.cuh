@@ -74,7 +74,7 @@ static __device__ __forceinline__ kvq_u32 xq_code_pair(const XqCodes& r, int c0,
 // a page's codes decoded, an FP16 row as it is, a dead row (past the tile's tokens) as zeros,
 // eight values at a time. PASSES = 3 decodes as kvq_page_value (fma(scale, code, zero) in f32)
 // and splits; PASSES = 1 takes one f16x2 fma of the f16 scale and zero pairs (the exact value
-// rounded once to f16; 3-bit codes, which span two planes, decode in f32 and round).
+// rounded once to f16; 3-bit codes, which span two planes, decode in f32 first).
 // PAGE_ONLY: every row of the tile is a live page row (no branch on the row's kind). CROSS_LAYER:
 // `base` is the row's accumulator latents (f32), added to every value before it is rounded.
 template <bool PAGE_ONLY>
