@@ -1,7 +1,7 @@
-//! XQuant's decode unit (`source = x(latent)`): split-K attention over the integer store of the
-//! layer input's latents, K rebuilt per tile from `L̂_k·up_k` with RoPE, V never rebuilt
-//! (`(Σ p·l̂_v)·up_v` once per split), over `kernels/include/kvq/xquant/decode.cuh`, with the
-//! shared combine.
+//! XQuant's decode unit (`source = x(latent)` and `x(cross_layer)`): split-K attention over the
+//! integer store of the layer input's latents, K rebuilt per tile from `L̂_k·up_k` on tensor cores
+//! with RoPE, V never rebuilt (`(Σ p·l̂_v)·up_v` once per split), over
+//! `kernels/include/kvq/xquant/*.cuh`, with the shared combine.
 
 use crate::context::TensorCtx;
 use crate::decode::{combine_entry, param, stable_id, KernelEntry, COMBINE_THREADS};
