@@ -6,7 +6,7 @@
 
 use kvq::codegen::{KernelShape, TuneParams};
 use kvq::evaluate::{self, Workload};
-use kvq::reference::synth::{generate, SynthConfig};
+use kvq::reference::synth::{generate, SynthConfig, SynthRng};
 use kvq::reference::xquant::{Projections, XQuantCache};
 use kvq::runtime::cudarc::driver::CudaSlice;
 use kvq::runtime::decode::Pieces;
@@ -68,16 +68,9 @@ pub fn decode_layer(
     Ok(host.iter().map(|&w| word_to_f32(w, shape.dtype)).collect())
 }
 
-/// Uniform values in [-2, 2) from a xorshift stream (the decode's time does not depend on them).
-fn random_latents(n: usize, state: &mut u64) -> Vec<f32> {
-    (0..n)
-        .map(|_| {
-            *state ^= *state << 13;
-            *state ^= *state >> 7;
-            *state ^= *state << 17;
-            (*state >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
-        })
-        .collect()
+/// Uniform values in [-2, 2) (the decode's time does not depend on them).
+fn random_latents(n: usize, rng: &mut SynthRng) -> Vec<f32> {
+    (0..n).map(|_| 2.0 * rng.symmetric()).collect()
 }
 
 /// Latency of one decode of `batch` sequences of `tokens` random latents: projections from a
@@ -109,7 +102,7 @@ pub fn measure(
     });
     let p = Projections::from_weights(&layer.layer.w_k, &layer.layer.w_v, d_model, kv_heads, d)
         .map_err(|e| reference("projections for the latency run", e))?;
-    let mut state = seed | 1;
+    let mut state = SynthRng::new(seed);
     let (lk, lv) = (
         random_latents(tokens * p.k.rank, &mut state),
         random_latents(tokens * p.v.rank, &mut state),

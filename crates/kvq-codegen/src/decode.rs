@@ -72,8 +72,8 @@ pub(crate) fn param(ty: &str, name: &str) -> (String, String) {
 }
 
 /// The parameters every decode entry point starts with: the queries, the paged cache (pools, page
-/// table, FP16 sink and tail buffers) and which rows of which sequences a launch takes.
-pub(crate) fn cache_params() -> Vec<(String, String)> {
+/// table, FP16 sink and tail buffers) and which sequences a launch takes.
+pub(crate) fn paged_params() -> Vec<(String, String)> {
     vec![
         param("const uint16_t*", "q"),
         param("const uint8_t*", "k_pool"),
@@ -86,8 +86,15 @@ pub(crate) fn cache_params() -> Vec<(String, String)> {
         param("const uint16_t*", "v_tail"),
         param("const int32_t*", "seq_lens"),
         param("const int32_t*", "seq_slots"),
-        param("int32_t", "q_len"),
     ]
+}
+
+/// [`paged_params`] and the query tokens a sequence (`q_len`), for the decodes that take steps
+/// of several.
+pub(crate) fn cache_params() -> Vec<(String, String)> {
+    let mut p = paged_params();
+    p.push(param("int32_t", "q_len"));
+    p
 }
 
 /// The combine entry point (kvq/combine.cuh) every split-K decode family shares.

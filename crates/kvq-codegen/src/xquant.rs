@@ -4,7 +4,7 @@
 //! `kernels/include/kvq/xquant/*.cuh`, with the shared combine.
 
 use crate::context::TensorCtx;
-use crate::decode::{combine_entry, param, stable_id, KernelEntry, COMBINE_THREADS};
+use crate::decode::{combine_entry, paged_params, param, stable_id, KernelEntry, COMBINE_THREADS};
 use crate::templates::render;
 use crate::{CodegenError, Dtype, KernelShape};
 use kvq_spec::{Axis, CacheSource, SchemeSpec, TensorQuant, XSource};
@@ -268,28 +268,20 @@ pub fn xquant_kernels(
     let source = render("xquant_decode.cu.tera", &ctx)?;
     let decode = KernelEntry {
         name: ctx.decode_name.clone(),
-        params: vec![
-            param("const uint16_t*", "q"),
-            param("const uint8_t*", "k_pool"),
-            param("const uint8_t*", "v_pool"),
-            param("const int32_t*", "page_table"),
-            param("int32_t", "max_pages"),
-            param("const uint16_t*", "k_sink"),
-            param("const uint16_t*", "v_sink"),
-            param("const uint16_t*", "k_tail"),
-            param("const uint16_t*", "v_tail"),
-            param("const int32_t*", "seq_lens"),
-            param("const int32_t*", "seq_slots"),
-            param("const uint16_t*", "up_k_hi"),
-            param("const uint16_t*", "up_k_lo"),
-            param("const float*", "up_v"),
-            param("const double*", "rope_freq"),
-            param("const float*", "base_k"),
-            param("const float*", "base_v"),
-            param("int32_t", "base_rows"),
-            param("float*", "part_acc"),
-            param("float*", "part_ml"),
-        ],
+        params: paged_params()
+            .into_iter()
+            .chain([
+                param("const uint16_t*", "up_k_hi"),
+                param("const uint16_t*", "up_k_lo"),
+                param("const float*", "up_v"),
+                param("const double*", "rope_freq"),
+                param("const float*", "base_k"),
+                param("const float*", "base_v"),
+                param("int32_t", "base_rows"),
+                param("float*", "part_acc"),
+                param("float*", "part_ml"),
+            ])
+            .collect(),
         grid: ["num_splits".into(), "kv_heads".into(), "batch".into()],
         block: XQUANT_THREADS,
         dynamic_shared_bytes: ctx.smem_bytes as u32,

@@ -21,7 +21,7 @@
 //! # Ok(()) }
 //! ```
 
-use crate::decode::GpuCache;
+use crate::decode::{upload, GpuCache};
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
 use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args};
@@ -105,14 +105,9 @@ impl XQuantDeviceCache {
                     k[at..at + bk.len()].copy_from_slice(bk);
                     v[at..at + bv.len()].copy_from_slice(bv);
                 }
-                let up = |x: &[f32], what: &str| {
-                    stream
-                        .clone_htod(x)
-                        .map_err(|e| RuntimeError::driver(format!("upload {what}"), e))
-                };
                 Some((
-                    up(&k, "the accumulator's K latents")?,
-                    up(&v, "the accumulator's V latents")?,
+                    upload(stream, &k, 0.0, "the accumulator's K latents")?,
+                    upload(stream, &v, 0.0, "the accumulator's V latents")?,
                 ))
             }
             _ => None,
@@ -123,28 +118,16 @@ impl XQuantDeviceCache {
         let freq: Vec<f64> = (0..d / 2)
             .map(|i| theta.powf(-2.0 * i as f64 / d as f64))
             .collect();
-        let up = |v: &[f32], what: &str| {
-            stream
-                .clone_htod(v)
-                .map_err(|e| RuntimeError::driver(format!("upload {what}"), e))
-        };
         let (hi, lo) = split_transposed(&p.k.up, p.k.rank, p.k.out);
-        let up16 = |v: &[u16], what: &str| {
-            stream
-                .clone_htod(v)
-                .map_err(|e| RuntimeError::driver(format!("upload {what}"), e))
-        };
         Ok(Self {
             spec: *first.spec(),
             kv_heads: h,
             head_dim: d,
             rank: p.k.rank,
-            up_k_hi: up16(&hi, "up_k (high half)")?,
-            up_k_lo: up16(&lo, "up_k (low half)")?,
-            up_v: up(&p.v.up, "up_v")?,
-            rope_freq: stream
-                .clone_htod(&freq)
-                .map_err(|e| RuntimeError::driver("upload the RoPE frequencies", e))?,
+            up_k_hi: upload(stream, &hi, 0, "up_k (high half)")?,
+            up_k_lo: upload(stream, &lo, 0, "up_k (low half)")?,
+            up_v: upload(stream, &p.v.up, 0.0, "up_v")?,
+            rope_freq: upload(stream, &freq, 0.0, "the RoPE frequencies")?,
             latents,
             base,
             base_rows,

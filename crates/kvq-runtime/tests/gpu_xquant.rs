@@ -11,7 +11,7 @@ mod gated;
 
 use kvq_codegen::{Dtype, KernelShape, RebuildPrecision};
 use kvq_reference::attention::{self, Queries};
-use kvq_reference::synth::{generate, SynthConfig};
+use kvq_reference::synth::{generate, SynthConfig, SynthRng};
 use kvq_reference::xquant::{Projections, XQuantCache};
 use kvq_runtime::tune::synth::{random_queries, word_to_f32};
 use kvq_runtime::xquant::{XQuantDeviceCache, XQuantKernel, XQuantScratch};
@@ -122,7 +122,6 @@ fn seed() -> u64 {
 /// One scheme and shape over a batch of caches (one per sequence), both rebuild precisions, 1/3/16
 /// splits: every output against the reference's attention within its bound. Returns the outputs
 /// checked and the largest error over its bound.
-#[allow(clippy::too_many_arguments)]
 fn check_batch(
     jit: &Jit,
     label: &str,
@@ -317,17 +316,10 @@ fn xquant_decode_time() {
     });
     let proj = Projections::from_weights(&layer.layer.w_k, &layer.layer.w_v, dm, kv, d).unwrap();
     let r = proj.k.rank;
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut latents = |n: usize| -> Vec<f32> {
-        (0..n * r)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
-            })
-            .collect()
-    };
+    // Uniform in [-2, 2): the time does not depend on the values.
+    let mut rng = SynthRng::new(0x2545_f491);
+    let mut latents =
+        |n: usize| -> Vec<f32> { (0..n * r).map(|_| 2.0 * rng.symmetric()).collect() };
     let x32k = (latents(32768), latents(32768));
     for text in ["xquant2", "xquant4"] {
         let spec: SchemeSpec = match text {

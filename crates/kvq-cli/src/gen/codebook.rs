@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 
 use kvq::codegen::{
     codebook_encode_kernels, codebook_kernels_with, CodebookEncodeKernels, CodebookKernels,
-    CodebookParams, KernelShape,
+    CodebookParams,
 };
 use kvq::reference::commvq::device::{DeviceLayout, SideKind, SideLayout};
 use kvq::reference::commvq::{CODEBOOK_FILE_FORMAT, DEVICE_LAYOUT_VERSION};
@@ -17,12 +17,9 @@ use kvq::runtime::codebook::codebook_problem_key;
 use kvq::runtime::tune::{TuneProblem, TuneStore};
 use serde::Serialize;
 
-use super::family::{self, buffer, BufferInfo};
-use super::manifest::{kernel_info, scheme_info, CompiledInfo, KernelInfo, SchemeInfo};
-use super::{
-    header, GenOutcome, GenRequest, DECODE_FILE, HEADER_FILE, INCLUDE_DIR, MANIFEST_FILE,
-    MANIFEST_FORMAT, MANIFEST_VERSION, README_FILE,
-};
+use super::family::{self, buffer, BufferInfo, LaunchInfo, ManifestHead};
+use super::manifest::{kernel_info, CompiledInfo, KernelInfo};
+use super::{GenOutcome, GenRequest, DECODE_FILE, HEADER_FILE, INCLUDE_DIR, MANIFEST_FILE};
 use crate::error::{CliError, Result};
 use crate::sample_codebook;
 
@@ -87,24 +84,9 @@ struct TunedInfo {
 }
 
 #[derive(Serialize)]
-struct LaunchInfo {
-    /// The decode step's kernels in stream order (roles of `kernels`).
-    decode_steps: Vec<String>,
-    notes: Vec<String>,
-    num_splits: String,
-    fill_steps: Vec<String>,
-    scratch: Vec<BufferInfo>,
-}
-
-#[derive(Serialize)]
 struct Manifest {
-    format: String,
-    version: u32,
-    family: &'static str,
-    kvq_version: String,
-    layout_version: &'static str,
-    scheme: SchemeInfo,
-    shape: KernelShape,
+    #[serde(flatten)]
+    head: ManifestHead,
     params: CodebookParams,
     files: BTreeMap<String, String>,
     kernels: Vec<KernelInfo>,
@@ -448,9 +430,7 @@ fn header_text(req: &GenRequest, layout: &DeviceLayout, kernels: &[KernelInfo]) 
         let _ = writeln!(h, "#define {tag}_{name}_TAIL_CAPACITY {}", side.tail_cap);
         let _ = writeln!(h, "#define {tag}_{name}_LOCAL {}", side.local);
     }
-    header::kernel_declarations(&mut h, &req.prefix, kernels);
-    let _ = writeln!(h, "\n#endif /* {guard} */");
-    header::ascii(&h)
+    family::header_epilogue(h, req, kernels, &guard)
 }
 
 /// Writes the folder for a codebook scheme; see the module docs.
@@ -502,22 +482,10 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
         }
         None => None,
     };
-    let mut names = BTreeMap::new();
-    names.insert("decode".to_string(), DECODE_FILE.to_string());
-    names.insert("encode".to_string(), ENCODE_FILE.to_string());
-    names.insert("header".to_string(), HEADER_FILE.to_string());
-    names.insert("include".to_string(), format!("{INCLUDE_DIR}/"));
-    names.insert("readme".to_string(), README_FILE.to_string());
     let manifest = Manifest {
-        format: MANIFEST_FORMAT.into(),
-        version: MANIFEST_VERSION,
-        family: "codebook",
-        kvq_version: env!("CARGO_PKG_VERSION").into(),
-        layout_version: DEVICE_LAYOUT_VERSION,
-        scheme: scheme_info(&req.scheme),
-        shape: *shape,
+        head: ManifestHead::new(req, "codebook", DEVICE_LAYOUT_VERSION),
         params,
-        files: names,
+        files: family::file_names(&[("decode", DECODE_FILE), ("encode", ENCODE_FILE)]),
         kernels,
         launch: LaunchInfo {
             decode_steps: vec!["decode".into(), "combine".into()],

@@ -1,16 +1,20 @@
 //! What the generators of the families with their own decodes (codebook, XQuant) share: the
-//! manifest's buffer rows and split scratch, the C header's opening constants, the README's
-//! compiling section, and writing the folder's units, headers, README and C header.
+//! manifest's opening fields, launch section, file roles, buffer rows and split scratch, the C
+//! header's opening constants, the README's compiling section, and writing the folder's units,
+//! headers, README and C header.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
+use kvq::codegen::KernelShape;
 use serde::Serialize;
 
-use super::manifest::CompiledInfo;
+use super::header;
+use super::manifest::{scheme_info, CompiledInfo, KernelInfo, SchemeInfo};
 use super::{
     compile_sources, remove_stale, write_file, write_headers, GenRequest, HEADER_FILE, INCLUDE_DIR,
-    MANIFEST_FILE, README_FILE,
+    MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_VERSION, README_FILE,
 };
 use crate::error::{CliError, Result};
 
@@ -35,6 +39,62 @@ pub(super) fn buffer(
         element,
         about: about.into(),
     }
+}
+
+/// The manifest's opening fields, the same for every family (flattened into its manifest).
+#[derive(Serialize)]
+pub(super) struct ManifestHead {
+    format: &'static str,
+    version: u32,
+    family: &'static str,
+    kvq_version: &'static str,
+    layout_version: &'static str,
+    scheme: SchemeInfo,
+    shape: KernelShape,
+}
+
+impl ManifestHead {
+    pub(super) fn new(
+        req: &GenRequest,
+        family: &'static str,
+        layout_version: &'static str,
+    ) -> Self {
+        ManifestHead {
+            format: MANIFEST_FORMAT,
+            version: MANIFEST_VERSION,
+            family,
+            kvq_version: env!("CARGO_PKG_VERSION"),
+            layout_version,
+            scheme: scheme_info(&req.scheme),
+            shape: req.shape,
+        }
+    }
+}
+
+/// How a family's decode step and cache filling launch (`fill_steps` where kvq gen writes
+/// cache-filling kernels).
+#[derive(Serialize)]
+pub(super) struct LaunchInfo {
+    /// The decode step's kernels in stream order (roles of `kernels`).
+    pub decode_steps: Vec<String>,
+    pub notes: Vec<String>,
+    pub num_splits: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub fill_steps: Vec<String>,
+    pub scratch: Vec<BufferInfo>,
+}
+
+/// The folder's files by role: each unit (role, file name), the C header, the kernel headers'
+/// folder and the README.
+pub(super) fn file_names(units: &[(&str, &str)]) -> BTreeMap<String, String> {
+    let mut names: BTreeMap<String, String> = units
+        .iter()
+        .map(|(role, file)| (role.to_string(), file.to_string()))
+        .collect();
+    names.insert("header".into(), HEADER_FILE.into());
+    names.insert("include".into(), format!("{INCLUDE_DIR}/"));
+    names.insert("readme".into(), README_FILE.into());
+    names
 }
 
 /// The split partials a decode writes and the combine reads.
@@ -81,6 +141,18 @@ pub(super) fn header_prologue(
     let _ = writeln!(h, "#define {tag}_HEAD_DIM {}", req.shape.head_dim);
     let _ = writeln!(h, "#define {tag}_GQA {}", req.shape.gqa);
     guard
+}
+
+/// The C header's close: every kernel's declarations after the constants, the guard, ASCII only.
+pub(super) fn header_epilogue(
+    mut h: String,
+    req: &GenRequest,
+    kernels: &[KernelInfo],
+    guard: &str,
+) -> String {
+    header::kernel_declarations(&mut h, &req.prefix, kernels);
+    let _ = writeln!(h, "\n#endif /* {guard} */");
+    header::ascii(&h)
 }
 
 /// The README's section on compiling `units` for `arch` (NVRTC or nvcc, the headers on the

@@ -7,23 +7,15 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use kvq::codegen::{
-    latent_spec, xquant_kernels, xquant_rank, xquant_tile, KernelShape, RebuildPrecision,
-    XQuantKernels,
-};
+use kvq::codegen::{latent_spec, xquant_kernels, xquant_tile, RebuildPrecision, XQuantKernels};
 use kvq::reference::int::LAYOUT_VERSION;
 use kvq::reference::xquant::PROJECTION_FILE_FORMAT;
 use kvq::{CacheSource, XSource};
 use serde::Serialize;
 
-use super::family::{self, buffer, BufferInfo};
-use super::manifest::{
-    kernel_info, scheme_info, tensor_info, CompiledInfo, KernelInfo, SchemeInfo, TensorInfo,
-};
-use super::{
-    header, GenOutcome, GenRequest, DECODE_FILE, HEADER_FILE, INCLUDE_DIR, MANIFEST_FILE,
-    MANIFEST_FORMAT, MANIFEST_VERSION, README_FILE,
-};
+use super::family::{self, buffer, BufferInfo, LaunchInfo, ManifestHead};
+use super::manifest::{kernel_info, tensor_info, CompiledInfo, KernelInfo, TensorInfo};
+use super::{GenOutcome, GenRequest, DECODE_FILE, HEADER_FILE, INCLUDE_DIR, MANIFEST_FILE};
 use crate::error::{CliError, Result};
 
 #[derive(Serialize)]
@@ -65,22 +57,9 @@ struct ProjectionFileInfo {
 }
 
 #[derive(Serialize)]
-struct LaunchInfo {
-    decode_steps: Vec<String>,
-    notes: Vec<String>,
-    num_splits: String,
-    scratch: Vec<BufferInfo>,
-}
-
-#[derive(Serialize)]
 struct Manifest {
-    format: String,
-    version: u32,
-    family: &'static str,
-    kvq_version: String,
-    layout_version: &'static str,
-    scheme: SchemeInfo,
-    shape: KernelShape,
+    #[serde(flatten)]
+    head: ManifestHead,
     latent: LatentInfo,
     files: BTreeMap<String, String>,
     kernels: Vec<KernelInfo>,
@@ -247,9 +226,7 @@ fn header_text(
             side.tail_capacity
         );
     }
-    header::kernel_declarations(&mut h, &req.prefix, kernels);
-    let _ = writeln!(h, "\n#endif /* {guard} */");
-    header::ascii(&h)
+    family::header_epilogue(h, req, kernels, &guard)
 }
 
 /// Writes the folder for an XQuant scheme; see the module docs.
@@ -280,10 +257,6 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
     }
     let precision = x.rebuild.unwrap_or_default();
     let k = xquant_kernels(spec, shape, kv_heads, d_model, precision)?;
-    debug_assert_eq!(
-        k.rank,
-        xquant_rank(d_model as usize, kv_heads as usize, shape.head_dim as usize)
-    );
     let cross_layer = spec.source == CacheSource::X(XSource::CrossLayer);
     let layout = layout_info(req, &k, cross_layer)?;
     let dtype = shape.dtype;
@@ -318,19 +291,8 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
         &header_text(req, &k, &layout, &kernels),
         &mut notes,
     )?;
-    let mut names = BTreeMap::new();
-    names.insert("decode".to_string(), DECODE_FILE.to_string());
-    names.insert("header".to_string(), HEADER_FILE.to_string());
-    names.insert("include".to_string(), format!("{INCLUDE_DIR}/"));
-    names.insert("readme".to_string(), README_FILE.to_string());
     let manifest = Manifest {
-        format: MANIFEST_FORMAT.into(),
-        version: MANIFEST_VERSION,
-        family: "xquant",
-        kvq_version: env!("CARGO_PKG_VERSION").into(),
-        layout_version: LAYOUT_VERSION,
-        scheme: scheme_info(&req.scheme),
-        shape: *shape,
+        head: ManifestHead::new(req, "xquant", LAYOUT_VERSION),
         latent: LatentInfo {
             kv_heads,
             d_model,
@@ -343,7 +305,7 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
             tensor_values: k.tensor_values,
             cross_layer,
         },
-        files: names,
+        files: family::file_names(&[("decode", DECODE_FILE)]),
         kernels,
         launch: LaunchInfo {
             decode_steps: vec!["decode".into(), "combine".into()],
@@ -359,6 +321,7 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
                  splits with the same tiles each",
                 xquant_tile(shape.head_dim)
             ),
+            fill_steps: Vec::new(),
             scratch: family::split_scratch(),
         },
         layout,

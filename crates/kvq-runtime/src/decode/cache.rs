@@ -65,7 +65,7 @@ fn gather(
 
 /// Uploads a vector, or one poison element when it is empty (kernels never read it then, and the
 /// argument must still be a valid pointer).
-fn upload<T: cudarc::driver::DeviceRepr + Copy>(
+pub(crate) fn upload<T: cudarc::driver::DeviceRepr + Copy>(
     stream: &Arc<CudaStream>,
     data: &[T],
     filler: T,

@@ -19,6 +19,7 @@ mod splits;
 pub use block::{
     few_pairs_blocks, one_tile_blocks, whole_pair_waves, whole_pairs_blocks, BlockSplits, RuleBlock,
 };
+pub(crate) use cache::upload;
 pub use cache::GpuCache;
 pub use fast_memory::{fast_memory_applies, is_fast_memory, FAST_MEMORY_GBPS_PER_SM};
 pub use kernel::{DecodeKernel, LoadOptions, RANGE_SCALE_MAX_SPLITS};
