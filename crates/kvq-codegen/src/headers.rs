@@ -45,6 +45,7 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/xquant/rebuild.cuh",
     "kvq/xquant/values.cuh",
     "kvq/xquant/decode.cuh",
+    "kvq/xquant/project.cuh",
 ];
 
 /// [`KERNEL_HEADERS`]: what a compile site passes to NVRTC beside a generated unit.

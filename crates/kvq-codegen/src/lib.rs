@@ -28,6 +28,7 @@ mod shape;
 mod templates;
 mod tune;
 mod xquant;
+mod xquant_project;
 
 pub use cache::{cache_kernels, cache_kernels_with, CacheKernels, PageQuantizers};
 pub use codebook::{
@@ -53,3 +54,4 @@ pub use xquant::{
     has_xquant_kernel, latent_spec, xquant_kernels, xquant_rank, xquant_tile, RebuildPrecision,
     XQuantKernels, XQUANT_THREADS,
 };
+pub use xquant_project::{xquant_project_kernel, XQuantProjectKernel, XQUANT_PROJECT_THREADS};

@@ -24,6 +24,7 @@ pub(crate) const TEMPLATES: &[(&str, &str)] = embedded![
     "codebook_decode.cu.tera",
     "codebook_encode.cu.tera",
     "xquant_decode.cu.tera",
+    "xquant_project.cu.tera",
 ];
 
 fn engine() -> Result<&'static Tera, CodegenError> {

@@ -7,16 +7,18 @@ use crate::context::TensorCtx;
 use crate::decode::{combine_entry, paged_params, param, stable_id, KernelEntry, COMBINE_THREADS};
 use crate::templates::render;
 use crate::{CodegenError, Dtype, KernelShape};
+use kvq_reference::xquant::latent_store_width;
 use kvq_spec::{Axis, CacheSource, SchemeSpec, TensorQuant, XSource};
 use serde::Serialize;
 
 /// Threads of the XQuant decode CTA (eight warps).
 pub const XQUANT_THREADS: u32 = 256;
 /// Latent channels of one pipeline chunk of K's rebuild (kernels/include/kvq/xquant/decode.cuh's
-/// XQ_KC): 64 for the one-pass product where the latent allows, else 32.
-fn chunk(spec: &SchemeSpec, rank: usize, precision: RebuildPrecision) -> usize {
+/// XQ_KC): 64 for the one-pass product where the store's heads allow, else 32 (a chunk never
+/// spans two store heads).
+fn chunk(spec: &SchemeSpec, width: usize, precision: RebuildPrecision) -> usize {
     let three_bit = matches!(&spec.k, TensorQuant::Int(q) if q.bits == 3);
-    if precision == RebuildPrecision::F16 && rank % 64 == 0 && !three_bit {
+    if precision == RebuildPrecision::F16 && width % 64 == 0 && !three_bit {
         64
     } else {
         32
@@ -60,10 +62,14 @@ pub fn xquant_tile(head_dim: u32) -> u32 {
     }
 }
 
+/// Store heads of a latent row whose V sums can run on tensor cores (a scale and zero each per
+/// token, kept per tile in shared memory).
+const MAX_TENSOR_V_HEADS: usize = 4;
+
 /// Whether V's latent sums run on tensor cores (kernels/include/kvq/xquant/values.cuh): token-axis
-/// latents with one group a row, 2 or 4 bits, at most 1,024 wide, rows of whole 16-byte pieces.
-/// Other latents sum on CUDA cores.
-fn tensor_values(spec: &SchemeSpec, rank: usize) -> bool {
+/// latents with one group a store head, 2 or 4 bits, at most 1,024 wide in at most four store
+/// heads, head rows of whole 16-byte pieces. Other latents sum on CUDA cores.
+fn tensor_values(spec: &SchemeSpec, rank: usize, width: usize) -> bool {
     if spec.source != CacheSource::X(XSource::Latent) {
         // XQuant-CL adds its accumulator's latents on CUDA cores.
         return false;
@@ -71,11 +77,12 @@ fn tensor_values(spec: &SchemeSpec, rank: usize) -> bool {
     match &spec.v {
         TensorQuant::Int(q) => {
             q.axis == Axis::Token
-                && q.group.map_or(true, |g| g as usize == rank)
+                && q.group.map_or(true, |g| g as usize == width)
                 && matches!(q.bits, 2 | 4)
                 && q.boost.is_none()
                 && rank <= 1024
-                && (rank * q.bits as usize / 8) % 16 == 0
+                && rank / width <= MAX_TENSOR_V_HEADS
+                && (width * q.bits as usize / 8) % 16 == 0
         }
         _ => false,
     }
@@ -87,6 +94,7 @@ fn dynamic_shared_bytes(
     spec: &SchemeSpec,
     shape: &KernelShape,
     rank: usize,
+    width: usize,
     precision: RebuildPrecision,
 ) -> usize {
     let parts = if precision == RebuildPrecision::F32 {
@@ -96,10 +104,10 @@ fn dynamic_shared_bytes(
     };
     let tile = xquant_tile(shape.head_dim) as usize;
     // Staged rows: a chunk plus 8 f16 values, so ldmatrix rows fall on distinct banks.
-    let row_stride = chunk(spec, rank, precision) + 8;
+    let row_stride = chunk(spec, width, precision) + 8;
     let stages = 2 * parts * (tile + shape.head_dim as usize) * row_stride * 2;
     let v_rows = match &spec.v {
-        TensorQuant::Int(q) if tensor_values(spec, rank) => {
+        TensorQuant::Int(q) if tensor_values(spec, rank, width) => {
             tile * (rank * q.bits as usize / 8 + 16)
         }
         _ => 0,
@@ -114,6 +122,9 @@ pub struct XQuantKernels {
     pub shape: KernelShape,
     /// Latent width `R` (the projections' rank).
     pub rank: usize,
+    /// Channels of one head of the latents' store (`kvq_reference::xquant::latent_store_width`):
+    /// the store holds `rank / store_width` heads.
+    pub store_width: usize,
     /// How K's rebuild multiplies.
     pub precision: RebuildPrecision,
     /// Whether V's latent sums run on tensor cores (else on CUDA cores).
@@ -133,6 +144,7 @@ struct UnitCtx {
     head_dim: u32,
     gqa: u32,
     rank: usize,
+    store_width: usize,
     threads: u32,
     tile: u32,
     passes: u32,
@@ -178,6 +190,7 @@ fn unsupported(
     spec: &SchemeSpec,
     shape: &KernelShape,
     rank: usize,
+    width: usize,
     precision: RebuildPrecision,
 ) -> Option<String> {
     if spec.source == CacheSource::Kv {
@@ -207,7 +220,7 @@ fn unsupported(
     }
     if let TensorQuant::Int(q) = &spec.k {
         // A thread stages 8 to 32 consecutive latents of a row, under one scale.
-        let span = xquant_tile(shape.head_dim) as usize * chunk(spec, rank, precision)
+        let span = xquant_tile(shape.head_dim) as usize * chunk(spec, width, precision)
             / XQUANT_THREADS as usize;
         if q.axis == Axis::Token && q.group.is_some_and(|g| g as usize % span != 0) {
             return Some(format!(
@@ -232,7 +245,16 @@ pub fn xquant_kernels(
     precision: RebuildPrecision,
 ) -> Result<XQuantKernels, CodegenError> {
     let rank = xquant_rank(d_model as usize, kv_heads as usize, shape.head_dim as usize);
-    if let Some(what) = unsupported(spec, shape, rank, precision) {
+    let width = match spec.source {
+        CacheSource::Kv => rank,
+        CacheSource::X(_) => {
+            latent_store_width(spec, rank).map_err(|e| CodegenError::Unsupported {
+                family: "xquant decode",
+                what: e.to_string(),
+            })?
+        }
+    };
+    if let Some(what) = unsupported(spec, shape, rank, width, precision) {
         return Err(CodegenError::Unsupported {
             family: "xquant decode",
             what,
@@ -251,16 +273,17 @@ pub fn xquant_kernels(
         head_dim: shape.head_dim,
         gqa: shape.gqa,
         rank,
+        store_width: width,
         threads: XQUANT_THREADS,
         tile: xquant_tile(shape.head_dim),
         passes: precision.passes(),
-        tensor_v: tensor_values(spec, rank),
+        tensor_v: tensor_values(spec, rank, width),
         cross_layer: spec.source == CacheSource::X(XSource::CrossLayer),
-        smem_bytes: dynamic_shared_bytes(spec, shape, rank, precision),
+        smem_bytes: dynamic_shared_bytes(spec, shape, rank, width, precision),
         page: spec.page,
         sink: spec.sink,
-        k: TensorCtx::new("k", &latents, &latents.k, rank)?,
-        v: TensorCtx::new("v", &latents, &latents.v, rank)?,
+        k: TensorCtx::new("k", &latents, &latents.k, width)?,
+        v: TensorCtx::new("v", &latents, &latents.v, width)?,
         decode_name: format!("kvq_xquant_decode_{id}"),
         combine_name: format!("kvq_combine_{id}"),
         combine_threads: COMBINE_THREADS,
@@ -291,6 +314,7 @@ pub fn xquant_kernels(
         scheme: spec.to_string(),
         shape: *shape,
         rank,
+        store_width: width,
         precision,
         tensor_values: ctx.tensor_v,
         source,

@@ -96,6 +96,15 @@ const CASES: &[Case] = &[
         d_model: 512,
         lengths: &[1, 129, 1000],
     },
+    // Latents of 320 in two store heads of 160 (docs/LAYOUT.md §10), grouped V on CUDA cores.
+    Case {
+        scheme: "k = int(4, channel), v = int(2, token, group = 32), source = x(latent)",
+        head_dim: 256,
+        gqa: 1,
+        dtype: Dtype::F16,
+        d_model: 320,
+        lengths: &[1, 129, 2000],
+    },
     Case {
         scheme: "k = int(8, channel, symmetric), v = int(3, token), source = x(latent)",
         head_dim: 96,

@@ -177,67 +177,8 @@ fn rows(s: &Stream, from: usize, to: usize, d: usize) -> Vec<u16> {
 
 /// Compares a sequence's device state with the reference built from the same tokens; returns a list
 /// of differences (empty when bit-exact).
-fn compare_state(cache: &PagedKvCache, id: SeqId, reference: &IntCache, d: usize) -> Vec<String> {
-    let snap = cache.snapshot(id).expect("snapshot");
-    let mut diffs = Vec::new();
-    for (name, pages, store, sink, tail) in [
-        (
-            "K",
-            &snap.k_pages,
-            reference.k(),
-            &snap.k_sink,
-            &snap.k_tail,
-        ),
-        (
-            "V",
-            &snap.v_pages,
-            reference.v(),
-            &snap.v_sink,
-            &snap.v_tail,
-        ),
-    ] {
-        if pages.len() != store.pages() {
-            diffs.push(format!(
-                "{name}: {} pages on the GPU, {} in the reference",
-                pages.len(),
-                store.pages()
-            ));
-            continue;
-        }
-        for (j, page) in pages.iter().enumerate() {
-            for h in 0..KV_HEADS {
-                let want = store.block(j, h).expect("reference block");
-                let have = &page[h * store.block_bytes()..(h + 1) * store.block_bytes()];
-                if have != want {
-                    let first = have.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
-                    let n = have.iter().zip(want).filter(|(a, b)| a != b).count();
-                    diffs.push(format!(
-                        "{name} page {j} head {h}: {n} bytes differ, first at byte {first}"
-                    ));
-                }
-            }
-        }
-        let want_sink: Vec<u16> = store.sink().iter().map(|h| h.to_bits()).collect();
-        if *sink != want_sink {
-            diffs.push(format!("{name} sink differs"));
-        }
-        if let Some(regions) = store.regions() {
-            let cap = store.tail_capacity();
-            let want_tail = store.tail();
-            for t in regions.tail() {
-                let slot = store.tail_slot(t).expect("tail token");
-                for h in 0..KV_HEADS {
-                    let at = (h * cap + slot) * d;
-                    let want: Vec<u16> =
-                        want_tail[at..at + d].iter().map(|x| x.to_bits()).collect();
-                    if tail[at..at + d] != want[..] {
-                        diffs.push(format!("{name} tail token {t} head {h} differs"));
-                    }
-                }
-            }
-        }
-    }
-    diffs
+fn compare_state(cache: &PagedKvCache, id: SeqId, reference: &IntCache) -> Vec<String> {
+    cache.snapshot(id).expect("snapshot").differences(reference)
 }
 
 fn gpu_paged_cache_matches_the_reference_for_every_integer_scheme() {
@@ -307,7 +248,7 @@ fn gpu_paged_cache_matches_the_reference_for_every_integer_scheme() {
                     &head_major(&vs[i].values, n, d),
                 )
                 .expect("reference");
-                for diff in compare_state(&cache, ids[i], &r, d) {
+                for diff in compare_state(&cache, ids[i], &r) {
                     failures.push(format!(
                         "{name} d{d} {dtype} {forms} seq {i} (len {n}): {diff}"
                     ));

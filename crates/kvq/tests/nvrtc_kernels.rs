@@ -158,6 +158,18 @@ fn xquant_decode_kernels_compile_for_sm80_and_sm90a() {
         }
     }
     compile_all_for(&jobs, |shape| shape.dtype == Dtype::F16);
+    // The cache writes' projection, both input dtypes.
+    let mut project = Vec::new();
+    for (dtype, d_model, rank) in [(Dtype::F16, 4096, 1024), (Dtype::Bf16, 576, 192)] {
+        let k = kvq::codegen::xquant_project_kernel(dtype, d_model, rank)
+            .unwrap_or_else(|e| panic!("projection {dtype} {d_model} {rank}: {e}"));
+        project.push((
+            "xquant_project",
+            format!("{dtype} {d_model}→{rank}"),
+            k.source,
+        ));
+    }
+    compile_all(&project);
 }
 
 fn every_builtin_decode_kernel_compiles_for_sm80_and_sm90a() {

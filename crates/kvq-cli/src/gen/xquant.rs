@@ -1,7 +1,6 @@
 //! `kvq gen` for XQuant schemes (`source = x(latent)` and `x(cross_layer)`): the decode unit (the
 //! fused decode that rebuilds K from the latents on tensor cores, and the combine), the kernel
-//! headers, a C header, a manifest with the latent store's layout (docs/LAYOUT.md at the latent
-//! width), the projection tensors the decode reads and how to make them from a projection file
+//! headers, a C header, a manifest with the latent store's layout (docs/LAYOUT.md §10), the projection tensors the decode reads and how to make them from a projection file
 //! (`kvq-projections-1`), and a README.
 
 use std::collections::BTreeMap;
@@ -37,9 +36,11 @@ struct LatentInfo {
 struct LayoutInfo {
     version: &'static str,
     doc: &'static str,
-    /// The latents are stored as one "head" of `rank` channels a sequence, in the integer store's
-    /// page blocks and FP16 sink and tail rows.
-    latent_head_dim: usize,
+    /// A sequence's latent rows of `rank` channels are stored as `store_heads` heads of
+    /// `store_head_dim` channels, in the integer store's page blocks and FP16 sink and tail rows
+    /// (`kvq_reference::xquant::latent_store_width`).
+    store_head_dim: usize,
+    store_heads: usize,
     page_tokens: u32,
     sink: u32,
     k: TensorInfo,
@@ -70,7 +71,8 @@ struct Manifest {
 
 fn layout_info(req: &GenRequest, k: &XQuantKernels, cross_layer: bool) -> Result<LayoutInfo> {
     let latents = latent_spec(&req.scheme.spec);
-    let r = k.rank;
+    let (r, w) = (k.rank, k.store_width);
+    let heads = r / w;
     let mut buffers = vec![
         buffer(
             "q / out",
@@ -80,9 +82,10 @@ fn layout_info(req: &GenRequest, k: &XQuantKernels, cross_layer: bool) -> Result
         ),
         buffer(
             "k_pool / v_pool",
-            "[physical_pages][layout.{k,v}.block_bytes]",
+            &format!("[physical_pages][{heads}][layout.{{k,v}}.block_bytes]"),
             "u8",
-            "one block per page of a sequence's K (V) latents: `rank` channels, one \"head\"",
+            "a page of a sequence's K (V) latents: one block a store head, its `store_head_dim` \
+             channels of each latent row",
         ),
         buffer(
             "page_table",
@@ -92,13 +95,13 @@ fn layout_info(req: &GenRequest, k: &XQuantKernels, cross_layer: bool) -> Result
         ),
         buffer(
             "k_sink / v_sink",
-            &format!("[sequence slots][sink][{r}]"),
+            &format!("[sequence slots][{heads}][sink][{w}]"),
             "f16",
             "the first tokens' latents",
         ),
         buffer(
             "k_tail / v_tail",
-            &format!("[sequence slots][tail_capacity][{r}]"),
+            &format!("[sequence slots][{heads}][tail_capacity][{w}]"),
             "f16",
             "recent tokens' latents, token t at slot (t − sink_end) mod tail_capacity",
         ),
@@ -153,12 +156,13 @@ fn layout_info(req: &GenRequest, k: &XQuantKernels, cross_layer: bool) -> Result
     });
     Ok(LayoutInfo {
         version: LAYOUT_VERSION,
-        doc: "docs/LAYOUT.md at the latent width (page blocks, regions); docs/CODEBOOKS.md §3",
-        latent_head_dim: r,
+        doc: "docs/LAYOUT.md §10 (latent rows as store heads; page blocks, regions); docs/CODEBOOKS.md §3",
+        store_head_dim: w,
+        store_heads: heads,
         page_tokens: latents.page,
         sink: latents.sink,
-        k: tensor_info(&latents, &latents.k, r)?,
-        v: tensor_info(&latents, &latents.v, r)?,
+        k: tensor_info(&latents, &latents.k, w)?,
+        v: tensor_info(&latents, &latents.v, w)?,
         buffers,
         projection_file: ProjectionFileInfo {
             format: PROJECTION_FILE_FORMAT,
@@ -190,7 +194,7 @@ tensor cores and never rebuilds V, and the combine); sm_80 or later.
 - `{INCLUDE_DIR}/kvq/`: the kernels' code, CUDA headers the unit `#include \"kvq/…\"`.
 - `{HEADER_FILE}`: C header with launch constants and a parameter struct per kernel.
 - `{MANIFEST_FILE}`: entry points, launch shapes, the latent store's layout ({LAYOUT_VERSION} at \
-the latent width), the projection buffers and how they come from a `{PROJECTION_FILE_FORMAT}` file.
+latent rows as store heads), the projection buffers and how they come from a `{PROJECTION_FILE_FORMAT}` file.
 
 {compiling}",
         scheme = req.scheme.spec,
@@ -213,9 +217,11 @@ fn header_text(
         &mut h,
         req,
         LAYOUT_VERSION,
-        "docs/LAYOUT.md at the latent width",
+        "docs/LAYOUT.md §10, latent rows as store heads",
     );
     let _ = writeln!(h, "#define {tag}_LATENT_RANK {}", k.rank);
+    let _ = writeln!(h, "#define {tag}_STORE_HEAD_DIM {}", k.store_width);
+    let _ = writeln!(h, "#define {tag}_STORE_HEADS {}", k.rank / k.store_width);
     let _ = writeln!(h, "#define {tag}_PAGE_TOKENS {}", layout.page_tokens);
     let _ = writeln!(h, "#define {tag}_SINK {}", layout.sink);
     for (side, name) in [(&layout.k, "K"), (&layout.v, "V")] {

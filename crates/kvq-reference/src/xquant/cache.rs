@@ -64,8 +64,54 @@ fn latent_spec(spec: &SchemeSpec) -> SchemeSpec {
     }
 }
 
-fn latent_tensor(data: Vec<f32>, tokens: usize, rank: usize) -> Result<KvTensor, RefError> {
-    KvTensor::new(data, 1, tokens, rank)
+/// Widest store head for latents (the page quantizers' and boost's limit on a head's channels).
+const MAX_STORE_WIDTH: usize = 256;
+
+/// Channels of one head of the latents' integer store (docs/LAYOUT.md §10): the widest multiple of
+/// 32 up to 256 that divides `rank` and under which both latents' quantizers accept the head.
+/// A latent row of `rank` channels is stored as `rank / width` heads, so a token-axis quantizer
+/// without a `group` takes one scale per head's part of the row, and every store width is one the
+/// GPU's page quantizers and the XQuant decode serve.
+pub fn latent_store_width(spec: &SchemeSpec, rank: usize) -> Result<usize, RefError> {
+    let fits = |w: usize| {
+        rank % w == 0
+            && [("k", &spec.k), ("v", &spec.v)].iter().all(|(name, t)| {
+                SchemeSpec::check_tensor_shape(name, t, w as u32, (rank / w) as u32).is_ok()
+            })
+    };
+    (1..=MAX_STORE_WIDTH / 32)
+        .rev()
+        .map(|i| 32 * i)
+        .find(|&w| fits(w))
+        .ok_or_else(|| {
+            RefError::Mismatch(format!(
+                "latents of {rank} channels: no store head width (a multiple of 32 up to \
+                 {MAX_STORE_WIDTH} dividing {rank}) that `{spec}` accepts"
+            ))
+        })
+}
+
+/// `[tokens][rank]` latents as the store's head-major `[rank / width][tokens][width]`.
+fn latent_tensor(
+    spec: &SchemeSpec,
+    data: &[f32],
+    tokens: usize,
+    rank: usize,
+) -> Result<KvTensor, RefError> {
+    let width = latent_store_width(spec, rank)?;
+    crate::synth::try_to_head_major(data, tokens, rank / width, width, "latents")
+}
+
+/// The store's head-major latents back to `[tokens][rank]` rows.
+fn latent_rows(t: &KvTensor) -> Vec<f32> {
+    let (heads, tokens, width) = (t.kv_heads, t.tokens, t.head_dim);
+    let mut rows = Vec::with_capacity(heads * tokens * width);
+    for tok in 0..tokens {
+        for h in 0..heads {
+            rows.extend_from_slice(t.row(h, tok));
+        }
+    }
+    rows
 }
 
 impl XQuantCache {
@@ -146,8 +192,8 @@ impl XQuantCache {
                 pv.rank
             )));
         }
-        let lk = latent_tensor(latent_k.to_vec(), tokens, pk.rank)?;
-        let lv = latent_tensor(latent_v.to_vec(), tokens, pv.rank)?;
+        let lk = latent_tensor(spec, latent_k, tokens, pk.rank)?;
+        let lv = latent_tensor(spec, latent_v, tokens, pv.rank)?;
         Ok(Self {
             spec: *spec,
             tokens,
@@ -184,11 +230,16 @@ impl XQuantCache {
         }
         let delta: Vec<f32> = x.iter().zip(x_hat_prev).map(|(a, b)| a - b).collect();
         let (pk, pv) = (&projections.k, &projections.v);
-        let dk = latent_tensor(pk.project(&delta), tokens, pk.rank)?;
-        let dv = latent_tensor(pv.project(&delta), tokens, pv.rank)?;
+        let dk = latent_tensor(spec, &pk.project(&delta), tokens, pk.rank)?;
+        let dv = latent_tensor(spec, &pv.project(&delta), tokens, pv.rank)?;
         let latents = IntCache::build(&latent_spec(spec), &dk, &dv)?;
         let stored = latents.dequantize();
-        let step = lift(projections, &stored.k.data, &stored.v.data, tokens)?;
+        let step = lift(
+            projections,
+            &latent_rows(&stored.k),
+            &latent_rows(&stored.v),
+            tokens,
+        )?;
         let next: Vec<f32> = x_hat_prev.iter().zip(&step).map(|(a, b)| a + b).collect();
         let cache = Self {
             spec: *spec,
@@ -219,7 +270,8 @@ impl XQuantCache {
     }
 
     /// What is stored: the K latent as tensor `k` (per-channel in the scheme's spec) and the V latent as
-    /// tensor `v` (per-token), each `[1][tokens][rank]`, in the integer layout of `docs/LAYOUT.md`.
+    /// tensor `v` (per-token), each `[rank / width][tokens][width]` ([`latent_store_width`]), in the
+    /// integer layout of `docs/LAYOUT.md`.
     /// For `x(cross_layer)` these are the latents of the delta `X_i − X̂_{i−1}`.
     pub fn stored(&self) -> &IntCache {
         &self.latents
@@ -237,7 +289,7 @@ impl XQuantCache {
     /// latents for `x(cross_layer)`.
     pub fn latents(&self) -> (Vec<f32>, Vec<f32>, Vec<bool>) {
         let d = self.latents.dequantize();
-        let (mut k, mut v) = (d.k.data, d.v.data);
+        let (mut k, mut v) = (latent_rows(&d.k), latent_rows(&d.v));
         if let Some((bk, bv)) = &self.base {
             k.iter_mut().zip(bk).for_each(|(a, b)| *a += b);
             v.iter_mut().zip(bv).for_each(|(a, b)| *a += b);

@@ -17,6 +17,6 @@ mod lift;
 pub mod projection;
 pub mod svd;
 
-pub use cache::XQuantCache;
+pub use cache::{latent_store_width, XQuantCache};
 pub use file::{ProjectionFileError, PROJECTION_FILE_FORMAT, PROJECTION_FILE_LIMIT};
 pub use projection::{LatentProjection, Projections};

@@ -15,6 +15,7 @@ use super::prefill::{
     launch_from_input, launch_prefill, max_job_values, prefill_jobs, PrefillArgs,
 };
 use super::sizes::CacheSizes;
+use super::snapshot::SequenceSnapshot;
 use crate::decode::{CacheBuffers, CacheView, DecodeKernel, DecodeScratch};
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
@@ -35,25 +36,6 @@ pub struct CacheConfig {
     pub max_tokens: usize,
     /// Element type of the K/V handed to prefill and append (the FP16 regions are always f16).
     pub input_dtype: Dtype,
-}
-
-/// What one sequence holds on the device, for checks against the CPU reference.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SequenceSnapshot {
-    /// Tokens held.
-    pub len: usize,
-    /// K page blocks in logical order, each `[kv_head][block]` bytes.
-    pub k_pages: Vec<Vec<u8>>,
-    /// V page blocks in logical order.
-    pub v_pages: Vec<Vec<u8>>,
-    /// `[kv_head][sink][head_dim]` f16 bits.
-    pub k_sink: Vec<u16>,
-    /// V sink, as K's.
-    pub v_sink: Vec<u16>,
-    /// `[kv_head][capacity][head_dim]` f16 bits (ring).
-    pub k_tail: Vec<u16>,
-    /// V tail ring, as K's.
-    pub v_tail: Vec<u16>,
 }
 
 /// Memory of the cache: allocated now, and what the sequences' tokens need.

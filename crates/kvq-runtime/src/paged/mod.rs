@@ -12,13 +12,15 @@ mod kernels;
 mod pages;
 mod prefill;
 mod sizes;
+mod snapshot;
 mod writer;
 
-pub use cache::{CacheConfig, MemoryReport, PagedKvCache, QuantizeTiming, SequenceSnapshot};
+pub use cache::{CacheConfig, MemoryReport, PagedKvCache, QuantizeTiming};
 pub use forms::{
     choose_forms, choose_forms_in, forms_candidates, forms_or_tiled, stored_forms, stored_forms_in,
     tune_forms, FormTiming, FormsEntry, FormsKey,
 };
 pub use pages::{PageBook, SeqId};
 pub use sizes::CacheSizes;
+pub use snapshot::SequenceSnapshot;
 pub use writer::CacheWriter;

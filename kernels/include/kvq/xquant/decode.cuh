@@ -1,7 +1,8 @@
 #pragma once
 // Split-K decode attention over an XQuant latent cache (docs/CODEBOOKS.md §3): the cache holds
 // the layer input's latents X·down_k and X·down_v in the integer store of docs/LAYOUT.md (one
-// "head" of R channels: KTensor, VTensor at width R, FP16 sink and tail rows of latents), and the
+// row of R channels is XH store heads of XW: KTensor, VTensor at width XW, FP16 sink and tail rows
+// of latents), and the
 // kernel rebuilds K = RoPE(L̂_k·up_k) per tile of tokens for its KV head, scores the KV head's GQA
 // query heads against it, and never rebuilds V: it accumulates Σ_t p_t·l̂_v,t over the latent and
 // multiplies by up_v once per split. Grid (num_splits, kv_heads, rows), block THREADS (eight
@@ -20,11 +21,11 @@
 //
 // The including unit defines (kvq/common.cuh, kvq/io.cuh, kvq/tensor.cuh, kvq/decode_common.cuh
 // and kvq/decode/helpers.cuh first): IO, D (head_dim of K, V and the queries), XR (the latent
-// width R), GQA, THREADS, TILE (tokens a tile: 128, or 64 past head_dim 128), PAGE, SINK, PASSES,
+// width R), XW (the store's head width, dividing XR), GQA, THREADS, TILE (tokens a tile: 128, or 64 past head_dim 128), PAGE, SINK, PASSES,
 // TENSOR_V (V's sums on tensor cores, kvq/xquant/values.cuh), CROSS_LAYER (XQuant-CL: the stored
 // latents are deltas, and base_k, base_v hold the accumulator's latents, f32 [slot][base_rows][XR],
 // added to them), SMEM_BYTES (the launch's dynamic
-// shared memory), and KTensor, VTensor (kvq/tensor.cuh's traits at width R).
+// shared memory), and KTensor, VTensor (kvq/tensor.cuh's traits at width XW).
 static_assert(THREADS == 256, "eight warps");
 static_assert(TILE == (D <= 128 ? 128 : 64), "the warp tiling's rows (kvq-codegen's xquant_tile)");
 static_assert(D % 32 == 0 && D <= 256, "head_dim: a multiple of 32, at most 256");
@@ -32,9 +33,9 @@ static_assert(GQA >= 1 && GQA <= THREADS / 32, "a warp a query head in the softm
 static_assert(PASSES == 1 || PASSES == 3, "one f16 product or three split ones");
 
 static constexpr int XQ_M = TILE;                                    // tokens a tile
-// Latent channels a pipeline chunk: 64 for the one-pass product where the latent allows (two
-// f16 parts of 64 would not fit beside the V rows), else 32.
-static constexpr int XQ_KC = PASSES == 1 && XR % 64 == 0 && KTensor::BITS != 3 ? 64 : 32;
+// Latent channels a pipeline chunk: 64 for the one-pass product where the store heads allow (two
+// f16 parts of 64 would not fit beside the V rows), else 32; a chunk lies in one store head.
+static constexpr int XQ_KC = PASSES == 1 && XW % 64 == 0 && KTensor::BITS != 3 ? 64 : 32;
 static constexpr int XQ_WN = D <= 96 ? 1 : (D <= 224 ? 2 : 4);       // warps across K's columns
 static constexpr int XQ_WM = THREADS / 32 / XQ_WN;                   // warps across the tile's tokens
 static constexpr int XQ_MT = XQ_M / (16 * XQ_WM);                    // 16-row mma tiles a warp
@@ -50,11 +51,14 @@ static constexpr int XQ_STAGE_HALVES = XQ_PARTS * (XQ_A_HALVES + XQ_B_HALVES);
 static constexpr int XQ_VQ = 4;                                      // consecutive V latents a thread sums (CUDA cores)
 static constexpr int XQ_STAGES_BYTES = 2 * XQ_STAGE_HALVES * 2;
 static constexpr int XQ_V_ROWS_BYTES = TENSOR_V ? XQ_M * (XR * VTensor::BITS / 8 + 16) : 0;
-static_assert(XR % XQ_KC == 0, "latents in whole pipeline chunks");
+static_assert(XR % XQ_KC == 0 && XW % XQ_KC == 0, "latents in whole pipeline chunks");
 static_assert(XQ_MT >= 1 && XQ_MT * 16 * XQ_WM == XQ_M && XQ_HC % 8 == 0, "the warp tiling covers the tile");
 static_assert(XQ_APT == 8 || XQ_APT == 16 || XQ_APT == 32, "a thread stages 8, 16 or 32 channels of a row");
 static_assert(SMEM_BYTES == XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + GQA * XR * 4, "dynamic shared memory (kvq-codegen's xquant.rs)");
 static_assert(KTensor::BITS >= 1 && VTensor::BITS >= 1 && !KTensor::BOOST && !VTensor::BOOST, "integer latents");
+
+static constexpr int XQ_TVH_MAX = 4;                                 // store heads the tensor-core V path takes
+static constexpr int XQ_TVH = TENSOR_V ? XR / XW : 1;                 // V scales and zeros a row, tensor path
 
 #include "kvq/xquant/latents.cuh"
 #include "kvq/xquant/rebuild.cuh"
@@ -75,10 +79,10 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     kvq_u16* const stages = (kvq_u16*)xq_smem;
     kvq_u8* const s_v = xq_smem + XQ_STAGES_BYTES;
     float* const s_vsum = (float*)(xq_smem + XQ_STAGES_BYTES + XQ_V_ROWS_BYTES);
-    __shared__ float s_q[GQA * D], s_sp[XQ_WN][GQA][XQ_M], s_p[GQA][XQ_M], s_vs[XQ_M], s_vz[XQ_M];
-    __shared__ __align__(16) kvq_u16 s_w[2 * 8 * XQ_WLD];
+    __shared__ float s_q[GQA * D], s_sp[XQ_WN][GQA][XQ_M], s_p[GQA][XQ_M], s_vs[XQ_TVH][XQ_M], s_vz[XQ_TVH][XQ_M];
+    __shared__ __align__(16) kvq_u16 s_w[XQ_TVH * XQ_WPART];
     __shared__ XqLoc s_vloc[XQ_M];
-    __shared__ float s_m[GQA], s_l[GQA], s_z[GQA], s_alpha[8];
+    __shared__ float s_m[GQA], s_l[GQA], s_z[GQA][XQ_TVH], s_alpha[8];
     __shared__ float2 s_rope_step[D / 2];
     const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
     const int num_splits = gridDim.x, kv_heads = gridDim.y, OUT = kv_heads * D;
@@ -90,7 +94,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     const float scale = rsqrtf((float)D);
     for (int i = threadIdx.x; i < GQA * D; i += THREADS) s_q[i] = kvq_io_to_f32(q[head_row * D + i]) * scale;
     for (int i = threadIdx.x; i < GQA * XR; i += THREADS) s_vsum[i] = 0.f;
-    for (int i = threadIdx.x; i < 2 * 8 * XQ_WLD; i += THREADS) s_w[i] = 0;
+    for (int i = threadIdx.x; i < XQ_TVH * XQ_WPART; i += THREADS) s_w[i] = 0;
     if (threadIdx.x < 8) s_alpha[threadIdx.x] = 1.f;
     for (int j = threadIdx.x; j < D / 2; j += THREADS) {
         // A lane's rows are 8 apart: the angle a row further on turns by 8·f_j.
@@ -98,7 +102,11 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         sincos(8.0 * rope_freq[j], &sn, &cs);
         s_rope_step[j] = make_float2((float)cs, (float)sn);
     }
-    if (threadIdx.x < GQA) { s_m[threadIdx.x] = KVQ_NEG_INF; s_l[threadIdx.x] = 0.f; s_z[threadIdx.x] = 0.f; }
+    if (threadIdx.x < GQA) {
+        s_m[threadIdx.x] = KVQ_NEG_INF;
+        s_l[threadIdx.x] = 0.f;
+        for (int vh = 0; vh < XQ_TVH; ++vh) s_z[threadIdx.x][vh] = 0.f;
+    }
     __syncthreads();
 
     const XqAddrs ad = xq_addrs(stages, wm, wn, lane);
@@ -114,14 +122,16 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         const bool live = my_row < n;
         // V on tensor cores where every row of the tile is a page row.
         const bool tensor_v = TENSOR_V && t0 >= sink_end && t0 + n <= v_qend;
-        XqLoc kl{false, nullptr, nullptr, 0};
+        XqLoc kl{false, nullptr, nullptr, 0, 0};
         if (live) kl = xq_locate<KTensor>(t0 + my_row, len, slot, k_pool, page_table, max_pages, k_sink, k_tail);
         // Cross-layer schemes: the tile's rows of the accumulator's latents (row my_row for K).
         const long base_row0 = ((long)slot * base_rows + t0) * XR;
         const float* const kb = CROSS_LAYER ? base_k + base_row0 + (long)my_row * XR : nullptr;
-        float v_s = 0.f, v_z = 0.f;
+        float v_s[XQ_TVH], v_z[XQ_TVH];
+#pragma unroll
+        for (int vh = 0; vh < XQ_TVH; ++vh) v_s[vh] = v_z[vh] = 0.f;
         if (my_c == 0) {
-            XqLoc vl{false, nullptr, nullptr, 0};
+            XqLoc vl{false, nullptr, nullptr, 0, 0};
             if (live) vl = xq_locate<VTensor>(t0 + my_row, len, slot, v_pool, page_table, max_pages, v_sink, v_tail);
             s_vloc[my_row] = vl;
             if (tensor_v) xq_v_scale_zero(vl, v_s, v_z);
@@ -165,7 +175,9 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                 else xq_store_a<false>(raw, kl, live, (kc + 1) * XQ_KC + my_c, kb, next_a, next_a + XQ_A_HALVES);
             }
         }
-        if (my_c == 0) { s_vs[my_row] = v_s; s_vz[my_row] = v_z; }
+        if (my_c == 0)
+#pragma unroll
+            for (int vh = 0; vh < XQ_TVH; ++vh) { s_vs[vh][my_row] = v_s[vh]; s_vz[vh][my_row] = v_z[vh]; }
         // 2. RoPE, then the warp's share of each (query head, token) score: its columns, summed
         //    over the four lanes of a row, then over the XQ_WN column warps through s_sp.
         xq_rope(acc, rope_freq, s_rope_step, t0, wm, wn, lane);
@@ -205,26 +217,33 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             }
             mx = kvq_warp_max(mx);
             const float m_old = s_m[h], m_new = fmaxf(m_old, mx);
-            float sum = 0.f, zsum = 0.f;
+            float sum = 0.f, zsum[XQ_TVH];
+#pragma unroll
+            for (int vh = 0; vh < XQ_TVH; ++vh) zsum[vh] = 0.f;
             for (int t = lane; t < XQ_M; t += 32) {
                 const float p = t < n ? expf(s_p[h][t] - m_new) : 0.f;
                 if (t < n) s_p[h][t] = p;
                 sum += p;
                 if (tensor_v) {
-                    const float w = p * s_vs[t];
-                    const kvq_u16 hi = kvq_f32_to_f16(w);
-                    s_w[h * XQ_WLD + t] = hi;
-                    s_w[(8 + h) * XQ_WLD + t] = kvq_f32_to_f16(w - kvq_f16_to_f32(hi));
-                    zsum = fmaf(p, s_vz[t], zsum);
+#pragma unroll
+                    for (int vh = 0; vh < XQ_TVH; ++vh) {
+                        const float w = p * s_vs[vh][t];
+                        const kvq_u16 hi = kvq_f32_to_f16(w);
+                        s_w[vh * XQ_WPART + h * XQ_WLD + t] = hi;
+                        s_w[vh * XQ_WPART + (8 + h) * XQ_WLD + t] = kvq_f32_to_f16(w - kvq_f16_to_f32(hi));
+                        zsum[vh] = fmaf(p, s_vz[vh][t], zsum[vh]);
+                    }
                 }
             }
             sum = kvq_warp_sum(sum);
-            zsum = kvq_warp_sum(zsum);
+#pragma unroll
+            for (int vh = 0; vh < XQ_TVH; ++vh) zsum[vh] = kvq_warp_sum(zsum[vh]);
             if (lane == 0) {
                 const float alpha = m_old == KVQ_NEG_INF ? 0.f : expf(m_old - m_new);
                 s_alpha[h] = alpha;
                 s_l[h] = s_l[h] * alpha + sum;
-                s_z[h] = s_z[h] * alpha + zsum;
+#pragma unroll
+                for (int vh = 0; vh < XQ_TVH; ++vh) s_z[h][vh] = s_z[h][vh] * alpha + zsum[vh];
                 s_m[h] = m_new;
             }
         }
@@ -254,13 +273,17 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         }
         __syncthreads();
     }
-    // The split's output: (Σ p·l̂_v + Σ p·z)·up_v for this KV head's columns.
+    // The split's output: (Σ p·l̂_v + Σ p·z)·up_v for this KV head's columns (z that of the
+    // channel's store head).
     for (int i = threadIdx.x; i < GQA * D; i += THREADS) {
         const int h = i / D, j = i % D;
         const float* w = up_v + kvh * D + j;
-        const float z = s_z[h];
         float sum = 0.f;
-        for (int c = 0; c < XR; ++c) sum = fmaf(s_vsum[h * XR + c] + z, w[(long)c * OUT], sum);
+        for (int vh = 0; vh < XQ_TVH; ++vh) {
+            const float z = s_z[h][vh];
+            const int c_end = XQ_TVH == 1 ? XR : (vh + 1) * XW;
+            for (int c = vh * XW; c < c_end; ++c) sum = fmaf(s_vsum[h * XR + c] + z, w[(long)c * OUT], sum);
+        }
         part_acc[((head_row + h) * num_splits + split) * D + j] = sum;
     }
     if (threadIdx.x < GQA) {

@@ -1,30 +1,48 @@
 #pragma once
-// XQuant's latent rows (kvq/xquant/decode.cuh): where a token's latents live (an FP16 sink or tail
-// row, or a row of a page block of docs/LAYOUT.md at width XR), and spans of consecutive latents
-// loaded raw, then decoded exactly as kvq_page_value decodes them.
+// XQuant's latent rows (kvq/xquant/decode.cuh): where a token's latents live (FP16 sink or tail
+// rows, or rows of page blocks of docs/LAYOUT.md; a row of XR latents is XH store heads of XW
+// channels), and spans of consecutive latents loaded raw, then decoded exactly as kvq_page_value
+// decodes them.
+static constexpr int XH = XR / XW;
+static_assert(XR % XW == 0 && XW % 32 == 0, "latent rows of whole store heads, whole words each");
 
-// Where a token's latent row lives: an f16 row (sink or tail ring) or row `row` of a page block.
-struct XqLoc { bool page; const kvq_u16* f16; const kvq_u8* block; int row; };
+// Where a token's latent row lives: f16 rows (sink or tail ring; store head h at f16 + h·hstride)
+// or row `row` of page blocks (store head h's block at block + h·T::BLOCK_BYTES).
+struct XqLoc { bool page; const kvq_u16* f16; const kvq_u8* block; int row; int hstride; };
+
+// The location moved to the store head of latent channel c; the channel within it is c % XW.
+template <class T>
+static __device__ __forceinline__ XqLoc xq_head(XqLoc l, int c) {
+    if constexpr (XH > 1) {
+        const int h = c / XW;
+        if (l.page) l.block += (long)h * T::BLOCK_BYTES;
+        else l.f16 += (long)h * l.hstride;
+    }
+    return l;
+}
 
 template <class T>
 static __device__ __forceinline__ XqLoc xq_locate(int tok, int len, int slot, const kvq_u8* pool, const kvq_i32* page_table,
                                                   int max_pages, const kvq_u16* sink, const kvq_u16* tail) {
     const int sink_end = min(SINK, len);
     const int qend = kvq_quant_end(len, sink_end, T::LOCAL);
-    XqLoc l{false, nullptr, nullptr, 0};
+    XqLoc l{false, nullptr, nullptr, 0, 0};
     if (tok < sink_end) {
-        l.f16 = sink + ((long)slot * SINK + tok) * XR;
+        l.f16 = sink + ((long)slot * XH * SINK + tok) * XW;
+        l.hstride = SINK * XW;
     } else if (tok < qend) {
         l.page = true;
         l.row = (tok - sink_end) % PAGE;
-        l.block = pool + (long)page_table[(long)slot * max_pages + (tok - sink_end) / PAGE] * T::BLOCK_BYTES;
+        l.block = pool + (long)page_table[(long)slot * max_pages + (tok - sink_end) / PAGE] * XH * T::BLOCK_BYTES;
     } else {
-        l.f16 = tail + ((long)slot * T::TAIL_CAP + (tok - sink_end) % T::TAIL_CAP) * XR;
+        l.f16 = tail + ((long)slot * XH * T::TAIL_CAP + (tok - sink_end) % T::TAIL_CAP) * XW;
+        l.hstride = T::TAIL_CAP * XW;
     }
     return l;
 }
 
-// ---- N consecutive latents of one row (channel c0, a multiple of N): raw words from global memory
+// ---- N consecutive latents of one row (channel c0, a multiple of N, so a span lies in one store
+// head; the bit positions of codes depend on c0 modulo 32 only): raw words from global memory
 // first, so a batch of loads is in flight before any is used, then decoded as kvq_page_value does.
 template <class T, int N>
 struct XqSpan {
@@ -37,7 +55,9 @@ struct XqSpan {
     kvq_u32 s[N / 2];   // scales (f16 bits; a pair a word on the channel axis), or an f16 row's values
     kvq_u32 z[PARAMS];  // zeros (asymmetric codes)
 
-    __device__ __forceinline__ void load(const XqLoc& l, int c0) {
+    __device__ __forceinline__ void load(const XqLoc& row_loc, int c_row) {
+        const XqLoc l = xq_head<T>(row_loc, c_row);
+        const int c0 = c_row % XW;
         page = l.page;
         if (!l.page) {
             kvq_load<N * 2>((const kvq_u8*)(l.f16 + c0), s);

@@ -16,9 +16,11 @@ static __device__ __forceinline__ void xq_prefetch_l1(const void* p) {
 
 // Asks L1 for the lines of a span's codes and parameters (no registers held), a chunk before
 // xq_load_codes reads them, so the loads that must wait in registers find them close.
-static __device__ __forceinline__ void xq_prefetch_span(const XqLoc& l, int c0, const float* base) {
+static __device__ __forceinline__ void xq_prefetch_span(const XqLoc& row_loc, int c_row, const float* base) {
     using T = KTensor;
-    if constexpr (CROSS_LAYER) xq_prefetch_l1(base + c0);
+    if constexpr (CROSS_LAYER) xq_prefetch_l1(base + c_row);
+    const XqLoc l = xq_head<T>(row_loc, c_row);
+    const int c0 = c_row % XW;
     if (!l.page) {
         xq_prefetch_l1(l.f16 + c0);
         return;
@@ -31,9 +33,11 @@ static __device__ __forceinline__ void xq_prefetch_span(const XqLoc& l, int c0, 
     }
 }
 
-static __device__ __forceinline__ void xq_load_codes(const XqLoc& l, int c0, XqCodes& r) {
+static __device__ __forceinline__ void xq_load_codes(const XqLoc& row_loc, int c_row, XqCodes& r) {
     using T = KTensor;
-    if (!l.page) return;
+    if (!row_loc.page) return;
+    const XqLoc l = xq_head<T>(row_loc, c_row);
+    const int c0 = c_row % XW;
     const kvq_u32* row = (const kvq_u32*)(l.block + T::CODES_OFFSET) + l.row * T::ROW_WORDS;
     if constexpr (T::BITS == 3) {
         // 2-bit low plane (16 a word) and 1-bit high plane (32 a word).
@@ -45,7 +49,7 @@ static __device__ __forceinline__ void xq_load_codes(const XqLoc& l, int c0, XqC
     }
 }
 
-// Code k of the span starting at channel c0.
+// Code k of the span starting at channel c0 (of the row or of its store head: the same bits).
 static __device__ __forceinline__ kvq_u32 xq_code(const XqCodes& r, int c0, int k) {
     using T = KTensor;
     if constexpr (T::BITS == 3) {
@@ -78,16 +82,19 @@ static __device__ __forceinline__ kvq_u32 xq_code_pair(const XqCodes& r, int c0,
 // PAGE_ONLY: every row of the tile is a live page row (no branch on the row's kind). CROSS_LAYER:
 // `base` is the row's accumulator latents (f32), added to every value before it is rounded.
 template <bool PAGE_ONLY>
-static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc& l, bool live, int c0, const float* base,
+static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc& row_loc, bool live, int c0, const float* base,
                                                   kvq_u16* hi, kvq_u16* lo) {
     using T = KTensor;
+    // The span's store head; c0 stays the row's channel (code bits and `base` follow it).
+    const XqLoc l = xq_head<T>(row_loc, c0);
+    const int hc = c0 % XW;
     constexpr bool PACKED = PASSES == 1 && T::BITS != 3 && !CROSS_LAYER;
     if constexpr (PAGE_ONLY) live = true;
 #pragma unroll
     for (int o = 0; o < XQ_APT; o += 8) {
         kvq_u32 h[4] = {0u, 0u, 0u, 0u}, g[4] = {0u, 0u, 0u, 0u};
         if (!PAGE_ONLY && live && !l.page) {
-            const uint4 x = *(const uint4*)(l.f16 + c0 + o);
+            const uint4 x = *(const uint4*)(l.f16 + hc + o);
             h[0] = x.x; h[1] = x.y; h[2] = x.z; h[3] = x.w;
             if constexpr (CROSS_LAYER) {
 #pragma unroll
@@ -103,10 +110,10 @@ static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc&
             // Scale and zero pairs (f16x2) of the 8 channels: per channel, or one per row group.
             kvq_u32 sw[4], zw[4];
             if constexpr (T::AXIS == KvqAxis::Channel) {
-                kvq_load<16>(l.block + T::SCALES_OFFSET + 2 * (c0 + o), sw);
-                if constexpr (!T::SYMMETRIC) kvq_load<16>(l.block + T::ZEROS_OFFSET + 2 * (c0 + o), zw);
+                kvq_load<16>(l.block + T::SCALES_OFFSET + 2 * (hc + o), sw);
+                if constexpr (!T::SYMMETRIC) kvq_load<16>(l.block + T::ZEROS_OFFSET + 2 * (hc + o), zw);
             } else {
-                const int i = l.row * T::GROUPS_PER_TOKEN + (c0 + o) / T::GROUP;
+                const int i = l.row * T::GROUPS_PER_TOKEN + (hc + o) / T::GROUP;
                 sw[0] = sw[1] = sw[2] = sw[3] = ((const kvq_u16*)(l.block + T::SCALES_OFFSET))[i] * 0x10001u;
                 if constexpr (!T::SYMMETRIC) zw[0] = zw[1] = zw[2] = zw[3] = ((const kvq_u16*)(l.block + T::ZEROS_OFFSET))[i] * 0x10001u;
             }

@@ -2,25 +2,31 @@
 // V's side of the XQuant decode (kvq/xquant/decode.cuh): Σ_t p_t·l̂_v,t over the latent, a row a
 // query head, which the split multiplies by up_v once at its end.
 //
-// On tensor cores (TENSOR_V: token-axis V latents with one group a row, 2 or 4 bits, R ≤ 1024), for
-// tiles wholly inside the quantized region: l̂_t,c = s_t·code_t,c + z_t, so
-// Σ_t p_t·l̂_t,c = Σ_t (p_t·s_t)·code_t,c + Σ_t p_t·z_t. The codes are exact in f16; W = p·s is split
-// into two f16 halves (two products, about f32's precision); the tile's code rows wait in shared
-// memory (cp.async during K's rebuild), and each warp owns every eighth 16-channel m-tile of the
-// latent: O_c,h += codeᵀ·W, with the channels as the mma's rows and the query heads (8, padded) as
-// its columns. The zero term Σ p·z is a number a query head.
+// On tensor cores (TENSOR_V: token-axis V latents with one group a store head, 2 or 4 bits,
+// R ≤ 1024 in at most XQ_TVH_MAX store heads), for tiles wholly inside the quantized region:
+// l̂_t,c = s_t·code_t,c + z_t (s, z those of c's store head), so
+// Σ_t p_t·l̂_t,c = Σ_t (p_t·s_t)·code_t,c + Σ_t p_t·z_t. The codes are exact in f16; W = p·s (one
+// a store head) is split into two f16 halves (two products, about f32's precision); the tile's code
+// rows wait in shared memory (cp.async during K's rebuild, the store heads' pieces side by side),
+// and each warp owns every eighth 16-channel m-tile of the latent: O_c,h += codeᵀ·W, with the
+// channels as the mma's rows and the query heads (8, padded) as its columns. The zero term Σ p·z
+// is a number a query head and store head.
 //
 // Elsewhere (tiles with FP16 sink or tail rows, and other V latents), on CUDA cores: a thread owns
 // XQ_VQ consecutive channels and adds Σ_t p_t·l̂_t,c into the split's sums in shared memory, a batch
 // of tokens' raw latents in flight at once.
 static constexpr int XQ_VMT = (XR / 16 + 7) / 8;                     // V m-tiles a warp (tensor path)
 static constexpr int XQ_VROW = XR * VTensor::BITS / 8;               // bytes of a V code row
+static constexpr int XQ_VHROW = XW * VTensor::BITS / 8;              // bytes of a store head's part of it
 static constexpr int XQ_VLD = XQ_VROW + 16;                          // staged V row stride (bytes): banks apart
 static constexpr int XQ_WLD = XQ_M + 8;                              // W row stride (halves): banks apart
+static constexpr int XQ_WPART = 2 * 8 * XQ_WLD;                      // a store head's W (halves)
 static_assert(!TENSOR_V || !CROSS_LAYER, "cross-layer latents add their accumulator on CUDA cores");
 static_assert(!TENSOR_V || (VTensor::AXIS == KvqAxis::Token && VTensor::GROUPS_PER_TOKEN == 1 &&
-                            (VTensor::BITS == 2 || VTensor::BITS == 4) && XR <= 1024 && XQ_VROW % 16 == 0),
-              "tensor-core values: token-axis latents, one group a row, 2 or 4 bits, at most 1024, whole 16-byte rows");
+                            (VTensor::BITS == 2 || VTensor::BITS == 4) && XR <= 1024 && XH <= XQ_TVH_MAX &&
+                            XQ_VHROW % 16 == 0),
+              "tensor-core values: token-axis latents, one group a store head, 2 or 4 bits, at most 1024 in at most "
+              "XQ_TVH_MAX store heads, whole 16-byte head rows");
 
 using XqVSpan = XqSpan<VTensor, XQ_VQ>;
 
@@ -30,19 +36,25 @@ static __device__ __forceinline__ void xq_copy_v_rows(const XqLoc* vloc, int n, 
     for (int i = threadIdx.x; i < n * PIECES; i += THREADS) {
         const int t = i / PIECES, k = (i % PIECES) * 16;
         const XqLoc l = vloc[t];
-        const kvq_u8* src = l.block + VTensor::CODES_OFFSET + (long)l.row * XQ_VROW + k;
+        const kvq_u8* src = l.block + (long)(k / XQ_VHROW) * VTensor::BLOCK_BYTES + VTensor::CODES_OFFSET +
+                            (long)l.row * XQ_VHROW + k % XQ_VHROW;
         kvq_cp_async16(kvq_smem_u32(sV + t * XQ_VLD + k), src);
     }
 }
 
-// Scale and zero of a page row's V latents (one group a row); symmetric codes' zero is −offset·scale.
-static __device__ __forceinline__ void xq_v_scale_zero(const XqLoc& l, float& s, float& z) {
-    s = 0.f;
-    z = 0.f;
-    if (!l.page) return;
-    s = kvq_f16_to_f32(((const kvq_u16*)(l.block + VTensor::SCALES_OFFSET))[l.row]);
-    if constexpr (VTensor::SYMMETRIC) z = -(float)VTensor::OFFSET * s;
-    else z = kvq_f16_to_f32(((const kvq_u16*)(l.block + VTensor::ZEROS_OFFSET))[l.row]);
+// Scale and zero of a page row's V latents, a store head each (one group a store head);
+// symmetric codes' zero is −offset·scale.
+static __device__ __forceinline__ void xq_v_scale_zero(const XqLoc& l, float (&s)[XQ_TVH], float (&z)[XQ_TVH]) {
+#pragma unroll
+    for (int h = 0; h < XQ_TVH; ++h) {
+        s[h] = 0.f;
+        z[h] = 0.f;
+        if (!l.page) continue;
+        const kvq_u8* block = l.block + (long)h * VTensor::BLOCK_BYTES;
+        s[h] = kvq_f16_to_f32(((const kvq_u16*)(block + VTensor::SCALES_OFFSET))[l.row]);
+        if constexpr (VTensor::SYMMETRIC) z[h] = -(float)VTensor::OFFSET * s[h];
+        else z[h] = kvq_f16_to_f32(((const kvq_u16*)(block + VTensor::ZEROS_OFFSET))[l.row]);
+    }
 }
 
 // Codes of one channel at two tokens (two words shifted so the channel sits at bit 0 or 16; `high`
@@ -55,19 +67,14 @@ static __device__ __forceinline__ kvq_u32 xq_code_pair(kvq_u32 a, kvq_u32 b) {
 }
 
 // vo += codeᵀ·W over the tile's XQ_M tokens for this warp's m-tiles (m-tile i is channels
-// 16·(warp + 8i) + [0, 16)); W is [2 parts][8 heads][XQ_WLD] f16, zero past the tile's tokens.
+// 16·(warp + 8i) + [0, 16)); W is [store head][2 parts][8 heads][XQ_WLD] f16, zero past the
+// tile's tokens.
 static __device__ __forceinline__ void xq_values_mma(float (&vo)[XQ_VMT][4], const kvq_u8* sV, const kvq_u16* sW, int warp,
                                                      int lane) {
     const int g = lane / 4, tq = lane % 4;
 #pragma unroll 2
     for (int ks = 0; ks < XQ_M / 16; ++ks) {
         const int t0 = ks * 16 + 2 * tq;
-        kvq_u32 b[2][2];
-#pragma unroll
-        for (int part = 0; part < 2; ++part) {
-            b[part][0] = *(const kvq_u32*)(sW + (part * 8 + g) * XQ_WLD + t0);
-            b[part][1] = *(const kvq_u32*)(sW + (part * 8 + g) * XQ_WLD + t0 + 8);
-        }
         const kvq_u32* r0 = (const kvq_u32*)(sV + t0 * XQ_VLD);
         const kvq_u32* r1 = (const kvq_u32*)(sV + (t0 + 1) * XQ_VLD);
         const kvq_u32* r8 = (const kvq_u32*)(sV + (t0 + 8) * XQ_VLD);
@@ -76,6 +83,13 @@ static __device__ __forceinline__ void xq_values_mma(float (&vo)[XQ_VMT][4], con
         for (int i = 0; i < XQ_VMT; ++i) {
             const int mt = warp + 8 * i;
             if (mt < XR / 16) {
+                const kvq_u16* w = sW + (XH > 1 ? (16 * mt) / XW : 0) * XQ_WPART;
+                kvq_u32 b[2][2];
+#pragma unroll
+                for (int part = 0; part < 2; ++part) {
+                    b[part][0] = *(const kvq_u32*)(w + (part * 8 + g) * XQ_WLD + t0);
+                    b[part][1] = *(const kvq_u32*)(w + (part * 8 + g) * XQ_WLD + t0 + 8);
+                }
                 kvq_u32 a[4];
                 if constexpr (VTensor::BITS == 2) {
                     // Channel g at bit 2g of word mt, channel g + 8 at bit 2g + 16.

@@ -1,35 +1,17 @@
-//! XQuant (`source = x(latent)` and `x(cross_layer)`) on the GPU: the fused decode over a batch's
-//! latent caches ([`XQuantKernel`], [`XQuantDeviceCache`]). The latents live in the integer store
-//! of docs/LAYOUT.md as one "head" of `R` channels; the decode rebuilds K from them per tile on
-//! tensor cores and never rebuilds V (docs/CODEBOOKS.md §3.1). XQuant-CL's caches carry their
-//! accumulator's latents, which the decode adds to the stored deltas.
-//!
-//! ```no_run
-//! # fn demo(jit: &kvq_runtime::Jit, cache: &kvq_reference::xquant::XQuantCache,
-//! #         q: &cudarc::driver::CudaSlice<u16>, out: &mut cudarc::driver::CudaSlice<u16>)
-//! #         -> kvq_runtime::Result<()> {
-//! use kvq_codegen::{Dtype, KernelShape, RebuildPrecision};
-//! use kvq_runtime::xquant::{XQuantDeviceCache, XQuantKernel, XQuantScratch};
-//! let p = cache.projections();
-//! let shape = KernelShape::new(p.head_dim as u32, 4, Dtype::F16);
-//! let kernel = XQuantKernel::load(jit, cache.spec(), &shape, p.kv_heads, p.d_model(),
-//!                                 RebuildPrecision::F32)?;
-//! let stream = jit.device().default_stream();
-//! let gpu = XQuantDeviceCache::upload(&stream, std::slice::from_ref(cache))?;
-//! let mut scratch = XQuantScratch::new(&stream)?;
-//! kernel.attend(&stream, &gpu, q, out, 4, &mut scratch)?;
-//! # Ok(()) }
-//! ```
+//! [`XQuantKernel`]: the fused XQuant decode and its combine for one scheme and shape.
 
-use crate::decode::{upload, GpuCache};
+use super::device_cache::XQuantDeviceCache;
+use super::paged::XQuantPagedCache;
+use super::weights::{invalid, XQuantWeights};
+use super::XQuantScratch;
+use crate::decode::CacheView;
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
 use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args};
 use crate::nvrtc::CompileOptions;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use kvq_codegen::{xquant_kernels, KernelShape, RebuildPrecision, XQuantKernels};
-use kvq_reference::xquant::XQuantCache;
-use kvq_spec::{CacheSource, SchemeSpec, XSource};
+use kvq_spec::SchemeSpec;
 use std::sync::Arc;
 
 /// An XQuant scheme's decode and combine kernels for one shape, compiled and loaded.
@@ -42,113 +24,12 @@ pub struct XQuantKernel {
     combine: CudaFunction,
 }
 
-/// A batch's XQuant caches in device memory: the latents' integer store, the projections' up
-/// factors (`up_k` transposed and split in two f16 halves for the tensor cores, `up_v` in f32) and
-/// the RoPE frequencies.
-pub struct XQuantDeviceCache {
-    spec: SchemeSpec,
-    latents: GpuCache,
-    kv_heads: usize,
-    head_dim: usize,
-    rank: usize,
-    up_k_hi: CudaSlice<u16>,
-    up_k_lo: CudaSlice<u16>,
-    up_v: CudaSlice<f32>,
-    rope_freq: CudaSlice<f64>,
-    /// XQuant-CL: the accumulator's latents (`X̂_{i−1}·down_k`, `·down_v`), f32
-    /// `[batch][base_rows][rank]`, which the decode adds to the stored deltas.
-    base: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
-    base_rows: usize,
-}
-
-/// The split partials the XQuant decode writes and its combine reads.
-pub type XQuantScratch = crate::split_scratch::SplitScratch;
-
-fn invalid(msg: String) -> RuntimeError {
-    RuntimeError::InvalidInput(msg)
-}
-
-impl XQuantDeviceCache {
-    /// Uploads `caches` (one per sequence, all of one scheme, projections and RoPE).
-    pub fn upload(stream: &Arc<CudaStream>, caches: &[XQuantCache]) -> Result<Self> {
-        let first = caches
-            .first()
-            .ok_or_else(|| invalid("a batch of no sequences".into()))?;
-        for (i, c) in caches.iter().enumerate() {
-            if c.spec() != first.spec()
-                || c.projections() != first.projections()
-                || c.rope() != first.rope()
-            {
-                return Err(invalid(format!(
-                    "sequence {i} differs from sequence 0 in scheme, projections or RoPE"
-                )));
-            }
-        }
-        let stored: Vec<&kvq_reference::int::IntCache> =
-            caches.iter().map(|c| c.stored()).collect();
-        let latents = GpuCache::upload(stream, &stored)?;
-        let base_rows = latents.max_len().max(1);
-        let base = match first.spec().source {
-            CacheSource::X(XSource::CrossLayer) => {
-                let rank = first.projections().k.rank;
-                let (mut k, mut v) = (
-                    vec![0f32; caches.len() * base_rows * rank],
-                    vec![0f32; caches.len() * base_rows * rank],
-                );
-                for (i, c) in caches.iter().enumerate() {
-                    let (bk, bv) = c.accumulator_latents().ok_or_else(|| {
-                        invalid(format!(
-                            "sequence {i}: a cross-layer cache without its accumulator"
-                        ))
-                    })?;
-                    let at = i * base_rows * rank;
-                    k[at..at + bk.len()].copy_from_slice(bk);
-                    v[at..at + bv.len()].copy_from_slice(bv);
-                }
-                Some((
-                    upload(stream, &k, 0.0, "the accumulator's K latents")?,
-                    upload(stream, &v, 0.0, "the accumulator's V latents")?,
-                ))
-            }
-            _ => None,
-        };
-        let p = first.projections();
-        let (h, d) = (p.kv_heads, p.head_dim);
-        let theta = first.rope().theta;
-        let freq: Vec<f64> = (0..d / 2)
-            .map(|i| theta.powf(-2.0 * i as f64 / d as f64))
-            .collect();
-        let (hi, lo) = split_transposed(&p.k.up, p.k.rank, p.k.out);
-        Ok(Self {
-            spec: *first.spec(),
-            kv_heads: h,
-            head_dim: d,
-            rank: p.k.rank,
-            up_k_hi: upload(stream, &hi, 0, "up_k (high half)")?,
-            up_k_lo: upload(stream, &lo, 0, "up_k (low half)")?,
-            up_v: upload(stream, &p.v.up, 0.0, "up_v")?,
-            rope_freq: upload(stream, &freq, 0.0, "the RoPE frequencies")?,
-            latents,
-            base,
-            base_rows,
-        })
-    }
-
-    /// Sequences of the batch.
-    pub fn batch(&self) -> usize {
-        self.latents.batch()
-    }
-
-    /// The longest sequence's tokens.
-    pub fn max_len(&self) -> usize {
-        self.latents.max_len()
-    }
-
-    /// Device bytes of the latents' store (pages, FP16 rows, page table, lengths); the
-    /// projections' factors not included.
-    pub fn latent_bytes(&self) -> usize {
-        self.latents.device_bytes()
-    }
+/// A launch's queries, outputs and split partials.
+struct Io<'a> {
+    q: &'a CudaSlice<u16>,
+    out: &'a mut CudaSlice<u16>,
+    splits: usize,
+    scratch: &'a mut XQuantScratch,
 }
 
 /// Splits of `tiles` tiles for `pairs` (sequence, KV head) pairs on `sms` SMs at one CTA an SM:
@@ -157,21 +38,6 @@ fn one_wave_splits(sms: usize, pairs: usize, tiles: usize) -> usize {
     let tiles = tiles.max(1);
     let want = (sms / pairs.max(1)).clamp(1, tiles);
     tiles.div_ceil(tiles.div_ceil(want))
-}
-
-/// `up` (`[rank][out]` f32) transposed to `[out][rank]` and split into f16 halves, `x ≈ hi + lo`
-/// to about f32's precision (each rounded to nearest), as the tensor-core rebuild reads it.
-fn split_transposed(up: &[f32], rank: usize, out: usize) -> (Vec<u16>, Vec<u16>) {
-    let (mut hi, mut lo) = (vec![0u16; rank * out], vec![0u16; rank * out]);
-    for r in 0..rank {
-        for o in 0..out {
-            let x = up[r * out + o];
-            let h = half::f16::from_f32(x);
-            hi[o * rank + r] = h.to_bits();
-            lo[o * rank + r] = half::f16::from_f32(x - h.to_f32()).to_bits();
-        }
-    }
-    (hi, lo)
 }
 
 impl XQuantKernel {
@@ -267,26 +133,65 @@ impl XQuantKernel {
         splits: usize,
         scratch: &mut XQuantScratch,
     ) -> Result<()> {
+        let base = cache.base.as_ref().map(|(k, v)| (k, v, cache.base_rows));
+        let io = Io {
+            q,
+            out,
+            splits,
+            scratch,
+        };
+        self.launch(stream, cache.latents.view(), &cache.weights, base, io)
+    }
+
+    /// As [`attend`](Self::attend) over a cache written on the device: every sequence slot is a
+    /// row of the batch (`q`/`out` are `[max_seqs][kv_heads·gqa][head_dim]`).
+    pub fn attend_paged(
+        &self,
+        stream: &Arc<CudaStream>,
+        cache: &XQuantPagedCache,
+        q: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+        splits: usize,
+        scratch: &mut XQuantScratch,
+    ) -> Result<()> {
+        let io = Io {
+            q,
+            out,
+            splits,
+            scratch,
+        };
+        self.launch(stream, cache.latents().view(), cache.weights(), None, io)
+    }
+
+    fn launch(
+        &self,
+        stream: &Arc<CudaStream>,
+        view: CacheView<'_>,
+        weights: &XQuantWeights,
+        base: Option<(&CudaSlice<f32>, &CudaSlice<f32>, usize)>,
+        io: Io<'_>,
+    ) -> Result<()> {
+        let Io {
+            q,
+            out,
+            splits,
+            scratch,
+        } = io;
         let shape = self.generated.shape;
         let d = shape.head_dim as usize;
-        if cache.spec != self.spec
-            || cache.kv_heads != self.kv_heads
-            || cache.head_dim != d
-            || cache.rank != self.generated.rank
+        let w = weights;
+        if w.spec != self.spec
+            || w.kv_heads != self.kv_heads
+            || w.head_dim != d
+            || w.rank != self.generated.rank
         {
             return Err(invalid(format!(
                 "cache holds `{}` with {} KV heads of {} and latents of {}; the kernel is for `{}` \
                  with {} of {d} and latents of {}",
-                cache.spec,
-                cache.kv_heads,
-                cache.head_dim,
-                cache.rank,
-                self.spec,
-                self.kv_heads,
-                self.generated.rank
+                w.spec, w.kv_heads, w.head_dim, w.rank, self.spec, self.kv_heads, self.generated.rank
             )));
         }
-        let batch = cache.batch();
+        let batch = view.batch;
         let q_heads = self.kv_heads * shape.gqa as usize;
         let need = batch * q_heads * d;
         if q.len() != need || out.len() != need {
@@ -301,11 +206,11 @@ impl XQuantKernel {
             return Err(invalid(format!("{splits} splits (1 to 1024)")));
         }
         scratch.reserve(stream, batch * q_heads * splits, d)?;
-        let view = cache.latents.view();
         let max_pages = i32::try_from(view.max_pages)
             .map_err(|_| invalid(format!("{} pages", view.max_pages)))?;
-        let base_rows = i32::try_from(cache.base_rows)
-            .map_err(|_| invalid(format!("{} accumulator rows", cache.base_rows)))?;
+        let base_rows = base.map_or(0, |b| b.2);
+        let base_rows = i32::try_from(base_rows)
+            .map_err(|_| invalid(format!("{base_rows} accumulator rows")))?;
         let cfg = LaunchConfig {
             grid_dim: (splits as u32, self.kv_heads as u32, batch as u32),
             block_dim: (self.generated.decode.block, 1, 1),
@@ -323,12 +228,12 @@ impl XQuantKernel {
             .buffer(view.v_tail)
             .buffer(view.seq_lens)
             .null()
-            .buffer(&cache.up_k_hi)
-            .buffer(&cache.up_k_lo)
-            .buffer(&cache.up_v)
-            .buffer(&cache.rope_freq);
-        match &cache.base {
-            Some((k, v)) => args.buffer(k).buffer(v),
+            .buffer(&w.up_k_hi)
+            .buffer(&w.up_k_lo)
+            .buffer(&w.up_v)
+            .buffer(&w.rope_freq);
+        match base {
+            Some((k, v, _)) => args.buffer(k).buffer(v),
             None => args.null().null(),
         };
         args.int(base_rows)
