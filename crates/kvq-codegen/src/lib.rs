@@ -54,4 +54,4 @@ pub use xquant::{
     has_xquant_kernel, latent_spec, xquant_kernels, xquant_rank, xquant_tile, RebuildPrecision,
     XQuantKernels, XQUANT_THREADS,
 };
-pub use xquant_project::{xquant_project_kernel, XQuantProjectKernel, XQUANT_PROJECT_THREADS};
+pub use xquant_project::{xquant_project_kernel, ProjectTile, XQuantProjectKernel};

@@ -5,7 +5,10 @@
 //!    rounding plus a bound on f32 sums);
 //! 2. the stored bytes (pages, FP16 sinks, tail rings) **bit for bit** against the reference's
 //!    store of the same latent rows (`XQuantCache::from_latents` over the GPU's rows): the
-//!    integer store's append, prefill and page quantizers at the latent store's head width;
+//!    integer store's append, prefill and page quantizers at the latent store's head width. The
+//!    rows come from projecting each sequence whole, the stored ones from prefills and one-token
+//!    appends — at d_model 1,024 the former launch whole-sum CTAs and the appends one CTA a
+//!    partition, so this also checks that a token's latents do not depend on its batch;
 //! 3. the decode over the device-written cache against attention over the reference's
 //!    rematerialised K and V, outputs NaN-poisoned.
 //!
@@ -337,7 +340,7 @@ fn xquant_write_time() {
         .iter()
         .map(|&v| round_to_word(v, Dtype::F16).0)
         .collect();
-    let projector = XQuantProjector::load(&jit, Dtype::F16, dm, r).unwrap();
+    let mut projector = XQuantProjector::load(&jit, Dtype::F16, dm, r).unwrap();
     let mut lk = stream.alloc_zeros::<u16>(max_n * r).unwrap();
     let mut lv = stream.alloc_zeros::<u16>(max_n * r).unwrap();
     for n in [16usize, 4096, 32768] {

@@ -2,19 +2,25 @@
 //! on tensor cores (`kernels/include/kvq/xquant/project.cuh`).
 
 use super::weights::{invalid, XQuantWeights};
-use crate::error::Result;
+use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
-use crate::launch::{launch_err, unit_source, Args};
+use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args};
 use crate::nvrtc::CompileOptions;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
-use kvq_codegen::{xquant_project_kernel, Dtype, XQuantProjectKernel};
+use kvq_codegen::{xquant_project_kernel, Dtype, ProjectTile, XQuantProjectKernel};
 use std::sync::Arc;
 
-/// The projection kernel for one layer input dtype, `d_model` and latent width, compiled and
-/// loaded.
+/// The projection kernels (a narrow tile for a decode step's few tokens, a wide one for prefills)
+/// for one layer input dtype, `d_model` and latent width, compiled and loaded. Both tiles sum each
+/// latent in the same order: a token's latents do not depend on its batch.
 pub struct XQuantProjector {
     generated: XQuantProjectKernel,
-    function: CudaFunction,
+    narrow: CudaFunction,
+    wide: Option<CudaFunction>,
+    reduce: CudaFunction,
+    sm_count: u32,
+    /// A split launch's partition sums, grown as needed.
+    partial: Option<CudaSlice<f32>>,
 }
 
 impl XQuantProjector {
@@ -22,19 +28,30 @@ impl XQuantProjector {
     pub fn load(jit: &Jit, dtype: Dtype, d_model: usize, rank: usize) -> Result<Self> {
         let d = u32::try_from(d_model).map_err(|_| invalid(format!("d_model {d_model}")))?;
         let generated = xquant_project_kernel(dtype, d, rank)?;
-        let source = unit_source(&generated.entry.name, &generated.source);
-        let function = jit
-            .functions(
-                &source,
-                &[generated.entry.name.as_str()],
-                &CompileOptions::default(),
-            )?
-            .into_iter()
-            .next()
-            .ok_or_else(|| invalid("kernel list shorter than requested".into()))?;
+        let source = unit_source(&generated.narrow.name, &generated.source);
+        let mut names = vec![
+            generated.narrow.name.as_str(),
+            generated.reduce.name.as_str(),
+        ];
+        names.extend(generated.wide.as_ref().map(|w| w.name.as_str()));
+        let mut functions = jit
+            .functions(&source, &names, &CompileOptions::default())?
+            .into_iter();
+        let (Some(narrow), Some(reduce)) = (functions.next(), functions.next()) else {
+            return Err(invalid("kernel list shorter than requested".into()));
+        };
+        allow_dynamic_shared(&narrow, &generated.narrow)?;
+        let wide = functions.next();
+        if let (Some(f), Some(entry)) = (&wide, &generated.wide) {
+            allow_dynamic_shared(f, entry)?;
+        }
         Ok(Self {
             generated,
-            function,
+            narrow,
+            wide,
+            reduce,
+            sm_count: jit.device().props().sm_count,
+            partial: None,
         })
     }
 
@@ -47,7 +64,7 @@ impl XQuantProjector {
     /// `X·down_k`, `X·down_v` of `x` (`[n][d_model]` in the projector's dtype), each latent
     /// rounded to nearest f16.
     pub fn project(
-        &self,
+        &mut self,
         stream: &Arc<CudaStream>,
         weights: &XQuantWeights,
         x: &CudaSlice<u16>,
@@ -85,11 +102,28 @@ impl XQuantProjector {
                 lat_v.len()
             )));
         }
-        let (gx, gy) = g.grid(n);
+        let launch = g.launch(n, self.sm_count);
+        let entry = g.entry(launch.tile);
+        let function = match (launch.tile == ProjectTile::WIDE, &self.wide) {
+            (true, Some(f)) => f,
+            _ => &self.narrow,
+        };
+        let partial_len = g.partitions as usize * n * 2 * g.rank;
+        if launch.split
+            && self
+                .partial
+                .as_ref()
+                .map_or(true, |p| p.len() < partial_len)
+        {
+            let buf = stream
+                .alloc_zeros::<f32>(partial_len)
+                .map_err(|e| RuntimeError::driver("allocate the projection's partition sums", e))?;
+            self.partial = Some(buf);
+        }
         let cfg = LaunchConfig {
-            grid_dim: (gx, gy, 1),
-            block_dim: (g.entry.block, 1, 1),
-            shared_mem_bytes: 0,
+            grid_dim: launch.grid,
+            block_dim: (entry.block, 1, 1),
+            shared_mem_bytes: entry.dynamic_shared_bytes,
         };
         let mut args = Args::new(stream);
         args.buffer(x)
@@ -98,8 +132,28 @@ impl XQuantProjector {
             .buffer(down_lo)
             .buffer_mut(lat_k)
             .buffer_mut(lat_v);
+        match (&mut self.partial, launch.split) {
+            (Some(p), true) => args.buffer_mut(p),
+            _ => args.null(),
+        };
         // SAFETY: the arguments follow the entry's params; x holds n rows of d_model, the
-        // latent buffers at least n rows of rank, down [2·rank][d_model] in both halves.
-        unsafe { args.launch(&self.function, cfg, false) }.map_err(launch_err(&g.entry.name))
+        // latent buffers at least n rows of rank, down [2·rank][d_model] in both halves, and a
+        // split launch's partition sums [partitions][n][2·rank].
+        unsafe { args.launch(function, cfg, false) }.map_err(launch_err(&entry.name))?;
+        let (true, Some(partial)) = (launch.split, &self.partial) else {
+            return Ok(());
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (g.reduce_grid(n), 1, 1),
+            block_dim: (g.reduce.block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = Args::new(stream);
+        args.buffer(partial)
+            .int(rows)
+            .buffer_mut(lat_k)
+            .buffer_mut(lat_v);
+        // SAFETY: the reduce's params; the split launch just wrote these n rows' sums.
+        unsafe { args.launch(&self.reduce, cfg, false) }.map_err(launch_err(&g.reduce.name))
     }
 }
