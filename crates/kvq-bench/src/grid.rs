@@ -1,6 +1,6 @@
 //! Which shapes and schemes a run covers, parsed from flags.
 
-use kvq::codegen::{has_codebook_kernel, has_decode_kernel, Dtype};
+use kvq::codegen::{has_codebook_kernel, has_decode_kernel, has_xquant_kernel, Dtype};
 use kvq::runtime::decode::DecodeOptions;
 use kvq::schemes::{by_name, is_scheme_text, label, BUILTIN};
 use kvq::SchemeSpec;
@@ -177,6 +177,13 @@ fn parse_entry(entry: &str) -> Result<Vec<Scheme>> {
 fn on_gpu(scheme: Scheme, given: &str) -> Result<Scheme> {
     if has_decode_kernel(&scheme.spec) || has_codebook_kernel(&scheme.spec) {
         Ok(scheme)
+    } else if has_xquant_kernel(&scheme.spec) {
+        // Its decode needs a layer's projections and d_model, which this grid does not take.
+        Err(BenchError::Usage(format!(
+            "`{given}` (XQuant) decodes on the GPU, but `kvq bench` does not time it: \
+             `kvq demo --schemes {given} --batch B --context L` and the `xquant_decode_time` \
+             test of kvq-runtime's gpu_xquant do (docs/BENCHMARKS.md, XQuant on the GPU)"
+        )))
     } else {
         Err(BenchError::Usage(format!(
             "`{given}` runs in the CPU reference only; GPU schemes: {}, and by name {} (or scheme \
@@ -281,7 +288,7 @@ mod tests {
         assert!(parse_schemes("xquant2")
             .unwrap_err()
             .to_string()
-            .contains("CPU reference"));
+            .contains("does not time it"));
         let token_books = "k = fp16, v = codebook(additive, rows = 512, span = token)";
         assert!(parse_schemes(token_books)
             .unwrap_err()
@@ -316,6 +323,13 @@ mod tests {
             "{e}"
         );
         let e = parse_schemes("k = int(2, channel), v = int(2, token), source = x(latent)")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("does not time it") && e.contains("kvq demo"),
+            "{e}"
+        );
+        let e = parse_schemes("k = fp16, v = codebook(additive, rows = 512, span = token)")
             .unwrap_err()
             .to_string();
         assert!(e.contains("CPU reference only"), "{e}");
