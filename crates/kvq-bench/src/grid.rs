@@ -181,7 +181,7 @@ fn on_gpu(scheme: Scheme, given: &str) -> Result<Scheme> {
         // Its decode needs a layer's projections and d_model, which this grid does not take.
         Err(BenchError::Usage(format!(
             "`{given}` (XQuant) decodes on the GPU, but `kvq bench` does not time it: \
-             `kvq demo --schemes {given} --batch B --context L` and the `xquant_decode_time` \
+             `kvq demo --schemes '{given}' --batch B --context L` and the `xquant_decode_time` \
              test of kvq-runtime's gpu_xquant do (docs/BENCHMARKS.md, XQuant on the GPU)"
         )))
     } else {

@@ -15,6 +15,7 @@
 //! `KVQ_SEED` repeats a run's inputs (the seed is printed). Without a GPU the test shows as
 //! ignored, with the reason (`KVQ_REQUIRE_GPU=1` makes that a failure).
 
+use kvq_runtime::testing::run_seed as seed;
 use std::ffi::{c_void, CStr};
 use std::sync::Arc;
 
@@ -78,19 +79,6 @@ const CASES: &[Case] = &[
         dtype: Dtype::Bf16,
     },
 ];
-
-fn seed() -> u64 {
-    let s = std::env::var("KVQ_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64)
-        });
-    println!("KVQ_SEED={s}");
-    s
-}
 
 fn layer(tokens: usize, d: usize, gqa: usize, seed: u64) -> SynthKv {
     generate(&SynthConfig {

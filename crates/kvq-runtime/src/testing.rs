@@ -25,6 +25,24 @@ use crate::nvrtc::{self, NvrtcVersion};
 #[cfg(feature = "testing")]
 pub mod harness;
 
+/// Environment variable that repeats a randomized test run: the seed [`run_seed`] returns.
+pub const KVQ_SEED: &str = "KVQ_SEED";
+
+/// The seed of a randomized test run: `KVQ_SEED` when set, else the clock's nanoseconds
+/// (fresh inputs each run). Printed as `KVQ_SEED=<seed>`, so a failing run can be repeated.
+pub fn run_seed() -> u64 {
+    let s = std::env::var(KVQ_SEED)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    println!("{KVQ_SEED}={s}");
+    s
+}
+
 /// Set to `1` to turn GPU-test skips into failures.
 pub const KVQ_REQUIRE_GPU: &str = "KVQ_REQUIRE_GPU";
 /// Set to `1` to turn NVRTC-test skips into failures.

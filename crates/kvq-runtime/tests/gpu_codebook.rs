@@ -15,6 +15,7 @@ use kvq_reference::commvq::{self, CalibrationData, Codebooks, CommVqCache, Train
 use kvq_reference::synth::{generate, SynthConfig, SynthKv};
 use kvq_reference::Dequantized;
 use kvq_runtime::codebook::{CodebookCache, CodebookKernel, CodebookScratch};
+use kvq_runtime::testing::run_seed as seed;
 use kvq_runtime::{Device, Jit};
 use kvq_spec::SchemeSpec;
 
@@ -64,19 +65,6 @@ const CASES: &[Case] = &[
 const LENGTHS: &[usize] = &[1, 127, 129, 4097, 33_000];
 const KV_HEADS: usize = 2;
 const CALIBRATION_TOKENS: usize = 1024;
-
-fn seed() -> u64 {
-    let s = std::env::var("KVQ_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64)
-        });
-    println!("KVQ_SEED={s}");
-    s
-}
 
 fn spec_of(text: &str) -> SchemeSpec {
     match text {

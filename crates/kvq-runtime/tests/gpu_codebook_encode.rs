@@ -18,6 +18,7 @@ use kvq_reference::KvTensor;
 use kvq_runtime::codebook::{
     CacheArrays, CodebookCache, CodebookEncoder, CodebookKernel, CodebookScratch, EncodeInputs,
 };
+use kvq_runtime::testing::run_seed as seed;
 use kvq_runtime::{Device, Jit};
 use kvq_spec::SchemeSpec;
 
@@ -65,19 +66,6 @@ const CASES: &[(&str, &[usize])] = &[
 
 const LENGTHS: &[usize] = &[1, 127, 129, 4097, 9001];
 const KV_HEADS: usize = 4;
-
-fn seed() -> u64 {
-    let s = std::env::var("KVQ_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64)
-        });
-    println!("KVQ_SEED={s}");
-    s
-}
 
 fn layer(tokens: usize, head_dim: usize, seed: u64) -> SynthKv {
     generate(&SynthConfig {

@@ -13,6 +13,7 @@ use kvq_codegen::{Dtype, KernelShape, RebuildPrecision};
 use kvq_reference::attention::{self, Queries};
 use kvq_reference::synth::{generate, SynthConfig, SynthRng};
 use kvq_reference::xquant::{Projections, XQuantCache};
+use kvq_runtime::testing::run_seed as seed;
 use kvq_runtime::tune::synth::{random_queries, word_to_f32};
 use kvq_runtime::xquant::{XQuantDeviceCache, XQuantKernel, XQuantScratch};
 use kvq_runtime::{Device, GpuTimer, Jit};
@@ -114,19 +115,6 @@ const CASES: &[Case] = &[
         lengths: &[1, 200],
     },
 ];
-
-fn seed() -> u64 {
-    let s = std::env::var("KVQ_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64)
-        });
-    println!("KVQ_SEED={s}");
-    s
-}
 
 /// One scheme and shape over a batch of caches (one per sequence), both rebuild precisions, 1/3/16
 /// splits: every output against the reference's attention within its bound. Returns the outputs

@@ -22,6 +22,7 @@ use kvq_reference::attention::{self, Queries};
 use kvq_reference::synth::SynthRng;
 use kvq_reference::synth::{generate, SynthConfig};
 use kvq_reference::xquant::{latent_store_width, LatentProjection, Projections, XQuantCache};
+use kvq_runtime::testing::run_seed as seed;
 use kvq_runtime::tune::synth::{random_queries, round_to_word, word_to_f32};
 use kvq_runtime::xquant::{
     XQuantCacheConfig, XQuantKernel, XQuantPagedCache, XQuantProjector, XQuantScratch,
@@ -84,19 +85,6 @@ const CASES: &[Case] = &[
         sequences: &[(5, 260), (400, 3)],
     },
 ];
-
-fn seed() -> u64 {
-    let s = std::env::var("KVQ_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64)
-        });
-    println!("KVQ_SEED={s}");
-    s
-}
 
 fn to_f32(bits: &[u16]) -> Vec<f32> {
     bits.iter()

@@ -13,7 +13,7 @@
 // Summation order, the same for every batch: d_model is cut into XP_P partitions; a partition's
 // products accumulate from zero, 16 channels at a time in ascending order (hi's product, then
 // lo's), and the partition sums add in order, (s0 + s1) + s2 + .... The wide tile (128 tokens ×
-// 128 latents a CTA, eight warps 2 × 4 of 64 × 32; prefills) walks every partition and rounds its
+// 128 latents a CTA, eight warps 2 × 4 of 64 × 32; prefills) walks every partition, then rounds its
 // sums; the narrow one (32 × 16, two warps of 16 × 16; a decode step's few tokens, where the time
 // is streaming down and wide CTAs would leave most SMs idle) takes one partition a CTA (grid z =
 // XP_P) and leaves f32 sums that kvq_xquant_project_reduce adds in the same order. Either way a
@@ -180,7 +180,7 @@ static __device__ __forceinline__ void kvq_xquant_project(const kvq_u16* __restr
         }
 }
 
-// The partitions' f32 sums [XP_P][n][2·XR] added in order and rounded to the latent rows: a thread a
+// The partitions' f32 sums [XP_P][n][2·XR] added in order, then rounded to the latent rows: a thread a
 // latent, grid ceil(n·2·XR / 256) of 256 threads.
 static __device__ __forceinline__ void kvq_xquant_project_reduce(const float* __restrict__ partial, int n,
                                                                  kvq_u16* __restrict__ lat_k, kvq_u16* __restrict__ lat_v) {
