@@ -393,3 +393,31 @@ impl XQuantCache {
         8.0 * (k.pool().len() + v.pool().len()) as f64 / elements as f64
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_width_is_the_widest_head_the_quantizers_take() {
+        let plain: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(latent)"
+            .parse()
+            .unwrap();
+        for (rank, width) in [(1024, 256), (192, 192), (96, 96), (320, 160), (32, 32)] {
+            assert_eq!(latent_store_width(&plain, rank).unwrap(), width, "{rank}");
+        }
+        // Token groups of 64 must divide the head: 320 = 5 × 64 takes heads of 64.
+        let grouped: SchemeSpec =
+            "k = int(2, channel), v = int(2, token, group = 64), source = x(latent)"
+                .parse()
+                .unwrap();
+        assert_eq!(latent_store_width(&grouped, 320).unwrap(), 64);
+        assert!(latent_store_width(&grouped, 96).is_err());
+        // Rows round-trip through the head-major store.
+        let rows: Vec<f32> = (0..3 * 512).map(|i| i as f32).collect();
+        let t = latent_tensor(&plain, &rows, 3, 512).unwrap();
+        assert_eq!((t.kv_heads, t.head_dim), (2, 256));
+        assert_eq!(t.row(1, 2)[0], (2 * 512 + 256) as f32);
+        assert_eq!(latent_rows(&t), rows);
+    }
+}
