@@ -32,10 +32,10 @@ pub struct ProjectTile {
 }
 
 impl ProjectTile {
-    /// Prefills: 128 tokens × 128 latents a CTA.
+    /// Prefills: 128 tokens × 64 latents a CTA (two CTAs an SM fit its shared memory).
     pub const WIDE: Self = Self {
         rows: 128,
-        columns: 128,
+        columns: 64,
         threads: 256,
         chunk: 32,
         stages: 3,
@@ -66,7 +66,7 @@ pub struct XQuantProjectKernel {
     /// Partitions of d_model whose sums add in order (1, 2 or 4).
     pub partitions: u32,
     pub source: String,
-    /// Grid (ceil(n / 128), 2·rank / 128, 1), when 2·rank is a multiple of 128.
+    /// Grid (ceil(n / 128), 2·rank / 64, 1), when 2·rank is a multiple of 64.
     pub wide: Option<KernelEntry>,
     /// Grid (ceil(n / 32), 2·rank / 16, 1 or `partitions`): z = `partitions` writes each
     /// partition's f32 sums `[partitions][n][2·rank]` for `reduce`.
@@ -261,17 +261,17 @@ mod tests {
         let prefill = k.launch(8192, 132);
         assert_eq!(
             (prefill.tile, prefill.grid),
-            (ProjectTile::WIDE, (64, 16, 1))
+            (ProjectTile::WIDE, (64, 32, 1))
         );
         assert_eq!(
             k.wide.as_ref().unwrap().dynamic_shared_bytes,
-            3 * 384 * 40 * 2 + 128 * 128 * 4
+            3 * 256 * 40 * 2 + 128 * 64 * 4
         );
-        assert!(k.source.contains("XpWide::SMEM_BYTES == 157696"));
-        // Latents of 96: 192 columns are no whole wide tiles; d_model 576 = 9 chunks of 64, one
-        // partition.
+        assert!(k.source.contains("XpWide::SMEM_BYTES == 94208"));
+        // Latents of 96 (192 columns: three wide tiles, too few for 132 SMs); d_model 576 = 9
+        // chunks of 64, one partition.
         let small = xquant_project_kernel(Dtype::F16, 576, 96).unwrap();
-        assert!(small.wide.is_none() && small.partitions == 1);
+        assert!(small.wide.is_some() && small.partitions == 1);
         assert_eq!(small.launch(16, 132).grid, (1, 12, 1));
         let f = xquant_project_kernel(Dtype::F16, 4096, 1024).unwrap();
         assert_ne!(f.narrow.name, k.narrow.name);

@@ -13,7 +13,7 @@
 // Summation order, the same for every batch: d_model is cut into XP_P partitions; a partition's
 // products accumulate from zero, 16 channels at a time in ascending order (hi's product, then
 // lo's), and the partition sums add in order, (s0 + s1) + s2 + .... The wide tile (128 tokens ×
-// 128 latents a CTA, eight warps 2 × 4 of 64 × 32; prefills) walks every partition, then rounds its
+// 64 latents a CTA, eight warps 4 × 2 of 32 × 32, two CTAs an SM; prefills) walks every partition, then rounds its
 // sums; the narrow one (32 × 16, two warps of 16 × 16; a decode step's few tokens, where the time
 // is streaming down and wide CTAs would leave most SMs idle) takes one partition a CTA (grid z =
 // XP_P) and leaves f32 sums that kvq_xquant_project_reduce adds in the same order. Either way a
@@ -38,7 +38,7 @@ struct XpTile {
     static constexpr int SMEM_BYTES = STAGES * STAGE_HALVES * 2 + TOTALS * THREADS * 4;
     static_assert(MT >= 1 && NT % 2 == 0 && XD % (K * XP_P) == 0 && K % 16 == 0, "whole mma tiles and chunks");
 };
-using XpWide = XpTile<128, 128, 2, 4, 32, 3>;
+using XpWide = XpTile<128, 64, 4, 2, 32, 3>;
 using XpNarrow = XpTile<32, 16, 2, 1, 64, 6>;
 
 // D += A·B, m16n8k16 in X's format (f16 or bf16), f32 accumulators.
