@@ -1143,14 +1143,26 @@ fn gen_xquant_output_compiles_from_its_files() {
         assert!(header.contains("#define KVQ_LATENT_RANK 1024"), "{header}");
         let options =
             CompileOptions::default().include_dirs(IncludeDirs::Only(vec![dir.join("include")]));
-        let source = Source::new(
-            "decode.cu",
-            std::fs::read_to_string(dir.join("decode.cu")).unwrap(),
+        // x(latent) folders carry the cache writes' projection; XQuant-CL's writes are not built.
+        let units: &[&str] = if scheme == "xquant2" {
+            &["decode.cu", "project.cu"]
+        } else {
+            assert!(!dir.join("project.cu").exists());
+            &["decode.cu"]
+        };
+        assert_eq!(
+            header.contains("kvq_xquant_project_wide_"),
+            scheme == "xquant2",
+            "{header}"
         );
-        for arch in [Arch::SM_80, Arch::SM_90A] {
-            let c = compile(&source, arch, Output::Cubin, &options)
-                .unwrap_or_else(|e| panic!("{scheme} for {arch} from the written files: {e}"));
-            assert!(!c.image.is_empty());
+        for unit in units {
+            let source = Source::new(*unit, std::fs::read_to_string(dir.join(unit)).unwrap());
+            for arch in [Arch::SM_80, Arch::SM_90A] {
+                let c = compile(&source, arch, Output::Cubin, &options).unwrap_or_else(|e| {
+                    panic!("{scheme} {unit} for {arch} from the written files: {e}")
+                });
+                assert!(!c.image.is_empty());
+            }
         }
     }
 }

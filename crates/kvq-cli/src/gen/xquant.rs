@@ -6,7 +6,10 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use kvq::codegen::{latent_spec, xquant_kernels, xquant_tile, RebuildPrecision, XQuantKernels};
+use kvq::codegen::{
+    latent_spec, xquant_kernels, xquant_project_kernel, xquant_tile, RebuildPrecision,
+    XQuantKernels, XQuantProjectKernel,
+};
 use kvq::reference::int::LAYOUT_VERSION;
 use kvq::reference::xquant::PROJECTION_FILE_FORMAT;
 use kvq::{CacheSource, XSource};
@@ -16,6 +19,9 @@ use super::family::{self, buffer, BufferInfo, LaunchInfo, ManifestHead};
 use super::manifest::{kernel_info, tensor_info, CompiledInfo, KernelInfo, TensorInfo};
 use super::{GenOutcome, GenRequest, DECODE_FILE, HEADER_FILE, INCLUDE_DIR, MANIFEST_FILE};
 use crate::error::{CliError, Result};
+
+/// The cache writes' projection unit (`x(latent)` schemes).
+const PROJECT_FILE: &str = "project.cu";
 
 #[derive(Serialize)]
 struct LatentInfo {
@@ -69,7 +75,12 @@ struct Manifest {
     compiled: Vec<CompiledInfo>,
 }
 
-fn layout_info(req: &GenRequest, k: &XQuantKernels, cross_layer: bool) -> Result<LayoutInfo> {
+fn layout_info(
+    req: &GenRequest,
+    k: &XQuantKernels,
+    project: Option<&XQuantProjectKernel>,
+    cross_layer: bool,
+) -> Result<LayoutInfo> {
     let latents = latent_spec(&req.scheme.spec);
     let (r, w) = (k.rank, k.store_width);
     let heads = r / w;
@@ -154,6 +165,30 @@ fn layout_info(req: &GenRequest, k: &XQuantKernels, cross_layer: bool) -> Result
             "XQuant-CL only; pass null and base_rows 0",
         )
     });
+    let d_model = req.xquant.d_model.unwrap_or(0);
+    if let Some(p) = project {
+        buffers.push(buffer(
+            "down_hi / down_lo",
+            &format!("[2·{r}][{d_model}]"),
+            "io dtype",
+            "the projection's [down_k | down_v] transposed (a latent column's d_model weights \
+             contiguous; K's columns, then V's) in two halves of X's format, down ≈ hi + lo",
+        ));
+        buffers.push(buffer(
+            "partial",
+            &format!("[{}][n][2·{r}]", p.partitions),
+            "f32",
+            "scratch of a split narrow projection (one CTA a partition of d_model), read by the \
+             reduce; null otherwise",
+        ));
+        buffers.push(buffer(
+            "lat_k / lat_v",
+            &format!("[n][{r}]"),
+            "f16",
+            "the projection's output: the new tokens' latent rows, which the integer cache \
+             kernels take as their K and V input ([n][store_heads][store_head_dim])",
+        ));
+    }
     Ok(LayoutInfo {
         version: LAYOUT_VERSION,
         doc: "docs/LAYOUT.md §10 (latent rows as store heads; page blocks, regions); docs/CODEBOOKS.md §3",
@@ -174,16 +209,16 @@ fn layout_info(req: &GenRequest, k: &XQuantKernels, cross_layer: bool) -> Result
                     .into(),
                 "up_v = v.up as stored".into(),
                 format!(
-                    "k.down, v.down [{} × {r}] make the latents from the layer input, X·down (the \
-                     cache writes; docs/CODEBOOKS.md §3)",
-                    req.xquant.d_model.unwrap_or(0)
+                    "down_hi[c][i] = x(down[i][c]), down_lo[c][i] = x(down[i][c] − down_hi[c][i]) \
+                     (rounded to nearest in X's format), down = k.down [{d_model} × {r}] for c < \
+                     {r}, v.down for the rest: the cache writes' X·down (docs/CODEBOOKS.md §3.1)"
                 ),
             ],
         },
     })
 }
 
-fn readme(req: &GenRequest, arch: &str, rank: usize) -> String {
+fn readme(req: &GenRequest, arch: &str, rank: usize, project: bool) -> String {
     format!(
         "# kvq generated kernels (XQuant scheme)
 
@@ -191,7 +226,7 @@ scheme: `{scheme}`; head_dim {head_dim}, GQA {gqa}, {dtype}; latents of {rank} c
 
 - `{DECODE_FILE}`: the decode unit (the fused split-K decode that rebuilds K from the latents on \
 tensor cores and never rebuilds V, and the combine); sm_80 or later.
-- `{INCLUDE_DIR}/kvq/`: the kernels' code, CUDA headers the unit `#include \"kvq/…\"`.
+{project}- `{INCLUDE_DIR}/kvq/`: the kernels' code, CUDA headers the unit `#include \"kvq/…\"`.
 - `{HEADER_FILE}`: C header with launch constants and a parameter struct per kernel.
 - `{MANIFEST_FILE}`: entry points, launch shapes, the latent store's layout ({LAYOUT_VERSION} at \
 latent rows as store heads), the projection buffers and how they come from a `{PROJECTION_FILE_FORMAT}` file.
@@ -202,6 +237,15 @@ latent rows as store heads), the projection buffers and how they come from a `{P
         gqa = req.shape.gqa,
         dtype = req.shape.dtype,
         compiling = family::compiling_section(arch, DECODE_FILE),
+        project = if project {
+            format!(
+                "- `{PROJECT_FILE}`: the cache writes' projection (new tokens' layer input to f16 \
+                 latent rows on tensor cores; the latents' integer scheme's cache kernels, from \
+                 `kvq gen` of that scheme at the store head width, then store them).\n"
+            )
+        } else {
+            String::new()
+        },
     )
 }
 
@@ -264,9 +308,28 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
     let precision = x.rebuild.unwrap_or_default();
     let k = xquant_kernels(spec, shape, kv_heads, d_model, precision)?;
     let cross_layer = spec.source == CacheSource::X(XSource::CrossLayer);
-    let layout = layout_info(req, &k, cross_layer)?;
     let dtype = shape.dtype;
-    let kernels = vec![
+    let mut notes = Vec::new();
+    // The writes' projection: x(latent) only (XQuant-CL's writes need the decoder's accumulator),
+    // X in the decode's dtype.
+    let project = if cross_layer {
+        notes.push(
+            "no projection unit: XQuant-CL's cache writes are not built on the GPU \
+             (docs/CODEBOOKS.md §3.1)"
+                .to_string(),
+        );
+        None
+    } else {
+        match xquant_project_kernel(dtype, d_model, k.rank) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                notes.push(format!("no projection unit: {e}"));
+                None
+            }
+        }
+    };
+    let layout = layout_info(req, &k, project.as_ref(), cross_layer)?;
+    let mut kernels = vec![
         kernel_info(
             "decode",
             DECODE_FILE,
@@ -284,7 +347,54 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
             dtype,
         ),
     ];
-    let mut notes = Vec::new();
+    let mut units = vec![(DECODE_FILE, k.source.as_str())];
+    let mut unit_names = vec![("decode", DECODE_FILE)];
+    let mut fill_steps = Vec::new();
+    if let Some(p) = &project {
+        units.push((PROJECT_FILE, p.source.as_str()));
+        unit_names.push(("project", PROJECT_FILE));
+        kernels.push(kernel_info(
+            "project_narrow",
+            PROJECT_FILE,
+            "the latents of a few tokens: 32 tokens × 16 latent columns a CTA, one partition of \
+             d_model a CTA when split (then the reduce), else every partition",
+            &p.narrow,
+            dtype,
+        ));
+        if let Some(w) = &p.wide {
+            kernels.push(kernel_info(
+                "project_wide",
+                PROJECT_FILE,
+                "the latents of many tokens (prefills): 128 tokens × 64 latent columns a CTA, \
+                 every partition",
+                w,
+                dtype,
+            ));
+        }
+        kernels.push(kernel_info(
+            "project_reduce",
+            PROJECT_FILE,
+            "a split narrow projection's partition sums added in order into the latent rows",
+            &p.reduce,
+            dtype,
+        ));
+        fill_steps = vec![
+            format!(
+                "project n new tokens' X ([n][{d_model}]): project_wide, grid (ceil(n / 128), \
+                 2·{r} / 64, 1), when that grid has at least as many CTAs as the GPU has SMs; \
+                 else project_narrow, grid (ceil(n / 32), 2·{r} / 16, z), z = {p_count} when \
+                 ceil(n / 32)·(2·{r} / 16) < SMs (then project_reduce, grid ceil(n·2·{r} / 256)), \
+                 else 1. Every choice gives a token the same latents.",
+                r = k.rank,
+                p_count = p.partitions
+            ),
+            "store: lat_k and lat_v are the K and V input of the latents' integer scheme \
+             (`kvq gen --scheme '<this scheme without source>' --head-dim <store_head_dim>`, \
+             kv_heads = store_heads, f16 input): its append or prefill, page quantizers and \
+             commit, as for any integer scheme"
+                .into(),
+        ];
+    }
     let arch = family::arch_name(req);
     let family::Written {
         files,
@@ -292,8 +402,8 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
         compiled_lines,
     } = family::write_folder(
         req,
-        &[(DECODE_FILE, k.source.as_str())],
-        &readme(req, &arch, k.rank),
+        &units,
+        &readme(req, &arch, k.rank, project.is_some()),
         &header_text(req, &k, &layout, &kernels),
         &mut notes,
     )?;
@@ -311,7 +421,7 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
             tensor_values: k.tensor_values,
             cross_layer,
         },
-        files: family::file_names(&[("decode", DECODE_FILE)]),
+        files: family::file_names(&unit_names),
         kernels,
         launch: LaunchInfo {
             decode_steps: vec!["decode".into(), "combine".into()],
@@ -327,7 +437,7 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
                  splits with the same tiles each",
                 xquant_tile(shape.head_dim)
             ),
-            fill_steps: Vec::new(),
+            fill_steps,
             scratch: family::split_scratch(),
         },
         layout,
