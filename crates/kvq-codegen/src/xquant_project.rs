@@ -66,8 +66,8 @@ pub struct XQuantProjectKernel {
     /// Partitions of d_model whose sums add in order (1, 2 or 4).
     pub partitions: u32,
     pub source: String,
-    /// Grid (ceil(n / 128), 2·rank / 64, 1), when 2·rank is a multiple of 64.
-    pub wide: Option<KernelEntry>,
+    /// Grid (ceil(n / 128), 2·rank / 64, 1) (the rank is a multiple of 32).
+    pub wide: KernelEntry,
     /// Grid (ceil(n / 32), 2·rank / 16, 1 or `partitions`): z = `partitions` writes each
     /// partition's f32 sums `[partitions][n][2·rank]` for `reduce`.
     pub narrow: KernelEntry,
@@ -75,19 +75,25 @@ pub struct XQuantProjectKernel {
     pub reduce: KernelEntry,
 }
 
-/// How `n` tokens launch: the tile, its grid, and whether the grid splits the partitions (then
-/// the reduce runs after it).
+/// How `n` tokens launch: the tile and its grid; a grid over several partitions (z > 1) is
+/// followed by the reduce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProjectLaunch {
     pub tile: ProjectTile,
     pub grid: (u32, u32, u32),
-    pub split: bool,
+}
+
+impl ProjectLaunch {
+    /// Whether each CTA sums one partition of d_model (then the reduce adds them).
+    pub fn split(&self) -> bool {
+        self.grid.2 > 1
+    }
 }
 
 impl XQuantProjectKernel {
-    /// The launch for `n` new tokens on a GPU of `sms` SMs: the wide tile where it exists and
-    /// its CTAs fill the SMs, else the narrow one, split over the partitions while its whole-sum
-    /// CTAs would not fill them.
+    /// The launch for `n` new tokens on a GPU of `sms` SMs: the wide tile where its CTAs fill
+    /// the SMs, else the narrow one, split over the partitions while its whole-sum CTAs would not
+    /// fill them.
     pub fn launch(&self, n: usize, sms: u32) -> ProjectLaunch {
         let grid = |t: ProjectTile| {
             (
@@ -96,27 +102,26 @@ impl XQuantProjectKernel {
             )
         };
         let (wx, wy) = grid(ProjectTile::WIDE);
-        if self.wide.is_some() && wx * wy >= sms {
+        if wx * wy >= sms {
             return ProjectLaunch {
                 tile: ProjectTile::WIDE,
                 grid: (wx, wy, 1),
-                split: false,
             };
         }
         let (x, y) = grid(ProjectTile::NARROW);
-        let split = self.partitions > 1 && x * y < sms;
+        let z = if x * y < sms { self.partitions } else { 1 };
         ProjectLaunch {
             tile: ProjectTile::NARROW,
-            grid: (x, y, if split { self.partitions } else { 1 }),
-            split,
+            grid: (x, y, z),
         }
     }
 
     /// The entry of `tile`.
     pub fn entry(&self, tile: ProjectTile) -> &KernelEntry {
-        match (&self.wide, tile == ProjectTile::WIDE) {
-            (Some(w), true) => w,
-            _ => &self.narrow,
+        if tile == ProjectTile::WIDE {
+            &self.wide
+        } else {
+            &self.narrow
         }
     }
 
@@ -164,18 +169,18 @@ pub fn xquant_project_kernel(
         });
     }
     let id = stable_id(&format!("xquant-project|{dtype:?}|{d_model}|{rank}"));
-    let mut tiles = vec![(
-        ProjectTile::NARROW,
-        "XpNarrow",
-        format!("kvq_xquant_project_narrow_{id}"),
-    )];
-    if (2 * rank) % ProjectTile::WIDE.columns as usize == 0 {
-        tiles.push((
+    let tiles = [
+        (
+            ProjectTile::NARROW,
+            "XpNarrow",
+            format!("kvq_xquant_project_narrow_{id}"),
+        ),
+        (
             ProjectTile::WIDE,
             "XpWide",
             format!("kvq_xquant_project_wide_{id}"),
-        ));
-    }
+        ),
+    ];
     let ctx = Ctx {
         dtype: match dtype {
             Dtype::F16 => "f16",
@@ -237,7 +242,7 @@ pub fn xquant_project_kernel(
         reduce,
         source,
         narrow: entry(tiles[0].0, &tiles[0].2),
-        wide: tiles.get(1).map(|(t, _, name)| entry(*t, name)),
+        wide: entry(tiles[1].0, &tiles[1].2),
     })
 }
 
@@ -256,22 +261,19 @@ mod tests {
         assert_eq!(k.partitions, 4);
         let decode = k.launch(16, 132);
         assert_eq!(decode.tile, ProjectTile::NARROW);
-        assert_eq!((decode.grid, decode.split), ((1, 128, 4), true));
+        assert_eq!((decode.grid, decode.split()), ((1, 128, 4), true));
         assert_eq!(k.entry(decode.tile).block, 64);
         let prefill = k.launch(8192, 132);
         assert_eq!(
             (prefill.tile, prefill.grid),
             (ProjectTile::WIDE, (64, 32, 1))
         );
-        assert_eq!(
-            k.wide.as_ref().unwrap().dynamic_shared_bytes,
-            3 * 256 * 40 * 2 + 128 * 64 * 4
-        );
+        assert_eq!(k.wide.dynamic_shared_bytes, 3 * 256 * 40 * 2 + 128 * 64 * 4);
         assert!(k.source.contains("XpWide::SMEM_BYTES == 94208"));
         // Latents of 96 (192 columns: three wide tiles, too few for 132 SMs); d_model 576 = 9
         // chunks of 64, one partition.
         let small = xquant_project_kernel(Dtype::F16, 576, 96).unwrap();
-        assert!(small.wide.is_some() && small.partitions == 1);
+        assert_eq!(small.partitions, 1);
         assert_eq!(small.launch(16, 132).grid, (1, 12, 1));
         let f = xquant_project_kernel(Dtype::F16, 4096, 1024).unwrap();
         assert_ne!(f.narrow.name, k.narrow.name);

@@ -361,16 +361,14 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
             &p.narrow,
             dtype,
         ));
-        if let Some(w) = &p.wide {
-            kernels.push(kernel_info(
-                "project_wide",
-                PROJECT_FILE,
-                "the latents of many tokens (prefills): 128 tokens × 64 latent columns a CTA, \
-                 every partition",
-                w,
-                dtype,
-            ));
-        }
+        kernels.push(kernel_info(
+            "project_wide",
+            PROJECT_FILE,
+            "the latents of many tokens (prefills): 128 tokens × 64 latent columns a CTA, every \
+             partition",
+            &p.wide,
+            dtype,
+        ));
         kernels.push(kernel_info(
             "project_reduce",
             PROJECT_FILE,

@@ -21,6 +21,14 @@ use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
 use crate::launch::{Input, Output};
 
+/// How the K/V buffer a step hands in must fit its rows: exactly (the public steps: a buffer of
+/// another size is a caller's mistake), or at least (kvq's own reused buffers, read from the start).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Rows {
+    Exactly,
+    AtLeast,
+}
+
 /// Sizes of a cache, fixed at creation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CacheConfig {
@@ -219,8 +227,16 @@ impl PagedKvCache {
     }
 
     fn check_tokens(&self, what: &str, x: &CudaSlice<u16>, tokens: usize) -> Result<()> {
+        self.check_rows(what, x, tokens, Rows::Exactly)
+    }
+
+    fn check_rows(&self, what: &str, x: &CudaSlice<u16>, tokens: usize, fit: Rows) -> Result<()> {
         let want = tokens * self.cfg.kv_heads * self.cfg.head_dim;
-        if x.len() != want {
+        let fits = match fit {
+            Rows::Exactly => x.len() == want,
+            Rows::AtLeast => x.len() >= want,
+        };
+        if !fits {
             return Err(RuntimeError::InvalidInput(format!(
                 "{what} holds {} values; [tokens {tokens}][kv_heads {}][head_dim {}] needs {want}",
                 x.len(),
@@ -293,10 +309,23 @@ impl PagedKvCache {
         v: &CudaSlice<u16>,
         dtype: Dtype,
     ) -> Result<()> {
+        self.prefill_rows(prompts, k, v, dtype, Rows::Exactly)
+    }
+
+    /// [`prefill_packed`](Self::prefill_packed) from `k`/`v` that hold the prompts' rows exactly
+    /// or, with [`Rows::AtLeast`], as their first rows (a reused buffer).
+    pub(crate) fn prefill_rows(
+        &mut self,
+        prompts: &[(SeqId, usize)],
+        k: &CudaSlice<u16>,
+        v: &CudaSlice<u16>,
+        dtype: Dtype,
+        fit: Rows,
+    ) -> Result<()> {
         self.check_dtype(dtype)?;
         let total: usize = prompts.iter().map(|p| p.1).sum();
-        self.check_tokens("packed prefill K", k, total)?;
-        self.check_tokens("packed prefill V", v, total)?;
+        self.check_rows("packed prefill K", k, total, fit)?;
+        self.check_rows("packed prefill V", v, total, fit)?;
         for &(id, _) in prompts {
             if self.book.len(id)? != 0 {
                 return Err(RuntimeError::InvalidInput(format!(
@@ -412,12 +441,25 @@ impl PagedKvCache {
         v: &CudaSlice<u16>,
         dtype: Dtype,
     ) -> Result<()> {
+        self.append_rows(ids, k, v, dtype, Rows::Exactly)
+    }
+
+    /// [`append`](Self::append) from `k`/`v` that hold the step's rows exactly or, with
+    /// [`Rows::AtLeast`], as their first rows (a reused buffer).
+    pub(crate) fn append_rows(
+        &mut self,
+        ids: &[SeqId],
+        k: &CudaSlice<u16>,
+        v: &CudaSlice<u16>,
+        dtype: Dtype,
+        fit: Rows,
+    ) -> Result<()> {
         self.check_dtype(dtype)?;
         if ids.is_empty() {
             return Ok(());
         }
-        self.check_tokens("append K", k, ids.len())?;
-        self.check_tokens("append V", v, ids.len())?;
+        self.check_rows("append K", k, ids.len(), fit)?;
+        self.check_rows("append V", v, ids.len(), fit)?;
         let growth = ids
             .iter()
             .map(|&id| Ok((id, self.book.len(id)? + 1)))

@@ -15,6 +15,7 @@ mod sizes;
 mod snapshot;
 mod writer;
 
+pub(crate) use cache::Rows;
 pub use cache::{CacheConfig, MemoryReport, PagedKvCache, QuantizeTiming};
 pub use forms::{
     choose_forms, choose_forms_in, forms_candidates, forms_or_tiled, stored_forms, stored_forms_in,

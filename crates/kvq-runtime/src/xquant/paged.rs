@@ -8,7 +8,7 @@ use super::project::XQuantProjector;
 use super::weights::{invalid, XQuantWeights};
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
-use crate::paged::{CacheConfig, MemoryReport, PagedKvCache, SeqId, SequenceSnapshot};
+use crate::paged::{CacheConfig, MemoryReport, PagedKvCache, Rows, SeqId, SequenceSnapshot};
 use cudarc::driver::{CudaSlice, CudaStream};
 use kvq_codegen::{latent_spec, Dtype};
 use kvq_reference::rope::Rope;
@@ -53,8 +53,8 @@ pub struct XQuantPagedCache {
     weights: XQuantWeights,
     projector: XQuantProjector,
     stream: Arc<CudaStream>,
-    /// Latent rows of the last step's size, reused while the step size stays.
-    rows: Option<(usize, CudaSlice<u16>, CudaSlice<u16>)>,
+    /// Latent rows (K, V) for the largest step so far, grown as needed; a step uses the first.
+    rows: Option<(CudaSlice<u16>, CudaSlice<u16>)>,
 }
 
 impl XQuantPagedCache {
@@ -136,7 +136,8 @@ impl XQuantPagedCache {
         &self.latents
     }
 
-    /// Latent rows for `n` tokens, projected from `x` (`[n][d_model]`).
+    /// Latent rows for `n` tokens, projected from `x` (`[n][d_model]`) into the first `n` rows
+    /// of the reused buffers.
     fn project_rows(
         &mut self,
         x: &CudaSlice<u16>,
@@ -149,24 +150,22 @@ impl XQuantPagedCache {
                 self.projector.generated().dtype
             )));
         }
-        if self.rows.as_ref().map(|r| r.0) != Some(n) {
+        let need = n * self.weights.rank;
+        if self.rows.as_ref().map_or(true, |(k, _)| k.len() < need) {
             let alloc = |what: &str| {
                 self.stream
-                    .alloc_zeros::<u16>(n * self.weights.rank)
+                    .alloc_zeros::<u16>(need)
                     .map_err(|e| RuntimeError::driver(what.to_string(), e))
             };
-            let (k, v) = (
-                alloc("allocate K latent rows")?,
-                alloc("allocate V latent rows")?,
-            );
-            self.rows = Some((n, k, v));
+            let k = alloc("allocate K latent rows")?;
+            self.rows = Some((k, alloc("allocate V latent rows")?));
         }
-        let Some(rows) = self.rows.as_mut() else {
+        let Some((k, v)) = self.rows.as_mut() else {
             return Err(invalid("no latent rows".into()));
         };
         self.projector
-            .project(&self.stream, &self.weights, x, n, &mut rows.1, &mut rows.2)?;
-        Ok((&rows.1, &rows.2, &mut self.latents))
+            .project(&self.stream, &self.weights, x, n, k, v)?;
+        Ok((k, v, &mut self.latents))
     }
 
     /// Appends one token to each listed sequence from its layer input (`x`: `[ids.len()][d_model]`,
@@ -177,7 +176,7 @@ impl XQuantPagedCache {
             return Ok(());
         }
         let (k, v, store) = self.project_rows(x, ids.len(), dtype)?;
-        store.append(ids, k, v, Dtype::F16)
+        store.append_rows(ids, k, v, Dtype::F16, Rows::AtLeast)
     }
 
     /// Bulk prefill of an empty sequence from a prompt's layer input (`x`: `[tokens][d_model]`).
@@ -192,7 +191,7 @@ impl XQuantPagedCache {
             return Ok(());
         }
         let (k, v, store) = self.project_rows(x, tokens, dtype)?;
-        store.prefill(id, k, v, tokens, Dtype::F16)
+        store.prefill_rows(&[(id, tokens)], k, v, Dtype::F16, Rows::AtLeast)
     }
 
     /// The f16 latent rows (`[n][rank]` each, K then V) the projection writes for `x`: what an
@@ -203,11 +202,15 @@ impl XQuantPagedCache {
         n: usize,
         dtype: Dtype,
     ) -> Result<(Vec<u16>, Vec<u16>)> {
+        if n == 0 {
+            return Ok((Vec::new(), Vec::new()));
+        }
         let stream = self.stream.clone();
+        let rows = n * self.weights.rank;
         let (k, v, _) = self.project_rows(x, n, dtype)?;
         let down = |s: &CudaSlice<u16>| {
             stream
-                .clone_dtoh(s)
+                .clone_dtoh(&s.slice(..rows))
                 .map_err(|e| RuntimeError::driver("download latent rows", e))
         };
         Ok((down(k)?, down(v)?))

@@ -16,7 +16,7 @@ use std::sync::Arc;
 pub struct XQuantProjector {
     generated: XQuantProjectKernel,
     narrow: CudaFunction,
-    wide: Option<CudaFunction>,
+    wide: CudaFunction,
     reduce: CudaFunction,
     sm_count: u32,
     /// A split launch's partition sums, grown as needed.
@@ -29,22 +29,18 @@ impl XQuantProjector {
         let d = u32::try_from(d_model).map_err(|_| invalid(format!("d_model {d_model}")))?;
         let generated = xquant_project_kernel(dtype, d, rank)?;
         let source = unit_source(&generated.narrow.name, &generated.source);
-        let mut names = vec![
+        let names = [
             generated.narrow.name.as_str(),
+            generated.wide.name.as_str(),
             generated.reduce.name.as_str(),
         ];
-        names.extend(generated.wide.as_ref().map(|w| w.name.as_str()));
-        let mut functions = jit
+        // One function a name, in order (kvq-jit's `functions`).
+        let [narrow, wide, reduce]: [CudaFunction; 3] = jit
             .functions(&source, &names, &CompileOptions::default())?
-            .into_iter();
-        let (Some(narrow), Some(reduce)) = (functions.next(), functions.next()) else {
-            return Err(invalid("kernel list shorter than requested".into()));
-        };
+            .try_into()
+            .map_err(|_| invalid("kernel list shorter than requested".into()))?;
         allow_dynamic_shared(&narrow, &generated.narrow)?;
-        let wide = functions.next();
-        if let (Some(f), Some(entry)) = (&wide, &generated.wide) {
-            allow_dynamic_shared(f, entry)?;
-        }
+        allow_dynamic_shared(&wide, &generated.wide)?;
         Ok(Self {
             generated,
             narrow,
@@ -104,12 +100,13 @@ impl XQuantProjector {
         }
         let launch = g.launch(n, self.sm_count);
         let entry = g.entry(launch.tile);
-        let function = match (launch.tile == ProjectTile::WIDE, &self.wide) {
-            (true, Some(f)) => f,
-            _ => &self.narrow,
+        let function = if launch.tile == ProjectTile::WIDE {
+            &self.wide
+        } else {
+            &self.narrow
         };
         let partial_len = g.partitions as usize * n * 2 * g.rank;
-        if launch.split
+        if launch.split()
             && self
                 .partial
                 .as_ref()
@@ -132,7 +129,7 @@ impl XQuantProjector {
             .buffer(down_lo)
             .buffer_mut(lat_k)
             .buffer_mut(lat_v);
-        match (&mut self.partial, launch.split) {
+        match (&mut self.partial, launch.split()) {
             (Some(p), true) => args.buffer_mut(p),
             _ => args.null(),
         };
@@ -140,7 +137,7 @@ impl XQuantProjector {
         // latent buffers at least n rows of rank, down [2·rank][d_model] in both halves, and a
         // split launch's partition sums [partitions][n][2·rank].
         unsafe { args.launch(function, cfg, false) }.map_err(launch_err(&entry.name))?;
-        let (true, Some(partial)) = (launch.split, &self.partial) else {
+        let (true, Some(partial)) = (launch.split(), &self.partial) else {
             return Ok(());
         };
         let cfg = LaunchConfig {
