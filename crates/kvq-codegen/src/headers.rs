@@ -44,6 +44,8 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/xquant/latents.cuh",
     "kvq/xquant/rebuild.cuh",
     "kvq/xquant/values.cuh",
+    "kvq/hopper.cuh",
+    "kvq/xquant/warpgroup.cuh",
     "kvq/xquant/decode.cuh",
     "kvq/xquant/project.cuh",
 ];

@@ -11,14 +11,20 @@ use kvq_reference::xquant::latent_store_width;
 use kvq_spec::{Axis, CacheSource, SchemeSpec, TensorQuant, XSource};
 use serde::Serialize;
 
-/// Threads of the XQuant decode CTA (eight warps).
+/// Compute threads of the XQuant decode CTA (eight warps: the softmax, V's sums, and on
+/// mma.sync K's rebuild too).
 pub const XQUANT_THREADS: u32 = 256;
+/// The producer warpgroups the warpgroup-MMA rebuild adds (decoding latents, copying up_k).
+const PRODUCER_THREADS: u32 = 256;
+/// Shared-memory stages of the mma.sync rebuild (the warpgroup one takes up to four).
+const SYNC_STAGES: usize = 2;
 /// Latent channels of one pipeline chunk of K's rebuild (kernels/include/kvq/xquant/decode.cuh's
-/// XQ_KC): 64 for the one-pass product where the store's heads allow, else 32 (a chunk never
-/// spans two store heads).
-fn chunk(spec: &SchemeSpec, width: usize, precision: RebuildPrecision) -> usize {
+/// XQ_KC): 64 where the store's heads allow (on mma.sync only for the one-pass product of
+/// codes other than 3-bit), else 32 (a chunk never spans two store heads).
+fn chunk(spec: &SchemeSpec, width: usize, precision: RebuildPrecision, mma: RebuildMma) -> usize {
     let three_bit = matches!(&spec.k, TensorQuant::Int(q) if q.bits == 3);
-    if precision == RebuildPrecision::F16 && width % 64 == 0 && !three_bit {
+    let wide = mma == RebuildMma::Warpgroup || (precision == RebuildPrecision::F16 && !three_bit);
+    if width % 64 == 0 && wide {
         64
     } else {
         32
@@ -51,6 +57,69 @@ impl RebuildPrecision {
             Self::F16 => 1,
         }
     }
+}
+
+/// Which tensor-core instructions K's rebuild issues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize)]
+pub enum RebuildMma {
+    /// `mma.sync` (sm_80 on): every warp copies, decodes and multiplies through a two-stage
+    /// pipeline.
+    #[default]
+    Sync,
+    /// Hopper's warpgroup MMAs (`wgmma`, sm_90a only): two producer warpgroups decode the
+    /// latents and copy up_k into a four-stage ring, two consumer warpgroups multiply. For the one-pass
+    /// product ([`RebuildPrecision::F16`]) of `x(latent)` schemes at head_dim up to 128.
+    Warpgroup,
+}
+
+impl RebuildMma {
+    /// The fastest rebuild for `spec`, `shape` and `precision` over `kv_heads` KV heads and a
+    /// layer input `d_model` wide, on a GPU that has warpgroup MMAs (`warpgroups`: an sm_90a
+    /// target) or not.
+    pub fn best(
+        spec: &SchemeSpec,
+        shape: &KernelShape,
+        (kv_heads, d_model): (u32, u32),
+        precision: RebuildPrecision,
+        warpgroups: bool,
+    ) -> Self {
+        let rank = xquant_rank(d_model as usize, kv_heads as usize, shape.head_dim as usize);
+        let fits = latent_store_width(spec, rank)
+            .is_ok_and(|width| warpgroup_stages(spec, shape, (rank, width)).is_some());
+        if warpgroups && fits && warpgroup_refusal(spec, shape, precision).is_none() {
+            Self::Warpgroup
+        } else {
+            Self::Sync
+        }
+    }
+
+    fn threads(self) -> u32 {
+        match self {
+            Self::Sync => XQUANT_THREADS,
+            Self::Warpgroup => XQUANT_THREADS + PRODUCER_THREADS,
+        }
+    }
+}
+
+/// Why the warpgroup rebuild does not take `spec` at `shape` and `precision`, if it does not.
+fn warpgroup_refusal(
+    spec: &SchemeSpec,
+    shape: &KernelShape,
+    precision: RebuildPrecision,
+) -> Option<String> {
+    if precision != RebuildPrecision::F16 {
+        return Some("warpgroup MMAs with the three-pass (f32) rebuild".into());
+    }
+    if spec.source != CacheSource::X(XSource::Latent) {
+        return Some("warpgroup MMAs over cross-layer latents".into());
+    }
+    if shape.head_dim > 128 {
+        return Some(format!(
+            "warpgroup MMAs at head_dim {} (up to 128: one m64nDk16 MMA a K step)",
+            shape.head_dim
+        ));
+    }
+    None
 }
 
 /// Tokens of a tile (K rebuilt, scored and summed together) for a head size.
@@ -88,14 +157,19 @@ fn tensor_values(spec: &SchemeSpec, rank: usize, width: usize) -> bool {
     }
 }
 
-/// Dynamic shared memory of the decode: two pipeline stages (latents and up_k, each in one or
+/// Dynamic shared memory the warpgroup rebuild may take: an H100/H200 CTA's opt-in 227 KiB less
+/// what the decode's static arrays can reach (under 40 KiB: the V weights of four store heads,
+/// the tile's scores, locations and scales).
+const WARPGROUP_DYNAMIC_BUDGET: usize = (227 - 40) * 1024;
+
+/// Dynamic shared memory of the decode: the pipeline's `stages` (latents and up_k, each in one or
 /// two f16 parts), the tile's V code rows on the tensor-core path, and the split's latent sums.
 fn dynamic_shared_bytes(
     spec: &SchemeSpec,
     shape: &KernelShape,
-    rank: usize,
-    width: usize,
+    (rank, width): (usize, usize),
     precision: RebuildPrecision,
+    (mma, stages): (RebuildMma, usize),
 ) -> usize {
     let parts = if precision == RebuildPrecision::F32 {
         2
@@ -103,16 +177,36 @@ fn dynamic_shared_bytes(
         1
     };
     let tile = xquant_tile(shape.head_dim) as usize;
-    // Staged rows: a chunk plus 8 f16 values, so ldmatrix rows fall on distinct banks.
-    let row_stride = chunk(spec, width, precision) + 8;
-    let stages = 2 * parts * (tile + shape.head_dim as usize) * row_stride * 2;
+    let d = shape.head_dim as usize;
+    let kc = chunk(spec, width, precision, mma);
+    let stage_bytes = match mma {
+        // Staged rows: a chunk plus 8 f16 values, so ldmatrix rows fall on distinct banks.
+        RebuildMma::Sync => parts * (tile + d) * (kc + 8) * 2,
+        // Core-matrix layout (kvq/xquant/warpgroup.cuh): a K group of 8 channels holds the
+        // tile's rows, then up_k's D columns.
+        RebuildMma::Warpgroup => (kc / 8) * (tile * 16 + d * 16),
+    };
     let v_rows = match &spec.v {
         TensorQuant::Int(q) if tensor_values(spec, rank, width) => {
             tile * (rank * q.bits as usize / 8 + 16)
         }
         _ => 0,
     };
-    stages + v_rows + 4 * shape.gqa as usize * rank
+    stages * stage_bytes + v_rows + 4 * shape.gqa as usize * rank
+}
+
+/// Stages of the warpgroup rebuild's ring: four where they fit the budget, else three or two
+/// (4-bit V rows take more room); `None` where not even two do.
+fn warpgroup_stages(
+    spec: &SchemeSpec,
+    shape: &KernelShape,
+    (rank, width): (usize, usize),
+) -> Option<usize> {
+    let f16 = RebuildPrecision::F16;
+    (2..=4).rev().find(|&s| {
+        dynamic_shared_bytes(spec, shape, (rank, width), f16, (RebuildMma::Warpgroup, s))
+            <= WARPGROUP_DYNAMIC_BUDGET
+    })
 }
 
 /// Generated XQuant decode and combine kernels for one shape.
@@ -127,6 +221,8 @@ pub struct XQuantKernels {
     pub store_width: usize,
     /// How K's rebuild multiplies.
     pub precision: RebuildPrecision,
+    /// Which tensor-core instructions it issues.
+    pub mma: RebuildMma,
     /// Whether V's latent sums run on tensor cores (else on CUDA cores).
     pub tensor_values: bool,
     pub source: String,
@@ -146,6 +242,8 @@ struct UnitCtx {
     rank: usize,
     store_width: usize,
     threads: u32,
+    wgmma: bool,
+    stages: usize,
     tile: u32,
     passes: u32,
     tensor_v: bool,
@@ -191,7 +289,7 @@ fn unsupported(
     shape: &KernelShape,
     rank: usize,
     width: usize,
-    precision: RebuildPrecision,
+    (precision, mma): (RebuildPrecision, RebuildMma),
 ) -> Option<String> {
     if spec.source == CacheSource::Kv {
         return Some("schemes that cache K and V (not XQuant)".into());
@@ -219,9 +317,13 @@ fn unsupported(
         ));
     }
     if let TensorQuant::Int(q) = &spec.k {
-        // A thread stages 8 to 32 consecutive latents of a row, under one scale.
-        let span = xquant_tile(shape.head_dim) as usize * chunk(spec, width, precision)
-            / XQUANT_THREADS as usize;
+        // A thread stages 8 to 32 consecutive latents of a row, under one scale: a row's share
+        // of a chunk (mma.sync), or a producer warp's quarter of it (warpgroup MMAs).
+        let kc = chunk(spec, width, precision, mma);
+        let span = match mma {
+            RebuildMma::Sync => xquant_tile(shape.head_dim) as usize * kc / XQUANT_THREADS as usize,
+            RebuildMma::Warpgroup => kc / 4,
+        };
         if q.axis == Axis::Token && q.group.is_some_and(|g| g as usize % span != 0) {
             return Some(format!(
                 "K latents in token groups of {} channels (a multiple of {span})",
@@ -232,17 +334,29 @@ fn unsupported(
     if rank == 0 || rank > MAX_RANK {
         return Some(format!("a latent of {rank} channels (1 to {MAX_RANK})"));
     }
-    None
+    match mma {
+        RebuildMma::Warpgroup => warpgroup_refusal(spec, shape, precision).or_else(|| {
+            warpgroup_stages(spec, shape, (rank, width))
+                .is_none()
+                .then(|| {
+                    format!(
+                        "warpgroup MMAs with latents of {rank} (two stages and the V rows pass \
+                     {WARPGROUP_DYNAMIC_BUDGET} bytes of shared memory)"
+                    )
+                })
+        }),
+        RebuildMma::Sync => None,
+    }
 }
 
 /// The XQuant decode of `spec` for `shape` over caches of `kv_heads` KV heads whose layer input
-/// is `d_model` wide.
+/// is `d_model` wide, K rebuilt at `precision` on `mma` (warpgroup MMAs compile for sm_90a only).
 pub fn xquant_kernels(
     spec: &SchemeSpec,
     shape: &KernelShape,
     kv_heads: u32,
     d_model: u32,
-    precision: RebuildPrecision,
+    (precision, mma): (RebuildPrecision, RebuildMma),
 ) -> Result<XQuantKernels, CodegenError> {
     let rank = xquant_rank(d_model as usize, kv_heads as usize, shape.head_dim as usize);
     let width = match spec.source {
@@ -254,7 +368,7 @@ pub fn xquant_kernels(
             })?
         }
     };
-    if let Some(what) = unsupported(spec, shape, rank, width, precision) {
+    if let Some(what) = unsupported(spec, shape, rank, width, (precision, mma)) {
         return Err(CodegenError::Unsupported {
             family: "xquant decode",
             what,
@@ -262,8 +376,12 @@ pub fn xquant_kernels(
     }
     let latents = latent_spec(spec);
     let id = stable_id(&format!(
-        "xquant|{spec}|{shape:?}|{kv_heads}|{d_model}|{precision:?}"
+        "xquant|{spec}|{shape:?}|{kv_heads}|{d_model}|{precision:?}|{mma:?}"
     ));
+    let stages = match mma {
+        RebuildMma::Sync => SYNC_STAGES,
+        RebuildMma::Warpgroup => warpgroup_stages(spec, shape, (rank, width)).unwrap_or(2),
+    };
     let ctx = UnitCtx {
         scheme_text: spec.to_string(),
         dtype: match shape.dtype {
@@ -274,12 +392,14 @@ pub fn xquant_kernels(
         gqa: shape.gqa,
         rank,
         store_width: width,
-        threads: XQUANT_THREADS,
+        threads: mma.threads(),
+        wgmma: mma == RebuildMma::Warpgroup,
+        stages,
         tile: xquant_tile(shape.head_dim),
         passes: precision.passes(),
         tensor_v: tensor_values(spec, rank, width),
         cross_layer: spec.source == CacheSource::X(XSource::CrossLayer),
-        smem_bytes: dynamic_shared_bytes(spec, shape, rank, width, precision),
+        smem_bytes: dynamic_shared_bytes(spec, shape, (rank, width), precision, (mma, stages)),
         page: spec.page,
         sink: spec.sink,
         k: TensorCtx::new("k", &latents, &latents.k, width)?,
@@ -296,6 +416,7 @@ pub fn xquant_kernels(
             .chain([
                 param("const uint16_t*", "up_k_hi"),
                 param("const uint16_t*", "up_k_lo"),
+                param("const uint16_t*", "up_k_groups"),
                 param("const float*", "up_v"),
                 param("const double*", "rope_freq"),
                 param("const float*", "base_k"),
@@ -306,7 +427,7 @@ pub fn xquant_kernels(
             ])
             .collect(),
         grid: ["num_splits".into(), "kv_heads".into(), "batch".into()],
-        block: XQUANT_THREADS,
+        block: mma.threads(),
         dynamic_shared_bytes: ctx.smem_bytes as u32,
     };
     let combine = combine_entry(&ctx.combine_name);
@@ -316,6 +437,7 @@ pub fn xquant_kernels(
         rank,
         store_width: width,
         precision,
+        mma,
         tensor_values: ctx.tensor_v,
         source,
         decode,
@@ -333,7 +455,14 @@ mod tests {
             .parse()
             .unwrap();
         let shape = KernelShape::new(128, 4, Dtype::F16);
-        let k = xquant_kernels(&spec, &shape, 8, 4096, RebuildPrecision::F32).unwrap();
+        let k = xquant_kernels(
+            &spec,
+            &shape,
+            8,
+            4096,
+            (RebuildPrecision::F32, RebuildMma::Sync),
+        )
+        .unwrap();
         assert_eq!(k.rank, 1024);
         // Two stages of latents and up_k (128 rows each, 40 f16 a row) in two parts, the tile's
         // 2-bit V rows (256 bytes and 16 of padding), the split's sums.
@@ -344,7 +473,14 @@ mod tests {
         assert!(k.source.contains("static constexpr bool TENSOR_V = true;"));
         assert!(k.source.contains("static constexpr int XR = 1024;"));
         assert!(k.source.contains("static constexpr int PASSES = 3;"));
-        let fast = xquant_kernels(&spec, &shape, 8, 4096, RebuildPrecision::F16).unwrap();
+        let fast = xquant_kernels(
+            &spec,
+            &shape,
+            8,
+            4096,
+            (RebuildPrecision::F16, RebuildMma::Sync),
+        )
+        .unwrap();
         assert!(fast.source.contains("static constexpr int PASSES = 1;"));
         // One part of chunks of 64 (72 f16 a staged row).
         assert_eq!(
@@ -358,7 +494,7 @@ mod tests {
             &KernelShape::new(64, 8, Dtype::F16),
             32,
             2048,
-            RebuildPrecision::F16,
+            (RebuildPrecision::F16, RebuildMma::Sync),
         )
         .unwrap();
         assert!(!wide.tensor_values);
@@ -372,7 +508,14 @@ mod tests {
         let cl: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(cross_layer)"
             .parse()
             .unwrap();
-        let k_cl = xquant_kernels(&cl, &shape, 8, 4096, RebuildPrecision::F16).unwrap();
+        let k_cl = xquant_kernels(
+            &cl,
+            &shape,
+            8,
+            4096,
+            (RebuildPrecision::F16, RebuildMma::Sync),
+        )
+        .unwrap();
         assert!(k_cl
             .source
             .contains("static constexpr bool CROSS_LAYER = true;"));
@@ -383,7 +526,13 @@ mod tests {
         ] {
             let s: SchemeSpec = bad.parse().unwrap();
             assert!(matches!(
-                xquant_kernels(&s, &shape, 8, 4096, RebuildPrecision::F32),
+                xquant_kernels(
+                    &s,
+                    &shape,
+                    8,
+                    4096,
+                    (RebuildPrecision::F32, RebuildMma::Sync)
+                ),
                 Err(CodegenError::Unsupported { .. })
             ));
         }
@@ -397,9 +546,74 @@ mod tests {
                 &KernelShape::new(d, gqa, Dtype::F16),
                 2,
                 512,
-                RebuildPrecision::F32
+                (RebuildPrecision::F32, RebuildMma::Sync)
             )
             .is_err());
         }
+    }
+
+    #[test]
+    fn warpgroup_rebuild_is_chosen_where_it_applies() {
+        let spec: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(latent)"
+            .parse()
+            .unwrap();
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        let f16 = RebuildPrecision::F16;
+        assert_eq!(
+            RebuildMma::best(&spec, &shape, (8, 4096), f16, true),
+            RebuildMma::Warpgroup
+        );
+        assert_eq!(
+            RebuildMma::best(&spec, &shape, (8, 4096), f16, false),
+            RebuildMma::Sync
+        );
+        let f32 = RebuildPrecision::F32;
+        assert_eq!(
+            RebuildMma::best(&spec, &shape, (8, 4096), f32, true),
+            RebuildMma::Sync
+        );
+        let d256 = KernelShape::new(256, 2, Dtype::F16);
+        assert_eq!(
+            RebuildMma::best(&spec, &d256, (8, 4096), f16, true),
+            RebuildMma::Sync
+        );
+        let cl: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(cross_layer)"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            RebuildMma::best(&cl, &shape, (8, 4096), f16, true),
+            RebuildMma::Sync
+        );
+        // Asked for anyway, each is refused with the reason.
+        for (s, sh, p) in [
+            (&spec, &shape, f32),
+            (&spec, &d256, f16),
+            (&cl, &shape, f16),
+        ] {
+            match xquant_kernels(s, sh, 8, 4096, (p, RebuildMma::Warpgroup)) {
+                Err(CodegenError::Unsupported { what, .. }) => assert!(what.contains("warpgroup")),
+                other => panic!("{s} {sh:?} {p:?}: {other:?}"),
+            }
+        }
+        let k = xquant_kernels(&spec, &shape, 8, 4096, (f16, RebuildMma::Warpgroup)).unwrap();
+        assert_eq!(k.decode.block, 512);
+        assert!(k.source.contains("#define KVQ_XQ_WGMMA 1"));
+        // Four stages of 8 K groups (128 latent rows of 16 bytes, then 128 up_k columns of 16
+        // bytes), the tile's V rows, the split's sums.
+        assert_eq!(
+            k.decode.dynamic_shared_bytes,
+            4 * 8 * (128 * 16 + 128 * 16) + 128 * 272 + 4 * 4 * 1024
+        );
+        assert!(k.source.contains("static constexpr int WG_STAGES = 4;"));
+        // 4-bit V rows at 1,024 latents leave room for three stages.
+        let v4: SchemeSpec = "k = int(4, channel), v = int(4, token), source = x(latent)"
+            .parse()
+            .unwrap();
+        let k4 = xquant_kernels(&v4, &shape, 8, 4096, (f16, RebuildMma::Warpgroup)).unwrap();
+        assert!(k4.source.contains("static constexpr int WG_STAGES = 3;"));
+        assert!(k4.decode.dynamic_shared_bytes as usize <= WARPGROUP_DYNAMIC_BUDGET);
+        let sync = xquant_kernels(&spec, &shape, 8, 4096, (f16, RebuildMma::Sync)).unwrap();
+        assert!(sync.source.contains("#define KVQ_XQ_WGMMA 0"));
+        assert_ne!(sync.decode.name, k.decode.name);
     }
 }

@@ -19,7 +19,7 @@ use common::{needs, other_calibrated_schemes, other_uncalibrated_schemes, run_tr
 use kvq::codegen::{
     cache_kernels_with, codebook_encode_kernels, codebook_kernels, decode_kernels,
     has_decode_kernel, merge_kernel, xquant_kernels, CodegenError, Dtype, KernelShape,
-    QuantizerForm, RebuildPrecision, TuneParams,
+    QuantizerForm, RebuildMma, RebuildPrecision, TuneParams,
 };
 use kvq::runtime::nvrtc::{self, CompileOptions, Output, Source};
 use kvq::runtime::paged::forms_or_tiled;
@@ -152,12 +152,20 @@ fn xquant_decode_kernels_compile_for_sm80_and_sm90a() {
             (96, 3, Dtype::F16, 384, RebuildPrecision::F16),
         ] {
             let shape = KernelShape::new(d, gqa, dtype);
-            let k = xquant_kernels(&spec, &shape, 8, d_model, precision)
+            let k = xquant_kernels(&spec, &shape, 8, d_model, (precision, RebuildMma::Sync))
                 .unwrap_or_else(|e| panic!("{text} {shape:?}: {e}"));
-            jobs.push(("xquant", shape, k.source));
+            jobs.push(("xquant", (shape, RebuildMma::Sync), k.source));
+            // Hopper's warpgroup rebuild wherever it applies (sm_90a only).
+            if RebuildMma::best(&spec, &shape, (8, d_model), precision, true) == RebuildMma::Warpgroup {
+                let k = xquant_kernels(&spec, &shape, 8, d_model, (precision, RebuildMma::Warpgroup))
+                    .unwrap_or_else(|e| panic!("{text} {shape:?} warpgroup: {e}"));
+                jobs.push(("xquant", (shape, RebuildMma::Warpgroup), k.source));
+            }
         }
     }
-    compile_all_for(&jobs, |shape| shape.dtype == Dtype::F16);
+    compile_all_for(&jobs, |(shape, mma)| {
+        shape.dtype == Dtype::F16 && *mma == RebuildMma::Sync
+    });
     // The cache writes' projection, both input dtypes.
     let mut project = Vec::new();
     for (dtype, d_model, rank) in [(Dtype::F16, 4096, 1024), (Dtype::Bf16, 576, 192)] {

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use kvq::codegen::{
-    latent_spec, xquant_kernels, xquant_project_kernel, xquant_tile, RebuildPrecision,
+    latent_spec, xquant_kernels, xquant_project_kernel, xquant_tile, RebuildMma, RebuildPrecision,
     XQuantKernels, XQuantProjectKernel,
 };
 use kvq::reference::int::LAYOUT_VERSION;
@@ -135,6 +135,13 @@ fn layout_info(
             "f16",
             "what that rounding left, f16(x − hi); read by the f32 rebuild only (may be null for \
              the f16 one)",
+        ),
+        buffer(
+            "up_k_groups",
+            &format!("[kv_heads][{r} / 8][head_dim][8]"),
+            "f16",
+            "up_k_hi regrouped, read by Hopper's warpgroup rebuild only: these units run mma.sync \
+             and take null",
         ),
         buffer(
             "up_v",
@@ -306,7 +313,14 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
         ));
     }
     let precision = x.rebuild.unwrap_or_default();
-    let k = xquant_kernels(spec, shape, kv_heads, d_model, precision)?;
+    // The folders serve sm_80 and sm_90a alike: mma.sync (warpgroup MMAs exist on sm_90a only).
+    let k = xquant_kernels(
+        spec,
+        shape,
+        kv_heads,
+        d_model,
+        (precision, RebuildMma::Sync),
+    )?;
     let cross_layer = spec.source == CacheSource::X(XSource::CrossLayer);
     let dtype = shape.dtype;
     let mut notes = Vec::new();

@@ -10,7 +10,8 @@ use crate::jit::Jit;
 use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args};
 use crate::nvrtc::CompileOptions;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
-use kvq_codegen::{xquant_kernels, KernelShape, RebuildPrecision, XQuantKernels};
+use kvq_codegen::{xquant_kernels, KernelShape, RebuildMma, RebuildPrecision, XQuantKernels};
+use kvq_jit::ArchVariant;
 use kvq_spec::SchemeSpec;
 use std::sync::Arc;
 
@@ -55,13 +56,12 @@ impl XQuantKernel {
         let narrow = |x: usize, what: &str| {
             u32::try_from(x).map_err(|_| invalid(format!("{what} {x} past u32")))
         };
-        let generated = xquant_kernels(
-            spec,
-            shape,
-            narrow(kv_heads, "KV heads")?,
-            narrow(d_model, "d_model")?,
-            precision,
-        )?;
+        // Warpgroup MMAs exist on sm_90a only (not on later architectures' `a` targets).
+        let arch = jit.arch();
+        let hopper = arch.compute_capability() == (9, 0) && arch.variant() == ArchVariant::Specific;
+        let (kv_heads32, d_model32) = (narrow(kv_heads, "KV heads")?, narrow(d_model, "d_model")?);
+        let mma = RebuildMma::best(spec, shape, (kv_heads32, d_model32), precision, hopper);
+        let generated = xquant_kernels(spec, shape, kv_heads32, d_model32, (precision, mma))?;
         let source = unit_source(&generated.decode.name, &generated.source);
         let names = [
             generated.decode.name.as_str(),
@@ -230,6 +230,7 @@ impl XQuantKernel {
             .null()
             .buffer(&w.up_k_hi)
             .buffer(&w.up_k_lo)
+            .buffer(&w.up_k_groups)
             .buffer(&w.up_v)
             .buffer(&w.rope_freq);
         match base {

@@ -11,7 +11,8 @@ use kvq_spec::{CacheSource, SchemeSpec};
 use std::sync::Arc;
 
 /// A layer's XQuant projections in device memory: `up_k` transposed and split in two f16 halves
-/// (the decode's tensor-core rebuild), `up_v` in f32, the RoPE frequencies, and — for the cache
+/// (the decode's tensor-core rebuild), the high half again in K groups (the warpgroup rebuild's
+/// copies), `up_v` in f32, the RoPE frequencies, and — for the cache
 /// writes — `[down_k | down_v]` transposed and split in two halves of the layer input's format.
 pub struct XQuantWeights {
     pub(super) spec: SchemeSpec,
@@ -22,6 +23,9 @@ pub struct XQuantWeights {
     pub(super) store_width: usize,
     pub(super) up_k_hi: CudaSlice<u16>,
     pub(super) up_k_lo: CudaSlice<u16>,
+    /// The high half as `[kv_heads][rank / 8][head_dim][8]`: any run of whole 8-latent groups
+    /// of a KV head is one contiguous copy into the warpgroup rebuild's shared-memory layout.
+    pub(super) up_k_groups: CudaSlice<u16>,
     pub(super) up_v: CudaSlice<f32>,
     pub(super) rope_freq: CudaSlice<f64>,
     /// `[2·rank][d_model]` halves in `down_dtype` (hi, lo).
@@ -60,6 +64,20 @@ fn split_transposed(m: &[f32], rows: usize, cols: usize, dtype: Dtype) -> (Vec<u
     (hi, lo)
 }
 
+/// `hi` (`[kv_heads·d][rank]`, up_kᵀ) as `[kv_heads][rank / 8][d][8]`.
+fn k_groups(hi: &[u16], kv_heads: usize, d: usize, rank: usize) -> Vec<u16> {
+    let mut out = vec![0u16; hi.len()];
+    for h in 0..kv_heads {
+        for col in 0..d {
+            let row = &hi[(h * d + col) * rank..(h * d + col + 1) * rank];
+            for (c, &x) in row.iter().enumerate() {
+                out[((h * (rank / 8) + c / 8) * d + col) * 8 + c % 8] = x;
+            }
+        }
+    }
+    out
+}
+
 impl XQuantWeights {
     /// Uploads `projections` and `rope` for the decode of `spec` (an XQuant scheme); with
     /// `writes` (the layer input's dtype), also the down factors the cache writes project with.
@@ -88,6 +106,8 @@ impl XQuantWeights {
             .map(|i| rope.theta.powf(-2.0 * i as f64 / d as f64))
             .collect();
         let (hi, lo) = split_transposed(&p.k.up, rank, p.k.out, Dtype::F16);
+        // The rank is a multiple of 32 (kvq_reference::xquant::projection pads it).
+        let groups = k_groups(&hi, h, d, rank);
         let down = match writes {
             None => None,
             Some(dtype) => {
@@ -117,6 +137,7 @@ impl XQuantWeights {
             store_width,
             up_k_hi: upload(stream, &hi, 0, "up_k (high half)")?,
             up_k_lo: upload(stream, &lo, 0, "up_k (low half)")?,
+            up_k_groups: upload(stream, &groups, 0, "up_k (in K groups)")?,
             up_v: upload(stream, &p.v.up, 0.0, "up_v")?,
             rope_freq: upload(stream, &freq, 0.0, "the RoPE frequencies")?,
             down,
@@ -137,6 +158,21 @@ impl XQuantWeights {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn k_groups_put_each_group_of_eight_latents_beside_the_columns() {
+        let (kv, d, rank) = (2, 3, 16);
+        let hi: Vec<u16> = (0..kv * d * rank).map(|i| i as u16).collect();
+        let g = k_groups(&hi, kv, d, rank);
+        for h in 0..kv {
+            for col in 0..d {
+                for c in 0..rank {
+                    let at = ((h * (rank / 8) + c / 8) * d + col) * 8 + c % 8;
+                    assert_eq!(g[at], hi[(h * d + col) * rank + c], "{h} {col} {c}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn split_halves_transpose_and_sum_back() {

@@ -64,6 +64,10 @@ static __device__ __forceinline__ kvq_u32 kvq_trans8x8(kvq_u32 x) {
     asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
     return y;
 }
+// Named barrier `id` (1 to 15) among `threads` threads of the CTA.
+static __device__ __forceinline__ void kvq_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 // Shared-memory address of a generic pointer into shared memory, and a 16-byte asynchronous copy to it.
 static __device__ __forceinline__ unsigned kvq_smem_u32(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);

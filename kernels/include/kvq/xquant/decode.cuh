@@ -6,10 +6,12 @@
 // kernel rebuilds K = RoPE(L̂_k·up_k) per tile of tokens for its KV head, scores the KV head's GQA
 // query heads against it, and never rebuilds V: it accumulates Σ_t p_t·l̂_v,t over the latent and
 // multiplies by up_v once per split. Grid (num_splits, kv_heads, rows), block THREADS (eight
-// warps); writes each split's unnormalised output and (m, l) for kvq/combine.cuh.
+// compute warps, after the producer warpgroups on the warpgroup path); writes each split's
+// unnormalised output and (m, l) for kvq/combine.cuh.
 //
 // K's rebuild is a GEMM of the tile's XQ_M tokens × R latents by up_k's R × D slice on tensor
-// cores (mma m16n8k16, f32 accumulators in registers). The R dimension streams through a
+// cores, f32 accumulators in registers: on Hopper's warpgroup MMAs (KVQ_XQ_WGMMA below,
+// kvq/xquant/warpgroup.cuh), or on mma m16n8k16, where the R dimension streams through a
 // two-stage shared-memory pipeline in chunks of XQ_KC channels: up_k's chunk by cp.async, the
 // latents' chunk loaded into registers while the previous chunk multiplies, then dequantized
 // (fma(scale, code, zero) in f32, as the reference) and stored as f16. PASSES = 3 splits both
@@ -24,37 +26,57 @@
 // width R), XW (the store's head width, dividing XR), GQA, THREADS, TILE (tokens a tile: 128, or 64 past head_dim 128), PAGE, SINK, PASSES,
 // TENSOR_V (V's sums on tensor cores, kvq/xquant/values.cuh), CROSS_LAYER (XQuant-CL: the stored
 // latents are deltas, and base_k, base_v hold the accumulator's latents, f32 [slot][base_rows][XR],
-// added to them), SMEM_BYTES (the launch's dynamic
-// shared memory), and KTensor, VTensor (kvq/tensor.cuh's traits at width XW).
-static_assert(THREADS == 256, "eight warps");
+// added to them), SMEM_BYTES (the launch's dynamic shared memory), KVQ_XQ_WGMMA and WG_STAGES
+// (the warpgroup path and its ring's stages), and KTensor, VTensor (kvq/tensor.cuh's traits at
+// width XW).
+//
+// KVQ_XQ_WGMMA (sm_90a, one-pass product, head_dim ≤ 128; kvq-codegen's RebuildMma): K's
+// rebuild runs on warpgroup MMAs fed by two producer warpgroups (kvq/xquant/warpgroup.cuh), and the
+// eight compute warps (threads XQ_PRODUCERS on) score, sum V and keep the softmax. Otherwise every
+// warp copies, decodes and multiplies on mma.sync through a two-stage pipeline.
+#ifndef KVQ_XQ_WGMMA
+#define KVQ_XQ_WGMMA 0
+#endif
+static constexpr bool WGMMA = KVQ_XQ_WGMMA;
+static constexpr int XQ_PRODUCERS = WGMMA ? 256 : 0;                 // the producer warpgroups' threads
+static constexpr int XQ_CT = THREADS - XQ_PRODUCERS;                 // compute threads
+// A compute thread's index (negative in the producer warpgroup).
+static __device__ __forceinline__ int xq_ct() { return (int)threadIdx.x - XQ_PRODUCERS; }
+static_assert(XQ_CT == 256, "eight compute warps");
 static_assert(TILE == (D <= 128 ? 128 : 64), "the warp tiling's rows (kvq-codegen's xquant_tile)");
 static_assert(D % 32 == 0 && D <= 256, "head_dim: a multiple of 32, at most 256");
-static_assert(GQA >= 1 && GQA <= THREADS / 32, "a warp a query head in the softmax");
+static_assert(GQA >= 1 && GQA <= XQ_CT / 32, "a warp a query head in the softmax");
 static_assert(PASSES == 1 || PASSES == 3, "one f16 product or three split ones");
+static_assert(!WGMMA || (PASSES == 1 && !CROSS_LAYER), "warpgroup MMAs take the one-pass product of plain latents");
 
 static constexpr int XQ_M = TILE;                                    // tokens a tile
-// Latent channels a pipeline chunk: 64 for the one-pass product where the store heads allow (two
-// f16 parts of 64 would not fit beside the V rows), else 32; a chunk lies in one store head.
-static constexpr int XQ_KC = PASSES == 1 && XW % 64 == 0 && KTensor::BITS != 3 ? 64 : 32;
-static constexpr int XQ_WN = D <= 96 ? 1 : (D <= 224 ? 2 : 4);       // warps across K's columns
-static constexpr int XQ_WM = THREADS / 32 / XQ_WN;                   // warps across the tile's tokens
+// Latent channels a pipeline chunk: 64 where the store heads allow (and, on mma.sync, for the
+// one-pass product of 2-, 4- or 8-bit codes: two f16 parts of 64 would not fit beside the V
+// rows), else 32; a chunk lies in one store head.
+static constexpr int XQ_KC = XW % 64 == 0 && (WGMMA || (PASSES == 1 && KTensor::BITS != 3)) ? 64 : 32;
+static constexpr int XQ_WN = WGMMA || D <= 96 ? 1 : (D <= 224 ? 2 : 4); // warps across K's columns
+static constexpr int XQ_WM = XQ_CT / 32 / XQ_WN;                     // warps across the tile's tokens
 static constexpr int XQ_MT = XQ_M / (16 * XQ_WM);                    // 16-row mma tiles a warp
 static constexpr int XQ_HC = D / (2 * XQ_WN);                        // a warp's columns in each RoPE half
 static constexpr int XQ_NH = XQ_HC / 8;                              // 8-column mma tiles a warp a half
 static constexpr int XQ_NT = 2 * XQ_NH;
 static constexpr int XQ_LD = XQ_KC + 8;                              // staged row stride in halves: banks apart
-static constexpr int XQ_APT = XQ_M * XQ_KC / THREADS;                // a thread's latent channels of a row
-static constexpr int XQ_TPR = XQ_KC / XQ_APT;                        // threads a staged row
+// A thread's latent channels of a row a chunk: a row's share (mma.sync), or a producer warp's
+// quarter of the chunk for each of its four rows (warpgroup MMAs).
+static constexpr int XQ_APT = WGMMA ? XQ_KC / 4 : XQ_M * XQ_KC / THREADS;
+static constexpr int XQ_TPR = XQ_KC / XQ_APT;                        // threads a staged row (mma.sync)
 static constexpr int XQ_PARTS = PASSES == 3 ? 2 : 1;                 // f16 halves an operand
 static constexpr int XQ_A_HALVES = XQ_M * XQ_LD, XQ_B_HALVES = D * XQ_LD;
 static constexpr int XQ_STAGE_HALVES = XQ_PARTS * (XQ_A_HALVES + XQ_B_HALVES);
+static constexpr int XQ_STAGE_BYTES = XQ_STAGE_HALVES * 2;
+static constexpr int XQ_B_OFFSET = XQ_PARTS * XQ_A_HALVES * 2;       // bytes into a stage
+static constexpr int XQ_STAGES = WGMMA ? WG_STAGES : 2;     // WG_STAGES: kvq-codegen's, by the room left
+static_assert(XQ_STAGES >= 2 && XQ_STAGES <= 4, "a ring of two to four stages");
 static constexpr int XQ_VQ = 4;                                      // consecutive V latents a thread sums (CUDA cores)
-static constexpr int XQ_STAGES_BYTES = 2 * XQ_STAGE_HALVES * 2;
 static constexpr int XQ_V_ROWS_BYTES = TENSOR_V ? XQ_M * (XR * VTensor::BITS / 8 + 16) : 0;
 static_assert(XR % XQ_KC == 0 && XW % XQ_KC == 0, "latents in whole pipeline chunks");
 static_assert(XQ_MT >= 1 && XQ_MT * 16 * XQ_WM == XQ_M && XQ_HC % 8 == 0, "the warp tiling covers the tile");
 static_assert(XQ_APT == 8 || XQ_APT == 16 || XQ_APT == 32, "a thread stages 8, 16 or 32 channels of a row");
-static_assert(SMEM_BYTES == XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + GQA * XR * 4, "dynamic shared memory (kvq-codegen's xquant.rs)");
 static_assert(KTensor::BITS >= 1 && VTensor::BITS >= 1 && !KTensor::BOOST && !VTensor::BOOST, "integer latents");
 
 static constexpr int XQ_TVH_MAX = 4;                                 // store heads the tensor-core V path takes
@@ -63,19 +85,28 @@ static constexpr int XQ_TVH = TENSOR_V ? XR / XW : 1;                 // V scale
 #include "kvq/xquant/latents.cuh"
 #include "kvq/xquant/rebuild.cuh"
 #include "kvq/xquant/values.cuh"
+#if KVQ_XQ_WGMMA
+#include "kvq/hopper.cuh"
+#include "kvq/xquant/warpgroup.cuh"
+static constexpr int XQ_STAGES_BYTES = XQ_STAGES * XQ_WG_STAGE_BYTES;
+#else
+static constexpr int XQ_STAGES_BYTES = XQ_STAGES * XQ_STAGE_BYTES;
+#endif
+static_assert(SMEM_BYTES == XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + GQA * XR * 4, "dynamic shared memory (kvq-codegen's xquant.rs)");
 
 static __device__ __forceinline__ void kvq_xquant_decode(
     const kvq_u16* __restrict__ q, const kvq_u8* __restrict__ k_pool, const kvq_u8* __restrict__ v_pool,
     const kvq_i32* __restrict__ page_table, int max_pages, const kvq_u16* __restrict__ k_sink,
     const kvq_u16* __restrict__ v_sink, const kvq_u16* __restrict__ k_tail, const kvq_u16* __restrict__ v_tail,
     const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots, const kvq_u16* __restrict__ up_k_hi,
-    const kvq_u16* __restrict__ up_k_lo, const float* __restrict__ up_v, const double* __restrict__ rope_freq,
+    const kvq_u16* __restrict__ up_k_lo, const kvq_u16* __restrict__ up_k_groups, const float* __restrict__ up_v,
+    const double* __restrict__ rope_freq,
     const float* __restrict__ base_k, const float* __restrict__ base_v, int base_rows, float* __restrict__ part_acc,
     float* __restrict__ part_ml)
 {
-    // Dynamic shared memory: the rebuild's two stages, the tile's V code rows (tensor path), the
+    // Dynamic shared memory: the rebuild's stages, the tile's V code rows (tensor path), the
     // split's latent sums [GQA][XR] (CUDA-core path, and the whole sums at the end).
-    extern __shared__ __align__(16) kvq_u8 xq_smem[];
+    extern __shared__ __align__(128) kvq_u8 xq_smem[];
     kvq_u16* const stages = (kvq_u16*)xq_smem;
     kvq_u8* const s_v = xq_smem + XQ_STAGES_BYTES;
     float* const s_vsum = (float*)(xq_smem + XQ_STAGES_BYTES + XQ_V_ROWS_BYTES);
@@ -84,10 +115,14 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     __shared__ XqLoc s_vloc[XQ_M];
     __shared__ float s_m[GQA], s_l[GQA], s_z[GQA][XQ_TVH], s_alpha[8];
     __shared__ float2 s_rope_step[D / 2];
+    // The warpgroup path's stage barriers: `full` [0, XQ_STAGES), then `empty`.
+    __shared__ __align__(8) unsigned long long s_bar[2 * XQ_STAGES];
     const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
     const int num_splits = gridDim.x, kv_heads = gridDim.y, OUT = kv_heads * D;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-    const int wm = warp / XQ_WN, wn = warp % XQ_WN;
+    // Compute threads: index ct, warp cwarp (producers: negative).
+    const int ct = xq_ct(), cwarp = ct >> 5;
+    const int wm = cwarp / XQ_WN, wn = cwarp % XQ_WN;
     const KvqSlot at = kvq_seq_slot(seq_slots, seq_lens, seq, 1);
     const int slot = at.slot, len = at.len;
     const long head_row = ((long)seq * kv_heads + kvh) * GQA;
@@ -107,77 +142,46 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         s_l[threadIdx.x] = 0.f;
         for (int vh = 0; vh < XQ_TVH; ++vh) s_z[threadIdx.x][vh] = 0.f;
     }
+#if KVQ_XQ_WGMMA
+    if (threadIdx.x < XQ_STAGES) {
+        kvq_mbar_init(kvq_smem_u32(&s_bar[threadIdx.x]), XQ_PRODUCERS + 1);
+        kvq_mbar_init(kvq_smem_u32(&s_bar[XQ_STAGES + threadIdx.x]), XQ_CT / 32);
+    }
+#endif
     __syncthreads();
 
-    const XqAddrs ad = xq_addrs(stages, wm, wn, lane);
     const unsigned stages_u32 = kvq_smem_u32(stages);
     int t_begin, t_end;
     kvq_split_range(len, split, num_splits, t_begin, t_end);
-    const int my_row = threadIdx.x / XQ_TPR, my_c = (threadIdx.x % XQ_TPR) * XQ_APT;
     const int sink_end = min(SINK, len), v_qend = kvq_quant_end(len, sink_end, VTensor::LOCAL);
     const int k_qend = kvq_quant_end(len, sink_end, KTensor::LOCAL);
     constexpr int CHUNKS = XR / XQ_KC;
-    for (int t0 = t_begin; t0 < t_end; t0 += XQ_M) {
-        const int n = min(XQ_M, t_end - t0);
-        const bool live = my_row < n;
-        // V on tensor cores where every row of the tile is a page row.
-        const bool tensor_v = TENSOR_V && t0 >= sink_end && t0 + n <= v_qend;
-        XqLoc kl{false, nullptr, nullptr, 0, 0};
-        if (live) kl = xq_locate<KTensor>(t0 + my_row, len, slot, k_pool, page_table, max_pages, k_sink, k_tail);
-        // Cross-layer schemes: the tile's rows of the accumulator's latents (row my_row for K).
-        const long base_row0 = ((long)slot * base_rows + t0) * XR;
-        const float* const kb = CROSS_LAYER ? base_k + base_row0 + (long)my_row * XR : nullptr;
-        float v_s[XQ_TVH], v_z[XQ_TVH];
-#pragma unroll
-        for (int vh = 0; vh < XQ_TVH; ++vh) v_s[vh] = v_z[vh] = 0.f;
-        if (my_c == 0) {
+    // The compute threads' barrier (all threads on the mma.sync path).
+    auto sync_compute = [&]() {
+        if constexpr (WGMMA) kvq_bar_sync(1, XQ_CT);
+        else __syncthreads();
+    };
+
+    // A tile's V side before K's rebuild: each row's V location (and, on the tensor path, its
+    // scales and zeros), written by compute thread `row`.
+    auto locate_v = [&](int t0, int n, bool tensor_v) {
+        if (ct < XQ_M) {
+            const int row = ct;
             XqLoc vl{false, nullptr, nullptr, 0, 0};
-            if (live) vl = xq_locate<VTensor>(t0 + my_row, len, slot, v_pool, page_table, max_pages, v_sink, v_tail);
-            s_vloc[my_row] = vl;
+            if (row < n) vl = xq_locate<VTensor>(t0 + row, len, slot, v_pool, page_table, max_pages, v_sink, v_tail);
+            s_vloc[row] = vl;
+            float v_s[XQ_TVH], v_z[XQ_TVH];
+#pragma unroll
+            for (int vh = 0; vh < XQ_TVH; ++vh) v_s[vh] = v_z[vh] = 0.f;
             if (tensor_v) xq_v_scale_zero(vl, v_s, v_z);
-        }
-        // 1. K = L̂_k·up_k for the tile, through the two-stage pipeline; the tile's V code rows
-        //    join the second chunk's copies.
-        float acc[XQ_MT][XQ_NT][4];
 #pragma unroll
-        for (int mt = 0; mt < XQ_MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < XQ_NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
-        // Tiles of whole pages (most of them) decode K without a branch on the row's kind.
-        const bool k_pages = n == XQ_M && t0 >= sink_end && t0 + n <= k_qend;
-        XqCodes raw;
-        if (live) {
-            xq_prefetch_span(kl, my_c, kb);
-            if (CHUNKS > 1) xq_prefetch_span(kl, XQ_KC + my_c, kb);
-            xq_load_codes(kl, my_c, raw);
+            for (int vh = 0; vh < XQ_TVH; ++vh) { s_vs[vh][row] = v_s[vh]; s_vz[vh][row] = v_z[vh]; }
         }
-        xq_store_a<false>(raw, kl, live, my_c, kb, stages + my_row * XQ_LD + my_c, stages + XQ_A_HALVES + my_row * XQ_LD + my_c);
-        xq_copy_b(ad, up_k_hi, up_k_lo, kvh, 0, stages_u32);
-        for (int kc = 0; kc < CHUNKS; ++kc) {
-            asm volatile("cp.async.wait_group 0;" ::: "memory");
-            __syncthreads();
-            const unsigned cur = (kc & 1) * XQ_STAGE_BYTES, next = XQ_STAGE_BYTES - cur;
-            kvq_u16* const next_a = stages + (next / 2) + my_row * XQ_LD + my_c;
-            const bool more = kc + 1 < CHUNKS;
-            if (kc == 0 && tensor_v) xq_copy_v_rows(s_vloc, n, s_v);
-            if (more) {
-                xq_copy_b(ad, up_k_hi, up_k_lo, kvh, (kc + 1) * XQ_KC, stages_u32 + next);
-                if (live) {
-                    if (kc + 2 < CHUNKS) xq_prefetch_span(kl, (kc + 2) * XQ_KC + my_c, kb);
-                    xq_load_codes(kl, (kc + 1) * XQ_KC + my_c, raw);
-                }
-            } else if (kc == 0 && tensor_v) {
-                asm volatile("cp.async.commit_group;" ::: "memory");
-            }
-            xq_mma_chunk(acc, ad, cur);
-            if (more) {
-                if (k_pages) xq_store_a<true>(raw, kl, live, (kc + 1) * XQ_KC + my_c, kb, next_a, next_a + XQ_A_HALVES);
-                else xq_store_a<false>(raw, kl, live, (kc + 1) * XQ_KC + my_c, kb, next_a, next_a + XQ_A_HALVES);
-            }
-        }
-        if (my_c == 0)
-#pragma unroll
-            for (int vh = 0; vh < XQ_TVH; ++vh) { s_vs[vh][my_row] = v_s[vh]; s_vz[vh][my_row] = v_z[vh]; }
+    };
+
+    // A tile after K's rebuild (acc, in the compute warps' registers): RoPE, scores, the online
+    // softmax and Σ p·l̂_v. Compute threads only.
+    auto finish_tile = [&](float (&acc)[XQ_MT][XQ_NT][4], int t0, int n, bool tensor_v, long base_row0) {
         // 2. RoPE, then the warp's share of each (query head, token) score: its columns, summed
         //    over the four lanes of a row, then over the XQ_WN column warps through s_sp.
         xq_rope(acc, rope_freq, s_rope_step, t0, wm, wn, lane);
@@ -203,10 +207,10 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                     s_sp[wn][h][row + 8] = s1;
                 }
             }
-        __syncthreads();
+        sync_compute();
         // 3. Online softmax, a warp a query head; on the tensor path also W = p·s in two f16
         //    parts (zero past the tile's tokens) and the zero term Σ p·z.
-        for (int h = warp; h < GQA; h += THREADS / 32) {
+        for (int h = cwarp; h < GQA; h += XQ_CT / 32) {
             float mx = KVQ_NEG_INF;
             for (int t = lane; t < n; t += 32) {
                 float s = 0.f;
@@ -247,32 +251,179 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                 s_m[h] = m_new;
             }
         }
-        __syncthreads();
+        sync_compute();
         // 4. Σ p·l̂_v: the sums rescaled to the new maxima, then this tile's terms. The tensor
         //    path's accumulators start at zero each tile and join the f32 sums after it: the
         //    tensor cores' own accumulation stays eight mma steps long.
-        for (int i = threadIdx.x; i < GQA * XR; i += THREADS) s_vsum[i] *= s_alpha[i / XR];
+        for (int i = ct; i < GQA * XR; i += XQ_CT) s_vsum[i] *= s_alpha[i / XR];
         if (tensor_v) {
             asm volatile("cp.async.wait_group 0;" ::: "memory");
-            __syncthreads();
+            sync_compute();
             float vo[XQ_VMT][4];
 #pragma unroll
             for (int i = 0; i < XQ_VMT; ++i) vo[i][0] = vo[i][1] = vo[i][2] = vo[i][3] = 0.f;
-            xq_values_mma(vo, s_v, s_w, warp, lane);
+            xq_values_mma(vo, s_v, s_w, cwarp, lane);
 #pragma unroll
             for (int i = 0; i < XQ_VMT; ++i) {
-                const int c = 16 * (warp + 8 * i) + g, h0 = 2 * tq, h1 = 2 * tq + 1;
+                const int c = 16 * (cwarp + 8 * i) + g, h0 = 2 * tq, h1 = 2 * tq + 1;
                 if (c < XR) {
                     if (h0 < GQA) { s_vsum[h0 * XR + c] += vo[i][0]; s_vsum[h0 * XR + c + 8] += vo[i][2]; }
                     if (h1 < GQA) { s_vsum[h1 * XR + c] += vo[i][1]; s_vsum[h1 * XR + c + 8] += vo[i][3]; }
                 }
             }
         } else {
-            __syncthreads();
+            sync_compute();
             xq_values_cuda(s_vloc, s_p, n, CROSS_LAYER ? base_v + base_row0 : nullptr, s_vsum);
         }
-        __syncthreads();
+        sync_compute();
+    };
+
+#if KVQ_XQ_WGMMA
+    // The role from a warp-uniform value the compiler can see is uniform: the consumers' MMAs
+    // must not sit in a branch it takes as divergent, or it serialises them.
+    if (__shfl_sync(0xffffffffu, (int)threadIdx.x / XQ_PRODUCERS, 0) == 0) {
+        // The producer warpgroups: warp w decodes channels [(w % 4)·XQ_APT, +XQ_APT) of each
+        // chunk for rows lane + 32·r (r = 2·(w / 4) and the next), and thread 0 copies up_k's chunk.
+        kvq_setmaxnreg_dec<XQ_PRODUCER_REGS>();
+        constexpr int XQ_PROWS = XQ_M / 32 / (XQ_PRODUCERS / 128);   // rows a producer thread
+        const int pw = warp % 4, row0 = (warp / 4) * XQ_PROWS;
+        int chunk_i = 0;
+        for (int t0 = t_begin; t0 < t_end; t0 += XQ_M) {
+            const int n = min(XQ_M, t_end - t0);
+            const bool k_pages = n == XQ_M && t0 >= sink_end && t0 + n <= k_qend;
+            XqLoc kl[XQ_PROWS];
+            bool live[XQ_PROWS];
+            XqCodes raw[XQ_PROWS];
+#pragma unroll
+            for (int r = 0; r < XQ_PROWS; ++r) {
+                const int row = lane + 32 * (row0 + r);
+                live[r] = row < n;
+                kl[r] = XqLoc{false, nullptr, nullptr, 0, 0};
+                if (live[r]) {
+                    kl[r] = xq_locate<KTensor>(t0 + row, len, slot, k_pool, page_table, max_pages, k_sink, k_tail);
+                    xq_prefetch_span(kl[r], pw * XQ_APT, nullptr);
+                    if (CHUNKS > 1) xq_prefetch_span(kl[r], XQ_KC + pw * XQ_APT, nullptr);
+                    xq_load_codes(kl[r], pw * XQ_APT, raw[r]);
+                }
+            }
+            for (int kc = 0; kc < CHUNKS; ++kc, ++chunk_i) {
+                const int st = chunk_i % XQ_STAGES;
+                const unsigned stage_u32 = stages_u32 + st * XQ_WG_STAGE_BYTES;
+                const unsigned full = kvq_smem_u32(&s_bar[st]);
+                kvq_mbar_wait(kvq_smem_u32(&s_bar[XQ_STAGES + st]), ((chunk_i / XQ_STAGES) & 1) ^ 1);
+                if (threadIdx.x == 0) xq_wg_copy_b(up_k_groups, kvh, kc * XQ_KC, stage_u32 + XQ_WG_A_BYTES, full);
+                const int c0 = kc * XQ_KC + pw * XQ_APT;
+                XqCodes next[XQ_PROWS];
+#pragma unroll
+                for (int r = 0; r < XQ_PROWS; ++r)
+                    if (kc + 1 < CHUNKS && live[r]) {
+                        if (kc + 2 < CHUNKS) xq_prefetch_span(kl[r], c0 + 2 * XQ_KC, nullptr);
+                        xq_load_codes(kl[r], c0 + XQ_KC, next[r]);
+                    }
+                kvq_u16* const a =
+                    (kvq_u16*)(xq_smem + st * XQ_WG_STAGE_BYTES + (pw * XQ_APT / 8) * XQ_A_KG) + (32 * row0 + lane) * 8;
+#pragma unroll
+                for (int r = 0; r < XQ_PROWS; ++r) {
+                    kvq_u16* const dst = a + 32 * r * 8;
+                    if (k_pages) xq_store_a<true, XQ_A_KG / 2>(raw[r], kl[r], true, c0, nullptr, dst, nullptr);
+                    else xq_store_a<false, XQ_A_KG / 2>(raw[r], kl[r], live[r], c0, nullptr, dst, nullptr);
+                    raw[r] = next[r];
+                }
+                kvq_fence_async_smem();
+                kvq_mbar_arrive(full);
+            }
+        }
+    } else {
+        // The compute warps: K's rebuild from the producers' stages, then the tile's scores and sums.
+        kvq_setmaxnreg_inc<XQ_CONSUMER_REGS>();
+        int chunk_i = 0;
+        const int wg = cwarp / 4;
+        for (int t0 = t_begin; t0 < t_end; t0 += XQ_M) {
+            const int n = min(XQ_M, t_end - t0);
+            const bool tensor_v = TENSOR_V && t0 >= sink_end && t0 + n <= v_qend;
+            locate_v(t0, n, tensor_v);
+            sync_compute();
+            if (tensor_v) {
+                xq_copy_v_rows(s_vloc, n, s_v);
+                asm volatile("cp.async.commit_group;" ::: "memory");
+            }
+            float acc[XQ_MT][XQ_NT][4];
+#pragma unroll
+            for (int nt = 0; nt < XQ_NT; ++nt) acc[0][nt][0] = acc[0][nt][1] = acc[0][nt][2] = acc[0][nt][3] = 0.f;
+            kvq_wgmma_fence();
+            for (int kc = 0; kc < CHUNKS; ++kc, ++chunk_i) {
+                const int st = chunk_i % XQ_STAGES;
+                kvq_mbar_wait(kvq_smem_u32(&s_bar[st]), (chunk_i / XQ_STAGES) & 1);
+                xq_wg_mma_chunk(acc, stages_u32 + st * XQ_WG_STAGE_BYTES, wg);
+                kvq_wgmma_commit();
+                if (kc > 0) {
+                    // The previous chunk's MMAs are done: its stage is free.
+                    kvq_wgmma_wait<1>();
+                    if (lane == 0) kvq_mbar_arrive(kvq_smem_u32(&s_bar[XQ_STAGES + (chunk_i - 1) % XQ_STAGES]));
+                }
+            }
+            kvq_wgmma_wait<0>();
+            if (lane == 0) kvq_mbar_arrive(kvq_smem_u32(&s_bar[XQ_STAGES + (chunk_i - 1) % XQ_STAGES]));
+            finish_tile(acc, t0, n, tensor_v, 0);
+        }
     }
+#else
+    const XqAddrs ad = xq_addrs(stages, wm, wn, lane);
+    const int my_row = threadIdx.x / XQ_TPR, my_c = (threadIdx.x % XQ_TPR) * XQ_APT;
+    for (int t0 = t_begin; t0 < t_end; t0 += XQ_M) {
+        const int n = min(XQ_M, t_end - t0);
+        const bool live = my_row < n;
+        // V on tensor cores where every row of the tile is a page row.
+        const bool tensor_v = TENSOR_V && t0 >= sink_end && t0 + n <= v_qend;
+        XqLoc kl{false, nullptr, nullptr, 0, 0};
+        if (live) kl = xq_locate<KTensor>(t0 + my_row, len, slot, k_pool, page_table, max_pages, k_sink, k_tail);
+        // Cross-layer schemes: the tile's rows of the accumulator's latents (row my_row for K).
+        const long base_row0 = ((long)slot * base_rows + t0) * XR;
+        const float* const kb = CROSS_LAYER ? base_k + base_row0 + (long)my_row * XR : nullptr;
+        locate_v(t0, n, tensor_v);
+        // 1. K = L̂_k·up_k for the tile, through the two-stage pipeline; the tile's V code rows
+        //    join the second chunk's copies.
+        float acc[XQ_MT][XQ_NT][4];
+#pragma unroll
+        for (int mt = 0; mt < XQ_MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < XQ_NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+        // Tiles of whole pages (most of them) decode K without a branch on the row's kind.
+        const bool k_pages = n == XQ_M && t0 >= sink_end && t0 + n <= k_qend;
+        XqCodes raw;
+        if (live) {
+            xq_prefetch_span(kl, my_c, kb);
+            if (CHUNKS > 1) xq_prefetch_span(kl, XQ_KC + my_c, kb);
+            xq_load_codes(kl, my_c, raw);
+        }
+        xq_store_a<false>(raw, kl, live, my_c, kb, stages + my_row * XQ_LD + my_c, stages + XQ_A_HALVES + my_row * XQ_LD + my_c);
+        xq_copy_b(ad, up_k_hi, up_k_lo, kvh, 0, stages_u32);
+        for (int kc = 0; kc < CHUNKS; ++kc) {
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+            __syncthreads();
+            const unsigned cur = (kc & 1) * XQ_STAGE_BYTES, next = XQ_STAGE_BYTES - cur;
+            kvq_u16* const next_a = stages + (next / 2) + my_row * XQ_LD + my_c;
+            const bool more = kc + 1 < CHUNKS;
+            if (kc == 0 && tensor_v) xq_copy_v_rows(s_vloc, n, s_v);
+            if (more) {
+                xq_copy_b(ad, up_k_hi, up_k_lo, kvh, (kc + 1) * XQ_KC, stages_u32 + next);
+                if (live) {
+                    if (kc + 2 < CHUNKS) xq_prefetch_span(kl, (kc + 2) * XQ_KC + my_c, kb);
+                    xq_load_codes(kl, (kc + 1) * XQ_KC + my_c, raw);
+                }
+            } else if (kc == 0 && tensor_v) {
+                asm volatile("cp.async.commit_group;" ::: "memory");
+            }
+            xq_mma_chunk(acc, ad, cur);
+            if (more) {
+                if (k_pages) xq_store_a<true>(raw, kl, live, (kc + 1) * XQ_KC + my_c, kb, next_a, next_a + XQ_A_HALVES);
+                else xq_store_a<false>(raw, kl, live, (kc + 1) * XQ_KC + my_c, kb, next_a, next_a + XQ_A_HALVES);
+            }
+        }
+        finish_tile(acc, t0, n, tensor_v, base_row0);
+    }
+#endif
+    __syncthreads();
     // The split's output: (Σ p·l̂_v + Σ p·z)·up_v for this KV head's columns (z that of the
     // channel's store head).
     for (int i = threadIdx.x; i < GQA * D; i += THREADS) {

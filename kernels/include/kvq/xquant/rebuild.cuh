@@ -81,7 +81,9 @@ static __device__ __forceinline__ kvq_u32 xq_code_pair(const XqCodes& r, int c0,
 // rounded once to f16; 3-bit codes, which span two planes, decode in f32 first).
 // PAGE_ONLY: every row of the tile is a live page row (no branch on the row's kind). CROSS_LAYER:
 // `base` is the row's accumulator latents (f32), added to every value before it is rounded.
-template <bool PAGE_ONLY>
+// GSTRIDE: halves between the span's consecutive 8-channel groups in `hi` and `lo` (8: a plain
+// row; the warpgroup path's core-matrix layout puts them a K group apart).
+template <bool PAGE_ONLY, int GSTRIDE = 8>
 static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc& row_loc, bool live, int c0, const float* base,
                                                   kvq_u16* hi, kvq_u16* lo) {
     using T = KTensor;
@@ -144,8 +146,8 @@ static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc&
                 }
             }
         }
-        ((uint4*)(hi + o))[0] = make_uint4(h[0], h[1], h[2], h[3]);
-        if constexpr (PASSES == 3) ((uint4*)(lo + o))[0] = make_uint4(g[0], g[1], g[2], g[3]);
+        ((uint4*)(hi + (o / 8) * GSTRIDE))[0] = make_uint4(h[0], h[1], h[2], h[3]);
+        if constexpr (PASSES == 3) ((uint4*)(lo + (o / 8) * GSTRIDE))[0] = make_uint4(g[0], g[1], g[2], g[3]);
     }
 }
 
@@ -154,10 +156,10 @@ static __device__ __forceinline__ int xq_col(int wn, int nt) {
     return (nt / XQ_NH) * (D / 2) + wn * XQ_HC + (nt % XQ_NH) * 8;
 }
 
+// ---- The mma.sync pipeline (every warp copies, decodes and multiplies).
+#if !KVQ_XQ_WGMMA
 // A thread's fixed addresses in the pipeline, worked out once: its ldmatrix rows in stage 0 (A per
 // m-tile, B per pair of n-tiles), and its pieces of up_k's chunk copies.
-static constexpr int XQ_STAGE_BYTES = XQ_STAGE_HALVES * 2;
-static constexpr int XQ_B_OFFSET = XQ_PARTS * XQ_A_HALVES * 2;               // bytes into a stage
 static constexpr int XQ_B_PIECES = D * XQ_KC / 8;                            // 16-byte pieces a part
 static constexpr int XQ_B_PIECES_PT = (XQ_B_PIECES + THREADS - 1) / THREADS;
 static_assert(THREADS % (XQ_KC / 8) == 0, "a thread's pieces keep one column offset");
@@ -235,10 +237,14 @@ static __device__ __forceinline__ void xq_mma_chunk(float (&acc)[XQ_MT][XQ_NT][4
     }
 }
 
+#endif
+
 // RoPE at each row's position, in registers: the warp holds columns j and j + D/2 in n-tiles nt
-// and nt + XQ_NH, and each lane rows r0 + 8k (k < 2·XQ_MT). The angle of row r0 comes from f64
-// (reduced to [-π, π] before the f32 sine and cosine); each next row's turns by 8·f_j more, a
-// complex product with `step[j]` = (cos 8f_j, sin 8f_j) — f32 error of a few 1e-7 after three.
+// and nt + XQ_NH, and each lane rows r0 + 8k (k < 2·XQ_MT). The angle of row r0 comes from f64,
+// reduced to [-π, π], where the special-function unit's sine and cosine err by under 2⁻²¹
+// (absolute: far below the f16 rounding of the rebuilt K, and a few instructions where sincosf
+// takes dozens);
+// each next row's turns by 8·f_j more, a complex product with `step[j]` = (cos 8f_j, sin 8f_j).
 static __device__ __forceinline__ void xq_rope(float (&acc)[XQ_MT][XQ_NT][4], const double* rope_freq, const float2* step,
                                                int t0, int wm, int wn, int lane) {
     const int g = lane / 4, tq = lane % 4;
@@ -250,7 +256,7 @@ static __device__ __forceinline__ void xq_rope(float (&acc)[XQ_MT][XQ_NT][4], co
             const double th = (double)(t0 + wm * XQ_MT * 16 + g) * rope_freq[j];
             const double red = fma(-rint(th * 0.15915494309189535), 6.283185307179586, th);
             float sn, cs;
-            sincosf((float)red, &sn, &cs);
+            __sincosf((float)red, &sn, &cs);
             const float2 d = step[j];
 #pragma unroll
             for (int k = 0; k < 2 * XQ_MT; ++k) {

@@ -33,7 +33,7 @@ using XqVSpan = XqSpan<VTensor, XQ_VQ>;
 // Copies the tile's V code rows (page rows only: the tensor path's tiles) into sV by cp.async.
 static __device__ __forceinline__ void xq_copy_v_rows(const XqLoc* vloc, int n, kvq_u8* sV) {
     constexpr int PIECES = XQ_VROW / 16;
-    for (int i = threadIdx.x; i < n * PIECES; i += THREADS) {
+    for (int i = xq_ct(); i < n * PIECES; i += XQ_CT) {
         const int t = i / PIECES, k = (i % PIECES) * 16;
         const XqLoc l = vloc[t];
         const kvq_u8* src = l.block + (long)(k / XQ_VHROW) * VTensor::BLOCK_BYTES + VTensor::CODES_OFFSET +
@@ -115,11 +115,11 @@ static __device__ __forceinline__ void xq_values_mma(float (&vo)[XQ_VMT][4], con
 }
 
 // Σ_t p_t·l̂_t over the tile's n tokens into the split's sums vsum [GQA][XR] on CUDA cores: this
-// thread's channels XQ_VQ·(threadIdx.x + THREADS·j) + [0, XQ_VQ). CROSS_LAYER: `base` holds the
+// thread's channels XQ_VQ·(xq_ct() + XQ_CT·j) + [0, XQ_VQ). CROSS_LAYER: `base` holds the
 // tile's rows of accumulator latents (f32, XR apart), added to each latent.
 static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const float (*p)[XQ_M], int n, const float* base,
                                                       float* vsum) {
-    constexpr int VJ = (XR + XQ_VQ * THREADS - 1) / (XQ_VQ * THREADS);
+    constexpr int VJ = (XR + XQ_VQ * XQ_CT - 1) / (XQ_VQ * XQ_CT);
     constexpr int VB = 8 / VJ;   // tokens whose raw latents are loaded before any is used
     for (int tb = 0; tb < n; tb += VB) {
         XqVSpan raw[VB][VJ];
@@ -129,13 +129,13 @@ static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const f
                 const XqLoc l = vloc[tb + u];
 #pragma unroll
                 for (int j = 0; j < VJ; ++j) {
-                    const int c0 = XQ_VQ * (threadIdx.x + THREADS * j);
+                    const int c0 = XQ_VQ * (xq_ct() + XQ_CT * j);
                     if (c0 < XR) raw[u][j].load(l, c0);
                 }
             }
 #pragma unroll
         for (int j = 0; j < VJ; ++j) {
-            const int c0 = XQ_VQ * (threadIdx.x + THREADS * j);
+            const int c0 = XQ_VQ * (xq_ct() + XQ_CT * j);
             if (c0 >= XR) continue;
             float acc[GQA][XQ_VQ];
 #pragma unroll
