@@ -1110,7 +1110,8 @@ fn gen_output_compiles_from_its_files_as_the_readme_says() {
 }
 
 /// An XQuant scheme's folder: its decode unit compiles from the written headers alone, for sm_80
-/// and sm_90a, at both rebuild precisions, and the C header names the latent width.
+/// and sm_90a, at both rebuild precisions, and the C header names the latent width. With
+/// `--arch sm_90a` the f16 rebuild runs on warpgroup MMAs (that unit compiles for sm_90a only).
 fn gen_xquant_output_compiles_from_its_files() {
     use kvq::runtime::nvrtc::{compile, IncludeDirs};
     use kvq::runtime::{Arch, CompileOptions, Output, Source};
@@ -1164,7 +1165,48 @@ fn gen_xquant_output_compiles_from_its_files() {
                 assert!(!c.image.is_empty());
             }
         }
+        let m: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap())
+                .unwrap();
+        assert_eq!(m["latent"]["mma"], "mma.sync");
     }
+    // Hopper's folder: the warpgroup rebuild, its 512 threads, compiled by `--arch` itself.
+    let dir = tmp.path().join("xquant2-sm90a");
+    let o = kvq(
+        &[
+            "gen",
+            "--scheme",
+            "xquant2",
+            "--head-dim",
+            "128",
+            "--gqa",
+            "4",
+            "--kv-heads",
+            "8",
+            "--d-model",
+            "4096",
+            "--arch",
+            "sm_90a",
+            "--out",
+            dir.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let m: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["latent"]["mma"], "wgmma");
+    let decode = m["kernels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["role"] == "decode")
+        .unwrap_or_else(|| panic!("no decode kernel: {m}"));
+    assert_eq!(decode["block"][0], 512, "{decode}");
+    assert!(dir.join("decode.sm_90a.cubin").exists(), "{out}");
+    let readme = std::fs::read_to_string(dir.join("README.md")).unwrap();
+    assert!(readme.contains("sm_90a only"), "{readme}");
 }
 
 fn gen_sample_matches_the_manifest_layout() {

@@ -31,6 +31,9 @@ struct LatentInfo {
     rank: usize,
     /// `f16` (one product) or `f32` (three split products).
     rebuild: &'static str,
+    /// The rebuild's tensor-core instructions: `mma.sync` (sm_80 on) or `wgmma` (Hopper's
+    /// warpgroup MMAs, sm_90a only: with `--arch sm_90a`, where the scheme and shape allow).
+    mma: &'static str,
     /// Tokens a CTA rebuilds and scores together.
     tile_tokens: u32,
     /// Whether V's latent sums run on tensor cores (else CUDA cores); no effect on results.
@@ -140,8 +143,13 @@ fn layout_info(
             "up_k_groups",
             &format!("[kv_heads][{r} / 8][head_dim][8]"),
             "f16",
-            "up_k_hi regrouped, read by Hopper's warpgroup rebuild only: these units run mma.sync \
-             and take null",
+            if k.mma == RebuildMma::Warpgroup {
+                "up_k_hi regrouped so that a chunk of latents is one bulk copy (this unit's \
+                 warpgroup rebuild reads it, and not up_k_hi)"
+            } else {
+                "up_k_hi regrouped, read by Hopper's warpgroup rebuild only: this unit runs \
+                 mma.sync and takes null"
+            },
         ),
         buffer(
             "up_v",
@@ -214,6 +222,7 @@ fn layout_info(
             to_buffers: vec![
                 "up_k_hi[o][r] = f16(k.up[r][o]); up_k_lo[o][r] = f16(k.up[r][o] − up_k_hi[o][r])"
                     .into(),
+                "up_k_groups[h][r / 8][j][r % 8] = up_k_hi[h·head_dim + j][r]".into(),
                 "up_v = v.up as stored".into(),
                 format!(
                     "down_hi[c][i] = x(down[i][c]), down_lo[c][i] = x(down[i][c] − down_hi[c][i]) \
@@ -225,14 +234,14 @@ fn layout_info(
     })
 }
 
-fn readme(req: &GenRequest, arch: &str, rank: usize, project: bool) -> String {
+fn readme(req: &GenRequest, arch: &str, k: &XQuantKernels, project: bool) -> String {
     format!(
         "# kvq generated kernels (XQuant scheme)
 
 scheme: `{scheme}`; head_dim {head_dim}, GQA {gqa}, {dtype}; latents of {rank} channels.
 
 - `{DECODE_FILE}`: the decode unit (the fused split-K decode that rebuilds K from the latents on \
-tensor cores and never rebuilds V, and the combine); sm_80 or later.
+tensor cores and never rebuilds V, and the combine); {targets}.
 {project}- `{INCLUDE_DIR}/kvq/`: the kernels' code, CUDA headers the unit `#include \"kvq/…\"`.
 - `{HEADER_FILE}`: C header with launch constants and a parameter struct per kernel.
 - `{MANIFEST_FILE}`: entry points, launch shapes, the latent store's layout ({LAYOUT_VERSION} at \
@@ -243,6 +252,14 @@ latent rows as store heads), the projection buffers and how they come from a `{P
         head_dim = req.shape.head_dim,
         gqa = req.shape.gqa,
         dtype = req.shape.dtype,
+        rank = k.rank,
+        targets = match k.mma {
+            RebuildMma::Warpgroup => {
+                "sm_90a only (K's rebuild on Hopper's warpgroup MMAs; generate without \
+                 `--arch sm_90a` for a unit that runs on sm_80 and later)"
+            }
+            RebuildMma::Sync => "sm_80 or later",
+        },
         compiling = family::compiling_section(arch, DECODE_FILE),
         project = if project {
             format!(
@@ -313,14 +330,12 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
         ));
     }
     let precision = x.rebuild.unwrap_or_default();
-    // The folders serve sm_80 and sm_90a alike: mma.sync (warpgroup MMAs exist on sm_90a only).
-    let k = xquant_kernels(
-        spec,
-        shape,
-        kv_heads,
-        d_model,
-        (precision, RebuildMma::Sync),
-    )?;
+    // Warpgroup MMAs exist on sm_90a only: a folder for any other or no `--arch` runs mma.sync.
+    let hopper = req.arch.is_some_and(|a| {
+        a.compute_capability() == (9, 0) && a.variant() == kvq::jit::ArchVariant::Specific
+    });
+    let mma = RebuildMma::best(spec, shape, (kv_heads, d_model), precision, hopper);
+    let k = xquant_kernels(spec, shape, kv_heads, d_model, (precision, mma))?;
     let cross_layer = spec.source == CacheSource::X(XSource::CrossLayer);
     let dtype = shape.dtype;
     let mut notes = Vec::new();
@@ -415,7 +430,7 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
     } = family::write_folder(
         req,
         &units,
-        &readme(req, &arch, k.rank, project.is_some()),
+        &readme(req, &arch, &k, project.is_some()),
         &header_text(req, &k, &layout, &kernels),
         &mut notes,
     )?;
@@ -428,6 +443,10 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
             rebuild: match precision {
                 RebuildPrecision::F16 => "f16",
                 RebuildPrecision::F32 => "f32",
+            },
+            mma: match k.mma {
+                RebuildMma::Sync => "mma.sync",
+                RebuildMma::Warpgroup => "wgmma",
             },
             tile_tokens: xquant_tile(shape.head_dim),
             tensor_values: k.tensor_values,
