@@ -59,7 +59,75 @@ fn main() {
             "xquant_decode_kernels_compile_for_sm80_and_sm90a",
             xquant_decode_kernels_compile_for_sm80_and_sm90a,
         ),
+        needs(
+            Need::Nvrtc,
+            "xquant_warpgroup_decodes_fit_a_ctas_shared_memory",
+            xquant_warpgroup_decodes_fit_a_ctas_shared_memory,
+        ),
     ])
+}
+
+/// Shared memory one CTA may take on sm_90 (227 KiB, after opting in).
+const SM90_CTA_SHARED: u64 = 227 * 1024;
+
+/// The bytes of static shared memory ptxas reports for `entry` in a `--ptxas-options=-v` log.
+fn ptxas_static_shared(log: &str, entry: &str) -> Option<u64> {
+    let start = format!("Compiling entry function '{entry}'");
+    let mut lines = log.lines().skip_while(|l| !l.contains(&start));
+    lines.find_map(|l| {
+        let (before, _) = l.split_once(" bytes smem")?;
+        before.rsplit(' ').next()?.parse().ok()
+    })
+}
+
+/// Where the runtime picks the warpgroup rebuild on Hopper, the decode's static shared memory
+/// (as ptxas counts it) and its dynamic shared memory fit one CTA: the launch would fail
+/// otherwise (4-bit V rows at 1,024 latents once asked for 215 KiB of dynamic memory).
+fn xquant_warpgroup_decodes_fit_a_ctas_shared_memory() {
+    let mut checked = 0;
+    for text in ["xquant2", "xquant3", "xquant4"] {
+        let spec = kvq::schemes::by_name(text).unwrap().spec;
+        for (d, gqa, kv, d_model) in [
+            (128, 4, 8, 4096),
+            (128, 8, 8, 8192),
+            (64, 8, 4, 4096),
+            (64, 1, 2, 256),
+        ] {
+            let shape = KernelShape::new(d, gqa, Dtype::F16);
+            let precision = RebuildPrecision::F16;
+            if RebuildMma::best(&spec, &shape, (kv, d_model), precision, true)
+                != RebuildMma::Warpgroup
+            {
+                continue;
+            }
+            let k = xquant_kernels(
+                &spec,
+                &shape,
+                kv,
+                d_model,
+                (precision, RebuildMma::Warpgroup),
+            )
+            .unwrap_or_else(|e| panic!("{text} {shape:?}: {e}"));
+            let src = kvq::codegen::kernel_headers().iter().fold(
+                Source::new("xquant.cu", k.source.clone()),
+                |s, (header, body)| s.with_header(*header, *body),
+            );
+            let mut options = CompileOptions::default();
+            options.extra.push("--ptxas-options=-v".into());
+            let c = nvrtc::compile(&src, Arch::SM_90A, Output::Cubin, &options)
+                .unwrap_or_else(|e| panic!("{text} {shape:?}: {e}"));
+            let fixed = ptxas_static_shared(&c.log, &k.decode.name)
+                .unwrap_or_else(|| panic!("no shared memory count for the decode in:\n{}", c.log));
+            let total = fixed + u64::from(k.decode.dynamic_shared_bytes);
+            assert!(
+                total <= SM90_CTA_SHARED,
+                "{text} {shape:?} kv {kv} d_model {d_model}: {fixed} static + {} dynamic bytes",
+                k.decode.dynamic_shared_bytes
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 6, "only {checked} warpgroup decodes checked");
 }
 
 /// Codebook schemes the GPU decode takes: the CommVQ built-ins and custom codebooks on either
