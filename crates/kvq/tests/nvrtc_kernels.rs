@@ -196,8 +196,9 @@ fn codebook_encode_kernels_compile_for_sm80_and_sm90a() {
 }
 
 /// XQuant's latent decode: the built-ins at 2, 3 and 4 bits, XQuant-CL and a grouped custom
-/// scheme, head_dim 64 to 256, GQA 1 to 8, latents of 96 (SmolLM2-like) to 1024 channels, both
-/// dtypes and both rebuild precisions.
+/// scheme, head_dim 32 to 256, GQA 1 to 8, latents of 96 (SmolLM2-like) to 1024 channels, both
+/// dtypes and both rebuild precisions, on mma.sync and, where the runtime would pick it, on
+/// Hopper's warpgroup MMAs (every N of `wgmma m64nNk16` the decode uses: 32, 64, 96, 128).
 fn xquant_decode_kernels_compile_for_sm80_and_sm90a() {
     let mut jobs = Vec::new();
     for text in [
@@ -218,6 +219,7 @@ fn xquant_decode_kernels_compile_for_sm80_and_sm90a() {
             (128, 8, Dtype::Bf16, 4096, RebuildPrecision::F32),
             (256, 2, Dtype::F16, 1024, RebuildPrecision::F32),
             (96, 3, Dtype::F16, 384, RebuildPrecision::F16),
+            (32, 2, Dtype::Bf16, 128, RebuildPrecision::F16),
         ] {
             let shape = KernelShape::new(d, gqa, dtype);
             let k = xquant_kernels(&spec, &shape, 8, d_model, (precision, RebuildMma::Sync))
