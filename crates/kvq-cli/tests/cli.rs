@@ -369,8 +369,6 @@ fn gen_and_check(scheme: &str, args: &[&str], tmp: &TempDir) -> (Value, String, 
             .expect("manifest parses");
     let header = std::fs::read_to_string(dir.join("kvq_kernels.h")).unwrap();
     assert!(header.is_ascii());
-    let decode = std::fs::read_to_string(dir.join("decode.cu")).unwrap();
-    let cache = std::fs::read_to_string(dir.join("cache.cu")).unwrap_or_default();
     assert_eq!(manifest["format"], "kvq-gen");
     assert_eq!(manifest["layout_version"], "kvq-layout-2");
     let kernels = manifest["kernels"].as_array().unwrap();
@@ -408,11 +406,10 @@ fn gen_and_check(scheme: &str, args: &[&str], tmp: &TempDir) -> (Value, String, 
             "{name} not declared with its parameters"
         );
         assert!(header.contains(&format!("_NUM_PARAMS {}", params.len())));
-        let source = if k["file"] == "decode.cu" {
-            &decode
-        } else {
-            &cache
-        };
+        // The unit the manifest names (decode.cu, cache.cu, project.cu, …).
+        let file = k["file"].as_str().unwrap();
+        let source = std::fs::read_to_string(dir.join(file))
+            .unwrap_or_else(|e| panic!("{name}'s unit {file}: {e}"));
         assert!(
             source.contains(&format!("{name}(")),
             "{name} not in {}",
@@ -1170,32 +1167,22 @@ fn gen_xquant_output_compiles_from_its_files() {
                 .unwrap();
         assert_eq!(m["latent"]["mma"], "mma.sync");
     }
-    // Hopper's folder: the warpgroup rebuild, its 512 threads, compiled by `--arch` itself.
-    let dir = tmp.path().join("xquant2-sm90a");
-    let o = kvq(
-        &[
-            "gen",
-            "--scheme",
-            "xquant2",
-            "--head-dim",
-            "128",
-            "--gqa",
-            "4",
-            "--kv-heads",
-            "8",
-            "--d-model",
-            "4096",
-            "--arch",
-            "sm_90a",
-            "--out",
-            dir.to_str().unwrap(),
-        ],
-        tmp.path(),
-    );
-    let (out, err) = text(&o);
-    assert!(o.status.success(), "{err}");
-    let m: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    // Hopper's folder: the warpgroup rebuild, its 512 threads, compiled by `--arch` itself (and
+    // its manifest and header checked against each other).
+    let hopper = TempDir::new("gen-xquant-sm90a");
+    let args = [
+        "--head-dim",
+        "128",
+        "--gqa",
+        "4",
+        "--kv-heads",
+        "8",
+        "--d-model",
+        "4096",
+        "--arch",
+        "sm_90a",
+    ];
+    let (m, out, dir) = gen_and_check("xquant2", &args, &hopper);
     assert_eq!(m["latent"]["mma"], "wgmma");
     let decode = m["kernels"]
         .as_array()
