@@ -234,29 +234,17 @@ fn unknown_names_list_the_builtins_and_grammar_errors_point_at_the_column() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("are for XQuant schemes"), "{err}");
     // With them: the decode unit, the headers, and a manifest of the xquant family.
-    let xq = tmp.path().join("xquant-cl2");
-    let o = kvq(
-        &[
-            "gen",
-            "--scheme",
-            "xquant-cl2",
-            "--head-dim",
-            "128",
-            "--kv-heads",
-            "8",
-            "--d-model",
-            "4096",
-            "--rebuild",
-            "f32",
-            "--out",
-            xq.to_str().unwrap(),
-        ],
-        tmp.path(),
-    );
-    let (_, err) = text(&o);
-    assert!(o.status.success(), "{err}");
-    let m: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(xq.join("manifest.json")).unwrap()).unwrap();
+    let args = [
+        "--head-dim",
+        "128",
+        "--kv-heads",
+        "8",
+        "--d-model",
+        "4096",
+        "--rebuild",
+        "f32",
+    ];
+    let (m, _, xq) = gen_and_check("xquant-cl2", &args, &tmp);
     assert_eq!(m["family"], "xquant");
     assert_eq!(m["latent"]["rank"], 1024);
     assert_eq!(m["latent"]["rebuild"], "f32");
