@@ -91,7 +91,7 @@ fn status(s: KvqStatus) -> PyResult<()> {
 
 /// The plan's twelve buffer addresses in order (the last four 0 where the scheme has no use for
 /// them), as the C struct.
-fn kvq_cache(p: [u64; 12]) -> KvqCache {
+fn kvq_cache(p: [u64; 13]) -> KvqCache {
     let a = |i: usize| p[i] as *mut c_void;
     KvqCache {
         k_pool: a(0),
@@ -106,6 +106,7 @@ fn kvq_cache(p: [u64; 12]) -> KvqCache {
         v_pending: a(9),
         status: a(10),
         codebooks: a(11),
+        xquant_weights: a(12),
     }
 }
 
@@ -194,6 +195,7 @@ impl Plan {
             pool_pages: limit("pool_pages", pool_pages)?,
             max_q_len: limit("max_q_len", max_q_len)?,
             rope_theta,
+            d_model: 0,
         };
         KvqPlan::new(scheme, &limits)
             .map(|plan| Plan { plan })
@@ -348,7 +350,7 @@ impl Plan {
     /// The step calls on one cache's buffers (`cache`, the plan's twelve in order, as device
     /// addresses; 0 for a buffer of 0 bytes) and workspace, bound once: `kvq.engine.PagedCache`
     /// calls them with only a step's own addresses.
-    fn _steps(slf: Py<Plan>, cache: [u64; 12], workspace: u64) -> Steps {
+    fn _steps(slf: Py<Plan>, cache: [u64; 13], workspace: u64) -> Steps {
         Steps {
             plan: slf,
             cache,
@@ -421,7 +423,7 @@ impl Plan {
 #[pyclass(frozen, module = "kvq")]
 struct Steps {
     plan: Py<Plan>,
-    cache: [u64; 12],
+    cache: [u64; 13],
     workspace: u64,
 }
 

@@ -73,6 +73,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         pool_pages: 1,
         max_q_len: 1,
         rope_theta: 0.0,
+        d_model: 0,
     };
     limits.pool_pages = batch * KvqPlan::new(&scheme, &limits)?.info().max_pages_per_seq;
     let plan = KvqPlan::new(&scheme, &limits)?;
@@ -106,6 +107,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         v_pending: c(9),
         status: c(10),
         codebooks: c(11),
+        xquant_weights: c(12),
     };
     let ptrs = CachePtrs {
         kv_heads: KV_HEADS as usize,

@@ -76,9 +76,13 @@ typedef struct KvqCache {
   // Buffer 11: codebook schemes' codebooks, written by `kvq_codebooks_load` (NULL for other
   // schemes).
   void *codebooks;
+  // Buffer 12: XQuant schemes' projections, written by `kvq_xquant_weights_load` (NULL for
+  // other schemes).
+  void *xquant_weights;
 } KvqCache;
 
-// The shape and limits a plan is made for. Every field must be set; none but `rope_theta` may be 0.
+// The shape and limits a plan is made for. Every field must be set; none but `rope_theta` and
+// `d_model` may be 0.
 typedef struct KvqPlanLimits {
   // Channels per head: 64 to 256 in multiples of 16.
   uint32_t head_dim;
@@ -99,8 +103,13 @@ typedef struct KvqPlanLimits {
   uint32_t max_q_len;
   // RoPE base of the model's keys (e.g. 500000 for LLaMA-3). Codebook schemes with
   // RoPE-commutative keys need it: they code keys before RoPE and rotate them in the decode.
+  // XQuant schemes rebuild keys from latents and rotate them in the decode: they need it too.
   // Other schemes ignore it (0 is fine).
   double rope_theta;
+  // Width of the layer input X (the model's hidden size). XQuant schemes (`source =
+  // x(latent)`) cache X's latents instead of K and V and take X in their writes
+  // (`kvq_xquant_prefill`, `kvq_xquant_append`); other schemes ignore it (0 is fine).
+  uint32_t d_model;
 } KvqPlanLimits;
 
 // Sizes that follow from a plan.
@@ -368,6 +377,73 @@ enum KvqStatus kvq_attend(const struct KvqPlan *plan,
                           void *out,
                           float *lse,
                           void *workspace);
+
+// Reads the `kvq-projections-1` file at `path` (one layer's XQuant projections, made for the
+// plan's `d_model`, KV heads and head size, and a scheme of the same source: anything else is
+// refused with a message naming the difference), packs it with the plan's RoPE base and dtype,
+// and writes it into `cache->xquant_weights` on `stream`, stream-ordered before any later call
+// on it. Call it once per layer before the layer's first prefill.
+//
+// # Safety
+// `plan` and `cache` are NULL or valid, `path` NULL or a NUL-terminated string, `stream` NULL
+// or a live stream of the device's primary context; `cache->xquant_weights` device memory of
+// the plan's `xquant_weights` size.
+enum KvqStatus kvq_xquant_weights_load(const struct KvqPlan *plan,
+                                       const struct KvqCache *cache,
+                                       void *stream,
+                                       const char *path);
+
+// `kvq_xquant_weights_load` from the file's `len` bytes at `data` (host memory), for engines
+// that keep the projections inside their own checkpoint.
+//
+// # Safety
+// As `kvq_xquant_weights_load`; `data` NULL or `len` readable bytes.
+enum KvqStatus kvq_xquant_weights_load_bytes(const struct KvqPlan *plan,
+                                             const struct KvqCache *cache,
+                                             void *stream,
+                                             const uint8_t *data,
+                                             size_t len);
+
+// Prefills `n` empty sequence slots of an XQuant plan from prompts' layer input packed back to
+// back: `x` is `[Σ tokens][d_model]` in the plan's dtype (the normalised input of the attention
+// layer, the rows that would be multiplied by W_k and W_v), prompt `i` (`tokens[i]` tokens, into
+// slot `slots[i]`) after prompts `< i`; `slots` and `tokens` are host arrays of `n`. The prompts
+// are projected to latents on the tensor cores in the workspace, then written as the integer
+// plans write K and V: each prompt's sink and tail latents in FP16, its whole pages quantized into
+// the pool pages its block-table row names; its slot's length becomes its tokens. `workspace` is
+// the plan's workspace (`kvq_plan_workspace_bytes`). Runs on `stream` with no allocation; the job
+// list is copied from the host, so the call does not belong in a CUDA graph.
+//
+// # Safety
+// `plan` and `cache` are NULL or valid (the weights loaded); `slots` and `tokens` NULL or `n`
+// readable values; `stream` NULL or a live stream of the device's primary context; `x` and the
+// device buffers that device's memory of the sizes above, alive until the launches have run.
+enum KvqStatus kvq_xquant_prefill(const struct KvqPlan *plan,
+                                  const struct KvqCache *cache,
+                                  void *stream,
+                                  uint32_t n,
+                                  const int32_t *slots,
+                                  const uint32_t *tokens,
+                                  const void *x,
+                                  void *workspace);
+
+// Appends one token to each of `n` sequences of an XQuant plan from its layer input: `x` is
+// `[n][d_model]` in the plan's dtype, row `i` for the slot `slots[i]` names (`slots`: `n` i32 in
+// device memory, distinct; −1 marks a padding sequence, skipped). Each row is projected to
+// latents in the workspace, then written at position `seq_lens[slot]` as `kvq_append` writes K
+// and V (a page quantized where the token completes one), and `seq_lens[slot]` grows by one. No
+// host synchronisation, no allocation: capturable in a CUDA graph.
+//
+// # Safety
+// As `kvq_xquant_prefill`; `slots` holds `n` device i32, each −1 or a slot below max_seqs whose
+// block-table row names the page its token completes.
+enum KvqStatus kvq_xquant_append(const struct KvqPlan *plan,
+                                 const struct KvqCache *cache,
+                                 void *stream,
+                                 uint32_t n,
+                                 const int32_t *slots,
+                                 const void *x,
+                                 void *workspace);
 
 #ifdef __cplusplus
 }  // extern "C"

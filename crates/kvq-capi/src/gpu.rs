@@ -12,6 +12,7 @@ use kvq::runtime::codebook::CodebookSteps;
 use kvq::runtime::cudarc::driver::{sys, CudaStream};
 use kvq::runtime::device::RestoreContext;
 use kvq::runtime::tune::{default_launch, TuneProblem};
+use kvq::runtime::xquant::{XQuantLimits, XQuantSteps};
 use kvq::runtime::{CacheWriter, DecodeKernel, DecodeScratch, Device, Jit, MergeKernel, Pieces};
 
 use crate::plan::KvqPlan;
@@ -287,15 +288,16 @@ impl<T> PerGpu<T> {
 pub struct PlanGpus {
     integer: PerGpu<PlanKernels>,
     codebook: PerGpu<CodebookPlanKernels>,
+    xquant: PerGpu<XQuantSteps>,
 }
 
 /// `plan`'s kernels on `gpu`, compiled (through the disk cache) on first use; an error for a
 /// codebook plan ([`codebook_plan_kernels`]).
 pub fn plan_kernels(gpu: &Gpu, plan: &KvqPlan) -> Result<Arc<PlanKernels>, Failure> {
-    if plan.codebook_sizes().is_some() {
+    if plan.codebook_sizes().is_some() || plan.xquant_sizes().is_some() {
         return Err(Failure::new(
             KvqStatus::Internal,
-            "a codebook plan's kernels are CodebookPlanKernels",
+            "a codebook or XQuant plan's kernels are its own",
         ));
     }
     plan.loaded
@@ -313,10 +315,48 @@ pub fn codebook_plan_kernels(
     })
 }
 
+/// An XQuant plan's kernels on `gpu` (decode, projection, latent writes) and its workspace,
+/// compiled (through the disk cache) on first use.
+pub fn xquant_plan_kernels(gpu: &Gpu, plan: &KvqPlan) -> Result<Arc<XQuantSteps>, Failure> {
+    let Some(x) = plan.xquant_sizes() else {
+        return Err(Failure::new(
+            KvqStatus::Internal,
+            "only an XQuant plan has XQuantSteps",
+        ));
+    };
+    plan.loaded.xquant.get_or_load(gpu.device.ordinal(), || {
+        let l = plan.limits();
+        let shape = KernelShape::new(l.head_dim, l.q_heads / l.kv_heads, plan.dtype());
+        let limits = XQuantLimits {
+            max_seqs: l.max_seqs as usize,
+            max_seq_len: l.max_seq_len as usize,
+            max_pages: plan.sizes().max_pages,
+        };
+        let steps = XQuantSteps::load(
+            &gpu.jit,
+            plan.spec(),
+            &shape,
+            l.kv_heads as usize,
+            l.d_model as usize,
+            limits,
+        )
+        .map_err(Failure::runtime)?;
+        if *steps.weights_layout() != x.weights {
+            return Err(Failure::new(
+                KvqStatus::Internal,
+                "the plan's projection layout differs from the kernels'",
+            ));
+        }
+        Ok(steps)
+    })
+}
+
 /// The plan's workspace bytes on `gpu`, its kernels loaded first.
 fn workspace_bytes(gpu: &Gpu, plan: &KvqPlan) -> Result<usize, Failure> {
     Ok(if plan.codebook_sizes().is_some() {
         codebook_plan_kernels(gpu, plan)?.workspace_bytes
+    } else if plan.xquant_sizes().is_some() {
+        xquant_plan_kernels(gpu, plan)?.workspace().bytes
     } else {
         plan_kernels(gpu, plan)?.workspace_bytes
     })

@@ -35,6 +35,7 @@
 //!     pool_pages: 16 * 256,
 //!     max_q_len: 1,
 //!     rope_theta: 0.0,
+//!     d_model: 0,
 //! };
 //! let plan = KvqPlan::new("kivi2", &limits).unwrap();
 //! let info = plan.info();
@@ -49,6 +50,7 @@ mod merge;
 mod plan;
 mod status;
 mod steps;
+mod xquant;
 
 pub use codebooks::{kvq_cache_check, kvq_codebooks_load, kvq_codebooks_load_bytes};
 pub use gpu::{
@@ -60,12 +62,15 @@ pub use kvq::codegen::Dtype;
 pub use merge::kvq_merge;
 pub use plan::{
     builtin_schemes, kvq_plan_buffer, kvq_plan_buffer_count, kvq_plan_create, kvq_plan_destroy,
-    kvq_plan_info, kvq_plan_scheme, KvqBuffer, KvqPlan, KvqPlanInfo, KvqPlanLimits,
+    kvq_plan_info, kvq_plan_scheme, KvqBuffer, KvqPlan, KvqPlanInfo, KvqPlanLimits, XQuantSizes,
     KVQ_BUFFER_ALIGNMENT, KVQ_DTYPE_BF16, KVQ_DTYPE_F16,
 };
 pub use status::{call, kvq_last_error_message, kvq_status_name, Failure, KvqStatus};
 pub use steps::{
     kvq_append, kvq_append_prerope, kvq_attend, kvq_prefill, kvq_prefill_prerope, KvqCache,
+};
+pub use xquant::{
+    kvq_xquant_append, kvq_xquant_prefill, kvq_xquant_weights_load, kvq_xquant_weights_load_bytes,
 };
 
 /// kvq's version, e.g. `"0.1.0"` (static storage).

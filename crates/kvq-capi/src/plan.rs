@@ -5,12 +5,16 @@
 use std::ffi::{c_char, CStr, CString};
 
 use kvq::codegen::{
-    codebook_encode_kernels, codebook_kernels, decode_kernels, CodegenError, Dtype, KernelShape,
-    TuneParams, MAX_GQA,
+    codebook_encode_kernels, codebook_kernels, decode_kernels, has_xquant_kernel, latent_spec,
+    xquant_kernels, CodegenError, Dtype, KernelShape, RebuildMma, RebuildPrecision, TuneParams,
+    MAX_GQA,
 };
+use kvq::reference::xquant::latent_store_width;
 use kvq::runtime::codebook::CodebookSizes;
+use kvq::runtime::xquant::XQuantWeightsLayout;
 use kvq::runtime::{CacheConfig, CacheSizes};
 use kvq::SchemeSpec;
+use kvq::{CacheSource, XSource};
 use kvq::{Codebook, TensorQuant};
 
 use crate::gpu::PlanGpus;
@@ -24,7 +28,8 @@ pub const KVQ_DTYPE_BF16: u32 = 1;
 /// Alignment, in bytes, every buffer of a plan needs (what `cudaMalloc` returns).
 pub const KVQ_BUFFER_ALIGNMENT: u64 = 256;
 
-/// The shape and limits a plan is made for. Every field must be set; none but `rope_theta` may be 0.
+/// The shape and limits a plan is made for. Every field must be set; none but `rope_theta` and
+/// `d_model` may be 0.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KvqPlanLimits {
@@ -47,8 +52,13 @@ pub struct KvqPlanLimits {
     pub max_q_len: u32,
     /// RoPE base of the model's keys (e.g. 500000 for LLaMA-3). Codebook schemes with
     /// RoPE-commutative keys need it: they code keys before RoPE and rotate them in the decode.
+    /// XQuant schemes rebuild keys from latents and rotate them in the decode: they need it too.
     /// Other schemes ignore it (0 is fine).
     pub rope_theta: f64,
+    /// Width of the layer input X (the model's hidden size). XQuant schemes (`source =
+    /// x(latent)`) cache X's latents instead of K and V and take X in their writes
+    /// (`kvq_xquant_prefill`, `kvq_xquant_append`); other schemes ignore it (0 is fine).
+    pub d_model: u32,
 }
 
 /// Sizes that follow from a plan.
@@ -98,12 +108,14 @@ pub struct KvqPlan {
     scheme_text: CString,
     /// A codebook scheme's own sizes (pending rings, status words, codebook buffer).
     codebook: Option<CodebookSizes>,
+    /// An XQuant scheme's own sizes (latent store heads, packed projections).
+    xquant: Option<XQuantSizes>,
     pub(crate) loaded: PlanGpus,
 }
 
 /// The buffers of every plan, in the order `kvq_plan_buffer` numbers them (and `KvqCache` holds
 /// them).
-const BUFFERS: [(&CStr, &CStr); 12] = [
+const BUFFERS: [(&CStr, &CStr); 13] = [
     (
         c"k_pool",
         c"[pool page][kv_head][k_block_bytes] bytes: K page blocks (docs/LAYOUT.md)",
@@ -154,7 +166,23 @@ const BUFFERS: [(&CStr, &CStr); 12] = [
         c"codebooks",
         c"one layer's codebooks and encoder tables, written by kvq_codebooks_load",
     ),
+    (
+        c"xquant_weights",
+        c"one layer's XQuant projections (up_k, up_v, down, RoPE frequencies), written by \
+          kvq_xquant_weights_load",
+    ),
 ];
+
+/// What an XQuant plan keeps beside the integer sizes of its latent store.
+#[derive(Debug, Clone, Copy)]
+pub struct XQuantSizes {
+    /// The packed projections' layout (buffer `xquant_weights`).
+    pub weights: XQuantWeightsLayout,
+    /// Heads of the latent store (the page blocks' "KV heads"): `rank / store_width`.
+    pub store_heads: usize,
+    /// Channels a store head.
+    pub store_width: usize,
+}
 
 impl KvqPlan {
     /// Checks `scheme` (a built-in's name such as `kivi2`, or scheme text) against `limits`.
@@ -164,6 +192,9 @@ impl KvqPlan {
         let shape = KernelShape::new(limits.head_dim, limits.q_heads / limits.kv_heads, dtype);
         if is_codebook(&spec) {
             return Self::codebook(spec, limits, dtype, &shape);
+        }
+        if matches!(spec.source, CacheSource::X(_)) {
+            return Self::xquant(spec, limits, dtype, &shape);
         }
         check_fast_kernel(&spec, &shape)?;
         let cfg = CacheConfig {
@@ -186,6 +217,106 @@ impl KvqPlan {
             sizes,
             scheme_text,
             codebook: None,
+            xquant: None,
+            loaded: PlanGpus::default(),
+        })
+    }
+
+    /// A plan of an XQuant scheme: the decode generated once to check the shape, the latent
+    /// store sized as the integer plan of its latents at `rank / store_width` heads of
+    /// `store_width`, the projections' buffer by [`XQuantWeightsLayout`].
+    fn xquant(
+        spec: SchemeSpec,
+        limits: &KvqPlanLimits,
+        dtype: Dtype,
+        shape: &KernelShape,
+    ) -> Result<KvqPlan, Failure> {
+        let refuse = |status, what: String| Err(Failure::new(status, what));
+        if !has_xquant_kernel(&spec) {
+            return refuse(
+                KvqStatus::UnsupportedScheme,
+                format!("no GPU kernel for `{spec}` (XQuant takes plain int(...) latents)"),
+            );
+        }
+        if matches!(spec.source, CacheSource::X(XSource::CrossLayer)) {
+            return refuse(
+                KvqStatus::UnsupportedScheme,
+                format!(
+                    "no GPU kernel for `{spec}`'s writes: XQuant-CL's writes need the decoder's accumulator of the earlier \
+                     layers' reconstructions, which the engine surface does not carry \
+                     (docs/CODEBOOKS.md §3.1); x(latent) schemes such as xquant2 take an engine's memory"
+                ),
+            );
+        }
+        if limits.d_model == 0 {
+            return Err(Failure::argument(format!(
+                "limits.d_model is 0: `{spec}` caches the layer input's latents, so it needs the \
+                 model's hidden size"
+            )));
+        }
+        let theta = limits.rope_theta;
+        if !(theta.is_finite() && theta > 1.0) {
+            return Err(Failure::argument(format!(
+                "limits.rope_theta is {theta}: `{spec}` rebuilds keys from latents and rotates \
+                 them in the decode, so it needs the model's RoPE base (e.g. 10000 or 500000)"
+            )));
+        }
+        if limits.max_q_len != 1 {
+            return refuse(
+                KvqStatus::UnsupportedShape,
+                format!(
+                    "limits.max_q_len is {}: XQuant schemes decode one query token a sequence a \
+                     step (set max_q_len = 1)",
+                    limits.max_q_len
+                ),
+            );
+        }
+        let (kv_heads, head_dim) = (limits.kv_heads as usize, limits.head_dim as usize);
+        let weights = XQuantWeightsLayout::new(kv_heads, head_dim, limits.d_model as usize)
+            .ok_or_else(|| Failure::argument("the projections' sizes pass the address space"))?;
+        let mma = (RebuildPrecision::F16, RebuildMma::Sync);
+        match xquant_kernels(&spec, shape, limits.kv_heads, limits.d_model, mma) {
+            Ok(_) => {}
+            Err(CodegenError::Unsupported { what, .. }) => {
+                return refuse(
+                    KvqStatus::UnsupportedScheme,
+                    format!("no GPU kernel for `{spec}`: {what}"),
+                )
+            }
+            Err(e) => {
+                return refuse(
+                    KvqStatus::UnsupportedShape,
+                    format!("`{spec}` at head_dim {head_dim}: {e}"),
+                )
+            }
+        }
+        let store_width = latent_store_width(&spec, weights.rank)
+            .map_err(|e| Failure::new(KvqStatus::UnsupportedShape, format!("`{spec}`: {e}")))?;
+        let store_heads = weights.rank / store_width;
+        let cfg = CacheConfig {
+            kv_heads: store_heads,
+            head_dim: store_width,
+            max_seqs: limits.max_seqs as usize,
+            pool_pages: limits.pool_pages as usize,
+            max_tokens: limits.max_seq_len as usize,
+            input_dtype: Dtype::F16,
+        };
+        let sizes = CacheSizes::new(&latent_spec(&spec), &cfg)
+            .map_err(|e| Failure::argument(format!("{e} (scheme `{spec}`)")))?;
+        let scheme_text = CString::new(spec.to_string())
+            .map_err(|_| Failure::new(KvqStatus::Internal, "scheme text with a NUL byte"))?;
+        Ok(KvqPlan {
+            spec,
+            limits: *limits,
+            dtype,
+            sizes,
+            scheme_text,
+            codebook: None,
+            xquant: Some(XQuantSizes {
+                weights,
+                store_heads,
+                store_width,
+            }),
             loaded: PlanGpus::default(),
         })
     }
@@ -258,6 +389,7 @@ impl KvqPlan {
             sizes: sizes.cache,
             scheme_text,
             codebook: Some(sizes),
+            xquant: None,
             loaded: PlanGpus::default(),
         })
     }
@@ -265,6 +397,18 @@ impl KvqPlan {
     /// A codebook scheme's own sizes, `None` for the integer schemes and FP16.
     pub fn codebook_sizes(&self) -> Option<&CodebookSizes> {
         self.codebook.as_ref()
+    }
+
+    /// An XQuant scheme's own sizes, `None` for the others.
+    pub fn xquant_sizes(&self) -> Option<&XQuantSizes> {
+        self.xquant.as_ref()
+    }
+
+    /// Heads of the page blocks: the KV heads, or an XQuant plan's latent store heads.
+    pub fn store_heads(&self) -> usize {
+        self.xquant
+            .as_ref()
+            .map_or(self.limits.kv_heads as usize, |x| x.store_heads)
     }
 
     /// Whether the plan codes keys before RoPE (RoPE-commutative codebooks), so that its prefill
@@ -315,6 +459,7 @@ impl KvqPlan {
             cb.map_or(0, |c| 2 * c.v_pending_halves),
             cb.map_or(0, |c| 4 * c.status_words),
             cb.map_or(0, |c| c.codebooks.bytes),
+            self.xquant.as_ref().map_or(0, |x| x.weights.bytes),
         ];
         let (name, layout) = BUFFERS.get(index)?;
         Some(KvqBuffer {
@@ -333,7 +478,7 @@ impl KvqPlan {
     /// Sizes that follow from the plan.
     pub fn info(&self) -> KvqPlanInfo {
         let s = &self.sizes;
-        let kv_heads = self.limits.kv_heads as usize;
+        let kv_heads = self.store_heads();
         let total: u64 = (0..self.buffer_count())
             .filter_map(|i| self.buffer(i))
             .map(|b| b.bytes)
@@ -356,8 +501,11 @@ pub fn builtin_schemes() -> Vec<(&'static str, bool)> {
     kvq::schemes::BUILTIN
         .iter()
         .map(|b| {
+            let xquant = has_xquant_kernel(&b.spec)
+                && matches!(b.spec.source, CacheSource::X(XSource::Latent));
             let gpu = kvq::codegen::has_decode_kernel(&b.spec)
-                || kvq::codegen::has_codebook_kernel(&b.spec);
+                || kvq::codegen::has_codebook_kernel(&b.spec)
+                || xquant;
             (b.name, gpu)
         })
         .collect()

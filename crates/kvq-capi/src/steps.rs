@@ -11,9 +11,12 @@ use std::sync::Arc;
 use kvq::runtime::codebook::{CodebookPtrs, StepInputs};
 use kvq::runtime::cudarc::driver::CudaStream;
 use kvq::runtime::device::RestoreContext;
+use kvq::runtime::xquant::XQuantPtrs;
 use kvq::runtime::CachePtrs;
 
-use crate::gpu::{codebook_plan_kernels, plan_kernels, stream_gpu, PlanKernels};
+use crate::gpu::{
+    codebook_plan_kernels, plan_kernels, stream_gpu, xquant_plan_kernels, PlanKernels,
+};
 use crate::plan::KvqPlan;
 use crate::status::{call, Failure, KvqStatus};
 
@@ -48,6 +51,9 @@ pub struct KvqCache {
     /// Buffer 11: codebook schemes' codebooks, written by `kvq_codebooks_load` (NULL for other
     /// schemes).
     pub codebooks: *mut c_void,
+    /// Buffer 12: XQuant schemes' projections, written by `kvq_xquant_weights_load` (NULL for
+    /// other schemes).
+    pub xquant_weights: *mut c_void,
 }
 
 /// Checks that every buffer the plan needs is set; an error names a NULL one.
@@ -65,6 +71,7 @@ fn check_buffers(plan: &KvqPlan, cache: &KvqCache) -> Result<(), Failure> {
         cache.v_pending,
         cache.status,
         cache.codebooks,
+        cache.xquant_weights,
     ];
     for (i, ptr) in fields.iter().enumerate() {
         let b = plan
@@ -79,13 +86,16 @@ fn check_buffers(plan: &KvqPlan, cache: &KvqCache) -> Result<(), Failure> {
     Ok(())
 }
 
-/// The cache's pointers for the integer kernels.
+/// The cache's pointers for the integer kernels (an XQuant plan's: its latent store).
 fn cache_ptrs(plan: &KvqPlan, cache: &KvqCache) -> Result<CachePtrs, Failure> {
     check_buffers(plan, cache)?;
     let l = plan.limits();
+    let head_dim = plan
+        .xquant_sizes()
+        .map_or(l.head_dim as usize, |x| x.store_width);
     Ok(CachePtrs {
-        kv_heads: l.kv_heads as usize,
-        head_dim: l.head_dim as usize,
+        kv_heads: plan.store_heads(),
+        head_dim,
         max_pages: plan.sizes().max_pages,
         k_pool: cache.k_pool as u64,
         v_pool: cache.v_pool as u64,
@@ -123,6 +133,7 @@ pub(crate) fn codebook_ptrs(plan: &KvqPlan, cache: &KvqCache) -> Result<Codebook
 pub(crate) enum Ptrs {
     Integer(CachePtrs),
     Codebook(CodebookPtrs),
+    XQuant(XQuantPtrs),
 }
 
 /// The plan and cache behind two argument pointers.
@@ -137,10 +148,23 @@ pub(crate) unsafe fn plan_and_cache<'a>(
     let cache = unsafe { cache.as_ref() }.ok_or_else(|| Failure::argument("cache is NULL"))?;
     let ptrs = if plan.codebook_sizes().is_some() {
         Ptrs::Codebook(codebook_ptrs(plan, cache)?)
+    } else if plan.xquant_sizes().is_some() {
+        Ptrs::XQuant(XQuantPtrs {
+            latents: cache_ptrs(plan, cache)?,
+            weights: cache.xquant_weights as u64,
+        })
     } else {
         Ptrs::Integer(cache_ptrs(plan, cache)?)
     };
     Ok((plan, ptrs))
+}
+
+/// The error of a K/V write on an XQuant plan, which takes the layer input instead.
+pub(crate) fn takes_x(plan: &KvqPlan, what: &str, instead: &str) -> Failure {
+    Failure::argument(format!(
+        "{what}: `{}` caches the layer input's latents, not K and V; call {instead} with X",
+        plan.spec()
+    ))
 }
 
 /// Checks the pre-RoPE keys argument against the plan: required exactly when it codes keys
@@ -170,7 +194,7 @@ fn check_count(plan: &KvqPlan, n: u32, what: &str) -> Result<(), Failure> {
 /// The checks of a step of `n` sequences of `q_len` query tokens: the counts against the plan,
 /// then the pointers named with whether each is NULL (an empty step may pass NULLs). Whether the
 /// step has any work.
-fn check_step(
+pub(crate) fn check_step(
     plan: &KvqPlan,
     n: u32,
     q_len: u32,
@@ -316,27 +340,17 @@ impl Inputs {
     }
 }
 
-/// `kvq_prefill` and `kvq_prefill_prerope`.
+/// A prefill's `n` prompts as `(slot, tokens)`, each checked against the plan (a slot in range
+/// and not repeated, no longer than `max_seq_len`).
 ///
 /// # Safety
-/// As `kvq_prefill_prerope`.
-#[allow(clippy::too_many_arguments)]
-unsafe fn prefill(
-    what: &str,
-    plan: *const KvqPlan,
-    cache: *const KvqCache,
-    stream: *mut c_void,
+/// `slots` and `tokens` are NULL or `n` readable values.
+pub(crate) unsafe fn read_prompts(
+    plan: &KvqPlan,
     n: u32,
     slots: *const i32,
     tokens: *const u32,
-    inputs: Inputs,
-    workspace: *mut c_void,
-) -> Result<(), Failure> {
-    let (plan, ptrs) = unsafe { plan_and_cache(plan, cache) }?;
-    check_count(plan, n, what)?;
-    if n == 0 {
-        return Ok(());
-    }
+) -> Result<Vec<(usize, usize)>, Failure> {
     if slots.is_null() || tokens.is_null() {
         return Err(Failure::argument("slots or tokens is NULL"));
     }
@@ -369,6 +383,35 @@ unsafe fn prefill(
         }
         prompts.push((slot as usize, t as usize));
     }
+    Ok(prompts)
+}
+
+/// `kvq_prefill` and `kvq_prefill_prerope`.
+///
+/// # Safety
+/// As `kvq_prefill_prerope`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn prefill(
+    what: &str,
+    plan: *const KvqPlan,
+    cache: *const KvqCache,
+    stream: *mut c_void,
+    n: u32,
+    slots: *const i32,
+    tokens: *const u32,
+    inputs: Inputs,
+    workspace: *mut c_void,
+) -> Result<(), Failure> {
+    let (plan, ptrs) = unsafe { plan_and_cache(plan, cache) }?;
+    if let Ptrs::XQuant(_) = ptrs {
+        return Err(takes_x(plan, what, "kvq_xquant_prefill"));
+    }
+    check_count(plan, n, what)?;
+    if n == 0 {
+        return Ok(());
+    }
+    // SAFETY: forwarded.
+    let prompts = unsafe { read_prompts(plan, n, slots, tokens) }?;
     let total: usize = prompts.iter().map(|p| p.1).sum();
     if total > 0 && (inputs.k.is_null() || inputs.v.is_null()) {
         return Err(Failure::argument("k or v is NULL"));
@@ -381,6 +424,7 @@ unsafe fn prefill(
     }
     let (gpu, stream, _context) = unsafe { stream_gpu(stream) }?;
     match ptrs {
+        Ptrs::XQuant(_) => return Err(takes_x(plan, what, "kvq_xquant_prefill")),
         Ptrs::Codebook(p) => {
             let kernels = codebook_plan_kernels(&gpu, plan)?;
             // SAFETY: the caller vouches for the buffers; slots and lengths are checked above.
@@ -485,6 +529,9 @@ unsafe fn append(
     inputs: Inputs,
 ) -> Result<(), Failure> {
     let (plan, ptrs) = unsafe { plan_and_cache(plan, cache) }?;
+    if let Ptrs::XQuant(_) = ptrs {
+        return Err(takes_x(plan, what, "kvq_xquant_append"));
+    }
     let pointers = [
         ("slots", slots.is_null()),
         ("k_new", inputs.k.is_null()),
@@ -496,6 +543,7 @@ unsafe fn append(
     check_pre_rope(plan, inputs.k_pre_rope, what)?;
     let (gpu, stream, _context) = unsafe { stream_gpu(stream) }?;
     match ptrs {
+        Ptrs::XQuant(_) => return Err(takes_x(plan, what, "kvq_xquant_append")),
         Ptrs::Codebook(p) => {
             let kernels = codebook_plan_kernels(&gpu, plan)?;
             // SAFETY: the caller vouches for the buffers and slots (q_len is 1: the plan's limit).
@@ -562,6 +610,23 @@ pub unsafe extern "C" fn kvq_attend(
         }
         let ptrs = match ptrs {
             Ptrs::Integer(ptrs) => ptrs,
+            Ptrs::XQuant(p) => {
+                let (gpu, stream, _context) = unsafe { stream_gpu(stream) }?;
+                let steps = xquant_plan_kernels(&gpu, plan)?;
+                // SAFETY: the caller vouches for the buffers, slots and workspace (the plan's
+                // size, which covers the splits of `n` sequences).
+                return unsafe {
+                    steps.attend_raw(
+                        &stream,
+                        &p,
+                        n as usize,
+                        slots as u64,
+                        (q as u64, out as u64, lse as u64),
+                        workspace as u64,
+                    )
+                }
+                .map_err(Failure::runtime);
+            }
             Ptrs::Codebook(p) => {
                 let (gpu, stream, _context) = unsafe { stream_gpu(stream) }?;
                 let kernels = codebook_plan_kernels(&gpu, plan)?;

@@ -216,6 +216,7 @@ fn the_c_example_prints_the_rust_plan_and_the_refusals() -> Result<(), Skip> {
         pool_pages: 16 * 256,
         max_q_len: 1,
         rope_theta: 0.0,
+        d_model: 0,
     };
     let plan = KvqPlan::new("kitty", &limits).unwrap();
     let info = plan.info();

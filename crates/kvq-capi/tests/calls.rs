@@ -18,6 +18,7 @@ fn plan() -> KvqPlan {
         pool_pages: 64,
         max_q_len: 4,
         rope_theta: 0.0,
+        d_model: 0,
     };
     KvqPlan::new("kivi2", &limits).unwrap()
 }
@@ -109,6 +110,7 @@ fn fake_cache() -> KvqCache {
         v_pending: fake,
         status: fake,
         codebooks: fake,
+        xquant_weights: fake,
     }
 }
 
@@ -262,11 +264,12 @@ fn a_plan_lists_the_lengths_and_the_block_table() {
             "k_pending",
             "v_pending",
             "status",
-            "codebooks"
+            "codebooks",
+            "xquant_weights"
         ]
     );
-    // An integer scheme needs none of the codebook schemes' buffers.
-    for i in 8..12 {
+    // An integer scheme needs none of the codebook or XQuant schemes' buffers.
+    for i in 8..13 {
         assert_eq!(plan.buffer(i).unwrap().bytes, 0);
     }
     assert_eq!(plan.buffer(6).unwrap().bytes, 4 * 4);
@@ -291,6 +294,7 @@ fn codebook_calls_refuse_bad_arguments_without_a_gpu() {
         pool_pages: 256,
         max_q_len: 1,
         rope_theta: 500_000.0,
+        d_model: 0,
     };
     let commvq = KvqPlan::new("commvq1", &limits).unwrap();
     let cache = fake_cache();

@@ -46,6 +46,7 @@ fn c_merge_equals_the_rust_launch_and_the_reference() {
                 pool_pages: 64,
                 max_q_len: 1,
                 rope_theta: 0.0,
+                d_model: 0,
             };
             let plan = KvqPlan::new("kivi2", &limits).expect("plan");
             let status = unsafe { kvq_plan_load(&plan, 0) };

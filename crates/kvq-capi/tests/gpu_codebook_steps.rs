@@ -180,6 +180,7 @@ fn buffers(plan: &KvqPlan, stream: &Arc<CudaStream>) -> (Vec<CudaSlice<u8>>, Kvq
         v_pending: p[9],
         status: p[10],
         codebooks: p[11],
+        xquant_weights: p[12],
     };
     (bufs, cache, table)
 }
@@ -283,6 +284,7 @@ fn codebook_steps_equal_the_reference() {
             pool_pages: 1,
             max_q_len: 1,
             rope_theta: rope.theta,
+            d_model: 0,
         };
         let what = format!("{} d{d} GQA {gqa} {dtype:?}", case.scheme);
         let first = KvqPlan::new(case.scheme, &limits).unwrap_or_else(|e| panic!("{what}: {e}"));

@@ -162,6 +162,7 @@ impl EngineCache {
             v_pending: p[9],
             status: p[10],
             codebooks: p[11],
+            xquant_weights: p[12],
         };
         EngineCache {
             _buffers: buffers,
@@ -756,6 +757,7 @@ fn limits(
         pool_pages: pool_pages as u32,
         max_q_len: Q_LEN as u32,
         rope_theta: 0.0,
+        d_model: 0,
     }
 }
 

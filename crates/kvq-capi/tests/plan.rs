@@ -6,6 +6,7 @@ use std::ptr;
 use kvq::codegen::{decode_slow_path, has_codebook_kernel, has_decode_kernel, Dtype, KernelShape};
 use kvq::runtime::{CacheConfig, CacheSizes};
 use kvq::schemes::BUILTIN;
+use kvq::{CacheSource, XSource};
 use kvq_capi::*;
 
 fn limits(head_dim: u32) -> KvqPlanLimits {
@@ -19,6 +20,7 @@ fn limits(head_dim: u32) -> KvqPlanLimits {
         pool_pages: 256,
         max_q_len: 1,
         rope_theta: 0.0,
+        d_model: 0,
     }
 }
 
@@ -99,6 +101,7 @@ fn schemes_without_a_gpu_kernel_are_unsupported_schemes() {
     let cpu_only: Vec<_> = BUILTIN
         .iter()
         .filter(|b| !has_decode_kernel(&b.spec) && !has_codebook_kernel(&b.spec))
+        .filter(|b| b.spec.source != CacheSource::X(XSource::Latent))
         .collect();
     assert!(!cpu_only.is_empty());
     for b in cpu_only {
@@ -211,11 +214,11 @@ fn null_and_non_utf8_arguments_are_errors_not_crashes() {
     );
     let mut buf: KvqBuffer = unsafe { std::mem::zeroed() };
     assert_eq!(
-        unsafe { kvq_plan_buffer(plan, 12, &mut buf) },
+        unsafe { kvq_plan_buffer(plan, 13, &mut buf) },
         KvqStatus::InvalidArgument
     );
     assert!(
-        last_message().contains("buffer index 12"),
+        last_message().contains("buffer index 13"),
         "{}",
         last_message()
     );
@@ -327,5 +330,96 @@ fn codebook_plans_size_their_buffers_and_refuse_what_they_cannot_serve() {
         0,
         "FP16 keys have no pending ring"
     );
+    unsafe { kvq_plan_destroy(plan) };
+}
+
+/// XQuant plans (`source = x(latent)`) plan without a GPU: the latent store sized as the integer
+/// plan of its latents at `rank / store_width` heads, the packed projections' buffer, and what
+/// they need (d_model, the RoPE base, one query token) refused with what to change.
+#[test]
+fn xquant_plans_size_the_latent_store_and_refuse_what_they_cannot_serve() {
+    use kvq::codegen::latent_spec;
+    use kvq::runtime::xquant::XQuantWeightsLayout;
+    let x = KvqPlanLimits {
+        rope_theta: 500_000.0,
+        d_model: 4096,
+        ..limits(128)
+    };
+    let plan = create("xquant2", &x).unwrap();
+    let plan_ref = unsafe { &*plan };
+    let spec = kvq::schemes::by_name("xquant2").unwrap().spec;
+    // 8 KV heads of 128 from 4096: latents of 1024 in store heads of the scheme's width.
+    let sizes = plan_ref.xquant_sizes().unwrap();
+    assert_eq!(sizes.store_heads * sizes.store_width, 1024);
+    let latent = CacheSizes::new(
+        &latent_spec(&spec),
+        &CacheConfig {
+            kv_heads: sizes.store_heads,
+            head_dim: sizes.store_width,
+            max_seqs: 4,
+            pool_pages: 256,
+            max_tokens: 8192,
+            input_dtype: Dtype::F16,
+        },
+    )
+    .unwrap();
+    let bytes = |i: usize| plan_ref.buffer(i).unwrap().bytes as usize;
+    assert_eq!(bytes(0), latent.k_pool_bytes);
+    assert_eq!(bytes(5), 2 * latent.v_tail_halves);
+    assert_eq!(
+        bytes(12),
+        XQuantWeightsLayout::new(8, 128, 4096).unwrap().bytes
+    );
+    // up_k three times (two halves and the K groups) and up_v: at least 4 × 1024 × 1024 × 2 bytes.
+    assert!(bytes(12) >= 8 << 20);
+    for i in 8..12 {
+        assert_eq!(bytes(i), 0, "buffer {i}");
+    }
+    let info = plan_ref.info();
+    assert_eq!(
+        info.page_bytes as usize,
+        sizes.store_heads * (latent.k_block_bytes + latent.v_block_bytes)
+    );
+    // Two 2-bit latents of 1024 a token (as wide as K at GQA) against K and V of 8 × 128 in
+    // FP16: an eighth, and the scales and zeros.
+    assert!(
+        info.page_bytes < (2 * 128 * 8 * 128 * 2 / 6) as u64,
+        "{info:?}"
+    );
+    unsafe { kvq_plan_destroy(plan) };
+
+    for (change, status, names) in [
+        (
+            KvqPlanLimits { d_model: 0, ..x },
+            KvqStatus::InvalidArgument,
+            "d_model",
+        ),
+        (
+            KvqPlanLimits {
+                rope_theta: 0.0,
+                ..x
+            },
+            KvqStatus::InvalidArgument,
+            "rope_theta",
+        ),
+        (
+            KvqPlanLimits { max_q_len: 2, ..x },
+            KvqStatus::UnsupportedShape,
+            "max_q_len",
+        ),
+    ] {
+        let (got, message) = create("xquant4", &change).unwrap_err();
+        assert_eq!(got, status, "{message}");
+        assert!(message.contains(names), "{message}");
+    }
+    let (got, message) = create("xquant-cl2", &x).unwrap_err();
+    assert_eq!(got, KvqStatus::UnsupportedScheme, "{message}");
+    assert!(message.contains("XQuant-CL"), "{message}");
+    // A custom latent scheme plans too.
+    let plan = create(
+        "k = int(4, channel), v = int(2, token), sink = 16, source = x(latent)",
+        &x,
+    )
+    .unwrap();
     unsafe { kvq_plan_destroy(plan) };
 }

@@ -56,19 +56,50 @@ impl SplitScratch {
         (q_heads, rows): (usize, usize),
         splits: usize,
     ) -> Result<()> {
-        let cfg = LaunchConfig {
-            grid_dim: (q_heads as u32, rows as u32, 1),
-            block_dim: (entry.block, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut args = Args::new(stream);
-        args.input(Input::Slice(&self.part_acc))
-            .input(Input::Slice(&self.part_ml))
-            .output(Output::Slice(out))
-            .null()
-            .int(splits as i32);
-        // SAFETY: the combine entry's params; the caller's decode filled `splits` partials of
-        // every head into this scratch, reserved for that grid.
-        unsafe { args.launch(function, cfg, false) }.map_err(launch_err(&entry.name))
+        let parts = (Input::Slice(&self.part_acc), Input::Slice(&self.part_ml));
+        let dst = (Output::Slice(out), Output::Raw(0));
+        // SAFETY: the caller's decode filled `splits` partials of every head into this scratch,
+        // reserved for that grid; `out` is a slice.
+        unsafe {
+            combine(
+                stream,
+                (function, entry),
+                parts,
+                dst,
+                (q_heads, rows),
+                splits,
+            )
+        }
     }
+}
+
+/// Enqueues the shared combine (`function`, generated as `entry`) over `splits` partials
+/// (`parts`: accumulators and (max, denominator)) of each query head of `(q_heads, rows)` into
+/// `out` (`[rows][q_heads][head_dim]`) and, where its address is not 0, `lse` (`[rows][q_heads]`).
+///
+/// # Safety
+/// Raw addresses are device memory of `stream`'s context of those sizes; the partials hold
+/// `splits` parts of every head.
+pub(crate) unsafe fn combine(
+    stream: &Arc<CudaStream>,
+    (function, entry): (&CudaFunction, &KernelEntry),
+    (part_acc, part_ml): (Input<'_, f32>, Input<'_, f32>),
+    (out, lse): (Output<'_, u16>, Output<'_, f32>),
+    (q_heads, rows): (usize, usize),
+    splits: usize,
+) -> Result<()> {
+    let cfg = LaunchConfig {
+        grid_dim: (q_heads as u32, rows as u32, 1),
+        block_dim: (entry.block, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut args = Args::new(stream);
+    args.input(part_acc).input(part_ml).output(out);
+    match lse {
+        Output::Raw(0) => args.null(),
+        lse => args.output(lse),
+    };
+    args.int(splits as i32);
+    // SAFETY: the combine entry's params; the caller vouches for the buffers.
+    unsafe { args.launch(function, cfg, false) }.map_err(launch_err(&entry.name))
 }

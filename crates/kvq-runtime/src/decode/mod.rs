@@ -23,7 +23,7 @@ pub(crate) use cache::upload;
 pub use cache::GpuCache;
 pub use fast_memory::{fast_memory_applies, is_fast_memory, FAST_MEMORY_GBPS_PER_SM};
 pub use kernel::{DecodeKernel, LoadOptions, RANGE_SCALE_MAX_SPLITS};
-pub(crate) use layout::{CacheBuffers, CacheMut};
+pub(crate) use layout::{CacheArgs, CacheBuffers, CacheMut};
 pub use layout::{CachePtrs, CacheView};
 pub use merge::MergeKernel;
 pub use scratch::{DecodeScratch, WorkspaceLayout, WORKSPACE_ALIGNMENT};

@@ -2,13 +2,14 @@
 
 use super::device_cache::XQuantDeviceCache;
 use super::paged::XQuantPagedCache;
-use super::weights::{invalid, XQuantWeights};
+use super::weights::{invalid, XQuantWeightInputs};
 use super::XQuantScratch;
-use crate::decode::CacheView;
+use crate::decode::{CacheArgs, CachePtrs, CacheView};
 use crate::error::{Result, RuntimeError};
 use crate::jit::Jit;
-use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args};
+use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args, Input, Output};
 use crate::nvrtc::CompileOptions;
+use crate::split_scratch::combine;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use kvq_codegen::{xquant_kernels, KernelShape, RebuildMma, RebuildPrecision, XQuantKernels};
 use kvq_jit::ArchVariant;
@@ -25,12 +26,23 @@ pub struct XQuantKernel {
     combine: CudaFunction,
 }
 
-/// A launch's queries, outputs and split partials.
-struct Io<'a> {
-    q: &'a CudaSlice<u16>,
-    out: &'a mut CudaSlice<u16>,
+/// One decode launch's buffers: kvq's allocations or an engine's device addresses.
+struct Launch<'a> {
+    cache: CacheArgs<'a>,
+    /// Rows of the batch (grid z).
+    batch: usize,
+    /// `[batch]` i32 sequence slots (−1: a padding row), or `Raw(0)`: row i is slot i.
+    slots: Input<'a, i32>,
+    weights: XQuantWeightInputs<'a>,
+    /// XQuant-CL's accumulator latents (K, V) and their rows a slot.
+    base: Option<(Input<'a, f32>, Input<'a, f32>, usize)>,
+    q: Input<'a, u16>,
+    out: Output<'a, u16>,
+    /// `[batch][q_heads]` f32 log-sum-exps, or `Raw(0)`.
+    lse: Output<'a, f32>,
     splits: usize,
-    scratch: &'a mut XQuantScratch,
+    part_acc: Output<'a, f32>,
+    part_ml: Output<'a, f32>,
 }
 
 /// Splits of `tiles` tiles for `pairs` (sequence, KV head) pairs on `sms` SMs at one CTA an SM:
@@ -133,14 +145,20 @@ impl XQuantKernel {
         splits: usize,
         scratch: &mut XQuantScratch,
     ) -> Result<()> {
-        let base = cache.base.as_ref().map(|(k, v)| (k, v, cache.base_rows));
-        let io = Io {
-            q,
-            out,
+        let base = cache
+            .base
+            .as_ref()
+            .map(|(k, v)| (Input::Slice(k), Input::Slice(v), cache.base_rows));
+        let view = cache.latents.view();
+        self.attend_slices(
+            stream,
+            view,
+            cache.weights.inputs(),
+            base,
+            (q, out),
             splits,
             scratch,
-        };
-        self.launch(stream, cache.latents.view(), &cache.weights, base, io)
+        )
     }
 
     /// As [`attend`](Self::attend) over a cache written on the device: every sequence slot is a
@@ -154,32 +172,113 @@ impl XQuantKernel {
         splits: usize,
         scratch: &mut XQuantScratch,
     ) -> Result<()> {
-        let io = Io {
-            q,
-            out,
-            splits,
-            scratch,
-        };
-        self.launch(stream, cache.latents().view(), cache.weights(), None, io)
+        let view = cache.latents().view();
+        let weights = cache.weights().inputs();
+        self.attend_slices(stream, view, weights, None, (q, out), splits, scratch)
     }
 
-    fn launch(
+    #[allow(clippy::too_many_arguments)]
+    fn attend_slices(
         &self,
         stream: &Arc<CudaStream>,
         view: CacheView<'_>,
-        weights: &XQuantWeights,
-        base: Option<(&CudaSlice<f32>, &CudaSlice<f32>, usize)>,
-        io: Io<'_>,
+        weights: XQuantWeightInputs<'_>,
+        base: Option<(Input<'_, f32>, Input<'_, f32>, usize)>,
+        (q, out): (&CudaSlice<u16>, &mut CudaSlice<u16>),
+        splits: usize,
+        scratch: &mut XQuantScratch,
     ) -> Result<()> {
-        let Io {
-            q,
-            out,
-            splits,
-            scratch,
-        } = io;
+        let d = self.generated.shape.head_dim as usize;
+        let q_heads = self.kv_heads * self.generated.shape.gqa as usize;
+        let batch = view.batch;
+        let need = batch * q_heads * d;
+        if q.len() != need || out.len() != need {
+            return Err(invalid(format!(
+                "q and out must hold [batch {batch}][q_heads {q_heads}][head_dim {d}] = {need} \
+                 values, got {} and {}",
+                q.len(),
+                out.len()
+            )));
+        }
+        check_splits(splits)?;
+        scratch.reserve(stream, batch * q_heads * splits, d)?;
+        self.launch(
+            stream,
+            Launch {
+                cache: CacheArgs::from(view),
+                batch,
+                slots: Input::Raw(0),
+                weights,
+                base,
+                q: Input::Slice(q),
+                out: Output::Slice(out),
+                lse: Output::Raw(0),
+                splits,
+                part_acc: Output::Slice(&mut scratch.part_acc),
+                part_ml: Output::Slice(&mut scratch.part_ml),
+            },
+        )
+    }
+
+    /// Bytes of the split partials an attend of `n` sequences in `splits` splits takes from a
+    /// workspace ([`attend_raw`](Self::attend_raw)).
+    pub fn workspace_bytes(&self, n: usize, splits: usize) -> usize {
+        let parts = n * self.kv_heads * self.generated.shape.gqa as usize * splits;
+        (4 * parts * self.generated.shape.head_dim as usize).next_multiple_of(256) + 8 * parts
+    }
+
+    /// Attention of one query token for each of `n` sequences over an engine's latent store
+    /// (`cache`: `rank / store_width` heads of `store_width` channels) with the projections of
+    /// `weights`: `q`, `out` `[n][q_heads][head_dim]` in the kernel's dtype, sequence `i` in slot
+    /// `slots[i]` (device i32; −1: a padding row of zeros), `lse` (0: not written) `[n][q_heads]`
+    /// f32, in `splits` splits whose partials use `workspace`. No host synchronisation:
+    /// capturable in a CUDA graph.
+    ///
+    /// # Safety
+    /// Every address is device memory of `stream`'s context of the sizes above (the cache's of
+    /// its plan, `workspace` at least [`workspace_bytes`](Self::workspace_bytes)), alive until the
+    /// launches have run; `weights` lies in such memory too.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn attend_raw(
+        &self,
+        stream: &Arc<CudaStream>,
+        cache: &CachePtrs,
+        weights: XQuantWeightInputs<'_>,
+        n: usize,
+        slots: u64,
+        (q, out, lse): (u64, u64, u64),
+        splits: usize,
+        workspace: u64,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        check_splits(splits)?;
+        let parts = n * self.kv_heads * self.generated.shape.gqa as usize * splits;
+        let part_ml = workspace
+            + (4 * parts * self.generated.shape.head_dim as usize).next_multiple_of(256) as u64;
+        self.launch(
+            stream,
+            Launch {
+                cache: CacheArgs::from(cache),
+                batch: n,
+                slots: Input::Raw(slots),
+                weights,
+                base: None,
+                q: Input::Raw(q),
+                out: Output::Raw(out),
+                lse: Output::Raw(lse),
+                splits,
+                part_acc: Output::Raw(workspace),
+                part_ml: Output::Raw(part_ml),
+            },
+        )
+    }
+
+    fn launch(&self, stream: &Arc<CudaStream>, l: Launch<'_>) -> Result<()> {
         let shape = self.generated.shape;
         let d = shape.head_dim as usize;
-        let w = weights;
+        let w = &l.weights;
         if w.spec != self.spec
             || w.kv_heads != self.kv_heads
             || w.head_dim != d
@@ -191,68 +290,76 @@ impl XQuantKernel {
                 w.spec, w.kv_heads, w.head_dim, w.rank, self.spec, self.kv_heads, self.generated.rank
             )));
         }
-        let batch = view.batch;
+        let rows = u32::try_from(l.batch)
+            .ok()
+            .filter(|&r| r <= u16::MAX as u32)
+            .ok_or_else(|| invalid(format!("{} sequences (at most 65535)", l.batch)))?;
         let q_heads = self.kv_heads * shape.gqa as usize;
-        let need = batch * q_heads * d;
-        if q.len() != need || out.len() != need {
-            return Err(invalid(format!(
-                "q and out must hold [batch {batch}][q_heads {q_heads}][head_dim {d}] = {need} \
-                 values, got {} and {}",
-                q.len(),
-                out.len()
-            )));
-        }
-        if splits == 0 || splits > 1024 {
-            return Err(invalid(format!("{splits} splits (1 to 1024)")));
-        }
-        scratch.reserve(stream, batch * q_heads * splits, d)?;
-        let max_pages = i32::try_from(view.max_pages)
-            .map_err(|_| invalid(format!("{} pages", view.max_pages)))?;
-        let base_rows = base.map_or(0, |b| b.2);
+        let max_pages = i32::try_from(l.cache.max_pages)
+            .map_err(|_| invalid(format!("{} pages", l.cache.max_pages)))?;
+        let base_rows = l.base.map_or(0, |b| b.2);
         let base_rows = i32::try_from(base_rows)
             .map_err(|_| invalid(format!("{base_rows} accumulator rows")))?;
         let cfg = LaunchConfig {
-            grid_dim: (splits as u32, self.kv_heads as u32, batch as u32),
+            grid_dim: (l.splits as u32, self.kv_heads as u32, rows),
             block_dim: (self.generated.decode.block, 1, 1),
             shared_mem_bytes: self.generated.decode.dynamic_shared_bytes,
         };
+        let c = l.cache;
+        let Launch {
+            mut part_acc,
+            mut part_ml,
+            ..
+        } = l;
         let mut args = Args::new(stream);
-        args.buffer(q)
-            .buffer(view.k_pool)
-            .buffer(view.v_pool)
-            .buffer(view.page_table)
+        args.input(l.q)
+            .input(c.k_pool)
+            .input(c.v_pool)
+            .input(c.page_table)
             .int(max_pages)
-            .buffer(view.k_sink)
-            .buffer(view.v_sink)
-            .buffer(view.k_tail)
-            .buffer(view.v_tail)
-            .buffer(view.seq_lens)
-            .null()
-            .buffer(&w.up_k_hi)
-            .buffer(&w.up_k_lo)
-            .buffer(&w.up_k_groups)
-            .buffer(&w.up_v)
-            .buffer(&w.rope_freq);
-        match base {
-            Some((k, v, _)) => args.buffer(k).buffer(v),
+            .input(c.k_sink)
+            .input(c.v_sink)
+            .input(c.k_tail)
+            .input(c.v_tail)
+            .input(c.seq_lens)
+            .input(l.slots)
+            .input(w.up_k_hi)
+            .input(w.up_k_lo)
+            .input(w.up_k_groups)
+            .input(w.up_v)
+            .input(w.rope_freq);
+        match l.base {
+            Some((k, v, _)) => args.input(k).input(v),
             None => args.null().null(),
         };
         args.int(base_rows)
-            .buffer_mut(&mut scratch.part_acc)
-            .buffer_mut(&mut scratch.part_ml);
-        // SAFETY: the arguments follow the decode entry's params; the latents were uploaded for
-        // this batch, the partials reserved for this grid.
+            .output(part_acc.reborrow())
+            .output(part_ml.reborrow());
+        // SAFETY: the arguments follow the decode entry's params; the callers checked or vouch
+        // for the cache, the queries and the partials' room for this grid.
         unsafe { args.launch(&self.decode, cfg, false) }
             .map_err(launch_err(&self.generated.decode.name))?;
-        scratch.combine(
-            stream,
-            &self.combine,
-            &self.generated.combine,
-            out,
-            (q_heads, batch),
-            splits,
-        )
+        let parts = (part_acc.as_input(), part_ml.as_input());
+        // SAFETY: the decode just wrote `splits` partials of every head of these rows.
+        unsafe {
+            combine(
+                stream,
+                (&self.combine, &self.generated.combine),
+                parts,
+                (l.out, l.lse),
+                (q_heads, l.batch),
+                l.splits,
+            )
+        }
     }
+}
+
+/// A split count the combine takes.
+fn check_splits(splits: usize) -> Result<()> {
+    if splits == 0 || splits > 1024 {
+        return Err(invalid(format!("{splits} splits (1 to 1024)")));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -7,6 +7,8 @@
 //! - [`XQuantDeviceCache`]: caches the CPU reference built, uploaded (both sources; XQuant-CL's
 //!   carry their accumulator's latents, which the decode adds to the stored deltas).
 //! - [`XQuantWeights`]: a layer's projections on the device; [`XQuantProjector`]: the projection.
+//! - [`XQuantSteps`]: the same kernels on an engine's memory (latent store, packed projections
+//!   laid out by [`XQuantWeightsLayout`], workspace), for kvq's C ABI.
 //!
 //! ```no_run
 //! # fn demo(jit: &kvq_runtime::Jit, cache: &kvq_reference::xquant::XQuantCache,
@@ -29,13 +31,15 @@ mod device_cache;
 mod kernel;
 mod paged;
 mod project;
+mod steps;
 mod weights;
 
 pub use device_cache::XQuantDeviceCache;
 pub use kernel::XQuantKernel;
 pub use paged::{XQuantCacheConfig, XQuantPagedCache};
 pub use project::XQuantProjector;
-pub use weights::XQuantWeights;
+pub use steps::{XQuantLimits, XQuantPtrs, XQuantSteps, XQuantWorkspace};
+pub use weights::{XQuantWeightInputs, XQuantWeights, XQuantWeightsLayout};
 
 /// The split partials the XQuant decode writes and its combine reads.
 pub type XQuantScratch = crate::split_scratch::SplitScratch;

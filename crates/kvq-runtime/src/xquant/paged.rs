@@ -29,6 +29,24 @@ pub struct XQuantCacheConfig {
     pub input_dtype: Dtype,
 }
 
+/// Refuses a scheme whose caches the device cannot write from the layer input: XQuant-CL
+/// (`x(cross_layer)`), whose writes need the decoder's accumulator of the previous layers'
+/// reconstructions, which has no cheap home on the device (docs/CODEBOOKS.md §3.1), and K/V caches.
+pub(super) fn check_writable(spec: &SchemeSpec) -> Result<()> {
+    match spec.source {
+        CacheSource::X(XSource::Latent) => Ok(()),
+        CacheSource::X(XSource::CrossLayer) => Err(invalid(format!(
+            "`{spec}`: XQuant-CL's cache writes are not built on the GPU (its \
+                 accumulator of earlier layers has no cheap home, docs/CODEBOOKS.md §3.1); \
+                 build the caches with the CPU reference and upload them \
+                 (XQuantDeviceCache)"
+        ))),
+        CacheSource::Kv => Err(invalid(format!(
+            "`{spec}` caches K and V: use PagedKvCache"
+        ))),
+    }
+}
+
 /// One layer's XQuant cache (`source = x(latent)`) in device memory, written from the layer
 /// input on the device.
 ///
@@ -70,22 +88,7 @@ impl XQuantPagedCache {
         rope: Rope,
         cfg: XQuantCacheConfig,
     ) -> Result<Self> {
-        match spec.source {
-            CacheSource::X(XSource::Latent) => {}
-            CacheSource::X(XSource::CrossLayer) => {
-                return Err(invalid(format!(
-                    "`{spec}`: XQuant-CL's cache writes are not built on the GPU (its \
-                     accumulator of earlier layers has no cheap home, docs/CODEBOOKS.md §3.1); \
-                     build the caches with the CPU reference and upload them \
-                     (XQuantDeviceCache)"
-                )))
-            }
-            CacheSource::Kv => {
-                return Err(invalid(format!(
-                    "`{spec}` caches K and V: use PagedKvCache"
-                )))
-            }
-        }
+        check_writable(spec)?;
         let weights =
             XQuantWeights::upload(&stream, spec, projections, rope, Some(cfg.input_dtype))?;
         let projector = XQuantProjector::load(jit, cfg.input_dtype, weights.d_model, weights.rank)?;

@@ -3,6 +3,7 @@
 
 use crate::decode::upload;
 use crate::error::{Result, RuntimeError};
+use crate::launch::Input;
 use cudarc::driver::{CudaSlice, CudaStream};
 use kvq_codegen::Dtype;
 use kvq_reference::rope::Rope;
@@ -78,11 +79,26 @@ fn k_groups(hi: &[u16], kv_heads: usize, d: usize, rank: usize) -> Vec<u16> {
     out
 }
 
-impl XQuantWeights {
-    /// Uploads `projections` and `rope` for the decode of `spec` (an XQuant scheme); with
-    /// `writes` (the layer input's dtype), also the down factors the cache writes project with.
-    pub fn upload(
-        stream: &Arc<CudaStream>,
+/// A layer's projections on the host, in the formats and layouts the kernels read.
+struct HostWeights {
+    kv_heads: usize,
+    head_dim: usize,
+    d_model: usize,
+    rank: usize,
+    store_width: usize,
+    up_k_hi: Vec<u16>,
+    up_k_lo: Vec<u16>,
+    up_k_groups: Vec<u16>,
+    up_v: Vec<f32>,
+    rope_freq: Vec<f64>,
+    /// `[2·rank][d_model]` halves (hi, lo) in the layer input's dtype.
+    down: Option<(Vec<u16>, Vec<u16>, Dtype)>,
+}
+
+impl HostWeights {
+    /// Checks `projections` against `spec` and lays them out; `writes` (the layer input's dtype)
+    /// adds the down factors the cache writes project with.
+    fn new(
         spec: &SchemeSpec,
         projections: &Projections,
         rope: Rope,
@@ -102,44 +118,90 @@ impl XQuantWeights {
         }
         let (h, d, rank) = (p.kv_heads, p.head_dim, p.k.rank);
         let store_width = latent_store_width(spec, rank)?;
-        let freq: Vec<f64> = (0..d / 2)
+        let rope_freq: Vec<f64> = (0..d / 2)
             .map(|i| rope.theta.powf(-2.0 * i as f64 / d as f64))
             .collect();
-        let (hi, lo) = split_transposed(&p.k.up, rank, p.k.out, Dtype::F16);
+        let (up_k_hi, up_k_lo) = split_transposed(&p.k.up, rank, p.k.out, Dtype::F16);
         // The rank is a multiple of 32 (kvq_reference::xquant::projection pads it).
-        let groups = k_groups(&hi, h, d, rank);
-        let down = match writes {
-            None => None,
-            Some(dtype) => {
-                // [d_model][2·rank]: K's latent columns, then V's.
-                let dm = p.k.d_model;
-                let mut both = vec![0f32; dm * 2 * rank];
-                for i in 0..dm {
-                    both[i * 2 * rank..i * 2 * rank + rank]
-                        .copy_from_slice(&p.k.down[i * rank..(i + 1) * rank]);
-                    both[i * 2 * rank + rank..(i + 1) * 2 * rank]
-                        .copy_from_slice(&p.v.down[i * rank..(i + 1) * rank]);
-                }
-                let (dhi, dlo) = split_transposed(&both, dm, 2 * rank, dtype);
-                Some((
-                    upload(stream, &dhi, 0, "down (high half)")?,
-                    upload(stream, &dlo, 0, "down (low half)")?,
-                    dtype,
-                ))
+        let up_k_groups = k_groups(&up_k_hi, h, d, rank);
+        let down = writes.map(|dtype| {
+            // [d_model][2·rank]: K's latent columns, then V's.
+            let dm = p.k.d_model;
+            let mut both = vec![0f32; dm * 2 * rank];
+            for i in 0..dm {
+                both[i * 2 * rank..i * 2 * rank + rank]
+                    .copy_from_slice(&p.k.down[i * rank..(i + 1) * rank]);
+                both[i * 2 * rank + rank..(i + 1) * 2 * rank]
+                    .copy_from_slice(&p.v.down[i * rank..(i + 1) * rank]);
             }
-        };
+            let (hi, lo) = split_transposed(&both, dm, 2 * rank, dtype);
+            (hi, lo, dtype)
+        });
         Ok(Self {
-            spec: *spec,
             kv_heads: h,
             head_dim: d,
             d_model: p.k.d_model,
             rank,
             store_width,
-            up_k_hi: upload(stream, &hi, 0, "up_k (high half)")?,
-            up_k_lo: upload(stream, &lo, 0, "up_k (low half)")?,
-            up_k_groups: upload(stream, &groups, 0, "up_k (in K groups)")?,
-            up_v: upload(stream, &p.v.up, 0.0, "up_v")?,
-            rope_freq: upload(stream, &freq, 0.0, "the RoPE frequencies")?,
+            up_k_hi,
+            up_k_lo,
+            up_k_groups,
+            up_v: p.v.up.clone(),
+            rope_freq,
+            down,
+        })
+    }
+}
+
+/// The buffers of a layer's projections as one launch reads them: kvq's allocations
+/// ([`XQuantWeights::inputs`]) or sections of an engine's buffer ([`XQuantWeightsLayout::inputs`]).
+#[derive(Clone, Copy)]
+pub struct XQuantWeightInputs<'a> {
+    pub(super) spec: SchemeSpec,
+    pub(super) kv_heads: usize,
+    pub(super) head_dim: usize,
+    pub(super) d_model: usize,
+    pub(super) rank: usize,
+    pub(super) up_k_hi: Input<'a, u16>,
+    pub(super) up_k_lo: Input<'a, u16>,
+    pub(super) up_k_groups: Input<'a, u16>,
+    pub(super) up_v: Input<'a, f32>,
+    pub(super) rope_freq: Input<'a, f64>,
+    /// The down factors (hi, lo) and the layer input's dtype, where the writes project.
+    pub(super) down: Option<(Input<'a, u16>, Input<'a, u16>, Dtype)>,
+}
+
+impl XQuantWeights {
+    /// Uploads `projections` and `rope` for the decode of `spec` (an XQuant scheme); with
+    /// `writes` (the layer input's dtype), also the down factors the cache writes project with.
+    pub fn upload(
+        stream: &Arc<CudaStream>,
+        spec: &SchemeSpec,
+        projections: &Projections,
+        rope: Rope,
+        writes: Option<Dtype>,
+    ) -> Result<Self> {
+        let w = HostWeights::new(spec, projections, rope, writes)?;
+        let down = match &w.down {
+            None => None,
+            Some((hi, lo, dtype)) => Some((
+                upload(stream, hi, 0, "down (high half)")?,
+                upload(stream, lo, 0, "down (low half)")?,
+                *dtype,
+            )),
+        };
+        Ok(Self {
+            spec: *spec,
+            kv_heads: w.kv_heads,
+            head_dim: w.head_dim,
+            d_model: w.d_model,
+            rank: w.rank,
+            store_width: w.store_width,
+            up_k_hi: upload(stream, &w.up_k_hi, 0, "up_k (high half)")?,
+            up_k_lo: upload(stream, &w.up_k_lo, 0, "up_k (low half)")?,
+            up_k_groups: upload(stream, &w.up_k_groups, 0, "up_k (in K groups)")?,
+            up_v: upload(stream, &w.up_v, 0.0, "up_v")?,
+            rope_freq: upload(stream, &w.rope_freq, 0.0, "the RoPE frequencies")?,
             down,
         })
     }
@@ -152,6 +214,157 @@ impl XQuantWeights {
     /// Channels of a store head (`rank / store_width` heads a latent row).
     pub fn store_width(&self) -> usize {
         self.store_width
+    }
+
+    /// These buffers as a launch takes them.
+    pub fn inputs(&self) -> XQuantWeightInputs<'_> {
+        XQuantWeightInputs {
+            spec: self.spec,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            d_model: self.d_model,
+            rank: self.rank,
+            up_k_hi: Input::Slice(&self.up_k_hi),
+            up_k_lo: Input::Slice(&self.up_k_lo),
+            up_k_groups: Input::Slice(&self.up_k_groups),
+            up_v: Input::Slice(&self.up_v),
+            rope_freq: Input::Slice(&self.rope_freq),
+            down: self
+                .down
+                .as_ref()
+                .map(|(hi, lo, dtype)| (Input::Slice(hi), Input::Slice(lo), *dtype)),
+        }
+    }
+}
+
+/// Sections of [`XQuantWeightsLayout`], in buffer order.
+const SECTIONS: usize = 7;
+
+/// Where a layer's packed projections lie in one device buffer an engine owns (the engine
+/// surface's `xquant_weights`): `up_k` as two f16 halves `[kv_heads·head_dim][rank]` and again in
+/// K groups `[kv_heads][rank / 8][head_dim][8]`, `up_v` f32 `[rank][kv_heads·head_dim]`, the RoPE
+/// frequencies f64 `[head_dim / 2]`, and `[down_k | down_v]ᵀ` as two halves `[2·rank][d_model]`
+/// in the layer input's dtype, each section starting on a 256-byte boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct XQuantWeightsLayout {
+    /// KV heads of the rebuilt K.
+    pub kv_heads: usize,
+    /// Channels a KV head.
+    pub head_dim: usize,
+    /// Width of the layer input.
+    pub d_model: usize,
+    /// Latent width `R`: `min(d_model, kv_heads·head_dim)` rounded up to 32, as the SVD pads it.
+    pub rank: usize,
+    /// `(offset, bytes)` of each section.
+    sections: [(usize, usize); SECTIONS],
+    /// Bytes of the whole buffer.
+    pub bytes: usize,
+}
+
+impl XQuantWeightsLayout {
+    /// The layout for `kv_heads × head_dim` keys and values from a `d_model`-wide layer input;
+    /// `None` where a size passes the address space.
+    pub fn new(kv_heads: usize, head_dim: usize, d_model: usize) -> Option<Self> {
+        let out = kv_heads.checked_mul(head_dim)?;
+        let rank = d_model.min(out).checked_next_multiple_of(32)?;
+        let halves = out.checked_mul(rank)?.checked_mul(2)?;
+        let down = rank.checked_mul(2)?.checked_mul(d_model)?.checked_mul(2)?;
+        let sizes = [
+            halves,
+            halves,
+            halves,
+            halves.checked_mul(2)?,
+            8 * (head_dim / 2),
+            down,
+            down,
+        ];
+        let mut sections = [(0, 0); SECTIONS];
+        let mut at = 0usize;
+        for (s, bytes) in sections.iter_mut().zip(sizes) {
+            *s = (at, bytes);
+            at = at.checked_add(bytes)?.checked_next_multiple_of(256)?;
+        }
+        Some(Self {
+            kv_heads,
+            head_dim,
+            d_model,
+            rank,
+            sections,
+            bytes: at,
+        })
+    }
+
+    /// `projections` (of this shape) and the RoPE of `rope` packed for `spec`, the down factors
+    /// in `input` (the layer input's dtype): the bytes the engine's buffer holds.
+    pub fn pack(
+        &self,
+        spec: &SchemeSpec,
+        projections: &Projections,
+        rope: Rope,
+        input: Dtype,
+    ) -> Result<Vec<u8>> {
+        let p = projections;
+        let shape = (p.kv_heads, p.head_dim, p.k.d_model, p.k.rank);
+        if shape != (self.kv_heads, self.head_dim, self.d_model, self.rank) {
+            return Err(invalid(format!(
+                "projections for {} KV heads of {}, d_model {}, latents of {}; the buffer is laid \
+                 out for {} of {}, {}, {}",
+                shape.0,
+                shape.1,
+                shape.2,
+                shape.3,
+                self.kv_heads,
+                self.head_dim,
+                self.d_model,
+                self.rank
+            )));
+        }
+        let w = HostWeights::new(spec, projections, rope, Some(input))?;
+        let Some((down_hi, down_lo, _)) = &w.down else {
+            return Err(invalid("no down factors".into()));
+        };
+        let mut bytes = vec![0u8; self.bytes];
+        let mut put = |i: usize, data: Vec<u8>| {
+            let (at, len) = self.sections[i];
+            debug_assert_eq!(len, data.len());
+            bytes[at..at + data.len()].copy_from_slice(&data);
+        };
+        let le16 = |v: &[u16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        put(0, le16(&w.up_k_hi));
+        put(1, le16(&w.up_k_lo));
+        put(2, le16(&w.up_k_groups));
+        put(3, w.up_v.iter().flat_map(|x| x.to_le_bytes()).collect());
+        put(
+            4,
+            w.rope_freq.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        );
+        put(5, le16(down_hi));
+        put(6, le16(down_lo));
+        Ok(bytes)
+    }
+
+    /// The sections of a buffer at device address `base` as a launch takes them, for `spec`'s
+    /// decode and for writes from a layer input of `input`.
+    pub fn inputs(
+        &self,
+        spec: &SchemeSpec,
+        base: u64,
+        input: Dtype,
+    ) -> XQuantWeightInputs<'static> {
+        let at = |i: usize| base + self.sections[i].0 as u64;
+        XQuantWeightInputs {
+            spec: *spec,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            d_model: self.d_model,
+            rank: self.rank,
+            up_k_hi: Input::Raw(at(0)),
+            up_k_lo: Input::Raw(at(1)),
+            up_k_groups: Input::Raw(at(2)),
+            up_v: Input::Raw(at(3)),
+            rope_freq: Input::Raw(at(4)),
+            down: Some((Input::Raw(at(5)), Input::Raw(at(6)), input)),
+        }
     }
 }
 
@@ -172,6 +385,57 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_layout_packs_each_section_on_its_boundary() {
+        use kvq_reference::synth::{generate, SynthConfig};
+        let (kv, d, dm) = (2, 64, 96);
+        let layer = generate(&SynthConfig {
+            tokens: 4,
+            kv_heads: kv,
+            gqa: 1,
+            head_dim: d,
+            d_model: dm,
+            ..Default::default()
+        });
+        let p = Projections::from_weights(&layer.layer.w_k, &layer.layer.w_v, dm, kv, d).unwrap();
+        let spec: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(latent)"
+            .parse()
+            .unwrap();
+        let layout = XQuantWeightsLayout::new(kv, d, dm).unwrap();
+        // min(96, 128) = 96 latents, already a multiple of 32.
+        assert_eq!(layout.rank, 96);
+        let bytes = layout.pack(&spec, &p, layer.rope, Dtype::Bf16).unwrap();
+        assert_eq!(bytes.len(), layout.bytes);
+        let host = HostWeights::new(&spec, &p, layer.rope, Some(Dtype::Bf16)).unwrap();
+        let u16s = |i: usize| -> Vec<u16> {
+            let (at, len) = layout.sections[i];
+            assert_eq!(at % 256, 0, "section {i}");
+            bytes[at..at + len]
+                .chunks(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect()
+        };
+        assert_eq!(u16s(0), host.up_k_hi);
+        assert_eq!(u16s(1), host.up_k_lo);
+        assert_eq!(u16s(2), host.up_k_groups);
+        let (down_hi, down_lo, _) = host.down.as_ref().unwrap();
+        assert_eq!(&u16s(5), down_hi);
+        assert_eq!(&u16s(6), down_lo);
+        let (at, len) = layout.sections[3];
+        let up_v: Vec<f32> = bytes[at..at + len]
+            .chunks(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(up_v, p.v.up);
+        let (at, _) = layout.sections[4];
+        let f1 = f64::from_le_bytes(bytes[at + 8..at + 16].try_into().unwrap());
+        assert_eq!(f1, layer.rope.theta.powf(-2.0 / d as f64));
+        // Projections of another shape are refused, naming both.
+        let other = XQuantWeightsLayout::new(kv, d, 128).unwrap();
+        let e = other.pack(&spec, &p, layer.rope, Dtype::Bf16).unwrap_err();
+        assert!(e.to_string().contains("d_model 96"), "{e}");
     }
 
     #[test]
