@@ -26,9 +26,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from . import _kvq
 from ._kvq import InvalidArgument, Plan
 
-__all__ = ["PagedCache", "merge"]
+__all__ = ["PagedCache", "merge", "xquant_projections"]
 
 # Plans by id for the custom ops, which take only tensors and numbers.
 _PLANS: dict = {}
@@ -85,6 +86,7 @@ def _append(
     v_pending: torch.Tensor,
     status: torch.Tensor,
     codebooks: torch.Tensor,
+    xquant_weights: torch.Tensor,
     slots: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -92,7 +94,7 @@ def _append(
 ) -> None:
     # k, v (and k_pre_rope): [n, q_len, kv_heads, head_dim]
     buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
-               v_pending, status, codebooks]
+               v_pending, status, codebooks, xquant_weights]
     _PLANS[plan_id]._steps(_ptrs(buffers), 0).append(
         _raw_stream(k.get_device()), slots.numel(), k.shape[1], slots.data_ptr(), k.data_ptr(),
         v.data_ptr(), 0 if k_pre_rope is None else k_pre_rope.data_ptr(),
@@ -101,7 +103,7 @@ def _append(
 
 @torch.library.register_fake("kvq::append")
 def _(plan_id, k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
-      v_pending, status, codebooks, slots, k, v, k_pre_rope):
+      v_pending, status, codebooks, xquant_weights, slots, k, v, k_pre_rope):
     return None
 
 
@@ -120,6 +122,7 @@ def _attend(
     v_pending: torch.Tensor,
     status: torch.Tensor,
     codebooks: torch.Tensor,
+    xquant_weights: torch.Tensor,
     slots: torch.Tensor,
     q: torch.Tensor,
     workspace: torch.Tensor,
@@ -128,7 +131,7 @@ def _attend(
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
-               v_pending, status, codebooks]
+               v_pending, status, codebooks, xquant_weights]
     _PLANS[plan_id]._steps(_ptrs(buffers), workspace.data_ptr()).attend(
         _raw_stream(q.get_device()), slots.numel(), q.shape[1], slots.data_ptr(), q.data_ptr(),
         out.data_ptr(), lse.data_ptr(),
@@ -138,8 +141,64 @@ def _attend(
 
 @torch.library.register_fake("kvq::attend")
 def _(plan_id, k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
-      v_pending, status, codebooks, slots, q, workspace):
+      v_pending, status, codebooks, xquant_weights, slots, q, workspace):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@_op("xquant_append", mutates_args=("k_pool", "v_pool", "k_sink", "v_sink", "k_tail", "v_tail",
+                                    "seq_lens", "workspace"))
+def _xquant_append(
+    plan_id: int,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    k_sink: torch.Tensor,
+    v_sink: torch.Tensor,
+    k_tail: torch.Tensor,
+    v_tail: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    k_pending: torch.Tensor,
+    v_pending: torch.Tensor,
+    status: torch.Tensor,
+    codebooks: torch.Tensor,
+    xquant_weights: torch.Tensor,
+    slots: torch.Tensor,
+    x: torch.Tensor,
+    workspace: torch.Tensor,
+) -> None:
+    # x: [n, d_model]
+    buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
+               v_pending, status, codebooks, xquant_weights]
+    _PLANS[plan_id]._steps(_ptrs(buffers), workspace.data_ptr()).xquant_append(
+        _raw_stream(x.get_device()), slots.numel(), slots.data_ptr(), x.data_ptr(),
+    )
+
+
+@torch.library.register_fake("kvq::xquant_append")
+def _(plan_id, k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
+      v_pending, status, codebooks, xquant_weights, slots, x, workspace):
+    return None
+
+
+def xquant_projections(scheme: str, w_k: torch.Tensor, w_v: torch.Tensor, *, kv_heads: int,
+                       head_dim: int) -> bytes:
+    """A layer's XQuant projections (a ``kvq-projections-1`` file's bytes) for ``scheme`` from
+    the model's key and value weights as ``x @ w`` multiplies them, ``[d_model, kv_heads ·
+    head_dim]`` (a Hugging Face ``k_proj.weight`` is the transpose: pass ``k_proj.weight.T``).
+    The SVD runs on the CPU in float64 (seconds at 4096 × 1024); save the bytes once per model
+    and hand them to :meth:`PagedCache.load_projections`."""
+    out = kv_heads * head_dim
+    if w_k.dim() != 2 or w_k.shape[1] != out or w_v.shape != w_k.shape:
+        raise InvalidArgument(
+            f"w_k {tuple(w_k.shape)} and w_v {tuple(w_v.shape)}: expected both [d_model, "
+            f"{out}] (kv_heads {kv_heads} × head_dim {head_dim})"
+        )
+
+    def host(w: torch.Tensor) -> bytes:
+        return w.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+
+    return _kvq.xquant_projections(scheme, host(w_k), host(w_v), d_model=w_k.shape[0],
+                                   kv_heads=kv_heads, head_dim=head_dim)
 
 
 class PagedCache:
@@ -163,6 +222,19 @@ class PagedCache:
     >>> cache = kvq.engine.PagedCache(plan, "cuda")            # doctest: +SKIP
     >>> cache.load_codebooks("layer0.safetensors")             # doctest: +SKIP
     >>> cache.prefill([0], [n], k, v, k_pre_rope=k_before_rope)  # doctest: +SKIP
+
+    An XQuant plan (``xquant2``: ``plan.takes_layer_input``) caches the layer input's latents:
+    it takes its layer's projections first, then the layer input X (the normalised hidden
+    states the model multiplies by W_k and W_v) instead of K and V; ``attend`` is the same:
+
+    >>> plan = kvq.Plan("xquant2", head_dim=128, q_heads=32, kv_heads=8, max_seqs=4,
+    ...                 max_seq_len=4096, pool_pages=128, rope_theta=500000.0,
+    ...                 d_model=4096)                          # doctest: +SKIP
+    >>> cache = kvq.engine.PagedCache(plan, "cuda")            # doctest: +SKIP
+    >>> cache.load_projections(kvq.engine.xquant_projections(
+    ...     "xquant2", k_proj.weight.T, v_proj.weight.T, kv_heads=8, head_dim=128))  # doctest: +SKIP
+    >>> cache.prefill_x([0], [n], x_prompt)                    # doctest: +SKIP
+    >>> cache.append_x(slots, x_step)                          # doctest: +SKIP
 
     ``workspace`` (a uint8 CUDA tensor of at least ``plan.workspace_bytes(device)`` bytes) lets
     caches whose calls run one after another on one stream share their scratch memory, e.g. a
@@ -205,7 +277,11 @@ class PagedCache:
         self.v_pending = zeros(max(sizes["v_pending"], 1))
         self.status = zeros(max(sizes["status"], 1))
         self.codebooks = zeros(max(sizes["codebooks"], 1))
+        # XQuant schemes' projections (one byte for the others).
+        self.xquant_weights = zeros(max(sizes["xquant_weights"], 1))
         self.takes_pre_rope_keys = plan.takes_pre_rope_keys
+        self.takes_layer_input = plan.takes_layer_input
+        self.d_model = plan.d_model
         pages = plan.max_pages_per_seq
         self.block_table = torch.full(
             (self.max_seqs, pages), -1, dtype=torch.int32, device=self.device
@@ -235,7 +311,7 @@ class PagedCache:
     def _buffers(self) -> List[torch.Tensor]:
         return [self.k_pool, self.v_pool, self.k_sink, self.v_sink, self.k_tail, self.v_tail,
                 self.seq_lens, self.block_table, self.k_pending, self.v_pending, self.status,
-                self.codebooks]
+                self.codebooks, self.xquant_weights]
 
     def load_codebooks(self, codebooks) -> None:
         """Writes a codebook plan's layer codebooks into the cache: ``codebooks`` is a
@@ -246,6 +322,35 @@ class PagedCache:
             with open(codebooks, "rb") as f:
                 codebooks = f.read()
         self._steps.codebooks_load(_raw_stream(self._index), bytes(codebooks))
+
+    def load_projections(self, projections) -> None:
+        """Writes an XQuant plan's layer projections into the cache: ``projections`` is a
+        ``kvq-projections-1`` file's path or bytes (:func:`xquant_projections`; made for the plan's
+        d_model, KV heads and head size, else :class:`InvalidArgument` names the difference).
+        Call it before the first prefill."""
+        if not isinstance(projections, (bytes, bytearray, memoryview)):
+            with open(projections, "rb") as f:
+                projections = f.read()
+        self._steps.xquant_weights_load(_raw_stream(self._index), bytes(projections))
+
+    def prefill_x(self, slots: Sequence[int], tokens: Sequence[int], x: torch.Tensor) -> None:
+        """An XQuant plan's prefill: prompts' layer input packed back to back (``x``:
+        ``[Σ tokens, d_model]``, prompt ``i`` of ``tokens[i]`` tokens after prompts ``< i``) into
+        the empty slots ``slots`` (host lists), projected to latents and stored."""
+        want = (sum(int(t) for t in tokens), self.d_model)
+        self._check("x", x, want, self.dtype)
+        self._steps.xquant_prefill(_raw_stream(self._index), [int(s) for s in slots],
+                                   [int(t) for t in tokens], x.data_ptr())
+
+    def append_x(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """An XQuant plan's append: one token's layer input for each slot of ``slots`` (``x``:
+        ``[n, d_model]``), projected to latents and stored."""
+        n = self._check_slots(slots)
+        self._check("x", x, (n, self.d_model), self.dtype)
+        if torch.compiler.is_compiling():
+            torch.ops.kvq.xquant_append(self._id, *self._buffers(), slots, x, self.workspace)
+        else:
+            self._steps.xquant_append(_raw_stream(self._index), n, slots.data_ptr(), x.data_ptr())
 
     def check(self) -> None:
         """Waits for the device and raises :class:`InvalidArgument` for what a codebook plan's
@@ -318,6 +423,10 @@ class PagedCache:
         ``slots`` (host lists). A prompt of 0 tokens empties its slot. ``k_pre_rope`` (``k``'s
         shape): the same keys before RoPE, which plans coding keys before RoPE
         (``plan.takes_pre_rope_keys``: CommVQ) need."""
+        if self.takes_layer_input:
+            raise InvalidArgument(
+                f"`{self.plan.scheme}` caches the layer input's latents: call prefill_x with X"
+            )
         want = (sum(int(t) for t in tokens), self.kv_heads, self.head_dim)
         self._check("k", k, want, self.dtype)
         self._check("v", v, want, self.dtype)
@@ -330,6 +439,10 @@ class PagedCache:
         """Adds the step's new tokens to each slot of ``slots``: ``k``, ``v`` are
         ``[n, kv_heads, head_dim]`` (one token a sequence) or ``[n, q_len, kv_heads, head_dim]``;
         ``k_pre_rope`` as for :meth:`prefill`."""
+        if self.takes_layer_input:
+            raise InvalidArgument(
+                f"`{self.plan.scheme}` caches the layer input's latents: call append_x with X"
+            )
         n = self._check_slots(slots)
         q_len, want = self._step_rows("k", k, n, self.kv_heads)
         self._check("v", v, want, self.dtype)

@@ -168,7 +168,7 @@ struct Plan {
 #[pymethods]
 impl Plan {
     #[new]
-    #[pyo3(signature = (scheme, *, head_dim, q_heads, kv_heads, max_seqs, max_seq_len, pool_pages, dtype = None, max_q_len = 1, rope_theta = 0.0))]
+    #[pyo3(signature = (scheme, *, head_dim, q_heads, kv_heads, max_seqs, max_seq_len, pool_pages, dtype = None, max_q_len = 1, rope_theta = 0.0, d_model = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         scheme: &str,
@@ -181,6 +181,7 @@ impl Plan {
         dtype: Option<&Bound<'_, PyAny>>,
         max_q_len: i64,
         rope_theta: f64,
+        d_model: i64,
     ) -> PyResult<Plan> {
         let limits = KvqPlanLimits {
             head_dim: limit("head_dim", head_dim)?,
@@ -195,7 +196,13 @@ impl Plan {
             pool_pages: limit("pool_pages", pool_pages)?,
             max_q_len: limit("max_q_len", max_q_len)?,
             rope_theta,
-            d_model: 0,
+            d_model: u32::try_from(d_model).map_err(|_| {
+                InvalidArgument::new_err(format!(
+                    "d_model = {d_model} (expected 0 to {}; XQuant schemes need the model's \
+                     hidden size)",
+                    u32::MAX
+                ))
+            })?,
         };
         KvqPlan::new(scheme, &limits)
             .map(|plan| Plan { plan })
@@ -363,6 +370,19 @@ impl Plan {
     #[getter]
     fn takes_pre_rope_keys(&self) -> bool {
         self.plan.takes_pre_rope_keys()
+    }
+
+    /// Whether the cache holds the layer input's latents (XQuant plans: `source = x(latent)`),
+    /// so that its writes take X (`d_model` wide) instead of K and V.
+    #[getter]
+    fn takes_layer_input(&self) -> bool {
+        self.plan.xquant_sizes().is_some()
+    }
+
+    /// The layer input's width the plan was made with (`d_model=`; 0 where the scheme needs none).
+    #[getter]
+    fn d_model(&self) -> u32 {
+        self.plan.limits().d_model
     }
 
     /// The RoPE base the plan was made with (`rope_theta=`; 0 where the scheme needs none).
@@ -546,6 +566,72 @@ impl Steps {
         }))
     }
 
+    /// `kvq_xquant_weights_load_bytes`: a `kvq-projections-1` file's bytes into the cache's
+    /// `xquant_weights` buffer.
+    fn xquant_weights_load(&self, py: Python<'_>, stream: u64, data: &[u8]) -> PyResult<()> {
+        let (plan, cache) = (&self.plan.get().plan, self.cache);
+        status(py.detach(|| unsafe {
+            kvq_capi::kvq_xquant_weights_load_bytes(
+                plan,
+                &kvq_cache(cache),
+                stream as *mut c_void,
+                data.as_ptr(),
+                data.len(),
+            )
+        }))
+    }
+
+    /// `kvq_xquant_prefill` of prompts' layer input packed back to back (`slots` and `tokens`
+    /// host lists, `x` a device address).
+    fn xquant_prefill(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        slots: Vec<i32>,
+        tokens: Vec<u32>,
+        x: u64,
+    ) -> PyResult<()> {
+        if slots.len() != tokens.len() {
+            return Err(InvalidArgument::new_err(format!(
+                "{} slots but {} token counts",
+                slots.len(),
+                tokens.len()
+            )));
+        }
+        let n = u32::try_from(slots.len())
+            .map_err(|_| InvalidArgument::new_err(format!("{} prompts", slots.len())))?;
+        let (plan, cache, workspace) = (&self.plan.get().plan, self.cache, self.workspace);
+        status(py.detach(|| unsafe {
+            kvq_capi::kvq_xquant_prefill(
+                plan,
+                &kvq_cache(cache),
+                stream as *mut c_void,
+                n,
+                slots.as_ptr(),
+                tokens.as_ptr(),
+                x as *const c_void,
+                workspace as *mut c_void,
+            )
+        }))
+    }
+
+    /// `kvq_xquant_append` of one token's layer input for each of `n` sequences (device
+    /// addresses).
+    fn xquant_append(&self, py: Python<'_>, stream: u64, n: u32, slots: u64, x: u64) -> PyResult<()> {
+        let (plan, cache, workspace) = (&self.plan.get().plan, self.cache, self.workspace);
+        status(py.detach(|| unsafe {
+            kvq_capi::kvq_xquant_append(
+                plan,
+                &kvq_cache(cache),
+                stream as *mut c_void,
+                n,
+                slots as *const i32,
+                x as *const c_void,
+                workspace as *mut c_void,
+            )
+        }))
+    }
+
     /// `kvq_cache_check`: waits for `stream` and raises what the encoders refused since the last
     /// check (clearing it).
     fn check(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
@@ -573,6 +659,8 @@ fn _kvq(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reference::_reference_every_token, m)?)?;
     m.add_function(wrap_pyfunction!(reference::_reference_codebooks, m)?)?;
     m.add_function(wrap_pyfunction!(reference::_reference_codebook_attend, m)?)?;
+    m.add_function(wrap_pyfunction!(reference::xquant_projections, m)?)?;
+    m.add_function(wrap_pyfunction!(reference::_reference_xquant_attend, m)?)?;
     m.add("KvqError", py.get_type::<KvqError>())?;
     m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;
     m.add("InvalidScheme", py.get_type::<InvalidScheme>())?;

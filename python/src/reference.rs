@@ -159,3 +159,90 @@ pub fn _reference_codebook_attend<'py>(
     let bytes: Vec<u8> = out.iter().flat_map(|f| f.to_ne_bytes()).collect();
     Ok(PyBytes::new(py, &bytes))
 }
+
+/// A layer's XQuant projections as a `kvq-projections-1` file's bytes: the reference's SVD of
+/// the model's `w_k` and `w_v` (`[d_model][kv_heads·head_dim]` float32, native byte order, as
+/// `x @ w` multiplies them), for `scheme` (an XQuant built-in's name or scheme text). Load the
+/// bytes into a plan's cache with `PagedCache.load_projections`. The SVD runs on the CPU with the
+/// GIL released (seconds for a 4096 × 1024 projection).
+#[pyfunction]
+#[pyo3(signature = (scheme, w_k, w_v, *, d_model, kv_heads, head_dim))]
+pub fn xquant_projections<'py>(
+    py: Python<'py>,
+    scheme: &str,
+    w_k: &[u8],
+    w_v: &[u8],
+    d_model: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> PyResult<Bound<'py, PyBytes>> {
+    use kvq::reference::xquant::Projections;
+    let text = scheme.trim();
+    let spec: kvq::SchemeSpec = match kvq::schemes::by_name(text) {
+        Some(b) => b.spec,
+        None => text
+            .parse()
+            .map_err(|e| crate::InvalidScheme::new_err(format!("scheme `{text}`: {e}")))?,
+    };
+    if !matches!(spec.source, kvq::CacheSource::X(_)) {
+        return Err(InvalidArgument::new_err(format!(
+            "`{spec}` caches K and V: projections serve XQuant schemes (source = x(...))"
+        )));
+    }
+    let out = kv_heads * head_dim;
+    let w_k = floats("w_k", w_k, d_model * out)?;
+    let w_v = floats("w_v", w_v, d_model * out)?;
+    let bytes = py
+        .detach(|| {
+            Projections::from_weights(&w_k, &w_v, d_model, kv_heads, head_dim)
+                .map_err(|e| e.to_string())?
+                .to_safetensors(&spec)
+                .map_err(|e| e.to_string())
+        })
+        .map_err(|e| InvalidArgument::new_err(format!("XQuant projections: {e}")))?;
+    Ok(PyBytes::new(py, &bytes))
+}
+
+/// The CPU reference's attention over an XQuant plan's cache of `tokens` tokens of layer input
+/// `x` (`[tokens][d_model]` float32 bytes) with the projections of a `kvq-projections-1` file's
+/// bytes, K rebuilt in f16 as the GPU's decode does, attended by the next token's queries `q`
+/// (`[q_heads][head_dim]`). Returns the output, `[q_heads][head_dim]` float32 bytes.
+#[pyfunction]
+pub fn _reference_xquant_attend<'py>(
+    py: Python<'py>,
+    plan: &Plan,
+    projections: &[u8],
+    tokens: usize,
+    x: &[u8],
+    q: &[u8],
+) -> PyResult<Bound<'py, PyBytes>> {
+    use kvq::reference::attention::{self, Queries};
+    use kvq::reference::xquant::{Projections, XQuantCache};
+    let l = plan.plan.limits();
+    let (d, kvh, qh, dm) = (
+        l.head_dim as usize,
+        l.kv_heads as usize,
+        l.q_heads as usize,
+        l.d_model as usize,
+    );
+    let x = floats("x", x, tokens * dm)?;
+    let q = Queries {
+        data: floats("q", q, qh * d)?,
+        q_heads: qh,
+        head_dim: d,
+    };
+    let spec = *plan.plan.spec();
+    let rope = kvq::reference::rope::Rope {
+        theta: l.rope_theta,
+    };
+    let out = py
+        .detach(|| {
+            let p = Projections::from_safetensors(projections, &spec, dm, kvh, d)
+                .map_err(|e| e.to_string())?;
+            let cache = XQuantCache::build(&spec, &x, &p, rope).map_err(|e| e.to_string())?;
+            attention::decode(&q, &cache.dequantize_f16_rebuild(), None).map_err(|e| e.to_string())
+        })
+        .map_err(|e| InvalidArgument::new_err(format!("reference attention: {e}")))?;
+    let bytes: Vec<u8> = out.iter().flat_map(|f| f.to_ne_bytes()).collect();
+    Ok(PyBytes::new(py, &bytes))
+}

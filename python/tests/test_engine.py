@@ -341,3 +341,68 @@ def test_a_codebook_plan_prefills_appends_and_attends_as_the_reference(tmp_path)
     assert cache.seq_lens[slots_of[1]].item() == total[1]
     assert cache.seq_lens[slots_of[0]].item() == total[0] + 1
     cache.check()
+
+
+def test_an_xquant_plan_prefills_appends_and_attends_as_the_reference(tmp_path):
+    """XQuant-2 through PagedCache: projections made from random W_k, W_v by
+    kvq.engine.xquant_projections and loaded from a file, prompts' and steps' layer input X
+    (slots out of order, a NaN padding row, one step through the torch custom op), then attention
+    against the CPU reference caching the same X with the same projections."""
+    theta, d_model = 10000.0, 256
+    limits = dict(head_dim=HEAD_DIM, q_heads=Q_HEADS, kv_heads=KV_HEADS, max_seqs=4,
+                  max_seq_len=512, rope_theta=theta)
+    with pytest.raises(kvq.InvalidArgument, match="d_model"):
+        kvq.Plan("xquant2", pool_pages=64, **limits)
+    with pytest.raises(kvq.UnsupportedScheme, match="XQuant-CL"):
+        kvq.Plan("xquant-cl2", pool_pages=64, d_model=d_model, **limits)
+    pages = kvq.Plan("xquant2", pool_pages=1, d_model=d_model, **limits).max_pages_per_seq
+    plan = kvq.Plan("xquant2", pool_pages=4 * pages, d_model=d_model, **limits)
+    assert plan.takes_layer_input and plan.d_model == d_model
+    assert not kvq.Plan("kivi2", pool_pages=1, **limits).takes_layer_input
+    cache = PagedCache(plan, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(shape, generator=gen, device="cuda") * scale).half()
+
+    out_width = KV_HEADS * HEAD_DIM
+    w_k, w_v = rand(d_model, out_width, scale=d_model ** -0.5), rand(d_model, out_width,
+                                                                    scale=d_model ** -0.5)
+    with pytest.raises(kvq.InvalidArgument, match="d_model"):
+        kvq.engine.xquant_projections("xquant2", w_k[:, :10], w_v, kv_heads=KV_HEADS,
+                                      head_dim=HEAD_DIM)
+    proj = kvq.engine.xquant_projections("xquant2", w_k, w_v, kv_heads=KV_HEADS,
+                                         head_dim=HEAD_DIM)
+    path = tmp_path / "layer0.safetensors"
+    path.write_bytes(proj)
+    cache.load_projections(str(path))
+    with pytest.raises(kvq.InvalidArgument, match="projection file"):
+        cache.load_projections(proj[: len(proj) // 2])
+
+    prompts, steps, slots_of = [200, 0], 180, [3, 1]
+    total = [p + steps for p in prompts]
+    x = [rand(t, d_model) for t in total]
+    with pytest.raises(kvq.InvalidArgument, match="prefill_x"):
+        cache.prefill(slots_of, prompts, rand(200, KV_HEADS, HEAD_DIM), rand(200, KV_HEADS, HEAD_DIM))
+    cache.prefill_x(slots_of, prompts, torch.cat([a[:p] for a, p in zip(x, prompts)]))
+    # Rows: sequence 1, padding (NaN, never stored), sequence 0.
+    slots = torch.tensor([slots_of[1], -1, slots_of[0]], dtype=torch.int32, device="cuda")
+    nan = torch.full((d_model,), float("nan"), device="cuda").half()
+    for s in range(steps):
+        row = torch.stack([x[1][prompts[1] + s], nan, x[0][prompts[0] + s]])
+        if s == steps // 2:
+            torch.ops.kvq.xquant_append(cache._id, *cache._buffers(), slots, row, cache.workspace)
+        else:
+            cache.append_x(slots, row)
+    assert cache.seq_lens[slots_of[0]].item() == total[0]
+    assert cache.seq_lens[slots_of[1]].item() == total[1]
+
+    q = rand(3, Q_HEADS, HEAD_DIM)
+    out, lse = cache.attend(slots, q)
+    assert torch.all(out[1] == 0) and torch.isfinite(lse[0]).all() and torch.isfinite(lse[2]).all()
+    for row, seq in [(0, 1), (2, 0)]:
+        want = kvq._kvq._reference_xquant_attend(plan, proj, total[seq], host_bytes(x[seq]),
+                                                 host_bytes(q[row]))
+        want = torch.frombuffer(bytearray(want), dtype=torch.float32).view(Q_HEADS, HEAD_DIM)
+        got = out[row].float().cpu()
+        assert (got - want).abs().max().item() <= 2e-2 * want.abs().max().item(), row

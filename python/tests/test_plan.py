@@ -16,7 +16,7 @@ def test_a_builtin_plans_its_buffers():
     assert plan.dtype == "float16"
     names = [b.name for b in plan.buffers]
     assert names == ["k_pool", "v_pool", "k_sink", "v_sink", "k_tail", "v_tail", "seq_lens",
-                     "page_table", "k_pending", "v_pending", "status", "codebooks"]
+                     "page_table", "k_pending", "v_pending", "status", "codebooks", "xquant_weights"]
     assert sum(b.nbytes for b in plan.buffers) == plan.total_bytes
     assert all(b.alignment == 256 for b in plan.buffers)
     pools = sum(b.nbytes for b in plan.buffers if b.name.endswith("_pool"))
@@ -72,7 +72,7 @@ def test_errors_are_typed_and_say_what_to_change():
 
 def test_cpu_only_schemes_are_unsupported_schemes():
     cpu_only = [name for name, gpu in kvq.builtin_schemes() if not gpu]
-    assert cpu_only, "XQuant is not on the engine surface"
+    assert cpu_only, "XQuant-CL is not on the engine surface"
     for name in cpu_only:
         with pytest.raises(kvq.UnsupportedScheme, match="no GPU kernel"):
             kvq.Plan(name, **LIMITS)
@@ -110,3 +110,23 @@ def test_codebook_plans_need_the_rope_base_and_list_their_own_buffers():
     # An integer plan has none of them.
     kivi = {b.name: b.nbytes for b in kvq.Plan("kivi2", **LIMITS).buffers}
     assert [kivi[n] for n in ("k_pending", "v_pending", "status", "codebooks")] == [0, 0, 0, 0]
+
+
+def test_xquant_plans_need_d_model_and_the_rope_base_and_list_their_weights():
+    with pytest.raises(kvq.InvalidArgument, match="d_model"):
+        kvq.Plan("xquant2", rope_theta=500000.0, **LIMITS)
+    with pytest.raises(kvq.InvalidArgument, match="rope_theta"):
+        kvq.Plan("xquant2", d_model=4096, **LIMITS)
+    with pytest.raises(kvq.InvalidArgument, match="d_model"):
+        kvq.Plan("xquant2", d_model=-1, rope_theta=500000.0, **LIMITS)
+    plan = kvq.Plan("xquant2", d_model=4096, rope_theta=500000.0, **LIMITS)
+    assert plan.takes_layer_input and plan.d_model == 4096
+    sizes = {b.name: b.nbytes for b in plan.buffers}
+    # up_k (two halves and the K groups) and up_v of 1,024 latents × 1,024 columns, down's
+    # two halves of 4,096 × 2,048: at least 8 MiB + 32 MiB.
+    assert sizes["xquant_weights"] >= (8 + 32) << 20
+    assert [sizes[n] for n in ("k_pending", "v_pending", "status", "codebooks")] == [0, 0, 0, 0]
+    # The latents of 8 × 128 keys and values in XQuant-2 take KIVI-2's page bytes, near enough.
+    kivi = kvq.Plan("kivi2", **LIMITS)
+    assert abs(plan.page_bytes - kivi.page_bytes) <= kivi.page_bytes // 8
+    assert kivi.buffers[-1].name == "xquant_weights" and kivi.buffers[-1].nbytes == 0
