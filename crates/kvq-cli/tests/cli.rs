@@ -615,6 +615,7 @@ fn gen_uses_tuned_block_parameters_from_the_tune_file() {
         tuned_at_unix: 1,
         kvq_version: "0.1.0".into(),
         codebook: None,
+        xquant: None,
     });
     store.save().unwrap();
     let (m, _, dir) = gen_and_check(

@@ -29,12 +29,19 @@ mod device_cache;
 mod kernel;
 mod paged;
 mod project;
+mod synth;
+mod tune;
 mod weights;
 
 pub use device_cache::XQuantDeviceCache;
 pub use kernel::XQuantKernel;
 pub use paged::{XQuantCacheConfig, XQuantPagedCache};
 pub use project::XQuantProjector;
+pub use synth::{random_latent_cache, synthetic_cache};
+pub use tune::{
+    check_xquant_problem, rebuild_text, xquant_cache_bytes, xquant_choice, xquant_problem_key,
+    xquant_split_candidates, XQuantTuneReport, XQuantTuned, XQUANT_MAX_SPLITS,
+};
 pub use weights::XQuantWeights;
 
 /// The split partials the XQuant decode writes and its combine reads.
