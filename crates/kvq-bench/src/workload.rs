@@ -1,5 +1,6 @@
 //! Inputs of a run: random K/V generated once per context length, every scheme's reference cache
-//! built from them (in parallel), and the reference outputs of the rows that will be checked.
+//! built from them (in parallel; XQuant's from random latents of its own), and the reference
+//! outputs of the rows that will be checked.
 //!
 //! A batch of B sequences is B references to one cache: building 16 × 128K-token caches on the
 //! CPU would take minutes and change nothing the GPU sees (the page table still maps every
