@@ -6,7 +6,9 @@
 //! written. What a kernel moves on top (the calibration's range pass re-reading K, or the scores
 //! it stores for the decode kernel) is not credited (`extra_bytes`).
 
+use kvq::codegen::RebuildPrecision;
 use kvq::reference::int::{IntCache, TensorStore};
+use kvq::reference::xquant::XQuantCache;
 
 /// Bytes of one tensor's page blocks (codes and their parameters, or FP16 pages).
 fn page_block_bytes(store: &TensorStore) -> u64 {
@@ -60,6 +62,37 @@ pub fn extra_bytes(sequences: &[&IntCache], score_columns: Option<usize>) -> u64
             }
         })
         .sum()
+}
+
+/// Bytes of an XQuant decode step over `batch` copies of `cache` with `q_heads` query heads:
+/// each sequence's latent store (counted as [`sequence_bytes`] counts an integer cache: the
+/// latents are one), XQuant-CL's accumulator latents (f32, K's and V's), the projections' up
+/// factors once (`up_k` in f16, both halves for the f32 rebuild, and `up_v` in f32: every CTA
+/// reads them, L2 serves all but the first read), and the queries read and outputs written.
+pub fn xquant_decode_bytes(
+    cache: &XQuantCache,
+    batch: usize,
+    q_heads: usize,
+    precision: RebuildPrecision,
+) -> u64 {
+    let p = cache.projections();
+    let up_k_halves = match precision {
+        RebuildPrecision::F16 => 1,
+        RebuildPrecision::F32 => 2,
+    };
+    let factors = (2 * up_k_halves * p.k.rank * p.k.out + 4 * p.v.rank * p.v.out) as u64;
+    let accumulator = cache
+        .accumulator_latents()
+        .map_or(0, |(k, v)| 4 * (k.len() + v.len()) as u64);
+    let rows = (batch * q_heads * p.head_dim) as u64;
+    batch as u64 * (sequence_bytes(cache.stored()) + accumulator) + factors + 2 * 2 * rows
+}
+
+/// The useful tensor-core work of an XQuant step's K rebuild: `2·R·D` FLOP a token and KV head
+/// (counted once, whatever passes the rebuild's precision takes), for `batch` copies of `cache`.
+pub fn xquant_rebuild_flop(cache: &XQuantCache, batch: usize) -> f64 {
+    let p = cache.projections();
+    2.0 * (p.k.rank * p.head_dim * p.kv_heads) as f64 * (cache.tokens() * batch) as f64
 }
 
 #[cfg(test)]
@@ -116,6 +149,34 @@ mod tests {
                 assert_eq!(extra_bytes(&[&cache(name, 5000)], stores), 0, "{name}");
             }
         }
+    }
+
+    #[test]
+    fn xquant_counts_its_latents_factors_and_rows() {
+        let spec = by_name("xquant2").unwrap().spec;
+        let c = kvq::runtime::xquant::synthetic_cache(&spec, (2, 64, 256), 300, 1).unwrap();
+        let (r, out) = (128usize, 128usize);
+        let factors = (2 * r * out + 4 * r * out) as u64;
+        let rows = (3 * 4 * 64) as u64;
+        let f16 = xquant_decode_bytes(&c, 3, 4, RebuildPrecision::F16);
+        assert_eq!(f16, 3 * sequence_bytes(c.stored()) + factors + 4 * rows);
+        // The f32 rebuild reads up_k's low half too.
+        let f32 = xquant_decode_bytes(&c, 3, 4, RebuildPrecision::F32);
+        assert_eq!(f32 - f16, (2 * r * out) as u64);
+        // 2-bit latents of 128 take fewer bytes a token than the FP16 K/V of 2 heads × 64.
+        assert!(sequence_bytes(c.stored()) < 300 * 2 * 2 * 128);
+        assert_eq!(
+            xquant_rebuild_flop(&c, 3),
+            2.0 * (128 * 64 * 2) as f64 * 900.0
+        );
+        // XQuant-CL also reads its accumulator's f32 latents.
+        let cl = by_name("xquant-cl2").unwrap().spec;
+        let c = kvq::runtime::xquant::synthetic_cache(&cl, (2, 64, 256), 300, 1).unwrap();
+        let with = xquant_decode_bytes(&c, 1, 4, RebuildPrecision::F16);
+        assert_eq!(
+            with,
+            sequence_bytes(c.stored()) + 2 * 4 * 300 * 128 + factors + 4 * (4 * 64)
+        );
     }
 
     #[test]

@@ -41,6 +41,10 @@ pub struct BenchConfig {
     pub kv_heads: usize,
     /// Channels per head.
     pub head_dim: u32,
+    /// Width of the layer input XQuant schemes cache the latents of: their latents are
+    /// `min(d_model, kv_heads·head_dim)` wide ([`kvq::codegen::xquant_rank`]), which sets the K
+    /// rebuild's work a token. Other schemes ignore it.
+    pub d_model: usize,
     /// Query/output dtype.
     pub dtype: Dtype,
     /// Untimed runs before each timing.
@@ -69,7 +73,8 @@ pub struct BenchConfig {
 
 impl BenchConfig {
     /// The issue's grid: every GPU scheme × B {1, 16} × L {4K, 32K, 128K}, 32 query heads, 8 KV
-    /// heads, head_dim 128, f16.
+    /// heads, head_dim 128, f16; XQuant's layer input 4,096 wide (latents of 1,024, a
+    /// LLaMA-3.1-8B layer's).
     pub fn standard() -> BenchConfig {
         BenchConfig {
             schemes: gpu_schemes(),
@@ -78,6 +83,7 @@ impl BenchConfig {
             q_heads: 32,
             kv_heads: 8,
             head_dim: 128,
+            d_model: 4096,
             dtype: Dtype::F16,
             warmup: 5,
             runs: 30,
@@ -119,6 +125,17 @@ pub fn codebook_schemes() -> Vec<Scheme> {
     BUILTIN
         .iter()
         .filter(|b| has_codebook_kernel(&b.spec))
+        .map(|b| Scheme::new(b.spec))
+        .collect()
+}
+
+/// The XQuant built-ins the GPU runs (`source = x(latent)` and XQuant-CL's
+/// `x(cross_layer)`), selected by name: each step rebuilds K from the latents on tensor cores,
+/// tens of times FP16's step, so `all` leaves them out.
+pub fn xquant_schemes() -> Vec<Scheme> {
+    BUILTIN
+        .iter()
+        .filter(|b| has_xquant_kernel(&b.spec))
         .map(|b| Scheme::new(b.spec))
         .collect()
 }
@@ -173,23 +190,22 @@ fn parse_entry(entry: &str) -> Result<Vec<Scheme>> {
         .collect()
 }
 
-/// `scheme`, where a GPU decode kernel covers it.
+/// `scheme`, where a GPU decode kernel covers it: the integer/FP16 decode, the codebook one or
+/// XQuant's.
 fn on_gpu(scheme: Scheme, given: &str) -> Result<Scheme> {
-    if has_decode_kernel(&scheme.spec) || has_codebook_kernel(&scheme.spec) {
+    if has_decode_kernel(&scheme.spec)
+        || has_codebook_kernel(&scheme.spec)
+        || has_xquant_kernel(&scheme.spec)
+    {
         Ok(scheme)
-    } else if has_xquant_kernel(&scheme.spec) {
-        // Its decode needs a layer's projections and d_model, which this grid does not take.
-        Err(BenchError::Usage(format!(
-            "`{given}` (XQuant) decodes on the GPU, but `kvq bench` does not time it: \
-             `kvq demo --schemes '{given}' --batch B --context L` and the `xquant_decode_time` \
-             test of kvq-runtime's gpu_xquant do (docs/BENCHMARKS.md, XQuant on the GPU)"
-        )))
     } else {
         Err(BenchError::Usage(format!(
-            "`{given}` runs in the CPU reference only; GPU schemes: {}, and by name {} (or scheme \
-             text of fp16, int(...) and codebook(...) tensors without calibration)",
+            "`{given}` runs in the CPU reference only; GPU schemes: {}, and by name {} and {} (or \
+             scheme text of fp16, int(...) and codebook(...) tensors without calibration, or \
+             int(...) latents of `source = x(...)`)",
             names(&gpu_schemes()),
-            names(&codebook_schemes())
+            names(&codebook_schemes()),
+            names(&xquant_schemes())
         )))
     }
 }
@@ -285,10 +301,16 @@ mod tests {
             c.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
             ["fp16", "commvq2"]
         );
-        assert!(parse_schemes("xquant2")
-            .unwrap_err()
-            .to_string()
-            .contains("does not time it"));
+        // XQuant built-ins by name (their own GPU kernel), not under `all`.
+        let x = parse_schemes("xquant2,kivi2, xquant-cl2").unwrap();
+        assert_eq!(
+            x.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
+            ["fp16", "xquant2", "kivi2", "xquant-cl2"]
+        );
+        assert!(parse_schemes("all")
+            .unwrap()
+            .iter()
+            .all(|s| !has_xquant_kernel(&s.spec)));
         let token_books = "k = fp16, v = codebook(additive, rows = 512, span = token)";
         assert!(parse_schemes(token_books)
             .unwrap_err()
@@ -322,17 +344,17 @@ mod tests {
             e.contains("column 9") && e.contains("k = int(5, channel)"),
             "{e}"
         );
-        let e = parse_schemes("k = int(2, channel), v = int(2, token), source = x(latent)")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("does not time it") && e.contains("kvq demo"),
-            "{e}"
-        );
+        // XQuant text is timed by its own kernel; text equal to a built-in takes its name.
+        let x =
+            parse_schemes("k = int(2, channel), v = int(2, token), source = x(latent)").unwrap();
+        assert_eq!(x[1].name, "xquant2");
         let e = parse_schemes("k = fp16, v = codebook(additive, rows = 512, span = token)")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("CPU reference only"), "{e}");
+        assert!(
+            e.contains("CPU reference only") && e.contains("xquant2, xquant3"),
+            "{e}"
+        );
         assert!(parse_schemes(" ; ").is_err());
     }
 
@@ -352,9 +374,20 @@ mod tests {
     }
 
     #[test]
+    fn the_xquant_builtins_are_the_latent_and_cross_layer_ones() {
+        let names: Vec<String> = xquant_schemes().into_iter().map(|s| s.name).collect();
+        assert_eq!(names, ["xquant2", "xquant3", "xquant4", "xquant-cl2"]);
+    }
+
+    #[test]
     fn the_standard_grid_is_the_issue_shape() {
         let c = BenchConfig::standard();
         assert_eq!(c.gqa().unwrap(), 4);
+        // XQuant's latents at this shape: min(4096, 8 × 128).
+        assert_eq!(
+            kvq::codegen::xquant_rank(c.d_model, c.kv_heads, c.head_dim as usize),
+            1024
+        );
         assert_eq!(c.contexts, [4096, 32_768, 131_072]);
         let mut bad = c.clone();
         bad.q_heads = 30;

@@ -90,15 +90,30 @@ pub struct Row {
     /// (`kvq_codegen::SlowPath`); the table marks such rows.
     #[serde(default)]
     pub slow_path: Option<String>,
+    /// XQuant: how K was rebuilt (precision and MMA form, e.g. `F16 Warpgroup`); `None` for the
+    /// other schemes, and in results written before XQuant was benchmarked.
+    #[serde(default)]
+    pub rebuild: Option<String>,
+    /// XQuant: the K rebuild's useful tensor-core work, FLOP (`2·R·D` a token and KV head). Its
+    /// floor is compute, not bytes: the note under the table gives the rate it ran at.
+    #[serde(default)]
+    pub rebuild_flop: Option<f64>,
 }
 
 impl Row {
     /// The scheme cell of the table: the name, marked where the slow generic kernel ran.
     pub fn scheme_text(&self) -> String {
-        match &self.slow_path {
-            None => self.scheme.clone(),
-            Some(why) => format!("{} (generic kernel: {why})", self.scheme),
+        match (&self.slow_path, &self.rebuild) {
+            (Some(why), _) => format!("{} (generic kernel: {why})", self.scheme),
+            (None, Some(rebuild)) => format!("{} ({rebuild} rebuild)", self.scheme),
+            (None, None) => self.scheme.clone(),
         }
+    }
+
+    /// The K rebuild's useful tensor-core rate at this row's median, TFLOP/s (XQuant rows).
+    pub fn rebuild_tflops(&self) -> Option<f64> {
+        self.rebuild_flop
+            .map(|f| f / (self.median_us * 1e-6) / 1e12)
     }
 
     /// The most "% of copy" this step can show when every byte it reads moves at the copy
@@ -260,6 +275,32 @@ impl BenchResults {
                  step (same copies, same queueing); × read: the step's median over it.\n",
             );
         }
+        let rebuilds: Vec<&Row> = self
+            .rows
+            .iter()
+            .filter(|r| r.rebuild_flop.is_some())
+            .collect();
+        if !rebuilds.is_empty() {
+            s.push_str(
+                "\nXQuant rows: bytes, GB/s and read µs count what the step reads (the latents' \
+                 store, XQuant-CL's f32 accumulator latents, the projections' up factors once, \
+                 queries and outputs), but their floor is compute: rebuilding K from the latents \
+                 on tensor cores, 2·R·D FLOP a token and KV head (counted once whatever the \
+                 rebuild's passes). max rel err covers the last KV head's query heads of the \
+                 first and last row (the CPU rebuilds one KV head; the rest is checked finite).\n",
+            );
+            for r in rebuilds {
+                s.push_str(&format!(
+                    "- {} B={} L={}: K rebuild {:.3} TFLOP, {:.1} TFLOP/s of useful tensor work at \
+                     the median\n",
+                    r.scheme,
+                    r.batch,
+                    format_tokens(r.context),
+                    r.rebuild_flop.unwrap_or(0.0) / 1e12,
+                    r.rebuild_tflops().unwrap_or(f64::NAN),
+                ));
+            }
+        }
         let extras: Vec<&Row> = self.rows.iter().filter(|r| r.extra_bytes > 0).collect();
         if !extras.is_empty() {
             s.push_str("\nMoved on top (not counted as effective bytes):\n");
@@ -355,6 +396,8 @@ pub(crate) mod tests {
             read_floor_us: None,
             tuned: None,
             slow_path: None,
+            rebuild: None,
+            rebuild_flop: None,
         };
         let mut rows = vec![
             row("fp16", 1, 4096, 20.0),
@@ -467,6 +510,41 @@ pub(crate) mod tests {
         let back = BenchResults::from_json(&r.json()).unwrap();
         assert_eq!(back.rows, r.rows);
         assert_eq!(back.markdown(), md);
+    }
+
+    /// An XQuant row names its rebuild, and the note under the table gives its compute floor's
+    /// work and the rate it ran at; results written before XQuant rows still read.
+    #[test]
+    fn xquant_rows_name_their_rebuild_and_its_rate() {
+        let mut r = sample();
+        r.rows[4].scheme = "xquant2".into();
+        r.rows[4].rebuild = Some("F16 Warpgroup".into());
+        // 1.2 TFLOP in 30 µs would be 40,000 TFLOP/s: the arithmetic, not a claim.
+        r.rows[4].rebuild_flop = Some(1.2e12);
+        let md = r.markdown();
+        assert!(
+            md.contains("| xquant2 (F16 Warpgroup rebuild) | 1 | 32K |"),
+            "{md}"
+        );
+        assert!(md.contains("their floor is compute"), "{md}");
+        assert!(
+            md.contains("- xquant2 B=1 L=32K: K rebuild 1.200 TFLOP, 40000.0 TFLOP/s"),
+            "{md}"
+        );
+        let back = BenchResults::from_json(&r.json()).unwrap();
+        assert_eq!(back.rows, r.rows);
+        let mut old: serde_json::Value = serde_json::from_str(&sample().json()).unwrap();
+        for row in old["rows"].as_array_mut().unwrap() {
+            let row = row.as_object_mut().unwrap();
+            row.remove("rebuild");
+            row.remove("rebuild_flop");
+        }
+        let old = old.to_string();
+        assert!(!old.contains("rebuild"));
+        assert!(BenchResults::from_json(&old).unwrap().rows[4]
+            .rebuild
+            .is_none());
+        assert!(!sample().markdown().contains("floor is compute"));
     }
 
     /// A row the generic kernel ran says so in its scheme cell, and the reason survives JSON.

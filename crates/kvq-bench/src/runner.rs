@@ -4,25 +4,31 @@
 
 use std::sync::Arc;
 
-use kvq::codegen::{has_codebook_kernel, Dtype, KernelShape, TuneParams};
+use kvq::codegen::{has_codebook_kernel, has_xquant_kernel, Dtype, KernelShape, TuneParams};
 use kvq::reference::commvq::CommVqCache;
 use kvq::reference::int::IntCache;
+use kvq::reference::xquant::XQuantCache;
 use kvq::runtime::codebook::{CodebookCache, CodebookKernel, CodebookScratch};
 use kvq::runtime::cudarc::driver::{CudaSlice, CudaStream};
 use kvq::runtime::tune::{
     batch_device_bytes, default_launch_with, plan_copies, ReferenceCheck, RotatingBatch,
     TuneChoice, TunePolicy, TuneProblem, TuneStore, Tuner,
 };
+use kvq::runtime::xquant::{
+    rebuild_text, xquant_cache_bytes, xquant_choice, XQuantDeviceCache, XQuantKernel, XQuantScratch,
+};
 use kvq::runtime::{DecodeKernel, DecodeScratch, GpuTimer, Jit, Pieces, RuntimeError, Timing};
 
-use crate::bytes::{decode_bytes, extra_bytes};
+use crate::bytes::{decode_bytes, extra_bytes, xquant_decode_bytes, xquant_rebuild_flop};
 use crate::copy::copy_bandwidth;
 use crate::date::utc_date;
 use crate::error::{BenchError, Result};
 use crate::grid::{format_tokens, BenchConfig, Scheme};
 use crate::read_floor::ReadFloor;
 use crate::report::{BenchResults, Row, Skipped, TunedResult};
-use crate::workload::{checked_rows, prepare, Prepared, PreparedCache, QueryRows};
+use crate::workload::{
+    checked_rows, prepare, Prepared, PreparedCache, QueryRows, XQUANT_PRECISION,
+};
 
 /// Device memory left free for the driver, the scratch and the tuner's own buffers.
 const RESERVE: u64 = 2 << 30;
@@ -60,12 +66,18 @@ pub fn run(
     let props = device.props().clone();
     let gqa = config.gqa()?;
     let shape = KernelShape::new(config.head_dim, gqa, config.dtype);
+    // Codebook and XQuant decodes check their shapes when their kernels are generated.
     for s in config
         .schemes
         .iter()
-        .filter(|s| !has_codebook_kernel(&s.spec))
+        .filter(|s| !has_codebook_kernel(&s.spec) && !has_xquant_kernel(&s.spec))
     {
         TuneProblem::new(s.spec, shape, config.kv_heads, 1, 1).check()?;
+    }
+    if config.d_model == 0 {
+        return Err(BenchError::Usage(
+            "a layer input of width 0 (--d-model)".into(),
+        ));
     }
     if config.batches.is_empty() || config.contexts.is_empty() {
         return Err(BenchError::Usage("no batch size or context length".into()));
@@ -199,7 +211,7 @@ fn compile_defaults(jit: &Jit, schemes: &[Scheme], shape: KernelShape) -> Result
     let results: Vec<std::result::Result<DecodeKernel, RuntimeError>> = std::thread::scope(|s| {
         let handles: Vec<_> = schemes
             .iter()
-            .filter(|sc| !has_codebook_kernel(&sc.spec))
+            .filter(|sc| !has_codebook_kernel(&sc.spec) && !has_xquant_kernel(&sc.spec))
             .map(|sc| {
                 s.spawn(move || {
                     let params = TuneParams::default_for(&sc.spec, &shape);
@@ -251,7 +263,8 @@ fn set_aside(
     Ok(Some(pad))
 }
 
-/// The prepared reference outputs of the rows a batch of `batch` holds.
+/// The prepared reference outputs of the rows a batch of `batch` holds (whole rows, or the part
+/// the scheme's reference covers).
 fn reference_rows(prep: &Prepared, batch: usize, row_len: usize, dtype: Dtype) -> ReferenceCheck {
     let rows = prep
         .reference
@@ -259,7 +272,7 @@ fn reference_rows(prep: &Prepared, batch: usize, row_len: usize, dtype: Dtype) -
         .filter(|(row, _)| *row < batch)
         .cloned()
         .collect();
-    ReferenceCheck::from_rows(rows, row_len, dtype)
+    ReferenceCheck::from_row_parts(rows, row_len, prep.reference_offset, dtype)
 }
 
 fn too_big(bytes: u64, budget: u64) -> Outcome {
@@ -315,6 +328,7 @@ impl Context<'_> {
         let cache: &IntCache = match &prep.cache {
             PreparedCache::Int(c) => c,
             PreparedCache::Codebook(c) => return self.measure_codebook(prep, c, batch, len),
+            PreparedCache::XQuant(c) => return self.measure_xquant(prep, c, batch, len),
         };
         let config = self.config;
         let device = self.jit.device();
@@ -440,6 +454,8 @@ impl Context<'_> {
             copies: rotation.copies(),
             read_floor_us: None,
             tuned,
+            rebuild: None,
+            rebuild_flop: None,
         })))
     }
 
@@ -595,6 +611,146 @@ impl Context<'_> {
                     rejected: report.rejected,
                 }
             }),
+            rebuild: None,
+            rebuild_flop: None,
+        })))
+    }
+
+    /// Measures an XQuant scheme (its own kernel, K rebuilt at [`XQUANT_PRECISION`]): `batch`
+    /// copies of the prepared sequence of random latents, as many batches as keep the rotation
+    /// past L2, the split count the tuner's policy would not change (the default's), and with
+    /// `--tune` the tuner's split count timed against it in interleaved rounds.
+    fn measure_xquant(
+        &mut self,
+        prep: &Prepared,
+        cache: &XQuantCache,
+        batch: usize,
+        len: usize,
+    ) -> Result<Outcome> {
+        let config = self.config;
+        let stream = self.stream.clone();
+        let (q_heads, d) = (config.q_heads, config.head_dim as usize);
+        let spec = prep.scheme.spec;
+        let kernel = XQuantKernel::load(
+            self.jit,
+            &spec,
+            &self.shape,
+            config.kv_heads,
+            cache.projections().d_model(),
+            XQUANT_PRECISION,
+        )?;
+        let sequences = vec![cache.clone(); batch];
+        let first = XQuantDeviceCache::upload(&stream, &sequences)?;
+        let per_copy = xquant_cache_bytes(&first);
+        let budget = self.memory_budget()?;
+        if per_copy > budget {
+            return Ok(too_big(per_copy, budget));
+        }
+        let copies = plan_copies(per_copy, self.jit.device().props().l2_bytes, budget)?;
+        let mut batches = vec![first];
+        for _ in 1..copies {
+            batches.push(XQuantDeviceCache::upload(&stream, &sequences)?);
+        }
+        drop(sequences);
+        let rows = batch * q_heads * d;
+        let q = stream
+            .clone_htod(self.queries.bits_for(batch))
+            .map_err(|e| RuntimeError::driver("upload the queries", e))?;
+        let mut out = stream
+            .clone_htod(&vec![0x7e00u16; rows])
+            .map_err(|e| RuntimeError::driver("allocate the output", e))?;
+        let splits = kernel.default_splits(batch, len);
+        let mut scratch = XQuantScratch::new(&stream)?;
+        let reference = reference_rows(prep, batch, q_heads * d, config.dtype);
+        let mut check = |splits: usize, scratch: &mut XQuantScratch| {
+            let poison = vec![0x7e00u16; rows];
+            stream
+                .memcpy_htod(&poison, &mut out)
+                .map_err(|e| RuntimeError::driver("poison the output", e))?;
+            kernel.attend(&stream, &batches[0], &q, &mut out, splits, scratch)?;
+            let host: Vec<u16> = stream
+                .clone_dtoh(&out)
+                .map_err(|e| RuntimeError::driver("download the output", e))?;
+            Ok::<_, BenchError>(reference.verify(&host))
+        };
+        let max_rel_error = if config.check {
+            match check(splits, &mut scratch)? {
+                Ok(e) => Some(e),
+                Err(why) => return Ok(Outcome::Skipped(format!("WRONG OUTPUT: {why}"))),
+            }
+        } else {
+            None
+        };
+        // The tuner's split count, checked like the default.
+        let mut tuned = None;
+        if let Some(tuner) = self.tuner.as_mut() {
+            let problem = TuneProblem::new(spec, self.shape, config.kv_heads, batch, len);
+            let refs: Vec<&XQuantDeviceCache> = batches.iter().collect();
+            let report = tuner.tune_xquant_on(&problem, &kernel, &refs, &q)?;
+            let mut ts = XQuantScratch::new(&stream)?;
+            if config.check {
+                if let Err(why) = check(report.chosen, &mut ts)? {
+                    return Ok(Outcome::Skipped(format!(
+                        "WRONG OUTPUT from the tuned {} splits: {why}",
+                        report.chosen
+                    )));
+                }
+            }
+            tuned = Some((report, ts));
+        }
+        let rounds = if tuned.is_some() { ROUNDS } else { 1 };
+        let per_round = config.runs.max(rounds).div_ceil(rounds);
+        let (mut base, mut fast) = (Vec::new(), Vec::new());
+        let mut next = 0;
+        for _ in 0..rounds {
+            let t = self.timer.time(&stream, config.warmup, per_round, |s| {
+                next = (next + 1) % batches.len();
+                kernel.attend(s, &batches[next], &q, &mut out, splits, &mut scratch)
+            })?;
+            base.extend(t.samples_us);
+            if let Some((report, ts)) = tuned.as_mut() {
+                let t = self.timer.time(&stream, config.warmup, per_round, |s| {
+                    next = (next + 1) % batches.len();
+                    kernel.attend(s, &batches[next], &q, &mut out, report.chosen, ts)
+                })?;
+                fast.extend(t.samples_us);
+            }
+        }
+        let stats = Timing { samples_us: base };
+        let median_us = stats.median_us();
+        let bytes = xquant_decode_bytes(cache, batch, q_heads, XQUANT_PRECISION);
+        let gbps = bytes as f64 / (median_us * 1e-6) / 1e9;
+        Ok(Outcome::Measured(Box::new(Row {
+            slow_path: None,
+            scheme: prep.scheme.name.clone(),
+            batch,
+            context: len,
+            choice: xquant_choice(&kernel, splits),
+            range_splits: None,
+            median_us,
+            min_us: stats.min_us(),
+            bytes,
+            extra_bytes: 0,
+            stored_scores: false,
+            gbps,
+            pct_of_copy: 100.0 * gbps / self.copy_gbps,
+            speedup_vs_fp16: None,
+            max_rel_error,
+            copies: batches.len(),
+            read_floor_us: None,
+            tuned: tuned.map(|(report, _)| {
+                let t = Timing { samples_us: fast }.median_us();
+                TunedResult {
+                    choice: xquant_choice(&kernel, report.chosen),
+                    median_us: t,
+                    gain: median_us / t,
+                    tune_seconds: report.elapsed.as_secs_f64(),
+                    candidates: report.candidates.len(),
+                    rejected: report.rejected(),
+                }
+            }),
+            rebuild: Some(rebuild_text(kernel.generated())),
+            rebuild_flop: Some(xquant_rebuild_flop(cache, batch)),
         })))
     }
 }

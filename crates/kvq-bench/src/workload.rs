@@ -1,19 +1,22 @@
 //! Inputs of a run: random K/V generated once per context length, every scheme's reference cache
-//! built from them (in parallel), and the reference outputs of the rows that will be checked.
+//! built from them (in parallel; XQuant's from random latents of its own), and the reference
+//! outputs of the rows that will be checked.
 //!
 //! A batch of B sequences is B references to one cache: building 16 × 128K-token caches on the
 //! CPU would take minutes and change nothing the GPU sees (the page table still maps every
 //! sequence to its own pages).
 
-use kvq::codegen::{has_codebook_kernel, Dtype};
+use kvq::codegen::{has_codebook_kernel, has_xquant_kernel, Dtype, RebuildPrecision};
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::commvq::{self, CalibrationData, CommVqCache, TrainOptions};
 use kvq::reference::int::IntCache;
 use kvq::reference::resources::AllocError;
 use kvq::reference::rope::Rope;
+use kvq::reference::xquant::XQuantCache;
 use kvq::reference::KvTensor;
 use kvq::runtime::tune::check::default_rows;
 use kvq::runtime::tune::synth::{random_kv, random_queries};
+use kvq::runtime::xquant::synthetic_cache;
 
 use crate::error::{BenchError, Result};
 use crate::grid::{BenchConfig, Scheme};
@@ -24,7 +27,14 @@ pub enum PreparedCache {
     Int(Box<IntCache>),
     /// Codebook schemes (CommVQ), with the RoPE their keys were coded under.
     Codebook(Box<CommVqCache>),
+    /// XQuant schemes: random latents over synthetic projections of the configured d_model
+    /// (the decode's time depends on the widths and the tokens, not on the values), K rebuilt at
+    /// [`XQUANT_PRECISION`].
+    XQuant(Box<XQuantCache>),
 }
+
+/// The precision the bench rebuilds XQuant's K at: the library's default (one f16 product).
+pub const XQUANT_PRECISION: RebuildPrecision = RebuildPrecision::F16;
 
 /// Tokens a codebook scheme's codebooks are trained on (the first of the random K/V): timing does
 /// not depend on how good they are, so the training stays short.
@@ -55,8 +65,11 @@ pub struct Prepared {
     /// One sequence's cache.
     pub cache: PreparedCache,
     /// `(row, output)` of the CPU reference for every row any batch checks (empty without
-    /// checks).
+    /// checks): whole rows, or for XQuant the query heads of the last KV head, from
+    /// `reference_offset` in the row.
     pub reference: Vec<(usize, Vec<f32>)>,
+    /// Where each reference output starts in its row of `[q_heads][head_dim]` values.
+    pub reference_offset: usize,
 }
 
 /// Queries for the largest batch (smaller batches use its first rows).
@@ -125,13 +138,20 @@ pub fn prepare(
             |e: kvq::reference::RefError| BenchError::Reference(format!("{}: {e}", scheme.name));
         let cache = if has_codebook_kernel(&scheme.spec) {
             PreparedCache::Codebook(Box::new(codebook_cache(scheme, &k, &v, seed)?))
+        } else if has_xquant_kernel(&scheme.spec) {
+            let shape = (kv_heads, head_dim, config.d_model);
+            PreparedCache::XQuant(Box::new(synthetic_cache(&scheme.spec, shape, len, seed)?))
         } else {
             PreparedCache::Int(Box::new(
                 IntCache::build(&scheme.spec, &k, &v).map_err(reference_err)?,
             ))
         };
         let mut reference = Vec::new();
-        if check {
+        let mut reference_offset = 0;
+        if let (true, PreparedCache::XQuant(c)) = (check, &cache) {
+            (reference, reference_offset) =
+                xquant_reference(c, queries, rows, kv_heads).map_err(reference_err)?;
+        } else if check {
             // Integer caches are dequantized once, for every row.
             let mut deq = None;
             for &row in rows {
@@ -151,6 +171,9 @@ pub fn prepare(
                         attention::decode(&q, deq, scheme.spec.calibrate.as_ref())
                     }
                     PreparedCache::Codebook(c) => c.attend(&q),
+                    PreparedCache::XQuant(_) => {
+                        return Err(BenchError::Reference("XQuant rows checked above".into()))
+                    }
                 }
                 .map_err(reference_err)?;
                 reference.push((row, out));
@@ -160,6 +183,7 @@ pub fn prepare(
             scheme: scheme.clone(),
             cache,
             reference,
+            reference_offset,
         })
     };
     std::thread::scope(|s| {
@@ -177,6 +201,41 @@ pub fn prepare(
             })
             .collect()
     })
+}
+
+/// `(row, reference output)` pairs.
+type ReferenceRows = Vec<(usize, Vec<f32>)>;
+
+/// The reference outputs of the query heads of `cache`'s last KV head for each of `rows`, and
+/// where they start in a row. One KV head, because rebuilding K of all of them at real widths
+/// (latents of 1,024, 32K tokens) takes the CPU minutes and one a few seconds; the last, because
+/// that is where a head's offset shows when it is wrong. The rest of each row is checked finite.
+fn xquant_reference(
+    cache: &XQuantCache,
+    queries: &QueryRows,
+    rows: &[usize],
+    kv_heads: usize,
+) -> std::result::Result<(ReferenceRows, usize), kvq::reference::RefError> {
+    let head_dim = cache.projections().head_dim;
+    let head = kv_heads.saturating_sub(1);
+    let group = queries.row_len / head_dim.max(1) / kv_heads.max(1);
+    let (offset, len) = (head * group * head_dim, group * head_dim);
+    let deq = cache.dequantize_kv_head(head, XQUANT_PRECISION == RebuildPrecision::F16)?;
+    let mut out = Vec::with_capacity(rows.len());
+    for &row in rows {
+        let at = row * queries.row_len + offset;
+        let data = queries
+            .values
+            .get(at..at + len)
+            .ok_or_else(|| kvq::reference::RefError::Mismatch(format!("no query row {row}")))?;
+        let q = Queries {
+            data: data.to_vec(),
+            q_heads: group,
+            head_dim,
+        };
+        out.push((row, attention::decode(&q, &deq, None)?));
+    }
+    Ok((out, offset))
 }
 
 #[cfg(test)]
@@ -243,6 +302,46 @@ mod tests {
             })
             .unwrap();
         assert_eq!(p.reference, [(0, want)]);
+    }
+
+    #[test]
+    fn xquant_schemes_prepare_latent_caches_checked_on_the_last_kv_head() {
+        let mut config = BenchConfig::standard();
+        config.schemes = parse_schemes("xquant2").unwrap();
+        config.kv_heads = 2;
+        config.head_dim = 64;
+        config.d_model = 256;
+        // 4 query heads, 2 a KV head.
+        let q = QueryRows::new(2, 4, 64, Dtype::F16, 5).unwrap();
+        let prepared = prepare(&config, 300, &q, &[0, 1]).unwrap();
+        let p = prepared
+            .iter()
+            .find(|p| p.scheme.name == "xquant2")
+            .unwrap();
+        let PreparedCache::XQuant(cache) = &p.cache else {
+            panic!("an XQuant scheme prepared as another family")
+        };
+        assert_eq!(cache.tokens(), 300);
+        // Latents of min(256, 2 × 64).
+        assert_eq!(cache.projections().k.rank, 128);
+        assert_eq!(p.reference_offset, 2 * 64);
+        assert_eq!(p.reference.len(), 2);
+        // The last KV head's query heads of row 1, as the whole f16 rebuild attends them.
+        let whole = cache.dequantize_f16_rebuild();
+        let rows = attention::decode(
+            &Queries {
+                data: q.values[4 * 64..8 * 64].to_vec(),
+                q_heads: 4,
+                head_dim: 64,
+            },
+            &whole,
+            None,
+        )
+        .unwrap();
+        let (row, got) = &p.reference[1];
+        assert_eq!(*row, 1);
+        assert_eq!(got.len(), 2 * 64);
+        assert!(attention::relative_error(got, &rows[2 * 64..]) < 1e-6);
     }
 
     #[test]

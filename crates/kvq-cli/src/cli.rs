@@ -237,6 +237,10 @@ pub struct TuneArgs {
     /// KV heads per sequence.
     #[arg(long, default_value_t = 8)]
     pub kv_heads: usize,
+    /// XQuant schemes: the layer input's width (their latents are min(d_model,
+    /// kv_heads·head_dim) wide).
+    #[arg(long, default_value_t = 4096)]
+    pub d_model: usize,
     /// Batch sizes, comma-separated.
     #[arg(long, default_value = "1", value_parser = usize_list)]
     pub batch: CommaList,
@@ -276,6 +280,10 @@ pub struct BenchArgs {
     /// Channels per head.
     #[arg(long, default_value_t = 128)]
     pub head_dim: u32,
+    /// XQuant schemes: the layer input's width (their latents are min(d_model,
+    /// kv_heads·head_dim) wide).
+    #[arg(long, default_value_t = 4096)]
+    pub d_model: usize,
     /// Query/output dtype: f16 or bf16.
     #[arg(long, default_value = "f16")]
     pub dtype: Dtype,

@@ -324,13 +324,13 @@ fn gpu_columns(
         let label = rows[i].scheme.label();
         let result = gpu_xquant::measure(
             g,
+            &mut tuner,
             &rows[i].scheme.spec,
             &shape,
             opts.kv_heads,
             opts.context,
             opts.batch.max(1),
-            opts.warmup,
-            opts.runs,
+            (opts.warmup, opts.runs),
             opts.seed,
         )
         .map_err(|e| e.to_string());

@@ -2,19 +2,20 @@
 //! workload's layer cached by the CPU reference as the CPU column caches it
 //! ([`evaluate::xquant_cache`]) and decoded by the fused XQuant kernel, K rebuilt on tensor cores
 //! (its error against exact attention), and the decode's latency on random latents of the latency
-//! workload's length (XQuant-CL: random accumulator latents too).
+//! workload's length (XQuant-CL: random accumulator latents too) at the split count the tuner's
+//! policy chooses (`kvq demo --tune` tunes it).
 
-use kvq::codegen::{KernelShape, TuneParams};
+use kvq::codegen::KernelShape;
 use kvq::evaluate::{self, Workload};
-use kvq::reference::synth::{generate, SynthConfig, SynthRng};
-use kvq::reference::xquant::{Projections, XQuantCache};
 use kvq::runtime::cudarc::driver::CudaSlice;
-use kvq::runtime::decode::Pieces;
 use kvq::runtime::tune::synth::{random_queries, round_to_word, word_to_f32};
-use kvq::runtime::tune::{ChoiceSource, TuneChoice};
-use kvq::runtime::xquant::{XQuantDeviceCache, XQuantKernel, XQuantScratch};
+use kvq::runtime::tune::{TuneProblem, Tuner};
+use kvq::runtime::xquant::{
+    synthetic_cache, xquant_cache_bytes, xquant_choice, XQuantDeviceCache, XQuantKernel,
+    XQuantScratch,
+};
 use kvq::runtime::RuntimeError;
-use kvq::{CacheSource, SchemeSpec, XSource};
+use kvq::SchemeSpec;
 
 use crate::gpu::{check_then_time, rotation_copies, Gpu, Latency};
 
@@ -68,74 +69,44 @@ pub fn decode_layer(
     Ok(host.iter().map(|&w| word_to_f32(w, shape.dtype)).collect())
 }
 
-/// Uniform values in [-2, 2) (the decode's time does not depend on them).
-fn random_latents(n: usize, rng: &mut SynthRng) -> Vec<f32> {
-    (0..n).map(|_| 2.0 * rng.symmetric()).collect()
-}
-
-/// Latency of one decode of `batch` sequences of `tokens` random latents: projections from a
-/// synthetic layer whose input is `kv_heads · head_dim` wide (the latents' width for any wider
-/// input: the decode never reads the input's width), enough copies of the batch to rotate past
-/// L2, the default splits, one output checked finite, then `runs` timed decodes.
+/// Latency of one decode of `batch` sequences of `tokens` random latents
+/// ([`synthetic_cache`]: synthetic projections of a layer whose input is `kv_heads · head_dim`
+/// wide, the latents' width for any wider input; XQuant-CL with random accumulator latents too),
+/// enough copies of the batch to rotate past L2, the split count `tuner`'s policy chooses, one
+/// output checked finite, then `runs` timed decodes.
 #[allow(clippy::too_many_arguments)]
 pub fn measure(
     gpu: &Gpu,
+    tuner: &mut Tuner<'_>,
     spec: &SchemeSpec,
     shape: &KernelShape,
     kv_heads: usize,
     tokens: usize,
     batch: usize,
-    warmup: usize,
-    runs: usize,
+    (warmup, runs): (usize, usize),
     seed: u64,
 ) -> Result<Latency, RuntimeError> {
     let d = shape.head_dim as usize;
     let d_model = kv_heads * d;
-    let layer = generate(&SynthConfig {
-        tokens: 16,
-        kv_heads,
-        gqa: shape.gqa as usize,
-        head_dim: d,
-        d_model,
-        seed,
-        ..Default::default()
-    });
-    let p = Projections::from_weights(&layer.layer.w_k, &layer.layer.w_v, d_model, kv_heads, d)
-        .map_err(|e| reference("projections for the latency run", e))?;
-    let mut state = SynthRng::new(seed);
-    let (lk, lv) = (
-        random_latents(tokens * p.k.rank, &mut state),
-        random_latents(tokens * p.v.rank, &mut state),
-    );
-    let one = match spec.source {
-        CacheSource::X(XSource::CrossLayer) => {
-            // The accumulator's latents: more random values, added by the decode to each.
-            let (bk, bv) = (
-                random_latents(tokens * p.k.rank, &mut state),
-                random_latents(tokens * p.v.rank, &mut state),
-            );
-            XQuantCache::from_cross_layer_latents(spec, (&lk, &lv), (&bk, &bv), &p, layer.rope)
-        }
-        _ => XQuantCache::from_latents(spec, &lk, &lv, &p, layer.rope),
-    }
-    .map_err(|e| reference("the latency run's latent cache", e))?;
-    drop((lk, lv));
+    let batch = batch.max(1);
+    let one = synthetic_cache(spec, (kv_heads, d, d_model), tokens, seed)?;
     let stream = gpu.device.default_stream();
-    let sequences = vec![one; batch.max(1)];
+    let sequences = vec![one; batch];
     let first = XQuantDeviceCache::upload(&stream, &sequences)?;
-    let copies = rotation_copies(gpu, first.latent_bytes())?;
+    let copies = rotation_copies(gpu, xquant_cache_bytes(&first) as usize)?;
     let mut batches = vec![first];
     for _ in 1..copies {
         batches.push(XQuantDeviceCache::upload(&stream, &sequences)?);
     }
     drop(sequences);
     let kernel = XQuantKernel::load(&gpu.jit, spec, shape, kv_heads, d_model, Default::default())?;
-    let q_heads = kv_heads * shape.gqa as usize;
-    let (q_words, _) = random_queries(batch.max(1) * q_heads * d, shape.dtype, seed)?;
+    let problem = TuneProblem::new(*spec, *shape, kv_heads, batch, tokens);
+    let (q_words, _) = random_queries(batch * problem.q_heads() * d, shape.dtype, seed)?;
     let q = upload(gpu, &q_words)?;
+    let refs: Vec<&XQuantDeviceCache> = batches.iter().collect();
+    let (splits, source) = tuner.choose_xquant(&problem, &kernel, &refs, &q)?;
     let mut out = upload(gpu, &vec![0x7e00u16; q_words.len()])?;
     let mut scratch = XQuantScratch::new(&stream)?;
-    let splits = kernel.default_splits(batch.max(1), tokens);
     let median_us = check_then_time(
         gpu,
         spec,
@@ -145,22 +116,10 @@ pub fn measure(
         (warmup, runs),
         |s, i, out| kernel.attend(s, &batches[i], &q, out, splits, &mut scratch),
     )?;
-    let generated = kernel.generated();
     Ok(Latency {
         median_us,
-        choice: TuneChoice {
-            params: TuneParams {
-                threads: generated.decode.block,
-                tile_tokens: kvq::codegen::xquant_tile(shape.head_dim),
-                min_warps_per_sm: 0,
-                pack_heads: false,
-                short_staging: false,
-                store_scores: false,
-            },
-            splits,
-            pieces: Pieces::NONE,
-        },
-        source: ChoiceSource::Heuristic,
+        choice: xquant_choice(&kernel, splits),
+        source,
         max_rel_error: f64::NAN,
         copies: batches.len(),
     })

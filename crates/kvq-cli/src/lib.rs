@@ -15,5 +15,6 @@ pub mod sample;
 pub mod sample_codebook;
 pub mod scheme;
 pub mod table;
+mod tune_xquant;
 
 pub use error::{CliError, Result};

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvq::codegen::{has_codebook_kernel, KernelShape, RebuildPrecision};
+use kvq::codegen::{has_codebook_kernel, has_xquant_kernel, KernelShape, RebuildPrecision};
 use kvq::evaluate;
 use kvq::runtime::codebook::{codebook_problem_key, CodebookLaunch};
 use kvq::runtime::decode::{DecodeOptions, PiecesOverride};
@@ -27,6 +27,7 @@ use crate::info;
 use crate::sample::SampleSpec;
 use crate::scheme::{self, resolve, resolve_list, Resolved};
 use crate::table::{Align, Table};
+use crate::tune_xquant;
 
 fn print(out: &mut dyn Write, text: &str) -> Result<()> {
     out.write_all(text.as_bytes())
@@ -226,8 +227,13 @@ fn tune_cmd(a: TuneArgs, out: &mut dyn Write) -> Result<()> {
     positive("--gqa", a.gqa as usize)?;
     let schemes = resolve_list(&a.scheme, true)?;
     let shape = KernelShape::new(a.head_dim, a.gqa, a.dtype);
-    // Refuse bad shapes before spending time on the GPU.
+    // Refuse bad shapes before spending time on the GPU (XQuant's kernel generator checks its
+    // own when the kernel loads).
     for s in &schemes {
+        if has_xquant_kernel(&s.spec) {
+            positive("--d-model", a.d_model)?;
+            continue;
+        }
         TuneProblem::new(s.spec, shape, a.kv_heads, 1, 1)
             .check()
             .map_err(|e| CliError::Usage(e.to_string()))?;
@@ -261,6 +267,9 @@ fn tune_cmd(a: TuneArgs, out: &mut dyn Write) -> Result<()> {
                 let problem = TuneProblem::new(s.spec, shape, a.kv_heads, batch, context);
                 let row = if has_codebook_kernel(&s.spec) {
                     codebook_tune_row(&mut tuner, s, &problem, a.force)?
+                } else if has_xquant_kernel(&s.spec) {
+                    let (label, force) = (s.label(), a.force);
+                    tune_xquant::row(&g, &mut tuner, &label, &problem, a.d_model, force)?
                 } else {
                     tune_row(&mut tuner, s, &problem, a.force)?
                 };
@@ -314,6 +323,7 @@ fn bench_cmd(a: BenchArgs, out: &mut dyn Write) -> Result<()> {
         }
         return print(out, &format!("{}\n", results.markdown()));
     }
+    positive("--d-model", a.d_model)?;
     let gib = |x: f64| (x.max(0.0) * (1u64 << 30) as f64) as u64;
     let config = BenchConfig {
         schemes: parse_schemes(&a.schemes)?,
@@ -322,6 +332,7 @@ fn bench_cmd(a: BenchArgs, out: &mut dyn Write) -> Result<()> {
         q_heads: a.q_heads,
         kv_heads: a.kv_heads,
         head_dim: a.head_dim,
+        d_model: a.d_model,
         dtype: a.dtype,
         warmup: a.warmup,
         runs: a.runs.max(1),
@@ -453,7 +464,7 @@ fn codebook_tune_row(
 }
 
 /// The cells of a stored result.
-fn stored_cells(e: &kvq::runtime::tune::TuneEntry, launch: String) -> Vec<String> {
+pub(crate) fn stored_cells(e: &kvq::runtime::tune::TuneEntry, launch: String) -> Vec<String> {
     vec![
         "stored".to_string(),
         launch,

@@ -29,14 +29,15 @@ impl Resolved {
         has_decode_kernel(&self.spec)
     }
 
-    /// Whether its decode runs on the GPU through the tuner: the integer/FP16 kernel or the
+    /// Whether `all` selects it for the GPU commands (`kvq tune`): the integer/FP16 kernel or the
     /// codebook one.
     pub fn runs_on_gpu(&self) -> bool {
         self.has_gpu_kernel() || has_codebook_kernel(&self.spec)
     }
 
     /// Whether any GPU decode serves it: [`runs_on_gpu`](Self::runs_on_gpu)'s, or XQuant's over
-    /// its latents (latent and cross-layer schemes; not tuned yet).
+    /// its latents (latent and cross-layer schemes; tuned too, but only by name: a step
+    /// rebuilds K on tensor cores and takes tens of times FP16's, so `all` leaves them out).
     pub fn decodes_on_gpu(&self) -> bool {
         self.runs_on_gpu() || has_xquant_kernel(&self.spec)
     }
@@ -70,8 +71,9 @@ pub fn resolve(arg: &str) -> Result<Resolved> {
     Ok(Resolved { name, spec })
 }
 
-/// `all` (every built-in, or every built-in whose decode runs on the GPU when `gpu_only`), or a
-/// comma list of built-in names, in the order given, without repeats.
+/// `all` (every built-in, or every built-in whose decode runs on the GPU when `gpu_only`: not the
+/// XQuant ones), or a comma list of built-in names (when `gpu_only`, of any GPU decode, XQuant's
+/// included), in the order given, without repeats.
 pub fn resolve_list(arg: &str, gpu_only: bool) -> Result<Vec<Resolved>> {
     let pick = |b: &kvq::schemes::Builtin| Resolved {
         name: Some(b.name),
@@ -90,13 +92,17 @@ pub fn resolve_list(arg: &str, gpu_only: bool) -> Result<Vec<Resolved>> {
     let mut out: Vec<Resolved> = Vec::new();
     for name in arg.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let r = resolve(name)?;
-        if gpu_only && !r.runs_on_gpu() {
+        if gpu_only && !r.decodes_on_gpu() {
             return Err(CliError::Unsupported(format!(
                 "`{name}` runs in the CPU reference only (no GPU kernel for its family yet); \
                  GPU schemes: {}",
                 BUILTIN
                     .iter()
-                    .filter(|b| has_decode_kernel(&b.spec) || has_codebook_kernel(&b.spec))
+                    .filter(|b| {
+                        has_decode_kernel(&b.spec)
+                            || has_codebook_kernel(&b.spec)
+                            || has_xquant_kernel(&b.spec)
+                    })
                     .map(|b| b.name)
                     .collect::<Vec<_>>()
                     .join(", ")
@@ -153,10 +159,10 @@ mod tests {
             l.iter().map(|r| r.name.unwrap()).collect::<Vec<_>>(),
             ["int8", "kivi2"]
         );
-        assert!(matches!(
-            resolve_list("xquant2", true),
-            Err(CliError::Unsupported(_))
-        ));
+        // XQuant by name (tuned by its own tuner), not under `all`.
+        let x = resolve_list("xquant2,xquant-cl2", true).unwrap();
+        assert!(x.iter().all(|r| r.decodes_on_gpu() && !r.runs_on_gpu()));
+        assert!(!all.iter().any(|r| has_xquant_kernel(&r.spec)));
         assert!(resolve_list(" , ", false).is_err());
     }
 }

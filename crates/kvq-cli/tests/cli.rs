@@ -615,6 +615,7 @@ fn gen_uses_tuned_block_parameters_from_the_tune_file() {
         tuned_at_unix: 1,
         kvq_version: "0.1.0".into(),
         codebook: None,
+        xquant: None,
     });
     store.save().unwrap();
     let (m, _, dir) = gen_and_check(
@@ -1592,13 +1593,25 @@ fn tune_and_bench_need_a_gpu_and_say_so() {
     let o = kvq_without_gpu(&["tune", "--scheme", "commvq2"], tmp.path());
     assert_eq!(o.status.code(), Some(3), "{}", text(&o).1);
     assert!(text(&o).1.contains("needs a GPU"), "{}", text(&o).1);
+    // XQuant schemes tune too (their split count), by name.
+    let o = kvq_without_gpu(&["tune", "--scheme", "xquant2,xquant-cl2"], tmp.path());
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o).1);
+    assert!(text(&o).1.contains("needs a GPU"), "{}", text(&o).1);
     // Usage errors come first, GPU or not.
-    let o = kvq_without_gpu(&["tune", "--scheme", "xquant2"], tmp.path());
+    let o = kvq_without_gpu(
+        &["tune", "--scheme", "xquant2", "--d-model", "0"],
+        tmp.path(),
+    );
     assert_eq!(o.status.code(), Some(2));
-    assert!(text(&o).1.contains("CPU reference only"), "{}", text(&o).1);
+    assert!(text(&o).1.contains("--d-model"), "{}", text(&o).1);
     let o = kvq_without_gpu(&["bench", "--q-heads", "30"], tmp.path());
     assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
     let o = kvq_without_gpu(&["bench", "--pad-mib", "-1"], tmp.path());
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
+    let o = kvq_without_gpu(
+        &["bench", "--schemes", "xquant2", "--d-model", "0"],
+        tmp.path(),
+    );
     assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
     // Scheme text is read before the GPU is looked for: a mistake points at its column.
     let o = kvq_without_gpu(
@@ -1634,6 +1647,11 @@ fn bench_takes_scheme_text_beside_builtins() {
         ],
         tmp.path(),
     );
-    assert_eq!(o.status.code(), Some(2), "{}", text(&o).1);
-    assert!(text(&o).1.contains("does not time it"), "{}", text(&o).1);
+    // XQuant text is timed by its own decode: as far as the GPU check too.
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o).1);
+    let o = kvq_without_gpu(
+        &["bench", "--schemes", "xquant2,kivi2", "--d-model", "2048"],
+        tmp.path(),
+    );
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o).1);
 }

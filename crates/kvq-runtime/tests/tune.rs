@@ -67,6 +67,7 @@ fn entry(p: &TuneProblem, splits: usize) -> TuneEntry {
         tuned_at_unix: 1_800_000_000,
         kvq_version: "0.1.0".into(),
         codebook: None,
+        xquant: None,
     }
 }
 

@@ -16,6 +16,7 @@ mod file;
 mod lift;
 pub mod projection;
 pub mod svd;
+mod synthetic;
 
 pub use cache::{latent_store_width, XQuantCache};
 pub use file::{ProjectionFileError, PROJECTION_FILE_FORMAT, PROJECTION_FILE_LIMIT};

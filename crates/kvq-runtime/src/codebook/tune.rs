@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
-use kvq_codegen::{codebook_candidates, CodebookParams, Dtype, TuneParams};
+use kvq_codegen::{codebook_candidates, CodebookParams, TuneParams};
 
 use kvq_reference::commvq::{self, CalibrationData, TrainOptions};
 use kvq_reference::rope::Rope;
@@ -31,9 +31,10 @@ use super::decode::{CodebookKernel, CodebookScratch};
 use super::encode::{input_words, CodebookEncoder, EncodeInputs};
 use crate::error::{Result, RuntimeError};
 use crate::timing::GpuTimer;
+use crate::tune::check::relative_difference;
 use crate::tune::plan_copies;
 use crate::tune::store::{checksum, unix_now};
-use crate::tune::synth::{random_kv, random_queries, word_to_f32};
+use crate::tune::synth::{random_kv, random_queries};
 use crate::tune::{
     select_winner, split_candidates, tolerance, CandidateResult, ChoiceSource, ProblemKey,
     TuneChoice, TuneEntry, TunePolicy, TuneProblem, Tuner, SPLIT_FACTORS,
@@ -376,7 +377,7 @@ impl Tuner<'_> {
                 continue;
             };
             match session.output(k, l.splits) {
-                Ok(got) => match compare(&got, &want, problem.shape.dtype) {
+                Ok(got) => match relative_difference(&got, &want, problem.shape.dtype) {
                     Some(err) if err <= tol || i == 0 => results[i].error = Some(err),
                     Some(err) => {
                         results[i].rejected = Some(format!(
@@ -433,6 +434,7 @@ impl Tuner<'_> {
             tuned_at_unix: unix_now(),
             kvq_version: env!("CARGO_PKG_VERSION").into(),
             codebook: Some(chosen.params),
+            xquant: None,
         };
         let saved_to = self.store_entry(entry);
         Ok(CodebookTuneReport {
@@ -468,26 +470,6 @@ fn as_choice(l: &CodebookLaunch) -> TuneChoice {
         splits: l.splits,
         pieces: Default::default(),
     }
-}
-
-/// The largest relative error of `got` against `want` (both device words of `dtype`), over the
-/// largest |want|; `None` when `got` holds a NaN or an infinity.
-fn compare(got: &[u16], want: &[u16], dtype: Dtype) -> Option<f64> {
-    let value = |b: u16| f64::from(word_to_f32(b, dtype));
-    let scale = want
-        .iter()
-        .map(|&b| value(b).abs())
-        .fold(0.0, f64::max)
-        .max(1e-30);
-    let mut worst = 0.0f64;
-    for (&g, &w) in got.iter().zip(want) {
-        let g = value(g);
-        if !g.is_finite() {
-            return None;
-        }
-        worst = worst.max((g - value(w)).abs() / scale);
-    }
-    Some(worst)
 }
 
 /// A tuning session's buffers: the rotation of batches, the queries, an output and the partials.

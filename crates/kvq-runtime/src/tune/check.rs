@@ -18,12 +18,36 @@ pub fn tolerance(dtype: Dtype) -> f64 {
     }
 }
 
-/// Reference outputs of selected batch rows, computed once and compared with any number of
-/// kernel outputs.
+/// Reference outputs of selected batch rows (or of a part of each, see
+/// [`ReferenceCheck::from_row_parts`]), computed once and compared with any number of kernel
+/// outputs.
 pub struct ReferenceCheck {
     rows: Vec<(usize, Vec<f32>)>,
     row_len: usize,
+    /// Where in its row each reference starts (0: whole rows).
+    offset: usize,
     dtype: Dtype,
+}
+
+/// The largest difference of `got` from `want` (device words of `dtype`, equally long) over the
+/// largest |want|; `None` when `got` holds a NaN or an infinity. How the tuners compare a
+/// candidate's output with the default launch's, where no CPU reference is at hand.
+pub fn relative_difference(got: &[u16], want: &[u16], dtype: Dtype) -> Option<f64> {
+    let value = |b: u16| f64::from(word_to_f32(b, dtype));
+    let scale = want
+        .iter()
+        .map(|&b| value(b).abs())
+        .fold(0.0, f64::max)
+        .max(1e-30);
+    let mut worst = 0.0f64;
+    for (&g, &w) in got.iter().zip(want) {
+        let g = value(g);
+        if !g.is_finite() {
+            return None;
+        }
+        worst = worst.max((g - value(w)).abs() / scale);
+    }
+    Some(worst)
 }
 
 /// The rows worth checking in a batch of `batch`: the first and the last (where indexing mistakes
@@ -87,6 +111,7 @@ impl ReferenceCheck {
         Ok(ReferenceCheck {
             rows: out,
             row_len,
+            offset: 0,
             dtype,
         })
     }
@@ -94,9 +119,22 @@ impl ReferenceCheck {
     /// A check against reference outputs computed by the caller: `(row, [q_heads][head_dim])`
     /// pairs for rows of `row_len` values.
     pub fn from_rows(rows: Vec<(usize, Vec<f32>)>, row_len: usize, dtype: Dtype) -> ReferenceCheck {
+        Self::from_row_parts(rows, row_len, 0, dtype)
+    }
+
+    /// A check of one part of each row: `(row, values)` pairs whose values stand for the row's
+    /// values from `offset` on (e.g. the query heads of one KV head, where the reference of a
+    /// whole row costs too much). The rest of every row is still checked finite.
+    pub fn from_row_parts(
+        rows: Vec<(usize, Vec<f32>)>,
+        row_len: usize,
+        offset: usize,
+        dtype: Dtype,
+    ) -> ReferenceCheck {
         ReferenceCheck {
             rows,
             row_len,
+            offset,
             dtype,
         }
     }
@@ -116,8 +154,15 @@ impl ReferenceCheck {
         let tol = tolerance(self.dtype);
         let mut worst = 0.0f64;
         for (row, want) in &self.rows {
+            let start = row * self.row_len + self.offset;
+            if self.offset + want.len() > self.row_len {
+                return Err(format!(
+                    "the reference of row {row} runs past its {} values",
+                    self.row_len
+                ));
+            }
             let have: Vec<f32> = output
-                .get(row * self.row_len..(row + 1) * self.row_len)
+                .get(start..start + want.len())
                 .ok_or_else(|| format!("output has no row {row}"))?
                 .iter()
                 .map(|&w| word_to_f32(w, self.dtype))
@@ -171,6 +216,32 @@ mod tests {
         nan[q_heads * 64 + 3] = 0xFFFF;
         assert!(check.verify(&nan).unwrap_err().contains("non-finite"));
         assert_eq!(default_rows(1), vec![0]);
+    }
+
+    #[test]
+    fn a_part_of_a_row_is_checked_where_it_stands() {
+        let w = |x: f32| f16::from_f32(x).to_bits();
+        // Two rows of 4: the reference covers values 2..4 of row 1.
+        let check = ReferenceCheck::from_row_parts(vec![(1, vec![0.5, -1.0])], 4, 2, Dtype::F16);
+        let good = [9.0, 9.0, 9.0, 9.0, 7.0, 7.0, 0.5, -1.0].map(w);
+        assert_eq!(check.verify(&good).unwrap(), 0.0);
+        let shifted = [9.0, 9.0, 9.0, 9.0, 0.5, -1.0, 7.0, 7.0].map(w);
+        assert!(check.verify(&shifted).unwrap_err().contains("row 1"));
+        let past = ReferenceCheck::from_row_parts(vec![(0, vec![0.0; 3])], 4, 2, Dtype::F16);
+        assert!(past.verify(&good).unwrap_err().contains("runs past"));
+    }
+
+    #[test]
+    fn differences_are_relative_to_the_largest_wanted_value() {
+        let w = |x: f32| f16::from_f32(x).to_bits();
+        let want = [w(2.0), w(-4.0)];
+        assert_eq!(relative_difference(&want, &want, Dtype::F16), Some(0.0));
+        let got = [w(2.5), w(-4.0)];
+        assert_eq!(relative_difference(&got, &want, Dtype::F16), Some(0.125));
+        assert_eq!(
+            relative_difference(&[0x7e00, w(1.0)], &want, Dtype::F16),
+            None
+        );
     }
 
     #[test]

@@ -57,7 +57,7 @@ pub mod store;
 pub mod synth;
 pub mod tuner;
 
-pub use check::{tolerance, ReferenceCheck};
+pub use check::{relative_difference, tolerance, ReferenceCheck};
 pub use choice::{candidates, split_candidates, Residency, TuneChoice, MAX_SPLITS, SPLIT_FACTORS};
 pub use key::{
     batch_bucket, candidates_checksum, context_bucket, GpuKey, ProblemKey, TuneProblem,

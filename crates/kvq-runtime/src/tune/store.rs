@@ -63,6 +63,21 @@ impl Stored for TuneEntry {
         &self.problem
     }
     fn check(&self) -> std::result::Result<(), String> {
+        if let Some(x) = &self.xquant {
+            // An XQuant launch: only the split count is chosen (the kernel's shape is the code
+            // generator's); the launch takes 1 to XQUANT_MAX_SPLITS.
+            let most = crate::xquant::XQUANT_MAX_SPLITS;
+            return if self.codebook.is_some() {
+                Err("an XQuant launch with a codebook launch shape".into())
+            } else if x.rank == 0 || !(1..=most).contains(&self.choice.splits) {
+                Err(format!(
+                    "an XQuant launch of {} splits (1 to {most}) over latents of {}",
+                    self.choice.splits, x.rank
+                ))
+            } else {
+                Ok(())
+            };
+        }
         match &self.codebook {
             // A codebook launch: its own parameters (the decode templates' do not apply); the
             // kernel generator refuses any the problem's shape cannot take when it is loaded.
@@ -159,6 +174,12 @@ pub struct TuneEntry {
     /// for the integer schemes and in files written before codebook tuning.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub codebook: Option<kvq_codegen::CodebookParams>,
+    /// An XQuant scheme's launch (`choice` then holds its decode's threads, tile and the tuned
+    /// splits): the latent width and rebuild it was measured with; absent for the other schemes
+    /// and in files written before XQuant tuning (which ignore it: its key matches no other
+    /// scheme's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xquant: Option<crate::xquant::XQuantTuned>,
 }
 
 impl TuneEntry {
@@ -455,6 +476,7 @@ pub(crate) mod tests {
             tuned_at_unix: 1_700_000_000,
             kvq_version: "0.1.0".into(),
             codebook: None,
+            xquant: None,
         }
     }
 
@@ -684,6 +706,47 @@ pub(crate) mod tests {
         assert_eq!(back.entries().len(), 2);
         assert!(back.lookup(&gpu(132), &problem(16)).is_none());
         assert!(back.lookup(&gpu(132), &problem(2)).is_none());
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn xquant_launches_round_trip_and_are_checked_by_their_own_bounds() {
+        let dir = temp_dir("xquant");
+        let path = dir.join(TUNE_FILE);
+        let mut store = TuneStore::empty(&path);
+        let xq = |splits: usize, rank: usize| {
+            let mut e = entry(gpu(132), problem(1), splits);
+            // The decode's own block: 512 threads would fail the integer templates' check.
+            e.choice.params.threads = 512;
+            e.choice.params.tile_tokens = 128;
+            e.problem.candidates = format!("xq-{splits:04}-{rank}");
+            e.xquant = Some(crate::xquant::XQuantTuned {
+                rank,
+                rebuild: "F16 Warpgroup".into(),
+            });
+            e
+        };
+        store.insert(xq(16, 1024));
+        store.insert(xq(0, 1024));
+        store.insert(xq(1025, 1024));
+        store.insert(xq(8, 0));
+        store.save().unwrap();
+        let text = fs::read_to_string(&path).unwrap();
+        assert!(text.contains("\"rebuild\": \"F16 Warpgroup\""), "{text}");
+        let back = TuneStore::load_quietly(&path);
+        assert_eq!(back.entries(), store.entries());
+        let hit = back.lookup(&gpu(132), &xq(16, 1024).problem).unwrap();
+        assert_eq!(hit.choice.splits, 16);
+        assert_eq!(hit.xquant.as_ref().unwrap().rank, 1024);
+        for bad in [xq(0, 1024), xq(1025, 1024), xq(8, 0)] {
+            assert!(back.lookup(&gpu(132), &bad.problem).is_none(), "{bad:?}");
+        }
+        // Integer entries write no `xquant` field, so older readers see the same file.
+        let plain_path = dir.join("plain.json");
+        let mut plain = TuneStore::empty(&plain_path);
+        plain.insert(entry(gpu(132), problem(2), 3));
+        plain.save().unwrap();
+        assert!(!fs::read_to_string(&plain_path).unwrap().contains("xquant"));
         let _ = fs::remove_dir_all(&dir);
     }
 

@@ -165,6 +165,7 @@ impl TuneReport {
             tuned_at_unix: unix_now(),
             kvq_version: env!("CARGO_PKG_VERSION").into(),
             codebook: None,
+            xquant: None,
         }
     }
 }

@@ -32,6 +32,8 @@ mod kernel;
 mod paged;
 mod project;
 mod steps;
+mod synth;
+mod tune;
 mod weights;
 
 pub use device_cache::XQuantDeviceCache;
@@ -39,6 +41,11 @@ pub use kernel::XQuantKernel;
 pub use paged::{XQuantCacheConfig, XQuantPagedCache};
 pub use project::XQuantProjector;
 pub use steps::{XQuantLimits, XQuantPtrs, XQuantSteps, XQuantWorkspace};
+pub use synth::{random_latent_cache, synthetic_cache};
+pub use tune::{
+    check_xquant_problem, rebuild_text, xquant_cache_bytes, xquant_choice, xquant_problem_key,
+    xquant_split_candidates, XQuantTuneReport, XQuantTuned, XQUANT_MAX_SPLITS,
+};
 pub use weights::{XQuantWeightInputs, XQuantWeights, XQuantWeightsLayout};
 
 /// The split partials the XQuant decode writes and its combine reads.
