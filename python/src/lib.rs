@@ -617,7 +617,14 @@ impl Steps {
 
     /// `kvq_xquant_append` of one token's layer input for each of `n` sequences (device
     /// addresses).
-    fn xquant_append(&self, py: Python<'_>, stream: u64, n: u32, slots: u64, x: u64) -> PyResult<()> {
+    fn xquant_append(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        n: u32,
+        slots: u64,
+        x: u64,
+    ) -> PyResult<()> {
         let (plan, cache, workspace) = (&self.plan.get().plan, self.cache, self.workspace);
         status(py.detach(|| unsafe {
             kvq_capi::kvq_xquant_append(

@@ -205,7 +205,8 @@ pub fn xquant_projections<'py>(
 
 /// The CPU reference's attention over an XQuant plan's cache of `tokens` tokens of layer input
 /// `x` (`[tokens][d_model]` float32 bytes) with the projections of a `kvq-projections-1` file's
-/// bytes, K rebuilt in f16 as the GPU's decode does, attended by the next token's queries `q`
+/// bytes — the latents rounded to f16 before they are stored, as the GPU's writes round them —
+/// K rebuilt in f16 as the GPU's decode does, attended by the next token's queries `q`
 /// (`[q_heads][head_dim]`). Returns the output, `[q_heads][head_dim]` float32 bytes.
 #[pyfunction]
 pub fn _reference_xquant_attend<'py>(
@@ -239,7 +240,16 @@ pub fn _reference_xquant_attend<'py>(
         .detach(|| {
             let p = Projections::from_safetensors(projections, &spec, dm, kvh, d)
                 .map_err(|e| e.to_string())?;
-            let cache = XQuantCache::build(&spec, &x, &p, rope).map_err(|e| e.to_string())?;
+            let f16 = |v: Vec<f32>| -> Vec<f32> {
+                v.into_iter()
+                    .map(|x| {
+                        kvq::runtime::tune::synth::round_to_word(x, kvq::codegen::Dtype::F16).1
+                    })
+                    .collect()
+            };
+            let (lk, lv) = (f16(p.k.project(&x)), f16(p.v.project(&x)));
+            let cache =
+                XQuantCache::from_latents(&spec, &lk, &lv, &p, rope).map_err(|e| e.to_string())?;
             attention::decode(&q, &cache.dequantize_f16_rebuild(), None).map_err(|e| e.to_string())
         })
         .map_err(|e| InvalidArgument::new_err(format!("reference attention: {e}")))?;
