@@ -128,6 +128,19 @@ fn dtype_code(dtype: &Bound<'_, PyAny>) -> PyResult<u32> {
     }
 }
 
+/// A prefill's prompt count, once its slots and token counts agree.
+fn prompt_count(slots: &[i32], tokens: &[u32]) -> PyResult<u32> {
+    if slots.len() != tokens.len() {
+        return Err(InvalidArgument::new_err(format!(
+            "{} slots but {} token counts",
+            slots.len(),
+            tokens.len()
+        )));
+    }
+    u32::try_from(slots.len())
+        .map_err(|_| InvalidArgument::new_err(format!("{} prompts", slots.len())))
+}
+
 /// A limit as u32, or InvalidArgument naming it.
 fn limit(name: &str, value: i64) -> PyResult<u32> {
     u32::try_from(value).map_err(|_| {
@@ -463,15 +476,7 @@ impl Steps {
         v: u64,
         k_pre_rope: u64,
     ) -> PyResult<()> {
-        if slots.len() != tokens.len() {
-            return Err(InvalidArgument::new_err(format!(
-                "{} slots but {} token counts",
-                slots.len(),
-                tokens.len()
-            )));
-        }
-        let n = u32::try_from(slots.len())
-            .map_err(|_| InvalidArgument::new_err(format!("{} prompts", slots.len())))?;
+        let n = prompt_count(&slots, &tokens)?;
         let (plan, cache, workspace) = (&self.plan.get().plan, self.cache, self.workspace);
         status(py.detach(|| unsafe {
             kvq_capi::kvq_prefill_prerope(
@@ -591,15 +596,7 @@ impl Steps {
         tokens: Vec<u32>,
         x: u64,
     ) -> PyResult<()> {
-        if slots.len() != tokens.len() {
-            return Err(InvalidArgument::new_err(format!(
-                "{} slots but {} token counts",
-                slots.len(),
-                tokens.len()
-            )));
-        }
-        let n = u32::try_from(slots.len())
-            .map_err(|_| InvalidArgument::new_err(format!("{} prompts", slots.len())))?;
+        let n = prompt_count(&slots, &tokens)?;
         let (plan, cache, workspace) = (&self.plan.get().plan, self.cache, self.workspace);
         status(py.detach(|| unsafe {
             kvq_capi::kvq_xquant_prefill(

@@ -569,7 +569,6 @@ impl Context<'_> {
         let stats = Timing { samples_us: base };
         let median_us = stats.median_us();
         let bytes = batches[0].read_bytes() + 2 * 2 * rows as u64;
-        let gbps = bytes as f64 / (median_us * 1e-6) / 1e9;
         let choice = TuneChoice {
             params: TuneParams {
                 threads: kernel.generated().decode.block,
@@ -582,11 +581,48 @@ impl Context<'_> {
             splits,
             pieces: Pieces::default(),
         };
-        Ok(Outcome::Measured(Box::new(Row {
+        let tuned = tuned.map(|(report, _, _, took)| {
+            let t = Timing { samples_us: fast }.median_us();
+            TunedResult {
+                choice: report.chosen.as_tune_choice(),
+                median_us: t,
+                gain: median_us / t,
+                tune_seconds: took.as_secs_f64(),
+                candidates: report.candidates,
+                rejected: report.rejected,
+            }
+        });
+        let cell = (prep.scheme.name.clone(), batch, len);
+        let row = self.own_kernel_row(
+            cell,
+            choice,
+            &stats,
+            bytes,
+            (max_rel_error, batches.len()),
+            tuned,
+        );
+        Ok(Outcome::Measured(Box::new(row)))
+    }
+
+    /// A measured row of a family with a kernel of its own (codebook, XQuant): `cell` is the
+    /// scheme's name, batch and context; the time's statistics and the bytes a step reads give
+    /// the rate; the error checked and the batches rotated through; the tuned launch's result.
+    fn own_kernel_row(
+        &self,
+        (scheme, batch, context): (String, usize, usize),
+        choice: TuneChoice,
+        stats: &Timing,
+        bytes: u64,
+        (max_rel_error, copies): (Option<f64>, usize),
+        tuned: Option<TunedResult>,
+    ) -> Row {
+        let median_us = stats.median_us();
+        let gbps = bytes as f64 / (median_us * 1e-6) / 1e9;
+        Row {
             slow_path: None,
-            scheme: prep.scheme.name.clone(),
+            scheme,
             batch,
-            context: len,
+            context,
             choice,
             range_splits: None,
             median_us,
@@ -598,22 +634,12 @@ impl Context<'_> {
             pct_of_copy: 100.0 * gbps / self.copy_gbps,
             speedup_vs_fp16: None,
             max_rel_error,
-            copies: batches.len(),
+            copies,
             read_floor_us: None,
-            tuned: tuned.map(|(report, _, _, took)| {
-                let t = Timing { samples_us: fast }.median_us();
-                TunedResult {
-                    choice: report.chosen.as_tune_choice(),
-                    median_us: t,
-                    gain: median_us / t,
-                    tune_seconds: took.as_secs_f64(),
-                    candidates: report.candidates,
-                    rejected: report.rejected,
-                }
-            }),
+            tuned,
             rebuild: None,
             rebuild_flop: None,
-        })))
+        }
     }
 
     /// Measures an XQuant scheme (its own kernel, K rebuilt at [`XQUANT_PRECISION`]): `batch`
@@ -719,38 +745,31 @@ impl Context<'_> {
         let stats = Timing { samples_us: base };
         let median_us = stats.median_us();
         let bytes = xquant_decode_bytes(cache, batch, q_heads, XQUANT_PRECISION);
-        let gbps = bytes as f64 / (median_us * 1e-6) / 1e9;
-        Ok(Outcome::Measured(Box::new(Row {
-            slow_path: None,
-            scheme: prep.scheme.name.clone(),
-            batch,
-            context: len,
-            choice: xquant_choice(&kernel, splits),
-            range_splits: None,
-            median_us,
-            min_us: stats.min_us(),
+        let tuned = tuned.map(|(report, _)| {
+            let t = Timing { samples_us: fast }.median_us();
+            TunedResult {
+                choice: xquant_choice(&kernel, report.chosen),
+                median_us: t,
+                gain: median_us / t,
+                tune_seconds: report.elapsed.as_secs_f64(),
+                candidates: report.candidates.len(),
+                rejected: report.rejected(),
+            }
+        });
+        let cell = (prep.scheme.name.clone(), batch, len);
+        let choice = xquant_choice(&kernel, splits);
+        let row = self.own_kernel_row(
+            cell,
+            choice,
+            &stats,
             bytes,
-            extra_bytes: 0,
-            stored_scores: false,
-            gbps,
-            pct_of_copy: 100.0 * gbps / self.copy_gbps,
-            speedup_vs_fp16: None,
-            max_rel_error,
-            copies: batches.len(),
-            read_floor_us: None,
-            tuned: tuned.map(|(report, _)| {
-                let t = Timing { samples_us: fast }.median_us();
-                TunedResult {
-                    choice: xquant_choice(&kernel, report.chosen),
-                    median_us: t,
-                    gain: median_us / t,
-                    tune_seconds: report.elapsed.as_secs_f64(),
-                    candidates: report.candidates.len(),
-                    rejected: report.rejected(),
-                }
-            }),
+            (max_rel_error, batches.len()),
+            tuned,
+        );
+        Ok(Outcome::Measured(Box::new(Row {
             rebuild: Some(rebuild_text(kernel.generated())),
             rebuild_flop: Some(xquant_rebuild_flop(cache, batch)),
+            ..row
         })))
     }
 }

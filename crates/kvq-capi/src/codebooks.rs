@@ -2,14 +2,14 @@
 //! codebooks written into the engine's `codebooks` buffer from a `kvq-codebooks-1` file or its
 //! bytes, and `kvq_cache_check`, which reports the tokens the encoders refused.
 
-use std::ffi::{c_char, c_void, CStr};
+use std::ffi::{c_char, c_void};
 use std::path::Path;
 
 use kvq::reference::commvq::Codebooks;
 use kvq::runtime::codebook::{take_slot_errors, write_codebook_buffer};
 
 use crate::gpu::stream_gpu;
-use crate::plan::KvqPlan;
+use crate::plan::{c_str, KvqPlan};
 use crate::status::{call, Failure, KvqStatus};
 use crate::steps::{plan_and_cache, KvqCache, Ptrs};
 
@@ -68,13 +68,8 @@ pub unsafe extern "C" fn kvq_codebooks_load(
     path: *const c_char,
 ) -> KvqStatus {
     call(|| {
-        if path.is_null() {
-            return Err(Failure::argument("path is NULL"));
-        }
         // SAFETY: the caller vouches for a NUL-terminated string.
-        let path = unsafe { CStr::from_ptr(path) }
-            .to_str()
-            .map_err(|e| Failure::argument(format!("path is not UTF-8: {e}")))?;
+        let path = unsafe { c_str(path, "path") }?;
         unsafe {
             write(plan, cache, stream, |plan| {
                 let l = plan.limits();

@@ -208,8 +208,7 @@ impl KvqPlan {
         // The shape passed check_fast_kernel; what is left to fail is sizes past the address space.
         let sizes = CacheSizes::new(&spec, &cfg)
             .map_err(|e| Failure::argument(format!("{e} (scheme `{spec}`)")))?;
-        let scheme_text = CString::new(spec.to_string())
-            .map_err(|_| Failure::new(KvqStatus::Internal, "scheme text with a NUL byte"))?;
+        let scheme_text = scheme_text(&spec)?;
         Ok(KvqPlan {
             spec,
             limits: *limits,
@@ -275,21 +274,8 @@ impl KvqPlan {
         let weights = XQuantWeightsLayout::new(kv_heads, head_dim, limits.d_model as usize)
             .ok_or_else(|| Failure::argument("the projections' sizes pass the address space"))?;
         let mma = (RebuildPrecision::F16, RebuildMma::Sync);
-        match xquant_kernels(&spec, shape, limits.kv_heads, limits.d_model, mma) {
-            Ok(_) => {}
-            Err(CodegenError::Unsupported { what, .. }) => {
-                return refuse(
-                    KvqStatus::UnsupportedScheme,
-                    format!("no GPU kernel for `{spec}`: {what}"),
-                )
-            }
-            Err(e) => {
-                return refuse(
-                    KvqStatus::UnsupportedShape,
-                    format!("`{spec}` at head_dim {head_dim}: {e}"),
-                )
-            }
-        }
+        xquant_kernels(&spec, shape, limits.kv_heads, limits.d_model, mma)
+            .map_err(|e| generation_refused(&spec, limits.head_dim, e))?;
         let store_width = latent_store_width(&spec, weights.rank)
             .map_err(|e| Failure::new(KvqStatus::UnsupportedShape, format!("`{spec}`: {e}")))?;
         let store_heads = weights.rank / store_width;
@@ -303,8 +289,7 @@ impl KvqPlan {
         };
         let sizes = CacheSizes::new(&latent_spec(&spec), &cfg)
             .map_err(|e| Failure::argument(format!("{e} (scheme `{spec}`)")))?;
-        let scheme_text = CString::new(spec.to_string())
-            .map_err(|_| Failure::new(KvqStatus::Internal, "scheme text with a NUL byte"))?;
+        let scheme_text = scheme_text(&spec)?;
         Ok(KvqPlan {
             spec,
             limits: *limits,
@@ -356,21 +341,7 @@ impl KvqPlan {
         }
         let generated = codebook_kernels(&spec, shape, limits.kv_heads)
             .and_then(|_| codebook_encode_kernels(&spec, limits.head_dim, dtype, limits.kv_heads));
-        match generated {
-            Ok(_) => {}
-            Err(CodegenError::Unsupported { what, .. }) => {
-                return refuse(
-                    KvqStatus::UnsupportedScheme,
-                    format!("no GPU kernel for `{spec}`: {what}"),
-                )
-            }
-            Err(e) => {
-                return refuse(
-                    KvqStatus::UnsupportedShape,
-                    format!("`{spec}` at head_dim {}: {e}", limits.head_dim),
-                )
-            }
-        }
+        generated.map_err(|e| generation_refused(&spec, limits.head_dim, e))?;
         let sizes = CodebookSizes::new(
             &spec,
             limits.kv_heads as usize,
@@ -380,8 +351,7 @@ impl KvqPlan {
             limits.max_seq_len as usize,
         )
         .map_err(|e| Failure::argument(format!("{e} (scheme `{spec}`)")))?;
-        let scheme_text = CString::new(spec.to_string())
-            .map_err(|_| Failure::new(KvqStatus::Internal, "scheme text with a NUL byte"))?;
+        let scheme_text = scheme_text(&spec)?;
         Ok(KvqPlan {
             spec,
             limits: *limits,
@@ -617,11 +587,32 @@ fn check_fast_kernel(spec: &SchemeSpec, shape: &KernelShape) -> Result<(), Failu
     }
 }
 
+/// Why a family's kernels could not be generated for a plan: a scheme it has no kernel for, or a
+/// shape its kernel does not take.
+fn generation_refused(spec: &SchemeSpec, head_dim: u32, e: CodegenError) -> Failure {
+    match e {
+        CodegenError::Unsupported { what, .. } => Failure::new(
+            KvqStatus::UnsupportedScheme,
+            format!("no GPU kernel for `{spec}`: {what}"),
+        ),
+        e => Failure::new(
+            KvqStatus::UnsupportedShape,
+            format!("`{spec}` at head_dim {head_dim}: {e}"),
+        ),
+    }
+}
+
+/// The scheme's canonical text as the C string `kvq_plan_scheme` returns.
+fn scheme_text(spec: &SchemeSpec) -> Result<CString, Failure> {
+    CString::new(spec.to_string())
+        .map_err(|_| Failure::new(KvqStatus::Internal, "scheme text with a NUL byte"))
+}
+
 /// Reads a C string argument; null or non-UTF-8 is an error naming `what`.
 ///
 /// # Safety
 /// A non-null `ptr` points at a NUL-terminated string.
-unsafe fn c_str<'a>(ptr: *const c_char, what: &str) -> Result<&'a str, Failure> {
+pub(crate) unsafe fn c_str<'a>(ptr: *const c_char, what: &str) -> Result<&'a str, Failure> {
     if ptr.is_null() {
         return Err(Failure::argument(format!("{what} is NULL")));
     }

@@ -10,7 +10,7 @@
 //!   sequence (capturable in a CUDA graph);
 //! - `kvq_attend` serves XQuant plans as the others (one query token a sequence).
 
-use std::ffi::{c_char, c_void, CStr};
+use std::ffi::{c_char, c_void};
 use std::path::Path;
 
 use kvq::reference::rope::Rope;
@@ -18,7 +18,7 @@ use kvq::reference::xquant::{ProjectionFileError, Projections};
 use kvq::runtime::xquant::XQuantPtrs;
 
 use crate::gpu::{stream_gpu, xquant_plan_kernels};
-use crate::plan::KvqPlan;
+use crate::plan::{c_str, KvqPlan};
 use crate::status::{call, Failure, KvqStatus};
 use crate::steps::{check_step, plan_and_cache, read_prompts, KvqCache, Ptrs};
 
@@ -96,13 +96,8 @@ pub unsafe extern "C" fn kvq_xquant_weights_load(
     path: *const c_char,
 ) -> KvqStatus {
     call(|| {
-        if path.is_null() {
-            return Err(Failure::argument("path is NULL"));
-        }
         // SAFETY: the caller vouches for a NUL-terminated string.
-        let path = unsafe { CStr::from_ptr(path) }
-            .to_str()
-            .map_err(|e| Failure::argument(format!("path is not UTF-8: {e}")))?;
+        let path = unsafe { c_str(path, "path") }?;
         unsafe {
             write(plan, cache, stream, |plan| {
                 let l = plan.limits();

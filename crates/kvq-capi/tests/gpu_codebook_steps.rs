@@ -15,8 +15,11 @@
 //! `KVQ_SEED` repeats a run's inputs (the seed is printed). Without a GPU the test shows as
 //! ignored, with the reason (`KVQ_REQUIRE_GPU=1` makes that a failure).
 
+mod common;
+
+use common::{buffers, message, ok, ptr, raw};
 use kvq_runtime::testing::run_seed as seed;
-use std::ffi::{c_void, CStr};
+use std::ffi::c_void;
 use std::sync::Arc;
 
 use kvq::codegen::{Dtype, KernelShape};
@@ -26,7 +29,7 @@ use kvq::reference::commvq::{self, CalibrationData, Codebooks, CommVqCache, Trai
 use kvq::reference::synth::{generate, SynthConfig, SynthKv};
 use kvq::reference::KvTensor;
 use kvq::runtime::codebook::{CodebookCache, CodebookKernel, CodebookScratch};
-use kvq::runtime::cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
+use kvq::runtime::cudarc::driver::{sys, CudaSlice, CudaStream};
 use kvq::runtime::tune::synth::{random_queries, round_to_word, word_to_f32};
 use kvq_capi::*;
 use kvq_runtime::testing::harness::{needs, run};
@@ -129,60 +132,6 @@ fn sequence(l: &SynthKv, dtype: Dtype) -> Seq {
         pre,
         v: io(&l.v, dtype),
     }
-}
-
-fn ptr<T>(buf: &CudaSlice<T>, stream: &CudaStream) -> *mut c_void {
-    let (p, _guard) = buf.device_ptr(stream);
-    p as *mut c_void
-}
-
-fn message() -> String {
-    unsafe { CStr::from_ptr(kvq_last_error_message()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-fn ok(status: KvqStatus, what: &str) {
-    assert_eq!(status, KvqStatus::Ok, "{what}: {}", message());
-}
-
-fn raw(stream: &Arc<CudaStream>) -> *mut c_void {
-    stream.cu_stream().cast()
-}
-
-/// The plan's buffers, zeroed; the block table maps slot `s`'s logical page `j` to pool page
-/// `pool − 1 − (s·max_pages + j)`, backwards.
-fn buffers(plan: &KvqPlan, stream: &Arc<CudaStream>) -> (Vec<CudaSlice<u8>>, KvqCache, Vec<i32>) {
-    let mut bufs: Vec<CudaSlice<u8>> = (0..plan.buffer_count())
-        .map(|i| {
-            let bytes = plan.buffer(i).unwrap().bytes as usize;
-            stream.alloc_zeros::<u8>(bytes.max(1)).unwrap()
-        })
-        .collect();
-    let l = plan.limits();
-    let max_pages = plan.info().max_pages_per_seq as usize;
-    let table: Vec<i32> = (0..l.max_seqs as usize * max_pages)
-        .map(|e| (l.pool_pages as usize - 1 - e) as i32)
-        .collect();
-    let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
-    stream.memcpy_htod(&bytes, &mut bufs[7]).unwrap();
-    let p: Vec<*mut c_void> = bufs.iter().map(|b| ptr(b, stream)).collect();
-    let cache = KvqCache {
-        k_pool: p[0],
-        v_pool: p[1],
-        k_sink: p[2],
-        v_sink: p[3],
-        k_tail: p[4],
-        v_tail: p[5],
-        seq_lens: p[6],
-        page_table: p[7],
-        k_pending: p[8],
-        v_pending: p[9],
-        status: p[10],
-        codebooks: p[11],
-        xquant_weights: p[12],
-    };
-    (bufs, cache, table)
 }
 
 /// Compares one side of a sequence in the engine's buffers with the reference's device tensor.

@@ -31,13 +31,13 @@ use super::decode::{CodebookKernel, CodebookScratch};
 use super::encode::{input_words, CodebookEncoder, EncodeInputs};
 use crate::error::{Result, RuntimeError};
 use crate::timing::GpuTimer;
-use crate::tune::check::relative_difference;
+use crate::tune::check::gate_output;
 use crate::tune::plan_copies;
 use crate::tune::store::{checksum, unix_now};
 use crate::tune::synth::{random_kv, random_queries};
 use crate::tune::{
-    select_winner, split_candidates, tolerance, CandidateResult, ChoiceSource, ProblemKey,
-    TuneChoice, TuneEntry, TunePolicy, TuneProblem, Tuner, SPLIT_FACTORS,
+    select_winner, split_candidates, CandidateResult, ChoiceSource, ProblemKey, TuneChoice,
+    TuneEntry, TunePolicy, TuneProblem, Tuner, SPLIT_FACTORS,
 };
 
 /// Tokens of the synthetic K/V a tuning session trains its codebooks on.
@@ -370,24 +370,13 @@ impl Tuner<'_> {
         let finalists: Vec<usize> = std::iter::once(0)
             .chain(order.into_iter().take(options.finalists))
             .collect();
-        let tol = tolerance(problem.shape.dtype);
         for &i in &finalists {
             let (l, slot, _) = &launches[i];
             let Some(k) = kernel_of(*slot) else {
                 continue;
             };
-            match session.output(k, l.splits) {
-                Ok(got) => match relative_difference(&got, &want, problem.shape.dtype) {
-                    Some(err) if err <= tol || i == 0 => results[i].error = Some(err),
-                    Some(err) => {
-                        results[i].rejected = Some(format!(
-                            "differs from the default by {err:.2e} (over {tol:.0e})"
-                        ))
-                    }
-                    None => results[i].rejected = Some("NaN or infinite outputs".into()),
-                },
-                Err(e) => results[i].rejected = Some(e.to_string()),
-            }
+            let got = session.output(k, l.splits);
+            gate_output(&mut results[i], got, &want, problem.shape.dtype, i == 0);
         }
         // Pass 2: the correct finalists, interleaved rounds.
         let live: Vec<usize> = finalists

@@ -50,6 +50,31 @@ pub fn relative_difference(got: &[u16], want: &[u16], dtype: Dtype) -> Option<f6
     Some(worst)
 }
 
+/// Gates a candidate's output (`got`, or why it has none) against the default launch's (`want`):
+/// sets `result.error` to their relative difference where it is within `dtype`'s tolerance (always
+/// for the default itself, `is_default`), else `result.rejected` to why.
+pub(crate) fn gate_output(
+    result: &mut super::CandidateResult,
+    got: crate::error::Result<Vec<u16>>,
+    want: &[u16],
+    dtype: Dtype,
+    is_default: bool,
+) {
+    let tol = tolerance(dtype);
+    match got {
+        Ok(got) => match relative_difference(&got, want, dtype) {
+            Some(err) if err <= tol || is_default => result.error = Some(err),
+            Some(err) => {
+                result.rejected = Some(format!(
+                    "differs from the default by {err:.2e} (over {tol:.0e})"
+                ))
+            }
+            None => result.rejected = Some("NaN or infinite outputs".into()),
+        },
+        Err(e) => result.rejected = Some(e.to_string()),
+    }
+}
+
 /// The rows worth checking in a batch of `batch`: the first and the last (where indexing mistakes
 /// show).
 pub fn default_rows(batch: usize) -> Vec<usize> {

@@ -34,11 +34,11 @@ use super::XQuantScratch;
 use crate::decode::Pieces;
 use crate::error::{Result, RuntimeError};
 use crate::timing::GpuTimer;
-use crate::tune::check::relative_difference;
+use crate::tune::check::gate_output;
 use crate::tune::store::{checksum, unix_now};
 use crate::tune::synth::random_queries;
 use crate::tune::{
-    coarse_runs_within, fine_runs_within, plan_copies, select_winner, split_candidates, tolerance,
+    coarse_runs_within, fine_runs_within, plan_copies, select_winner, split_candidates,
     CandidateResult, ChoiceSource, ProblemKey, TuneChoice, TuneEntry, TunePolicy, TuneProblem,
     Tuner, MAX_SPLITS, SPLIT_FACTORS,
 };
@@ -47,7 +47,7 @@ use crate::tune::{
 pub const XQUANT_MAX_SPLITS: usize = 1024;
 
 /// Interleaved rounds of the second pass (drift hits every finalist alike).
-const ROUNDS: usize = 3;
+const FINE_ROUNDS: usize = 3;
 
 /// What a stored XQuant result was measured with, for people reading `tune.json` and for the
 /// store's validity check (matching uses the key, whose candidate checksum covers the same).
@@ -373,20 +373,9 @@ impl Tuner<'_> {
         let finalists: Vec<usize> = std::iter::once(0)
             .chain(order.into_iter().take(options.finalists))
             .collect();
-        let tol = tolerance(problem.shape.dtype);
         for &i in &finalists {
-            match session.output(splits[i]) {
-                Ok(got) => match relative_difference(&got, &want, problem.shape.dtype) {
-                    Some(err) if err <= tol || i == 0 => results[i].error = Some(err),
-                    Some(err) => {
-                        results[i].rejected = Some(format!(
-                            "differs from the default by {err:.2e} (over {tol:.0e})"
-                        ))
-                    }
-                    None => results[i].rejected = Some("NaN or infinite outputs".into()),
-                },
-                Err(e) => results[i].rejected = Some(e.to_string()),
-            }
+            let got = session.output(splits[i]);
+            gate_output(&mut results[i], got, &want, problem.shape.dtype, i == 0);
         }
         // Pass 2: the correct finalists, interleaved rounds.
         let live: Vec<usize> = finalists
@@ -400,13 +389,13 @@ impl Tuner<'_> {
             .fold(0.0, f64::max);
         let per_round = fine_runs_within(
             options.time_budget.saturating_sub(started.elapsed()),
-            ROUNDS,
+            FINE_ROUNDS,
             live.len(),
             slowest,
-            options.fine_runs.div_ceil(ROUNDS),
+            options.fine_runs.div_ceil(FINE_ROUNDS),
         );
         let mut samples: Vec<Vec<f64>> = vec![Vec::new(); results.len()];
-        for _ in 0..ROUNDS {
+        for _ in 0..FINE_ROUNDS {
             for &i in &live {
                 match session.time(splits[i], 1, per_round) {
                     Ok(us) => samples[i].push(us),
