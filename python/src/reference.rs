@@ -164,7 +164,8 @@ pub fn _reference_codebook_attend<'py>(
 /// the model's `w_k` and `w_v` (`[d_model][kv_heads·head_dim]` float32, native byte order, as
 /// `x @ w` multiplies them), for `scheme` (an XQuant built-in's name or scheme text). Load the
 /// bytes into a plan's cache with `PagedCache.load_projections`. The SVD runs on the CPU with the
-/// GIL released (seconds for a 4096 × 1024 projection).
+/// GIL released (8.7 s for a 4096 × 1024 weight on two cores, twice that for K and V:
+/// docs/CODEBOOKS.md §3).
 #[pyfunction]
 #[pyo3(signature = (scheme, w_k, w_v, *, d_model, kv_heads, head_dim))]
 pub fn xquant_projections<'py>(

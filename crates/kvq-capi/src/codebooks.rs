@@ -6,10 +6,11 @@ use std::ffi::{c_char, c_void};
 use std::path::Path;
 
 use kvq::reference::commvq::Codebooks;
-use kvq::runtime::codebook::{take_slot_errors, write_codebook_buffer};
+use kvq::runtime::codebook::take_slot_errors;
+use kvq::runtime::copy_to_engine;
 
 use crate::gpu::stream_gpu;
-use crate::plan::{c_str, KvqPlan};
+use crate::plan::{c_str, host_bytes, KvqPlan};
 use crate::status::{call, Failure, KvqStatus};
 use crate::steps::{plan_and_cache, KvqCache, Ptrs};
 
@@ -43,7 +44,8 @@ unsafe fn write(
         .map_err(Failure::runtime)?;
     let (_gpu, stream, _context) = unsafe { stream_gpu(stream) }?;
     // SAFETY: the caller vouches for the buffer, of the plan's `codebooks` size (`bytes.len()`).
-    unsafe { write_codebook_buffer(&stream, p.codebooks, &bytes) }.map_err(Failure::runtime)
+    unsafe { copy_to_engine(&stream, p.codebooks, &bytes, "the codebooks") }
+        .map_err(Failure::runtime)
 }
 
 /// A codebook file's error as a status: the file's contents are the caller's argument.
@@ -99,11 +101,8 @@ pub unsafe extern "C" fn kvq_codebooks_load_bytes(
     len: usize,
 ) -> KvqStatus {
     call(|| {
-        if data.is_null() {
-            return Err(Failure::argument("data is NULL"));
-        }
         // SAFETY: the caller vouches for `len` readable bytes.
-        let bytes = unsafe { std::slice::from_raw_parts(data, len) };
+        let bytes = unsafe { host_bytes(data, len, "data") }?;
         unsafe {
             write(plan, cache, stream, |plan| {
                 let l = plan.limits();

@@ -621,6 +621,21 @@ pub(crate) unsafe fn c_str<'a>(ptr: *const c_char, what: &str) -> Result<&'a str
         .map_err(|e| Failure::argument(format!("{what} is not UTF-8: {e}")))
 }
 
+/// Reads a host byte-array argument (`len` bytes at `data`); null is an error naming `what`.
+///
+/// # Safety
+/// A non-null `data` points at `len` readable bytes.
+pub(crate) unsafe fn host_bytes<'a>(
+    data: *const u8,
+    len: usize,
+    what: &str,
+) -> Result<&'a [u8], Failure> {
+    if data.is_null() {
+        return Err(Failure::argument(format!("{what} is NULL")));
+    }
+    Ok(std::slice::from_raw_parts(data, len))
+}
+
 /// Reads an out-pointer argument; null is an error naming `what`.
 ///
 /// # Safety

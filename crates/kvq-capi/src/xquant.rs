@@ -15,10 +15,11 @@ use std::path::Path;
 
 use kvq::reference::rope::Rope;
 use kvq::reference::xquant::{ProjectionFileError, Projections};
+use kvq::runtime::copy_to_engine;
 use kvq::runtime::xquant::XQuantPtrs;
 
 use crate::gpu::{stream_gpu, xquant_plan_kernels};
-use crate::plan::{c_str, KvqPlan};
+use crate::plan::{c_str, host_bytes, KvqPlan};
 use crate::status::{call, Failure, KvqStatus};
 use crate::steps::{check_step, plan_and_cache, read_prompts, KvqCache, Ptrs};
 
@@ -74,7 +75,7 @@ unsafe fn write(
     let (_gpu, stream, _context) = unsafe { stream_gpu(stream) }?;
     // SAFETY: the caller vouches for the buffer, of the plan's `xquant_weights` size (the
     // layout's bytes, `bytes.len()`).
-    unsafe { kvq::runtime::codebook::write_codebook_buffer(&stream, p.weights, &bytes) }
+    unsafe { copy_to_engine(&stream, p.weights, &bytes, "the projections") }
         .map_err(Failure::runtime)
 }
 
@@ -127,11 +128,8 @@ pub unsafe extern "C" fn kvq_xquant_weights_load_bytes(
     len: usize,
 ) -> KvqStatus {
     call(|| {
-        if data.is_null() {
-            return Err(Failure::argument("data is NULL"));
-        }
         // SAFETY: the caller vouches for `len` readable bytes.
-        let bytes = unsafe { std::slice::from_raw_parts(data, len) };
+        let bytes = unsafe { host_bytes(data, len, "data") }?;
         unsafe {
             write(plan, cache, stream, |plan| {
                 let l = plan.limits();

@@ -10,10 +10,14 @@ use std::ffi::{c_void, CStr};
 use std::sync::Arc;
 
 use kvq::codegen::{Dtype, QuantizerForms};
-use kvq::runtime::cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
+use kvq::runtime::cudarc::driver::{sys, CudaSlice, CudaStream};
 use kvq::runtime::tune::synth::{random_queries, word_to_f32};
 use kvq::runtime::{CacheConfig, DecodeScratch, Device, Jit, PagedKvCache, SeqId};
 use kvq_capi::*;
+
+mod common;
+
+use common::{buffers, ok, ptr};
 use kvq_runtime::testing::harness::{needs, run};
 use kvq_runtime::testing::Need;
 
@@ -108,17 +112,6 @@ fn a_stream_of_another_context_is_refused_and_the_callers_context_kept() {
     }
 }
 
-fn ptr<T>(buf: &CudaSlice<T>, stream: &CudaStream) -> *mut c_void {
-    let (p, _guard) = buf.device_ptr(stream);
-    p as *mut c_void
-}
-
-fn ok(status: KvqStatus, what: &str) {
-    assert_eq!(status, KvqStatus::Ok, "{what}: {:?}", unsafe {
-        CStr::from_ptr(kvq_last_error_message())
-    });
-}
-
 /// One engine-owned cache: the plan's buffers, allocated zeroed.
 struct EngineCache {
     /// Owns the memory `cache` points into.
@@ -130,40 +123,7 @@ impl EngineCache {
     /// The plan's buffers; the block table maps slot `s`'s logical page `j` to pool page
     /// `pool_pages − 1 − (s·max_pages + j)` (backwards, so a kernel ignoring it reads wrong pages).
     fn new(plan: &KvqPlan, stream: &Arc<CudaStream>) -> EngineCache {
-        let buffers: Vec<CudaSlice<u8>> = (0..plan.buffer_count())
-            .map(|i| {
-                let bytes = plan.buffer(i).unwrap().bytes as usize;
-                stream.alloc_zeros::<u8>(bytes.max(1)).unwrap()
-            })
-            .collect();
-        let info = plan.info();
-        let max_pages = info.max_pages_per_seq as usize;
-        let (slots, pool) = (
-            plan.limits().max_seqs as usize,
-            plan.limits().pool_pages as usize,
-        );
-        let table: Vec<i32> = (0..slots * max_pages)
-            .map(|e| (pool - 1 - e) as i32)
-            .collect();
-        let bytes: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let mut buffers = buffers;
-        stream.memcpy_htod(&bytes, &mut buffers[7]).unwrap();
-        let p: Vec<*mut c_void> = buffers.iter().map(|b| ptr(b, stream)).collect();
-        let cache = KvqCache {
-            k_pool: p[0],
-            v_pool: p[1],
-            k_sink: p[2],
-            v_sink: p[3],
-            k_tail: p[4],
-            v_tail: p[5],
-            seq_lens: p[6],
-            page_table: p[7],
-            k_pending: p[8],
-            v_pending: p[9],
-            status: p[10],
-            codebooks: p[11],
-            xquant_weights: p[12],
-        };
+        let (buffers, cache, _) = buffers(plan, stream);
         EngineCache {
             _buffers: buffers,
             cache,

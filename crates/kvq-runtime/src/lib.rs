@@ -58,6 +58,7 @@
 
 pub mod codebook;
 pub mod decode;
+mod engine_copy;
 pub mod error;
 mod launch;
 pub mod paged;
@@ -84,6 +85,7 @@ pub use decode::{
 };
 pub use device::{device_count, driver_version, Device, DeviceProps, DriverVersion};
 pub use disk_cache::{cache_root, CacheKey, CacheStats, DiskCache, Origin};
+pub use engine_copy::copy_to_engine;
 pub use error::{CompileFailure, JitError, MissingHeader, Result, RuntimeError};
 pub use jit::{Jit, JitStats};
 pub use module::Module;

@@ -1,6 +1,9 @@
 //! What the C-surface GPU tests share: device addresses of test allocations, the raw stream,
 //! and status checks that print kvq's message.
 
+// Each test binary uses the helpers it needs.
+#![allow(dead_code)]
+
 use std::ffi::{c_void, CStr};
 use std::sync::Arc;
 

@@ -28,5 +28,5 @@ pub use buffers::{CodebookBufferLayout, CodebookSizes, CODEBOOK_SECTIONS};
 pub use cache::{CacheArrays, CodebookCache};
 pub use decode::{CodebookKernel, CodebookScratch};
 pub use encode::{input_words, status_error, CodebookEncoder, EncodeInputs};
-pub use steps::{take_slot_errors, write_codebook_buffer, CodebookPtrs, CodebookSteps, StepInputs};
+pub use steps::{take_slot_errors, CodebookPtrs, CodebookSteps, StepInputs};
 pub use tune::{codebook_problem_key, default_codebook_launch, CodebookLaunch, CodebookTuneReport};

@@ -443,20 +443,6 @@ impl CodebookSteps {
     }
 }
 
-/// Copies a packed codebook buffer ([`CodebookBufferLayout::pack`]) to the engine's buffer at
-/// `dst`, stream-ordered (the host bytes are staged before the call returns).
-///
-/// # Safety
-/// `dst` is device memory of `stream`'s context of at least `bytes.len()` bytes.
-pub unsafe fn write_codebook_buffer(
-    stream: &Arc<CudaStream>,
-    dst: u64,
-    bytes: &[u8],
-) -> Result<()> {
-    unsafe { cudarc::driver::result::memcpy_htod_async(dst, bytes, stream.cu_stream()) }
-        .map_err(|e| RuntimeError::driver("copy the codebooks to the device", e))
-}
-
 /// Waits for `stream`, reads the status words of `slots` slots at `status`, and returns each
 /// flagged slot's error ([`super::status_error`]), clearing those slots' words so that they take
 /// tokens again.
