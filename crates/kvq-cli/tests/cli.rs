@@ -1156,7 +1156,7 @@ fn gen_xquant_output_compiles_from_its_files() {
                 .unwrap();
         assert_eq!(m["latent"]["mma"], "mma.sync");
     }
-    // Hopper's folder: the warpgroup rebuild, its 512 threads, compiled by `--arch` itself (and
+    // Hopper's folder: the warpgroup rebuild, its 384 threads, compiled by `--arch` itself (and
     // its manifest and header checked against each other).
     let hopper = TempDir::new("gen-xquant-sm90a");
     let args = [
@@ -1179,7 +1179,13 @@ fn gen_xquant_output_compiles_from_its_files() {
         .iter()
         .find(|k| k["role"] == "decode")
         .unwrap_or_else(|| panic!("no decode kernel: {m}"));
-    assert_eq!(decode["block"][0], 512, "{decode}");
+    assert_eq!(decode["block"][0], 384, "{decode}");
+    // The projection buffers name the K order the rebuild's fragments read up_k in.
+    let text = m.to_string();
+    assert!(
+        text.contains("order = [0, 8, 2, 10, 4, 12, 6, 14, 1, 9, 3, 11, 5, 13, 7, 15]"),
+        "{text}"
+    );
     assert!(dir.join("decode.sm_90a.cubin").exists(), "{out}");
     let readme = std::fs::read_to_string(dir.join("README.md")).unwrap();
     assert!(readme.contains("sm_90a only"), "{readme}");

@@ -51,7 +51,7 @@ pub use quantizer::{QuantizerForm, QuantizerForms};
 pub use shape::{Dtype, KernelShape};
 pub use tune::TuneParams;
 pub use xquant::{
-    has_xquant_kernel, latent_spec, xquant_kernels, xquant_rank, xquant_tile, RebuildMma,
-    RebuildPrecision, XQuantKernels, XQUANT_THREADS,
+    has_xquant_kernel, latent_spec, rebuild_k_order, xquant_kernels, xquant_rank, xquant_tile,
+    RebuildMma, RebuildPrecision, XQuantKernels, XQUANT_THREADS,
 };
 pub use xquant_project::{xquant_project_kernel, ProjectTile, XQuantProjectKernel};

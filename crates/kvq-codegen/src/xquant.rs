@@ -14,9 +14,9 @@ use serde::Serialize;
 /// Compute threads of the XQuant decode CTA (eight warps: the softmax, V's sums, and on
 /// mma.sync K's rebuild too).
 pub const XQUANT_THREADS: u32 = 256;
-/// The producer warpgroups the warpgroup-MMA rebuild adds (decoding latents, copying up_k).
-const PRODUCER_THREADS: u32 = 256;
-/// Shared-memory stages of the mma.sync rebuild (the warpgroup one takes up to four).
+/// The producer warpgroup the warpgroup-MMA rebuild adds (one of its threads copies up_k).
+const PRODUCER_THREADS: u32 = 128;
+/// Shared-memory stages of the mma.sync rebuild (the warpgroup one takes up to eight).
 const SYNC_STAGES: usize = 2;
 /// Latent channels of one pipeline chunk of K's rebuild (kernels/include/kvq/xquant/decode.cuh's
 /// XQ_KC): 64 where the store's heads allow (on mma.sync only for the one-pass product of
@@ -66,9 +66,11 @@ pub enum RebuildMma {
     /// pipeline.
     #[default]
     Sync,
-    /// Hopper's warpgroup MMAs (`wgmma`, sm_90a only): two producer warpgroups decode the
-    /// latents and copy up_k into a four-stage ring, two consumer warpgroups multiply. For the one-pass
-    /// product ([`RebuildPrecision::F16`]) of `x(latent)` schemes at head_dim up to 128.
+    /// Hopper's warpgroup MMAs (`wgmma`, sm_90a only): the two compute warpgroups decode their
+    /// latents straight into the MMAs' A registers while the previous chunk multiplies, and one
+    /// producer thread streams up_k into a ring of up to eight stages. For the one-pass product
+    /// ([`RebuildPrecision::F16`]) of `x(latent)` schemes with 2- to 4-bit channel-axis K latents
+    /// at head_dim up to 128.
     Warpgroup,
 }
 
@@ -119,7 +121,34 @@ fn warpgroup_refusal(
             shape.head_dim
         ));
     }
-    None
+    match &spec.k {
+        TensorQuant::Int(q) if q.axis == Axis::Channel && (2..=4).contains(&q.bits) => None,
+        other => Some(format!(
+            "warpgroup MMAs over `k = {other}` latents (2- to 4-bit channel-axis codes decode \
+             straight into the MMA's registers)"
+        )),
+    }
+}
+
+/// The K order of the warpgroup rebuild's MMAs within each block of 16 latent channels: slot
+/// `k` reads channel `order[k]` of the block. A fragment register holds two latents of one code
+/// word whose codes lie 16 bits apart (channels `c` and `c + 16 / bits`; 3-bit codes: of the
+/// 2-bit plane), so one shift and mask decode both (kernels/include/kvq/xquant/warpgroup.cuh,
+/// `xq_pair_channel`); up_k's rows are laid out in the same order. Other widths keep the
+/// channels' order.
+pub fn rebuild_k_order(spec: &SchemeSpec) -> [usize; 16] {
+    let plane_bits = match &spec.k {
+        TensorQuant::Int(q) if q.bits == 3 => 2,
+        TensorQuant::Int(q) if matches!(q.bits, 2 | 4) => q.bits as usize,
+        _ => return std::array::from_fn(|k| k),
+    };
+    let (per_word, apart) = (32 / plane_bits, 16 / plane_bits);
+    std::array::from_fn(|slot| {
+        // Slot 8·hi + 2·tq + e is element e of the pair 2·tq + hi of lane tq's fragment.
+        let (hi, tq, e) = (slot / 8, slot % 8 / 2, slot % 2);
+        let pair = 2 * tq + hi;
+        (pair / apart) * per_word + pair % apart + e * apart
+    })
 }
 
 /// Tokens of a tile (K rebuilt, scored and summed together) for a head size.
@@ -182,9 +211,14 @@ fn dynamic_shared_bytes(
     let stage_bytes = match mma {
         // Staged rows: a chunk plus 8 f16 values, so ldmatrix rows fall on distinct banks.
         RebuildMma::Sync => parts * (tile + d) * (kc + 8) * 2,
-        // Core-matrix layout (kvq/xquant/warpgroup.cuh): a K group of 8 channels holds the
-        // tile's rows, then up_k's D columns.
-        RebuildMma::Warpgroup => (kc / 8) * (tile * 16 + d * 16),
+        // up_k's chunk in core-matrix layout (kvq/xquant/warpgroup.cuh): a K group of 8
+        // channels holds its D columns; the latents stay in registers.
+        RebuildMma::Warpgroup => (kc / 8) * d * 16,
+    };
+    // The warpgroup path's table of a page's K scale and zero pairs: 4 bytes a latent channel.
+    let k_table = match mma {
+        RebuildMma::Sync => 0,
+        RebuildMma::Warpgroup => 4 * rank,
     };
     let v_rows = match &spec.v {
         TensorQuant::Int(q) if tensor_values(spec, rank, width) => {
@@ -192,18 +226,18 @@ fn dynamic_shared_bytes(
         }
         _ => 0,
     };
-    stages * stage_bytes + v_rows + 4 * shape.gqa as usize * rank
+    stages * stage_bytes + v_rows + 4 * shape.gqa as usize * rank + k_table
 }
 
-/// Stages of the warpgroup rebuild's ring: four where they fit the budget, else three or two
-/// (4-bit V rows take more room); `None` where not even two do.
+/// Stages of the warpgroup rebuild's ring: eight where they fit the budget, else fewer (4-bit V
+/// rows and many query heads take more room); `None` where not even two do.
 fn warpgroup_stages(
     spec: &SchemeSpec,
     shape: &KernelShape,
     (rank, width): (usize, usize),
 ) -> Option<usize> {
     let f16 = RebuildPrecision::F16;
-    (2..=4).rev().find(|&s| {
+    (2..=8).rev().find(|&s| {
         dynamic_shared_bytes(spec, shape, (rank, width), f16, (RebuildMma::Warpgroup, s))
             <= WARPGROUP_DYNAMIC_BUDGET
     })
@@ -450,6 +484,34 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_rebuild_order_permutes_each_block_and_pairs_codes_sixteen_bits_apart() {
+        for bits in [2, 3, 4] {
+            let text =
+                format!("k = int({bits}, channel), v = int({bits}, token), source = x(latent)");
+            let spec: SchemeSpec = text.parse().unwrap();
+            let order = rebuild_k_order(&spec);
+            let mut seen = order;
+            seen.sort_unstable();
+            assert_eq!(seen, std::array::from_fn(|k| k), "{text}: a permutation");
+            let plane = if bits == 3 { 2 } else { bits };
+            for slot in (0..16).step_by(2) {
+                // A register's two latents: one word, 16 bits apart.
+                let (a, b) = (order[slot], order[slot + 1]);
+                assert_eq!(
+                    a * plane / 32,
+                    b * plane / 32,
+                    "{text} slot {slot}: one word"
+                );
+                assert_eq!((b - a) * plane, 16, "{text} slot {slot}: 16 bits apart");
+            }
+        }
+        let eight: SchemeSpec = "k = int(8, channel), v = int(8, token), source = x(latent)"
+            .parse()
+            .unwrap();
+        assert_eq!(rebuild_k_order(&eight), std::array::from_fn(|k| k));
+    }
+
+    #[test]
     fn latent_schemes_render_and_others_are_refused() {
         let spec: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(latent)"
             .parse()
@@ -596,22 +658,34 @@ mod tests {
             }
         }
         let k = xquant_kernels(&spec, &shape, 8, 4096, (f16, RebuildMma::Warpgroup)).unwrap();
-        assert_eq!(k.decode.block, 512);
+        assert_eq!(k.decode.block, 384);
         assert!(k.source.contains("#define KVQ_XQ_WGMMA 1"));
-        // Four stages of 8 K groups (128 latent rows of 16 bytes, then 128 up_k columns of 16
-        // bytes), the tile's V rows, the split's sums.
+        // Eight stages of up_k's chunk (8 K groups of 128 columns of 16 bytes), the tile's V
+        // rows, the split's sums, the page's K scale and zero table.
         assert_eq!(
             k.decode.dynamic_shared_bytes,
-            4 * 8 * (128 * 16 + 128 * 16) + 128 * 272 + 4 * 4 * 1024
+            8 * 8 * 128 * 16 + 128 * 272 + 4 * 4 * 1024 + 4 * 1024
         );
-        assert!(k.source.contains("static constexpr int WG_STAGES = 4;"));
-        // 4-bit V rows at 1,024 latents leave room for three stages.
+        assert!(k.source.contains("static constexpr int WG_STAGES = 8;"));
+        // 4-bit V rows at 1,024 latents leave room for six stages.
         let v4: SchemeSpec = "k = int(4, channel), v = int(4, token), source = x(latent)"
             .parse()
             .unwrap();
         let k4 = xquant_kernels(&v4, &shape, 8, 4096, (f16, RebuildMma::Warpgroup)).unwrap();
-        assert!(k4.source.contains("static constexpr int WG_STAGES = 3;"));
+        assert!(k4.source.contains("static constexpr int WG_STAGES = 6;"));
         assert!(k4.decode.dynamic_shared_bytes as usize <= WARPGROUP_DYNAMIC_BUDGET);
+        // K latents the fragments do not decode take mma.sync.
+        for text in [
+            "k = int(8, channel), v = int(2, token), source = x(latent)",
+            "k = int(2, token), v = int(2, token), source = x(latent)",
+        ] {
+            let other: SchemeSpec = text.parse().unwrap();
+            assert_eq!(
+                RebuildMma::best(&other, &shape, (8, 4096), f16, true),
+                RebuildMma::Sync,
+                "{text}"
+            );
+        }
         let sync = xquant_kernels(&spec, &shape, 8, 4096, (f16, RebuildMma::Sync)).unwrap();
         assert!(sync.source.contains("#define KVQ_XQ_WGMMA 0"));
         assert_ne!(sync.decode.name, k.decode.name);

@@ -1,8 +1,8 @@
 #pragma once
 // Hopper's (sm_90a) asynchronous building blocks for kernels compiled for that target only:
 // mbarriers (a phase completes when its count of arrivals, and any bytes it expects, are in),
-// the fence that makes ordinary shared-memory writes visible to the async proxy (the tensor
-// cores' wgmma reads), and warpgroup MMAs whose operands are shared-memory descriptors.
+// bulk copies that count their bytes off one, and warpgroup MMAs whose A operand is in
+// registers and B a shared-memory descriptor.
 #if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "kvq/hopper.cuh needs sm_90a (wgmma and mbarrier waits)"
 #endif
@@ -33,9 +33,6 @@ static __device__ __forceinline__ void kvq_bulk_copy_g2s(unsigned dst, const voi
                  "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
 }
-static __device__ __forceinline__ void kvq_fence_async_smem() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
 
 // Moves this warpgroup's register budget to N a thread (a multiple of 8): producers give
 // registers back, consumers take them. Needs a register cap at entry (__launch_bounds__ with a
@@ -63,64 +60,66 @@ static __device__ __forceinline__ void kvq_wgmma_wait() {
 }
 
 // d (64 × N, f32, the accumulator fragments of the warpgroup: n-tile j's four values at
-// d[4j, 4j + 4)) += A (64 × 16, f16) · B (16 × N, f16), both K-major in shared memory.
+// d[4j, 4j + 4)) += A (64 × 16, f16, in registers: the warp's 16 rows as an mma.sync
+// m16n8k16 A fragment, rows lane/4 and +8, K pairs 2(lane%4) and +8) · B (16 × N, K-major in
+// shared memory). A's registers must stay unchanged until the MMA has completed (wgmma_wait).
 template <int N>
-static __device__ __forceinline__ void kvq_wgmma_f16(float* d, unsigned long long a, unsigned long long b);
+static __device__ __forceinline__ void kvq_wgmma_f16_ra(float* d, const kvq_u32 (&a)[4], unsigned long long b);
 
 template <>
-__device__ __forceinline__ void kvq_wgmma_f16<32>(float* d, unsigned long long a, unsigned long long b) {
+__device__ __forceinline__ void kvq_wgmma_f16_ra<32>(float* d, const kvq_u32 (&a)[4], unsigned long long b) {
     asm volatile(
         "{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-        "}, %16, %17, p, 1, 1, 0, 0; }"
+        "}, { %16, %17, %18, %19}, %20, p, 1, 1, 0; }"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(a), "l"(b)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
         : "memory");
 }
 
 template <>
-__device__ __forceinline__ void kvq_wgmma_f16<64>(float* d, unsigned long long a, unsigned long long b) {
+__device__ __forceinline__ void kvq_wgmma_f16_ra<64>(float* d, const kvq_u32 (&a)[4], unsigned long long b) {
     asm volatile(
         "{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1, 0, 0; }"
+        "}, { %32, %33, %34, %35}, %36, p, 1, 1, 0; }"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(a), "l"(b)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
         : "memory");
 }
 
 template <>
-__device__ __forceinline__ void kvq_wgmma_f16<96>(float* d, unsigned long long a, unsigned long long b) {
+__device__ __forceinline__ void kvq_wgmma_f16_ra<96>(float* d, const kvq_u32 (&a)[4], unsigned long long b) {
     asm volatile(
         "{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
-        "}, %48, %49, p, 1, 1, 0, 0; }"
+        "}, { %48, %49, %50, %51}, %52, p, 1, 1, 0; }"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
           "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
-        : "l"(a), "l"(b)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
         : "memory");
 }
 
 template <>
-__device__ __forceinline__ void kvq_wgmma_f16<128>(float* d, unsigned long long a, unsigned long long b) {
+__device__ __forceinline__ void kvq_wgmma_f16_ra<128>(float* d, const kvq_u32 (&a)[4], unsigned long long b) {
     asm volatile(
         "{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1, 0, 0; }"
+        "}, { %64, %65, %66, %67}, %68, p, 1, 1, 0; }"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -129,6 +128,6 @@ __device__ __forceinline__ void kvq_wgmma_f16<128>(float* d, unsigned long long 
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(a), "l"(b)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
         : "memory");
 }

@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use kvq::codegen::{
-    latent_spec, xquant_kernels, xquant_project_kernel, xquant_tile, RebuildMma, RebuildPrecision,
-    XQuantKernels, XQuantProjectKernel,
+    latent_spec, rebuild_k_order, xquant_kernels, xquant_project_kernel, xquant_tile, RebuildMma,
+    RebuildPrecision, XQuantKernels, XQuantProjectKernel,
 };
 use kvq::reference::int::LAYOUT_VERSION;
 use kvq::reference::xquant::PROJECTION_FILE_FORMAT;
@@ -222,7 +222,12 @@ fn layout_info(
             to_buffers: vec![
                 "up_k_hi[o][r] = f16(k.up[r][o]); up_k_lo[o][r] = f16(k.up[r][o] − up_k_hi[o][r])"
                     .into(),
-                "up_k_groups[h][r / 8][j][r % 8] = up_k_hi[h·head_dim + j][r]".into(),
+                format!(
+                    "up_k_groups[h][s / 8][j][s % 8] = up_k_hi[h·head_dim + j][16·(s / 16) + \
+                     order[s % 16]], order = {:?}: the warpgroup rebuild's K order, each register \
+                     of its A fragments two latents of one code word",
+                    rebuild_k_order(&req.scheme.spec)
+                ),
                 "up_v = v.up as stored".into(),
                 format!(
                     "down_hi[c][i] = x(down[i][c]), down_lo[c][i] = x(down[i][c] − down_hi[c][i]) \

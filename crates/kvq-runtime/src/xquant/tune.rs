@@ -154,13 +154,16 @@ pub fn check_xquant_problem(problem: &TuneProblem, generated: &XQuantKernels) ->
 
 /// The store key of an XQuant problem decoded by `generated`: the decode problem's key with the
 /// checksum of what sets the candidates and their times — the latent width, the rebuild's
-/// precision and MMA form, the tile and the split multiples — prefixed `xq-` (another rank or
-/// precision, another key).
+/// precision and MMA form, the CTA's threads, the tile and the split multiples — prefixed `xq-`
+/// (another rank, precision or kernel design, another key).
 pub fn xquant_problem_key(problem: &TuneProblem, generated: &XQuantKernels) -> ProblemKey {
+    // The threads follow the kernel's design (the warpgroup rebuild's roles): a split count
+    // tuned for an earlier design of the same rebuild is not reused.
     let set = (
         "xquant",
         generated.rank,
         rebuild_text(generated),
+        generated.decode.block,
         xquant_tile(generated.shape.head_dim),
         SPLIT_FACTORS,
         MAX_SPLITS,

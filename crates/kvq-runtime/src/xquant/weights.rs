@@ -5,7 +5,7 @@ use crate::decode::upload;
 use crate::error::{Result, RuntimeError};
 use crate::launch::Input;
 use cudarc::driver::{CudaSlice, CudaStream};
-use kvq_codegen::Dtype;
+use kvq_codegen::{rebuild_k_order, Dtype};
 use kvq_reference::rope::Rope;
 use kvq_reference::xquant::{latent_store_width, Projections};
 use kvq_spec::{CacheSource, SchemeSpec};
@@ -65,14 +65,17 @@ fn split_transposed(m: &[f32], rows: usize, cols: usize, dtype: Dtype) -> (Vec<u
     (hi, lo)
 }
 
-/// `hi` (`[kv_heads·d][rank]`, up_kᵀ) as `[kv_heads][rank / 8][d][8]`.
-fn k_groups(hi: &[u16], kv_heads: usize, d: usize, rank: usize) -> Vec<u16> {
+/// `hi` (`[kv_heads·d][rank]`, up_kᵀ) as `[kv_heads][rank / 8][d][8]`, each block of 16 latents
+/// in the warpgroup rebuild's K order (`kvq_codegen::rebuild_k_order`: slot `k` of a block holds
+/// its latent `order[k]`).
+fn k_groups(hi: &[u16], kv_heads: usize, d: usize, rank: usize, order: &[usize; 16]) -> Vec<u16> {
     let mut out = vec![0u16; hi.len()];
     for h in 0..kv_heads {
         for col in 0..d {
             let row = &hi[(h * d + col) * rank..(h * d + col + 1) * rank];
-            for (c, &x) in row.iter().enumerate() {
-                out[((h * (rank / 8) + c / 8) * d + col) * 8 + c % 8] = x;
+            for slot in 0..rank {
+                let c = slot / 16 * 16 + order[slot % 16];
+                out[((h * (rank / 8) + slot / 8) * d + col) * 8 + slot % 8] = row[c];
             }
         }
     }
@@ -123,7 +126,7 @@ impl HostWeights {
             .collect();
         let (up_k_hi, up_k_lo) = split_transposed(&p.k.up, rank, p.k.out, Dtype::F16);
         // The rank is a multiple of 32 (kvq_reference::xquant::projection pads it).
-        let up_k_groups = k_groups(&up_k_hi, h, d, rank);
+        let up_k_groups = k_groups(&up_k_hi, h, d, rank, &rebuild_k_order(spec));
         let down = writes.map(|dtype| {
             // [d_model][2·rank]: K's latent columns, then V's.
             let dm = p.k.d_model;
@@ -373,18 +376,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn k_groups_put_each_group_of_eight_latents_beside_the_columns() {
-        let (kv, d, rank) = (2, 3, 16);
+    fn k_groups_put_each_group_of_eight_latents_beside_the_columns_in_the_rebuild_order() {
+        let (kv, d, rank) = (2, 3, 32);
         let hi: Vec<u16> = (0..kv * d * rank).map(|i| i as u16).collect();
-        let g = k_groups(&hi, kv, d, rank);
+        let spec: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(latent)"
+            .parse()
+            .unwrap();
+        let order = rebuild_k_order(&spec);
+        let g = k_groups(&hi, kv, d, rank, &order);
+        let natural = k_groups(&hi, kv, d, rank, &std::array::from_fn(|k| k));
         for h in 0..kv {
             for col in 0..d {
-                for c in 0..rank {
-                    let at = ((h * (rank / 8) + c / 8) * d + col) * 8 + c % 8;
-                    assert_eq!(g[at], hi[(h * d + col) * rank + c], "{h} {col} {c}");
+                for slot in 0..rank {
+                    let at = ((h * (rank / 8) + slot / 8) * d + col) * 8 + slot % 8;
+                    assert_eq!(
+                        natural[at],
+                        hi[(h * d + col) * rank + slot],
+                        "{h} {col} {slot}"
+                    );
+                    let c = slot / 16 * 16 + order[slot % 16];
+                    assert_eq!(g[at], hi[(h * d + col) * rank + c], "{h} {col} {slot}");
                 }
             }
         }
+        // Slot 1 of a 2-bit block reads channel 8: the pair's second code, 16 bits on.
+        assert_eq!(order[1], 8);
     }
 
     #[test]

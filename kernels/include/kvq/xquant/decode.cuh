@@ -6,7 +6,7 @@
 // kernel rebuilds K = RoPE(L̂_k·up_k) per tile of tokens for its KV head, scores the KV head's GQA
 // query heads against it, and never rebuilds V: it accumulates Σ_t p_t·l̂_v,t over the latent and
 // multiplies by up_v once per split. Grid (num_splits, kv_heads, rows), block THREADS (eight
-// compute warps, after the producer warpgroups on the warpgroup path); writes each split's
+// compute warps, after the producer warpgroup on the warpgroup path); writes each split's
 // unnormalised output and (m, l) for kvq/combine.cuh.
 //
 // K's rebuild is a GEMM of the tile's XQ_M tokens × R latents by up_k's R × D slice on tensor
@@ -30,15 +30,16 @@
 // (the warpgroup path and its ring's stages), and KTensor, VTensor (kvq/tensor.cuh's traits at
 // width XW).
 //
-// KVQ_XQ_WGMMA (sm_90a, one-pass product, head_dim ≤ 128; kvq-codegen's RebuildMma): K's
-// rebuild runs on warpgroup MMAs fed by two producer warpgroups (kvq/xquant/warpgroup.cuh), and the
-// eight compute warps (threads XQ_PRODUCERS on) score, sum V and keep the softmax. Otherwise every
-// warp copies, decodes and multiplies on mma.sync through a two-stage pipeline.
+// KVQ_XQ_WGMMA (sm_90a, one-pass product, head_dim ≤ 128, 2- to 4-bit channel-axis K latents;
+// kvq-codegen's RebuildMma): K's rebuild runs on warpgroup MMAs whose A operand the eight compute
+// warps (threads XQ_PRODUCERS on) decode into registers, fed up_k by one producer warpgroup
+// (kvq/xquant/warpgroup.cuh); the same warps then score, sum V and keep the softmax. Otherwise
+// every warp copies, decodes and multiplies on mma.sync through a two-stage pipeline.
 #ifndef KVQ_XQ_WGMMA
 #define KVQ_XQ_WGMMA 0
 #endif
 static constexpr bool WGMMA = KVQ_XQ_WGMMA;
-static constexpr int XQ_PRODUCERS = WGMMA ? 256 : 0;                 // the producer warpgroups' threads
+static constexpr int XQ_PRODUCERS = WGMMA ? 128 : 0;                 // the producer warpgroup's threads
 static constexpr int XQ_CT = THREADS - XQ_PRODUCERS;                 // compute threads
 // A compute thread's index (negative in the producer warpgroup).
 static __device__ __forceinline__ int xq_ct() { return (int)threadIdx.x - XQ_PRODUCERS; }
@@ -61,8 +62,8 @@ static constexpr int XQ_HC = D / (2 * XQ_WN);                        // a warp's
 static constexpr int XQ_NH = XQ_HC / 8;                              // 8-column mma tiles a warp a half
 static constexpr int XQ_NT = 2 * XQ_NH;
 static constexpr int XQ_LD = XQ_KC + 8;                              // staged row stride in halves: banks apart
-// A thread's latent channels of a row a chunk: a row's share (mma.sync), or a producer warp's
-// quarter of the chunk for each of its four rows (warpgroup MMAs).
+// A thread's latent channels of a row a chunk: a row's share (mma.sync; the warpgroup path
+// decodes its own fragments and only keeps the definition for the shared helpers).
 static constexpr int XQ_APT = WGMMA ? XQ_KC / 4 : XQ_M * XQ_KC / THREADS;
 static constexpr int XQ_TPR = XQ_KC / XQ_APT;                        // threads a staged row (mma.sync)
 static constexpr int XQ_PARTS = PASSES == 3 ? 2 : 1;                 // f16 halves an operand
@@ -71,7 +72,7 @@ static constexpr int XQ_STAGE_HALVES = XQ_PARTS * (XQ_A_HALVES + XQ_B_HALVES);
 static constexpr int XQ_STAGE_BYTES = XQ_STAGE_HALVES * 2;
 static constexpr int XQ_B_OFFSET = XQ_PARTS * XQ_A_HALVES * 2;       // bytes into a stage
 static constexpr int XQ_STAGES = WGMMA ? WG_STAGES : 2;     // WG_STAGES: kvq-codegen's, by the room left
-static_assert(XQ_STAGES >= 2 && XQ_STAGES <= 4, "a ring of two to four stages");
+static_assert(XQ_STAGES >= 2 && XQ_STAGES <= 8, "a ring of two to eight stages");
 static constexpr int XQ_VQ = 4;                                      // consecutive V latents a thread sums (CUDA cores)
 static constexpr int XQ_V_ROWS_BYTES = TENSOR_V ? XQ_M * (XR * VTensor::BITS / 8 + 16) : 0;
 static_assert(XR % XQ_KC == 0 && XW % XQ_KC == 0, "latents in whole pipeline chunks");
@@ -81,6 +82,7 @@ static_assert(KTensor::BITS >= 1 && VTensor::BITS >= 1 && !KTensor::BOOST && !VT
 
 static constexpr int XQ_TVH_MAX = 4;                                 // store heads the tensor-core V path takes
 static constexpr int XQ_TVH = TENSOR_V ? XR / XW : 1;                 // V scales and zeros a row, tensor path
+static constexpr int XQ_OPARTS = XQ_CT / (D / 4);                    // latent parts of the split's output
 
 #include "kvq/xquant/latents.cuh"
 #include "kvq/xquant/rebuild.cuh"
@@ -91,8 +93,11 @@ static constexpr int XQ_TVH = TENSOR_V ? XR / XW : 1;                 // V scale
 static constexpr int XQ_STAGES_BYTES = XQ_STAGES * XQ_WG_STAGE_BYTES;
 #else
 static constexpr int XQ_STAGES_BYTES = XQ_STAGES * XQ_STAGE_BYTES;
+static constexpr int XQ_KTAB_BYTES = 0;
 #endif
-static_assert(SMEM_BYTES == XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + GQA * XR * 4, "dynamic shared memory (kvq-codegen's xquant.rs)");
+static_assert(XQ_STAGES_BYTES >= XQ_OPARTS * GQA * D * 4, "the output's parts fit the pipeline's stages");
+static_assert(SMEM_BYTES == XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + GQA * XR * 4 + XQ_KTAB_BYTES,
+              "dynamic shared memory (kvq-codegen's xquant.rs)");
 
 static __device__ __forceinline__ void kvq_xquant_decode(
     const kvq_u16* __restrict__ q, const kvq_u8* __restrict__ k_pool, const kvq_u8* __restrict__ v_pool,
@@ -105,11 +110,13 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     float* __restrict__ part_ml)
 {
     // Dynamic shared memory: the rebuild's stages, the tile's V code rows (tensor path), the
-    // split's latent sums [GQA][XR] (CUDA-core path, and the whole sums at the end).
+    // split's latent sums [GQA][XR] (CUDA-core path, and the whole sums at the end), the page's
+    // K scale and zero table (warpgroup path).
     extern __shared__ __align__(128) kvq_u8 xq_smem[];
     kvq_u16* const stages = (kvq_u16*)xq_smem;
     kvq_u8* const s_v = xq_smem + XQ_STAGES_BYTES;
     float* const s_vsum = (float*)(xq_smem + XQ_STAGES_BYTES + XQ_V_ROWS_BYTES);
+    kvq_u32* const s_ktab = (kvq_u32*)(xq_smem + XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + GQA * XR * 4);
     __shared__ float s_q[GQA * D], s_sp[XQ_WN][GQA][XQ_M], s_p[GQA][XQ_M], s_vs[XQ_TVH][XQ_M], s_vz[XQ_TVH][XQ_M];
     __shared__ __align__(16) kvq_u16 s_w[XQ_TVH * XQ_WPART];
     __shared__ XqLoc s_vloc[XQ_M];
@@ -144,7 +151,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     }
 #if KVQ_XQ_WGMMA
     if (threadIdx.x < XQ_STAGES) {
-        kvq_mbar_init(kvq_smem_u32(&s_bar[threadIdx.x]), XQ_PRODUCERS + 1);
+        kvq_mbar_init(kvq_smem_u32(&s_bar[threadIdx.x]), 1);
         kvq_mbar_init(kvq_smem_u32(&s_bar[XQ_STAGES + threadIdx.x]), XQ_CT / 32);
     }
 #endif
@@ -234,7 +241,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                         const float w = p * s_vs[vh][t];
                         const kvq_u16 hi = kvq_f32_to_f16(w);
                         s_w[vh * XQ_WPART + h * XQ_WLD + t] = hi;
-                        s_w[vh * XQ_WPART + (8 + h) * XQ_WLD + t] = kvq_f32_to_f16(w - kvq_f16_to_f32(hi));
+                        s_w[vh * XQ_WPART + ((XQ_VMERGED ? 4 : 8) + h) * XQ_WLD + t] = kvq_f32_to_f16(w - kvq_f16_to_f32(hi));
                         zsum[vh] = fmaf(p, s_vz[vh][t], zsum[vh]);
                     }
                 }
@@ -263,9 +270,10 @@ static __device__ __forceinline__ void kvq_xquant_decode(
 #pragma unroll
             for (int i = 0; i < XQ_VMT; ++i) vo[i][0] = vo[i][1] = vo[i][2] = vo[i][3] = 0.f;
             xq_values_mma(vo, s_v, s_w, cwarp, lane);
+            xq_values_merge(vo);
 #pragma unroll
             for (int i = 0; i < XQ_VMT; ++i) {
-                const int c = 16 * (cwarp + 8 * i) + g, h0 = 2 * tq, h1 = 2 * tq + 1;
+                const int c = 16 * (XQ_VMT * cwarp + i) + g, h0 = 2 * tq, h1 = 2 * tq + 1;
                 if (c < XR) {
                     if (h0 < GQA) { s_vsum[h0 * XR + c] += vo[i][0]; s_vsum[h0 * XR + c + 8] += vo[i][2]; }
                     if (h1 < GQA) { s_vsum[h1 * XR + c] += vo[i][1]; s_vsum[h1 * XR + c + 8] += vo[i][3]; }
@@ -278,94 +286,142 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         sync_compute();
     };
 
+    // After the last tile (compute threads only, so the warpgroup path's producers, whose code
+    // ptxas compiles at their small register budget, never run it).
+    auto write_output = [&]() {
+        sync_compute();
+        // The split's output: (Σ p·l̂_v + Σ p·z)·up_v for this KV head's columns (z that of the
+        // channel's store head). Compute thread ct takes four columns, 4·(ct % (D / 4)), over every
+        // XQ_OPARTS-th latent from ct / (D / 4), for all query heads at once: each up_v value is read
+        // once, by 16-byte loads, many in flight (the loads' latency, not their bytes, bounds this
+        // step). The parts meet in the pipeline's shared memory, free by now.
+        float* const s_out = (float*)xq_smem;
+        if (ct >= 0 && ct < XQ_OPARTS * (D / 4)) {
+            const int j = 4 * (ct % (D / 4)), part = ct / (D / 4);
+            const float* w = up_v + kvh * D + j;
+            float4 sum[GQA];
+#pragma unroll
+            for (int h = 0; h < GQA; ++h) sum[h] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+            for (int c = part; c < XR; c += XQ_OPARTS) {
+                const float4 wc = *(const float4*)(w + (long)c * OUT);
+                const int vh = XQ_TVH == 1 ? 0 : c / XW;
+#pragma unroll
+                for (int h = 0; h < GQA; ++h) {
+                    const float x = s_vsum[h * XR + c] + s_z[h][vh];
+                    sum[h].x = fmaf(x, wc.x, sum[h].x);
+                    sum[h].y = fmaf(x, wc.y, sum[h].y);
+                    sum[h].z = fmaf(x, wc.z, sum[h].z);
+                    sum[h].w = fmaf(x, wc.w, sum[h].w);
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < GQA; ++h) *(float4*)&s_out[(part * GQA + h) * D + j] = sum[h];
+        }
+        sync_compute();
+        for (int i = ct; ct >= 0 && i < GQA * D; i += XQ_CT) {
+            float sum = 0.f;
+            for (int part = 0; part < XQ_OPARTS; ++part) sum += s_out[part * GQA * D + i];
+            part_acc[((head_row + i / D) * num_splits + split) * D + i % D] = sum;
+        }
+        if (ct >= 0 && ct < GQA) {
+            const int h = ct;
+            part_ml[((head_row + h) * num_splits + split) * 2] = s_m[h];
+            part_ml[((head_row + h) * num_splits + split) * 2 + 1] = s_l[h];
+        }
+    };
+
 #if KVQ_XQ_WGMMA
     // The role from a warp-uniform value the compiler can see is uniform: the consumers' MMAs
     // must not sit in a branch it takes as divergent, or it serialises them.
     if (__shfl_sync(0xffffffffu, (int)threadIdx.x / XQ_PRODUCERS, 0) == 0) {
-        // The producer warpgroups: warp w decodes channels [(w % 4)·XQ_APT, +XQ_APT) of each
-        // chunk for rows lane + 32·r (r = 2·(w / 4) and the next), and thread 0 copies up_k's chunk.
+        // The producer warpgroup: one thread copies up_k's chunks into the ring.
         kvq_setmaxnreg_dec<XQ_PRODUCER_REGS>();
-        constexpr int XQ_PROWS = XQ_M / 32 / (XQ_PRODUCERS / 128);   // rows a producer thread
-        const int pw = warp % 4, row0 = (warp / 4) * XQ_PROWS;
-        int chunk_i = 0;
-        for (int t0 = t_begin; t0 < t_end; t0 += XQ_M) {
-            const int n = min(XQ_M, t_end - t0);
-            const bool k_pages = n == XQ_M && t0 >= sink_end && t0 + n <= k_qend;
-            XqLoc kl[XQ_PROWS];
-            bool live[XQ_PROWS];
-            XqCodes raw[XQ_PROWS];
-#pragma unroll
-            for (int r = 0; r < XQ_PROWS; ++r) {
-                const int row = lane + 32 * (row0 + r);
-                live[r] = row < n;
-                kl[r] = XqLoc{false, nullptr, nullptr, 0, 0};
-                if (live[r]) {
-                    kl[r] = xq_locate<KTensor>(t0 + row, len, slot, k_pool, page_table, max_pages, k_sink, k_tail);
-                    xq_prefetch_span(kl[r], pw * XQ_APT, nullptr);
-                    if (CHUNKS > 1) xq_prefetch_span(kl[r], XQ_KC + pw * XQ_APT, nullptr);
-                    xq_load_codes(kl[r], pw * XQ_APT, raw[r]);
+        if (threadIdx.x == 0) {
+            int chunk_i = 0;
+            for (int t0 = t_begin; t0 < t_end; t0 += XQ_M)
+                for (int kc = 0; kc < CHUNKS; ++kc, ++chunk_i) {
+                    const int st = chunk_i % XQ_STAGES;
+                    kvq_mbar_wait(kvq_smem_u32(&s_bar[XQ_STAGES + st]), ((chunk_i / XQ_STAGES) & 1) ^ 1);
+                    xq_wg_copy_b(up_k_groups, kvh, kc * XQ_KC, stages_u32 + st * XQ_WG_STAGE_BYTES, kvq_smem_u32(&s_bar[st]));
                 }
-            }
-            for (int kc = 0; kc < CHUNKS; ++kc, ++chunk_i) {
-                const int st = chunk_i % XQ_STAGES;
-                const unsigned stage_u32 = stages_u32 + st * XQ_WG_STAGE_BYTES;
-                const unsigned full = kvq_smem_u32(&s_bar[st]);
-                kvq_mbar_wait(kvq_smem_u32(&s_bar[XQ_STAGES + st]), ((chunk_i / XQ_STAGES) & 1) ^ 1);
-                if (threadIdx.x == 0) xq_wg_copy_b(up_k_groups, kvh, kc * XQ_KC, stage_u32 + XQ_WG_A_BYTES, full);
-                const int c0 = kc * XQ_KC + pw * XQ_APT;
-                XqCodes next[XQ_PROWS];
-#pragma unroll
-                for (int r = 0; r < XQ_PROWS; ++r)
-                    if (kc + 1 < CHUNKS && live[r]) {
-                        if (kc + 2 < CHUNKS) xq_prefetch_span(kl[r], c0 + 2 * XQ_KC, nullptr);
-                        xq_load_codes(kl[r], c0 + XQ_KC, next[r]);
-                    }
-                kvq_u16* const a =
-                    (kvq_u16*)(xq_smem + st * XQ_WG_STAGE_BYTES + (pw * XQ_APT / 8) * XQ_A_KG) + (32 * row0 + lane) * 8;
-#pragma unroll
-                for (int r = 0; r < XQ_PROWS; ++r) {
-                    kvq_u16* const dst = a + 32 * r * 8;
-                    if (k_pages) xq_store_a<true, XQ_A_KG / 2>(raw[r], kl[r], true, c0, nullptr, dst, nullptr);
-                    else xq_store_a<false, XQ_A_KG / 2>(raw[r], kl[r], live[r], c0, nullptr, dst, nullptr);
-                    raw[r] = next[r];
-                }
-                kvq_fence_async_smem();
-                kvq_mbar_arrive(full);
-            }
         }
     } else {
-        // The compute warps: K's rebuild from the producers' stages, then the tile's scores and sums.
+        // The compute warps: K's rebuild (their own fragments decoded while the previous chunk
+        // multiplies), then the tile's scores and sums. Warpgroup wg takes rows [64·wg, +64), warp
+        // w4 of it rows 16·w4 + g and + 8.
         kvq_setmaxnreg_inc<XQ_CONSUMER_REGS>();
         int chunk_i = 0;
-        const int wg = cwarp / 4;
+        const int row0 = 16 * cwarp + g;
         for (int t0 = t_begin; t0 < t_end; t0 += XQ_M) {
             const int n = min(XQ_M, t_end - t0);
             const bool tensor_v = TENSOR_V && t0 >= sink_end && t0 + n <= v_qend;
+            // Tiles of one page's rows (most of them) decode from the page's table and codes loaded
+            // two chunks ahead; others latent by latent.
+            const bool fast = n == XQ_M && t0 >= sink_end && t0 + n <= k_qend &&
+                              (t0 - sink_end) / PAGE == (t0 + n - 1 - sink_end) / PAGE;
+            XqLoc kl[2];
+            bool live[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                live[r] = row0 + 8 * r < n;
+                kl[r] = live[r] ? xq_locate<KTensor>(t0 + row0 + 8 * r, len, slot, k_pool, page_table, max_pages, k_sink, k_tail)
+                                : XqLoc{false, nullptr, nullptr, 0, 0};
+            }
+            float acc[XQ_MT][XQ_NT][4];
+#pragma unroll
+            for (int nt = 0; nt < XQ_NT; ++nt) acc[0][nt][0] = acc[0][nt][1] = acc[0][nt][2] = acc[0][nt][3] = 0.f;
+            // Two chunks' fragments (even and odd chunks) and codes: chunk kc's MMAs read one
+            // while chunk kc + 1 is decoded into the other.
+            XqFrag fa, fb;
+            XqRowCodes ca[2], cb[2];
+            auto load_codes = [&](XqRowCodes (&c)[2], int kc) {
+                if (fast && kc < CHUNKS) {
+                    xq_load_row_codes(kl[0], kc, c[0]);
+                    xq_load_row_codes(kl[1], kc, c[1]);
+                }
+            };
+            auto decode = [&](XqFrag& f, const XqRowCodes (&c)[2], int kc) {
+                if (fast) xq_decode_chunk_fast(f, c, s_ktab, kc, tq);
+                else xq_decode_chunk_any(f, kl, live, kc, tq);
+            };
+            // MMAs of chunk kc from `f`; then, once chunk kc − 1 is done (its stage free, its
+            // fragments `f2` free), chunk kc + 1 decoded into f2 and chunk kc + 3's codes loaded.
+            auto step = [&](const XqFrag& f, XqFrag& f2, XqRowCodes (&c2)[2], int kc) {
+                const int st = chunk_i % XQ_STAGES;
+                kvq_mbar_wait(kvq_smem_u32(&s_bar[st]), (chunk_i / XQ_STAGES) & 1);
+                xq_wg_mma_chunk(acc, f, stages_u32 + st * XQ_WG_STAGE_BYTES);
+                kvq_wgmma_commit();
+                if (kc > 0) {
+                    kvq_wgmma_wait<1>();
+                    if (lane == 0) kvq_mbar_arrive(kvq_smem_u32(&s_bar[XQ_STAGES + (chunk_i - 1) % XQ_STAGES]));
+                }
+                if (kc + 1 < CHUNKS) {
+                    decode(f2, c2, kc + 1);
+                    load_codes(c2, kc + 3);
+                }
+                ++chunk_i;
+            };
             locate_v(t0, n, tensor_v);
+            if (fast) xq_build_ktab(xq_locate<KTensor>(t0, len, slot, k_pool, page_table, max_pages, k_sink, k_tail), s_ktab, ct);
             sync_compute();
             if (tensor_v) {
                 xq_copy_v_rows(s_vloc, n, s_v);
                 asm volatile("cp.async.commit_group;" ::: "memory");
             }
-            float acc[XQ_MT][XQ_NT][4];
-#pragma unroll
-            for (int nt = 0; nt < XQ_NT; ++nt) acc[0][nt][0] = acc[0][nt][1] = acc[0][nt][2] = acc[0][nt][3] = 0.f;
-            kvq_wgmma_fence();
-            for (int kc = 0; kc < CHUNKS; ++kc, ++chunk_i) {
-                const int st = chunk_i % XQ_STAGES;
-                kvq_mbar_wait(kvq_smem_u32(&s_bar[st]), (chunk_i / XQ_STAGES) & 1);
-                xq_wg_mma_chunk(acc, stages_u32 + st * XQ_WG_STAGE_BYTES, wg);
-                kvq_wgmma_commit();
-                if (kc > 0) {
-                    // The previous chunk's MMAs are done: its stage is free.
-                    kvq_wgmma_wait<1>();
-                    if (lane == 0) kvq_mbar_arrive(kvq_smem_u32(&s_bar[XQ_STAGES + (chunk_i - 1) % XQ_STAGES]));
-                }
+            load_codes(ca, 0);
+            load_codes(cb, 1);
+            decode(fa, ca, 0);
+            load_codes(ca, 2);
+            for (int kc = 0; kc < CHUNKS; kc += 2) {
+                step(fa, fb, cb, kc);
+                if (kc + 1 < CHUNKS) step(fb, fa, ca, kc + 1);
             }
             kvq_wgmma_wait<0>();
             if (lane == 0) kvq_mbar_arrive(kvq_smem_u32(&s_bar[XQ_STAGES + (chunk_i - 1) % XQ_STAGES]));
             finish_tile(acc, t0, n, tensor_v, 0);
         }
+        write_output();
     }
 #else
     const XqAddrs ad = xq_addrs(stages, wm, wn, lane);
@@ -422,24 +478,6 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         }
         finish_tile(acc, t0, n, tensor_v, base_row0);
     }
+    write_output();
 #endif
-    __syncthreads();
-    // The split's output: (Σ p·l̂_v + Σ p·z)·up_v for this KV head's columns (z that of the
-    // channel's store head).
-    for (int i = threadIdx.x; i < GQA * D; i += THREADS) {
-        const int h = i / D, j = i % D;
-        const float* w = up_v + kvh * D + j;
-        float sum = 0.f;
-        for (int vh = 0; vh < XQ_TVH; ++vh) {
-            const float z = s_z[h][vh];
-            const int c_end = XQ_TVH == 1 ? XR : (vh + 1) * XW;
-            for (int c = vh * XW; c < c_end; ++c) sum = fmaf(s_vsum[h * XR + c] + z, w[(long)c * OUT], sum);
-        }
-        part_acc[((head_row + h) * num_splits + split) * D + j] = sum;
-    }
-    if (threadIdx.x < GQA) {
-        const int h = threadIdx.x;
-        part_ml[((head_row + h) * num_splits + split) * 2] = s_m[h];
-        part_ml[((head_row + h) * num_splits + split) * 2 + 1] = s_l[h];
-    }
 }

@@ -81,9 +81,7 @@ static __device__ __forceinline__ kvq_u32 xq_code_pair(const XqCodes& r, int c0,
 // rounded once to f16; 3-bit codes, which span two planes, decode in f32 first).
 // PAGE_ONLY: every row of the tile is a live page row (no branch on the row's kind). CROSS_LAYER:
 // `base` is the row's accumulator latents (f32), added to every value before it is rounded.
-// GSTRIDE: halves between the span's consecutive 8-channel groups in `hi` and `lo` (8: a plain
-// row; the warpgroup path's core-matrix layout puts them a K group apart).
-template <bool PAGE_ONLY, int GSTRIDE = 8>
+template <bool PAGE_ONLY>
 static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc& row_loc, bool live, int c0, const float* base,
                                                   kvq_u16* hi, kvq_u16* lo) {
     using T = KTensor;
@@ -146,8 +144,8 @@ static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc&
                 }
             }
         }
-        ((uint4*)(hi + (o / 8) * GSTRIDE))[0] = make_uint4(h[0], h[1], h[2], h[3]);
-        if constexpr (PASSES == 3) ((uint4*)(lo + (o / 8) * GSTRIDE))[0] = make_uint4(g[0], g[1], g[2], g[3]);
+        ((uint4*)(hi + o))[0] = make_uint4(h[0], h[1], h[2], h[3]);
+        if constexpr (PASSES == 3) ((uint4*)(lo + o))[0] = make_uint4(g[0], g[1], g[2], g[3]);
     }
 }
 

@@ -21,6 +21,8 @@ static constexpr int XQ_VHROW = XW * VTensor::BITS / 8;              // bytes of
 static constexpr int XQ_VLD = XQ_VROW + 16;                          // staged V row stride (bytes): banks apart
 static constexpr int XQ_WLD = XQ_M + 8;                              // W row stride (halves): banks apart
 static constexpr int XQ_WPART = 2 * 8 * XQ_WLD;                      // a store head's W (halves)
+// Up to four query heads, W's high and low parts share one n8 tile of the mma (rows 0–3, 4–7).
+static constexpr bool XQ_VMERGED = GQA <= 4;
 static_assert(!TENSOR_V || !CROSS_LAYER, "cross-layer latents add their accumulator on CUDA cores");
 static_assert(!TENSOR_V || (VTensor::AXIS == KvqAxis::Token && VTensor::GROUPS_PER_TOKEN == 1 &&
                             (VTensor::BITS == 2 || VTensor::BITS == 4) && XR <= 1024 && XH <= XQ_TVH_MAX &&
@@ -67,50 +69,79 @@ static __device__ __forceinline__ kvq_u32 xq_code_pair(kvq_u32 a, kvq_u32 b) {
 }
 
 // vo += codeᵀ·W over the tile's XQ_M tokens for this warp's m-tiles (m-tile i is channels
-// 16·(warp + 8i) + [0, 16)); W is [store head][2 parts][8 heads][XQ_WLD] f16, zero past the
-// tile's tokens.
+// 16·(XQ_VMT·warp + i) + [0, 16): a warp's codes are consecutive words of each token row, read
+// a few 16-byte pieces at a time); W is [store head][2 parts][8 heads][XQ_WLD] f16, zero past
+// the tile's tokens. Up to four query heads, the two parts share one n8 tile (XQ_VMERGED: heads
+// in columns 0–3, their low parts in 4–7) and xq_values_merge adds the halves after the tile.
+static_assert(XQ_VMT * 8 >= XR / 16, "the warps' m-tiles cover the latent");
+static constexpr int XQ_VWPM = VTensor::BITS == 2 ? 1 : 2;            // code words an m-tile's row
+static constexpr int XQ_VWORDS = XQ_VMT * XQ_VWPM;                   // a warp's words of a token row
+// All of a warp's m-tiles in one store head (their W is one), checked where it matters.
+static constexpr bool XQ_VONE_HEAD = XW % (16 * XQ_VMT) == 0;
 static __device__ __forceinline__ void xq_values_mma(float (&vo)[XQ_VMT][4], const kvq_u8* sV, const kvq_u16* sW, int warp,
                                                      int lane) {
     const int g = lane / 4, tq = lane % 4;
-#pragma unroll 2
+    const int mt0 = XQ_VMT * warp;
+    if (mt0 >= XR / 16) return;
+    constexpr int V = XQ_VWORDS % 4 == 0 ? 4 : (XQ_VWORDS % 2 == 0 ? 2 : 1);
+    static_assert(!TENSOR_V || XQ_VLD % (4 * V) == 0, "a warp's words of a token row in aligned pieces");
+#pragma unroll 1
     for (int ks = 0; ks < XQ_M / 16; ++ks) {
         const int t0 = ks * 16 + 2 * tq;
-        const kvq_u32* r0 = (const kvq_u32*)(sV + t0 * XQ_VLD);
-        const kvq_u32* r1 = (const kvq_u32*)(sV + (t0 + 1) * XQ_VLD);
-        const kvq_u32* r8 = (const kvq_u32*)(sV + (t0 + 8) * XQ_VLD);
-        const kvq_u32* r9 = (const kvq_u32*)(sV + (t0 + 9) * XQ_VLD);
+        // Rows t0, t0 + 1, t0 + 8, t0 + 9: this warp's code words of each.
+        kvq_u32 rw[4][XQ_VWORDS];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const kvq_u8* row = sV + (t0 + (r & 1) + 8 * (r >> 1)) * XQ_VLD + mt0 * XQ_VWPM * 4;
+#pragma unroll
+            for (int k = 0; k < XQ_VWORDS / V; ++k) kvq_load<4 * V>(row + 4 * V * k, rw[r] + V * k);
+        }
+        kvq_u32 b[2][2];
+        auto load_b = [&](int mt) {
+            const kvq_u16* w = sW + (XH > 1 ? (16 * mt) / XW : 0) * XQ_WPART;
+#pragma unroll
+            for (int part = 0; part < (XQ_VMERGED ? 1 : 2); ++part) {
+                b[part][0] = *(const kvq_u32*)(w + (part * 8 + g) * XQ_WLD + t0);
+                b[part][1] = *(const kvq_u32*)(w + (part * 8 + g) * XQ_WLD + t0 + 8);
+            }
+        };
+        if (XQ_VONE_HEAD) load_b(mt0);
 #pragma unroll
         for (int i = 0; i < XQ_VMT; ++i) {
-            const int mt = warp + 8 * i;
-            if (mt < XR / 16) {
-                const kvq_u16* w = sW + (XH > 1 ? (16 * mt) / XW : 0) * XQ_WPART;
-                kvq_u32 b[2][2];
-#pragma unroll
-                for (int part = 0; part < 2; ++part) {
-                    b[part][0] = *(const kvq_u32*)(w + (part * 8 + g) * XQ_WLD + t0);
-                    b[part][1] = *(const kvq_u32*)(w + (part * 8 + g) * XQ_WLD + t0 + 8);
-                }
+            if (mt0 + i < XR / 16) {
+                if (!XQ_VONE_HEAD) load_b(mt0 + i);
                 kvq_u32 a[4];
                 if constexpr (VTensor::BITS == 2) {
-                    // Channel g at bit 2g of word mt, channel g + 8 at bit 2g + 16.
+                    // Channel g at bit 2g of the m-tile's word, channel g + 8 at bit 2g + 16.
                     const int sh = 2 * g;
-                    const kvq_u32 w0 = r0[mt] >> sh, w1 = r1[mt] >> sh, w8 = r8[mt] >> sh, w9 = r9[mt] >> sh;
+                    const kvq_u32 w0 = rw[0][i] >> sh, w1 = rw[1][i] >> sh, w8 = rw[2][i] >> sh, w9 = rw[3][i] >> sh;
                     a[0] = xq_code_pair<false>(w0, w1);
                     a[1] = xq_code_pair<true>(w0, w1);
                     a[2] = xq_code_pair<false>(w8, w9);
                     a[3] = xq_code_pair<true>(w8, w9);
                 } else {
-                    // Channel g at bit 4g of word 2mt, channel g + 8 at bit 4g of word 2mt + 1.
+                    // Channel g at bit 4g of the m-tile's first word, channel g + 8 of its second.
                     const int sh = 4 * g;
-                    a[0] = xq_code_pair<false>(r0[2 * mt] >> sh, r1[2 * mt] >> sh);
-                    a[1] = xq_code_pair<false>(r0[2 * mt + 1] >> sh, r1[2 * mt + 1] >> sh);
-                    a[2] = xq_code_pair<false>(r8[2 * mt] >> sh, r9[2 * mt] >> sh);
-                    a[3] = xq_code_pair<false>(r8[2 * mt + 1] >> sh, r9[2 * mt + 1] >> sh);
+                    a[0] = xq_code_pair<false>(rw[0][2 * i] >> sh, rw[1][2 * i] >> sh);
+                    a[1] = xq_code_pair<false>(rw[0][2 * i + 1] >> sh, rw[1][2 * i + 1] >> sh);
+                    a[2] = xq_code_pair<false>(rw[2][2 * i] >> sh, rw[3][2 * i] >> sh);
+                    a[3] = xq_code_pair<false>(rw[2][2 * i + 1] >> sh, rw[3][2 * i + 1] >> sh);
                 }
                 kvq_mma(vo[i], a[0], a[1], a[2], a[3], b[0][0], b[0][1]);
-                kvq_mma(vo[i], a[0], a[1], a[2], a[3], b[1][0], b[1][1]);
+                if constexpr (!XQ_VMERGED) kvq_mma(vo[i], a[0], a[1], a[2], a[3], b[1][0], b[1][1]);
             }
         }
+    }
+}
+
+// With the parts merged, columns 2tq, 2tq + 1 of lanes tq ≥ 2 hold the low parts of the heads
+// lanes tq − 2 hold: added there (the lanes tq ≥ 2 keep garbage, unused).
+static __device__ __forceinline__ void xq_values_merge(float (&vo)[XQ_VMT][4]) {
+    if constexpr (XQ_VMERGED) {
+#pragma unroll
+        for (int i = 0; i < XQ_VMT; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) vo[i][e] += __shfl_down_sync(0xffffffffu, vo[i][e], 2);
     }
 }
 
