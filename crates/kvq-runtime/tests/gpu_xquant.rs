@@ -106,6 +106,15 @@ const CASES: &[Case] = &[
         d_model: 320,
         lengths: &[1, 129, 2000],
     },
+    // head_dim 96 on the warpgroup rebuild (m64n96 MMAs), three chunks of 64 latents.
+    Case {
+        scheme: "k = int(2, channel), v = int(4, token), source = x(latent)",
+        head_dim: 96,
+        gqa: 2,
+        dtype: Dtype::F16,
+        d_model: 192,
+        lengths: &[1, 129, 4097],
+    },
     Case {
         scheme: "k = int(8, channel, symmetric), v = int(3, token), source = x(latent)",
         head_dim: 96,
