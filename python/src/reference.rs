@@ -25,6 +25,23 @@ fn floats(name: &str, bytes: &[u8], want: usize) -> PyResult<Vec<f32>> {
         .collect())
 }
 
+/// Float32 values as a bytes object, native byte order.
+fn f32_bytes<'py>(py: Python<'py>, x: &[f32]) -> Bound<'py, PyBytes> {
+    let bytes: Vec<u8> = x.iter().flat_map(|f| f.to_ne_bytes()).collect();
+    PyBytes::new(py, &bytes)
+}
+
+/// The next token's queries `q` (`[q_heads][head_dim]` float32 bytes) at `plan`'s shape.
+fn plan_queries(plan: &Plan, q: &[u8]) -> PyResult<kvq::reference::attention::Queries> {
+    let l = plan.plan.limits();
+    let (qh, d) = (l.q_heads as usize, l.head_dim as usize);
+    Ok(kvq::reference::attention::Queries {
+        data: floats("q", q, qh * d)?,
+        q_heads: qh,
+        head_dim: d,
+    })
+}
+
 /// Every token of one sequence attending as decoding sees it, on the CPU reference
 /// (`kvq_reference::every_token`): `q` `[tokens][q_heads][head_dim]`, `k` and `v`
 /// `[tokens][kv_heads][head_dim]`, float32 bytes. Returns `(out, lse)` as float32 bytes,
@@ -57,11 +74,7 @@ pub fn _reference_every_token<'py>(
             every_token::attend(&spec, &k, &v, &q)
         })
         .map_err(|e| InvalidArgument::new_err(format!("reference attention: {e}")))?;
-    let bytes = |x: &[f32]| x.iter().flat_map(|f| f.to_ne_bytes()).collect::<Vec<u8>>();
-    Ok((
-        PyBytes::new(py, &bytes(&state.out)),
-        PyBytes::new(py, &bytes(&state.lse)),
-    ))
+    Ok((f32_bytes(py, &state.out), f32_bytes(py, &state.lse)))
 }
 
 /// `[tokens][kv_heads][head_dim]` float32 bytes `name` as the reference's head-major tensor.
@@ -131,18 +144,13 @@ pub fn _reference_codebook_attend<'py>(
     v: &[u8],
     q: &[u8],
 ) -> PyResult<Bound<'py, PyBytes>> {
-    use kvq::reference::attention::Queries;
     use kvq::reference::commvq::{Codebooks, CommVqCache};
     let l = plan.plan.limits();
-    let (d, kvh, qh) = (l.head_dim as usize, l.kv_heads as usize, l.q_heads as usize);
+    let (d, kvh) = (l.head_dim as usize, l.kv_heads as usize);
     let k_pre = kv_tensor("k_pre_rope", k_pre_rope, tokens, kvh, d)?;
     let k_post = kv_tensor("k", k, tokens, kvh, d)?;
     let v = kv_tensor("v", v, tokens, kvh, d)?;
-    let q = Queries {
-        data: floats("q", q, qh * d)?,
-        q_heads: qh,
-        head_dim: d,
-    };
+    let q = plan_queries(plan, q)?;
     let spec = *plan.plan.spec();
     let rope = kvq::reference::rope::Rope {
         theta: l.rope_theta,
@@ -156,8 +164,7 @@ pub fn _reference_codebook_attend<'py>(
             cache.attend(&q).map_err(|e| e.to_string())
         })
         .map_err(|e| InvalidArgument::new_err(format!("reference attention: {e}")))?;
-    let bytes: Vec<u8> = out.iter().flat_map(|f| f.to_ne_bytes()).collect();
-    Ok(PyBytes::new(py, &bytes))
+    Ok(f32_bytes(py, &out))
 }
 
 /// A layer's XQuant projections as a `kvq-projections-1` file's bytes: the reference's SVD of
@@ -178,13 +185,7 @@ pub fn xquant_projections<'py>(
     head_dim: usize,
 ) -> PyResult<Bound<'py, PyBytes>> {
     use kvq::reference::xquant::Projections;
-    let text = scheme.trim();
-    let spec: kvq::SchemeSpec = match kvq::schemes::by_name(text) {
-        Some(b) => b.spec,
-        None => text
-            .parse()
-            .map_err(|e| crate::InvalidScheme::new_err(format!("scheme `{text}`: {e}")))?,
-    };
+    let spec = kvq::schemes::resolve(scheme).map_err(crate::InvalidScheme::new_err)?;
     if !matches!(spec.source, kvq::CacheSource::X(_)) {
         return Err(InvalidArgument::new_err(format!(
             "`{spec}` caches K and V: projections serve XQuant schemes (source = x(...))"
@@ -218,21 +219,12 @@ pub fn _reference_xquant_attend<'py>(
     x: &[u8],
     q: &[u8],
 ) -> PyResult<Bound<'py, PyBytes>> {
-    use kvq::reference::attention::{self, Queries};
+    use kvq::reference::attention;
     use kvq::reference::xquant::{Projections, XQuantCache};
     let l = plan.plan.limits();
-    let (d, kvh, qh, dm) = (
-        l.head_dim as usize,
-        l.kv_heads as usize,
-        l.q_heads as usize,
-        l.d_model as usize,
-    );
+    let (d, kvh, dm) = (l.head_dim as usize, l.kv_heads as usize, l.d_model as usize);
     let x = floats("x", x, tokens * dm)?;
-    let q = Queries {
-        data: floats("q", q, qh * d)?,
-        q_heads: qh,
-        head_dim: d,
-    };
+    let q = plan_queries(plan, q)?;
     let spec = *plan.plan.spec();
     let rope = kvq::reference::rope::Rope {
         theta: l.rope_theta,
@@ -254,6 +246,5 @@ pub fn _reference_xquant_attend<'py>(
             attention::decode(&q, &cache.dequantize_f16_rebuild(), None).map_err(|e| e.to_string())
         })
         .map_err(|e| InvalidArgument::new_err(format!("reference attention: {e}")))?;
-    let bytes: Vec<u8> = out.iter().flat_map(|f| f.to_ne_bytes()).collect();
-    Ok(PyBytes::new(py, &bytes))
+    Ok(f32_bytes(py, &out))
 }

@@ -275,6 +275,25 @@ fn reference_rows(prep: &Prepared, batch: usize, row_len: usize, dtype: Dtype) -
     ReferenceCheck::from_row_parts(rows, row_len, prep.reference_offset, dtype)
 }
 
+/// Poisons `out` (NaN in every word, so an output the kernel never writes fails), runs `launch`
+/// into it and checks the result against `reference`: the largest error, or why it is wrong.
+fn checked_launch(
+    stream: &Arc<CudaStream>,
+    out: &mut CudaSlice<u16>,
+    reference: &ReferenceCheck,
+    launch: impl FnOnce(&mut CudaSlice<u16>) -> std::result::Result<(), RuntimeError>,
+) -> Result<std::result::Result<f64, String>> {
+    let poison = vec![0x7e00u16; out.len()];
+    stream
+        .memcpy_htod(&poison, out)
+        .map_err(|e| RuntimeError::driver("poison the output", e))?;
+    launch(out)?;
+    let host: Vec<u16> = stream
+        .clone_dtoh(out)
+        .map_err(|e| RuntimeError::driver("download the output", e))?;
+    Ok(reference.verify(&host))
+}
+
 fn too_big(bytes: u64, budget: u64) -> Outcome {
     Outcome::Skipped(format!(
         "needs {:.1} GiB of device memory, the budget is {:.1} GiB",
@@ -307,6 +326,34 @@ impl Context<'_> {
                 None
             }
         }
+    }
+
+    /// The step's samples for the default launch and, where `tuned`, the tuned one:
+    /// `launch(stream, tuned_launch)` enqueues one step, in one round of the configured runs, or
+    /// in ROUNDS interleaved rounds of both so drift hits them alike.
+    fn time_default_and_tuned(
+        &self,
+        stream: &Arc<CudaStream>,
+        tuned: bool,
+        mut launch: impl FnMut(&Arc<CudaStream>, bool) -> std::result::Result<(), RuntimeError>,
+    ) -> Result<(Vec<f64>, Vec<f64>)> {
+        let config = self.config;
+        let rounds = if tuned { ROUNDS } else { 1 };
+        let per_round = config.runs.max(rounds).div_ceil(rounds);
+        let (mut base, mut fast) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            let t = self
+                .timer
+                .time(stream, config.warmup, per_round, |s| launch(s, false))?;
+            base.extend(t.samples_us);
+            if tuned {
+                let t = self
+                    .timer
+                    .time(stream, config.warmup, per_round, |s| launch(s, true))?;
+                fast.extend(t.samples_us);
+            }
+        }
+        Ok((base, fast))
     }
 
     /// Device memory a shape may take: the configured budget, within what is free.
@@ -397,21 +444,13 @@ impl Context<'_> {
             tuned = Some((report, tk, ts));
         }
 
-        let rounds = if tuned.is_some() { ROUNDS } else { 1 };
-        let per_round = config.runs.max(rounds).div_ceil(rounds);
-        let (mut base, mut fast) = (Vec::new(), Vec::new());
-        for _ in 0..rounds {
-            let t = self.timer.time(&stream, config.warmup, per_round, |s| {
-                rotation.attend_next(s, kernel, &mut scratch)
+        let (base, fast) =
+            self.time_default_and_tuned(&stream, tuned.is_some(), |s, tuned_launch| {
+                match (tuned_launch, tuned.as_mut()) {
+                    (true, Some((_, tk, ts))) => rotation.attend_next(s, tk, ts),
+                    _ => rotation.attend_next(s, kernel, &mut scratch),
+                }
             })?;
-            base.extend(t.samples_us);
-            if let Some((_, tk, ts)) = tuned.as_mut() {
-                let t = self.timer.time(&stream, config.warmup, per_round, |s| {
-                    rotation.attend_next(s, tk, ts)
-                })?;
-                fast.extend(t.samples_us);
-            }
-        }
         let stats = Timing { samples_us: base };
         let median_us = stats.median_us();
         let bytes = decode_bytes(&sequences, q_heads);
@@ -504,15 +543,9 @@ impl Context<'_> {
         let mut scratch = CodebookScratch::new(&stream)?;
         let reference = reference_rows(prep, batch, q_heads * d, config.dtype);
         let mut check = |k: &CodebookKernel, splits: usize, scratch: &mut CodebookScratch| {
-            let poison = vec![0x7e00u16; rows];
-            stream
-                .memcpy_htod(&poison, &mut out)
-                .map_err(|e| RuntimeError::driver("poison the output", e))?;
-            k.attend(&stream, &batches[0], &q, &mut out, splits, scratch)?;
-            let host: Vec<u16> = stream
-                .clone_dtoh(&out)
-                .map_err(|e| RuntimeError::driver("download the output", e))?;
-            Ok::<_, BenchError>(reference.verify(&host))
+            checked_launch(&stream, &mut out, &reference, |out| {
+                k.attend(&stream, &batches[0], &q, out, splits, scratch)
+            })
         };
         let max_rel_error = if config.check {
             match check(&kernel, splits, &mut scratch)? {
@@ -548,24 +581,17 @@ impl Context<'_> {
             }
             tuned = Some((report, tk, ts, started.elapsed()));
         }
-        let rounds = if tuned.is_some() { ROUNDS } else { 1 };
-        let per_round = config.runs.max(rounds).div_ceil(rounds);
-        let (mut base, mut fast) = (Vec::new(), Vec::new());
         let mut next = 0;
-        for _ in 0..rounds {
-            let t = self.timer.time(&stream, config.warmup, per_round, |s| {
+        let (base, fast) =
+            self.time_default_and_tuned(&stream, tuned.is_some(), |s, tuned_launch| {
                 next = (next + 1) % batches.len();
-                kernel.attend(s, &batches[next], &q, &mut out, splits, &mut scratch)
+                match (tuned_launch, tuned.as_mut()) {
+                    (true, Some((report, tk, ts, _))) => {
+                        tk.attend(s, &batches[next], &q, &mut out, report.chosen.splits, ts)
+                    }
+                    _ => kernel.attend(s, &batches[next], &q, &mut out, splits, &mut scratch),
+                }
             })?;
-            base.extend(t.samples_us);
-            if let Some((report, tk, ts, _)) = tuned.as_mut() {
-                let t = self.timer.time(&stream, config.warmup, per_round, |s| {
-                    next = (next + 1) % batches.len();
-                    tk.attend(s, &batches[next], &q, &mut out, report.chosen.splits, ts)
-                })?;
-                fast.extend(t.samples_us);
-            }
-        }
         let stats = Timing { samples_us: base };
         let median_us = stats.median_us();
         let bytes = batches[0].read_bytes() + 2 * 2 * rows as u64;
@@ -689,15 +715,9 @@ impl Context<'_> {
         let mut scratch = XQuantScratch::new(&stream)?;
         let reference = reference_rows(prep, batch, q_heads * d, config.dtype);
         let mut check = |splits: usize, scratch: &mut XQuantScratch| {
-            let poison = vec![0x7e00u16; rows];
-            stream
-                .memcpy_htod(&poison, &mut out)
-                .map_err(|e| RuntimeError::driver("poison the output", e))?;
-            kernel.attend(&stream, &batches[0], &q, &mut out, splits, scratch)?;
-            let host: Vec<u16> = stream
-                .clone_dtoh(&out)
-                .map_err(|e| RuntimeError::driver("download the output", e))?;
-            Ok::<_, BenchError>(reference.verify(&host))
+            checked_launch(&stream, &mut out, &reference, |out| {
+                kernel.attend(&stream, &batches[0], &q, out, splits, scratch)
+            })
         };
         let max_rel_error = if config.check {
             match check(splits, &mut scratch)? {
@@ -724,24 +744,16 @@ impl Context<'_> {
             }
             tuned = Some((report, ts));
         }
-        let rounds = if tuned.is_some() { ROUNDS } else { 1 };
-        let per_round = config.runs.max(rounds).div_ceil(rounds);
-        let (mut base, mut fast) = (Vec::new(), Vec::new());
         let mut next = 0;
-        for _ in 0..rounds {
-            let t = self.timer.time(&stream, config.warmup, per_round, |s| {
+        let (base, fast) =
+            self.time_default_and_tuned(&stream, tuned.is_some(), |s, tuned_launch| {
                 next = (next + 1) % batches.len();
-                kernel.attend(s, &batches[next], &q, &mut out, splits, &mut scratch)
+                let (chosen, ts) = match (tuned_launch, tuned.as_mut()) {
+                    (true, Some((report, ts))) => (report.chosen, ts),
+                    _ => (splits, &mut scratch),
+                };
+                kernel.attend(s, &batches[next], &q, &mut out, chosen, ts)
             })?;
-            base.extend(t.samples_us);
-            if let Some((report, ts)) = tuned.as_mut() {
-                let t = self.timer.time(&stream, config.warmup, per_round, |s| {
-                    next = (next + 1) % batches.len();
-                    kernel.attend(s, &batches[next], &q, &mut out, report.chosen, ts)
-                })?;
-                fast.extend(t.samples_us);
-            }
-        }
         let stats = Timing { samples_us: base };
         let median_us = stats.median_us();
         let bytes = xquant_decode_bytes(cache, batch, q_heads, XQUANT_PRECISION);

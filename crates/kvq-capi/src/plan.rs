@@ -197,17 +197,22 @@ impl KvqPlan {
             return Self::xquant(spec, limits, dtype, &shape);
         }
         check_fast_kernel(&spec, &shape)?;
-        let cfg = CacheConfig {
-            kv_heads: limits.kv_heads as usize,
-            head_dim: limits.head_dim as usize,
-            max_seqs: limits.max_seqs as usize,
-            pool_pages: limits.pool_pages as usize,
-            max_tokens: limits.max_seq_len as usize,
-            input_dtype: dtype,
-        };
         // The shape passed check_fast_kernel; what is left to fail is sizes past the address space.
-        let sizes = CacheSizes::new(&spec, &cfg)
-            .map_err(|e| Failure::argument(format!("{e} (scheme `{spec}`)")))?;
+        let heads = (limits.kv_heads as usize, limits.head_dim as usize);
+        let sizes = integer_store(&spec, &spec, limits, heads, dtype)?;
+        Self::assemble(spec, limits, dtype, sizes, None, None)
+    }
+
+    /// The plan of `spec` with its sizes, an integer plan's where `codebook` and `xquant` are
+    /// `None`.
+    fn assemble(
+        spec: SchemeSpec,
+        limits: &KvqPlanLimits,
+        dtype: Dtype,
+        sizes: CacheSizes,
+        codebook: Option<CodebookSizes>,
+        xquant: Option<XQuantSizes>,
+    ) -> Result<KvqPlan, Failure> {
         let scheme_text = scheme_text(&spec)?;
         Ok(KvqPlan {
             spec,
@@ -215,8 +220,8 @@ impl KvqPlan {
             dtype,
             sizes,
             scheme_text,
-            codebook: None,
-            xquant: None,
+            codebook,
+            xquant,
             loaded: PlanGpus::default(),
         })
     }
@@ -253,23 +258,8 @@ impl KvqPlan {
                  model's hidden size"
             )));
         }
-        let theta = limits.rope_theta;
-        if !(theta.is_finite() && theta > 1.0) {
-            return Err(Failure::argument(format!(
-                "limits.rope_theta is {theta}: `{spec}` rebuilds keys from latents and rotates \
-                 them in the decode, so it needs the model's RoPE base (e.g. 10000 or 500000)"
-            )));
-        }
-        if limits.max_q_len != 1 {
-            return refuse(
-                KvqStatus::UnsupportedShape,
-                format!(
-                    "limits.max_q_len is {}: XQuant schemes decode one query token a sequence a \
-                     step (set max_q_len = 1)",
-                    limits.max_q_len
-                ),
-            );
-        }
+        check_rope_base(limits, &spec, "rebuilds keys from latents")?;
+        check_one_query_token(limits, "XQuant schemes")?;
         let (kv_heads, head_dim) = (limits.kv_heads as usize, limits.head_dim as usize);
         let weights = XQuantWeightsLayout::new(kv_heads, head_dim, limits.d_model as usize)
             .ok_or_else(|| Failure::argument("the projections' sizes pass the address space"))?;
@@ -279,31 +269,20 @@ impl KvqPlan {
         let store_width = latent_store_width(&spec, weights.rank)
             .map_err(|e| Failure::new(KvqStatus::UnsupportedShape, format!("`{spec}`: {e}")))?;
         let store_heads = weights.rank / store_width;
-        let cfg = CacheConfig {
-            kv_heads: store_heads,
-            head_dim: store_width,
-            max_seqs: limits.max_seqs as usize,
-            pool_pages: limits.pool_pages as usize,
-            max_tokens: limits.max_seq_len as usize,
-            input_dtype: Dtype::F16,
+        // The latents arrive as f16 rows, whatever the plan's dtype.
+        let sizes = integer_store(
+            &spec,
+            &latent_spec(&spec),
+            limits,
+            (store_heads, store_width),
+            Dtype::F16,
+        )?;
+        let xquant = XQuantSizes {
+            weights,
+            store_heads,
+            store_width,
         };
-        let sizes = CacheSizes::new(&latent_spec(&spec), &cfg)
-            .map_err(|e| Failure::argument(format!("{e} (scheme `{spec}`)")))?;
-        let scheme_text = scheme_text(&spec)?;
-        Ok(KvqPlan {
-            spec,
-            limits: *limits,
-            dtype,
-            sizes,
-            scheme_text,
-            codebook: None,
-            xquant: Some(XQuantSizes {
-                weights,
-                store_heads,
-                store_width,
-            }),
-            loaded: PlanGpus::default(),
-        })
+        Self::assemble(spec, limits, dtype, sizes, None, Some(xquant))
     }
 
     /// A plan of a codebook scheme: its kernels generated once to check the shape, its sizes
@@ -314,30 +293,13 @@ impl KvqPlan {
         dtype: Dtype,
         shape: &KernelShape,
     ) -> Result<KvqPlan, Failure> {
-        let refuse = |status, what: String| Err(Failure::new(status, what));
-        if limits.max_q_len != 1 {
-            return refuse(
-                KvqStatus::UnsupportedShape,
-                format!(
-                    "limits.max_q_len is {}: codebook schemes decode one query token a sequence \
-                     a step (set max_q_len = 1)",
-                    limits.max_q_len
-                ),
-            );
-        }
+        check_one_query_token(limits, "codebook schemes")?;
         let rope = matches!(
             spec.k,
             TensorQuant::Codebook(c) if matches!(c.codebook, Codebook::RopeCommutative { .. })
         );
-        let theta = limits.rope_theta;
-        if rope && !(theta.is_finite() && theta > 1.0) {
-            return refuse(
-                KvqStatus::InvalidArgument,
-                format!(
-                    "limits.rope_theta is {theta}: `{spec}` codes keys before RoPE and rotates them \
-                     in the decode, so it needs the model's RoPE base (e.g. 10000 or 500000)"
-                ),
-            );
+        if rope {
+            check_rope_base(limits, &spec, "codes keys before RoPE")?;
         }
         let generated = codebook_kernels(&spec, shape, limits.kv_heads)
             .and_then(|_| codebook_encode_kernels(&spec, limits.head_dim, dtype, limits.kv_heads));
@@ -351,17 +313,7 @@ impl KvqPlan {
             limits.max_seq_len as usize,
         )
         .map_err(|e| Failure::argument(format!("{e} (scheme `{spec}`)")))?;
-        let scheme_text = scheme_text(&spec)?;
-        Ok(KvqPlan {
-            spec,
-            limits: *limits,
-            dtype,
-            sizes: sizes.cache,
-            scheme_text,
-            codebook: Some(sizes),
-            xquant: None,
-            loaded: PlanGpus::default(),
-        })
+        Self::assemble(spec, limits, dtype, sizes.cache, Some(sizes), None)
     }
 
     /// A codebook scheme's own sizes, `None` for the integer schemes and FP16.
@@ -488,25 +440,59 @@ pub(crate) fn is_codebook(spec: &SchemeSpec) -> bool {
         .any(|t| matches!(t, TensorQuant::Codebook(_)))
 }
 
+/// The sizes of an integer page store of `store_spec` (`spec`'s, or its latents') at `heads` ×
+/// `head_dim` = `(heads, head_dim)` for `limits`' sequences, pages and tokens, taking inputs of
+/// `input_dtype`.
+fn integer_store(
+    spec: &SchemeSpec,
+    store_spec: &SchemeSpec,
+    limits: &KvqPlanLimits,
+    (heads, head_dim): (usize, usize),
+    input_dtype: Dtype,
+) -> Result<CacheSizes, Failure> {
+    let cfg = CacheConfig {
+        kv_heads: heads,
+        head_dim,
+        max_seqs: limits.max_seqs as usize,
+        pool_pages: limits.pool_pages as usize,
+        max_tokens: limits.max_seq_len as usize,
+        input_dtype,
+    };
+    CacheSizes::new(store_spec, &cfg)
+        .map_err(|e| Failure::argument(format!("{e} (scheme `{spec}`)")))
+}
+
+/// Refuses a `max_q_len` other than 1 for `family`, which decodes one query token a step.
+fn check_one_query_token(limits: &KvqPlanLimits, family: &str) -> Result<(), Failure> {
+    if limits.max_q_len == 1 {
+        return Ok(());
+    }
+    Err(Failure::new(
+        KvqStatus::UnsupportedShape,
+        format!(
+            "limits.max_q_len is {}: {family} decode one query token a sequence a step (set \
+             max_q_len = 1)",
+            limits.max_q_len
+        ),
+    ))
+}
+
+/// Refuses a RoPE base that is not a finite number past 1 for `spec`, which `does` (and rotates
+/// the keys in the decode).
+fn check_rope_base(limits: &KvqPlanLimits, spec: &SchemeSpec, does: &str) -> Result<(), Failure> {
+    let theta = limits.rope_theta;
+    if theta.is_finite() && theta > 1.0 {
+        return Ok(());
+    }
+    Err(Failure::argument(format!(
+        "limits.rope_theta is {theta}: `{spec}` {does} and rotates them in the decode, so it \
+         needs the model's RoPE base (e.g. 10000 or 500000)"
+    )))
+}
+
 /// A built-in's name or scheme text, validated.
 fn resolve_scheme(scheme: &str) -> Result<SchemeSpec, Failure> {
-    let text = scheme.trim();
-    if let Some(builtin) = kvq::schemes::by_name(text) {
-        return Ok(builtin.spec);
-    }
-    if !kvq::schemes::is_scheme_text(text) {
-        let names: Vec<&str> = kvq::schemes::BUILTIN.iter().map(|b| b.name).collect();
-        return Err(Failure::new(
-            KvqStatus::InvalidScheme,
-            format!(
-                "`{text}` is neither a built-in scheme ({}) nor scheme text such as \
-                 `k = int(2, channel), v = int(2, token)`",
-                names.join(", ")
-            ),
-        ));
-    }
-    text.parse::<SchemeSpec>()
-        .map_err(|e| Failure::new(KvqStatus::InvalidScheme, format!("scheme `{text}`: {e}")))
+    kvq::schemes::resolve(scheme).map_err(|why| Failure::new(KvqStatus::InvalidScheme, why))
 }
 
 /// Checks that no limit is 0 and that the heads divide; returns the dtype.

@@ -350,14 +350,11 @@ fn unsupported(
             shape.gqa
         ));
     }
-    if let TensorQuant::Int(q) = &spec.k {
-        // A thread stages 8 to 32 consecutive latents of a row, under one scale: a row's share
-        // of a chunk (mma.sync), or a producer warp's quarter of it (warpgroup MMAs).
+    if let (RebuildMma::Sync, TensorQuant::Int(q)) = (mma, &spec.k) {
+        // A thread stages a row's share of a chunk, 8 to 32 consecutive latents, under one scale
+        // (the warpgroup rebuild takes channel-axis K latents only: warpgroup_refusal).
         let kc = chunk(spec, width, precision, mma);
-        let span = match mma {
-            RebuildMma::Sync => xquant_tile(shape.head_dim) as usize * kc / XQUANT_THREADS as usize,
-            RebuildMma::Warpgroup => kc / 4,
-        };
+        let span = xquant_tile(shape.head_dim) as usize * kc / XQUANT_THREADS as usize;
         if q.axis == Axis::Token && q.group.is_some_and(|g| g as usize % span != 0) {
             return Some(format!(
                 "K latents in token groups of {} channels (a multiple of {span})",

@@ -154,6 +154,33 @@ pub fn is_scheme_text(arg: &str) -> bool {
     arg.contains('=') || arg.contains('(')
 }
 
+/// A built-in's name (as [`by_name`]) or scheme text, parsed: what engines and bindings accept
+/// wherever a scheme is named. The error says what was wrong, naming the built-ins when `arg` is
+/// neither.
+///
+/// ```
+/// use kvq::schemes::resolve;
+/// assert_eq!(resolve(" KIVI2 ").unwrap(), resolve("kivi2").unwrap());
+/// assert!(resolve("k = int(2, channel), v = int(2, token)").is_ok());
+/// assert!(resolve("kivi9").unwrap_err().contains("neither a built-in"));
+/// ```
+pub fn resolve(arg: &str) -> Result<SchemeSpec, String> {
+    let text = arg.trim();
+    if let Some(builtin) = by_name(text) {
+        return Ok(builtin.spec);
+    }
+    if !is_scheme_text(text) {
+        let names: Vec<&str> = BUILTIN.iter().map(|b| b.name).collect();
+        return Err(format!(
+            "`{text}` is neither a built-in scheme ({}) nor scheme text such as \
+             `k = int(2, channel), v = int(2, token)`",
+            names.join(", ")
+        ));
+    }
+    text.parse::<SchemeSpec>()
+        .map_err(|e| format!("scheme `{text}`: {e}"))
+}
+
 /// Looks a built-in up by name (case-insensitive, `_` and `-` alike).
 pub fn by_name(name: &str) -> Option<&'static Builtin> {
     let norm = |s: &str| s.to_ascii_lowercase().replace('_', "-");

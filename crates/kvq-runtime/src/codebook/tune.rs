@@ -32,6 +32,7 @@ use super::encode::{input_words, CodebookEncoder, EncodeInputs};
 use crate::error::{Result, RuntimeError};
 use crate::timing::GpuTimer;
 use crate::tune::check::gate_output;
+use crate::tune::finalists::{fastest_finalists, passed, retime_interleaved};
 use crate::tune::plan_copies;
 use crate::tune::store::{checksum, unix_now};
 use crate::tune::synth::{random_kv, random_queries};
@@ -247,15 +248,7 @@ impl Tuner<'_> {
         let first = batches
             .first()
             .ok_or_else(|| RuntimeError::InvalidInput("tuning on no batch".into()))?;
-        if first.batch() != problem.batch || first.max_tokens() > problem.max_len {
-            return Err(RuntimeError::InvalidInput(format!(
-                "the batch holds {} sequences of up to {} tokens, the problem {} of up to {}",
-                first.batch(),
-                first.max_tokens(),
-                problem.batch,
-                problem.max_len
-            )));
-        }
+        problem.check_tuning_batch(first.batch(), first.max_tokens())?;
         let key = codebook_problem_key(problem)?;
         let stream = self.jit().device().default_stream();
         let options = self.options().clone();
@@ -358,18 +351,7 @@ impl Tuner<'_> {
             results.push(r);
         }
         // Gate: the fastest candidates (and the default) against the default's output.
-        let mut order: Vec<usize> = (1..results.len())
-            .filter(|&i| results[i].coarse_us.is_some())
-            .collect();
-        order.sort_by(|&a, &b| {
-            results[a]
-                .coarse_us
-                .unwrap_or(f64::MAX)
-                .total_cmp(&results[b].coarse_us.unwrap_or(f64::MAX))
-        });
-        let finalists: Vec<usize> = std::iter::once(0)
-            .chain(order.into_iter().take(options.finalists))
-            .collect();
+        let finalists = fastest_finalists(&results, options.finalists);
         for &i in &finalists {
             let (l, slot, _) = &launches[i];
             let Some(k) = kernel_of(*slot) else {
@@ -378,32 +360,17 @@ impl Tuner<'_> {
             let got = session.output(k, l.splits);
             gate_output(&mut results[i], got, &want, problem.shape.dtype, i == 0);
         }
-        // Pass 2: the correct finalists, interleaved rounds.
-        let live: Vec<usize> = finalists
-            .iter()
-            .copied()
-            .filter(|&i| results[i].rejected.is_none() && results[i].error.is_some())
-            .collect();
+        // Pass 2: the correct finalists (each with a kernel: the gate ran it), interleaved rounds.
+        let live = passed(&results, &finalists);
         let rounds = 3usize;
         let per_round = options.fine_runs.div_ceil(rounds).max(3);
-        let mut samples: Vec<Vec<f64>> = vec![Vec::new(); results.len()];
-        for _ in 0..rounds {
-            for &i in &live {
-                let (l, slot, _) = &launches[i];
-                if let Some(k) = kernel_of(*slot) {
-                    match session.time(k, l.splits, 1, per_round) {
-                        Ok(us) => samples[i].push(us),
-                        Err(e) => results[i].rejected = Some(e.to_string()),
-                    }
-                }
+        retime_interleaved(&mut results, &live, rounds, |i| {
+            let (l, slot, _) = &launches[i];
+            match kernel_of(*slot) {
+                Some(k) => session.time(k, l.splits, 1, per_round),
+                None => Err(RuntimeError::InvalidInput("no kernel".into())),
             }
-        }
-        for &i in &live {
-            if !samples[i].is_empty() {
-                samples[i].sort_by(f64::total_cmp);
-                results[i].fine_us = Some(samples[i][samples[i].len() / 2]);
-            }
-        }
+        });
         let winner = select_winner(&results, options.min_gain).unwrap_or(0);
         let chosen = launches[winner].0;
         let chosen_us = results[winner].fine_us.unwrap_or(f64::NAN);

@@ -137,6 +137,19 @@ pub struct TuneProblem {
 }
 
 impl TuneProblem {
+    /// Checks that a batch the tuner times (`sequences` of up to `longest` tokens) is this
+    /// problem's.
+    pub fn check_tuning_batch(&self, sequences: usize, longest: usize) -> Result<()> {
+        if sequences != self.batch || longest > self.max_len {
+            return Err(RuntimeError::InvalidInput(format!(
+                "the batch holds {sequences} sequences of up to {longest} tokens, the problem {} \
+                 of up to {}",
+                self.batch, self.max_len
+            )));
+        }
+        Ok(())
+    }
+
     /// A problem; see [`TuneProblem::check`] for what is accepted.
     pub fn new(
         spec: SchemeSpec,

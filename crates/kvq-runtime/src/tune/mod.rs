@@ -21,6 +21,7 @@
 //!   context buckets), [`TuneProblem`].
 //! * [`choice`]: [`TuneChoice`], the heuristic default and the candidate set.
 //! * [`store`]: the JSON file ([`TuneStore`]); atomic, merging writes; damaged files ignored.
+//! * `finalists.rs`: the codebook and XQuant tuners' gated finalists and interleaved re-timing.
 //! * [`rotate`], [`check`], [`synth`]: buffers that defeat L2, the correctness gate and
 //!   synthetic inputs (timing is [`crate::timing::GpuTimer`]) — also used by the benchmarks, so both measure the
 //!   same way.
@@ -48,6 +49,7 @@
 
 pub mod check;
 pub mod choice;
+pub(crate) mod finalists;
 pub mod key;
 pub mod policy;
 mod progress;

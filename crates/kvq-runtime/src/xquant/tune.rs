@@ -35,6 +35,7 @@ use crate::decode::Pieces;
 use crate::error::{Result, RuntimeError};
 use crate::timing::GpuTimer;
 use crate::tune::check::gate_output;
+use crate::tune::finalists::{fastest_finalists, passed, retime_interleaved};
 use crate::tune::store::{checksum, unix_now};
 use crate::tune::synth::random_queries;
 use crate::tune::{
@@ -296,15 +297,7 @@ impl Tuner<'_> {
         let first = batches
             .first()
             .ok_or_else(|| RuntimeError::InvalidInput("tuning on no batch".into()))?;
-        if first.batch() != problem.batch || first.max_len() > problem.max_len {
-            return Err(RuntimeError::InvalidInput(format!(
-                "the batch holds {} sequences of up to {} tokens, the problem {} of up to {}",
-                first.batch(),
-                first.max_len(),
-                problem.batch,
-                problem.max_len
-            )));
-        }
+        problem.check_tuning_batch(first.batch(), first.max_len())?;
         let key = xquant_problem_key(problem, kernel.generated());
         let stream = self.jit().device().default_stream();
         let options = self.options().clone();
@@ -366,26 +359,13 @@ impl Tuner<'_> {
             }
         }
         // Gate: the fastest candidates (and the default) against the default's output.
-        let mut order: Vec<usize> = (1..results.len())
-            .filter(|&i| results[i].coarse_us.is_some())
-            .collect();
-        order.sort_by(|&a, &b| {
-            let us = |i: usize| results[i].coarse_us.unwrap_or(f64::MAX);
-            us(a).total_cmp(&us(b))
-        });
-        let finalists: Vec<usize> = std::iter::once(0)
-            .chain(order.into_iter().take(options.finalists))
-            .collect();
+        let finalists = fastest_finalists(&results, options.finalists);
         for &i in &finalists {
             let got = session.output(splits[i]);
             gate_output(&mut results[i], got, &want, problem.shape.dtype, i == 0);
         }
         // Pass 2: the correct finalists, interleaved rounds.
-        let live: Vec<usize> = finalists
-            .iter()
-            .copied()
-            .filter(|&i| results[i].rejected.is_none() && results[i].error.is_some())
-            .collect();
+        let live = passed(&results, &finalists);
         let slowest = live
             .iter()
             .filter_map(|&i| results[i].coarse_us)
@@ -397,21 +377,9 @@ impl Tuner<'_> {
             slowest,
             options.fine_runs.div_ceil(FINE_ROUNDS),
         );
-        let mut samples: Vec<Vec<f64>> = vec![Vec::new(); results.len()];
-        for _ in 0..FINE_ROUNDS {
-            for &i in &live {
-                match session.time(splits[i], 1, per_round) {
-                    Ok(us) => samples[i].push(us),
-                    Err(e) => results[i].rejected = Some(e.to_string()),
-                }
-            }
-        }
-        for &i in &live {
-            if !samples[i].is_empty() {
-                samples[i].sort_by(f64::total_cmp);
-                results[i].fine_us = Some(samples[i][samples[i].len() / 2]);
-            }
-        }
+        retime_interleaved(&mut results, &live, FINE_ROUNDS, |i| {
+            session.time(splits[i], 1, per_round)
+        });
         let winner = select_winner(&results, options.min_gain).ok_or_else(|| {
             RuntimeError::InvalidInput(format!(
                 "no correct XQuant launch for `{}`: the default's {default} splits {}",

@@ -62,10 +62,10 @@ static constexpr int XQ_HC = D / (2 * XQ_WN);                        // a warp's
 static constexpr int XQ_NH = XQ_HC / 8;                              // 8-column mma tiles a warp a half
 static constexpr int XQ_NT = 2 * XQ_NH;
 static constexpr int XQ_LD = XQ_KC + 8;                              // staged row stride in halves: banks apart
-// A thread's latent channels of a row a chunk: a row's share (mma.sync; the warpgroup path
-// decodes its own fragments and only keeps the definition for the shared helpers).
-static constexpr int XQ_APT = WGMMA ? XQ_KC / 4 : XQ_M * XQ_KC / THREADS;
-static constexpr int XQ_TPR = XQ_KC / XQ_APT;                        // threads a staged row (mma.sync)
+// A thread's latent channels of a row a chunk on the mma.sync path, and threads a staged row
+// (the warpgroup path decodes its own fragments; unused there).
+static constexpr int XQ_APT = WGMMA ? 0 : XQ_M * XQ_KC / THREADS;
+static constexpr int XQ_TPR = WGMMA ? 0 : XQ_KC / XQ_APT;
 static constexpr int XQ_PARTS = PASSES == 3 ? 2 : 1;                 // f16 halves an operand
 static constexpr int XQ_A_HALVES = XQ_M * XQ_LD, XQ_B_HALVES = D * XQ_LD;
 static constexpr int XQ_STAGE_HALVES = XQ_PARTS * (XQ_A_HALVES + XQ_B_HALVES);
@@ -77,7 +77,7 @@ static constexpr int XQ_VQ = 4;                                      // consecut
 static constexpr int XQ_V_ROWS_BYTES = TENSOR_V ? XQ_M * (XR * VTensor::BITS / 8 + 16) : 0;
 static_assert(XR % XQ_KC == 0 && XW % XQ_KC == 0, "latents in whole pipeline chunks");
 static_assert(XQ_MT >= 1 && XQ_MT * 16 * XQ_WM == XQ_M && XQ_HC % 8 == 0, "the warp tiling covers the tile");
-static_assert(XQ_APT == 8 || XQ_APT == 16 || XQ_APT == 32, "a thread stages 8, 16 or 32 channels of a row");
+static_assert(WGMMA || XQ_APT == 8 || XQ_APT == 16 || XQ_APT == 32, "a thread stages 8, 16 or 32 channels of a row");
 static_assert(KTensor::BITS >= 1 && VTensor::BITS >= 1 && !KTensor::BOOST && !VTensor::BOOST, "integer latents");
 
 static constexpr int XQ_TVH_MAX = 4;                                 // store heads the tensor-core V path takes

@@ -1,8 +1,16 @@
 #pragma once
-// K's rebuild for the XQuant decode (kvq/xquant/decode.cuh): the tile's latents times up_k's slice
-// of the KV head on tensor cores, through a two-stage shared-memory pipeline over the latent
-// channels, then RoPE in registers.
+// K's rebuild for the XQuant decode (kvq/xquant/decode.cuh) on mma.sync: the tile's latents times
+// up_k's slice of the KV head on tensor cores, through a two-stage shared-memory pipeline over the
+// latent channels; then, on both paths, RoPE in registers.
 
+// Column of this warp's n-tile nt: tiles [0, XQ_NH) in the first RoPE half, the rest in the second.
+static __device__ __forceinline__ int xq_col(int wn, int nt) {
+    return (nt / XQ_NH) * (D / 2) + wn * XQ_HC + (nt % XQ_NH) * 8;
+}
+
+// Everything up to RoPE serves the mma.sync path only (the warpgroup path decodes its own
+// fragments, kvq/xquant/warpgroup.cuh).
+#if !KVQ_XQ_WGMMA
 // ---- A thread's XQ_APT latents of its row for the next chunk. Only the codes wait in registers
 // through the current chunk's products; the scales and zeros (or an FP16 row's values), shared by
 // a page's rows, are read when the codes are decoded. Everything is asked of L1 a chunk earlier.
@@ -149,13 +157,7 @@ static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc&
     }
 }
 
-// Column of this warp's n-tile nt: tiles [0, XQ_NH) in the first RoPE half, the rest in the second.
-static __device__ __forceinline__ int xq_col(int wn, int nt) {
-    return (nt / XQ_NH) * (D / 2) + wn * XQ_HC + (nt % XQ_NH) * 8;
-}
-
 // ---- The mma.sync pipeline (every warp copies, decodes and multiplies).
-#if !KVQ_XQ_WGMMA
 // A thread's fixed addresses in the pipeline, worked out once: its ldmatrix rows in stage 0 (A per
 // m-tile, B per pair of n-tiles), and its pieces of up_k's chunk copies.
 static constexpr int XQ_B_PIECES = D * XQ_KC / 8;                            // 16-byte pieces a part
