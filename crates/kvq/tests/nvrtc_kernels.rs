@@ -84,8 +84,9 @@ fn ptxas_static_shared(log: &str, entry: &str) -> Option<u64> {
 /// (as ptxas counts it) and its dynamic shared memory fit one CTA: the launch would fail
 /// otherwise (4-bit V rows at 1,024 latents once asked for 215 KiB of dynamic memory). And ptxas
 /// keeps its warpgroup MMAs asynchronous: a register an MMA in flight owns, written or read by
-/// other instructions, makes it wait after every MMA of the kernel (its "Potential Performance
-/// Loss" notes), which costs more than the overlap the design is for.
+/// other instructions, or too few registers for the MMAs' pipeline, makes it wait after every
+/// MMA of the kernel (its "Potential Performance Loss" notes), which costs more than the
+/// overlap the design is for.
 fn xquant_warpgroup_decodes_fit_a_cta_and_stay_asynchronous() {
     let mut checked = 0;
     for text in ["xquant2", "xquant3", "xquant4"] {
