@@ -16,7 +16,7 @@ use serde::Serialize;
 pub const XQUANT_THREADS: u32 = 256;
 /// The producer warpgroup the warpgroup-MMA rebuild adds (one of its threads copies up_k).
 const PRODUCER_THREADS: u32 = 128;
-/// Shared-memory stages of the mma.sync rebuild (the warpgroup one takes up to eight).
+/// Shared-memory stages of the mma.sync rebuild (the warpgroup one takes up to four).
 const SYNC_STAGES: usize = 2;
 /// Latent channels of one pipeline chunk of K's rebuild (kernels/include/kvq/xquant/decode.cuh's
 /// XQ_KC): 64 where the store's heads allow (on mma.sync only for the one-pass product of
@@ -66,9 +66,10 @@ pub enum RebuildMma {
     /// pipeline.
     #[default]
     Sync,
-    /// Hopper's warpgroup MMAs (`wgmma`, sm_90a only): the two compute warpgroups decode their
-    /// latents straight into the MMAs' A registers while the previous chunk multiplies, and one
-    /// producer thread streams up_k into a ring of up to eight stages. For the one-pass product
+    /// Hopper's warpgroup MMAs (`wgmma`, sm_90a only): the two compute warpgroups take 64-token
+    /// tiles in turn and decode their latents straight into the MMAs' A registers while the
+    /// previous chunk multiplies, and one producer thread streams up_k into a ring of up to four
+    /// stages. For the one-pass product
     /// ([`RebuildPrecision::F16`]) of `x(latent)` schemes with 2- to 4-bit channel-axis K latents
     /// at head_dim up to 128.
     Warpgroup,
@@ -186,10 +187,40 @@ fn tensor_values(spec: &SchemeSpec, rank: usize, width: usize) -> bool {
     }
 }
 
-/// Dynamic shared memory the warpgroup rebuild may take: an H100/H200 CTA's opt-in 227 KiB less
-/// what the decode's static arrays can reach (under 40 KiB: the V weights of four store heads,
-/// the tile's scores, locations and scales).
-const WARPGROUP_DYNAMIC_BUDGET: usize = (227 - 40) * 1024;
+/// Shared memory an H100/H200 CTA may opt into (227 KiB).
+const HOPPER_CTA_SHARED: usize = 227 * 1024;
+
+/// Static shared memory of the warpgroup decode: the arrays of kernels/include/kvq/xquant/decode.cuh
+/// at two groups of 64 rows (the queries; each group's scores, probabilities, V scales, zeros and
+/// weights, row locations and softmax state; RoPE's steps; the ring's barriers), plus 256 bytes
+/// for alignment. The ring takes what the CTA's 227 KiB leave.
+fn warpgroup_static_bytes(
+    spec: &SchemeSpec,
+    shape: &KernelShape,
+    (rank, width): (usize, usize),
+    stages: usize,
+) -> usize {
+    let (gqa, d) = (shape.gqa as usize, shape.head_dim as usize);
+    let (groups, rows) = (2, 64);
+    let tvh = if tensor_values(spec, rank, width) {
+        rank / width
+    } else {
+        1
+    };
+    // W's rows a store head: four query heads share one n8 tile with their low parts.
+    let w_part = if gqa <= 4 { 1 } else { 2 } * 8 * (rows + 8);
+    // XqLoc: a flag, two pointers and two ints.
+    let location = 32;
+    4 * gqa * d
+        + groups * 4 * gqa * rows * 2
+        + groups * 4 * tvh * rows * 2
+        + groups * 2 * tvh * w_part
+        + groups * location * rows
+        + groups * 4 * (2 * gqa + gqa * tvh + 8)
+        + 8 * d / 2
+        + 16 * stages
+        + 256
+}
 
 /// Dynamic shared memory of the decode: the pipeline's `stages` (latents and up_k, each in one or
 /// two f16 parts), the tile's V code rows on the tensor-core path, and the split's latent sums.
@@ -215,10 +246,11 @@ fn dynamic_shared_bytes(
         // channels holds its D columns; the latents stay in registers.
         RebuildMma::Warpgroup => (kc / 8) * d * 16,
     };
-    // The warpgroup path's table of a page's K scale and zero pairs: 4 bytes a latent channel.
-    let k_table = match mma {
-        RebuildMma::Sync => 0,
-        RebuildMma::Warpgroup => 4 * rank,
+    // The warpgroup path's two tile groups (consumer warpgroups) keep their own latent sums and
+    // table of a page's K scale and zero pairs (4 bytes a latent channel).
+    let (groups, k_table) = match mma {
+        RebuildMma::Sync => (1, 0),
+        RebuildMma::Warpgroup => (2, 4 * rank),
     };
     let v_rows = match &spec.v {
         TensorQuant::Int(q) if tensor_values(spec, rank, width) => {
@@ -226,20 +258,28 @@ fn dynamic_shared_bytes(
         }
         _ => 0,
     };
-    stages * stage_bytes + v_rows + 4 * shape.gqa as usize * rank + k_table
+    stages * stage_bytes + v_rows + groups * (4 * shape.gqa as usize * rank + k_table)
 }
 
-/// Stages of the warpgroup rebuild's ring: eight where they fit the budget, else fewer (4-bit V
-/// rows and many query heads take more room); `None` where not even two do.
+/// Stages of the warpgroup rebuild's ring: four where they fit beside the rest, else fewer (many
+/// query heads take more room), and enough to hold the split's output parts at the end; `None`
+/// where not even two do. More stages ran no faster at 2-bit latents and 3% slower at 4-bit ones
+/// (six stages; the shared memory they take is L1's, which the codes' loads go through).
 fn warpgroup_stages(
     spec: &SchemeSpec,
     shape: &KernelShape,
     (rank, width): (usize, usize),
 ) -> Option<usize> {
     let f16 = RebuildPrecision::F16;
-    (2..=8).rev().find(|&s| {
-        dynamic_shared_bytes(spec, shape, (rank, width), f16, (RebuildMma::Warpgroup, s))
-            <= WARPGROUP_DYNAMIC_BUDGET
+    let kc = chunk(spec, width, f16, RebuildMma::Warpgroup);
+    let d = shape.head_dim as usize;
+    let stage_bytes = (kc / 8) * d * 16;
+    let output_parts = (XQUANT_THREADS as usize / (d / 4)) * shape.gqa as usize * d * 4;
+    (2..=4).rev().find(|&s| {
+        s * stage_bytes >= output_parts
+            && dynamic_shared_bytes(spec, shape, (rank, width), f16, (RebuildMma::Warpgroup, s))
+                + warpgroup_static_bytes(spec, shape, (rank, width), s)
+                <= HOPPER_CTA_SHARED
     })
 }
 
@@ -371,8 +411,8 @@ fn unsupported(
                 .is_none()
                 .then(|| {
                     format!(
-                        "warpgroup MMAs with latents of {rank} (two stages and the V rows pass \
-                     {WARPGROUP_DYNAMIC_BUDGET} bytes of shared memory)"
+                        "warpgroup MMAs with latents of {rank} (two stages and the V rows and \
+                         sums pass {HOPPER_CTA_SHARED} bytes of shared memory)"
                     )
                 })
         }),
@@ -657,20 +697,25 @@ mod tests {
         let k = xquant_kernels(&spec, &shape, 8, 4096, (f16, RebuildMma::Warpgroup)).unwrap();
         assert_eq!(k.decode.block, 384);
         assert!(k.source.contains("#define KVQ_XQ_WGMMA 1"));
-        // Eight stages of up_k's chunk (8 K groups of 128 columns of 16 bytes), the tile's V
+        // Four stages of up_k's chunk (8 K groups of 128 columns of 16 bytes), the tile's V
         // rows, the split's sums, the page's K scale and zero table.
+        // Each of the two tile groups keeps its own sums and table.
         assert_eq!(
             k.decode.dynamic_shared_bytes,
-            8 * 8 * 128 * 16 + 128 * 272 + 4 * 4 * 1024 + 4 * 1024
+            4 * 8 * 128 * 16 + 128 * 272 + 2 * (4 * 4 * 1024 + 4 * 1024)
         );
-        assert!(k.source.contains("static constexpr int WG_STAGES = 8;"));
-        // 4-bit V rows at 1,024 latents leave room for six stages.
+        assert!(k.source.contains("static constexpr int WG_STAGES = 4;"));
+        // 4-bit V rows at 1,024 latents leave room for four stages.
         let v4: SchemeSpec = "k = int(4, channel), v = int(4, token), source = x(latent)"
             .parse()
             .unwrap();
         let k4 = xquant_kernels(&v4, &shape, 8, 4096, (f16, RebuildMma::Warpgroup)).unwrap();
-        assert!(k4.source.contains("static constexpr int WG_STAGES = 6;"));
-        assert!(k4.decode.dynamic_shared_bytes as usize <= WARPGROUP_DYNAMIC_BUDGET);
+        assert!(k4.source.contains("static constexpr int WG_STAGES = 4;"));
+        assert!(
+            k4.decode.dynamic_shared_bytes as usize
+                + warpgroup_static_bytes(&v4, &shape, (1024, 256), 4)
+                <= HOPPER_CTA_SHARED
+        );
         // K latents the fragments do not decode take mma.sync.
         for text in [
             "k = int(8, channel), v = int(2, token), source = x(latent)",

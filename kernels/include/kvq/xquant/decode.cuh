@@ -33,8 +33,9 @@
 // KVQ_XQ_WGMMA (sm_90a, one-pass product, head_dim ≤ 128, 2- to 4-bit channel-axis K latents;
 // kvq-codegen's RebuildMma): K's rebuild runs on warpgroup MMAs whose A operand the eight compute
 // warps (threads XQ_PRODUCERS on) decode into registers, fed up_k by one producer warpgroup
-// (kvq/xquant/warpgroup.cuh); the same warps then score, sum V and keep the softmax. Otherwise
-// every warp copies, decodes and multiplies on mma.sync through a two-stage pipeline.
+// (kvq/xquant/warpgroup.cuh); the same warps then score, sum V and keep the softmax, each compute
+// warpgroup on its own tiles of 64 rows in turn with the other. Otherwise every warp copies,
+// decodes and multiplies on mma.sync through a two-stage pipeline.
 #ifndef KVQ_XQ_WGMMA
 #define KVQ_XQ_WGMMA 0
 #endif
@@ -50,13 +51,20 @@ static_assert(GQA >= 1 && GQA <= XQ_CT / 32, "a warp a query head in the softmax
 static_assert(PASSES == 1 || PASSES == 3, "one f16 product or three split ones");
 static_assert(!WGMMA || (PASSES == 1 && !CROSS_LAYER), "warpgroup MMAs take the one-pass product of plain latents");
 
-static constexpr int XQ_M = TILE;                                    // tokens a tile
+// Tile groups: the warps that share a tile, its scores, softmax state and V sums. On the
+// warpgroup path each consumer warpgroup is a group that walks its own tiles of TILE / 2 rows
+// (ping-pong: one group's tail runs while the other's MMAs keep the tensor cores busy), and the
+// two groups' states merge once at the split's end; on mma.sync all eight warps share a tile.
+static constexpr int XQ_GROUPS = WGMMA ? 2 : 1;
+static constexpr int XQ_GT = XQ_CT / XQ_GROUPS;                      // threads a group
+static constexpr int XQ_GW = XQ_GT / 32;                             // warps a group
+static constexpr int XQ_M = TILE / XQ_GROUPS;                        // tokens a group's tile
 // Latent channels a pipeline chunk: 64 where the store heads allow (and, on mma.sync, for the
 // one-pass product of 2-, 4- or 8-bit codes: two f16 parts of 64 would not fit beside the V
 // rows), else 32; a chunk lies in one store head.
 static constexpr int XQ_KC = XW % 64 == 0 && (WGMMA || (PASSES == 1 && KTensor::BITS != 3)) ? 64 : 32;
 static constexpr int XQ_WN = WGMMA || D <= 96 ? 1 : (D <= 224 ? 2 : 4); // warps across K's columns
-static constexpr int XQ_WM = XQ_CT / 32 / XQ_WN;                     // warps across the tile's tokens
+static constexpr int XQ_WM = XQ_GW / XQ_WN;                          // warps across the tile's tokens
 static constexpr int XQ_MT = XQ_M / (16 * XQ_WM);                    // 16-row mma tiles a warp
 static constexpr int XQ_HC = D / (2 * XQ_WN);                        // a warp's columns in each RoPE half
 static constexpr int XQ_NH = XQ_HC / 8;                              // 8-column mma tiles a warp a half
@@ -72,9 +80,9 @@ static constexpr int XQ_STAGE_HALVES = XQ_PARTS * (XQ_A_HALVES + XQ_B_HALVES);
 static constexpr int XQ_STAGE_BYTES = XQ_STAGE_HALVES * 2;
 static constexpr int XQ_B_OFFSET = XQ_PARTS * XQ_A_HALVES * 2;       // bytes into a stage
 static constexpr int XQ_STAGES = WGMMA ? WG_STAGES : 2;     // WG_STAGES: kvq-codegen's, by the room left
-static_assert(XQ_STAGES >= 2 && XQ_STAGES <= 8, "a ring of two to eight stages");
+static_assert(XQ_STAGES >= 2 && XQ_STAGES <= 8, "a ring of two to eight stages (kvq-codegen picks up to four)");
 static constexpr int XQ_VQ = 4;                                      // consecutive V latents a thread sums (CUDA cores)
-static constexpr int XQ_V_ROWS_BYTES = TENSOR_V ? XQ_M * (XR * VTensor::BITS / 8 + 16) : 0;
+static constexpr int XQ_V_ROWS_BYTES = TENSOR_V ? TILE * (XR * VTensor::BITS / 8 + 16) : 0; // every group's rows
 static_assert(XR % XQ_KC == 0 && XW % XQ_KC == 0, "latents in whole pipeline chunks");
 static_assert(XQ_MT >= 1 && XQ_MT * 16 * XQ_WM == XQ_M && XQ_HC % 8 == 0, "the warp tiling covers the tile");
 static_assert(WGMMA || XQ_APT == 8 || XQ_APT == 16 || XQ_APT == 32, "a thread stages 8, 16 or 32 channels of a row");
@@ -96,7 +104,7 @@ static constexpr int XQ_STAGES_BYTES = XQ_STAGES * XQ_STAGE_BYTES;
 static constexpr int XQ_KTAB_BYTES = 0;
 #endif
 static_assert(XQ_STAGES_BYTES >= XQ_OPARTS * GQA * D * 4, "the output's parts fit the pipeline's stages");
-static_assert(SMEM_BYTES == XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + GQA * XR * 4 + XQ_KTAB_BYTES,
+static_assert(SMEM_BYTES == XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + XQ_GROUPS * (GQA * XR * 4 + XQ_KTAB_BYTES),
               "dynamic shared memory (kvq-codegen's xquant.rs)");
 
 static __device__ __forceinline__ void kvq_xquant_decode(
@@ -109,53 +117,67 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     const float* __restrict__ base_k, const float* __restrict__ base_v, int base_rows, float* __restrict__ part_acc,
     float* __restrict__ part_ml)
 {
-    // Dynamic shared memory: the rebuild's stages, the tile's V code rows (tensor path), the
-    // split's latent sums [GQA][XR] (CUDA-core path, and the whole sums at the end), the page's
-    // K scale and zero table (warpgroup path).
+    // Dynamic shared memory: the rebuild's stages, the tile's V code rows (tensor path), each
+    // group's latent sums [GQA][XR] (CUDA-core path, and the whole sums at the end), each group's
+    // table of its page's K scales and zeros (warpgroup path).
     extern __shared__ __align__(128) kvq_u8 xq_smem[];
     kvq_u16* const stages = (kvq_u16*)xq_smem;
-    kvq_u8* const s_v = xq_smem + XQ_STAGES_BYTES;
-    float* const s_vsum = (float*)(xq_smem + XQ_STAGES_BYTES + XQ_V_ROWS_BYTES);
-    kvq_u32* const s_ktab = (kvq_u32*)(xq_smem + XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + GQA * XR * 4);
-    __shared__ float s_q[GQA * D], s_sp[XQ_WN][GQA][XQ_M], s_p[GQA][XQ_M], s_vs[XQ_TVH][XQ_M], s_vz[XQ_TVH][XQ_M];
-    __shared__ __align__(16) kvq_u16 s_w[XQ_TVH * XQ_WPART];
-    __shared__ XqLoc s_vloc[XQ_M];
-    __shared__ float s_m[GQA], s_l[GQA], s_z[GQA][XQ_TVH], s_alpha[8];
+    kvq_u8* const s_v_all = xq_smem + XQ_STAGES_BYTES;
+    float* const s_vsum_all = (float*)(xq_smem + XQ_STAGES_BYTES + XQ_V_ROWS_BYTES);
+    kvq_u32* const s_ktab_all = (kvq_u32*)(xq_smem + XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + XQ_GROUPS * GQA * XR * 4);
+    __shared__ __align__(16) float s_q[GQA * D];
+    __shared__ float s_sp[XQ_GROUPS][XQ_WN][GQA][XQ_M], s_p[XQ_GROUPS][GQA][XQ_M];
+    __shared__ float s_vs[XQ_GROUPS][XQ_TVH][XQ_M], s_vz[XQ_GROUPS][XQ_TVH][XQ_M];
+    __shared__ __align__(16) kvq_u16 s_w[XQ_GROUPS][XQ_TVH * XQ_WPART];
+    __shared__ XqLoc s_vloc[XQ_GROUPS][XQ_M];
+    __shared__ float s_m[XQ_GROUPS][GQA], s_l[XQ_GROUPS][GQA], s_z[XQ_GROUPS][GQA][XQ_TVH], s_alpha[XQ_GROUPS][8];
     __shared__ float2 s_rope_step[D / 2];
     // The warpgroup path's stage barriers: `full` [0, XQ_STAGES), then `empty`.
     __shared__ __align__(8) unsigned long long s_bar[2 * XQ_STAGES];
+    // The warpgroup path's passes in order: phase p completes once pass p has waited for its last
+    // chunk, that is, once every chunk of its last XQ_STAGES steps is in.
+    __shared__ __align__(8) unsigned long long s_pass_bar;
     const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
     const int num_splits = gridDim.x, kv_heads = gridDim.y, OUT = kv_heads * D;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-    // Compute threads: index ct, warp cwarp (producers: negative).
-    const int ct = xq_ct(), cwarp = ct >> 5;
-    const int wm = cwarp / XQ_WN, wn = cwarp % XQ_WN;
+    const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+    // Compute threads: index ct (producers: negative); group grp, the thread's index gt and warp
+    // gw within it.
+    const int ct = xq_ct(), grp = ct >= 0 ? ct / XQ_GT : 0, gt = ct - grp * XQ_GT, gw = gt >> 5;
+    const int wm = gw / XQ_WN, wn = gw % XQ_WN;
     const KvqSlot at = kvq_seq_slot(seq_slots, seq_lens, seq, 1);
     const int slot = at.slot, len = at.len;
     const long head_row = ((long)seq * kv_heads + kvh) * GQA;
     const float scale = rsqrtf((float)D);
     for (int i = threadIdx.x; i < GQA * D; i += THREADS) s_q[i] = kvq_io_to_f32(q[head_row * D + i]) * scale;
-    for (int i = threadIdx.x; i < GQA * XR; i += THREADS) s_vsum[i] = 0.f;
-    for (int i = threadIdx.x; i < XQ_TVH * XQ_WPART; i += THREADS) s_w[i] = 0;
-    if (threadIdx.x < 8) s_alpha[threadIdx.x] = 1.f;
+    for (int i = threadIdx.x; i < XQ_GROUPS * GQA * XR; i += THREADS) s_vsum_all[i] = 0.f;
+    for (int i = threadIdx.x; i < XQ_GROUPS * XQ_TVH * XQ_WPART; i += THREADS) (&s_w[0][0])[i] = 0;
+    if (threadIdx.x < XQ_GROUPS * 8) (&s_alpha[0][0])[threadIdx.x] = 1.f;
     for (int j = threadIdx.x; j < D / 2; j += THREADS) {
         // A lane's rows are 8 apart: the angle a row further on turns by 8·f_j.
         double sn, cs;
         sincos(8.0 * rope_freq[j], &sn, &cs);
         s_rope_step[j] = make_float2((float)cs, (float)sn);
     }
-    if (threadIdx.x < GQA) {
-        s_m[threadIdx.x] = KVQ_NEG_INF;
-        s_l[threadIdx.x] = 0.f;
-        for (int vh = 0; vh < XQ_TVH; ++vh) s_z[threadIdx.x][vh] = 0.f;
+    if (threadIdx.x < XQ_GROUPS * GQA) {
+        const int gg = threadIdx.x / GQA, h = threadIdx.x % GQA;
+        s_m[gg][h] = KVQ_NEG_INF;
+        s_l[gg][h] = 0.f;
+        for (int vh = 0; vh < XQ_TVH; ++vh) s_z[gg][h][vh] = 0.f;
     }
 #if KVQ_XQ_WGMMA
     if (threadIdx.x < XQ_STAGES) {
         kvq_mbar_init(kvq_smem_u32(&s_bar[threadIdx.x]), 1);
-        kvq_mbar_init(kvq_smem_u32(&s_bar[XQ_STAGES + threadIdx.x]), XQ_CT / 32);
+        // A stage's chunk is read by one group's four warps.
+        kvq_mbar_init(kvq_smem_u32(&s_bar[XQ_STAGES + threadIdx.x]), XQ_GW);
     }
+    if (threadIdx.x == 0) kvq_mbar_init(kvq_smem_u32(&s_pass_bar), 1);
 #endif
     __syncthreads();
+
+    // This group's shares of the shared memory.
+    kvq_u8* const s_v = s_v_all + grp * XQ_M * XQ_VLD;
+    float* const s_vsum = s_vsum_all + grp * GQA * XR;
+    kvq_u32* const s_ktab = (kvq_u32*)((kvq_u8*)s_ktab_all + grp * XQ_KTAB_BYTES);
 
     const unsigned stages_u32 = kvq_smem_u32(stages);
     int t_begin, t_end;
@@ -163,30 +185,34 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     const int sink_end = min(SINK, len), v_qend = kvq_quant_end(len, sink_end, VTensor::LOCAL);
     const int k_qend = kvq_quant_end(len, sink_end, KTensor::LOCAL);
     constexpr int CHUNKS = XR / XQ_KC;
-    // The compute threads' barrier (all threads on the mma.sync path).
+    // The compute threads' barrier, and a group's (all threads on the mma.sync path).
     auto sync_compute = [&]() {
         if constexpr (WGMMA) kvq_bar_sync(1, XQ_CT);
         else __syncthreads();
     };
+    auto sync_group = [&]() {
+        if constexpr (WGMMA) kvq_bar_sync(2 + grp, XQ_GT);
+        else __syncthreads();
+    };
 
     // A tile's V side before K's rebuild: each row's V location (and, on the tensor path, its
-    // scales and zeros), written by compute thread `row`.
+    // scales and zeros), written by the group's thread `row`.
     auto locate_v = [&](int t0, int n, bool tensor_v) {
-        if (ct < XQ_M) {
-            const int row = ct;
+        if (gt < XQ_M) {
+            const int row = gt;
             XqLoc vl{false, nullptr, nullptr, 0, 0};
             if (row < n) vl = xq_locate<VTensor>(t0 + row, len, slot, v_pool, page_table, max_pages, v_sink, v_tail);
-            s_vloc[row] = vl;
+            s_vloc[grp][row] = vl;
             float v_s[XQ_TVH], v_z[XQ_TVH];
 #pragma unroll
             for (int vh = 0; vh < XQ_TVH; ++vh) v_s[vh] = v_z[vh] = 0.f;
             if (tensor_v) xq_v_scale_zero(vl, v_s, v_z);
 #pragma unroll
-            for (int vh = 0; vh < XQ_TVH; ++vh) { s_vs[vh][row] = v_s[vh]; s_vz[vh][row] = v_z[vh]; }
+            for (int vh = 0; vh < XQ_TVH; ++vh) { s_vs[grp][vh][row] = v_s[vh]; s_vz[grp][vh][row] = v_z[vh]; }
         }
     };
 
-    // A tile after K's rebuild (acc, in the compute warps' registers): RoPE, scores, the online
+    // A group's tile after K's rebuild (acc, in its warps' registers): RoPE, scores, the online
     // softmax and Σ p·l̂_v. Compute threads only.
     auto finish_tile = [&](float (&acc)[XQ_MT][XQ_NT][4], int t0, int n, bool tensor_v, long base_row0) {
         // 2. RoPE, then the warp's share of each (query head, token) score: its columns, summed
@@ -200,9 +226,9 @@ static __device__ __forceinline__ void kvq_xquant_decode(
 #pragma unroll
                 for (int nt = 0; nt < XQ_NT; ++nt) {
                     const int j = xq_col(wn, nt) + 2 * tq;
-                    const float q0 = s_q[h * D + j], q1 = s_q[h * D + j + 1];
-                    s0 = fmaf(q0, acc[mt][nt][0], fmaf(q1, acc[mt][nt][1], s0));
-                    s1 = fmaf(q0, acc[mt][nt][2], fmaf(q1, acc[mt][nt][3], s1));
+                    const float2 qj = *(const float2*)&s_q[h * D + j];
+                    s0 = fmaf(qj.x, acc[mt][nt][0], fmaf(qj.y, acc[mt][nt][1], s0));
+                    s1 = fmaf(qj.x, acc[mt][nt][2], fmaf(qj.y, acc[mt][nt][3], s1));
                 }
                 s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
                 s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
@@ -210,39 +236,40 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                 s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
                 if (tq == 0) {
                     const int row = wm * XQ_MT * 16 + mt * 16 + g;
-                    s_sp[wn][h][row] = s0;
-                    s_sp[wn][h][row + 8] = s1;
+                    s_sp[grp][wn][h][row] = s0;
+                    s_sp[grp][wn][h][row + 8] = s1;
                 }
             }
-        sync_compute();
+        sync_group();
         // 3. Online softmax, a warp a query head; on the tensor path also W = p·s in two f16
         //    parts (zero past the tile's tokens) and the zero term Σ p·z.
-        for (int h = cwarp; h < GQA; h += XQ_CT / 32) {
+        for (int h = gw; h < GQA; h += XQ_GW) {
             float mx = KVQ_NEG_INF;
             for (int t = lane; t < n; t += 32) {
                 float s = 0.f;
 #pragma unroll
-                for (int w = 0; w < XQ_WN; ++w) s += s_sp[w][h][t];
-                s_p[h][t] = s;
+                for (int w = 0; w < XQ_WN; ++w) s += s_sp[grp][w][h][t];
+                s_p[grp][h][t] = s;
                 mx = fmaxf(mx, s);
             }
             mx = kvq_warp_max(mx);
-            const float m_old = s_m[h], m_new = fmaxf(m_old, mx);
+            const float m_old = s_m[grp][h], m_new = fmaxf(m_old, mx);
             float sum = 0.f, zsum[XQ_TVH];
 #pragma unroll
             for (int vh = 0; vh < XQ_TVH; ++vh) zsum[vh] = 0.f;
             for (int t = lane; t < XQ_M; t += 32) {
-                const float p = t < n ? expf(s_p[h][t] - m_new) : 0.f;
-                if (t < n) s_p[h][t] = p;
+                const float p = t < n ? expf(s_p[grp][h][t] - m_new) : 0.f;
+                if (t < n) s_p[grp][h][t] = p;
                 sum += p;
                 if (tensor_v) {
 #pragma unroll
                     for (int vh = 0; vh < XQ_TVH; ++vh) {
-                        const float w = p * s_vs[vh][t];
+                        const float w = p * s_vs[grp][vh][t];
                         const kvq_u16 hi = kvq_f32_to_f16(w);
-                        s_w[vh * XQ_WPART + h * XQ_WLD + t] = hi;
-                        s_w[vh * XQ_WPART + ((XQ_VMERGED ? 4 : 8) + h) * XQ_WLD + t] = kvq_f32_to_f16(w - kvq_f16_to_f32(hi));
-                        zsum[vh] = fmaf(p, s_vz[vh][t], zsum[vh]);
+                        s_w[grp][vh * XQ_WPART + h * XQ_WLD + t] = hi;
+                        s_w[grp][vh * XQ_WPART + ((XQ_VMERGED ? 4 : 8) + h) * XQ_WLD + t] =
+                            kvq_f32_to_f16(w - kvq_f16_to_f32(hi));
+                        zsum[vh] = fmaf(p, s_vz[grp][vh][t], zsum[vh]);
                     }
                 }
             }
@@ -251,51 +278,96 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             for (int vh = 0; vh < XQ_TVH; ++vh) zsum[vh] = kvq_warp_sum(zsum[vh]);
             if (lane == 0) {
                 const float alpha = m_old == KVQ_NEG_INF ? 0.f : expf(m_old - m_new);
-                s_alpha[h] = alpha;
-                s_l[h] = s_l[h] * alpha + sum;
+                s_alpha[grp][h] = alpha;
+                s_l[grp][h] = s_l[grp][h] * alpha + sum;
 #pragma unroll
-                for (int vh = 0; vh < XQ_TVH; ++vh) s_z[h][vh] = s_z[h][vh] * alpha + zsum[vh];
-                s_m[h] = m_new;
+                for (int vh = 0; vh < XQ_TVH; ++vh) s_z[grp][h][vh] = s_z[grp][h][vh] * alpha + zsum[vh];
+                s_m[grp][h] = m_new;
             }
         }
-        sync_compute();
-        // 4. Σ p·l̂_v: the sums rescaled to the new maxima, then this tile's terms. The tensor
-        //    path's accumulators start at zero each tile and join the f32 sums after it: the
-        //    tensor cores' own accumulation stays eight mma steps long.
-        for (int i = ct; i < GQA * XR; i += XQ_CT) s_vsum[i] *= s_alpha[i / XR];
+        // 4. Σ p·l̂_v: the sums rescaled to the new maxima, plus this tile's terms. The tensor
+        //    path's accumulators start at zero each tile and join the f32 sums after it (the
+        //    tensor cores' own accumulation stays a tile long), rescaling them in the same pass.
         if (tensor_v) {
             asm volatile("cp.async.wait_group 0;" ::: "memory");
-            sync_compute();
+            sync_group();
             float vo[XQ_VMT][4];
 #pragma unroll
             for (int i = 0; i < XQ_VMT; ++i) vo[i][0] = vo[i][1] = vo[i][2] = vo[i][3] = 0.f;
-            xq_values_mma(vo, s_v, s_w, cwarp, lane);
+            xq_values_mma(vo, s_v, s_w[grp], gw, lane);
             xq_values_merge(vo);
+            const int h0 = 2 * tq, h1 = 2 * tq + 1;
+            const float a0 = h0 < GQA ? s_alpha[grp][h0] : 0.f, a1 = h1 < GQA ? s_alpha[grp][h1] : 0.f;
 #pragma unroll
             for (int i = 0; i < XQ_VMT; ++i) {
-                const int c = 16 * (XQ_VMT * cwarp + i) + g, h0 = 2 * tq, h1 = 2 * tq + 1;
+                const int c = 16 * (XQ_VMT * gw + i) + g;
                 if (c < XR) {
-                    if (h0 < GQA) { s_vsum[h0 * XR + c] += vo[i][0]; s_vsum[h0 * XR + c + 8] += vo[i][2]; }
-                    if (h1 < GQA) { s_vsum[h1 * XR + c] += vo[i][1]; s_vsum[h1 * XR + c + 8] += vo[i][3]; }
+                    if (h0 < GQA) {
+                        s_vsum[h0 * XR + c] = fmaf(s_vsum[h0 * XR + c], a0, vo[i][0]);
+                        s_vsum[h0 * XR + c + 8] = fmaf(s_vsum[h0 * XR + c + 8], a0, vo[i][2]);
+                    }
+                    if (h1 < GQA) {
+                        s_vsum[h1 * XR + c] = fmaf(s_vsum[h1 * XR + c], a1, vo[i][1]);
+                        s_vsum[h1 * XR + c + 8] = fmaf(s_vsum[h1 * XR + c + 8], a1, vo[i][3]);
+                    }
                 }
             }
+            // The next tile's set-up ends in a group barrier before anything read here is
+            // written again (its V rows, W, the scores).
+            if constexpr (!WGMMA) sync_group();
         } else {
-            sync_compute();
-            xq_values_cuda(s_vloc, s_p, n, CROSS_LAYER ? base_v + base_row0 : nullptr, s_vsum);
+            sync_group();
+            for (int i = gt; i < GQA * XR; i += XQ_GT) s_vsum[i] *= s_alpha[grp][i / XR];
+            sync_group();
+            xq_values_cuda(s_vloc[grp], s_p[grp], n, CROSS_LAYER ? base_v + base_row0 : nullptr, s_vsum, gt);
+            sync_group();
         }
-        sync_compute();
     };
 
     // After the last tile (compute threads only, so the warpgroup path's producers, whose code
     // ptxas compiles at their small register budget, never run it).
     auto write_output = [&]() {
         sync_compute();
+        if constexpr (XQ_GROUPS == 2) {
+            // The groups' softmax states and sums meet in group 0's: each rescaled to the larger
+            // maximum of a query head.
+            float* const v0 = s_vsum_all;
+            const float* const v1 = s_vsum_all + GQA * XR;
+            auto weights = [&](int h, float& a0, float& a1, float& m) {
+                const float m0 = s_m[0][h], m1 = s_m[1][h];
+                m = fmaxf(m0, m1);
+                a0 = m0 == KVQ_NEG_INF ? 0.f : expf(m0 - m);
+                a1 = m1 == KVQ_NEG_INF ? 0.f : expf(m1 - m);
+            };
+            for (int i = ct; i < GQA * XR; i += XQ_CT) {
+                float a0, a1, m;
+                weights(i / XR, a0, a1, m);
+                v0[i] = v0[i] * a0 + v1[i] * a1;
+            }
+            float m = 0.f, l = 0.f, z[XQ_TVH];
+            if (ct < GQA) {
+                float a0, a1;
+                weights(ct, a0, a1, m);
+                l = s_l[0][ct] * a0 + s_l[1][ct] * a1;
+#pragma unroll
+                for (int vh = 0; vh < XQ_TVH; ++vh) z[vh] = s_z[0][ct][vh] * a0 + s_z[1][ct][vh] * a1;
+            }
+            sync_compute();
+            if (ct < GQA) {
+                s_m[0][ct] = m;
+                s_l[0][ct] = l;
+#pragma unroll
+                for (int vh = 0; vh < XQ_TVH; ++vh) s_z[0][ct][vh] = z[vh];
+            }
+            sync_compute();
+        }
         // The split's output: (Σ p·l̂_v + Σ p·z)·up_v for this KV head's columns (z that of the
         // channel's store head). Compute thread ct takes four columns, 4·(ct % (D / 4)), over every
         // XQ_OPARTS-th latent from ct / (D / 4), for all query heads at once: each up_v value is read
         // once, by 16-byte loads, many in flight (the loads' latency, not their bytes, bounds this
         // step). The parts meet in the pipeline's shared memory, free by now.
         float* const s_out = (float*)xq_smem;
+        const float* const vsum = s_vsum_all;
         if (ct >= 0 && ct < XQ_OPARTS * (D / 4)) {
             const int j = 4 * (ct % (D / 4)), part = ct / (D / 4);
             const float* w = up_v + kvh * D + j;
@@ -308,7 +380,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                 const int vh = XQ_TVH == 1 ? 0 : c / XW;
 #pragma unroll
                 for (int h = 0; h < GQA; ++h) {
-                    const float x = s_vsum[h * XR + c] + s_z[h][vh];
+                    const float x = vsum[h * XR + c] + s_z[0][h][vh];
                     sum[h].x = fmaf(x, wc.x, sum[h].x);
                     sum[h].y = fmaf(x, wc.y, sum[h].y);
                     sum[h].z = fmaf(x, wc.z, sum[h].z);
@@ -326,34 +398,36 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         }
         if (ct >= 0 && ct < GQA) {
             const int h = ct;
-            part_ml[((head_row + h) * num_splits + split) * 2] = s_m[h];
-            part_ml[((head_row + h) * num_splits + split) * 2 + 1] = s_l[h];
+            part_ml[((head_row + h) * num_splits + split) * 2] = s_m[0][h];
+            part_ml[((head_row + h) * num_splits + split) * 2 + 1] = s_l[0][h];
         }
     };
 
 #if KVQ_XQ_WGMMA
+    // The split's tiles of XQ_M rows are passes p = 0, 1, …: group p % 2 takes pass p, and the
+    // producer streams up_k's chunks for the passes in order (kvq/xquant/warpgroup.cuh).
+    const int passes = (t_end - t_begin + XQ_M - 1) / XQ_M;
     // The role from a warp-uniform value the compiler can see is uniform: the consumers' MMAs
     // must not sit in a branch it takes as divergent, or it serialises them.
     if (__shfl_sync(0xffffffffu, (int)threadIdx.x / XQ_PRODUCERS, 0) == 0) {
         // The producer warpgroup: one thread copies up_k's chunks into the ring.
         kvq_setmaxnreg_dec<XQ_PRODUCER_REGS>();
         if (threadIdx.x == 0) {
-            int chunk_i = 0;
-            for (int t0 = t_begin; t0 < t_end; t0 += XQ_M)
-                for (int kc = 0; kc < CHUNKS; ++kc, ++chunk_i) {
-                    const int st = chunk_i % XQ_STAGES;
-                    kvq_mbar_wait(kvq_smem_u32(&s_bar[XQ_STAGES + st]), ((chunk_i / XQ_STAGES) & 1) ^ 1);
+            for (int p = 0; p < passes; ++p)
+                for (int kc = 0; kc < CHUNKS; ++kc) {
+                    const int st = xq_wg_stage(p, kc), k = xq_wg_load_index(p, kc);
+                    kvq_mbar_wait(kvq_smem_u32(&s_bar[XQ_STAGES + st]), (k & 1) ^ 1);
                     xq_wg_copy_b(up_k_groups, kvh, kc * XQ_KC, stages_u32 + st * XQ_WG_STAGE_BYTES, kvq_smem_u32(&s_bar[st]));
                 }
         }
     } else {
         // The compute warps: K's rebuild (their own fragments decoded while the previous chunk
-        // multiplies), then the tile's scores and sums. Warpgroup wg takes rows [64·wg, +64), warp
-        // w4 of it rows 16·w4 + g and + 8.
+        // multiplies), then the tile's scores and sums. Warp gw of a group takes its tile's rows
+        // 16·gw + g and + 8.
         kvq_setmaxnreg_inc<XQ_CONSUMER_REGS>();
-        int chunk_i = 0;
-        const int row0 = 16 * cwarp + g;
-        for (int t0 = t_begin; t0 < t_end; t0 += XQ_M) {
+        const int row0 = 16 * gw + g;
+        for (int p = grp; p < passes; p += 2) {
+            const int t0 = t_begin + p * XQ_M;
             const int n = min(XQ_M, t_end - t0);
             const bool tensor_v = TENSOR_V && t0 >= sink_end && t0 + n <= v_qend;
             // Tiles of one page's rows (most of them) decode from the page's table and codes loaded
@@ -385,40 +459,48 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                 if (fast) xq_decode_chunk_fast(f, c, s_ktab, kc, tq);
                 else xq_decode_chunk_any(f, kl, live, kc, tq);
             };
-            // MMAs of chunk kc from `f`; then, once chunk kc − 1 is done (its stage free, its
+            // The MMAs of chunk kc are done: its stage's `empty` hears from this warp.
+            auto release = [&](int kc) {
+                if (lane == 0) kvq_mbar_arrive(kvq_smem_u32(&s_bar[XQ_STAGES + xq_wg_stage(p, kc)]));
+            };
+            // MMAs of chunk kc from `f`; then, once chunk kc − 1 is done (its stage released, its
             // fragments `f2` free), chunk kc + 1 decoded into f2 and chunk kc + 3's codes loaded.
             auto step = [&](const XqFrag& f, XqFrag& f2, XqRowCodes (&c2)[2], int kc) {
-                const int st = chunk_i % XQ_STAGES;
-                kvq_mbar_wait(kvq_smem_u32(&s_bar[st]), (chunk_i / XQ_STAGES) & 1);
+                const int st = xq_wg_stage(p, kc);
+                kvq_mbar_wait(kvq_smem_u32(&s_bar[st]), xq_wg_load_index(p, kc) & 1);
+                if (kc == CHUNKS - 1 && gt == 0) kvq_mbar_arrive(kvq_smem_u32(&s_pass_bar));
                 xq_wg_mma_chunk(acc, f, stages_u32 + st * XQ_WG_STAGE_BYTES);
                 kvq_wgmma_commit();
                 if (kc > 0) {
                     kvq_wgmma_wait<1>();
-                    if (lane == 0) kvq_mbar_arrive(kvq_smem_u32(&s_bar[XQ_STAGES + (chunk_i - 1) % XQ_STAGES]));
+                    release(kc - 1);
                 }
                 if (kc + 1 < CHUNKS) {
                     decode(f2, c2, kc + 1);
                     load_codes(c2, kc + 3);
                 }
-                ++chunk_i;
             };
             locate_v(t0, n, tensor_v);
-            if (fast) xq_build_ktab(xq_locate<KTensor>(t0, len, slot, k_pool, page_table, max_pages, k_sink, k_tail), s_ktab, ct);
-            sync_compute();
+            if (fast) xq_build_ktab(xq_locate<KTensor>(t0, len, slot, k_pool, page_table, max_pages, k_sink, k_tail), s_ktab, gt);
+            sync_group();
             if (tensor_v) {
-                xq_copy_v_rows(s_vloc, n, s_v);
+                xq_copy_v_rows(s_vloc[grp], n, s_v, gt);
                 asm volatile("cp.async.commit_group;" ::: "memory");
             }
             load_codes(ca, 0);
             load_codes(cb, 1);
             decode(fa, ca, 0);
             load_codes(ca, 2);
+            // A `full` barrier's parity tells apart only two of its loads: before its first step a
+            // pass waits for the pass before to have seen its last chunks land, so every load
+            // it waits for is at most one past the ones that completed.
+            if (p > 0) kvq_mbar_wait(kvq_smem_u32(&s_pass_bar), (p - 1) & 1);
             for (int kc = 0; kc < CHUNKS; kc += 2) {
                 step(fa, fb, cb, kc);
                 if (kc + 1 < CHUNKS) step(fb, fa, ca, kc + 1);
             }
             kvq_wgmma_wait<0>();
-            if (lane == 0) kvq_mbar_arrive(kvq_smem_u32(&s_bar[XQ_STAGES + (chunk_i - 1) % XQ_STAGES]));
+            release(CHUNKS - 1);
             finish_tile(acc, t0, n, tensor_v, 0);
         }
         write_output();
@@ -460,7 +542,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             const unsigned cur = (kc & 1) * XQ_STAGE_BYTES, next = XQ_STAGE_BYTES - cur;
             kvq_u16* const next_a = stages + (next / 2) + my_row * XQ_LD + my_c;
             const bool more = kc + 1 < CHUNKS;
-            if (kc == 0 && tensor_v) xq_copy_v_rows(s_vloc, n, s_v);
+            if (kc == 0 && tensor_v) xq_copy_v_rows(s_vloc[0], n, s_v, gt);
             if (more) {
                 xq_copy_b(ad, up_k_hi, up_k_lo, kvh, (kc + 1) * XQ_KC, stages_u32 + next);
                 if (live) {

@@ -15,14 +15,15 @@
 // Elsewhere (tiles with FP16 sink or tail rows, and other V latents), on CUDA cores: a thread owns
 // XQ_VQ consecutive channels and adds Σ_t p_t·l̂_t,c into the split's sums in shared memory, a batch
 // of tokens' raw latents in flight at once.
-static constexpr int XQ_VMT = (XR / 16 + 7) / 8;                     // V m-tiles a warp (tensor path)
+static constexpr int XQ_VMT = (XR / 16 + XQ_GW - 1) / XQ_GW;         // V m-tiles a warp (tensor path)
 static constexpr int XQ_VROW = XR * VTensor::BITS / 8;               // bytes of a V code row
 static constexpr int XQ_VHROW = XW * VTensor::BITS / 8;              // bytes of a store head's part of it
 static constexpr int XQ_VLD = XQ_VROW + 16;                          // staged V row stride (bytes): banks apart
 static constexpr int XQ_WLD = XQ_M + 8;                              // W row stride (halves): banks apart
-static constexpr int XQ_WPART = 2 * 8 * XQ_WLD;                      // a store head's W (halves)
+
 // Up to four query heads, W's high and low parts share one n8 tile of the mma (rows 0–3, 4–7).
 static constexpr bool XQ_VMERGED = GQA <= 4;
+static constexpr int XQ_WPART = (XQ_VMERGED ? 1 : 2) * 8 * XQ_WLD;     // a store head's W (halves)
 static_assert(!TENSOR_V || !CROSS_LAYER, "cross-layer latents add their accumulator on CUDA cores");
 static_assert(!TENSOR_V || (VTensor::AXIS == KvqAxis::Token && VTensor::GROUPS_PER_TOKEN == 1 &&
                             (VTensor::BITS == 2 || VTensor::BITS == 4) && XR <= 1024 && XH <= XQ_TVH_MAX &&
@@ -32,10 +33,11 @@ static_assert(!TENSOR_V || (VTensor::AXIS == KvqAxis::Token && VTensor::GROUPS_P
 
 using XqVSpan = XqSpan<VTensor, XQ_VQ>;
 
-// Copies the tile's V code rows (page rows only: the tensor path's tiles) into sV by cp.async.
-static __device__ __forceinline__ void xq_copy_v_rows(const XqLoc* vloc, int n, kvq_u8* sV) {
+// Copies the tile's V code rows (page rows only: the tensor path's tiles) into sV by cp.async; gt
+// is the thread's index in its group.
+static __device__ __forceinline__ void xq_copy_v_rows(const XqLoc* vloc, int n, kvq_u8* sV, int gt) {
     constexpr int PIECES = XQ_VROW / 16;
-    for (int i = xq_ct(); i < n * PIECES; i += XQ_CT) {
+    for (int i = gt; i < n * PIECES; i += XQ_GT) {
         const int t = i / PIECES, k = (i % PIECES) * 16;
         const XqLoc l = vloc[t];
         const kvq_u8* src = l.block + (long)(k / XQ_VHROW) * VTensor::BLOCK_BYTES + VTensor::CODES_OFFSET +
@@ -73,9 +75,14 @@ static __device__ __forceinline__ kvq_u32 xq_code_pair(kvq_u32 a, kvq_u32 b) {
 // a few 16-byte pieces at a time); W is [store head][2 parts][8 heads][XQ_WLD] f16, zero past
 // the tile's tokens. Up to four query heads, the two parts share one n8 tile (XQ_VMERGED: heads
 // in columns 0–3, their low parts in 4–7) and xq_values_merge adds the halves after the tile.
-static_assert(XQ_VMT * 8 >= XR / 16, "the warps' m-tiles cover the latent");
+static_assert(XQ_VMT * XQ_GW >= XR / 16, "the warps' m-tiles cover the latent");
 static constexpr int XQ_VWPM = VTensor::BITS == 2 ? 1 : 2;            // code words an m-tile's row
-static constexpr int XQ_VWORDS = XQ_VMT * XQ_VWPM;                   // a warp's words of a token row
+// A warp's m-tiles a batch (their code words of a row, at most eight, in registers at once): the
+// most that divide the warp's m-tiles.
+static __host__ __device__ constexpr int xq_v_batch(int most) { return XQ_VMT % most == 0 ? most : xq_v_batch(most - 1); }
+static constexpr int XQ_VMB = xq_v_batch(XQ_VMT < 8 / XQ_VWPM ? XQ_VMT : 8 / XQ_VWPM);
+static constexpr int XQ_VWORDS = XQ_VMB * XQ_VWPM;                   // a batch's words of a token row
+static_assert(XQ_VMT % XQ_VMB == 0, "whole batches of m-tiles");
 // All of a warp's m-tiles in one store head (their W is one), checked where it matters.
 static constexpr bool XQ_VONE_HEAD = XW % (16 * XQ_VMT) == 0;
 static __device__ __forceinline__ void xq_values_mma(float (&vo)[XQ_VMT][4], const kvq_u8* sV, const kvq_u16* sW, int warp,
@@ -88,14 +95,6 @@ static __device__ __forceinline__ void xq_values_mma(float (&vo)[XQ_VMT][4], con
 #pragma unroll 1
     for (int ks = 0; ks < XQ_M / 16; ++ks) {
         const int t0 = ks * 16 + 2 * tq;
-        // Rows t0, t0 + 1, t0 + 8, t0 + 9: this warp's code words of each.
-        kvq_u32 rw[4][XQ_VWORDS];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const kvq_u8* row = sV + (t0 + (r & 1) + 8 * (r >> 1)) * XQ_VLD + mt0 * XQ_VWPM * 4;
-#pragma unroll
-            for (int k = 0; k < XQ_VWORDS / V; ++k) kvq_load<4 * V>(row + 4 * V * k, rw[r] + V * k);
-        }
         kvq_u32 b[2][2];
         auto load_b = [&](int mt) {
             const kvq_u16* w = sW + (XH > 1 ? (16 * mt) / XW : 0) * XQ_WPART;
@@ -107,28 +106,41 @@ static __device__ __forceinline__ void xq_values_mma(float (&vo)[XQ_VMT][4], con
         };
         if (XQ_VONE_HEAD) load_b(mt0);
 #pragma unroll
-        for (int i = 0; i < XQ_VMT; ++i) {
-            if (mt0 + i < XR / 16) {
-                if (!XQ_VONE_HEAD) load_b(mt0 + i);
-                kvq_u32 a[4];
-                if constexpr (VTensor::BITS == 2) {
-                    // Channel g at bit 2g of the m-tile's word, channel g + 8 at bit 2g + 16.
-                    const int sh = 2 * g;
-                    const kvq_u32 w0 = rw[0][i] >> sh, w1 = rw[1][i] >> sh, w8 = rw[2][i] >> sh, w9 = rw[3][i] >> sh;
-                    a[0] = xq_code_pair<false>(w0, w1);
-                    a[1] = xq_code_pair<true>(w0, w1);
-                    a[2] = xq_code_pair<false>(w8, w9);
-                    a[3] = xq_code_pair<true>(w8, w9);
-                } else {
-                    // Channel g at bit 4g of the m-tile's first word, channel g + 8 of its second.
-                    const int sh = 4 * g;
-                    a[0] = xq_code_pair<false>(rw[0][2 * i] >> sh, rw[1][2 * i] >> sh);
-                    a[1] = xq_code_pair<false>(rw[0][2 * i + 1] >> sh, rw[1][2 * i + 1] >> sh);
-                    a[2] = xq_code_pair<false>(rw[2][2 * i] >> sh, rw[3][2 * i] >> sh);
-                    a[3] = xq_code_pair<false>(rw[2][2 * i + 1] >> sh, rw[3][2 * i + 1] >> sh);
+        for (int b0 = 0; b0 < XQ_VMT; b0 += XQ_VMB) {
+            if (mt0 + b0 >= XR / 16) continue;
+            // Rows t0, t0 + 1, t0 + 8, t0 + 9: the batch's code words of each.
+            kvq_u32 rw[4][XQ_VWORDS];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const kvq_u8* row = sV + (t0 + (r & 1) + 8 * (r >> 1)) * XQ_VLD + (mt0 + b0) * XQ_VWPM * 4;
+#pragma unroll
+                for (int k = 0; k < XQ_VWORDS / V; ++k) kvq_load<4 * V>(row + 4 * V * k, rw[r] + V * k);
+            }
+#pragma unroll
+            for (int i = 0; i < XQ_VMB; ++i) {
+                const int mt = b0 + i;
+                if (mt0 + mt < XR / 16) {
+                    if (!XQ_VONE_HEAD) load_b(mt0 + mt);
+                    kvq_u32 a[4];
+                    if constexpr (VTensor::BITS == 2) {
+                        // Channel g at bit 2g of the m-tile's word, channel g + 8 at bit 2g + 16.
+                        const int sh = 2 * g;
+                        const kvq_u32 w0 = rw[0][i] >> sh, w1 = rw[1][i] >> sh, w8 = rw[2][i] >> sh, w9 = rw[3][i] >> sh;
+                        a[0] = xq_code_pair<false>(w0, w1);
+                        a[1] = xq_code_pair<true>(w0, w1);
+                        a[2] = xq_code_pair<false>(w8, w9);
+                        a[3] = xq_code_pair<true>(w8, w9);
+                    } else {
+                        // Channel g at bit 4g of the m-tile's first word, channel g + 8 of its second.
+                        const int sh = 4 * g;
+                        a[0] = xq_code_pair<false>(rw[0][2 * i] >> sh, rw[1][2 * i] >> sh);
+                        a[1] = xq_code_pair<false>(rw[0][2 * i + 1] >> sh, rw[1][2 * i + 1] >> sh);
+                        a[2] = xq_code_pair<false>(rw[2][2 * i] >> sh, rw[3][2 * i] >> sh);
+                        a[3] = xq_code_pair<false>(rw[2][2 * i + 1] >> sh, rw[3][2 * i + 1] >> sh);
+                    }
+                    kvq_mma(vo[mt], a[0], a[1], a[2], a[3], b[0][0], b[0][1]);
+                    if constexpr (!XQ_VMERGED) kvq_mma(vo[mt], a[0], a[1], a[2], a[3], b[1][0], b[1][1]);
                 }
-                kvq_mma(vo[i], a[0], a[1], a[2], a[3], b[0][0], b[0][1]);
-                if constexpr (!XQ_VMERGED) kvq_mma(vo[i], a[0], a[1], a[2], a[3], b[1][0], b[1][1]);
             }
         }
     }
@@ -145,12 +157,12 @@ static __device__ __forceinline__ void xq_values_merge(float (&vo)[XQ_VMT][4]) {
     }
 }
 
-// Σ_t p_t·l̂_t over the tile's n tokens into the split's sums vsum [GQA][XR] on CUDA cores: this
-// thread's channels XQ_VQ·(xq_ct() + XQ_CT·j) + [0, XQ_VQ). CROSS_LAYER: `base` holds the
-// tile's rows of accumulator latents (f32, XR apart), added to each latent.
+// Σ_t p_t·l̂_t over the tile's n tokens into the group's sums vsum [GQA][XR] on CUDA cores: the
+// group's thread gt takes channels XQ_VQ·(gt + XQ_GT·j) + [0, XQ_VQ). CROSS_LAYER: `base` holds
+// the tile's rows of accumulator latents (f32, XR apart), added to each latent.
 static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const float (*p)[XQ_M], int n, const float* base,
-                                                      float* vsum) {
-    constexpr int VJ = (XR + XQ_VQ * XQ_CT - 1) / (XQ_VQ * XQ_CT);
+                                                      float* vsum, int gt) {
+    constexpr int VJ = (XR + XQ_VQ * XQ_GT - 1) / (XQ_VQ * XQ_GT);
     constexpr int VB = 8 / VJ;   // tokens whose raw latents are loaded before any is used
     for (int tb = 0; tb < n; tb += VB) {
         XqVSpan raw[VB][VJ];
@@ -160,13 +172,13 @@ static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const f
                 const XqLoc l = vloc[tb + u];
 #pragma unroll
                 for (int j = 0; j < VJ; ++j) {
-                    const int c0 = XQ_VQ * (xq_ct() + XQ_CT * j);
+                    const int c0 = XQ_VQ * (gt + XQ_GT * j);
                     if (c0 < XR) raw[u][j].load(l, c0);
                 }
             }
 #pragma unroll
         for (int j = 0; j < VJ; ++j) {
-            const int c0 = XQ_VQ * (xq_ct() + XQ_CT * j);
+            const int c0 = XQ_VQ * (gt + XQ_GT * j);
             if (c0 >= XR) continue;
             float acc[GQA][XQ_VQ];
 #pragma unroll

@@ -21,7 +21,19 @@ static constexpr int XQ_KS = XQ_KC / 16;                                       /
 // waits until the registers are free, so the two together stay below the file's 65,536.
 static constexpr int XQ_PRODUCER_REGS = 24, XQ_CONSUMER_REGS = 240;
 static_assert(XQ_PRODUCERS * XQ_PRODUCER_REGS + XQ_CT * XQ_CONSUMER_REGS <= 65536, "one CTA's registers");
-static_assert(XQ_M == 128 && XQ_PRODUCERS == 128, "two consumer warpgroups of 64 rows, one producer warpgroup");
+static_assert(XQ_M == 64 && XQ_GROUPS == 2 && XQ_PRODUCERS == 128,
+              "two consumer warpgroups, each its own tiles of 64 rows; one producer warpgroup");
+
+// The ring across passes (kvq/xquant/decode.cuh: pass p is group p % 2's tile of XQ_M rows): the
+// passes' chunks go through the stages in order, each pass streaming all of up_k's slice. Two
+// other orders keep the ring's reuse of a 128-row tile and were slower: passes walking the chunks
+// forward and backward in turn, each starting on the chunks the one before left in the stages
+// (its later loads then wait for the pass before to finish), and both groups on one tile
+// (docs/CODEBOOKS.md §3.1).
+static constexpr int XQ_CHUNKS = XR / XQ_KC;
+// The stage of step u of pass p, and which of that stage's loads (from 0) it reads.
+static __device__ __forceinline__ int xq_wg_stage(int p, int u) { return (p * XQ_CHUNKS + u) % XQ_STAGES; }
+static __device__ __forceinline__ int xq_wg_load_index(int p, int u) { return (p * XQ_CHUNKS + u) / XQ_STAGES; }
 static_assert(D % 32 == 0 && D <= 128, "one m64nDk16 MMA a K step (N = D)");
 static_assert(KTensor::AXIS == KvqAxis::Channel && (KTensor::BITS >= 2 && KTensor::BITS <= 4),
               "register fragments decode 2- to 4-bit channel-axis latents (kvq-codegen's warpgroup refusal)");
@@ -74,9 +86,9 @@ static __device__ __forceinline__ void xq_k_scale_zero(const kvq_u8* head_block,
     else z = ((const kvq_u16*)(head_block + KTensor::ZEROS_OFFSET))[c % XW];
 }
 
-// Builds the table of a page (row location `l`): compute thread ct fills entries ct, ct + XQ_CT, …
-static __device__ __forceinline__ void xq_build_ktab(const XqLoc& l, kvq_u32* tab, int ct) {
-    for (int e = ct; e < XR / 4; e += XQ_CT) {
+// Builds the table of a page (row location `l`): a group's thread gt fills entries gt, gt + XQ_GT, …
+static __device__ __forceinline__ void xq_build_ktab(const XqLoc& l, kvq_u32* tab, int gt) {
+    for (int e = gt; e < XR / 4; e += XQ_GT) {
         const int block = e / 4, tq = e % 4;
         kvq_u32 out[4];
 #pragma unroll
