@@ -698,8 +698,8 @@ mod tests {
         assert_eq!(k.decode.block, 384);
         assert!(k.source.contains("#define KVQ_XQ_WGMMA 1"));
         // Four stages of up_k's chunk (8 K groups of 128 columns of 16 bytes), the tile's V
-        // rows, the split's sums, the page's K scale and zero table.
-        // Each of the two tile groups keeps its own sums and table.
+        // rows, and for each of the two tile groups the split's sums and the page's K scale and
+        // zero table.
         assert_eq!(
             k.decode.dynamic_shared_bytes,
             4 * 8 * 128 * 16 + 128 * 272 + 2 * (4 * 4 * 1024 + 4 * 1024)

@@ -63,6 +63,7 @@ static constexpr int XQ_M = TILE / XQ_GROUPS;                        // tokens a
 // one-pass product of 2-, 4- or 8-bit codes: two f16 parts of 64 would not fit beside the V
 // rows), else 32; a chunk lies in one store head.
 static constexpr int XQ_KC = XW % 64 == 0 && (WGMMA || (PASSES == 1 && KTensor::BITS != 3)) ? 64 : 32;
+static constexpr int XQ_CHUNKS = XR / XQ_KC;                           // chunks of the latent a tile
 static constexpr int XQ_WN = WGMMA || D <= 96 ? 1 : (D <= 224 ? 2 : 4); // warps across K's columns
 static constexpr int XQ_WM = XQ_GW / XQ_WN;                          // warps across the tile's tokens
 static constexpr int XQ_MT = XQ_M / (16 * XQ_WM);                    // 16-row mma tiles a warp
@@ -184,7 +185,6 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     kvq_split_range(len, split, num_splits, t_begin, t_end);
     const int sink_end = min(SINK, len), v_qend = kvq_quant_end(len, sink_end, VTensor::LOCAL);
     const int k_qend = kvq_quant_end(len, sink_end, KTensor::LOCAL);
-    constexpr int CHUNKS = XR / XQ_KC;
     // The compute threads' barrier, and a group's (all threads on the mma.sync path).
     auto sync_compute = [&]() {
         if constexpr (WGMMA) kvq_bar_sync(1, XQ_CT);
@@ -414,7 +414,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         kvq_setmaxnreg_dec<XQ_PRODUCER_REGS>();
         if (threadIdx.x == 0) {
             for (int p = 0; p < passes; ++p)
-                for (int kc = 0; kc < CHUNKS; ++kc) {
+                for (int kc = 0; kc < XQ_CHUNKS; ++kc) {
                     const int st = xq_wg_stage(p, kc), k = xq_wg_load_index(p, kc);
                     kvq_mbar_wait(kvq_smem_u32(&s_bar[XQ_STAGES + st]), (k & 1) ^ 1);
                     xq_wg_copy_b(up_k_groups, kvh, kc * XQ_KC, stages_u32 + st * XQ_WG_STAGE_BYTES, kvq_smem_u32(&s_bar[st]));
@@ -450,7 +450,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             XqFrag fa, fb;
             XqRowCodes ca[2], cb[2];
             auto load_codes = [&](XqRowCodes (&c)[2], int kc) {
-                if (fast && kc < CHUNKS) {
+                if (fast && kc < XQ_CHUNKS) {
                     xq_load_row_codes(kl[0], kc, c[0]);
                     xq_load_row_codes(kl[1], kc, c[1]);
                 }
@@ -468,14 +468,14 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             auto step = [&](const XqFrag& f, XqFrag& f2, XqRowCodes (&c2)[2], int kc) {
                 const int st = xq_wg_stage(p, kc);
                 kvq_mbar_wait(kvq_smem_u32(&s_bar[st]), xq_wg_load_index(p, kc) & 1);
-                if (kc == CHUNKS - 1 && gt == 0) kvq_mbar_arrive(kvq_smem_u32(&s_pass_bar));
+                if (kc == XQ_CHUNKS - 1 && gt == 0) kvq_mbar_arrive(kvq_smem_u32(&s_pass_bar));
                 xq_wg_mma_chunk(acc, f, stages_u32 + st * XQ_WG_STAGE_BYTES);
                 kvq_wgmma_commit();
                 if (kc > 0) {
                     kvq_wgmma_wait<1>();
                     release(kc - 1);
                 }
-                if (kc + 1 < CHUNKS) {
+                if (kc + 1 < XQ_CHUNKS) {
                     decode(f2, c2, kc + 1);
                     load_codes(c2, kc + 3);
                 }
@@ -495,12 +495,12 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             // pass waits for the pass before to have seen its last chunks land, so every load
             // it waits for is at most one past the ones that completed.
             if (p > 0) kvq_mbar_wait(kvq_smem_u32(&s_pass_bar), (p - 1) & 1);
-            for (int kc = 0; kc < CHUNKS; kc += 2) {
+            for (int kc = 0; kc < XQ_CHUNKS; kc += 2) {
                 step(fa, fb, cb, kc);
-                if (kc + 1 < CHUNKS) step(fb, fa, ca, kc + 1);
+                if (kc + 1 < XQ_CHUNKS) step(fb, fa, ca, kc + 1);
             }
             kvq_wgmma_wait<0>();
-            release(CHUNKS - 1);
+            release(XQ_CHUNKS - 1);
             finish_tile(acc, t0, n, tensor_v, 0);
         }
         write_output();
@@ -531,22 +531,22 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         XqCodes raw;
         if (live) {
             xq_prefetch_span(kl, my_c, kb);
-            if (CHUNKS > 1) xq_prefetch_span(kl, XQ_KC + my_c, kb);
+            if (XQ_CHUNKS > 1) xq_prefetch_span(kl, XQ_KC + my_c, kb);
             xq_load_codes(kl, my_c, raw);
         }
         xq_store_a<false>(raw, kl, live, my_c, kb, stages + my_row * XQ_LD + my_c, stages + XQ_A_HALVES + my_row * XQ_LD + my_c);
         xq_copy_b(ad, up_k_hi, up_k_lo, kvh, 0, stages_u32);
-        for (int kc = 0; kc < CHUNKS; ++kc) {
+        for (int kc = 0; kc < XQ_CHUNKS; ++kc) {
             asm volatile("cp.async.wait_group 0;" ::: "memory");
             __syncthreads();
             const unsigned cur = (kc & 1) * XQ_STAGE_BYTES, next = XQ_STAGE_BYTES - cur;
             kvq_u16* const next_a = stages + (next / 2) + my_row * XQ_LD + my_c;
-            const bool more = kc + 1 < CHUNKS;
+            const bool more = kc + 1 < XQ_CHUNKS;
             if (kc == 0 && tensor_v) xq_copy_v_rows(s_vloc[0], n, s_v, gt);
             if (more) {
                 xq_copy_b(ad, up_k_hi, up_k_lo, kvh, (kc + 1) * XQ_KC, stages_u32 + next);
                 if (live) {
-                    if (kc + 2 < CHUNKS) xq_prefetch_span(kl, (kc + 2) * XQ_KC + my_c, kb);
+                    if (kc + 2 < XQ_CHUNKS) xq_prefetch_span(kl, (kc + 2) * XQ_KC + my_c, kb);
                     xq_load_codes(kl, (kc + 1) * XQ_KC + my_c, raw);
                 }
             } else if (kc == 0 && tensor_v) {

@@ -26,14 +26,13 @@ static_assert(XQ_M == 64 && XQ_GROUPS == 2 && XQ_PRODUCERS == 128,
 
 // The ring across passes (kvq/xquant/decode.cuh: pass p is group p % 2's tile of XQ_M rows): the
 // passes' chunks go through the stages in order, each pass streaming all of up_k's slice. Two
-// other orders keep the ring's reuse of a 128-row tile and were slower: passes walking the chunks
-// forward and backward in turn, each starting on the chunks the one before left in the stages
-// (its later loads then wait for the pass before to finish), and both groups on one tile
+// other designs read up_k once a 128-row tile and were slower: passes walking the chunks forward
+// and backward in turn, each starting on the chunks the one before left in the stages (its later
+// loads then wait for the pass before to finish), and both groups sharing each tile and its tail
 // (docs/CODEBOOKS.md §3.1).
-static constexpr int XQ_CHUNKS = XR / XQ_KC;
-// The stage of step u of pass p, and which of that stage's loads (from 0) it reads.
-static __device__ __forceinline__ int xq_wg_stage(int p, int u) { return (p * XQ_CHUNKS + u) % XQ_STAGES; }
-static __device__ __forceinline__ int xq_wg_load_index(int p, int u) { return (p * XQ_CHUNKS + u) / XQ_STAGES; }
+// The stage of pass p's chunk kc, and which of that stage's loads (from 0) holds it.
+static __device__ __forceinline__ int xq_wg_stage(int p, int kc) { return (p * XQ_CHUNKS + kc) % XQ_STAGES; }
+static __device__ __forceinline__ int xq_wg_load_index(int p, int kc) { return (p * XQ_CHUNKS + kc) / XQ_STAGES; }
 static_assert(D % 32 == 0 && D <= 128, "one m64nDk16 MMA a K step (N = D)");
 static_assert(KTensor::AXIS == KvqAxis::Channel && (KTensor::BITS >= 2 && KTensor::BITS <= 4),
               "register fragments decode 2- to 4-bit channel-axis latents (kvq-codegen's warpgroup refusal)");
