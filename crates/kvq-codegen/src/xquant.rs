@@ -20,10 +20,19 @@ const PRODUCER_THREADS: u32 = 128;
 const SYNC_STAGES: usize = 2;
 /// Latent channels of one pipeline chunk of K's rebuild (kernels/include/kvq/xquant/decode.cuh's
 /// XQ_KC): 64 where the store's heads allow (on mma.sync only for the one-pass product of
-/// codes other than 3-bit), else 32 (a chunk never spans two store heads).
-fn chunk(spec: &SchemeSpec, width: usize, precision: RebuildPrecision, mma: RebuildMma) -> usize {
+/// codes other than 3-bit, on warpgroup MMAs only at one KV head a CTA), else 32 (a chunk never
+/// spans two store heads).
+fn chunk(
+    spec: &SchemeSpec,
+    width: usize,
+    precision: RebuildPrecision,
+    (mma, kv_per_cta): (RebuildMma, usize),
+) -> usize {
     let three_bit = matches!(&spec.k, TensorQuant::Int(q) if q.bits == 3);
-    let wide = mma == RebuildMma::Warpgroup || (precision == RebuildPrecision::F16 && !three_bit);
+    let wide = match mma {
+        RebuildMma::Warpgroup => kv_per_cta == 1,
+        RebuildMma::Sync => precision == RebuildPrecision::F16 && !three_bit,
+    };
     if width % 64 == 0 && wide {
         64
     } else {
@@ -69,7 +78,8 @@ pub enum RebuildMma {
     /// Hopper's warpgroup MMAs (`wgmma`, sm_90a only): the two compute warpgroups take 64-token
     /// tiles in turn and decode their latents straight into the MMAs' A registers while the
     /// previous chunk multiplies, and one producer thread streams up_k into a ring of up to four
-    /// stages. For the one-pass product
+    /// stages. Where the KV heads pair up, a CTA takes two, which share each token's decoded
+    /// latents ([`XQuantKernels::kv_heads_per_cta`]). For the one-pass product
     /// ([`RebuildPrecision::F16`]) of `x(latent)` schemes with 2- to 4-bit channel-axis K latents
     /// at head_dim up to 128.
     Warpgroup,
@@ -87,8 +97,9 @@ impl RebuildMma {
         warpgroups: bool,
     ) -> Self {
         let rank = xquant_rank(d_model as usize, kv_heads as usize, shape.head_dim as usize);
-        let fits = latent_store_width(spec, rank)
-            .is_ok_and(|width| warpgroup_stages(spec, shape, (rank, width)).is_some());
+        let fits = latent_store_width(spec, rank).is_ok_and(|width| {
+            warpgroup_plan(spec, shape, kv_heads as usize, (rank, width)).is_some()
+        });
         if warpgroups && fits && warpgroup_refusal(spec, shape, precision).is_none() {
             Self::Warpgroup
         } else {
@@ -198,9 +209,14 @@ fn warpgroup_static_bytes(
     spec: &SchemeSpec,
     shape: &KernelShape,
     (rank, width): (usize, usize),
-    stages: usize,
+    plan: WarpgroupPlan,
 ) -> usize {
-    let (gqa, d) = (shape.gqa as usize, shape.head_dim as usize);
+    let stages = plan.stages;
+    // The CTA's query heads.
+    let (gqa, d) = (
+        plan.kv_per_cta * shape.gqa as usize,
+        shape.head_dim as usize,
+    );
     let (groups, rows) = (2, 64);
     let tvh = if tensor_values(spec, rank, width) {
         rank / width
@@ -222,15 +238,17 @@ fn warpgroup_static_bytes(
         + 256
 }
 
-/// Dynamic shared memory of the decode: the pipeline's `stages` (latents and up_k, each in one or
-/// two f16 parts), the tile's V code rows on the tensor-core path, and the split's latent sums.
+/// Dynamic shared memory of the decode: the pipeline's stages (latents and up_k, each in one or
+/// two f16 parts; the warpgroup path: up_k of each of the CTA's KV heads), the tile's V code
+/// rows on the tensor-core path, and the split's latent sums.
 fn dynamic_shared_bytes(
     spec: &SchemeSpec,
     shape: &KernelShape,
     (rank, width): (usize, usize),
     precision: RebuildPrecision,
-    (mma, stages): (RebuildMma, usize),
+    (mma, plan): (RebuildMma, WarpgroupPlan),
 ) -> usize {
+    let (stages, kv_per_cta) = (plan.stages, plan.kv_per_cta);
     let parts = if precision == RebuildPrecision::F32 {
         2
     } else {
@@ -238,13 +256,13 @@ fn dynamic_shared_bytes(
     };
     let tile = xquant_tile(shape.head_dim) as usize;
     let d = shape.head_dim as usize;
-    let kc = chunk(spec, width, precision, mma);
+    let kc = chunk(spec, width, precision, (mma, kv_per_cta));
     let stage_bytes = match mma {
         // Staged rows: a chunk plus 8 f16 values, so ldmatrix rows fall on distinct banks.
         RebuildMma::Sync => parts * (tile + d) * (kc + 8) * 2,
         // up_k's chunk in core-matrix layout (kvq/xquant/warpgroup.cuh): a K group of 8
         // channels holds its D columns; the latents stay in registers.
-        RebuildMma::Warpgroup => (kc / 8) * d * 16,
+        RebuildMma::Warpgroup => kv_per_cta * (kc / 8) * d * 16,
     };
     // The warpgroup path's two tile groups (consumer warpgroups) keep their own latent sums and
     // table of a page's K scale and zero pairs (4 bytes a latent channel).
@@ -258,29 +276,67 @@ fn dynamic_shared_bytes(
         }
         _ => 0,
     };
-    stages * stage_bytes + v_rows + groups * (4 * shape.gqa as usize * rank + k_table)
+    stages * stage_bytes + v_rows + groups * (4 * kv_per_cta * shape.gqa as usize * rank + k_table)
 }
 
-/// Stages of the warpgroup rebuild's ring: four where they fit beside the rest, else fewer (many
-/// query heads take more room), and enough to hold the split's output parts at the end; `None`
-/// where not even two do. More stages ran no faster at 2-bit latents and 3% slower at 4-bit ones
-/// (six stages; the shared memory they take is L1's, which the codes' loads go through).
-fn warpgroup_stages(
+/// How the warpgroup decode is laid out for one shape: KV heads a CTA and the ring's stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct WarpgroupPlan {
+    kv_per_cta: usize,
+    stages: usize,
+}
+
+impl WarpgroupPlan {
+    /// The mma.sync decode's: one KV head a CTA, a two-stage pipeline.
+    const SYNC: Self = Self {
+        kv_per_cta: 1,
+        stages: SYNC_STAGES,
+    };
+}
+
+/// The warpgroup decode's layout, `None` where not even two stages fit. Two KV heads a CTA where
+/// the heads pair up, their query heads are at most eight and three or four stages fit beside
+/// the rest (twice the latent sums; the latents are decoded once for both heads); else one, and
+/// four stages where they fit (many query heads or 4-bit V rows take more room). The stages
+/// hold the split's output parts at the end too. More stages than four ran no faster at 2-bit
+/// latents and 3% slower at 4-bit ones (the shared memory they take is L1's, which the codes'
+/// loads go through).
+fn warpgroup_plan(
     spec: &SchemeSpec,
     shape: &KernelShape,
+    kv_heads: usize,
     (rank, width): (usize, usize),
-) -> Option<usize> {
+) -> Option<WarpgroupPlan> {
     let f16 = RebuildPrecision::F16;
-    let kc = chunk(spec, width, f16, RebuildMma::Warpgroup);
     let d = shape.head_dim as usize;
-    let stage_bytes = (kc / 8) * d * 16;
-    let output_parts = (XQUANT_THREADS as usize / (d / 4)) * shape.gqa as usize * d * 4;
-    (2..=4).rev().find(|&s| {
-        s * stage_bytes >= output_parts
-            && dynamic_shared_bytes(spec, shape, (rank, width), f16, (RebuildMma::Warpgroup, s))
-                + warpgroup_static_bytes(spec, shape, (rank, width), s)
+    let fits = |plan: WarpgroupPlan| {
+        let kc = chunk(spec, width, f16, (RebuildMma::Warpgroup, plan.kv_per_cta));
+        let stage_bytes = plan.kv_per_cta * (kc / 8) * d * 16;
+        let query_heads = plan.kv_per_cta * shape.gqa as usize;
+        let output_parts = (XQUANT_THREADS as usize / (d / 4)) * query_heads * d * 4;
+        plan.stages * stage_bytes >= output_parts
+            && dynamic_shared_bytes(
+                spec,
+                shape,
+                (rank, width),
+                f16,
+                (RebuildMma::Warpgroup, plan),
+            ) + warpgroup_static_bytes(spec, shape, (rank, width), plan)
                 <= HOPPER_CTA_SHARED
-    })
+    };
+    let pairs = kv_heads % 2 == 0 && 2 * shape.gqa <= MAX_GQA;
+    let paired = (3..=4).rev().map(|stages| WarpgroupPlan {
+        kv_per_cta: 2,
+        stages,
+    });
+    let single = (2..=4).rev().map(|stages| WarpgroupPlan {
+        kv_per_cta: 1,
+        stages,
+    });
+    paired
+        .filter(|_| pairs)
+        .chain(single)
+        .find(|&plan| fits(plan))
 }
 
 /// Generated XQuant decode and combine kernels for one shape.
@@ -300,8 +356,11 @@ pub struct XQuantKernels {
     /// Whether V's latent sums run on tensor cores (else on CUDA cores).
     pub tensor_values: bool,
     pub source: String,
-    /// Grid (num_splits, kv_heads, batch); dynamic shared memory: the rebuild's pipeline, the
-    /// tile's V code rows, the split's latent sums.
+    /// KV heads a CTA of the decode takes (2 where the warpgroup decode pairs them: they share
+    /// the decoded latents; else 1).
+    pub kv_heads_per_cta: usize,
+    /// Grid (num_splits, kv_heads / kv_heads_per_cta, batch); dynamic shared memory: the
+    /// rebuild's pipeline, the tile's V code rows, the split's latent sums.
     pub decode: KernelEntry,
     /// Grid (q_heads, batch).
     pub combine: KernelEntry,
@@ -318,6 +377,7 @@ struct UnitCtx {
     threads: u32,
     wgmma: bool,
     stages: usize,
+    kv_per_cta: usize,
     tile: u32,
     passes: u32,
     tensor_v: bool,
@@ -361,8 +421,7 @@ pub fn xquant_rank(d_model: usize, kv_heads: usize, head_dim: usize) -> usize {
 fn unsupported(
     spec: &SchemeSpec,
     shape: &KernelShape,
-    rank: usize,
-    width: usize,
+    (kv_heads, rank, width): (usize, usize, usize),
     (precision, mma): (RebuildPrecision, RebuildMma),
 ) -> Option<String> {
     if spec.source == CacheSource::Kv {
@@ -393,7 +452,7 @@ fn unsupported(
     if let (RebuildMma::Sync, TensorQuant::Int(q)) = (mma, &spec.k) {
         // A thread stages a row's share of a chunk, 8 to 32 consecutive latents, under one scale
         // (the warpgroup rebuild takes channel-axis K latents only: warpgroup_refusal).
-        let kc = chunk(spec, width, precision, mma);
+        let kc = chunk(spec, width, precision, (mma, 1));
         let span = xquant_tile(shape.head_dim) as usize * kc / XQUANT_THREADS as usize;
         if q.axis == Axis::Token && q.group.is_some_and(|g| g as usize % span != 0) {
             return Some(format!(
@@ -407,7 +466,7 @@ fn unsupported(
     }
     match mma {
         RebuildMma::Warpgroup => warpgroup_refusal(spec, shape, precision).or_else(|| {
-            warpgroup_stages(spec, shape, (rank, width))
+            warpgroup_plan(spec, shape, kv_heads, (rank, width))
                 .is_none()
                 .then(|| {
                     format!(
@@ -439,7 +498,12 @@ pub fn xquant_kernels(
             })?
         }
     };
-    if let Some(what) = unsupported(spec, shape, rank, width, (precision, mma)) {
+    if let Some(what) = unsupported(
+        spec,
+        shape,
+        (kv_heads as usize, rank, width),
+        (precision, mma),
+    ) {
         return Err(CodegenError::Unsupported {
             family: "xquant decode",
             what,
@@ -449,9 +513,10 @@ pub fn xquant_kernels(
     let id = stable_id(&format!(
         "xquant|{spec}|{shape:?}|{kv_heads}|{d_model}|{precision:?}|{mma:?}"
     ));
-    let stages = match mma {
-        RebuildMma::Sync => SYNC_STAGES,
-        RebuildMma::Warpgroup => warpgroup_stages(spec, shape, (rank, width)).unwrap_or(2),
+    let plan = match mma {
+        RebuildMma::Sync => WarpgroupPlan::SYNC,
+        RebuildMma::Warpgroup => warpgroup_plan(spec, shape, kv_heads as usize, (rank, width))
+            .unwrap_or(WarpgroupPlan::SYNC),
     };
     let ctx = UnitCtx {
         scheme_text: spec.to_string(),
@@ -465,12 +530,13 @@ pub fn xquant_kernels(
         store_width: width,
         threads: mma.threads(),
         wgmma: mma == RebuildMma::Warpgroup,
-        stages,
+        stages: plan.stages,
+        kv_per_cta: plan.kv_per_cta,
         tile: xquant_tile(shape.head_dim),
         passes: precision.passes(),
         tensor_v: tensor_values(spec, rank, width),
         cross_layer: spec.source == CacheSource::X(XSource::CrossLayer),
-        smem_bytes: dynamic_shared_bytes(spec, shape, (rank, width), precision, (mma, stages)),
+        smem_bytes: dynamic_shared_bytes(spec, shape, (rank, width), precision, (mma, plan)),
         page: spec.page,
         sink: spec.sink,
         k: TensorCtx::new("k", &latents, &latents.k, width)?,
@@ -497,7 +563,15 @@ pub fn xquant_kernels(
                 param("float*", "part_ml"),
             ])
             .collect(),
-        grid: ["num_splits".into(), "kv_heads".into(), "batch".into()],
+        grid: [
+            "num_splits".into(),
+            if plan.kv_per_cta == 1 {
+                "kv_heads".into()
+            } else {
+                format!("kv_heads / {}", plan.kv_per_cta)
+            },
+            "batch".into(),
+        ],
         block: mma.threads(),
         dynamic_shared_bytes: ctx.smem_bytes as u32,
     };
@@ -510,6 +584,7 @@ pub fn xquant_kernels(
         precision,
         mma,
         tensor_values: ctx.tensor_v,
+        kv_heads_per_cta: plan.kv_per_cta,
         source,
         decode,
         combine,
@@ -697,25 +772,43 @@ mod tests {
         let k = xquant_kernels(&spec, &shape, 8, 4096, (f16, RebuildMma::Warpgroup)).unwrap();
         assert_eq!(k.decode.block, 384);
         assert!(k.source.contains("#define KVQ_XQ_WGMMA 1"));
-        // Four stages of up_k's chunk (8 K groups of 128 columns of 16 bytes), the tile's V
-        // rows, and for each of the two tile groups the split's sums and the page's K scale and
-        // zero table.
+        // Two KV heads a CTA (8 KV heads pair up; 8 query heads), so chunks of 32 latents:
+        // four stages of both heads' up_k chunk (4 K groups of 128 columns of 16 bytes each),
+        // the tile's V rows, and for each of the two tile groups the split's sums of 8 query
+        // heads and the page's K scale and zero table.
+        assert_eq!(k.kv_heads_per_cta, 2);
+        assert_eq!(k.decode.grid[1], "kv_heads / 2");
         assert_eq!(
             k.decode.dynamic_shared_bytes,
-            4 * 8 * 128 * 16 + 128 * 272 + 2 * (4 * 4 * 1024 + 4 * 1024)
+            4 * 2 * 4 * 128 * 16 + 128 * 272 + 2 * (4 * 8 * 1024 + 4 * 1024)
         );
         assert!(k.source.contains("static constexpr int WG_STAGES = 4;"));
-        // 4-bit V rows at 1,024 latents leave room for four stages.
+        assert!(k.source.contains("static constexpr int KV_PER_CTA = 2;"));
+        // The dynamic and static shared memory of `k`, laid out as `plan`, fit a CTA.
+        let fits = |k: &XQuantKernels, s: &SchemeSpec, plan| {
+            k.decode.dynamic_shared_bytes as usize
+                + warpgroup_static_bytes(s, &shape, (1024, 256), plan)
+                <= HOPPER_CTA_SHARED
+        };
+        let paired = |stages| WarpgroupPlan {
+            kv_per_cta: 2,
+            stages,
+        };
+        assert!(fits(&k, &spec, paired(4)));
+        // An odd number of KV heads does not pair.
+        let odd = xquant_kernels(&spec, &shape, 3, 4096, (f16, RebuildMma::Warpgroup)).unwrap();
+        assert_eq!(
+            (odd.kv_heads_per_cta, odd.decode.grid[1].as_str()),
+            (1, "kv_heads")
+        );
+        // 4-bit V rows at 1,024 latents leave room for three stages at two KV heads a CTA.
         let v4: SchemeSpec = "k = int(4, channel), v = int(4, token), source = x(latent)"
             .parse()
             .unwrap();
         let k4 = xquant_kernels(&v4, &shape, 8, 4096, (f16, RebuildMma::Warpgroup)).unwrap();
-        assert!(k4.source.contains("static constexpr int WG_STAGES = 4;"));
-        assert!(
-            k4.decode.dynamic_shared_bytes as usize
-                + warpgroup_static_bytes(&v4, &shape, (1024, 256), 4)
-                <= HOPPER_CTA_SHARED
-        );
+        assert_eq!(k4.kv_heads_per_cta, 2);
+        assert!(k4.source.contains("static constexpr int WG_STAGES = 3;"));
+        assert!(fits(&k4, &v4, paired(3)));
         // K latents the fragments do not decode take mma.sync.
         for text in [
             "k = int(8, channel), v = int(2, token), source = x(latent)",

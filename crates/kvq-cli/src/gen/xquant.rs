@@ -462,15 +462,19 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
         launch: LaunchInfo {
             decode_steps: vec!["decode".into(), "combine".into()],
             notes: vec![
-                "decode: grid (num_splits, kv_heads, batch), block 256, the dynamic shared memory \
-                 the kernel entry states; always followed by the combine"
-                    .into(),
+                format!(
+                    "decode: grid ({}), block {}, the dynamic shared memory the kernel entry \
+                     states; always followed by the combine",
+                    k.decode.grid.join(", "),
+                    k.decode.block
+                ),
                 "combine: grid (q_heads, batch), num_parts = num_splits".into(),
             ],
             num_splits: format!(
-                "any value in 1..=1024; the runtime's default: floor(SMs / (batch·kv_heads)) (one \
+                "any value in 1..=1024; the runtime's default: floor(SMs / (batch·{})) (one \
                  wave at one CTA an SM), at most one split a tile of {} tokens, then the fewest \
                  splits with the same tiles each",
+                k.decode.grid[1],
                 xquant_tile(shape.head_dim)
             ),
             fill_steps,

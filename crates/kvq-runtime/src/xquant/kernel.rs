@@ -103,11 +103,13 @@ impl XQuantKernel {
 
     /// Splits for `batch` sequences of at most `max_len` tokens: as many as fit one wave of one
     /// CTA an SM (the decode holds an SM's registers alone; a CTA past the wave costs a whole
-    /// second one), then as few as cover the same tiles a split (no empty splits).
+    /// second one; a CTA a sequence and KV head, or pair of KV heads where the decode pairs
+    /// them), then as few as cover the same tiles a split (no empty splits).
     pub fn default_splits(&self, batch: usize, max_len: usize) -> usize {
         let tiles =
             max_len.div_ceil(kvq_codegen::xquant_tile(self.generated.shape.head_dim) as usize);
-        one_wave_splits(self.sm_count as usize, batch * self.kv_heads, tiles)
+        let ctas = batch * self.kv_heads / self.generated.kv_heads_per_cta;
+        one_wave_splits(self.sm_count as usize, ctas, tiles)
     }
 
     /// The compiled decode's registers a thread, local-memory bytes a thread (spills) and CTAs
@@ -301,7 +303,11 @@ impl XQuantKernel {
         let base_rows = i32::try_from(base_rows)
             .map_err(|_| invalid(format!("{base_rows} accumulator rows")))?;
         let cfg = LaunchConfig {
-            grid_dim: (l.splits as u32, self.kv_heads as u32, rows),
+            grid_dim: (
+                l.splits as u32,
+                (self.kv_heads / self.generated.kv_heads_per_cta) as u32,
+                rows,
+            ),
             block_dim: (self.generated.decode.block, 1, 1),
             shared_mem_bytes: self.generated.decode.dynamic_shared_bytes,
         };

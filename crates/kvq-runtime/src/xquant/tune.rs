@@ -158,13 +158,15 @@ pub fn check_xquant_problem(problem: &TuneProblem, generated: &XQuantKernels) ->
 /// precision and MMA form, the CTA's threads, the tile and the split multiples — prefixed `xq-`
 /// (another rank, precision or kernel design, another key).
 pub fn xquant_problem_key(problem: &TuneProblem, generated: &XQuantKernels) -> ProblemKey {
-    // The threads follow the kernel's design (the warpgroup rebuild's roles): a split count
-    // tuned for an earlier design of the same rebuild is not reused.
+    // The threads and the KV heads a CTA follow the kernel's design (the warpgroup rebuild's
+    // roles, heads paired or not): a split count tuned for an earlier design of the same rebuild
+    // is not reused.
     let set = (
         "xquant",
         generated.rank,
         rebuild_text(generated),
         generated.decode.block,
+        generated.kv_heads_per_cta,
         xquant_tile(generated.shape.head_dim),
         SPLIT_FACTORS,
         MAX_SPLITS,
@@ -529,6 +531,27 @@ mod tests {
             .unwrap();
         let g4 = generated(&x4, 4096, RebuildPrecision::F16);
         assert_ne!(xquant_problem_key(&problem(x4, 16, 32_768), &g4), key);
+        // The warpgroup decode with its KV heads paired, and the same decode one head a CTA
+        // (its grid has twice the CTAs): split counts tuned for one are not the other's.
+        let shape = KernelShape::new(128, 4, Dtype::F16);
+        let paired = xquant_kernels(
+            &spec,
+            &shape,
+            8,
+            4096,
+            (RebuildPrecision::F16, RebuildMma::Warpgroup),
+        )
+        .unwrap();
+        assert_eq!(paired.kv_heads_per_cta, 2);
+        let single = XQuantKernels {
+            kv_heads_per_cta: 1,
+            ..paired.clone()
+        };
+        let p = problem(spec, 16, 32_768);
+        assert_ne!(
+            xquant_problem_key(&p, &paired),
+            xquant_problem_key(&p, &single)
+        );
         assert_ne!(
             problem(spec, 16, 32_768).key_with_candidates(String::new()),
             key

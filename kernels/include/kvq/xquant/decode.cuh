@@ -3,11 +3,11 @@
 // the layer input's latents X·down_k and X·down_v in the integer store of docs/LAYOUT.md (one
 // row of R channels is XH store heads of XW: KTensor, VTensor at width XW, FP16 sink and tail rows
 // of latents), and the
-// kernel rebuilds K = RoPE(L̂_k·up_k) per tile of tokens for its KV head, scores the KV head's GQA
-// query heads against it, and never rebuilds V: it accumulates Σ_t p_t·l̂_v,t over the latent and
-// multiplies by up_v once per split. Grid (num_splits, kv_heads, rows), block THREADS (eight
-// compute warps, after the producer warpgroup on the warpgroup path); writes each split's
-// unnormalised output and (m, l) for kvq/combine.cuh.
+// kernel rebuilds K = RoPE(L̂_k·up_k) per tile of tokens for each of its KV_PER_CTA KV heads,
+// scores each KV head's GQA query heads against it, and never rebuilds V: it accumulates
+// Σ_t p_t·l̂_v,t over the latent and multiplies by up_v once per split. Grid (num_splits,
+// kv_heads / KV_PER_CTA, rows), block THREADS (eight compute warps, after the producer warpgroup
+// on the warpgroup path); writes each split's unnormalised output and (m, l) for kvq/combine.cuh.
 //
 // K's rebuild is a GEMM of the tile's XQ_M tokens × R latents by up_k's R × D slice on tensor
 // cores, f32 accumulators in registers: on Hopper's warpgroup MMAs (KVQ_XQ_WGMMA below,
@@ -23,7 +23,8 @@
 //
 // The including unit defines (kvq/common.cuh, kvq/io.cuh, kvq/tensor.cuh, kvq/decode_common.cuh
 // and kvq/decode/helpers.cuh first): IO, D (head_dim of K, V and the queries), XR (the latent
-// width R), XW (the store's head width, dividing XR), GQA, THREADS, TILE (tokens a tile: 128, or 64 past head_dim 128), PAGE, SINK, PASSES,
+// width R), XW (the store's head width, dividing XR), GQA, THREADS, TILE (tokens a tile: 128, or
+// 64 past head_dim 128), PAGE, SINK, PASSES, KV_PER_CTA (KV heads a CTA: 2 on the warpgroup path where kvq-codegen pairs them, else 1),
 // TENSOR_V (V's sums on tensor cores, kvq/xquant/values.cuh), CROSS_LAYER (XQuant-CL: the stored
 // latents are deltas, and base_k, base_v hold the accumulator's latents, f32 [slot][base_rows][XR],
 // added to them), SMEM_BYTES (the launch's dynamic shared memory), KVQ_XQ_WGMMA and WG_STAGES
@@ -45,9 +46,17 @@ static constexpr int XQ_CT = THREADS - XQ_PRODUCERS;                 // compute 
 // A compute thread's index (negative in the producer warpgroup).
 static __device__ __forceinline__ int xq_ct() { return (int)threadIdx.x - XQ_PRODUCERS; }
 static_assert(XQ_CT == 256, "eight compute warps");
+// KV heads a CTA, and their query heads. The latents belong to the token, not to a KV head, so a
+// CTA of two KV heads decodes each tile's K and V codes once for both: K's rebuild multiplies the
+// same A fragments by both heads' up_k slices, and V's sums take both heads' query heads as the
+// MMA's columns. The codes' loads and decoding, about as much work as the MMAs at one head, halve
+// a head.
+static constexpr int XQ_KH = KV_PER_CTA;
+static constexpr int XQ_QH = XQ_KH * GQA;
+static_assert(XQ_KH == 1 || (XQ_KH == 2 && WGMMA), "two KV heads a CTA on the warpgroup path only");
 static_assert(TILE == (D <= 128 ? 128 : 64), "the warp tiling's rows (kvq-codegen's xquant_tile)");
 static_assert(D % 32 == 0 && D <= 256, "head_dim: a multiple of 32, at most 256");
-static_assert(GQA >= 1 && GQA <= XQ_CT / 32, "a warp a query head in the softmax");
+static_assert(GQA >= 1 && XQ_QH <= 8, "at most eight query heads a CTA (s_alpha, V's n8 columns)");
 static_assert(PASSES == 1 || PASSES == 3, "one f16 product or three split ones");
 static_assert(!WGMMA || (PASSES == 1 && !CROSS_LAYER), "warpgroup MMAs take the one-pass product of plain latents");
 
@@ -61,8 +70,11 @@ static constexpr int XQ_GW = XQ_GT / 32;                             // warps a 
 static constexpr int XQ_M = TILE / XQ_GROUPS;                        // tokens a group's tile
 // Latent channels a pipeline chunk: 64 where the store heads allow (and, on mma.sync, for the
 // one-pass product of 2-, 4- or 8-bit codes: two f16 parts of 64 would not fit beside the V
-// rows), else 32; a chunk lies in one store head.
-static constexpr int XQ_KC = XW % 64 == 0 && (WGMMA || (PASSES == 1 && KTensor::BITS != 3)) ? 64 : 32;
+// rows; on the warpgroup path at one KV head a CTA: at two, a chunk of 32 takes both heads'
+// up_k and keeps the registers of two heads' accumulators in bounds), else 32; a chunk lies in
+// one store head.
+static constexpr int XQ_KC =
+    XW % 64 == 0 && ((WGMMA && XQ_KH == 1) || (!WGMMA && PASSES == 1 && KTensor::BITS != 3)) ? 64 : 32;
 static constexpr int XQ_CHUNKS = XR / XQ_KC;                           // chunks of the latent a tile
 static constexpr int XQ_WN = WGMMA || D <= 96 ? 1 : (D <= 224 ? 2 : 4); // warps across K's columns
 static constexpr int XQ_WM = XQ_GW / XQ_WN;                          // warps across the tile's tokens
@@ -104,8 +116,8 @@ static constexpr int XQ_STAGES_BYTES = XQ_STAGES * XQ_WG_STAGE_BYTES;
 static constexpr int XQ_STAGES_BYTES = XQ_STAGES * XQ_STAGE_BYTES;
 static constexpr int XQ_KTAB_BYTES = 0;
 #endif
-static_assert(XQ_STAGES_BYTES >= XQ_OPARTS * GQA * D * 4, "the output's parts fit the pipeline's stages");
-static_assert(SMEM_BYTES == XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + XQ_GROUPS * (GQA * XR * 4 + XQ_KTAB_BYTES),
+static_assert(XQ_STAGES_BYTES >= XQ_OPARTS * XQ_QH * D * 4, "the output's parts fit the pipeline's stages");
+static_assert(SMEM_BYTES == XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + XQ_GROUPS * (XQ_QH * XR * 4 + XQ_KTAB_BYTES),
               "dynamic shared memory (kvq-codegen's xquant.rs)");
 
 static __device__ __forceinline__ void kvq_xquant_decode(
@@ -119,27 +131,28 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     float* __restrict__ part_ml)
 {
     // Dynamic shared memory: the rebuild's stages, the tile's V code rows (tensor path), each
-    // group's latent sums [GQA][XR] (CUDA-core path, and the whole sums at the end), each group's
+    // group's latent sums [XQ_QH][XR] (CUDA-core path, and the whole sums at the end), each group's
     // table of its page's K scales and zeros (warpgroup path).
     extern __shared__ __align__(128) kvq_u8 xq_smem[];
     kvq_u16* const stages = (kvq_u16*)xq_smem;
     kvq_u8* const s_v_all = xq_smem + XQ_STAGES_BYTES;
     float* const s_vsum_all = (float*)(xq_smem + XQ_STAGES_BYTES + XQ_V_ROWS_BYTES);
-    kvq_u32* const s_ktab_all = (kvq_u32*)(xq_smem + XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + XQ_GROUPS * GQA * XR * 4);
-    __shared__ __align__(16) float s_q[GQA * D];
-    __shared__ float s_sp[XQ_GROUPS][XQ_WN][GQA][XQ_M], s_p[XQ_GROUPS][GQA][XQ_M];
+    kvq_u32* const s_ktab_all = (kvq_u32*)(xq_smem + XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + XQ_GROUPS * XQ_QH * XR * 4);
+    __shared__ __align__(16) float s_q[XQ_QH * D];
+    __shared__ float s_sp[XQ_GROUPS][XQ_WN][XQ_QH][XQ_M], s_p[XQ_GROUPS][XQ_QH][XQ_M];
     __shared__ float s_vs[XQ_GROUPS][XQ_TVH][XQ_M], s_vz[XQ_GROUPS][XQ_TVH][XQ_M];
     __shared__ __align__(16) kvq_u16 s_w[XQ_GROUPS][XQ_TVH * XQ_WPART];
     __shared__ XqLoc s_vloc[XQ_GROUPS][XQ_M];
-    __shared__ float s_m[XQ_GROUPS][GQA], s_l[XQ_GROUPS][GQA], s_z[XQ_GROUPS][GQA][XQ_TVH], s_alpha[XQ_GROUPS][8];
+    __shared__ float s_m[XQ_GROUPS][XQ_QH], s_l[XQ_GROUPS][XQ_QH], s_z[XQ_GROUPS][XQ_QH][XQ_TVH], s_alpha[XQ_GROUPS][8];
     __shared__ float2 s_rope_step[D / 2];
     // The warpgroup path's stage barriers: `full` [0, XQ_STAGES), then `empty`.
     __shared__ __align__(8) unsigned long long s_bar[2 * XQ_STAGES];
     // The warpgroup path's passes in order: phase p completes once pass p has waited for its last
     // chunk, that is, once every chunk of its last XQ_STAGES steps is in.
     __shared__ __align__(8) unsigned long long s_pass_bar;
-    const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
-    const int num_splits = gridDim.x, kv_heads = gridDim.y, OUT = kv_heads * D;
+    // The CTA's KV heads kvh, kvh + 1, …, XQ_KH of them.
+    const int split = blockIdx.x, kvh = blockIdx.y * XQ_KH, seq = blockIdx.z;
+    const int num_splits = gridDim.x, kv_heads = gridDim.y * XQ_KH, OUT = kv_heads * D;
     const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
     // Compute threads: index ct (producers: negative); group grp, the thread's index gt and warp
     // gw within it.
@@ -149,8 +162,8 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     const int slot = at.slot, len = at.len;
     const long head_row = ((long)seq * kv_heads + kvh) * GQA;
     const float scale = rsqrtf((float)D);
-    for (int i = threadIdx.x; i < GQA * D; i += THREADS) s_q[i] = kvq_io_to_f32(q[head_row * D + i]) * scale;
-    for (int i = threadIdx.x; i < XQ_GROUPS * GQA * XR; i += THREADS) s_vsum_all[i] = 0.f;
+    for (int i = threadIdx.x; i < XQ_QH * D; i += THREADS) s_q[i] = kvq_io_to_f32(q[head_row * D + i]) * scale;
+    for (int i = threadIdx.x; i < XQ_GROUPS * XQ_QH * XR; i += THREADS) s_vsum_all[i] = 0.f;
     for (int i = threadIdx.x; i < XQ_GROUPS * XQ_TVH * XQ_WPART; i += THREADS) (&s_w[0][0])[i] = 0;
     if (threadIdx.x < XQ_GROUPS * 8) (&s_alpha[0][0])[threadIdx.x] = 1.f;
     for (int j = threadIdx.x; j < D / 2; j += THREADS) {
@@ -159,8 +172,8 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         sincos(8.0 * rope_freq[j], &sn, &cs);
         s_rope_step[j] = make_float2((float)cs, (float)sn);
     }
-    if (threadIdx.x < XQ_GROUPS * GQA) {
-        const int gg = threadIdx.x / GQA, h = threadIdx.x % GQA;
+    if (threadIdx.x < XQ_GROUPS * XQ_QH) {
+        const int gg = threadIdx.x / XQ_QH, h = threadIdx.x % XQ_QH;
         s_m[gg][h] = KVQ_NEG_INF;
         s_l[gg][h] = 0.f;
         for (int vh = 0; vh < XQ_TVH; ++vh) s_z[gg][h][vh] = 0.f;
@@ -177,7 +190,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
 
     // This group's shares of the shared memory.
     kvq_u8* const s_v = s_v_all + grp * XQ_M * XQ_VLD;
-    float* const s_vsum = s_vsum_all + grp * GQA * XR;
+    float* const s_vsum = s_vsum_all + grp * XQ_QH * XR;
     kvq_u32* const s_ktab = (kvq_u32*)((kvq_u8*)s_ktab_all + grp * XQ_KTAB_BYTES);
 
     const unsigned stages_u32 = kvq_smem_u32(stages);
@@ -214,21 +227,23 @@ static __device__ __forceinline__ void kvq_xquant_decode(
 
     // A group's tile after K's rebuild (acc, in its warps' registers): RoPE, scores, the online
     // softmax and Σ p·l̂_v. Compute threads only.
-    auto finish_tile = [&](float (&acc)[XQ_MT][XQ_NT][4], int t0, int n, bool tensor_v, long base_row0) {
+    auto finish_tile = [&](float (&acc)[XQ_KH][XQ_MT][XQ_NT][4], int t0, int n, bool tensor_v, long base_row0) {
         // 2. RoPE, then the warp's share of each (query head, token) score: its columns, summed
         //    over the four lanes of a row, then over the XQ_WN column warps through s_sp.
         xq_rope(acc, rope_freq, s_rope_step, t0, wm, wn, lane);
 #pragma unroll
-        for (int h = 0; h < GQA; ++h)
+        for (int h = 0; h < XQ_QH; ++h)
 #pragma unroll
             for (int mt = 0; mt < XQ_MT; ++mt) {
+                // Query head h scores against its KV head's K.
+                const float (&k)[XQ_NT][4] = acc[h / GQA][mt];
                 float s0 = 0.f, s1 = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < XQ_NT; ++nt) {
                     const int j = xq_col(wn, nt) + 2 * tq;
                     const float2 qj = *(const float2*)&s_q[h * D + j];
-                    s0 = fmaf(qj.x, acc[mt][nt][0], fmaf(qj.y, acc[mt][nt][1], s0));
-                    s1 = fmaf(qj.x, acc[mt][nt][2], fmaf(qj.y, acc[mt][nt][3], s1));
+                    s0 = fmaf(qj.x, k[nt][0], fmaf(qj.y, k[nt][1], s0));
+                    s1 = fmaf(qj.x, k[nt][2], fmaf(qj.y, k[nt][3], s1));
                 }
                 s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
                 s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
@@ -243,7 +258,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         sync_group();
         // 3. Online softmax, a warp a query head; on the tensor path also W = p·s in two f16
         //    parts (zero past the tile's tokens) and the zero term Σ p·z.
-        for (int h = gw; h < GQA; h += XQ_GW) {
+        for (int h = gw; h < XQ_QH; h += XQ_GW) {
             float mx = KVQ_NEG_INF;
             for (int t = lane; t < n; t += 32) {
                 float s = 0.f;
@@ -297,18 +312,19 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             xq_values_mma(vo, s_v, s_w[grp], gw, lane);
             xq_values_merge(vo);
             const int h0 = 2 * tq, h1 = 2 * tq + 1;
-            const float a0 = h0 < GQA ? s_alpha[grp][h0] : 0.f, a1 = h1 < GQA ? s_alpha[grp][h1] : 0.f;
+            const float a0 = h0 < XQ_QH ? s_alpha[grp][h0] : 0.f, a1 = h1 < XQ_QH ? s_alpha[grp][h1] : 0.f;
+            const float f = xq_values_scale(lane);
 #pragma unroll
             for (int i = 0; i < XQ_VMT; ++i) {
                 const int c = 16 * (XQ_VMT * gw + i) + g;
                 if (c < XR) {
-                    if (h0 < GQA) {
-                        s_vsum[h0 * XR + c] = fmaf(s_vsum[h0 * XR + c], a0, vo[i][0]);
-                        s_vsum[h0 * XR + c + 8] = fmaf(s_vsum[h0 * XR + c + 8], a0, vo[i][2]);
+                    if (h0 < XQ_QH) {
+                        s_vsum[h0 * XR + c] = fmaf(vo[i][0], f, s_vsum[h0 * XR + c] * a0);
+                        s_vsum[h0 * XR + c + 8] = fmaf(vo[i][2], f, s_vsum[h0 * XR + c + 8] * a0);
                     }
-                    if (h1 < GQA) {
-                        s_vsum[h1 * XR + c] = fmaf(s_vsum[h1 * XR + c], a1, vo[i][1]);
-                        s_vsum[h1 * XR + c + 8] = fmaf(s_vsum[h1 * XR + c + 8], a1, vo[i][3]);
+                    if (h1 < XQ_QH) {
+                        s_vsum[h1 * XR + c] = fmaf(vo[i][1], f, s_vsum[h1 * XR + c] * a1);
+                        s_vsum[h1 * XR + c + 8] = fmaf(vo[i][3], f, s_vsum[h1 * XR + c + 8] * a1);
                     }
                 }
             }
@@ -317,7 +333,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             if constexpr (!WGMMA) sync_group();
         } else {
             sync_group();
-            for (int i = gt; i < GQA * XR; i += XQ_GT) s_vsum[i] *= s_alpha[grp][i / XR];
+            for (int i = gt; i < XQ_QH * XR; i += XQ_GT) s_vsum[i] *= s_alpha[grp][i / XR];
             sync_group();
             xq_values_cuda(s_vloc[grp], s_p[grp], n, CROSS_LAYER ? base_v + base_row0 : nullptr, s_vsum, gt);
             sync_group();
@@ -332,20 +348,20 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             // The groups' softmax states and sums meet in group 0's: each rescaled to the larger
             // maximum of a query head.
             float* const v0 = s_vsum_all;
-            const float* const v1 = s_vsum_all + GQA * XR;
+            const float* const v1 = s_vsum_all + XQ_QH * XR;
             auto weights = [&](int h, float& a0, float& a1, float& m) {
                 const float m0 = s_m[0][h], m1 = s_m[1][h];
                 m = fmaxf(m0, m1);
                 a0 = m0 == KVQ_NEG_INF ? 0.f : expf(m0 - m);
                 a1 = m1 == KVQ_NEG_INF ? 0.f : expf(m1 - m);
             };
-            for (int i = ct; i < GQA * XR; i += XQ_CT) {
+            for (int i = ct; i < XQ_QH * XR; i += XQ_CT) {
                 float a0, a1, m;
                 weights(i / XR, a0, a1, m);
                 v0[i] = v0[i] * a0 + v1[i] * a1;
             }
             float m = 0.f, l = 0.f, z[XQ_TVH];
-            if (ct < GQA) {
+            if (ct < XQ_QH) {
                 float a0, a1;
                 weights(ct, a0, a1, m);
                 l = s_l[0][ct] * a0 + s_l[1][ct] * a1;
@@ -353,7 +369,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                 for (int vh = 0; vh < XQ_TVH; ++vh) z[vh] = s_z[0][ct][vh] * a0 + s_z[1][ct][vh] * a1;
             }
             sync_compute();
-            if (ct < GQA) {
+            if (ct < XQ_QH) {
                 s_m[0][ct] = m;
                 s_l[0][ct] = l;
 #pragma unroll
@@ -371,32 +387,36 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         if (ct >= 0 && ct < XQ_OPARTS * (D / 4)) {
             const int j = 4 * (ct % (D / 4)), part = ct / (D / 4);
             const float* w = up_v + kvh * D + j;
-            float4 sum[GQA];
+            float4 sum[XQ_QH];
 #pragma unroll
-            for (int h = 0; h < GQA; ++h) sum[h] = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int h = 0; h < XQ_QH; ++h) sum[h] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
             for (int c = part; c < XR; c += XQ_OPARTS) {
-                const float4 wc = *(const float4*)(w + (long)c * OUT);
                 const int vh = XQ_TVH == 1 ? 0 : c / XW;
 #pragma unroll
-                for (int h = 0; h < GQA; ++h) {
-                    const float x = vsum[h * XR + c] + s_z[0][h][vh];
-                    sum[h].x = fmaf(x, wc.x, sum[h].x);
-                    sum[h].y = fmaf(x, wc.y, sum[h].y);
-                    sum[h].z = fmaf(x, wc.z, sum[h].z);
-                    sum[h].w = fmaf(x, wc.w, sum[h].w);
+                for (int kh = 0; kh < XQ_KH; ++kh) {
+                    // The CTA's KV head kh's columns, for its query heads.
+                    const float4 wc = *(const float4*)(w + (long)c * OUT + kh * D);
+#pragma unroll
+                    for (int h = kh * GQA; h < (kh + 1) * GQA; ++h) {
+                        const float x = vsum[h * XR + c] + s_z[0][h][vh];
+                        sum[h].x = fmaf(x, wc.x, sum[h].x);
+                        sum[h].y = fmaf(x, wc.y, sum[h].y);
+                        sum[h].z = fmaf(x, wc.z, sum[h].z);
+                        sum[h].w = fmaf(x, wc.w, sum[h].w);
+                    }
                 }
             }
 #pragma unroll
-            for (int h = 0; h < GQA; ++h) *(float4*)&s_out[(part * GQA + h) * D + j] = sum[h];
+            for (int h = 0; h < XQ_QH; ++h) *(float4*)&s_out[(part * XQ_QH + h) * D + j] = sum[h];
         }
         sync_compute();
-        for (int i = ct; ct >= 0 && i < GQA * D; i += XQ_CT) {
+        for (int i = ct; ct >= 0 && i < XQ_QH * D; i += XQ_CT) {
             float sum = 0.f;
-            for (int part = 0; part < XQ_OPARTS; ++part) sum += s_out[part * GQA * D + i];
+            for (int part = 0; part < XQ_OPARTS; ++part) sum += s_out[part * XQ_QH * D + i];
             part_acc[((head_row + i / D) * num_splits + split) * D + i % D] = sum;
         }
-        if (ct >= 0 && ct < GQA) {
+        if (ct >= 0 && ct < XQ_QH) {
             const int h = ct;
             part_ml[((head_row + h) * num_splits + split) * 2] = s_m[0][h];
             part_ml[((head_row + h) * num_splits + split) * 2 + 1] = s_l[0][h];
@@ -426,6 +446,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         // 16·gw + g and + 8.
         kvq_setmaxnreg_inc<XQ_CONSUMER_REGS>();
         const int row0 = 16 * gw + g;
+        const unsigned long long ring = kvq_wgmma_desc(stages_u32, XQ_B_KG, 128);
         for (int p = grp; p < passes; p += 2) {
             const int t0 = t_begin + p * XQ_M;
             const int n = min(XQ_M, t_end - t0);
@@ -442,9 +463,11 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                 kl[r] = live[r] ? xq_locate<KTensor>(t0 + row0 + 8 * r, len, slot, k_pool, page_table, max_pages, k_sink, k_tail)
                                 : XqLoc{false, nullptr, nullptr, 0, 0};
             }
-            float acc[XQ_MT][XQ_NT][4];
+            float acc[XQ_KH][XQ_MT][XQ_NT][4];
 #pragma unroll
-            for (int nt = 0; nt < XQ_NT; ++nt) acc[0][nt][0] = acc[0][nt][1] = acc[0][nt][2] = acc[0][nt][3] = 0.f;
+            for (int kh = 0; kh < XQ_KH; ++kh)
+#pragma unroll
+                for (int nt = 0; nt < XQ_NT; ++nt) acc[kh][0][nt][0] = acc[kh][0][nt][1] = acc[kh][0][nt][2] = acc[kh][0][nt][3] = 0.f;
             // Two chunks' fragments (even and odd chunks) and codes: chunk kc's MMAs read one
             // while chunk kc + 1 is decoded into the other.
             XqFrag fa, fb;
@@ -469,7 +492,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                 const int st = xq_wg_stage(p, kc);
                 kvq_mbar_wait(kvq_smem_u32(&s_bar[st]), xq_wg_load_index(p, kc) & 1);
                 if (kc == XQ_CHUNKS - 1 && gt == 0) kvq_mbar_arrive(kvq_smem_u32(&s_pass_bar));
-                xq_wg_mma_chunk(acc, f, stages_u32 + st * XQ_WG_STAGE_BYTES);
+                xq_wg_mma_chunk(acc, f, ring, st);
                 kvq_wgmma_commit();
                 if (kc > 0) {
                     kvq_wgmma_wait<1>();
@@ -495,6 +518,9 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             // pass waits for the pass before to have seen its last chunks land, so every load
             // it waits for is at most one past the ones that completed.
             if (p > 0) kvq_mbar_wait(kvq_smem_u32(&s_pass_bar), (p - 1) & 1);
+            // Four chunks an iteration, so each one's stage is a constant where the stages divide
+            // the chunks; not where that unrolls the whole pass (ptxas then serialises the MMAs).
+#pragma unroll(XQ_CHUNKS >= 8 ? 2 : 1)
             for (int kc = 0; kc < XQ_CHUNKS; kc += 2) {
                 step(fa, fb, cb, kc);
                 if (kc + 1 < XQ_CHUNKS) step(fb, fa, ca, kc + 1);
@@ -521,11 +547,11 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         locate_v(t0, n, tensor_v);
         // 1. K = L̂_k·up_k for the tile, through the two-stage pipeline; the tile's V code rows
         //    join the second chunk's copies.
-        float acc[XQ_MT][XQ_NT][4];
+        float acc[XQ_KH][XQ_MT][XQ_NT][4];
 #pragma unroll
         for (int mt = 0; mt < XQ_MT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < XQ_NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+            for (int nt = 0; nt < XQ_NT; ++nt) acc[0][mt][nt][0] = acc[0][mt][nt][1] = acc[0][mt][nt][2] = acc[0][mt][nt][3] = 0.f;
         // Tiles of whole pages (most of them) decode K without a branch on the row's kind.
         const bool k_pages = n == XQ_M && t0 >= sink_end && t0 + n <= k_qend;
         XqCodes raw;
@@ -552,7 +578,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             } else if (kc == 0 && tensor_v) {
                 asm volatile("cp.async.commit_group;" ::: "memory");
             }
-            xq_mma_chunk(acc, ad, cur);
+            xq_mma_chunk(acc[0], ad, cur);
             if (more) {
                 if (k_pages) xq_store_a<true>(raw, kl, live, (kc + 1) * XQ_KC + my_c, kb, next_a, next_a + XQ_A_HALVES);
                 else xq_store_a<false>(raw, kl, live, (kc + 1) * XQ_KC + my_c, kb, next_a, next_a + XQ_A_HALVES);

@@ -245,8 +245,9 @@ static __device__ __forceinline__ void xq_mma_chunk(float (&acc)[XQ_MT][XQ_NT][4
 // (absolute: far below the f16 rounding of the rebuilt K, and a few instructions where sincosf
 // takes dozens);
 // each next row's turns by 8·f_j more, a complex product with `step[j]` = (cos 8f_j, sin 8f_j).
-static __device__ __forceinline__ void xq_rope(float (&acc)[XQ_MT][XQ_NT][4], const double* rope_freq, const float2* step,
-                                               int t0, int wm, int wn, int lane) {
+// The CTA's KV heads turn alike: one angle a row and column rotates each head's K.
+static __device__ __forceinline__ void xq_rope(float (&acc)[XQ_KH][XQ_MT][XQ_NT][4], const double* rope_freq,
+                                               const float2* step, int t0, int wm, int wn, int lane) {
     const int g = lane / 4, tq = lane % 4;
 #pragma unroll
     for (int nt = 0; nt < XQ_NH; ++nt)
@@ -265,11 +266,14 @@ static __device__ __forceinline__ void xq_rope(float (&acc)[XQ_MT][XQ_NT][4], co
                     sn = fmaf(sn, d.x, cs * d.y);
                     cs = c2;
                 }
-                float& a = acc[k / 2][nt][(k % 2) * 2 + e];
-                float& b = acc[k / 2][nt + XQ_NH][(k % 2) * 2 + e];
-                const float x = a, y = b;
-                a = fmaf(x, cs, -y * sn);
-                b = fmaf(x, sn, y * cs);
+#pragma unroll
+                for (int kh = 0; kh < XQ_KH; ++kh) {
+                    float& a = acc[kh][k / 2][nt][(k % 2) * 2 + e];
+                    float& b = acc[kh][k / 2][nt + XQ_NH][(k % 2) * 2 + e];
+                    const float x = a, y = b;
+                    a = fmaf(x, cs, -y * sn);
+                    b = fmaf(x, sn, y * cs);
+                }
             }
         }
 }

@@ -22,7 +22,7 @@ static constexpr int XQ_VLD = XQ_VROW + 16;                          // staged V
 static constexpr int XQ_WLD = XQ_M + 8;                              // W row stride (halves): banks apart
 
 // Up to four query heads, W's high and low parts share one n8 tile of the mma (rows 0–3, 4–7).
-static constexpr bool XQ_VMERGED = GQA <= 4;
+static constexpr bool XQ_VMERGED = XQ_QH <= 4;
 static constexpr int XQ_WPART = (XQ_VMERGED ? 1 : 2) * 8 * XQ_WLD;     // a store head's W (halves)
 static_assert(!TENSOR_V || !CROSS_LAYER, "cross-layer latents add their accumulator on CUDA cores");
 static_assert(!TENSOR_V || (VTensor::AXIS == KvqAxis::Token && VTensor::GROUPS_PER_TOKEN == 1 &&
@@ -61,13 +61,40 @@ static __device__ __forceinline__ void xq_v_scale_zero(const XqLoc& l, float (&s
     }
 }
 
-// Codes of one channel at two tokens (two words shifted so the channel sits at bit 0 or 16; `high`
-// picks 16) as an exact f16 pair, the first token low.
-template <bool HIGH>
-static __device__ __forceinline__ kvq_u32 xq_code_pair(kvq_u32 a, kvq_u32 b) {
-    constexpr kvq_u32 MASK = VTensor::MASK * 0x10001u;
-    const kvq_u32 v = kvq_prmt(a, b, HIGH ? 0x7632u : 0x5410u);
-    return kvq_h2_sub(kvq_and_or<MASK>(v, 0x64006400u), 0x64006400u);
+// A lane's channels of an m-tile, g and g + 8 (g = lane / 4), in a token row's code words: the
+// byte that holds channel g's code and the code's place in it (2-bit: four codes a byte; 4-bit:
+// two). An A register takes that byte of two tokens' words by one byte permute and masks the
+// code in place, without a shift: the register then holds code·2^(bits·place), still exact in
+// f16 (at most 1,264 with the 1,024 bias), and the m-tile's sums come out scaled by that power of
+// two a row, which xq_values_scale undoes, exactly, on the f32 sums.
+struct XqVLane {
+    kvq_u32 sel_lo, sel_hi;   // byte permutes: channel g's byte of each token word (g + 8's)
+    kvq_u32 mask;             // the code's bits in bytes 0 and 2
+};
+static __device__ __forceinline__ XqVLane xq_v_lane(int lane) {
+    const int g = lane / 4;
+    constexpr int PER_BYTE = 8 / VTensor::BITS;
+    const int byte = (g * VTensor::BITS) / 8, place = g % PER_BYTE;
+    // 2-bit: channels g and g + 8 are bytes `byte` and `byte + 2` of one word; 4-bit: byte
+    // `byte` of the m-tile's first and second word (the caller passes the right words).
+    const kvq_u32 lo = (kvq_u32)byte, hi = VTensor::BITS == 2 ? (kvq_u32)byte + 2 : (kvq_u32)byte;
+    XqVLane v;
+    v.sel_lo = lo | lo << 4 | (lo + 4) << 8 | (lo + 4) << 12;
+    v.sel_hi = hi | hi << 4 | (hi + 4) << 8 | (hi + 4) << 12;
+    v.mask = ((kvq_u32)VTensor::MASK << (place * VTensor::BITS)) * 0x10001u;
+    return v;
+}
+// The factor that undoes xq_v_lane's scaling of this lane's rows: 2^−(bits·place).
+static __device__ __forceinline__ float xq_values_scale(int lane) {
+    const int g = lane / 4, place = g % (8 / VTensor::BITS);
+    return __int_as_float((127 - place * VTensor::BITS) << 23);
+}
+// One channel's codes at two tokens (words a, b; the first token low), scaled as above, as an
+// exact f16 pair.
+static __device__ __forceinline__ kvq_u32 xq_code_pair(kvq_u32 a, kvq_u32 b, kvq_u32 sel, kvq_u32 mask) {
+    kvq_u32 v;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(v) : "r"(kvq_prmt(a, b, sel)), "r"(mask), "r"(0x64006400u));
+    return kvq_h2_sub(v, 0x64006400u);
 }
 
 // vo += codeᵀ·W over the tile's XQ_M tokens for this warp's m-tiles (m-tile i is channels
@@ -88,6 +115,7 @@ static constexpr bool XQ_VONE_HEAD = XW % (16 * XQ_VMT) == 0;
 static __device__ __forceinline__ void xq_values_mma(float (&vo)[XQ_VMT][4], const kvq_u8* sV, const kvq_u16* sW, int warp,
                                                      int lane) {
     const int g = lane / 4, tq = lane % 4;
+    const XqVLane vl = xq_v_lane(lane);
     const int mt0 = XQ_VMT * warp;
     if (mt0 >= XR / 16) return;
     constexpr int V = XQ_VWORDS % 4 == 0 ? 4 : (XQ_VWORDS % 2 == 0 ? 2 : 1);
@@ -124,19 +152,16 @@ static __device__ __forceinline__ void xq_values_mma(float (&vo)[XQ_VMT][4], con
                     kvq_u32 a[4];
                     if constexpr (VTensor::BITS == 2) {
                         // Channel g at bit 2g of the m-tile's word, channel g + 8 at bit 2g + 16.
-                        const int sh = 2 * g;
-                        const kvq_u32 w0 = rw[0][i] >> sh, w1 = rw[1][i] >> sh, w8 = rw[2][i] >> sh, w9 = rw[3][i] >> sh;
-                        a[0] = xq_code_pair<false>(w0, w1);
-                        a[1] = xq_code_pair<true>(w0, w1);
-                        a[2] = xq_code_pair<false>(w8, w9);
-                        a[3] = xq_code_pair<true>(w8, w9);
+                        a[0] = xq_code_pair(rw[0][i], rw[1][i], vl.sel_lo, vl.mask);
+                        a[1] = xq_code_pair(rw[0][i], rw[1][i], vl.sel_hi, vl.mask);
+                        a[2] = xq_code_pair(rw[2][i], rw[3][i], vl.sel_lo, vl.mask);
+                        a[3] = xq_code_pair(rw[2][i], rw[3][i], vl.sel_hi, vl.mask);
                     } else {
                         // Channel g at bit 4g of the m-tile's first word, channel g + 8 of its second.
-                        const int sh = 4 * g;
-                        a[0] = xq_code_pair<false>(rw[0][2 * i] >> sh, rw[1][2 * i] >> sh);
-                        a[1] = xq_code_pair<false>(rw[0][2 * i + 1] >> sh, rw[1][2 * i + 1] >> sh);
-                        a[2] = xq_code_pair<false>(rw[2][2 * i] >> sh, rw[3][2 * i] >> sh);
-                        a[3] = xq_code_pair<false>(rw[2][2 * i + 1] >> sh, rw[3][2 * i + 1] >> sh);
+                        a[0] = xq_code_pair(rw[0][2 * i], rw[1][2 * i], vl.sel_lo, vl.mask);
+                        a[1] = xq_code_pair(rw[0][2 * i + 1], rw[1][2 * i + 1], vl.sel_hi, vl.mask);
+                        a[2] = xq_code_pair(rw[2][2 * i], rw[3][2 * i], vl.sel_lo, vl.mask);
+                        a[3] = xq_code_pair(rw[2][2 * i + 1], rw[3][2 * i + 1], vl.sel_hi, vl.mask);
                     }
                     kvq_mma(vo[mt], a[0], a[1], a[2], a[3], b[0][0], b[0][1]);
                     if constexpr (!XQ_VMERGED) kvq_mma(vo[mt], a[0], a[1], a[2], a[3], b[1][0], b[1][1]);
@@ -157,7 +182,7 @@ static __device__ __forceinline__ void xq_values_merge(float (&vo)[XQ_VMT][4]) {
     }
 }
 
-// Σ_t p_t·l̂_t over the tile's n tokens into the group's sums vsum [GQA][XR] on CUDA cores: the
+// Σ_t p_t·l̂_t over the tile's n tokens into the group's sums vsum [XQ_QH][XR] on CUDA cores: the
 // group's thread gt takes channels XQ_VQ·(gt + XQ_GT·j) + [0, XQ_VQ). CROSS_LAYER: `base` holds
 // the tile's rows of accumulator latents (f32, XR apart), added to each latent.
 static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const float (*p)[XQ_M], int n, const float* base,
@@ -180,9 +205,9 @@ static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const f
         for (int j = 0; j < VJ; ++j) {
             const int c0 = XQ_VQ * (gt + XQ_GT * j);
             if (c0 >= XR) continue;
-            float acc[GQA][XQ_VQ];
+            float acc[XQ_QH][XQ_VQ];
 #pragma unroll
-            for (int h = 0; h < GQA; ++h)
+            for (int h = 0; h < XQ_QH; ++h)
 #pragma unroll
                 for (int e = 0; e < XQ_VQ; ++e) acc[h][e] = vsum[h * XR + c0 + e];
 #pragma unroll
@@ -195,12 +220,12 @@ static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const f
                         if constexpr (CROSS_LAYER) x[e] += base[(long)(tb + u) * XR + c0 + e];
                     }
 #pragma unroll
-                    for (int h = 0; h < GQA; ++h)
+                    for (int h = 0; h < XQ_QH; ++h)
 #pragma unroll
                         for (int e = 0; e < XQ_VQ; ++e) acc[h][e] = fmaf(p[h][tb + u], x[e], acc[h][e]);
                 }
 #pragma unroll
-            for (int h = 0; h < GQA; ++h)
+            for (int h = 0; h < XQ_QH; ++h)
 #pragma unroll
                 for (int e = 0; e < XQ_VQ; ++e) vsum[h * XR + c0 + e] = acc[h][e];
         }

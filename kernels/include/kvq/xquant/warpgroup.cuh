@@ -11,13 +11,16 @@
 // lie 16 bits apart: one shift and one mask put both in place. So the MMA's K order within a
 // block of 16 channels is a permutation of the channels (xq_slot_channel), which `up_k_groups`
 // (kvq-runtime's XQuantWeights) follows: B is K-major without swizzling, 8 × 8 core matrices of
-// 128 contiguous bytes, a stage holding [K group of 8 slots][D columns][8].
+// 128 contiguous bytes, a stage holding [KV head][K group of 8 slots][D columns][8]: a KV head's
+// part is one bulk copy, and each K step issues one m64nDk16 MMA a KV head on the same A.
 static constexpr int XQ_B_KG = D * 16;                                         // bytes a K group of B
 static constexpr int XQ_KG = XQ_KC / 8;                                        // K groups a chunk
-static constexpr int XQ_WG_STAGE_BYTES = XQ_KG * XQ_B_KG;
+static constexpr int XQ_WG_HEAD_BYTES = XQ_KG * XQ_B_KG;                        // a KV head's part of a stage
+static constexpr int XQ_WG_STAGE_BYTES = XQ_KH * XQ_WG_HEAD_BYTES;
 static constexpr int XQ_KS = XQ_KC / 16;                                       // K steps a chunk
 // Registers a thread: the producer warpgroup only copies, the consumers hold the 64 × D
-// accumulators, two chunks of A fragments, the codes a chunk ahead and the softmax. An increase
+// accumulators of each KV head, two chunks of A fragments, the codes a chunk ahead and the
+// softmax. An increase
 // waits until the registers are free, so the two together stay below the file's 65,536.
 static constexpr int XQ_PRODUCER_REGS = 24, XQ_CONSUMER_REGS = 240;
 static_assert(XQ_PRODUCERS * XQ_PRODUCER_REGS + XQ_CT * XQ_CONSUMER_REGS <= 65536, "one CTA's registers");
@@ -31,8 +34,10 @@ static_assert(XQ_M == 64 && XQ_GROUPS == 2 && XQ_PRODUCERS == 128,
 // loads then wait for the pass before to finish), and both groups sharing each tile and its tail
 // (docs/CODEBOOKS.md §3.1).
 // The stage of pass p's chunk kc, and which of that stage's loads (from 0) holds it.
-static __device__ __forceinline__ int xq_wg_stage(int p, int kc) { return (p * XQ_CHUNKS + kc) % XQ_STAGES; }
-static __device__ __forceinline__ int xq_wg_load_index(int p, int kc) { return (p * XQ_CHUNKS + kc) / XQ_STAGES; }
+// Unsigned, so where the stages divide the chunks a pass the compiler sees the stage of an
+// unrolled chunk is a constant.
+static __device__ __forceinline__ int xq_wg_stage(int p, int kc) { return (int)(((unsigned)p * XQ_CHUNKS + kc) % XQ_STAGES); }
+static __device__ __forceinline__ int xq_wg_load_index(int p, int kc) { return (int)(((unsigned)p * XQ_CHUNKS + kc) / XQ_STAGES); }
 static_assert(D % 32 == 0 && D <= 128, "one m64nDk16 MMA a K step (N = D)");
 static_assert(KTensor::AXIS == KvqAxis::Channel && (KTensor::BITS >= 2 && KTensor::BITS <= 4),
               "register fragments decode 2- to 4-bit channel-axis latents (kvq-codegen's warpgroup refusal)");
@@ -55,22 +60,32 @@ using XqFrag = kvq_u32[XQ_KS][4];
 // [block of 16 channels][tq][scale pair 2tq, scale pair 2tq + 1, zero pair 2tq, zero pair 2tq + 1].
 static constexpr int XQ_KTAB_BYTES = XR / 16 * 4 * 16;
 
-// up_k's chunk [c0, c0 + XQ_KC) of KV head kvh's D columns (up_k_groups) into stage B at `b_u32`:
-// one bulk copy whose bytes `full` waits for (the calling producer's arrival too).
+// up_k's chunk [c0, c0 + XQ_KC) of KV heads kvh, …, kvh + XQ_KH − 1 (their D columns each,
+// up_k_groups) into stage B at `b_u32`: a bulk copy a KV head, whose bytes `full` waits for (the
+// calling producer's arrival too).
 static __device__ __forceinline__ void xq_wg_copy_b(const kvq_u16* up_k_groups, int kvh, int c0, unsigned b_u32,
                                                     unsigned full) {
-    constexpr unsigned BYTES = XQ_WG_STAGE_BYTES;
-    kvq_mbar_arrive_expect_tx(full, BYTES);
-    kvq_bulk_copy_g2s(b_u32, up_k_groups + ((long)kvh * (XR / 8) + c0 / 8) * D * 8, BYTES, full);
+    kvq_mbar_arrive_expect_tx(full, XQ_WG_STAGE_BYTES);
+#pragma unroll
+    for (int kh = 0; kh < XQ_KH; ++kh)
+        kvq_bulk_copy_g2s(b_u32 + kh * XQ_WG_HEAD_BYTES, up_k_groups + ((long)(kvh + kh) * (XR / 8) + c0 / 8) * D * 8,
+                          XQ_WG_HEAD_BYTES, full);
 }
 
-// acc += the warpgroup's 64 rows (A in registers) · the stage's B, XQ_KS MMAs of K = 16, issued
-// (not waited) after the fence that orders the fragments' writes before them.
-static __device__ __forceinline__ void xq_wg_mma_chunk(float (&acc)[XQ_MT][XQ_NT][4], const XqFrag& a, unsigned stage_u32) {
+// acc[kh] += the warpgroup's 64 rows (A in registers) · stage st's B of KV head kh, XQ_KS
+// MMAs of K = 16 a head, issued (not waited) after the fence that orders the fragments' writes
+// before them. `ring` is the descriptor of the ring's first byte: a descriptor's address field
+// is the byte address over 16, and the ring lies below 256 KiB, so moving into it is one add
+// (with a constant offset where the stage is one, in an unrolled loop).
+static __device__ __forceinline__ void xq_wg_mma_chunk(float (&acc)[XQ_KH][XQ_MT][XQ_NT][4], const XqFrag& a,
+                                                       unsigned long long ring, int st) {
     kvq_wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < XQ_KS; ++ks)
-        kvq_wgmma_f16_ra<D>(&acc[0][0][0], a[ks], kvq_wgmma_desc(stage_u32 + 2 * ks * XQ_B_KG, XQ_B_KG, 128));
+#pragma unroll
+        for (int kh = 0; kh < XQ_KH; ++kh)
+            kvq_wgmma_f16_ra<D>(&acc[kh][0][0][0], a[ks],
+                                ring + (unsigned)((st * XQ_WG_STAGE_BYTES + kh * XQ_WG_HEAD_BYTES + 2 * ks * XQ_B_KG) >> 4));
 }
 
 // The page block of store head h for the latent at channel c of a page row.
@@ -131,13 +146,14 @@ static __device__ __forceinline__ kvq_u32 xq_code_pair_at(const XqRowCodes& r, i
     const int c = 16 * s + xq_pair_channel(q);              // channel within the chunk
     constexpr kvq_u32 MASK = ((1u << XQ_PB) - 1) * 0x10001u;
     const kvq_u32 word = WB == 1 ? r.w[s] : (q / XQ_PD ? r.w[WB * s + (WB - 1)] : r.w[WB * s]);
-    kvq_u32 x = (word >> ((c % XQ_PW) * XQ_PB)) & MASK;
+    const kvq_u32 shifted = word >> ((c % XQ_PW) * XQ_PB);
     if constexpr (KTensor::BITS == 3) {
         // High-plane bits c and c + 8 (one word of 32 channels) to bits 2 and 18.
         const kvq_u32 h = r.w[XQ_LOW_WORDS + s / 2] >> (c % 32);
-        x |= ((h << 2) & 4u) | ((h << 10) & 0x40000u);
+        const kvq_u32 x = (shifted & MASK) | ((h << 2) & 4u) | ((h << 10) & 0x40000u);
+        return kvq_h2_sub(x | 0x64006400u, 0x64006400u);
     }
-    return kvq_h2_sub(x | 0x64006400u, 0x64006400u);
+    return kvq_h2_sub(kvq_and_or<MASK>(shifted, 0x64006400u), 0x64006400u);
 }
 
 // Chunk kc's fragments of rows (g, g + 8) of a tile of one page: codes from registers, scales and
