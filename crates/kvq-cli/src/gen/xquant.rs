@@ -367,9 +367,10 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
         kernel_info(
             "decode",
             DECODE_FILE,
-            "split-K XQuant decode: per (split, KV head, sequence), every query head of the KV head; \
-             K rebuilt from the latents per tile on tensor cores with RoPE, V's latents summed and \
-             multiplied by up_v once per split; writes a partial per split",
+            "split-K XQuant decode: per (split, KV head or pair of KV heads as the grid says, \
+             sequence), every query head of those KV heads; K rebuilt from the latents per tile on \
+             tensor cores with RoPE, V's latents summed and multiplied by up_v once per split; \
+             writes a partial per split",
             &k.decode,
             dtype,
         ),
