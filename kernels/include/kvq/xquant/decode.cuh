@@ -24,8 +24,9 @@
 // The including unit defines (kvq/common.cuh, kvq/io.cuh, kvq/tensor.cuh, kvq/decode_common.cuh
 // and kvq/decode/helpers.cuh first): IO, D (head_dim of K, V and the queries), XR (the latent
 // width R), XW (the store's head width, dividing XR), GQA, THREADS, TILE (tokens a tile: 128, or
-// 64 past head_dim 128), PAGE, SINK, PASSES, KV_PER_CTA (KV heads a CTA: 2 on the warpgroup path where kvq-codegen pairs them, else 1),
-// TENSOR_V (V's sums on tensor cores, kvq/xquant/values.cuh), CROSS_LAYER (XQuant-CL: the stored
+// 64 past head_dim 128), PAGE, SINK, PASSES, KV_PER_CTA (KV heads a CTA: 2 on the warpgroup path
+// where kvq-codegen pairs them, else 1), TENSOR_V (V's sums on tensor cores,
+// kvq/xquant/values.cuh), CROSS_LAYER (XQuant-CL: the stored
 // latents are deltas, and base_k, base_v hold the accumulator's latents, f32 [slot][base_rows][XR],
 // added to them), SMEM_BYTES (the launch's dynamic shared memory), KVQ_XQ_WGMMA and WG_STAGES
 // (the warpgroup path and its ring's stages), and KTensor, VTensor (kvq/tensor.cuh's traits at
@@ -49,8 +50,8 @@ static_assert(XQ_CT == 256, "eight compute warps");
 // KV heads a CTA, and their query heads. The latents belong to the token, not to a KV head, so a
 // CTA of two KV heads decodes each tile's K and V codes once for both: K's rebuild multiplies the
 // same A fragments by both heads' up_k slices, and V's sums take both heads' query heads as the
-// MMA's columns. The codes' loads and decoding, about as much work as the MMAs at one head, halve
-// a head.
+// MMA's columns. That halves a head's loads and decoding of the codes, which at one head a CTA
+// took as long as the MMAs.
 static constexpr int XQ_KH = KV_PER_CTA;
 static constexpr int XQ_QH = XQ_KH * GQA;
 static_assert(XQ_KH == 1 || (XQ_KH == 2 && WGMMA), "two KV heads a CTA on the warpgroup path only");
