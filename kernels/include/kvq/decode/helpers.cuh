@@ -30,6 +30,12 @@ static __device__ __forceinline__ kvq_u32 kvq_and_or(kvq_u32 a, kvq_u32 c) {
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "r"(c));
     return d;
 }
+// The same with the mask in a register (one that differs by lane).
+static __device__ __forceinline__ kvq_u32 kvq_and_or(kvq_u32 a, kvq_u32 mask, kvq_u32 c) {
+    kvq_u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(c));
+    return d;
+}
 // f16x2 from two f32 (lo in the low half), round to nearest.
 static __device__ __forceinline__ kvq_u32 kvq_h2_pack(float lo, float hi) {
     kvq_u32 d;

@@ -92,9 +92,7 @@ static __device__ __forceinline__ float xq_values_scale(int lane) {
 // One channel's codes at two tokens (words a, b; the first token low), scaled as above, as an
 // exact f16 pair.
 static __device__ __forceinline__ kvq_u32 xq_code_pair(kvq_u32 a, kvq_u32 b, kvq_u32 sel, kvq_u32 mask) {
-    kvq_u32 v;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(v) : "r"(kvq_prmt(a, b, sel)), "r"(mask), "r"(0x64006400u));
-    return kvq_h2_sub(v, 0x64006400u);
+    return kvq_h2_sub(kvq_and_or(kvq_prmt(a, b, sel), mask, 0x64006400u), 0x64006400u);
 }
 
 // vo += codeᵀ·W over the tile's XQ_M tokens for this warp's m-tiles (m-tile i is channels
