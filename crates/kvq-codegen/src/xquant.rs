@@ -233,7 +233,8 @@ fn warpgroup_static_bytes(
         + groups * 2 * tvh * w_part
         + groups * location * rows
         + groups * 4 * (2 * gqa + gqa * tvh + 8)
-        + 8 * d / 2
+        // RoPE's frequencies (f64) and eight rows' turn (two f32) a pair of columns.
+        + (8 + 8) * d / 2
         + 16 * stages
         + 256
 }

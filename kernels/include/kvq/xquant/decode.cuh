@@ -141,10 +141,13 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     kvq_u32* const s_ktab_all = (kvq_u32*)(xq_smem + XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + XQ_GROUPS * XQ_QH * XR * 4);
     __shared__ __align__(16) float s_q[XQ_QH * D];
     __shared__ float s_sp[XQ_GROUPS][XQ_WN][XQ_QH][XQ_M], s_p[XQ_GROUPS][XQ_QH][XQ_M];
-    __shared__ float s_vs[XQ_GROUPS][XQ_TVH][XQ_M], s_vz[XQ_GROUPS][XQ_TVH][XQ_M];
+    __shared__ __align__(16) float s_vs[XQ_GROUPS][XQ_TVH][XQ_M], s_vz[XQ_GROUPS][XQ_TVH][XQ_M];
     __shared__ __align__(16) kvq_u16 s_w[XQ_GROUPS][XQ_TVH * XQ_WPART];
     __shared__ XqLoc s_vloc[XQ_GROUPS][XQ_M];
     __shared__ float s_m[XQ_GROUPS][XQ_QH], s_l[XQ_GROUPS][XQ_QH], s_z[XQ_GROUPS][XQ_QH][XQ_TVH], s_alpha[XQ_GROUPS][8];
+    // RoPE's frequencies (read every tile: shared memory's latency, not a global load's) and the
+    // turn of eight rows.
+    __shared__ double s_rope_freq[D / 2];
     __shared__ float2 s_rope_step[D / 2];
     // The warpgroup path's stage barriers: `full` [0, XQ_STAGES), then `empty`.
     __shared__ __align__(8) unsigned long long s_bar[2 * XQ_STAGES];
@@ -172,6 +175,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         double sn, cs;
         sincos(8.0 * rope_freq[j], &sn, &cs);
         s_rope_step[j] = make_float2((float)cs, (float)sn);
+        s_rope_freq[j] = rope_freq[j];
     }
     if (threadIdx.x < XQ_GROUPS * XQ_QH) {
         const int gg = threadIdx.x / XQ_QH, h = threadIdx.x % XQ_QH;
@@ -231,7 +235,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     auto finish_tile = [&](float (&acc)[XQ_KH][XQ_MT][XQ_NT][4], int t0, int n, bool tensor_v, long base_row0) {
         // 2. RoPE, then the warp's share of each (query head, token) score: its columns, summed
         //    over the four lanes of a row, then over the XQ_WN column warps through s_sp.
-        xq_rope(acc, rope_freq, s_rope_step, t0, wm, wn, lane);
+        xq_rope(acc, s_rope_freq, s_rope_step, t0, wm, wn, lane);
 #pragma unroll
         for (int h = 0; h < XQ_QH; ++h)
 #pragma unroll
@@ -258,36 +262,53 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             }
         sync_group();
         // 3. Online softmax, a warp a query head; on the tensor path also W = p·s in two f16
-        //    parts (zero past the tile's tokens) and the zero term Σ p·z.
-        for (int h = gw; h < XQ_QH; h += XQ_GW) {
-            float mx = KVQ_NEG_INF;
-            for (int t = lane; t < n; t += 32) {
-                float s = 0.f;
+        //    parts (zero past the tile's tokens) and the zero term Σ p·z. A warp's heads are
+        //    unrolled so their chains of shuffles and loads overlap, and a lane takes TPL adjacent
+        //    tokens: its scores stay in registers and W goes out in f16 pairs.
+        constexpr int TPL = XQ_M / 32;
+        static_assert(TPL % 2 == 0, "pairs of tokens a lane");
 #pragma unroll
-                for (int w = 0; w < XQ_WN; ++w) s += s_sp[grp][w][h][t];
-                s_p[grp][h][t] = s;
-                mx = fmaxf(mx, s);
+        for (int hi = 0; hi < (XQ_QH + XQ_GW - 1) / XQ_GW; ++hi) {
+            const int h = gw + hi * XQ_GW;
+            if (h >= XQ_QH) continue;
+            float sv[TPL], mx = KVQ_NEG_INF;
+#pragma unroll
+            for (int i = 0; i < TPL; ++i) {
+                const int t = TPL * lane + i;
+                float sc = 0.f;
+#pragma unroll
+                for (int w = 0; w < XQ_WN; ++w) sc += s_sp[grp][w][h][t];
+                sv[i] = t < n ? sc : KVQ_NEG_INF;
+                mx = fmaxf(mx, sv[i]);
             }
             mx = kvq_warp_max(mx);
             const float m_old = s_m[grp][h], m_new = fmaxf(m_old, mx);
             float sum = 0.f, zsum[XQ_TVH];
 #pragma unroll
             for (int vh = 0; vh < XQ_TVH; ++vh) zsum[vh] = 0.f;
-            for (int t = lane; t < XQ_M; t += 32) {
-                const float p = t < n ? expf(s_p[grp][h][t] - m_new) : 0.f;
-                if (t < n) s_p[grp][h][t] = p;
-                sum += p;
-                if (tensor_v) {
+            float pv[TPL];
 #pragma unroll
-                    for (int vh = 0; vh < XQ_TVH; ++vh) {
-                        const float w = p * s_vs[grp][vh][t];
-                        const kvq_u16 hi = kvq_f32_to_f16(w);
-                        s_w[grp][vh * XQ_WPART + h * XQ_WLD + t] = hi;
-                        s_w[grp][vh * XQ_WPART + ((XQ_VMERGED ? 4 : 8) + h) * XQ_WLD + t] =
-                            kvq_f32_to_f16(w - kvq_f16_to_f32(hi));
-                        zsum[vh] = fmaf(p, s_vz[grp][vh][t], zsum[vh]);
+            for (int i = 0; i < TPL; ++i) {
+                const int t = TPL * lane + i;
+                pv[i] = t < n ? expf(sv[i] - m_new) : 0.f;
+                if (!tensor_v && t < n) s_p[grp][h][t] = pv[i];   // for V's sums on CUDA cores
+                sum += pv[i];
+            }
+            if (tensor_v) {
+#pragma unroll
+                for (int vh = 0; vh < XQ_TVH; ++vh)
+#pragma unroll
+                    for (int i = 0; i < TPL; i += 2) {
+                        const int t = TPL * lane + i;
+                        const float2 sc = *(const float2*)&s_vs[grp][vh][t];
+                        const float2 ze = *(const float2*)&s_vz[grp][vh][t];
+                        const float w0 = pv[i] * sc.x, w1 = pv[i + 1] * sc.y;
+                        const kvq_u32 hi = kvq_h2_pack(w0, w1);
+                        const kvq_u32 lo = kvq_h2_pack(w0 - kvq_f16_to_f32((kvq_u16)hi), w1 - kvq_f16_to_f32((kvq_u16)(hi >> 16)));
+                        *(kvq_u32*)&s_w[grp][vh * XQ_WPART + h * XQ_WLD + t] = hi;
+                        *(kvq_u32*)&s_w[grp][vh * XQ_WPART + ((XQ_VMERGED ? 4 : 8) + h) * XQ_WLD + t] = lo;
+                        zsum[vh] = fmaf(pv[i], ze.x, fmaf(pv[i + 1], ze.y, zsum[vh]));
                     }
-                }
             }
             sum = kvq_warp_sum(sum);
 #pragma unroll
@@ -453,55 +474,66 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             const int n = min(XQ_M, t_end - t0);
             const bool tensor_v = TENSOR_V && t0 >= sink_end && t0 + n <= v_qend;
             // Tiles of one page's rows (most of them) decode from the page's table and codes loaded
-            // two chunks ahead; others latent by latent.
+            // four chunks ahead; others latent by latent.
             const bool fast = n == XQ_M && t0 >= sink_end && t0 + n <= k_qend &&
                               (t0 - sink_end) / PAGE == (t0 + n - 1 - sink_end) / PAGE;
-            XqLoc kl[2];
             bool live[2];
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                live[r] = row0 + 8 * r < n;
-                kl[r] = live[r] ? xq_locate<KTensor>(t0 + row0 + 8 * r, len, slot, k_pool, page_table, max_pages, k_sink, k_tail)
-                                : XqLoc{false, nullptr, nullptr, 0, 0};
+            for (int r = 0; r < 2; ++r) live[r] = row0 + 8 * r < n;
+            // A fast tile's rows g and g + 8 lie in one page, eight rows apart: one pointer to
+            // row g's codes serves both, and the other tiles find each row again a chunk (they
+            // are few and slow anyway), which keeps the registers for the codes in flight.
+            const kvq_u8* kcodes = nullptr;
+            if (fast) {
+                const XqLoc l = xq_locate<KTensor>(t0 + row0, len, slot, k_pool, page_table, max_pages, k_sink, k_tail);
+                kcodes = l.block + KTensor::CODES_OFFSET + (long)l.row * KTensor::ROW_WORDS * 4;
             }
             float acc[XQ_KH][XQ_MT][XQ_NT][4];
 #pragma unroll
             for (int kh = 0; kh < XQ_KH; ++kh)
 #pragma unroll
                 for (int nt = 0; nt < XQ_NT; ++nt) acc[kh][0][nt][0] = acc[kh][0][nt][1] = acc[kh][0][nt][2] = acc[kh][0][nt][3] = 0.f;
-            // Two chunks' fragments (even and odd chunks) and codes: chunk kc's MMAs read one
-            // while chunk kc + 1 is decoded into the other.
-            XqFrag fa, fb;
-            XqRowCodes ca[2], cb[2];
+            // Two chunks' fragments (chunk kc's MMAs read fr[kc % 2] while chunk kc + 1 is decoded
+            // into the other) and XQ_CODE_BUFS chunks' codes: with four, the codes of chunk kc + 5
+            // load at step kc, four steps before they are decoded, which hides a load from L2
+            // where two steps did not.
+            XqFrag fr[2];
+            XqRowCodes codes[XQ_CODE_BUFS][2];
             auto load_codes = [&](XqRowCodes (&c)[2], int kc) {
-                if (fast && kc < XQ_CHUNKS) {
-                    xq_load_row_codes(kl[0], kc, c[0]);
-                    xq_load_row_codes(kl[1], kc, c[1]);
-                }
+                if (fast && kc < XQ_CHUNKS) xq_load_page_codes(kcodes, kc, c);
             };
             auto decode = [&](XqFrag& f, const XqRowCodes (&c)[2], int kc) {
-                if (fast) xq_decode_chunk_fast(f, c, s_ktab, kc, tq);
-                else xq_decode_chunk_any(f, kl, live, kc, tq);
+                if (fast) {
+                    xq_decode_chunk_fast(f, c, s_ktab, kc, tq);
+                } else {
+                    XqLoc kl[2];
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+                        kl[r] = live[r] ? xq_locate<KTensor>(t0 + row0 + 8 * r, len, slot, k_pool, page_table, max_pages, k_sink, k_tail)
+                                        : XqLoc{false, nullptr, nullptr, 0, 0};
+                    xq_decode_chunk_any(f, kl, live, kc, tq);
+                }
             };
             // The MMAs of chunk kc are done: its stage's `empty` hears from this warp.
             auto release = [&](int kc) {
                 if (lane == 0) kvq_mbar_arrive(kvq_smem_u32(&s_bar[XQ_STAGES + xq_wg_stage(p, kc)]));
             };
-            // MMAs of chunk kc from `f`; then, once chunk kc − 1 is done (its stage released, its
-            // fragments `f2` free), chunk kc + 1 decoded into f2 and chunk kc + 3's codes loaded.
-            auto step = [&](const XqFrag& f, XqFrag& f2, XqRowCodes (&c2)[2], int kc) {
+            // MMAs of chunk kc; then, once chunk kc − 1 is done (its stage released, its fragments
+            // free), chunk kc + 1 decoded into them and the codes of chunk kc + 1 + XQ_CODE_BUFS
+            // loaded in place of its codes.
+            auto step = [&](int kc) {
                 const int st = xq_wg_stage(p, kc);
                 kvq_mbar_wait(kvq_smem_u32(&s_bar[st]), xq_wg_load_index(p, kc) & 1);
                 if (kc == XQ_CHUNKS - 1 && gt == 0) kvq_mbar_arrive(kvq_smem_u32(&s_pass_bar));
-                xq_wg_mma_chunk(acc, f, ring, st);
+                xq_wg_mma_chunk(acc, fr[kc % 2], ring, st);
                 kvq_wgmma_commit();
                 if (kc > 0) {
                     kvq_wgmma_wait<1>();
                     release(kc - 1);
                 }
                 if (kc + 1 < XQ_CHUNKS) {
-                    decode(f2, c2, kc + 1);
-                    load_codes(c2, kc + 3);
+                    decode(fr[(kc + 1) % 2], codes[(kc + 1) % XQ_CODE_BUFS], kc + 1);
+                    load_codes(codes[(kc + 1) % XQ_CODE_BUFS], kc + 1 + XQ_CODE_BUFS);
                 }
             };
             locate_v(t0, n, tensor_v);
@@ -511,20 +543,22 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                 xq_copy_v_rows(s_vloc[grp], n, s_v, gt);
                 asm volatile("cp.async.commit_group;" ::: "memory");
             }
-            load_codes(ca, 0);
-            load_codes(cb, 1);
-            decode(fa, ca, 0);
-            load_codes(ca, 2);
+#pragma unroll
+            for (int b = 0; b < XQ_CODE_BUFS; ++b) load_codes(codes[b], b);
+            decode(fr[0], codes[0], 0);
+            load_codes(codes[0], XQ_CODE_BUFS);
             // A `full` barrier's parity tells apart only two of its loads: before its first step a
             // pass waits for the pass before to have seen its last chunks land, so every load
             // it waits for is at most one past the ones that completed.
             if (p > 0) kvq_mbar_wait(kvq_smem_u32(&s_pass_bar), (p - 1) & 1);
-            // Four chunks an iteration, so each one's stage is a constant where the stages divide
-            // the chunks; not where that unrolls the whole pass (ptxas then serialises the MMAs).
-#pragma unroll(XQ_CHUNKS >= 8 ? 2 : 1)
-            for (int kc = 0; kc < XQ_CHUNKS; kc += 2) {
-                step(fa, fb, cb, kc);
-                if (kc + 1 < XQ_CHUNKS) step(fb, fa, ca, kc + 1);
+            // XQ_CODE_BUFS chunks an iteration, so each one's code buffer (and stage, where the
+            // stages divide them) is a constant; twice that where the pass has four times as many
+            // chunks, never the whole pass (ptxas then serialises the MMAs: C7520).
+#pragma unroll(XQ_CHUNKS >= 4 * XQ_CODE_BUFS ? 2 : 1)
+            for (int kc = 0; kc < XQ_CHUNKS; kc += XQ_CODE_BUFS) {
+#pragma unroll
+                for (int u = 0; u < XQ_CODE_BUFS; ++u)
+                    if (kc + u < XQ_CHUNKS) step(kc + u);
             }
             kvq_wgmma_wait<0>();
             release(XQ_CHUNKS - 1);

@@ -118,7 +118,8 @@ static __device__ __forceinline__ void xq_values_mma(float (&vo)[XQ_VMT][4], con
     if (mt0 >= XR / 16) return;
     constexpr int V = XQ_VWORDS % 4 == 0 ? 4 : (XQ_VWORDS % 2 == 0 ? 2 : 1);
     static_assert(!TENSOR_V || XQ_VLD % (4 * V) == 0, "a warp's words of a token row in aligned pieces");
-#pragma unroll 1
+    // Two K steps an iteration: the next step's code rows load while this one's MMAs run.
+#pragma unroll 2
     for (int ks = 0; ks < XQ_M / 16; ++ks) {
         const int t0 = ks * 16 + 2 * tq;
         kvq_u32 b[2][2];

@@ -19,8 +19,8 @@ static constexpr int XQ_WG_HEAD_BYTES = XQ_KG * XQ_B_KG;                        
 static constexpr int XQ_WG_STAGE_BYTES = XQ_KH * XQ_WG_HEAD_BYTES;
 static constexpr int XQ_KS = XQ_KC / 16;                                       // K steps a chunk
 // Registers a thread: the producer warpgroup only copies, the consumers hold the 64 × D
-// accumulators of each KV head, two chunks of A fragments, the codes a chunk ahead and the
-// softmax. An increase
+// accumulators of each KV head, two chunks of A fragments, up to four chunks of codes in flight
+// and the softmax. An increase
 // waits until the registers are free, so the two together stay below the file's 65,536.
 static constexpr int XQ_PRODUCER_REGS = 24, XQ_CONSUMER_REGS = 240;
 static_assert(XQ_PRODUCERS * XQ_PRODUCER_REGS + XQ_CT * XQ_CONSUMER_REGS <= 65536, "one CTA's registers");
@@ -53,6 +53,10 @@ static __device__ __forceinline__ constexpr int xq_pair_channel(int q) { return 
 static constexpr int XQ_LOW_WORDS = XQ_KC * XQ_PB / 32;
 static constexpr int XQ_HIGH_WORDS = KTensor::BITS == 3 ? XQ_KC / 32 : 0;
 struct XqRowCodes { kvq_u32 w[XQ_LOW_WORDS + XQ_HIGH_WORDS]; };
+// Chunks of codes a thread holds in registers: the decode of chunk kc + 1 frees its buffer for
+// chunk kc + 1 + XQ_CODE_BUFS. Four where a pass has eight chunks or more; two in shorter passes,
+// whose chunk loop would otherwise unroll whole.
+static constexpr int XQ_CODE_BUFS = XQ_CHUNKS >= 8 ? 4 : 2;
 // A chunk's A fragments: K step s, registers (row g, pair 2tq), (g + 8, 2tq), (g, 2tq + 1), (g + 8, 2tq + 1).
 using XqFrag = kvq_u32[XQ_KS][4];
 
@@ -128,13 +132,18 @@ static __device__ __forceinline__ void xq_load_words(const kvq_u32* p, kvq_u32* 
     for (int i = 1; i < N / V; ++i) kvq_load<V * 4>((const kvq_u8*)(p + V * i), w + V * i);
 }
 
-// A page row's codes of chunk kc (both planes' words for its XQ_KC channels).
-static __device__ __forceinline__ void xq_load_row_codes(const XqLoc& l, int kc, XqRowCodes& r) {
+// Chunk kc's codes (both planes' words for its XQ_KC channels) of a thread's rows g and g + 8,
+// page rows of one page: `row` is row g's codes in the page's first store head, and row g + 8's
+// lie eight rows further, so one pointer serves both.
+static __device__ __forceinline__ void xq_load_page_codes(const kvq_u8* row, int kc, XqRowCodes (&r)[2]) {
     const int c_row = kc * XQ_KC, c0 = c_row % XW;
-    const kvq_u8* hb = xq_head_block(l, c_row);
-    const kvq_u32* row = (const kvq_u32*)(hb + KTensor::CODES_OFFSET) + l.row * KTensor::ROW_WORDS;
-    xq_load_words<XQ_LOW_WORDS>(row + c0 * XQ_PB / 32, r.w);
-    if constexpr (XQ_HIGH_WORDS > 0) xq_load_words<XQ_HIGH_WORDS>(row + KTensor::LOW_PLANE_WORDS + c0 / 32, r.w + XQ_LOW_WORDS);
+    const kvq_u32* w = (const kvq_u32*)(row + (long)(c_row / XW) * KTensor::BLOCK_BYTES);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const kvq_u32* rw = w + i * 8 * KTensor::ROW_WORDS;
+        xq_load_words<XQ_LOW_WORDS>(rw + c0 * XQ_PB / 32, r[i].w);
+        if constexpr (XQ_HIGH_WORDS > 0) xq_load_words<XQ_HIGH_WORDS>(rw + KTensor::LOW_PLANE_WORDS + c0 / 32, r[i].w + XQ_LOW_WORDS);
+    }
 }
 
 // The exact f16 pair of codes (channel, channel + XQ_PD) of pair q of K step s from a row's
