@@ -553,7 +553,8 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             if (p > 0) kvq_mbar_wait(kvq_smem_u32(&s_pass_bar), (p - 1) & 1);
             // XQ_CODE_BUFS chunks an iteration, so each one's code buffer (and stage, where the
             // stages divide them) is a constant; twice that where the pass has four times as many
-            // chunks, never the whole pass (ptxas then serialises the MMAs: C7520).
+            // chunks, so a pass of four chunks or more never unrolls whole (ptxas then put a
+            // warpgroup arrive in a divergent path and serialised the MMAs: C7520).
 #pragma unroll(XQ_CHUNKS >= 4 * XQ_CODE_BUFS ? 2 : 1)
             for (int kc = 0; kc < XQ_CHUNKS; kc += XQ_CODE_BUFS) {
 #pragma unroll
