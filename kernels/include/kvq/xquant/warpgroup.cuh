@@ -20,10 +20,12 @@ static constexpr int XQ_WG_STAGE_BYTES = XQ_KH * XQ_WG_HEAD_BYTES;
 static constexpr int XQ_KS = XQ_KC / 16;                                       // K steps a chunk
 // Registers a thread: the producer warpgroup only copies, the consumers hold the 64 × D
 // accumulators of each KV head, two chunks of A fragments, up to four chunks of codes in flight
-// and the softmax. An increase
-// waits until the registers are free, so the two together stay below the file's 65,536.
+// and the softmax. An increase waits until the registers are free, and the CTA holds only what
+// it launched with (each thread at the __launch_bounds__ cap, 168 at 384 threads): asking for
+// more hangs the compute warps.
 static constexpr int XQ_PRODUCER_REGS = 24, XQ_CONSUMER_REGS = 240;
-static_assert(XQ_PRODUCERS * XQ_PRODUCER_REGS + XQ_CT * XQ_CONSUMER_REGS <= 65536, "one CTA's registers");
+static_assert(XQ_PRODUCERS * XQ_PRODUCER_REGS + XQ_CT * XQ_CONSUMER_REGS <= THREADS * (65536 / THREADS / 8 * 8),
+              "one CTA's registers, as launched");
 static_assert(XQ_M == 64 && XQ_GROUPS == 2 && XQ_PRODUCERS == 128,
               "two consumer warpgroups, each its own tiles of 64 rows; one producer warpgroup");
 
