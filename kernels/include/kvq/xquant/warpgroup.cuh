@@ -9,7 +9,7 @@
 //
 // A K pair of a fragment register is two channels of one code word, c and c + XQ_PD, whose codes
 // lie 16 bits apart: one shift and one mask put both in place. So the MMA's K order within a
-// block of 16 channels is a permutation of the channels (xq_slot_channel), which `up_k_groups`
+// block of 16 channels is a permutation of the channels (xq_pair_channel), which `up_k_groups`
 // (kvq-runtime's XQuantWeights) follows: B is K-major without swizzling, 8 × 8 core matrices of
 // 128 contiguous bytes, a stage holding [KV head][K group of 8 slots][D columns][8]: a KV head's
 // part is one bulk copy, and each K step issues one m64nDk16 MMA a KV head on the same A.
