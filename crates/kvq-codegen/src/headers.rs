@@ -46,6 +46,7 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/xquant/values.cuh",
     "kvq/hopper.cuh",
     "kvq/xquant/warpgroup.cuh",
+    "kvq/xquant/scores.cuh",
     "kvq/xquant/decode.cuh",
     "kvq/xquant/project.cuh",
 ];

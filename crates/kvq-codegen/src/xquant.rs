@@ -202,7 +202,7 @@ fn tensor_values(spec: &SchemeSpec, rank: usize, width: usize) -> bool {
 const HOPPER_CTA_SHARED: usize = 227 * 1024;
 
 /// Static shared memory of the warpgroup decode: the arrays of kernels/include/kvq/xquant/decode.cuh
-/// at two groups of 64 rows (the queries; each group's scores, probabilities, V scales, zeros and
+/// at two groups of 64 rows (the queries' fragments; each group's scores, V scales, zeros and
 /// weights, row locations and softmax state; RoPE's steps; the ring's barriers), plus 256 bytes
 /// for alignment. The ring takes what the CTA's 227 KiB leave.
 fn warpgroup_static_bytes(
@@ -227,8 +227,12 @@ fn warpgroup_static_bytes(
     let w_part = if gqa <= 4 { 1 } else { 2 } * 8 * (rows + 8);
     // XqLoc: a flag, two pointers and two ints.
     let location = 32;
-    4 * gqa * d
-        + groups * 4 * gqa * rows * 2
+    // The queries as the scores' B fragments (kvq/xquant/scores.cuh): an 8-byte pair a lane, k
+    // step of 8 columns and n8 tile (four query heads' high and low parts, or eight heads' one).
+    let query_tiles = if shape.gqa <= 4 { 1 } else { 2 };
+    plan.kv_per_cta * query_tiles * (d / 8) * 32 * 8
+        // The scores (the CUDA-core V path's weights reuse them).
+        + groups * 4 * gqa * rows
         + groups * 4 * tvh * rows * 2
         + groups * 2 * tvh * w_part
         + groups * location * rows
@@ -277,7 +281,9 @@ fn dynamic_shared_bytes(
         }
         _ => 0,
     };
-    stages * stage_bytes + v_rows + groups * (4 * kv_per_cta * shape.gqa as usize * rank + k_table)
+    // A query head's sums are padded by four floats (their merge's lanes then meet 32 banks).
+    let sums = 4 * kv_per_cta * shape.gqa as usize * (rank + 4);
+    stages * stage_bytes + v_rows + groups * (sums + k_table)
 }
 
 /// How the warpgroup decode is laid out for one shape: KV heads a CTA and the ring's stages.
@@ -640,10 +646,10 @@ mod tests {
         .unwrap();
         assert_eq!(k.rank, 1024);
         // Two stages of latents and up_k (128 rows each, 40 f16 a row) in two parts, the tile's
-        // 2-bit V rows (256 bytes and 16 of padding), the split's sums.
+        // 2-bit V rows (256 bytes and 16 of padding), the split's sums (rows padded by 4 floats).
         assert_eq!(
             k.decode.dynamic_shared_bytes,
-            2 * 2 * 256 * 40 * 2 + 128 * 272 + 4 * 4 * 1024
+            2 * 2 * 256 * 40 * 2 + 128 * 272 + 4 * 4 * (1024 + 4)
         );
         assert!(k.source.contains("static constexpr bool TENSOR_V = true;"));
         assert!(k.source.contains("static constexpr int XR = 1024;"));
@@ -660,7 +666,7 @@ mod tests {
         // One part of chunks of 64 (72 f16 a staged row).
         assert_eq!(
             fast.decode.dynamic_shared_bytes,
-            2 * 256 * 72 * 2 + 128 * 272 + 4 * 4 * 1024
+            2 * 256 * 72 * 2 + 128 * 272 + 4 * 4 * (1024 + 4)
         );
         assert_ne!(fast.decode.name, k.decode.name);
         // Latents past 1,024 sum V on CUDA cores: no V rows staged.
@@ -675,7 +681,7 @@ mod tests {
         assert!(!wide.tensor_values);
         assert_eq!(
             wide.decode.dynamic_shared_bytes,
-            2 * (128 + 64) * 72 * 2 + 4 * 8 * 2048
+            2 * (128 + 64) * 72 * 2 + 4 * 8 * (2048 + 4)
         );
         assert!(!k.source.contains("{{") && !k.source.contains("{%"));
         assert_eq!(xquant_rank(576, 3, 64), 192);
@@ -781,7 +787,7 @@ mod tests {
         assert_eq!(k.decode.grid[1], "kv_heads / 2");
         assert_eq!(
             k.decode.dynamic_shared_bytes,
-            4 * 2 * 4 * 128 * 16 + 128 * 272 + 2 * (4 * 8 * 1024 + 4 * 1024)
+            4 * 2 * 4 * 128 * 16 + 128 * 272 + 2 * (4 * 8 * (1024 + 4) + 4 * 1024)
         );
         assert!(k.source.contains("static constexpr int WG_STAGES = 4;"));
         assert!(k.source.contains("static constexpr int KV_PER_CTA = 2;"));

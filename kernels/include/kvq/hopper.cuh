@@ -26,6 +26,11 @@ static __device__ __forceinline__ void kvq_mbar_arrive_expect_tx(unsigned bar, u
     asm volatile("{ .reg .b64 state; mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1; }" ::"r"(bar), "r"(bytes)
                  : "memory");
 }
+// Arrives on `bar` once every cp.async this thread has issued so far has landed; the arrival
+// counts toward the phase's expected count (.noinc), so `bar` is initialised with it included.
+static __device__ __forceinline__ void kvq_cp_async_mbar_arrive(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
 // Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory
 // on the copy engine; the bytes count off `bar`'s expected ones as they land.
 static __device__ __forceinline__ void kvq_bulk_copy_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {

@@ -64,6 +64,14 @@ static __device__ __forceinline__ void kvq_mma(float (&c)[4], kvq_u32 a0, kvq_u3
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// D += A·B, m16n8k8 on TF32: the f32 registers as they are, of which the tensor cores read the
+// top 19 bits (sign, exponent, 10 of the mantissa's bits).
+static __device__ __forceinline__ void kvq_mma_tf32(float (&c)[4], kvq_u32 a0, kvq_u32 a1, kvq_u32 a2, kvq_u32 a3,
+                                                    kvq_u32 b0, kvq_u32 b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 { %0, %1, %2, %3 }, { %4, %5, %6, %7 }, { %8, %9 }, { %0, %1, %2, %3 };"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 // Transposes an 8x8 matrix of 16-bit values held as mma fragments (row lane/4, cols 2(lane%4)+{0,1}).
 static __device__ __forceinline__ kvq_u32 kvq_trans8x8(kvq_u32 x) {
     kvq_u32 y;

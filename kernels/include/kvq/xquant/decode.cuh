@@ -43,6 +43,7 @@
 #endif
 static constexpr bool WGMMA = KVQ_XQ_WGMMA;
 static constexpr int XQ_PRODUCERS = WGMMA ? 128 : 0;                 // the producer warpgroup's threads
+static constexpr int XQ_SETUP_THREADS = WGMMA ? 96 : 0;              // its last three warps: each pass's set-up
 static constexpr int XQ_CT = THREADS - XQ_PRODUCERS;                 // compute threads
 // A compute thread's index (negative in the producer warpgroup).
 static __device__ __forceinline__ int xq_ct() { return (int)threadIdx.x - XQ_PRODUCERS; }
@@ -105,6 +106,9 @@ static_assert(KTensor::BITS >= 1 && VTensor::BITS >= 1 && !KTensor::BOOST && !VT
 static constexpr int XQ_TVH_MAX = 4;                                 // store heads the tensor-core V path takes
 static constexpr int XQ_TVH = TENSOR_V ? XR / XW : 1;                 // V scales and zeros a row, tensor path
 static constexpr int XQ_OPARTS = XQ_CT / (D / 4);                    // latent parts of the split's output
+// A query head's row of the latent sums, in floats: four past the latent, so the tensor path's
+// merge, whose lanes write query heads 2tq, 2tq + 1 of channels g and g + 8, meets 32 banks.
+static constexpr int XQ_VSLD = XR + 4;
 
 #include "kvq/xquant/latents.cuh"
 #include "kvq/xquant/rebuild.cuh"
@@ -112,13 +116,14 @@ static constexpr int XQ_OPARTS = XQ_CT / (D / 4);                    // latent p
 #if KVQ_XQ_WGMMA
 #include "kvq/hopper.cuh"
 #include "kvq/xquant/warpgroup.cuh"
+#include "kvq/xquant/scores.cuh"
 static constexpr int XQ_STAGES_BYTES = XQ_STAGES * XQ_WG_STAGE_BYTES;
 #else
 static constexpr int XQ_STAGES_BYTES = XQ_STAGES * XQ_STAGE_BYTES;
 static constexpr int XQ_KTAB_BYTES = 0;
 #endif
 static_assert(XQ_STAGES_BYTES >= XQ_OPARTS * XQ_QH * D * 4, "the output's parts fit the pipeline's stages");
-static_assert(SMEM_BYTES == XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + XQ_GROUPS * (XQ_QH * XR * 4 + XQ_KTAB_BYTES),
+static_assert(SMEM_BYTES == XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + XQ_GROUPS * (XQ_QH * XQ_VSLD * 4 + XQ_KTAB_BYTES),
               "dynamic shared memory (kvq-codegen's xquant.rs)");
 
 static __device__ __forceinline__ void kvq_xquant_decode(
@@ -138,9 +143,14 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     kvq_u16* const stages = (kvq_u16*)xq_smem;
     kvq_u8* const s_v_all = xq_smem + XQ_STAGES_BYTES;
     float* const s_vsum_all = (float*)(xq_smem + XQ_STAGES_BYTES + XQ_V_ROWS_BYTES);
-    kvq_u32* const s_ktab_all = (kvq_u32*)(xq_smem + XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + XQ_GROUPS * XQ_QH * XR * 4);
+    kvq_u32* const s_ktab_all = (kvq_u32*)(xq_smem + XQ_STAGES_BYTES + XQ_V_ROWS_BYTES + XQ_GROUPS * XQ_QH * XQ_VSLD * 4);
+#if KVQ_XQ_WGMMA
+    // The queries as the scores' B fragments (kvq/xquant/scores.cuh).
+    __shared__ __align__(16) float2 s_qf[XQ_QFRAG];
+#else
     __shared__ __align__(16) float s_q[XQ_QH * D];
-    __shared__ float s_sp[XQ_GROUPS][XQ_WN][XQ_QH][XQ_M], s_p[XQ_GROUPS][XQ_QH][XQ_M];
+#endif
+    __shared__ float s_sp[XQ_GROUPS][XQ_WN][XQ_QH][XQ_M];
     __shared__ __align__(16) float s_vs[XQ_GROUPS][XQ_TVH][XQ_M], s_vz[XQ_GROUPS][XQ_TVH][XQ_M];
     __shared__ __align__(16) kvq_u16 s_w[XQ_GROUPS][XQ_TVH * XQ_WPART];
     __shared__ XqLoc s_vloc[XQ_GROUPS][XQ_M];
@@ -154,6 +164,12 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     // The warpgroup path's passes in order: phase p completes once pass p has waited for its last
     // chunk, that is, once every chunk of its last XQ_STAGES steps is in.
     __shared__ __align__(8) unsigned long long s_pass_bar;
+    // The warpgroup path's set-up of each group's passes by the producer warpgroup's set-up warps
+    // (below): `ktab_full` once the page's K table is built, `ktab_free` once the group's decode
+    // has read it; `v_full` once the V rows' scales and zeros are written and their code rows
+    // copied, `v_free` once the group's tail has read them. A phase a pass of the group.
+    __shared__ __align__(8) unsigned long long s_ktab_full[XQ_GROUPS], s_ktab_free[XQ_GROUPS], s_v_full[XQ_GROUPS],
+        s_v_free[XQ_GROUPS];
     // The CTA's KV heads kvh, kvh + 1, …, XQ_KH of them.
     const int split = blockIdx.x, kvh = blockIdx.y * XQ_KH, seq = blockIdx.z;
     const int num_splits = gridDim.x, kv_heads = gridDim.y * XQ_KH, OUT = kv_heads * D;
@@ -166,8 +182,12 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     const int slot = at.slot, len = at.len;
     const long head_row = ((long)seq * kv_heads + kvh) * GQA;
     const float scale = rsqrtf((float)D);
+#if KVQ_XQ_WGMMA
+    xq_build_qfrag(q, head_row, scale, s_qf);
+#else
     for (int i = threadIdx.x; i < XQ_QH * D; i += THREADS) s_q[i] = kvq_io_to_f32(q[head_row * D + i]) * scale;
-    for (int i = threadIdx.x; i < XQ_GROUPS * XQ_QH * XR; i += THREADS) s_vsum_all[i] = 0.f;
+#endif
+    for (int i = threadIdx.x; i < XQ_GROUPS * XQ_QH * XQ_VSLD; i += THREADS) s_vsum_all[i] = 0.f;
     for (int i = threadIdx.x; i < XQ_GROUPS * XQ_TVH * XQ_WPART; i += THREADS) (&s_w[0][0])[i] = 0;
     if (threadIdx.x < XQ_GROUPS * 8) (&s_alpha[0][0])[threadIdx.x] = 1.f;
     for (int j = threadIdx.x; j < D / 2; j += THREADS) {
@@ -190,13 +210,23 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         kvq_mbar_init(kvq_smem_u32(&s_bar[XQ_STAGES + threadIdx.x]), XQ_GW);
     }
     if (threadIdx.x == 0) kvq_mbar_init(kvq_smem_u32(&s_pass_bar), 1);
+    if (threadIdx.x < XQ_GROUPS) {
+        kvq_mbar_init(kvq_smem_u32(&s_ktab_full[threadIdx.x]), XQ_SETUP_THREADS);
+        kvq_mbar_init(kvq_smem_u32(&s_ktab_free[threadIdx.x]), XQ_GW);
+        // Each set-up thread arrives twice: after its stores, and once its copies have landed.
+        kvq_mbar_init(kvq_smem_u32(&s_v_full[threadIdx.x]), 2 * XQ_SETUP_THREADS);
+        kvq_mbar_init(kvq_smem_u32(&s_v_free[threadIdx.x]), XQ_GW);
+    }
 #endif
     __syncthreads();
 
     // This group's shares of the shared memory.
     kvq_u8* const s_v = s_v_all + grp * XQ_M * XQ_VLD;
-    float* const s_vsum = s_vsum_all + grp * XQ_QH * XR;
+    float* const s_vsum = s_vsum_all + grp * XQ_QH * XQ_VSLD;
     kvq_u32* const s_ktab = (kvq_u32*)((kvq_u8*)s_ktab_all + grp * XQ_KTAB_BYTES);
+    // The softmax's weights for V's sums on CUDA cores, over the first column warp's scores: a
+    // lane writes a token's weight after reading that token's scores, and no other lane reads them.
+    float (*const s_p)[XQ_M] = s_sp[grp][0];
 
     const unsigned stages_u32 = kvq_smem_u32(stages);
     int t_begin, t_end;
@@ -213,20 +243,24 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         else __syncthreads();
     };
 
-    // A tile's V side before K's rebuild: each row's V location (and, on the tensor path, its
-    // scales and zeros), written by the group's thread `row`.
+    // Group gg's V scales and zeros of its tile's row `row` (location vl) on the tensor path,
+    // zero elsewhere.
+    auto put_v_scales = [&](int gg, int row, const XqLoc& vl, bool tensor_v) {
+        float v_s[XQ_TVH], v_z[XQ_TVH];
+#pragma unroll
+        for (int vh = 0; vh < XQ_TVH; ++vh) v_s[vh] = v_z[vh] = 0.f;
+        if (tensor_v) xq_v_scale_zero(vl, v_s, v_z);
+#pragma unroll
+        for (int vh = 0; vh < XQ_TVH; ++vh) { s_vs[gg][vh][row] = v_s[vh]; s_vz[gg][vh][row] = v_z[vh]; }
+    };
+    // The group's tile's V rows located by its own threads (one a row), into s_vloc (the CUDA-core
+    // sums and the mma.sync path's copies read it).
     auto locate_v = [&](int t0, int n, bool tensor_v) {
         if (gt < XQ_M) {
-            const int row = gt;
             XqLoc vl{false, nullptr, nullptr, 0, 0};
-            if (row < n) vl = xq_locate<VTensor>(t0 + row, len, slot, v_pool, page_table, max_pages, v_sink, v_tail);
-            s_vloc[grp][row] = vl;
-            float v_s[XQ_TVH], v_z[XQ_TVH];
-#pragma unroll
-            for (int vh = 0; vh < XQ_TVH; ++vh) v_s[vh] = v_z[vh] = 0.f;
-            if (tensor_v) xq_v_scale_zero(vl, v_s, v_z);
-#pragma unroll
-            for (int vh = 0; vh < XQ_TVH; ++vh) { s_vs[grp][vh][row] = v_s[vh]; s_vz[grp][vh][row] = v_z[vh]; }
+            if (gt < n) vl = xq_locate<VTensor>(t0 + gt, len, slot, v_pool, page_table, max_pages, v_sink, v_tail);
+            s_vloc[grp][gt] = vl;
+            put_v_scales(grp, gt, vl, tensor_v);
         }
     };
 
@@ -236,6 +270,9 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         // 2. RoPE, then the warp's share of each (query head, token) score: its columns, summed
         //    over the four lanes of a row, then over the XQ_WN column warps through s_sp.
         xq_rope(acc, s_rope_freq, s_rope_step, t0, wm, wn, lane);
+#if KVQ_XQ_WGMMA
+        xq_scores_tc(acc, s_qf, s_sp[grp][0], gw, lane);
+#else
 #pragma unroll
         for (int h = 0; h < XQ_QH; ++h)
 #pragma unroll
@@ -260,7 +297,12 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                     s_sp[grp][wn][h][row + 8] = s1;
                 }
             }
+#endif
         sync_group();
+#if KVQ_XQ_WGMMA
+        // The tile's V scales, zeros and code rows, from the set-up warps.
+        kvq_mbar_wait(kvq_smem_u32(&s_v_full[grp]), (unsigned)(t0 - t_begin) / (2 * XQ_M) & 1);
+#endif
         // 3. Online softmax, a warp a query head; on the tensor path also W = p·s in two f16
         //    parts (zero past the tile's tokens) and the zero term Σ p·z. A warp's heads are
         //    unrolled so their chains of shuffles and loads overlap, and a lane takes TPL adjacent
@@ -291,7 +333,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             for (int i = 0; i < TPL; ++i) {
                 const int t = TPL * lane + i;
                 pv[i] = t < n ? expf(sv[i] - m_new) : 0.f;
-                if (!tensor_v && t < n) s_p[grp][h][t] = pv[i];   // for V's sums on CUDA cores
+                if (!tensor_v && t < n) s_p[h][t] = pv[i];   // for V's sums on CUDA cores
                 sum += pv[i];
             }
             if (tensor_v) {
@@ -326,7 +368,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         //    path's accumulators start at zero each tile and join the f32 sums after it (the
         //    tensor cores' own accumulation stays a tile long), rescaling them in the same pass.
         if (tensor_v) {
-            asm volatile("cp.async.wait_group 0;" ::: "memory");
+            if constexpr (!WGMMA) asm volatile("cp.async.wait_group 0;" ::: "memory");
             sync_group();
             float vo[XQ_VMT][4];
 #pragma unroll
@@ -341,12 +383,12 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                 const int c = 16 * (XQ_VMT * gw + i) + g;
                 if (c < XR) {
                     if (h0 < XQ_QH) {
-                        s_vsum[h0 * XR + c] = fmaf(vo[i][0], f, s_vsum[h0 * XR + c] * a0);
-                        s_vsum[h0 * XR + c + 8] = fmaf(vo[i][2], f, s_vsum[h0 * XR + c + 8] * a0);
+                        s_vsum[h0 * XQ_VSLD + c] = fmaf(vo[i][0], f, s_vsum[h0 * XQ_VSLD + c] * a0);
+                        s_vsum[h0 * XQ_VSLD + c + 8] = fmaf(vo[i][2], f, s_vsum[h0 * XQ_VSLD + c + 8] * a0);
                     }
                     if (h1 < XQ_QH) {
-                        s_vsum[h1 * XR + c] = fmaf(vo[i][1], f, s_vsum[h1 * XR + c] * a1);
-                        s_vsum[h1 * XR + c + 8] = fmaf(vo[i][3], f, s_vsum[h1 * XR + c + 8] * a1);
+                        s_vsum[h1 * XQ_VSLD + c] = fmaf(vo[i][1], f, s_vsum[h1 * XQ_VSLD + c] * a1);
+                        s_vsum[h1 * XQ_VSLD + c + 8] = fmaf(vo[i][3], f, s_vsum[h1 * XQ_VSLD + c + 8] * a1);
                     }
                 }
             }
@@ -354,12 +396,18 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             // written again (its V rows, W, the scores).
             if constexpr (!WGMMA) sync_group();
         } else {
+            // The warpgroup path's set-up warps locate only the tensor path's rows.
+            if constexpr (WGMMA) locate_v(t0, n, false);
             sync_group();
-            for (int i = gt; i < XQ_QH * XR; i += XQ_GT) s_vsum[i] *= s_alpha[grp][i / XR];
+            for (int i = gt; i < XQ_QH * XQ_VSLD; i += XQ_GT) s_vsum[i] *= s_alpha[grp][i / XQ_VSLD];
             sync_group();
-            xq_values_cuda(s_vloc[grp], s_p[grp], n, CROSS_LAYER ? base_v + base_row0 : nullptr, s_vsum, gt);
+            xq_values_cuda(s_vloc[grp], s_p, n, CROSS_LAYER ? base_v + base_row0 : nullptr, s_vsum, gt);
             sync_group();
         }
+#if KVQ_XQ_WGMMA
+        __syncwarp();
+        if (lane == 0) kvq_mbar_arrive(kvq_smem_u32(&s_v_free[grp]));
+#endif
     };
 
     // After the last tile (compute threads only, so the warpgroup path's producers, whose code
@@ -370,16 +418,16 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             // The groups' softmax states and sums meet in group 0's: each rescaled to the larger
             // maximum of a query head.
             float* const v0 = s_vsum_all;
-            const float* const v1 = s_vsum_all + XQ_QH * XR;
+            const float* const v1 = s_vsum_all + XQ_QH * XQ_VSLD;
             auto weights = [&](int h, float& a0, float& a1, float& m) {
                 const float m0 = s_m[0][h], m1 = s_m[1][h];
                 m = fmaxf(m0, m1);
                 a0 = m0 == KVQ_NEG_INF ? 0.f : expf(m0 - m);
                 a1 = m1 == KVQ_NEG_INF ? 0.f : expf(m1 - m);
             };
-            for (int i = ct; i < XQ_QH * XR; i += XQ_CT) {
+            for (int i = ct; i < XQ_QH * XQ_VSLD; i += XQ_CT) {
                 float a0, a1, m;
-                weights(i / XR, a0, a1, m);
+                weights(i / XQ_VSLD, a0, a1, m);
                 v0[i] = v0[i] * a0 + v1[i] * a1;
             }
             float m = 0.f, l = 0.f, z[XQ_TVH];
@@ -421,7 +469,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                     const float4 wc = *(const float4*)(w + (long)c * OUT + kh * D);
 #pragma unroll
                     for (int h = kh * GQA; h < (kh + 1) * GQA; ++h) {
-                        const float x = vsum[h * XR + c] + s_z[0][h][vh];
+                        const float x = vsum[h * XQ_VSLD + c] + s_z[0][h][vh];
                         sum[h].x = fmaf(x, wc.x, sum[h].x);
                         sum[h].y = fmaf(x, wc.y, sum[h].y);
                         sum[h].z = fmaf(x, wc.z, sum[h].z);
@@ -449,6 +497,19 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     // The split's tiles of XQ_M rows are passes p = 0, 1, …: group p % 2 takes pass p, and the
     // producer streams up_k's chunks for the passes in order (kvq/xquant/warpgroup.cuh).
     const int passes = (t_end - t_begin + XQ_M - 1) / XQ_M;
+    // Pass p's rows [t0, t0 + n); whether V sums on tensor cores (every row a page row), and
+    // whether K decodes from its page's table (the rows of one page: most tiles; others latent
+    // by latent).
+    struct XqPass { int t0, n; bool tensor_v, fast; };
+    auto pass_at = [&](int p) {
+        XqPass ps;
+        ps.t0 = t_begin + p * XQ_M;
+        ps.n = min(XQ_M, t_end - ps.t0);
+        ps.tensor_v = TENSOR_V && ps.t0 >= sink_end && ps.t0 + ps.n <= v_qend;
+        ps.fast = ps.n == XQ_M && ps.t0 >= sink_end && ps.t0 + ps.n <= k_qend &&
+                  (ps.t0 - sink_end) / PAGE == (ps.t0 + ps.n - 1 - sink_end) / PAGE;
+        return ps;
+    };
     // The role from a warp-uniform value the compiler can see is uniform: the consumers' MMAs
     // must not sit in a branch it takes as divergent, or it serialises them.
     if (__shfl_sync(0xffffffffu, (int)threadIdx.x / XQ_PRODUCERS, 0) == 0) {
@@ -461,6 +522,41 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                     kvq_mbar_wait(kvq_smem_u32(&s_bar[XQ_STAGES + st]), (k & 1) ^ 1);
                     xq_wg_copy_b(up_k_groups, kvh, kc * XQ_KC, stages_u32 + st * XQ_WG_STAGE_BYTES, kvq_smem_u32(&s_bar[st]));
                 }
+        } else if (threadIdx.x >= XQ_PRODUCERS - XQ_SETUP_THREADS) {
+            // The set-up warps prepare each pass for its group, in pass order: the page's K
+            // table once the group's decode of its pass before has read the table, then the V
+            // rows' scales, zeros and code rows once the group's tail of that pass has read
+            // them. A group's table is needed when its pass starts and its V rows only at its
+            // tail, so both are ready before the group waits for them, and the compute warps'
+            // tails lose the page-table and scale loads and the barrier they ended in.
+            const int st = threadIdx.x - (XQ_PRODUCERS - XQ_SETUP_THREADS);
+            for (int p = 0; p < passes; ++p) {
+                const int gg = p % 2, use = p / 2;
+                const XqPass ps = pass_at(p);
+                if (use > 0) kvq_mbar_wait(kvq_smem_u32(&s_ktab_free[gg]), (use - 1) & 1);
+                if (ps.fast)
+                    xq_build_ktab(xq_locate<KTensor>(ps.t0, len, slot, k_pool, page_table, max_pages, k_sink, k_tail),
+                                  (kvq_u32*)((kvq_u8*)s_ktab_all + gg * XQ_KTAB_BYTES), st, XQ_SETUP_THREADS);
+                kvq_mbar_arrive(kvq_smem_u32(&s_ktab_full[gg]));
+                if (use > 0) kvq_mbar_wait(kvq_smem_u32(&s_v_free[gg]), (use - 1) & 1);
+                if (ps.tensor_v) {
+                    // Every row a page row, in at most two pages: their blocks looked up once.
+                    const int r0 = ps.t0 - sink_end, first = r0 / PAGE, last = (r0 + ps.n - 1) / PAGE;
+                    const kvq_i32* pages = page_table + (long)slot * max_pages;
+                    const kvq_u8* const b0 = v_pool + (long)pages[first] * XH * VTensor::BLOCK_BYTES;
+                    const kvq_u8* const b1 = last > first ? v_pool + (long)pages[last] * XH * VTensor::BLOCK_BYTES : b0;
+                    auto row_at = [&](int t) {
+                        const int r = r0 + t;
+                        return XqLoc{true, nullptr, r / PAGE == first ? b0 : b1, r % PAGE, 0};
+                    };
+                    if (st < XQ_M) put_v_scales(gg, st, st < ps.n ? row_at(st) : XqLoc{false, nullptr, nullptr, 0, 0}, true);
+                    xq_copy_v_rows(row_at, ps.n, s_v_all + gg * XQ_M * XQ_VLD, st, XQ_SETUP_THREADS);
+                }
+                kvq_mbar_arrive(kvq_smem_u32(&s_v_full[gg]));
+                kvq_cp_async_mbar_arrive(kvq_smem_u32(&s_v_full[gg]));
+            }
+            // No copy outlives its thread.
+            asm volatile("cp.async.wait_all;" ::: "memory");
         }
     } else {
         // The compute warps: K's rebuild (their own fragments decoded while the previous chunk
@@ -470,13 +566,9 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         const int row0 = 16 * gw + g;
         const unsigned long long ring = kvq_wgmma_desc(stages_u32, XQ_B_KG, 128);
         for (int p = grp; p < passes; p += 2) {
-            const int t0 = t_begin + p * XQ_M;
-            const int n = min(XQ_M, t_end - t0);
-            const bool tensor_v = TENSOR_V && t0 >= sink_end && t0 + n <= v_qend;
-            // Tiles of one page's rows (most of them) decode from the page's table and codes loaded
-            // four chunks ahead; others latent by latent.
-            const bool fast = n == XQ_M && t0 >= sink_end && t0 + n <= k_qend &&
-                              (t0 - sink_end) / PAGE == (t0 + n - 1 - sink_end) / PAGE;
+            const XqPass ps = pass_at(p);
+            const int t0 = ps.t0, n = ps.n;
+            const bool tensor_v = ps.tensor_v, fast = ps.fast;
             bool live[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) live[r] = row0 + 8 * r < n;
@@ -536,15 +628,9 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                     load_codes(codes[(kc + 1) % XQ_CODE_BUFS], kc + 1 + XQ_CODE_BUFS);
                 }
             };
-            locate_v(t0, n, tensor_v);
-            if (fast) xq_build_ktab(xq_locate<KTensor>(t0, len, slot, k_pool, page_table, max_pages, k_sink, k_tail), s_ktab, gt);
-            sync_group();
-            if (tensor_v) {
-                xq_copy_v_rows(s_vloc[grp], n, s_v, gt);
-                asm volatile("cp.async.commit_group;" ::: "memory");
-            }
 #pragma unroll
             for (int b = 0; b < XQ_CODE_BUFS; ++b) load_codes(codes[b], b);
+            kvq_mbar_wait(kvq_smem_u32(&s_ktab_full[grp]), (p / 2) & 1);
             decode(fr[0], codes[0], 0);
             load_codes(codes[0], XQ_CODE_BUFS);
             // A `full` barrier's parity tells apart only two of its loads: before its first step a
@@ -563,6 +649,9 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             }
             kvq_wgmma_wait<0>();
             release(XQ_CHUNKS - 1);
+            // This warp's decode has read the page's table.
+            __syncwarp();
+            if (lane == 0) kvq_mbar_arrive(kvq_smem_u32(&s_ktab_free[grp]));
             finish_tile(acc, t0, n, tensor_v, 0);
         }
         write_output();
@@ -604,7 +693,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             const unsigned cur = (kc & 1) * XQ_STAGE_BYTES, next = XQ_STAGE_BYTES - cur;
             kvq_u16* const next_a = stages + (next / 2) + my_row * XQ_LD + my_c;
             const bool more = kc + 1 < XQ_CHUNKS;
-            if (kc == 0 && tensor_v) xq_copy_v_rows(s_vloc[0], n, s_v, gt);
+            if (kc == 0 && tensor_v) xq_copy_v_rows([&](int t) { return s_vloc[0][t]; }, n, s_v, gt, XQ_GT);
             if (more) {
                 xq_copy_b(ad, up_k_hi, up_k_lo, kvh, (kc + 1) * XQ_KC, stages_u32 + next);
                 if (live) {

@@ -33,13 +33,15 @@ static_assert(!TENSOR_V || (VTensor::AXIS == KvqAxis::Token && VTensor::GROUPS_P
 
 using XqVSpan = XqSpan<VTensor, XQ_VQ>;
 
-// Copies the tile's V code rows (page rows only: the tensor path's tiles) into sV by cp.async; gt
-// is the thread's index in its group.
-static __device__ __forceinline__ void xq_copy_v_rows(const XqLoc* vloc, int n, kvq_u8* sV, int gt) {
+// Copies the tile's V code rows (page rows only: the tensor path's tiles) into sV by cp.async:
+// thread `first` of `stride` takes 16-byte pieces first, first + stride, …; `row_at(t)` is row
+// t's location.
+template <class RowAt>
+static __device__ __forceinline__ void xq_copy_v_rows(RowAt row_at, int n, kvq_u8* sV, int first, int stride) {
     constexpr int PIECES = XQ_VROW / 16;
-    for (int i = gt; i < n * PIECES; i += XQ_GT) {
+    for (int i = first; i < n * PIECES; i += stride) {
         const int t = i / PIECES, k = (i % PIECES) * 16;
-        const XqLoc l = vloc[t];
+        const XqLoc l = row_at(t);
         const kvq_u8* src = l.block + (long)(k / XQ_VHROW) * VTensor::BLOCK_BYTES + VTensor::CODES_OFFSET +
                             (long)l.row * XQ_VHROW + k % XQ_VHROW;
         kvq_cp_async16(kvq_smem_u32(sV + t * XQ_VLD + k), src);
@@ -208,7 +210,7 @@ static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const f
 #pragma unroll
             for (int h = 0; h < XQ_QH; ++h)
 #pragma unroll
-                for (int e = 0; e < XQ_VQ; ++e) acc[h][e] = vsum[h * XR + c0 + e];
+                for (int e = 0; e < XQ_VQ; ++e) acc[h][e] = vsum[h * XQ_VSLD + c0 + e];
 #pragma unroll
             for (int u = 0; u < VB; ++u)
                 if (tb + u < n) {
@@ -226,7 +228,7 @@ static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const f
 #pragma unroll
             for (int h = 0; h < XQ_QH; ++h)
 #pragma unroll
-                for (int e = 0; e < XQ_VQ; ++e) vsum[h * XR + c0 + e] = acc[h][e];
+                for (int e = 0; e < XQ_VQ; ++e) vsum[h * XQ_VSLD + c0 + e] = acc[h][e];
         }
     }
 }

@@ -106,9 +106,10 @@ static __device__ __forceinline__ void xq_k_scale_zero(const kvq_u8* head_block,
     else z = ((const kvq_u16*)(head_block + KTensor::ZEROS_OFFSET))[c % XW];
 }
 
-// Builds the table of a page (row location `l`): a group's thread gt fills entries gt, gt + XQ_GT, …
-static __device__ __forceinline__ void xq_build_ktab(const XqLoc& l, kvq_u32* tab, int gt) {
-    for (int e = gt; e < XR / 4; e += XQ_GT) {
+// Builds the table of a page (row location `l`): thread `first` of `stride` fills entries first,
+// first + stride, …
+static __device__ __forceinline__ void xq_build_ktab(const XqLoc& l, kvq_u32* tab, int first, int stride) {
+    for (int e = first; e < XR / 4; e += stride) {
         const int block = e / 4, tq = e % 4;
         kvq_u32 out[4];
 #pragma unroll
