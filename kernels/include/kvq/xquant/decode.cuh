@@ -35,8 +35,9 @@
 // KVQ_XQ_WGMMA (sm_90a, one-pass product, head_dim ≤ 128, 2- to 4-bit channel-axis K latents;
 // kvq-codegen's RebuildMma): K's rebuild runs on warpgroup MMAs whose A operand the eight compute
 // warps (threads XQ_PRODUCERS on) decode into registers, fed up_k by one producer warpgroup
-// (kvq/xquant/warpgroup.cuh); the same warps then score, sum V and keep the softmax, each compute
-// warpgroup on its own tiles of 64 rows in turn with the other. Otherwise every warp copies,
+// (kvq/xquant/warpgroup.cuh), whose other three warps set up each pass (the page's K table, V's
+// scales and code rows); the same compute warps then score (kvq/xquant/scores.cuh), sum V and
+// keep the softmax, each compute warpgroup on its own tiles of 64 rows in turn with the other. Otherwise every warp copies,
 // decodes and multiplies on mma.sync through a two-stage pipeline.
 #ifndef KVQ_XQ_WGMMA
 #define KVQ_XQ_WGMMA 0

@@ -18,9 +18,9 @@ static constexpr int XQ_KG = XQ_KC / 8;                                        /
 static constexpr int XQ_WG_HEAD_BYTES = XQ_KG * XQ_B_KG;                        // a KV head's part of a stage
 static constexpr int XQ_WG_STAGE_BYTES = XQ_KH * XQ_WG_HEAD_BYTES;
 static constexpr int XQ_KS = XQ_KC / 16;                                       // K steps a chunk
-// Registers a thread: the producer warpgroup only copies, the consumers hold the 64 × D
-// accumulators of each KV head, two chunks of A fragments, up to four chunks of codes in flight
-// and the softmax. An increase waits until the registers are free, and the CTA holds only what
+// Registers a thread: the producer warpgroup copies and sets up passes, the consumers hold the
+// 64 × D accumulators of each KV head, two chunks of A fragments, up to four chunks of codes in
+// flight and the softmax. An increase waits until the registers are free, and the CTA holds only what
 // it launched with (each thread at the __launch_bounds__ cap, 168 at 384 threads): asking for
 // more hangs the compute warps.
 static constexpr int XQ_PRODUCER_REGS = 24, XQ_CONSUMER_REGS = 240;
