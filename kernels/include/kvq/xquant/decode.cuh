@@ -544,8 +544,8 @@ static __device__ __forceinline__ void kvq_xquant_decode(
                     // Every row a page row, in at most two pages: their blocks looked up once.
                     const int r0 = ps.t0 - sink_end, first = r0 / PAGE, last = (r0 + ps.n - 1) / PAGE;
                     const kvq_i32* pages = page_table + (long)slot * max_pages;
-                    const kvq_u8* const b0 = v_pool + (long)pages[first] * XH * VTensor::BLOCK_BYTES;
-                    const kvq_u8* const b1 = last > first ? v_pool + (long)pages[last] * XH * VTensor::BLOCK_BYTES : b0;
+                    const kvq_u8* const b0 = xq_page_block<VTensor>(v_pool, pages, first);
+                    const kvq_u8* const b1 = last > first ? xq_page_block<VTensor>(v_pool, pages, last) : b0;
                     auto row_at = [&](int t) {
                         const int r = r0 + t;
                         return XqLoc{true, nullptr, r / PAGE == first ? b0 : b1, r % PAGE, 0};

@@ -21,6 +21,12 @@ static __device__ __forceinline__ XqLoc xq_head(XqLoc l, int c) {
     return l;
 }
 
+// The block (its first store head's) of page `page` of a sequence whose page-table row is `pages`.
+template <class T>
+static __device__ __forceinline__ const kvq_u8* xq_page_block(const kvq_u8* pool, const kvq_i32* pages, int page) {
+    return pool + (long)pages[page] * XH * T::BLOCK_BYTES;
+}
+
 template <class T>
 static __device__ __forceinline__ XqLoc xq_locate(int tok, int len, int slot, const kvq_u8* pool, const kvq_i32* page_table,
                                                   int max_pages, const kvq_u16* sink, const kvq_u16* tail) {
@@ -33,7 +39,7 @@ static __device__ __forceinline__ XqLoc xq_locate(int tok, int len, int slot, co
     } else if (tok < qend) {
         l.page = true;
         l.row = (tok - sink_end) % PAGE;
-        l.block = pool + (long)page_table[(long)slot * max_pages + (tok - sink_end) / PAGE] * XH * T::BLOCK_BYTES;
+        l.block = xq_page_block<T>(pool, page_table + (long)slot * max_pages, (tok - sink_end) / PAGE);
     } else {
         l.f16 = tail + ((long)slot * XH * T::TAIL_CAP + (tok - sink_end) % T::TAIL_CAP) * XW;
         l.hstride = T::TAIL_CAP * XW;
