@@ -528,8 +528,8 @@ static __device__ __forceinline__ void kvq_xquant_decode(
             // table once the group's decode of its pass before has read the table, then the V
             // rows' scales, zeros and code rows once the group's tail of that pass has read
             // them. A group's table is needed when its pass starts and its V rows only at its
-            // tail, so both are ready before the group waits for them, and the compute warps'
-            // tails lose the page-table and scale loads and the barrier they ended in.
+            // tail, so both are ready before the group waits for them, and the compute warps no
+            // longer start each pass with the page-table and scale loads and a barrier.
             const int st = threadIdx.x - (XQ_PRODUCERS - XQ_SETUP_THREADS);
             for (int p = 0; p < passes; ++p) {
                 const int gg = p % 2, use = p / 2;
