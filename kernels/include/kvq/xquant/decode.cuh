@@ -268,8 +268,9 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     // A group's tile after K's rebuild (acc, in its warps' registers): RoPE, scores, the online
     // softmax and Σ p·l̂_v. Compute threads only.
     auto finish_tile = [&](float (&acc)[XQ_KH][XQ_MT][XQ_NT][4], int t0, int n, bool tensor_v, long base_row0) {
-        // 2. RoPE, then the warp's share of each (query head, token) score: its columns, summed
-        //    over the four lanes of a row, then over the XQ_WN column warps through s_sp.
+        // 2. RoPE, then each (query head, token) score into s_sp: on the warpgroup path by TF32
+        //    MMAs (kvq/xquant/scores.cuh); on mma.sync a warp's columns, summed over the four
+        //    lanes of a row, then over the XQ_WN column warps.
         xq_rope(acc, s_rope_freq, s_rope_step, t0, wm, wn, lane);
 #if KVQ_XQ_WGMMA
         xq_scores_tc(acc, s_qf, s_sp[grp][0], gw, lane);
