@@ -246,9 +246,10 @@ impl KvqPlan {
             return refuse(
                 KvqStatus::UnsupportedScheme,
                 format!(
-                    "no GPU kernel for `{spec}`'s writes: XQuant-CL's writes need the decoder's accumulator of the earlier \
-                     layers' reconstructions, which the engine surface does not carry \
-                     (docs/CODEBOOKS.md §3.1); x(latent) schemes such as xquant2 take an engine's memory"
+                    "`{spec}` on an engine's memory: XQuant-CL's per-token accumulator latents and \
+                     lift have no place in a plan (docs/CODEBOOKS.md §3.1); its writes run through \
+                     the Rust XQuantPagedCache, and x(latent) schemes such as xquant2 take an \
+                     engine's memory"
                 ),
             );
         }

@@ -49,6 +49,7 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = embedded![
     "kvq/xquant/scores.cuh",
     "kvq/xquant/decode.cuh",
     "kvq/xquant/project.cuh",
+    "kvq/xquant/cross_layer.cuh",
 ];
 
 /// [`KERNEL_HEADERS`]: what a compile site passes to NVRTC beside a generated unit.

@@ -28,6 +28,7 @@ mod shape;
 mod templates;
 mod tune;
 mod xquant;
+mod xquant_cross_layer;
 mod xquant_project;
 
 pub use cache::{cache_kernels, cache_kernels_with, CacheKernels, PageQuantizers};
@@ -54,4 +55,5 @@ pub use xquant::{
     has_xquant_kernel, latent_spec, rebuild_k_order, xquant_kernels, xquant_rank, xquant_tile,
     RebuildMma, RebuildPrecision, XQuantKernels, XQUANT_THREADS,
 };
+pub use xquant_cross_layer::{xquant_cross_layer_kernel, XQuantCrossLayerKernel};
 pub use xquant_project::{xquant_project_kernel, ProjectTile, XQuantProjectKernel};

@@ -25,6 +25,7 @@ pub(crate) const TEMPLATES: &[(&str, &str)] = embedded![
     "codebook_encode.cu.tera",
     "xquant_decode.cu.tera",
     "xquant_project.cu.tera",
+    "xquant_cross_layer.cu.tera",
 ];
 
 fn engine() -> Result<&'static Tera, CodegenError> {

@@ -282,3 +282,73 @@ fn cross_layer_latents_from_elsewhere_store_as_the_chain_does() {
         Err(RefError::Mismatch(_))
     ));
 }
+
+#[test]
+fn cross_layer_tokens_do_not_depend_on_their_page_closing() {
+    // d_model 96 < 2R = 128 (the lift solves in d_model) and 384 > 2R (in the latents' width).
+    for d in [96usize, 384] {
+        cross_layer_streaming_case(d);
+    }
+}
+
+fn cross_layer_streaming_case(d: usize) {
+    // 300 tokens close two pages of 128; 100 close none. A streaming cache writes a token long
+    // before its page closes, so its delta, its accumulator's latents and the accumulator it hands
+    // the next layer must be those of the whole build.
+    let s = layer(d);
+    let p = projections(&s);
+    let spec: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(cross_layer)"
+        .parse()
+        .unwrap();
+    let zeros = vec![0.0f32; s.layer.x_prev.len()];
+    let (_, x_hat_prev) =
+        XQuantCache::build_cross_layer(&spec, &s.layer.x_prev, &zeros, &p, s.rope).unwrap();
+    let (whole, next_whole) =
+        XQuantCache::build_cross_layer(&spec, &s.layer.x, &x_hat_prev, &p, s.rope).unwrap();
+    let (part, next_part) = XQuantCache::build_cross_layer(
+        &spec,
+        &s.layer.x[..100 * d],
+        &x_hat_prev[..100 * d],
+        &p,
+        s.rope,
+    )
+    .unwrap();
+    assert_eq!(next_part, next_whole[..100 * d]);
+    let (wb, pb) = (
+        whole.accumulator_latents().unwrap(),
+        part.accumulator_latents().unwrap(),
+    );
+    let r = p.k.rank;
+    assert_eq!((pb.0, pb.1), (&wb.0[..100 * r], &wb.1[..100 * r]));
+    // Where the latent spaces span X's, the accumulator is X to the deltas' f16 rounding.
+    if d <= 2 * r {
+        assert!(rel_mse(&next_whole, &s.layer.x) < 1e-4);
+    }
+    // The lift as a matrix gives the same accumulator.
+    let lift = p.lift_matrix().unwrap();
+    let delta: Vec<f32> = s.layer.x[..d]
+        .iter()
+        .zip(&x_hat_prev[..d])
+        .map(|(a, b)| a - b)
+        .collect();
+    let rows: Vec<f32> =
+        p.k.project(&delta)
+            .into_iter()
+            .chain(p.v.project(&delta))
+            .map(|v| half::f16::from_f32(v).to_f32())
+            .collect();
+    for c in 0..d {
+        let want = x_hat_prev[c]
+            + rows
+                .iter()
+                .enumerate()
+                .map(|(j, v)| v * lift[j * d + c])
+                .sum::<f32>();
+        let err = (want - next_whole[c]).abs();
+        assert!(
+            err < 1e-4,
+            "d_model {d} channel {c}: {want} vs {}",
+            next_whole[c]
+        );
+    }
+}

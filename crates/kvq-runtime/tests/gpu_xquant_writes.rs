@@ -35,6 +35,10 @@ const TESTS: &[(&str, fn())] = &[
         "xquant_device_writes_match_the_reference",
         xquant_device_writes_match_the_reference,
     ),
+    (
+        "xquant_cross_layer_writes_match_the_reference",
+        xquant_cross_layer_writes_match_the_reference,
+    ),
     ("xquant_write_time", xquant_write_time),
 ];
 
@@ -90,6 +94,326 @@ fn to_f32(bits: &[u16]) -> Vec<f32> {
     bits.iter()
         .map(|&b| half::f16::from_bits(b).to_f32())
         .collect()
+}
+
+/// The f32 values of X-format words.
+fn words(bits: &[u16], dtype: Dtype) -> Vec<f32> {
+    bits.iter().map(|&b| word_to_f32(b, dtype)).collect()
+}
+
+fn norm(row: &[f32]) -> f64 {
+    row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt()
+}
+
+/// An XQuant-CL case: a stack of layers of one shape.
+struct ClCase {
+    scheme: &'static str,
+    dtype: Dtype,
+    d_model: usize,
+    sequences: &'static [(usize, usize)],
+}
+
+const CL_CASES: &[ClCase] = &[
+    // d_model 384 > 2R = 256: the lift solves in the latents' width.
+    ClCase {
+        scheme: "k = int(2, channel), v = int(2, token), source = x(cross_layer)",
+        dtype: Dtype::F16,
+        d_model: 384,
+        sequences: &[(300, 140), (0, 200), (129, 3)],
+    },
+    // d_model 192 < 2R: in d_model's; FP16 sink and local rows hold deltas too.
+    ClCase {
+        scheme: "k = int(3, channel), v = int(4, token, group = 32), sink = 4, local = 32, \
+                 page = 64, source = x(cross_layer)",
+        dtype: Dtype::Bf16,
+        d_model: 192,
+        sequences: &[(1, 150), (200, 70)],
+    },
+];
+
+/// XQuant-CL's writes over a stack of four layers (2 KV heads of 64, latents of 128): every
+/// sequence is prefilled and then appended token by token through the stack, the accumulator
+/// carried from layer to layer on the device as an engine would. For each layer and sequence:
+/// the delta latents and the accumulator's latents against the reference's f64 projections of
+/// the same inputs, the accumulator handed on against `XQuantCache::next_accumulator`, the
+/// stored bytes bit for bit against the reference's store of the GPU's delta rows
+/// (`XQuantCache::from_cross_layer_latents`), and the decode over the written caches against
+/// attention over the reference's reconstruction, outputs NaN-poisoned.
+fn xquant_cross_layer_writes_match_the_reference() {
+    let s = seed() ^ 0xc1c1;
+    let device = Device::open(0).expect("GPU");
+    let jit = Jit::new(&device).expect("JIT");
+    let stream = device.default_stream();
+    let (h, d, gqa, depth) = (2usize, 64usize, 4usize, 4usize);
+    let (mut latents_checked, mut latent_worst) = (0usize, 0f64);
+    let (mut acc_checked, mut acc_worst) = (0usize, 0f64);
+    let (mut outputs_checked, mut output_worst) = (0usize, 0f64);
+    let mut bytes_checked = 0usize;
+    for (ci, case) in CL_CASES.iter().enumerate() {
+        let s = s ^ (ci as u64 * 0x7f4a);
+        let spec: SchemeSpec = case.scheme.parse().unwrap();
+        let (dm, dtype) = (case.d_model, case.dtype);
+        let eps = match dtype {
+            Dtype::F16 => 2f64.powi(-11),
+            Dtype::Bf16 => 2f64.powi(-8),
+        };
+        let longest = case.sequences.iter().map(|(p, a)| p + a).max().unwrap();
+        let shift = 29;
+        let layers: Vec<_> = (0..depth as u64)
+            .map(|l| {
+                generate(&SynthConfig {
+                    tokens: longest + shift * case.sequences.len(),
+                    kv_heads: h,
+                    gqa,
+                    head_dim: d,
+                    d_model: dm,
+                    seed: s.wrapping_add(l),
+                    ..Default::default()
+                })
+            })
+            .collect();
+        let projs: Vec<Projections> = layers
+            .iter()
+            .map(|l| Projections::from_weights(&l.layer.w_k, &l.layer.w_v, dm, h, d).unwrap())
+            .collect();
+        let rank = projs[0].k.rank;
+        let x_bits: Vec<Vec<u16>> = layers
+            .iter()
+            .map(|l| {
+                l.layer
+                    .x
+                    .iter()
+                    .map(|&v| round_to_word(v, dtype).0)
+                    .collect()
+            })
+            .collect();
+        // Layer l's input rows from..to of sequence i.
+        let rows_of = |l: usize, i: usize, from: usize, to: usize| -> &[u16] {
+            &x_bits[l][(i * shift + from) * dm..(i * shift + to) * dm]
+        };
+        let page = spec.page as usize;
+        let cfg = XQuantCacheConfig {
+            max_seqs: case.sequences.len(),
+            pool_pages: case.sequences.len() * (longest / page + 2),
+            max_tokens: longest,
+            input_dtype: dtype,
+        };
+        let mut caches: Vec<XQuantPagedCache> = layers
+            .iter()
+            .zip(&projs)
+            .map(|(l, p)| {
+                XQuantPagedCache::new(&jit, stream.clone(), &spec, p, l.rope, cfg)
+                    .unwrap_or_else(|e| panic!("{}: {e}", case.scheme))
+            })
+            .collect();
+        let ids: Vec<Vec<_>> = caches
+            .iter_mut()
+            .map(|c| {
+                case.sequences
+                    .iter()
+                    .map(|_| c.add_sequence().unwrap())
+                    .collect()
+            })
+            .collect();
+        // acc[l][i]: the accumulator the GPU handed layer l for sequence i's tokens (X̂_{l−1};
+        // zeros at layer 0), acc[depth][i] the last layer's.
+        let mut acc = vec![vec![Vec::<u16>::new(); case.sequences.len()]; depth + 1];
+        for (i, &(p, _)) in case.sequences.iter().enumerate() {
+            if p == 0 {
+                continue;
+            }
+            let mut x_hat = stream.alloc_zeros::<u16>(p * dm).unwrap();
+            for l in 0..depth {
+                acc[l][i].extend(stream.clone_dtoh(&x_hat).unwrap());
+                let x = stream.clone_htod(rows_of(l, i, 0, p)).unwrap();
+                caches[l]
+                    .prefill_cross_layer(ids[l][i], &x, &mut x_hat, p, dtype)
+                    .unwrap_or_else(|e| panic!("{} layer {l}: {e}", case.scheme));
+            }
+            acc[depth][i].extend(stream.clone_dtoh(&x_hat).unwrap());
+        }
+        let steps = case.sequences.iter().map(|s| s.1).max().unwrap();
+        for j in 0..steps {
+            let active: Vec<usize> = (0..case.sequences.len())
+                .filter(|&i| j < case.sequences[i].1)
+                .collect();
+            let mut x_hat = stream.alloc_zeros::<u16>(active.len() * dm).unwrap();
+            for l in 0..=depth {
+                let got: Vec<u16> = stream.clone_dtoh(&x_hat).unwrap();
+                for (r, &i) in active.iter().enumerate() {
+                    acc[l][i].extend_from_slice(&got[r * dm..(r + 1) * dm]);
+                }
+                if l == depth {
+                    break;
+                }
+                let rows: Vec<u16> = active
+                    .iter()
+                    .flat_map(|&i| {
+                        let p = case.sequences[i].0;
+                        rows_of(l, i, p + j, p + j + 1).iter().copied()
+                    })
+                    .collect();
+                let x = stream.clone_htod(&rows).unwrap();
+                let step_ids: Vec<_> = active.iter().map(|&i| ids[l][i]).collect();
+                caches[l]
+                    .append_cross_layer(&step_ids, &x, &mut x_hat, dtype)
+                    .unwrap_or_else(|e| panic!("{} layer {l} step {j}: {e}", case.scheme));
+            }
+        }
+
+        let q_heads = h * gqa;
+        let per = q_heads * d;
+        let mut scratch = XQuantScratch::new(&stream).unwrap();
+        for l in 0..depth {
+            let proj = &projs[l];
+            let (base_k, base_v, base_rows) = caches[l].accumulator_latents().unwrap();
+            let (base_k, base_v): (Vec<f32>, Vec<f32>) = (
+                stream.clone_dtoh(base_k).unwrap(),
+                stream.clone_dtoh(base_v).unwrap(),
+            );
+            let mut references = Vec::new();
+            for (i, &(p, a)) in case.sequences.iter().enumerate() {
+                let n = p + a;
+                let x_vals = words(rows_of(l, i, 0, n), dtype);
+                let prev = words(&acc[l][i], dtype);
+                let next = words(&acc[l + 1][i], dtype);
+                let x_dev = stream.clone_htod(rows_of(l, i, 0, n)).unwrap();
+                let prev_dev = stream.clone_htod(&acc[l][i]).unwrap();
+                let (dk, dv) = caches[l]
+                    .project_cross_layer(&x_dev, &prev_dev, n, dtype)
+                    .unwrap();
+                let (dk, dv) = (to_f32(&dk), to_f32(&dv));
+                let delta: Vec<f32> = x_vals.iter().zip(&prev).map(|(a, b)| a - b).collect();
+                let at = ids[l][i].0 as usize * base_rows * rank;
+                let (bk, bv) = (&base_k[at..at + n * rank], &base_v[at..at + n * rank]);
+                // Delta latents (δ rounded to X's format first) and the accumulator's latents
+                // (f16 rows widened) against f64 projections: f16's rounding of the latent, δ's
+                // rounding, f32 sums of products with down's two halves.
+                for (what, got, src, lp, rounding) in [
+                    ("delta K", &dk, &delta, &proj.k, eps),
+                    ("delta V", &dv, &delta, &proj.v, eps),
+                    ("accumulator K", &bk.to_vec(), &prev, &proj.k, 0.0),
+                    ("accumulator V", &bv.to_vec(), &prev, &proj.v, 0.0),
+                ] {
+                    let want = lp.project(src);
+                    for t in 0..n {
+                        let nrm = norm(&src[t * dm..(t + 1) * dm]);
+                        for c in 0..rank {
+                            let (g, w) = (got[t * rank + c] as f64, want[t * rank + c] as f64);
+                            let bound = 2f64.powi(-11) * w.abs()
+                                + (rounding + 2f64.powi(-16)) * nrm
+                                + 1e-30;
+                            let err = (g - w).abs();
+                            assert!(
+                                err <= bound,
+                                "{} layer {l} {what}: sequence {i} token {t} channel {c}: {g} \
+                                 against {w} (error {err:.3e}, bound {bound:.3e})",
+                                case.scheme
+                            );
+                            latent_worst = latent_worst.max(err / bound);
+                            latents_checked += 1;
+                        }
+                    }
+                }
+                // The accumulator handed on: the GPU's f32 lift of its own delta rows, rounded
+                // to X's format, against the reference's f64 lift of the same rows.
+                let want = XQuantCache::next_accumulator(proj, &prev, &dk, &dv).unwrap();
+                for t in 0..n {
+                    let row = &want[t * dm..(t + 1) * dm];
+                    let top = row.iter().fold(1e-6f64, |m, w| m.max(w.abs() as f64));
+                    for c in 0..dm {
+                        let (g, w) = (next[t * dm + c] as f64, row[c] as f64);
+                        let bound = eps * w.abs() + 1e-4 * top;
+                        let err = (g - w).abs();
+                        assert!(
+                            err <= bound,
+                            "{} layer {l} accumulator out: sequence {i} token {t} channel {c}: \
+                             {g} against {w} (error {err:.3e}, bound {bound:.3e})",
+                            case.scheme
+                        );
+                        acc_worst = acc_worst.max(err / bound);
+                        acc_checked += 1;
+                    }
+                }
+                let reference = XQuantCache::from_cross_layer_latents(
+                    &spec,
+                    (&dk, &dv),
+                    (bk, bv),
+                    proj,
+                    layers[l].rope,
+                )
+                .unwrap();
+                let snap = caches[l].snapshot(ids[l][i]).unwrap();
+                assert_eq!(snap.len, n);
+                let diffs = snap.differences(reference.stored());
+                assert!(
+                    diffs.is_empty(),
+                    "{} layer {l}: sequence {i}: {}",
+                    case.scheme,
+                    diffs.join("; ")
+                );
+                bytes_checked += snap
+                    .k_pages
+                    .iter()
+                    .chain(&snap.v_pages)
+                    .map(Vec::len)
+                    .sum::<usize>();
+                references.push(reference);
+            }
+            let (q_bits, q_vals) =
+                random_queries(references.len() * per, dtype, s ^ 5 ^ l as u64).unwrap();
+            let q_dev = stream.clone_htod(&q_bits).unwrap();
+            let shape = KernelShape::new(d as u32, gqa as u32, dtype);
+            for precision in [RebuildPrecision::F32, RebuildPrecision::F16] {
+                let kernel = XQuantKernel::load(&jit, &spec, &shape, h, dm, precision)
+                    .unwrap_or_else(|e| panic!("{}: {e}", case.scheme));
+                for splits in [1usize, 5] {
+                    let mut out = stream.clone_htod(&vec![0x7e00u16; q_bits.len()]).unwrap();
+                    kernel
+                        .attend_paged(&stream, &caches[l], &q_dev, &mut out, splits, &mut scratch)
+                        .unwrap();
+                    let got: Vec<u16> = stream.clone_dtoh(&out).unwrap();
+                    for (i, reference) in references.iter().enumerate() {
+                        let q = Queries {
+                            data: q_vals[i * per..][..per].to_vec(),
+                            q_heads,
+                            head_dim: d,
+                        };
+                        let kv = match precision {
+                            RebuildPrecision::F32 => reference.dequantize(),
+                            RebuildPrecision::F16 => reference.dequantize_f16_rebuild(),
+                        };
+                        let want = attention::decode(&q, &kv, None).unwrap();
+                        let top = want.iter().fold(1e-6f64, |m, w| m.max(w.abs() as f64));
+                        for (j, w) in want.iter().enumerate() {
+                            let g = word_to_f32(got[i * per + j], dtype) as f64;
+                            let bound = eps * (*w as f64).abs() + 1e-4 * top;
+                            let err = (g - *w as f64).abs();
+                            assert!(
+                                err <= bound,
+                                "{} layer {l} {precision:?} splits {splits}: sequence {i}, \
+                                 output {j}: {g} against {w} (error {err:.3e}, bound {bound:.3e})",
+                                case.scheme
+                            );
+                            output_worst = output_worst.max(err / bound);
+                            outputs_checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+        let mem = caches[0].memory().unwrap();
+        println!(
+            "{}: d_model {dm}, latents of {rank}, {depth} layers; layer 0 holds {} bytes for its \
+             sequences ({:.1} bits a latent element with the accumulator's latents)",
+            case.scheme, mem.sequence_bytes, mem.bits_per_element
+        );
+    }
+    println!(
+        "XQuant-CL: {latents_checked} latents within {latent_worst:.3} of their bound; \
+         {acc_checked} accumulator values within {acc_worst:.3}; {bytes_checked} page bytes \
+         bit-exact; {outputs_checked} outputs within {output_worst:.3} of their bound"
+    );
 }
 
 fn xquant_device_writes_match_the_reference() {
@@ -368,4 +692,50 @@ fn xquant_write_time() {
         .unwrap()
         .median_us();
     println!("prefill of 4,096 tokens (projection, copies, page quantizers): {us:.1} us");
+
+    // XQuant-CL: the same writes plus the delta, the accumulator's projection and rows, the lift.
+    let cl_spec: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(cross_layer)"
+        .parse()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let cl_cfg = XQuantCacheConfig {
+        max_tokens: 4096 + 16,
+        ..cfg
+    };
+    let mut cl = XQuantPagedCache::new(
+        &jit,
+        stream.clone(),
+        &cl_spec,
+        &proj,
+        Default::default(),
+        cl_cfg,
+    )
+    .unwrap();
+    println!(
+        "XQuant-CL cache created in {:.1} s (most of it the lift matrix's solve on the host)",
+        started.elapsed().as_secs_f64()
+    );
+    let ids: Vec<_> = (0..16).map(|_| cl.add_sequence().unwrap()).collect();
+    let mut x_hat = stream.alloc_zeros::<u16>(16 * dm).unwrap();
+    let us = timer
+        .time(&stream, 2, 10, |_| {
+            cl.append_cross_layer(&ids, &step, &mut x_hat, Dtype::F16)
+        })
+        .unwrap()
+        .median_us();
+    println!("XQuant-CL append step of 16 sequences: {us:.1} us");
+    let mut x_hat = stream.alloc_zeros::<u16>(4096 * dm).unwrap();
+    let mut seq = cl.add_sequence();
+    let us = timer
+        .time(&stream, 1, 5, |_| {
+            if let Ok(id) = seq {
+                cl.remove_sequence(id)?;
+            }
+            let id = cl.add_sequence()?;
+            seq = Ok(id);
+            cl.prefill_cross_layer(id, &prompt, &mut x_hat, 4096, Dtype::F16)
+        })
+        .unwrap()
+        .median_us();
+    println!("XQuant-CL prefill of 4,096 tokens: {us:.1} us");
 }

@@ -260,6 +260,13 @@ fn xquant_decode_kernels_compile_for_sm80_and_sm90a() {
             format!("{dtype} {d_model}→{rank}"),
             k.source,
         ));
+        let cl = kvq::codegen::xquant_cross_layer_kernel(dtype, d_model, rank)
+            .unwrap_or_else(|e| panic!("cross-layer writes {dtype} {d_model} {rank}: {e}"));
+        project.push((
+            "xquant_cross_layer",
+            format!("{dtype} {d_model}→{rank}"),
+            cl.source,
+        ));
     }
     compile_all(&project);
 }

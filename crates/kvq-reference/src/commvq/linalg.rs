@@ -22,7 +22,14 @@ pub(crate) fn solve_spd(
     for i in 0..n {
         a[i * n + i] += ridge;
     }
-    // Lower-triangular factor L (stored in the lower half of `a`) with A = L·Lᵀ.
+    cholesky(a, n)?;
+    substitute(a, n, b, m);
+    Ok(())
+}
+
+/// The lower-triangular factor L of a symmetric positive definite `a` (`n × n`, row-major),
+/// A = L·Lᵀ, in place in `a`'s lower half.
+pub(crate) fn cholesky(a: &mut [f64], n: usize) -> Result<(), RefError> {
     for j in 0..n {
         let mut d = a[j * n + j];
         for k in 0..j {
@@ -43,6 +50,13 @@ pub(crate) fn solve_spd(
             a[i * n + j] = s / d;
         }
     }
+    Ok(())
+}
+
+/// Solves L·Lᵀ·X = B for `m` right-hand sides (`b`: `n × m`, row-major, replaced by X), `l` the
+/// factor of [`cholesky`].
+pub(crate) fn substitute(l: &[f64], n: usize, b: &mut [f64], m: usize) {
+    let a = l;
     // Forward (L·Y = B) then backward (Lᵀ·X = Y) substitution, all columns at once.
     for i in 0..n {
         for k in 0..i {
@@ -72,7 +86,6 @@ pub(crate) fn solve_spd(
             b[i * m + c] /= d;
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -206,8 +206,9 @@ impl XQuantCache {
 
     /// `source = x(cross_layer)`: caches the latents of `X_i − X̂_{i−1}` (`x_hat_prev` is the accumulator
     /// after the previous layer; zeros for the first layer) and returns this layer's accumulator
-    /// `X̂_i = X̂_{i−1} + δ̂` for the next one, `δ̂` the least-squares X-space delta whose latents are the
-    /// stored `Δ̂_k`, `Δ̂_v` (`docs/CODEBOOKS.md` §3).
+    /// `X̂_i` for the next one ([`next_accumulator`](Self::next_accumulator), `docs/CODEBOOKS.md` §3).
+    /// A token's stored delta, its accumulator's latents and `X̂_i` depend on that token's rows alone,
+    /// so a cache built whole equals one built token by token (the GPU's writes).
     pub fn build_cross_layer(
         spec: &SchemeSpec,
         x: &[f32],
@@ -230,26 +231,45 @@ impl XQuantCache {
         }
         let delta: Vec<f32> = x.iter().zip(x_hat_prev).map(|(a, b)| a - b).collect();
         let (pk, pv) = (&projections.k, &projections.v);
-        let dk = latent_tensor(spec, &pk.project(&delta), tokens, pk.rank)?;
-        let dv = latent_tensor(spec, &pv.project(&delta), tokens, pv.rank)?;
-        let latents = IntCache::build(&latent_spec(spec), &dk, &dv)?;
-        let stored = latents.dequantize();
-        let step = lift(
-            projections,
-            &latent_rows(&stored.k),
-            &latent_rows(&stored.v),
-            tokens,
-        )?;
-        let next: Vec<f32> = x_hat_prev.iter().zip(&step).map(|(a, b)| a + b).collect();
-        let cache = Self {
-            spec: *spec,
-            tokens,
-            rope,
-            projections: projections.clone(),
-            latents,
-            base: Some((pk.project(x_hat_prev), pv.project(x_hat_prev))),
-        };
+        let (delta_k, delta_v) = (pk.project(&delta), pv.project(&delta));
+        let next = Self::next_accumulator(projections, x_hat_prev, &delta_k, &delta_v)?;
+        let mut cache = Self::store_latents(spec, &delta_k, &delta_v, projections, rope)?;
+        cache.base = Some((pk.project(x_hat_prev), pv.project(x_hat_prev)));
         Ok((cache, next))
+    }
+
+    /// XQuant-CL's accumulator after a layer: `X̂_i = X̂_{i−1} + δ̂`, `δ̂` the least-squares X-space
+    /// delta whose latents are the layer's delta latents `delta_k`, `delta_v` (`[tokens][rank]`)
+    /// rounded to f16 as the FP16 regions hold them, before any page quantizes them. So the
+    /// accumulator never depends on whether a token's page has closed: a streaming cache (where a
+    /// page closes long after its tokens were written) and a whole-sequence build store the same
+    /// deltas. Quantization errors do not reach later layers either: each layer's reconstruction
+    /// is its own stored accumulator latents plus its own dequantized delta.
+    pub fn next_accumulator(
+        projections: &Projections,
+        x_hat_prev: &[f32],
+        delta_k: &[f32],
+        delta_v: &[f32],
+    ) -> Result<Vec<f32>, RefError> {
+        let (d, rank) = (projections.d_model(), projections.k.rank);
+        let tokens = x_hat_prev.len() / d.max(1);
+        if d == 0
+            || x_hat_prev.len() != tokens * d
+            || delta_k.len() != tokens * rank
+            || delta_v.len() != tokens * projections.v.rank
+        {
+            return Err(RefError::Mismatch(format!(
+                "an accumulator of {} values (rows of d_model {d}) and delta latents of {} and {}                  (rows of {rank}) are not the same tokens",
+                x_hat_prev.len(),
+                delta_k.len(),
+                delta_v.len()
+            )));
+        }
+        let f16 = |v: &[f32]| -> Vec<f32> {
+            v.iter().map(|&a| half::f16::from_f32(a).to_f32()).collect()
+        };
+        let step = lift(projections, &f16(delta_k), &f16(delta_v), tokens)?;
+        Ok(x_hat_prev.iter().zip(&step).map(|(a, b)| a + b).collect())
     }
 
     pub fn spec(&self) -> &SchemeSpec {
@@ -277,8 +297,8 @@ impl XQuantCache {
         &self.latents
     }
 
-    /// `x(cross_layer)` only: the latents `X̂_{i−1}·down_k`, `X̂_{i−1}·down_v` of the accumulator, which
-    /// the decoder holds while walking the layers (not stored per layer).
+    /// `x(cross_layer)` only: the latents `X̂_{i−1}·down_k`, `X̂_{i−1}·down_v` of the accumulator,
+    /// `[tokens][rank]` each, kept with the layer's cache (the decode adds them to the deltas).
     pub fn accumulator_latents(&self) -> Option<(&[f32], &[f32])> {
         self.base
             .as_ref()

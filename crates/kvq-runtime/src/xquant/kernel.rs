@@ -176,7 +176,10 @@ impl XQuantKernel {
     ) -> Result<()> {
         let view = cache.latents().view();
         let weights = cache.weights().inputs();
-        self.attend_slices(stream, view, weights, None, (q, out), splits, scratch)
+        let base = cache
+            .accumulator_latents()
+            .map(|(k, v, rows)| (Input::Slice(k), Input::Slice(v), rows));
+        self.attend_slices(stream, view, weights, base, (q, out), splits, scratch)
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -3,7 +3,8 @@
 //! rebuilds K from them per tile on tensor cores and never rebuilds V (docs/CODEBOOKS.md §3.1).
 //!
 //! - [`XQuantPagedCache`]: a cache written on the device from the layer input (projection on
-//!   tensor cores, then the integer store's append, prefill and page quantizers); `x(latent)`.
+//!   tensor cores, then the integer store's append, prefill and page quantizers); for XQuant-CL
+//!   also from the accumulator the engine carries across layers.
 //! - [`XQuantDeviceCache`]: caches the CPU reference built, uploaded (both sources; XQuant-CL's
 //!   carry their accumulator's latents, which the decode adds to the stored deltas).
 //! - [`XQuantWeights`]: a layer's projections on the device; [`XQuantProjector`]: the projection.
@@ -27,6 +28,7 @@
 //! # Ok(()) }
 //! ```
 
+mod cross_layer;
 mod device_cache;
 mod kernel;
 mod paged;

@@ -3,7 +3,10 @@
 //! store's own append, prefill and page quantizers (the latent store is an integer cache of
 //! `R / W` heads of `W` channels, docs/LAYOUT.md §10) keep them — the FP16 sink and local window
 //! hold latents, full pages are quantized exactly as the CPU reference quantizes the same rows.
+//! XQuant-CL (`x(cross_layer)`) stores the latents of `X − X̂` instead, X̂ the accumulator the
+//! engine carries from layer to layer, and keeps X̂'s latents per token (`CrossLayerWrites`).
 
+use super::cross_layer::{BaseRows, CrossLayerWrites};
 use super::project::XQuantProjector;
 use super::weights::{invalid, XQuantWeights};
 use crate::error::{Result, RuntimeError};
@@ -29,26 +32,17 @@ pub struct XQuantCacheConfig {
     pub input_dtype: Dtype,
 }
 
-/// Refuses a scheme whose caches the device cannot write from the layer input: XQuant-CL
-/// (`x(cross_layer)`), whose writes need the decoder's accumulator of the previous layers'
-/// reconstructions, which has no cheap home on the device (docs/CODEBOOKS.md §3.1), and K/V caches.
-pub(super) fn check_writable(spec: &SchemeSpec) -> Result<()> {
+/// Refuses a K/V scheme (those caches are [`PagedKvCache`]s).
+fn check_writable(spec: &SchemeSpec) -> Result<()> {
     match spec.source {
-        CacheSource::X(XSource::Latent) => Ok(()),
-        CacheSource::X(XSource::CrossLayer) => Err(invalid(format!(
-            "`{spec}`: XQuant-CL's cache writes are not built on the GPU (its \
-                 accumulator of earlier layers has no cheap home, docs/CODEBOOKS.md §3.1); \
-                 build the caches with the CPU reference and upload them \
-                 (XQuantDeviceCache)"
-        ))),
+        CacheSource::X(_) => Ok(()),
         CacheSource::Kv => Err(invalid(format!(
             "`{spec}` caches K and V: use PagedKvCache"
         ))),
     }
 }
 
-/// One layer's XQuant cache (`source = x(latent)`) in device memory, written from the layer
-/// input on the device.
+/// One layer's XQuant cache in device memory, written from the layer input on the device.
 ///
 /// ```no_run
 /// # fn demo(jit: &kvq_runtime::Jit, spec: &kvq_spec::SchemeSpec,
@@ -66,6 +60,22 @@ pub(super) fn check_writable(spec: &SchemeSpec) -> Result<()> {
 /// cache.append(&[seq], x_step, Dtype::F16)?;       // [1][d_model]
 /// # Ok(()) }
 /// ```
+///
+/// XQuant-CL (`x(cross_layer)`): every write also takes the accumulator `X̂` of the new tokens,
+/// `[n][d_model]` in X's dtype (zeros at the first layer of the chain), and replaces it with this
+/// layer's, which the engine hands to the next layer's cache:
+///
+/// ```no_run
+/// # fn demo(layers: &mut [kvq_runtime::xquant::XQuantPagedCache],
+/// #         seq: kvq_runtime::SeqId, x_of_layer: &[cudarc::driver::CudaSlice<u16>],
+/// #         x_hat: &mut cudarc::driver::CudaSlice<u16>) -> kvq_runtime::Result<()> {
+/// use kvq_codegen::Dtype;
+/// // x_hat: [1][d_model] zeros before the first layer of the step.
+/// for (cache, x) in layers.iter_mut().zip(x_of_layer) {
+///     cache.append_cross_layer(&[seq], x, x_hat, Dtype::F16)?;
+/// }
+/// # Ok(()) }
+/// ```
 pub struct XQuantPagedCache {
     latents: PagedKvCache,
     weights: XQuantWeights,
@@ -73,13 +83,14 @@ pub struct XQuantPagedCache {
     stream: Arc<CudaStream>,
     /// Latent rows (K, V) for the largest step so far, grown as needed; a step uses the first.
     rows: Option<(CudaSlice<u16>, CudaSlice<u16>)>,
+    /// XQuant-CL's writes and per-token accumulator latents.
+    cross_layer: Option<CrossLayerWrites>,
 }
 
 impl XQuantPagedCache {
-    /// Compiles (or loads) the projection and the latent store's kernels and allocates the cache.
-    /// XQuant-CL (`x(cross_layer)`) is refused: its writes need the decoder's accumulator of the
-    /// previous layers' reconstructions, which has no cheap home on the device
-    /// (docs/CODEBOOKS.md §3.1); its caches are built by the CPU reference and uploaded.
+    /// Compiles (or loads) the projection and the latent store's kernels and allocates the cache;
+    /// XQuant-CL's also the accumulator's latents of every token it can hold, f32
+    /// `2 · max_seqs · max_tokens · R` (docs/CODEBOOKS.md §3.1), and the layer's lift matrix.
     pub fn new(
         jit: &Jit,
         stream: Arc<CudaStream>,
@@ -105,12 +116,23 @@ impl XQuantPagedCache {
                 input_dtype: Dtype::F16,
             },
         )?;
+        let cross_layer = match spec.source {
+            CacheSource::X(XSource::CrossLayer) => Some(CrossLayerWrites::new(
+                jit,
+                &stream,
+                projections,
+                cfg.input_dtype,
+                (cfg.max_seqs, cfg.max_tokens),
+            )?),
+            _ => None,
+        };
         Ok(Self {
             latents,
             weights,
             projector,
             stream,
             rows: None,
+            cross_layer,
         })
     }
 
@@ -147,12 +169,28 @@ impl XQuantPagedCache {
         n: usize,
         dtype: Dtype,
     ) -> Result<(&CudaSlice<u16>, &CudaSlice<u16>, &mut PagedKvCache)> {
+        self.check_dtype(dtype)?;
+        self.reserve_rows(n)?;
+        let Some((k, v)) = self.rows.as_mut() else {
+            return Err(invalid("no latent rows".into()));
+        };
+        self.projector
+            .project(&self.stream, &self.weights, x, n, k, v)?;
+        Ok((k, v, &mut self.latents))
+    }
+
+    fn check_dtype(&self, dtype: Dtype) -> Result<()> {
         if dtype != self.projector.generated().dtype {
             return Err(invalid(format!(
                 "X is {dtype} but this cache was created for {} inputs",
                 self.projector.generated().dtype
             )));
         }
+        Ok(())
+    }
+
+    /// Grows the reused latent rows to `n` tokens.
+    fn reserve_rows(&mut self, n: usize) -> Result<()> {
         let need = n * self.weights.rank;
         if self.rows.as_ref().map_or(true, |(k, _)| k.len() < need) {
             let alloc = |what: &str| {
@@ -163,18 +201,31 @@ impl XQuantPagedCache {
             let k = alloc("allocate K latent rows")?;
             self.rows = Some((k, alloc("allocate V latent rows")?));
         }
-        let Some((k, v)) = self.rows.as_mut() else {
-            return Err(invalid("no latent rows".into()));
-        };
-        self.projector
-            .project(&self.stream, &self.weights, x, n, k, v)?;
-        Ok((k, v, &mut self.latents))
+        Ok(())
+    }
+
+    /// Refuses a write of the other source's kind.
+    fn check_kind(&self, cross_layer: bool) -> Result<()> {
+        match (self.cross_layer.is_some(), cross_layer) {
+            (true, false) => Err(invalid(
+                "an XQuant-CL cache stores deltas against the accumulator: write it with \
+                 append_cross_layer / prefill_cross_layer"
+                    .into(),
+            )),
+            (false, true) => Err(invalid(
+                "this cache stores the layer input's latents (x(latent)): write it with append / \
+                 prefill"
+                    .into(),
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// Appends one token to each listed sequence from its layer input (`x`: `[ids.len()][d_model]`,
     /// row i for `ids[i]`): projected to latents, written to the FP16 regions, and a page
     /// quantized where the token completes one.
     pub fn append(&mut self, ids: &[SeqId], x: &CudaSlice<u16>, dtype: Dtype) -> Result<()> {
+        self.check_kind(false)?;
         if ids.is_empty() {
             return Ok(());
         }
@@ -190,11 +241,110 @@ impl XQuantPagedCache {
         tokens: usize,
         dtype: Dtype,
     ) -> Result<()> {
+        self.check_kind(false)?;
         if tokens == 0 {
             return Ok(());
         }
         let (k, v, store) = self.project_rows(x, tokens, dtype)?;
         store.prefill_rows(&[(id, tokens)], k, v, Dtype::F16, Rows::AtLeast)
+    }
+
+    /// XQuant-CL: appends one token to each listed sequence from its layer input `x` and the
+    /// accumulator `x_hat` of the earlier layers (`[ids.len()][d_model]` each, row i for
+    /// `ids[i]`; zeros at the chain's first layer). Stores the latents of `x − x_hat` as
+    /// [`append`](Self::append) stores X's, keeps `x_hat`'s latents for the decode, and replaces
+    /// `x_hat` with this layer's accumulator for the next layer. On an error nothing is stored
+    /// and `x_hat` is unchanged.
+    pub fn append_cross_layer(
+        &mut self,
+        ids: &[SeqId],
+        x: &CudaSlice<u16>,
+        x_hat: &mut CudaSlice<u16>,
+        dtype: Dtype,
+    ) -> Result<()> {
+        self.check_kind(true)?;
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let rows = ids
+            .iter()
+            .map(|&id| self.base_row(id, self.latents.len(id)?))
+            .collect::<Result<Vec<i32>>>()?;
+        self.write_cross_layer(
+            (x, x_hat, ids.len()),
+            dtype,
+            BaseRows::At(rows),
+            |s, k, v| s.append_rows(ids, k, v, Dtype::F16, Rows::AtLeast),
+        )
+    }
+
+    /// XQuant-CL: bulk prefill of an empty sequence from a prompt's layer input `x` and the
+    /// accumulator `x_hat` (`[tokens][d_model]` each), replaced with this layer's, as
+    /// [`append_cross_layer`](Self::append_cross_layer) does for one token.
+    pub fn prefill_cross_layer(
+        &mut self,
+        id: SeqId,
+        x: &CudaSlice<u16>,
+        x_hat: &mut CudaSlice<u16>,
+        tokens: usize,
+        dtype: Dtype,
+    ) -> Result<()> {
+        self.check_kind(true)?;
+        if tokens == 0 {
+            return Ok(());
+        }
+        let row0 = self.base_row(id, 0)?;
+        self.write_cross_layer(
+            (x, x_hat, tokens),
+            dtype,
+            BaseRows::From(row0),
+            |s, k, v| s.prefill_rows(&[(id, tokens)], k, v, Dtype::F16, Rows::AtLeast),
+        )
+    }
+
+    /// The accumulator's row of a sequence's token `position`.
+    fn base_row(&self, id: SeqId, position: usize) -> Result<i32> {
+        let max_tokens = self.cross_layer.as_ref().map_or(0, |c| c.max_tokens);
+        self.latents.len(id)?;
+        // The row is only written once the store has accepted the token, so it is below
+        // max_tokens then; a position past it is left to the store's own refusal.
+        i32::try_from(id.0 as usize * max_tokens + position.min(max_tokens))
+            .map_err(|_| invalid(format!("sequence slot {} position {position}", id.0)))
+    }
+
+    /// The XQuant-CL write of `n` tokens: deltas projected to latents and stored by `store`
+    /// (all or nothing), then the accumulator's latents into `rows` and the accumulator lifted.
+    fn write_cross_layer(
+        &mut self,
+        (x, x_hat, n): (&CudaSlice<u16>, &mut CudaSlice<u16>, usize),
+        dtype: Dtype,
+        rows: BaseRows,
+        store: impl FnOnce(&mut PagedKvCache, &CudaSlice<u16>, &CudaSlice<u16>) -> Result<()>,
+    ) -> Result<()> {
+        self.check_dtype(dtype)?;
+        let need = n * self.weights.d_model;
+        if x.len() != need || x_hat.len() != need {
+            return Err(invalid(format!(
+                "x and x_hat must hold [n {n}][d_model {}] = {need} values each, got {} and {}",
+                self.weights.d_model,
+                x.len(),
+                x_hat.len()
+            )));
+        }
+        self.reserve_rows(n)?;
+        let (Some(cl), Some((k, v))) = (self.cross_layer.as_mut(), self.rows.as_mut()) else {
+            return Err(invalid("not an XQuant-CL cache".into()));
+        };
+        let stream = &self.stream;
+        let delta = cl.delta(stream, x, x_hat, n)?;
+        self.projector
+            .project(stream, &self.weights, delta, n, k, v)?;
+        let (ak, av) = cl.acc_rows(stream, n)?;
+        self.projector
+            .project(stream, &self.weights, x_hat, n, ak, av)?;
+        store(&mut self.latents, k, v)?;
+        cl.store_base(stream, &rows, n)?;
+        cl.lift(stream, x_hat, (k, v), n)
     }
 
     /// The f16 latent rows (`[n][rank]` each, K then V) the projection writes for `x`: what an
@@ -219,14 +369,76 @@ impl XQuantPagedCache {
         Ok((down(k)?, down(v)?))
     }
 
+    /// XQuant-CL: the f16 delta latent rows (`[n][rank]` each, K then V) that
+    /// [`append_cross_layer`](Self::append_cross_layer) or a prefill stores for `x` and the
+    /// accumulator `x_hat` (tests; nothing is stored, `x_hat` is unchanged; a sync and a
+    /// download).
+    pub fn project_cross_layer(
+        &mut self,
+        x: &CudaSlice<u16>,
+        x_hat: &CudaSlice<u16>,
+        n: usize,
+        dtype: Dtype,
+    ) -> Result<(Vec<u16>, Vec<u16>)> {
+        self.check_kind(true)?;
+        self.check_dtype(dtype)?;
+        let need = n * self.weights.d_model;
+        if n == 0 || x.len() != need || x_hat.len() != need {
+            return Err(invalid(format!(
+                "x and x_hat must hold [n {n} > 0][d_model {}] = {need} values each, got {} and {}",
+                self.weights.d_model,
+                x.len(),
+                x_hat.len()
+            )));
+        }
+        self.reserve_rows(n)?;
+        let (Some(cl), Some((k, v))) = (self.cross_layer.as_mut(), self.rows.as_mut()) else {
+            return Err(invalid("not an XQuant-CL cache".into()));
+        };
+        let delta = cl.delta(&self.stream, x, x_hat, n)?;
+        self.projector
+            .project(&self.stream, &self.weights, delta, n, k, v)?;
+        let rows = n * self.weights.rank;
+        let down = |s: &CudaSlice<u16>| {
+            self.stream
+                .clone_dtoh(&s.slice(..rows))
+                .map_err(|e| RuntimeError::driver("download delta latent rows", e))
+        };
+        Ok((down(k)?, down(v)?))
+    }
+
     /// One sequence's latent store, copied back (tests, debugging).
     pub fn snapshot(&self, id: SeqId) -> Result<SequenceSnapshot> {
         self.latents.snapshot(id)
     }
 
-    /// Allocated memory and what the live sequences occupy (the projections not included).
+    /// Allocated memory and what the live sequences occupy (the projections not included):
+    /// the latent store's and, for XQuant-CL, the accumulator's latents (f32, 2R a token) and
+    /// the lift matrix.
     pub fn memory(&self) -> Result<MemoryReport> {
-        self.latents.memory()
+        let mut report = self.latents.memory()?;
+        if let Some(cl) = &self.cross_layer {
+            let rank = self.weights.rank;
+            let tokens: usize = (0..self.latents.config().max_seqs)
+                .filter_map(|s| self.latents.len(SeqId(s as u32)).ok())
+                .sum();
+            report.allocated_bytes += cl.device_bytes();
+            report.sequence_bytes += tokens * 2 * rank * 4;
+            if tokens > 0 {
+                // Both latents' f32 rows beside each stored latent element.
+                report.bits_per_element += 32.0;
+            }
+        }
+        Ok(report)
+    }
+
+    /// XQuant-CL: the accumulator's latents of every token slot, f32
+    /// `[max_seqs][max_tokens][rank]` (K, V), with `max_tokens`: what the decode adds to the
+    /// stored deltas. `None` for `x(latent)`.
+    pub fn accumulator_latents(&self) -> Option<(&CudaSlice<f32>, &CudaSlice<f32>, usize)> {
+        self.cross_layer
+            .as_ref()
+            .map(|c| (&c.base_k, &c.base_v, c.max_tokens))
     }
 
     /// Longest sequence held.

@@ -18,7 +18,7 @@ use crate::paged::CacheWriter;
 use cudarc::driver::CudaStream;
 use kvq_codegen::{latent_spec, Dtype, KernelShape, RebuildPrecision};
 use kvq_reference::xquant::latent_store_width;
-use kvq_spec::SchemeSpec;
+use kvq_spec::{CacheSource, SchemeSpec, XSource};
 use std::sync::Arc;
 
 /// Alignment of each workspace region.
@@ -102,8 +102,8 @@ pub struct XQuantSteps {
 impl XQuantSteps {
     /// Compiles (through the JIT's caches) and loads the decode (K rebuilt in f16 on the tensor
     /// cores), the projection for `shape.dtype` layer inputs of `d_model`, and the latent store's
-    /// writes; sizes the workspace for `limits`. `x(cross_layer)` is refused, as in
-    /// [`super::XQuantPagedCache::new`].
+    /// writes; sizes the workspace for `limits`. `x(cross_layer)` is refused: its per-token
+    /// accumulator latents and lift run through [`super::XQuantPagedCache`] only.
     pub fn load(
         jit: &Jit,
         spec: &SchemeSpec,
@@ -112,7 +112,19 @@ impl XQuantSteps {
         d_model: usize,
         limits: XQuantLimits,
     ) -> Result<Self> {
-        super::paged::check_writable(spec)?;
+        match spec.source {
+            CacheSource::X(XSource::Latent) => {}
+            CacheSource::X(XSource::CrossLayer) => {
+                return Err(invalid(format!(
+                    "`{spec}`: XQuant-CL's writes on an engine's memory are not offered (the \
+                     accumulator's per-token latents and the lift have no place in a plan); \
+                     XQuantPagedCache::append_cross_layer serves them from Rust"
+                )))
+            }
+            CacheSource::Kv => {
+                return Err(invalid(format!("`{spec}` caches K and V: use a K/V plan")))
+            }
+        }
         let d = shape.head_dim as usize;
         let layout = XQuantWeightsLayout::new(kv_heads, d, d_model).ok_or_else(|| {
             invalid(format!(
