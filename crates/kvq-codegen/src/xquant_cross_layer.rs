@@ -13,6 +13,16 @@ const ELEMENTWISE_THREADS: u32 = 256;
 const LIFT_ROWS: u32 = 32;
 const LIFT_COLUMNS: u32 = 128;
 const LIFT_THREADS: u32 = 256;
+/// The lift's latent chunk (XCL_K).
+const LIFT_CHUNK: usize = 32;
+
+/// Partitions of the 2·rank latents whose sums add in order (cross_layer.cuh's XCL_P).
+fn partitions(rank: usize) -> u32 {
+    [8, 4, 2]
+        .into_iter()
+        .find(|p| (2 * rank) % (p * LIFT_CHUNK) == 0)
+        .unwrap_or(1) as u32
+}
 
 /// The generated XQuant-CL write kernels for one `d_model`, latent width and input dtype.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -20,13 +30,19 @@ pub struct XQuantCrossLayerKernel {
     pub d_model: u32,
     pub rank: usize,
     pub dtype: Dtype,
+    /// Partitions of the 2·rank latents whose sums add in order (8, 4 or 2).
+    pub partitions: u32,
     pub source: String,
     /// `delta = x − x_hat`, `[n][d_model]` in the dtype; any grid.
     pub delta: KernelEntry,
     /// The accumulator's f16 latent rows widened into the cache's f32 rows; any grid.
     pub base: KernelEntry,
-    /// `x_hat_next = x_hat + [lat_k | lat_v]·lift`; grid (ceil(n / 32), ceil(d_model / 128)).
+    /// `x_hat_next = x_hat + [lat_k | lat_v]·lift`; grid (ceil(n / 32), ceil(d_model / 128), 1
+    /// or `partitions`): z = `partitions` writes each partition's f32 sums
+    /// `[partitions][n][d_model]` for `lift_reduce`.
     pub lift: KernelEntry,
+    /// A split lift's sums added in order, plus `x_hat`; grid ceil(n·d_model / 256).
+    pub lift_reduce: KernelEntry,
 }
 
 impl XQuantCrossLayerKernel {
@@ -38,13 +54,22 @@ impl XQuantCrossLayerKernel {
             .clamp(1, 65_536) as u32
     }
 
-    /// The lift's grid for `n` tokens.
-    pub fn lift_grid(&self, n: usize) -> (u32, u32, u32) {
-        (
+    /// The lift's grid for `n` tokens on a GPU of `sms` SMs: one partition a CTA (z > 1, then
+    /// the reduce) while whole-sum CTAs would not fill the SMs.
+    pub fn lift_grid(&self, n: usize, sms: u32) -> (u32, u32, u32) {
+        let (x, y) = (
             (n as u32).div_ceil(LIFT_ROWS),
             self.d_model.div_ceil(LIFT_COLUMNS),
-            1,
-        )
+        );
+        (x, y, if x * y < sms { self.partitions } else { 1 })
+    }
+
+    /// Bytes of the partition sums a lift of `n` tokens takes (0: none).
+    pub fn lift_partial_bytes(&self, n: usize, sms: u32) -> usize {
+        if n == 0 || self.lift_grid(n, sms).2 == 1 {
+            return 0;
+        }
+        4 * self.partitions as usize * n * self.d_model as usize
     }
 }
 
@@ -57,6 +82,8 @@ struct Ctx {
     delta_name: String,
     base_name: String,
     lift_name: String,
+    reduce_name: String,
+    partitions: u32,
     lift_block: u32,
     lift_rows: u32,
     lift_columns: u32,
@@ -90,6 +117,8 @@ pub fn xquant_cross_layer_kernel(
         delta_name: format!("kvq_xquant_cl_delta_{id}"),
         base_name: format!("kvq_xquant_cl_base_{id}"),
         lift_name: format!("kvq_xquant_cl_lift_{id}"),
+        reduce_name: format!("kvq_xquant_cl_lift_reduce_{id}"),
+        partitions: partitions(rank),
         lift_block: LIFT_THREADS,
         lift_rows: LIFT_ROWS,
         lift_columns: LIFT_COLUMNS,
@@ -138,23 +167,38 @@ pub fn xquant_cross_layer_kernel(
             param("const float*", "lift"),
             param("int32_t", "n"),
             param("uint16_t*", "x_hat_next"),
+            param("float*", "partial"),
         ],
         grid: [
             format!("ceil(n / {LIFT_ROWS})"),
             format!("ceil(d_model / {LIFT_COLUMNS})"),
-            "1".into(),
+            "1 or partitions".into(),
         ],
         block: LIFT_THREADS,
+        dynamic_shared_bytes: 0,
+    };
+    let lift_reduce = KernelEntry {
+        name: ctx.reduce_name.clone(),
+        params: vec![
+            param("const uint16_t*", "x_hat"),
+            param("const float*", "partial"),
+            param("int32_t", "n"),
+            param("uint16_t*", "x_hat_next"),
+        ],
+        grid: ["ceil(n * d_model / 256)".into(), "1".into(), "1".into()],
+        block: ELEMENTWISE_THREADS,
         dynamic_shared_bytes: 0,
     };
     Ok(XQuantCrossLayerKernel {
         d_model,
         rank,
         dtype,
+        partitions: ctx.partitions,
         source,
         delta,
         base,
         lift,
+        lift_reduce,
     })
 }
 
@@ -172,10 +216,16 @@ mod tests {
             k.lift.name
         )));
         assert!(!k.source.contains("{{") && !k.source.contains("{%"));
-        assert_eq!(k.lift_grid(16), (1, 32, 1));
-        assert_eq!(k.lift_grid(33), (2, 32, 1));
+        assert!(k.source.contains("XCL_P == 8"));
+        // A decode step's 16 tokens: 32 whole-sum CTAs would leave most of 132 SMs idle.
+        assert_eq!(k.lift_grid(16, 132), (1, 32, 8));
+        assert_eq!(k.lift_partial_bytes(16, 132), 4 * 8 * 16 * 4096);
+        assert_eq!(k.lift_grid(4096, 132), (128, 32, 1));
+        assert_eq!(k.lift_partial_bytes(4096, 132), 0);
+        // 192 latents: 6 chunks of 32, two partitions.
         let f = xquant_cross_layer_kernel(Dtype::F16, 576, 96).unwrap();
-        assert_eq!(f.lift_grid(1), (1, 5, 1));
+        assert_eq!(f.partitions, 2);
+        assert_eq!(f.lift_grid(1, 132), (1, 5, 2));
         assert_ne!(f.delta.name, k.delta.name);
         assert_eq!(XQuantCrossLayerKernel::elementwise_grid(0), 1);
         assert_eq!(XQuantCrossLayerKernel::elementwise_grid(1 << 40), 65_536);

@@ -114,12 +114,14 @@ struct ClCase {
 }
 
 const CL_CASES: &[ClCase] = &[
-    // d_model 384 > 2R = 256: the lift solves in the latents' width.
+    // d_model 384 > 2R = 256: the lift solves in the latents' width. The 1,500-token prefill
+    // lifts in whole-sum CTAs (141 of them at least fill an H200's 132 SMs), every other write
+    // one partition a CTA.
     ClCase {
         scheme: "k = int(2, channel), v = int(2, token), source = x(cross_layer)",
         dtype: Dtype::F16,
         d_model: 384,
-        sequences: &[(300, 140), (0, 200), (129, 3)],
+        sequences: &[(300, 140), (0, 200), (129, 3), (1500, 2)],
     },
     // d_model 192 < 2R: in d_model's; FP16 sink and local rows hold deltas too.
     ClCase {

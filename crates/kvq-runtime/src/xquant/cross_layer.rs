@@ -30,6 +30,10 @@ pub(super) struct CrossLayerWrites {
     delta_fn: CudaFunction,
     base_fn: CudaFunction,
     lift_fn: CudaFunction,
+    reduce_fn: CudaFunction,
+    sm_count: u32,
+    /// A split lift's partition sums, grown as needed.
+    partial: Option<CudaSlice<f32>>,
     /// `[2·rank][d_model]` f32: row j is the X-space delta of a unit latent j (K's, then V's).
     lift: CudaSlice<f32>,
     /// `X̂_{i−1}·down_k`, `X̂_{i−1}·down_v` of every token, f32 `[max_seqs][max_tokens][rank]`.
@@ -69,8 +73,9 @@ impl CrossLayerWrites {
             generated.delta.name.as_str(),
             generated.base.name.as_str(),
             generated.lift.name.as_str(),
+            generated.lift_reduce.name.as_str(),
         ];
-        let [delta_fn, base_fn, lift_fn]: [CudaFunction; 3] = jit
+        let [delta_fn, base_fn, lift_fn, reduce_fn]: [CudaFunction; 4] = jit
             .functions(&source, &names, &CompileOptions::default())?
             .try_into()
             .map_err(|_| invalid("kernel list shorter than requested".into()))?;
@@ -89,6 +94,9 @@ impl CrossLayerWrites {
             delta_fn,
             base_fn,
             lift_fn,
+            reduce_fn,
+            sm_count: jit.device().props().sm_count,
+            partial: None,
             delta: None,
             acc_rows: None,
         })
@@ -191,17 +199,31 @@ impl CrossLayerWrites {
         unsafe { args.launch(&self.base_fn, cfg, false) }.map_err(launch_err(&g.base.name))
     }
 
-    /// Enqueues `x_hat += [lat_k | lat_v] · lift` for `n` tokens, in place.
+    /// Enqueues `x_hat += [lat_k | lat_v] · lift` for `n` tokens, in place (through the
+    /// partition sums and their reduce where the launch splits).
     pub(super) fn lift(
-        &self,
+        &mut self,
         stream: &Arc<CudaStream>,
         x_hat: &mut CudaSlice<u16>,
         (lat_k, lat_v): (&CudaSlice<u16>, &CudaSlice<u16>),
         n: usize,
     ) -> Result<()> {
         let g = &self.generated;
+        let partial_len = g.lift_partial_bytes(n, self.sm_count) / 4;
+        if partial_len > 0
+            && self
+                .partial
+                .as_ref()
+                .map_or(true, |p| p.len() < partial_len)
+        {
+            let buf = stream
+                .alloc_zeros::<f32>(partial_len)
+                .map_err(|e| RuntimeError::driver("allocate the lift's partition sums", e))?;
+            self.partial = Some(buf);
+        }
+        let rows = rows_i32(n)?;
         // Read and written in place: one pointer in both parameters, its stream-order guard held
-        // across the launch.
+        // across the launches.
         let mut x_hat = Output::Slice(x_hat);
         let (x_in, _guard) = x_hat.device_ptr(stream);
         let mut args = Args::new(stream);
@@ -209,21 +231,50 @@ impl CrossLayerWrites {
             .buffer(lat_k)
             .buffer(lat_v)
             .buffer(&self.lift)
-            .int(rows_i32(n)?)
+            .int(rows)
             .ptr(x_in);
+        let grid = g.lift_grid(n, self.sm_count);
+        let split = match (&mut self.partial, partial_len > 0) {
+            (Some(p), true) => {
+                args.buffer_mut(p);
+                true
+            }
+            _ => {
+                args.null();
+                false
+            }
+        };
         let cfg = LaunchConfig {
-            grid_dim: g.lift_grid(n),
+            grid_dim: grid,
             block_dim: (g.lift.block, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the lift entry's params; x_hat n rows of d_model (read and written in place,
-        // each value by one thread), the latents n rows of rank, lift [2·rank][d_model].
-        unsafe { args.launch(&self.lift_fn, cfg, false) }.map_err(launch_err(&g.lift.name))
+        // each value by one thread), the latents n rows of rank, lift [2·rank][d_model], the
+        // partition sums sized for this grid where it splits.
+        unsafe { args.launch(&self.lift_fn, cfg, false) }.map_err(launch_err(&g.lift.name))?;
+        let (true, Some(partial)) = (split, self.partial.as_ref()) else {
+            return Ok(());
+        };
+        let mut args = Args::new(stream);
+        args.ptr(x_in).buffer(partial).int(rows).ptr(x_in);
+        let cfg = elementwise_exact(n * g.d_model as usize, g.lift_reduce.block);
+        // SAFETY: the reduce's params; the split lift just wrote these n rows' sums.
+        unsafe { args.launch(&self.reduce_fn, cfg, false) }.map_err(launch_err(&g.lift_reduce.name))
     }
 }
 
 fn rows_i32(n: usize) -> Result<i32> {
     i32::try_from(n).map_err(|_| invalid(format!("{n} rows")))
+}
+
+/// One thread a value (the reduce does not stride).
+fn elementwise_exact(elements: usize, block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (elements.div_ceil(block as usize).max(1) as u32, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 fn elementwise(elements: usize, block: u32) -> LaunchConfig {
