@@ -260,7 +260,26 @@ fn unknown_names_list_the_builtins_and_grammar_errors_point_at_the_column() {
         .iter()
         .map(|k| k["role"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["decode", "combine"]);
+    assert_eq!(
+        names,
+        [
+            "decode",
+            "combine",
+            "project_narrow",
+            "project_wide",
+            "project_reduce",
+            "cl_delta",
+            "cl_base",
+            "cl_lift",
+            "cl_lift_reduce"
+        ]
+    );
+    assert!(m["layout"]["buffers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|b| b["name"] == "lift"));
+    assert!(xq.join("cross_layer.cu").exists());
     // A codebook scheme: both units, the headers, and a manifest of the codebook family.
     let cb = tmp.path().join("commvq2");
     let o = kvq(
@@ -1130,16 +1149,17 @@ fn gen_xquant_output_compiles_from_its_files() {
         assert!(header.contains("#define KVQ_LATENT_RANK 1024"), "{header}");
         let options =
             CompileOptions::default().include_dirs(IncludeDirs::Only(vec![dir.join("include")]));
-        // x(latent) folders carry the cache writes' projection; XQuant-CL's writes are not built.
+        // Both carry the cache writes' projection; XQuant-CL also its steps around it.
         let units: &[&str] = if scheme == "xquant2" {
+            assert!(!dir.join("cross_layer.cu").exists());
             &["decode.cu", "project.cu"]
         } else {
-            assert!(!dir.join("project.cu").exists());
-            &["decode.cu"]
+            &["decode.cu", "project.cu", "cross_layer.cu"]
         };
+        assert!(header.contains("kvq_xquant_project_wide_"), "{header}");
         assert_eq!(
-            header.contains("kvq_xquant_project_wide_"),
-            scheme == "xquant2",
+            header.contains("kvq_xquant_cl_lift_reduce_"),
+            scheme == "xquant-cl2",
             "{header}"
         );
         for unit in units {

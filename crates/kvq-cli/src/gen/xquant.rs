@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use kvq::codegen::{
-    latent_spec, rebuild_k_order, xquant_kernels, xquant_project_kernel, xquant_tile, RebuildMma,
-    RebuildPrecision, XQuantKernels, XQuantProjectKernel,
+    latent_spec, rebuild_k_order, xquant_cross_layer_kernel, xquant_kernels, xquant_project_kernel,
+    xquant_tile, RebuildMma, RebuildPrecision, XQuantKernels, XQuantProjectKernel,
 };
 use kvq::reference::int::LAYOUT_VERSION;
 use kvq::reference::xquant::PROJECTION_FILE_FORMAT;
@@ -20,8 +20,10 @@ use super::manifest::{kernel_info, tensor_info, CompiledInfo, KernelInfo, Tensor
 use super::{GenOutcome, GenRequest, DECODE_FILE, HEADER_FILE, INCLUDE_DIR, MANIFEST_FILE};
 use crate::error::{CliError, Result};
 
-/// The cache writes' projection unit (`x(latent)` schemes).
+/// The cache writes' projection unit.
 const PROJECT_FILE: &str = "project.cu";
+/// XQuant-CL's write steps around the projection (delta, accumulator rows, lift).
+const CROSS_LAYER_FILE: &str = "cross_layer.cu";
 
 #[derive(Serialize)]
 struct LatentInfo {
@@ -169,8 +171,9 @@ fn layout_info(
             "base_k / base_v",
             &format!("[sequence slots][base_rows][{r}]"),
             "f32",
-            "XQuant-CL: the accumulator's latents X̂_{i−1}·down_k, X̂_{i−1}·down_v of this layer, \
-             added to every stored latent (docs/CODEBOOKS.md §3.1 on what keeping them costs)",
+            "XQuant-CL: the accumulator's latents X̂_{i−1}·down_k, X̂_{i−1}·down_v of each token, \
+             kept per layer and added to every stored latent; the writes fill a token's row \
+             (slot·base_rows + position) (docs/CODEBOOKS.md §3.1 on what keeping them costs)",
         )
     } else {
         buffer(
@@ -204,6 +207,41 @@ fn layout_info(
              kernels take as their K and V input ([n][store_heads][store_head_dim])",
         ));
     }
+    if cross_layer {
+        buffers.push(buffer(
+            "x_hat",
+            &format!("[n][{d_model}]"),
+            "io dtype",
+            "XQuant-CL: the accumulator of the new tokens the engine carries from layer to layer \
+             (zeros before the first layer), replaced in place by this layer's",
+        ));
+        buffers.push(buffer(
+            "delta",
+            &format!("[n][{d_model}]"),
+            "io dtype",
+            "XQuant-CL: x − x_hat, the projection's input for the stored latents",
+        ));
+        buffers.push(buffer(
+            "acc_k / acc_v",
+            &format!("[n][{r}]"),
+            "f16",
+            "XQuant-CL: the projection of x_hat, widened into base_k / base_v by cl_base",
+        ));
+        buffers.push(buffer(
+            "lift",
+            &format!("[2·{r}][{d_model}]"),
+            "f32",
+            "XQuant-CL: the layer's lift matrix (row j: the X-space delta of a unit latent j, K's \
+             then V's), Projections::lift_matrix of the projection file",
+        ));
+        buffers.push(buffer(
+            "lift_partial",
+            &format!("[partitions][n][{d_model}]"),
+            "f32",
+            "XQuant-CL: scratch of a split lift (one CTA a partition of the latents), read by \
+             cl_lift_reduce; null otherwise",
+        ));
+    }
     Ok(LayoutInfo {
         version: LAYOUT_VERSION,
         doc: "docs/LAYOUT.md §10 (latent rows as store heads; page blocks, regions); docs/CODEBOOKS.md §3",
@@ -234,12 +272,20 @@ fn layout_info(
                      (rounded to nearest in X's format), down = k.down [{d_model} × {r}] for c < \
                      {r}, v.down for the rest: the cache writes' X·down (docs/CODEBOOKS.md §3.1)"
                 ),
-            ],
+            ]
+            .into_iter()
+            .chain(cross_layer.then(|| {
+                "XQuant-CL: lift = Projections::lift_matrix() of the file's projections, \
+                 D = [k.down | v.down]: Dᵀ·(D·Dᵀ + εI)⁻¹ = (Dᵀ·D + εI)⁻¹·Dᵀ in f64, \
+                 ε = 1e-9·trace/d_model (kvq_reference::xquant::lift)"
+                    .to_string()
+            }))
+            .collect(),
         },
     })
 }
 
-fn readme(req: &GenRequest, arch: &str, k: &XQuantKernels, project: bool) -> String {
+fn readme(req: &GenRequest, arch: &str, k: &XQuantKernels, project: bool, cl: bool) -> String {
     format!(
         "# kvq generated kernels (XQuant scheme)
 
@@ -270,7 +316,16 @@ latent rows as store heads), the projection buffers and how they come from a `{P
             format!(
                 "- `{PROJECT_FILE}`: the cache writes' projection (new tokens' layer input to f16 \
                  latent rows on tensor cores; the latents' integer scheme's cache kernels, from \
-                 `kvq gen` of that scheme at the store head width, then store them).\n"
+                 `kvq gen` of that scheme at the store head width, then store them).\n{}",
+                if cl {
+                    format!(
+                        "- `{CROSS_LAYER_FILE}`: XQuant-CL's steps around the projection (the \
+                         delta against the accumulator the engine carries, the accumulator's \
+                         latent rows, the lift to the next layer's accumulator).\n"
+                    )
+                } else {
+                    String::new()
+                }
             )
         } else {
             String::new()
@@ -344,23 +399,17 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
     let cross_layer = spec.source == CacheSource::X(XSource::CrossLayer);
     let dtype = shape.dtype;
     let mut notes = Vec::new();
-    // The writes' projection: x(latent) only (XQuant-CL's writes need the decoder's accumulator),
-    // X in the decode's dtype.
-    let project = if cross_layer {
-        notes.push(
-            "no projection unit: XQuant-CL's cache writes are not built on the GPU \
-             (docs/CODEBOOKS.md §3.1)"
-                .to_string(),
-        );
-        None
-    } else {
-        match xquant_project_kernel(dtype, d_model, k.rank) {
-            Ok(p) => Some(p),
-            Err(e) => {
-                notes.push(format!("no projection unit: {e}"));
-                None
-            }
+    // The writes' projection (and XQuant-CL's steps around it), X in the decode's dtype.
+    let project = match xquant_project_kernel(dtype, d_model, k.rank) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            notes.push(format!("no projection unit: {e}"));
+            None
         }
+    };
+    let cl_writes = match (cross_layer, &project) {
+        (true, Some(_)) => Some(xquant_cross_layer_kernel(dtype, d_model, k.rank)?),
+        _ => None,
     };
     let layout = layout_info(req, &k, project.as_ref(), cross_layer)?;
     let mut kernels = vec![
@@ -428,6 +477,55 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
                 .into(),
         ];
     }
+    if let Some(c) = &cl_writes {
+        units.push((CROSS_LAYER_FILE, c.source.as_str()));
+        unit_names.push(("cross_layer", CROSS_LAYER_FILE));
+        for (role, what, entry) in [
+            (
+                "cl_delta",
+                "XQuant-CL: delta = x − x_hat, rounded to X's format",
+                &c.delta,
+            ),
+            (
+                "cl_base",
+                "XQuant-CL: the accumulator's f16 latent rows widened into base_k / base_v at \
+                 rows_at[i] (or row0 + i where rows_at is null)",
+                &c.base,
+            ),
+            (
+                "cl_lift",
+                "XQuant-CL: x_hat += [lat_k | lat_v]·lift, in place; one partition of the latents \
+                 a CTA when split (then cl_lift_reduce)",
+                &c.lift,
+            ),
+            (
+                "cl_lift_reduce",
+                "XQuant-CL: a split lift's partition sums added in order, plus x_hat",
+                &c.lift_reduce,
+            ),
+        ] {
+            kernels.push(kernel_info(role, CROSS_LAYER_FILE, what, entry, dtype));
+        }
+        let d = c.d_model;
+        fill_steps = vec![
+            "XQuant-CL, for each layer in order with the new tokens' x_hat (zeros before the \
+             first layer): cl_delta (any grid of 256 threads) writes delta; project delta into \
+             lat_k / lat_v and x_hat into acc_k / acc_v, as below"
+                .into(),
+            fill_steps.first().cloned().unwrap_or_default(),
+            fill_steps.get(1).cloned().unwrap_or_default(),
+            "cl_base (any grid of 256 threads): acc_k / acc_v into base_k / base_v at the new \
+             tokens' rows"
+                .into(),
+            format!(
+                "cl_lift: grid (ceil(n / 32), ceil({d} / 128), z), z = {p} when \
+                 ceil(n / 32)·ceil({d} / 128) < SMs (then cl_lift_reduce, grid \
+                 ceil(n·{d} / 256)), else 1; lat_k / lat_v still hold the delta's latents. \
+                 Every choice gives a token the same accumulator.",
+                p = c.partitions
+            ),
+        ];
+    }
     let arch = family::arch_name(req);
     let family::Written {
         files,
@@ -436,7 +534,7 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
     } = family::write_folder(
         req,
         &units,
-        &readme(req, &arch, &k, project.is_some()),
+        &readme(req, &arch, &k, project.is_some(), cl_writes.is_some()),
         &header_text(req, &k, &layout, &kernels),
         &mut notes,
     )?;
