@@ -249,8 +249,9 @@ fn xquant_cross_layer_stack_matches_the_reference() {
     let jit = Jit::new(&device).expect("JIT");
     let text = "k = int(2, channel), v = int(2, token), source = x(cross_layer)";
     let spec: SchemeSpec = text.parse().unwrap();
-    // d_model 96 < 2·kv_heads·head_dim: the lift from both latents back to X is a well-posed
-    // least-squares problem (at 256, square and ill-conditioned, the accumulator diverges).
+    // d_model 96 < 2·kv_heads·head_dim: both latents together determine X, so the accumulator
+    // tracks it (docs/CODEBOOKS.md §3.1; the device-written stacks of gpu_xquant_writes run at
+    // d_model 192 and 384).
     let (d, gqa, dm, lengths) = (64usize, 4usize, 96usize, [129usize, 700]);
     let layers: Vec<_> = (0..4u64)
         .map(|i| {
