@@ -217,6 +217,41 @@ fn xquant_cross_layer_writes_match_the_reference() {
                     .collect()
             })
             .collect();
+        // Writes of the wrong kind or shape are refused, and change nothing.
+        {
+            let one = stream.clone_htod(rows_of(0, 0, 0, 1)).unwrap();
+            let mut short = stream.alloc_zeros::<u16>(dm - 1).unwrap();
+            let c = &mut caches[0];
+            let id = ids[0][0];
+            let err = c.append(&[id], &one, dtype).unwrap_err().to_string();
+            assert!(err.contains("append_cross_layer"), "{err}");
+            let err = c
+                .append_cross_layer(&[id], &one, &mut short, dtype)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("x_hat"), "{err}");
+            assert_eq!(c.len(id).unwrap(), 0);
+            let latent: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(latent)"
+                .parse()
+                .unwrap();
+            let mut plain = XQuantPagedCache::new(
+                &jit,
+                stream.clone(),
+                &latent,
+                &projs[0],
+                layers[0].rope,
+                cfg,
+            )
+            .unwrap();
+            let seq = plain.add_sequence().unwrap();
+            let mut x_hat = stream.alloc_zeros::<u16>(dm).unwrap();
+            let err = plain
+                .append_cross_layer(&[seq], &one, &mut x_hat, dtype)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("x(latent)"), "{err}");
+            assert!(plain.accumulator_latents().is_none());
+        }
         // acc[l][i]: the accumulator the GPU handed layer l for sequence i's tokens (X̂_{l−1};
         // zeros at layer 0), acc[depth][i] the last layer's.
         let mut acc = vec![vec![Vec::<u16>::new(); case.sequences.len()]; depth + 1];

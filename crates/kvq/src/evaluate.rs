@@ -142,6 +142,8 @@ pub struct Memory {
     pub fp16: u64,
     /// f16 codebook tensors of the layer: shared by every sequence, so **not** in [`Memory::bytes`].
     pub codebooks: u64,
+    /// XQuant-CL: the accumulator's latents kept per token (f32, both latents).
+    pub accumulator: u64,
     /// K and V elements the cache stands for: `2 · len · kv_heads · head_dim`.
     pub elements: u64,
 }
@@ -149,7 +151,7 @@ pub struct Memory {
 impl Memory {
     /// Per-sequence bytes: payload + metadata + FP16 (codebooks excluded).
     pub fn bytes(&self) -> u64 {
-        self.payload + self.metadata + self.fp16
+        self.payload + self.metadata + self.fp16 + self.accumulator
     }
 
     /// Per-sequence bits per K/V element (0 for an empty cache).
@@ -172,6 +174,7 @@ fn from_footprint(t: &footprint::TensorFootprint) -> Memory {
         metadata: t.scales + t.zeros + t.index_maps + t.padding,
         fp16: t.fp16_bytes(),
         codebooks: 0,
+        accumulator: 0,
         elements: 0,
     }
 }
@@ -184,9 +187,13 @@ fn plus(a: Memory, b: Memory) -> Option<Memory> {
         metadata: a.metadata.checked_add(b.metadata)?,
         fp16: a.fp16.checked_add(b.fp16)?,
         codebooks: a.codebooks.checked_add(b.codebooks)?,
+        accumulator: a.accumulator.checked_add(b.accumulator)?,
         elements: a.elements.checked_add(b.elements)?,
     };
-    m.payload.checked_add(m.metadata)?.checked_add(m.fp16)?;
+    m.payload
+        .checked_add(m.metadata)?
+        .checked_add(m.fp16)?
+        .checked_add(m.accumulator)?;
     Some(m)
 }
 
@@ -245,9 +252,23 @@ pub fn memory_with_rank(
                 source: CacheSource::Kv,
                 ..*spec
             };
+            let accumulator = match spec.source {
+                CacheSource::X(XSource::CrossLayer) => {
+                    footprint::checked_product(&[8, rank as u64, len], head_dim, kv_heads, len)?
+                }
+                _ => 0,
+            };
             let rank = u32::try_from(rank).map_err(|_| overflow())?;
             let t = |q| footprint::tensor(&latent, q, rank, 1, len);
-            plus(from_footprint(&t(&spec.k)?), from_footprint(&t(&spec.v)?))
+            plus(from_footprint(&t(&spec.k)?), from_footprint(&t(&spec.v)?)).and_then(|m| {
+                plus(
+                    m,
+                    Memory {
+                        accumulator,
+                        ..Memory::default()
+                    },
+                )
+            })
         }
     }
     .ok_or_else(overflow)?;
@@ -323,6 +344,7 @@ fn commvq_tensor(
         metadata: mul(&[r.pages as u64, layout.scales as u64, 2])?,
         fp16: mul(&[h as u64, window, d as u64, 2])?,
         codebooks: mul(&[codebook_values, 2])?,
+        accumulator: 0,
         elements: 0,
     })
 }

@@ -433,9 +433,14 @@ impl XQuantCache {
         Ok(out)
     }
 
-    /// Bytes this sequence stores (both latents: pools and FP16 buffers).
+    /// Bytes this sequence stores (both latents: pools and FP16 buffers; for `x(cross_layer)` also
+    /// the accumulator's latents, f32 as the GPU keeps them, 8·R bytes a token).
     pub fn allocated_bytes(&self) -> usize {
-        self.latents.allocated_bytes()
+        let base = self
+            .base
+            .as_ref()
+            .map_or(0, |(k, v)| 4 * (k.len() + v.len()));
+        self.latents.allocated_bytes() + base
     }
 
     /// Allocated bits (FP16 buffers at full capacity included) per element of the K and V it stands
