@@ -4,6 +4,7 @@
 
 use crate::decode::{param, stable_id, KernelEntry};
 use crate::templates::render;
+use crate::xquant_project::check_write_shape;
 use crate::{CodegenError, Dtype};
 use serde::Serialize;
 
@@ -96,15 +97,7 @@ pub fn xquant_cross_layer_kernel(
     d_model: u32,
     rank: usize,
 ) -> Result<XQuantCrossLayerKernel, CodegenError> {
-    if d_model == 0 || d_model % 64 != 0 || rank == 0 || rank % 32 != 0 || rank > 1 << 16 {
-        return Err(CodegenError::Unsupported {
-            family: "xquant cross-layer writes",
-            what: format!(
-                "d_model {d_model} and a latent of {rank} (multiples of 64 and 32; latents up to \
-                 65,536)"
-            ),
-        });
-    }
+    check_write_shape("xquant cross-layer writes", d_model, rank)?;
     let id = stable_id(&format!("xquant-cross-layer|{dtype:?}|{d_model}|{rank}"));
     let ctx = Ctx {
         dtype: match dtype {

@@ -151,6 +151,26 @@ struct Ctx {
     reduce_name: String,
 }
 
+/// Refuses a layer input width or latent width the cache writes' kernels do not tile: `d_model` a
+/// multiple of 64 (as model widths are), `rank` of 32 (as `kvq_reference::xquant::projection`
+/// pads it), latents up to 65,536.
+pub(crate) fn check_write_shape(
+    family: &'static str,
+    d_model: u32,
+    rank: usize,
+) -> Result<(), CodegenError> {
+    if d_model == 0 || d_model % 64 != 0 || rank == 0 || rank % 32 != 0 || rank > 1 << 16 {
+        return Err(CodegenError::Unsupported {
+            family,
+            what: format!(
+                "d_model {d_model} and a latent of {rank} (multiples of 64 and 32; latents up to \
+                 65,536)"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// The projection from a `d_model`-wide layer input in `dtype` to latents of `rank` channels
 /// (`d_model` a multiple of 64, as model widths are; `rank` of 32, as
 /// `kvq_reference::xquant::projection` pads it).
@@ -159,15 +179,7 @@ pub fn xquant_project_kernel(
     d_model: u32,
     rank: usize,
 ) -> Result<XQuantProjectKernel, CodegenError> {
-    if d_model == 0 || d_model % 64 != 0 || rank == 0 || rank % 32 != 0 || rank > 1 << 16 {
-        return Err(CodegenError::Unsupported {
-            family: "xquant projection",
-            what: format!(
-                "d_model {d_model} and a latent of {rank} (multiples of 64 and 32; latents up to \
-                 65,536)"
-            ),
-        });
-    }
+    check_write_shape("xquant projection", d_model, rank)?;
     let id = stable_id(&format!("xquant-project|{dtype:?}|{d_model}|{rank}"));
     let tiles = [
         (

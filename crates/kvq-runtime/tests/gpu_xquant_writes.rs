@@ -27,7 +27,7 @@ use kvq_runtime::tune::synth::{random_queries, round_to_word, word_to_f32};
 use kvq_runtime::xquant::{
     XQuantCacheConfig, XQuantKernel, XQuantPagedCache, XQuantProjector, XQuantScratch,
 };
-use kvq_runtime::{Device, GpuTimer, Jit};
+use kvq_runtime::{Device, GpuTimer, Jit, SeqId};
 use kvq_spec::SchemeSpec;
 
 const TESTS: &[(&str, fn())] = &[
@@ -94,6 +94,25 @@ fn to_f32(bits: &[u16]) -> Vec<f32> {
     bits.iter()
         .map(|&b| half::f16::from_bits(b).to_f32())
         .collect()
+}
+
+/// A sequence's stored bytes against the reference's store, bit for bit; returns the page bytes
+/// compared.
+fn assert_stored_as(
+    cache: &XQuantPagedCache,
+    id: SeqId,
+    reference: &XQuantCache,
+    what: &str,
+) -> usize {
+    let snap = cache.snapshot(id).unwrap();
+    assert_eq!(snap.len, reference.tokens(), "{what}");
+    let diffs = snap.differences(reference.stored());
+    assert!(diffs.is_empty(), "{what}: {}", diffs.join("; "));
+    snap.k_pages
+        .iter()
+        .chain(&snap.v_pages)
+        .map(Vec::len)
+        .sum::<usize>()
 }
 
 /// The f32 values of X-format words.
@@ -380,21 +399,8 @@ fn xquant_cross_layer_writes_match_the_reference() {
                     layers[l].rope,
                 )
                 .unwrap();
-                let snap = caches[l].snapshot(ids[l][i]).unwrap();
-                assert_eq!(snap.len, n);
-                let diffs = snap.differences(reference.stored());
-                assert!(
-                    diffs.is_empty(),
-                    "{} layer {l}: sequence {i}: {}",
-                    case.scheme,
-                    diffs.join("; ")
-                );
-                bytes_checked += snap
-                    .k_pages
-                    .iter()
-                    .chain(&snap.v_pages)
-                    .map(Vec::len)
-                    .sum::<usize>();
+                let what = format!("{} layer {l}: sequence {i}", case.scheme);
+                bytes_checked += assert_stored_as(&caches[l], ids[l][i], &reference, &what);
                 references.push(reference);
             }
             let (q_bits, q_vals) =
@@ -570,21 +576,8 @@ fn xquant_device_writes_match_the_reference() {
         let mut references = Vec::new();
         for (i, (lk, lv)) in gpu_latents.iter().enumerate() {
             let reference = XQuantCache::from_latents(&spec, lk, lv, &proj, layer.rope).unwrap();
-            let snap = cache.snapshot(ids[i]).unwrap();
-            assert_eq!(snap.len, reference.tokens());
-            let diffs = snap.differences(reference.stored());
-            assert!(
-                diffs.is_empty(),
-                "{}: sequence {i}: {}",
-                case.scheme,
-                diffs.join("; ")
-            );
-            bytes_checked += snap
-                .k_pages
-                .iter()
-                .chain(&snap.v_pages)
-                .map(Vec::len)
-                .sum::<usize>();
+            let what = format!("{}: sequence {i}", case.scheme);
+            bytes_checked += assert_stored_as(&cache, ids[i], &reference, &what);
             references.push(reference);
         }
 

@@ -210,17 +210,12 @@ impl CrossLayerWrites {
     ) -> Result<()> {
         let g = &self.generated;
         let partial_len = g.lift_partial_bytes(n, self.sm_count) / 4;
-        if partial_len > 0
-            && self
-                .partial
-                .as_ref()
-                .map_or(true, |p| p.len() < partial_len)
-        {
-            let buf = stream
-                .alloc_zeros::<f32>(partial_len)
-                .map_err(|e| RuntimeError::driver("allocate the lift's partition sums", e))?;
-            self.partial = Some(buf);
-        }
+        reserve_sums(
+            stream,
+            &mut self.partial,
+            partial_len,
+            "the lift's partition sums",
+        )?;
         let rows = rows_i32(n)?;
         // Read and written in place: one pointer in both parameters, its stream-order guard held
         // across the launches.
@@ -262,6 +257,22 @@ impl CrossLayerWrites {
         // SAFETY: the reduce's params; the split lift just wrote these n rows' sums.
         unsafe { args.launch(&self.reduce_fn, cfg, false) }.map_err(launch_err(&g.lift_reduce.name))
     }
+}
+
+/// Grows `buf` to at least `len` f32 values (none needed: 0), reused across calls.
+pub(super) fn reserve_sums(
+    stream: &Arc<CudaStream>,
+    buf: &mut Option<CudaSlice<f32>>,
+    len: usize,
+    what: &str,
+) -> Result<()> {
+    if len > 0 && buf.as_ref().map_or(true, |b| b.len() < len) {
+        let grown = stream
+            .alloc_zeros::<f32>(len)
+            .map_err(|e| RuntimeError::driver(format!("allocate {what}"), e))?;
+        *buf = Some(grown);
+    }
+    Ok(())
 }
 
 fn rows_i32(n: usize) -> Result<i32> {

@@ -204,6 +204,27 @@ impl XQuantPagedCache {
         Ok(())
     }
 
+    /// Refuses X and X̂ of another dtype or not `n` rows of d_model each.
+    fn check_cross_layer_rows(
+        &self,
+        x: &CudaSlice<u16>,
+        x_hat: &CudaSlice<u16>,
+        n: usize,
+        dtype: Dtype,
+    ) -> Result<()> {
+        self.check_dtype(dtype)?;
+        let need = n * self.weights.d_model;
+        if x.len() != need || x_hat.len() != need {
+            return Err(invalid(format!(
+                "x and x_hat must hold [n {n}][d_model {}] = {need} values each, got {} and {}",
+                self.weights.d_model,
+                x.len(),
+                x_hat.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// Refuses a write of the other source's kind.
     fn check_kind(&self, cross_layer: bool) -> Result<()> {
         match (self.cross_layer.is_some(), cross_layer) {
@@ -321,16 +342,7 @@ impl XQuantPagedCache {
         rows: BaseRows,
         store: impl FnOnce(&mut PagedKvCache, &CudaSlice<u16>, &CudaSlice<u16>) -> Result<()>,
     ) -> Result<()> {
-        self.check_dtype(dtype)?;
-        let need = n * self.weights.d_model;
-        if x.len() != need || x_hat.len() != need {
-            return Err(invalid(format!(
-                "x and x_hat must hold [n {n}][d_model {}] = {need} values each, got {} and {}",
-                self.weights.d_model,
-                x.len(),
-                x_hat.len()
-            )));
-        }
+        self.check_cross_layer_rows(x, x_hat, n, dtype)?;
         self.reserve_rows(n)?;
         let (Some(cl), Some((k, v))) = (self.cross_layer.as_mut(), self.rows.as_mut()) else {
             return Err(invalid("not an XQuant-CL cache".into()));
@@ -381,16 +393,10 @@ impl XQuantPagedCache {
         dtype: Dtype,
     ) -> Result<(Vec<u16>, Vec<u16>)> {
         self.check_kind(true)?;
-        self.check_dtype(dtype)?;
-        let need = n * self.weights.d_model;
-        if n == 0 || x.len() != need || x_hat.len() != need {
-            return Err(invalid(format!(
-                "x and x_hat must hold [n {n} > 0][d_model {}] = {need} values each, got {} and {}",
-                self.weights.d_model,
-                x.len(),
-                x_hat.len()
-            )));
+        if n == 0 {
+            return Err(invalid("no rows to project".into()));
         }
+        self.check_cross_layer_rows(x, x_hat, n, dtype)?;
         self.reserve_rows(n)?;
         let (Some(cl), Some((k, v))) = (self.cross_layer.as_mut(), self.rows.as_mut()) else {
             return Err(invalid("not an XQuant-CL cache".into()));

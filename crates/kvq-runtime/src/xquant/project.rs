@@ -1,8 +1,9 @@
 //! [`XQuantProjector`]: the cache writes' projection of new tokens' layer input to f16 latent rows
 //! on tensor cores (`kernels/include/kvq/xquant/project.cuh`).
 
+use super::cross_layer::reserve_sums;
 use super::weights::{invalid, XQuantWeightInputs, XQuantWeights};
-use crate::error::{Result, RuntimeError};
+use crate::error::Result;
 use crate::jit::Jit;
 use crate::launch::{allow_dynamic_shared, launch_err, unit_source, Args, Input, Output};
 use crate::nvrtc::CompileOptions;
@@ -87,17 +88,12 @@ impl XQuantProjector {
             )));
         }
         let partial_len = self.partial_bytes(n) / 4;
-        if partial_len > 0
-            && self
-                .partial
-                .as_ref()
-                .map_or(true, |p| p.len() < partial_len)
-        {
-            let buf = stream
-                .alloc_zeros::<f32>(partial_len)
-                .map_err(|e| RuntimeError::driver("allocate the projection's partition sums", e))?;
-            self.partial = Some(buf);
-        }
+        reserve_sums(
+            stream,
+            &mut self.partial,
+            partial_len,
+            "the projection's partition sums",
+        )?;
         let kernels = Kernels {
             generated: &self.generated,
             narrow: &self.narrow,
