@@ -66,7 +66,7 @@ pub fn extra_bytes(sequences: &[&IntCache], score_columns: Option<usize>) -> u64
 
 /// Bytes of an XQuant decode step over `batch` copies of `cache` with `q_heads` query heads:
 /// each sequence's latent store (counted as [`sequence_bytes`] counts an integer cache: the
-/// latents are one), XQuant-CL's accumulator latents (f32, K's and V's), the projections' up
+/// latents are one), XQuant-CL's accumulator latents (f16, K's and V's), the projections' up
 /// factors once (`up_k` in f16, both halves for the f32 rebuild, and `up_v` in f32: every CTA
 /// reads them, L2 serves all but the first read), and the queries read and outputs written.
 pub fn xquant_decode_bytes(
@@ -83,7 +83,7 @@ pub fn xquant_decode_bytes(
     let factors = (2 * up_k_halves * p.k.rank * p.k.out + 4 * p.v.rank * p.v.out) as u64;
     let accumulator = cache
         .accumulator_latents()
-        .map_or(0, |(k, v)| 4 * (k.len() + v.len()) as u64);
+        .map_or(0, |(k, v)| 2 * (k.len() + v.len()) as u64);
     let rows = (batch * q_heads * p.head_dim) as u64;
     batch as u64 * (sequence_bytes(cache.stored()) + accumulator) + factors + 2 * 2 * rows
 }
@@ -169,13 +169,13 @@ mod tests {
             xquant_rebuild_flop(&c, 3),
             2.0 * (128 * 64 * 2) as f64 * 900.0
         );
-        // XQuant-CL also reads its accumulator's f32 latents.
+        // XQuant-CL also reads its accumulator's f16 latents.
         let cl = by_name("xquant-cl2").unwrap().spec;
         let c = kvq::runtime::xquant::synthetic_cache(&cl, (2, 64, 256), 300, 1).unwrap();
         let with = xquant_decode_bytes(&c, 1, 4, RebuildPrecision::F16);
         assert_eq!(
             with,
-            sequence_bytes(c.stored()) + 2 * 4 * 300 * 128 + factors + 4 * (4 * 64)
+            sequence_bytes(c.stored()) + 2 * 2 * 300 * 128 + factors + 4 * (4 * 64)
         );
     }
 

@@ -283,7 +283,7 @@ impl BenchResults {
         if !rebuilds.is_empty() {
             s.push_str(
                 "\nXQuant rows: bytes, GB/s and read µs count what the step reads (the latents' \
-                 store, XQuant-CL's f32 accumulator latents, the projections' up factors once, \
+                 store, XQuant-CL's f16 accumulator latents, the projections' up factors once, \
                  queries and outputs), but their floor is compute: rebuilding K from the latents \
                  on tensor cores, 2·R·D FLOP a token and KV head (counted once whatever the \
                  rebuild's passes). max rel err covers the last KV head's query heads of the \

@@ -36,7 +36,7 @@ pub struct XQuantCrossLayerKernel {
     pub source: String,
     /// `delta = x − x_hat`, `[n][d_model]` in the dtype; any grid.
     pub delta: KernelEntry,
-    /// The accumulator's f16 latent rows widened into the cache's f32 rows; any grid.
+    /// The accumulator's f16 latent rows into the cache's per-token rows; any grid.
     pub base: KernelEntry,
     /// `x_hat_next = x_hat + [lat_k | lat_v]·lift`; grid (ceil(n / 32), ceil(d_model / 128), 1
     /// or `partitions`): z = `partitions` writes each partition's f32 sums
@@ -144,8 +144,8 @@ pub fn xquant_cross_layer_kernel(
             param("const int32_t*", "rows_at"),
             param("int32_t", "row0"),
             param("int32_t", "n"),
-            param("float*", "base_k"),
-            param("float*", "base_v"),
+            param("uint16_t*", "base_k"),
+            param("uint16_t*", "base_v"),
         ],
         grid: any_grid(),
         block: ELEMENTWISE_THREADS,

@@ -323,9 +323,9 @@ fn xquant_cross_layer_writes_match_the_reference() {
         for l in 0..depth {
             let proj = &projs[l];
             let (base_k, base_v, base_rows) = caches[l].accumulator_latents().unwrap();
-            let (base_k, base_v): (Vec<f32>, Vec<f32>) = (
-                stream.clone_dtoh(base_k).unwrap(),
-                stream.clone_dtoh(base_v).unwrap(),
+            let (base_k, base_v) = (
+                to_f32(&stream.clone_dtoh(base_k).unwrap()),
+                to_f32(&stream.clone_dtoh(base_v).unwrap()),
             );
             let mut references = Vec::new();
             for (i, &(p, a)) in case.sequences.iter().enumerate() {
@@ -343,7 +343,7 @@ fn xquant_cross_layer_writes_match_the_reference() {
                 let at = ids[l][i].0 as usize * base_rows * rank;
                 let (bk, bv) = (&base_k[at..at + n * rank], &base_v[at..at + n * rank]);
                 // Delta latents (δ rounded to X's format first) and the accumulator's latents
-                // (f16 rows widened) against f64 projections: f16's rounding of the latent, δ's
+                // (f16 rows) against f64 projections: f16's rounding of the latent, δ's
                 // rounding, f32 sums of products with down's two halves.
                 for (what, got, src, lp, rounding) in [
                     ("delta K", &dk, &delta, &proj.k, eps),

@@ -142,7 +142,7 @@ pub struct Memory {
     pub fp16: u64,
     /// f16 codebook tensors of the layer: shared by every sequence, so **not** in [`Memory::bytes`].
     pub codebooks: u64,
-    /// XQuant-CL: the accumulator's latents kept per token (f32, both latents).
+    /// XQuant-CL: the accumulator's latents kept per token (f16, both latents).
     pub accumulator: u64,
     /// K and V elements the cache stands for: `2 · len · kv_heads · head_dim`.
     pub elements: u64,
@@ -254,7 +254,7 @@ pub fn memory_with_rank(
             };
             let accumulator = match spec.source {
                 CacheSource::X(XSource::CrossLayer) => {
-                    footprint::checked_product(&[8, rank as u64, len], head_dim, kv_heads, len)?
+                    footprint::checked_product(&[4, rank as u64, len], head_dim, kv_heads, len)?
                 }
                 _ => 0,
             };

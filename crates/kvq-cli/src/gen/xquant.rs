@@ -170,7 +170,7 @@ fn layout_info(
         buffer(
             "base_k / base_v",
             &format!("[sequence slots][base_rows][{r}]"),
-            "f32",
+            "f16",
             "XQuant-CL: the accumulator's latents X̂_{i−1}·down_k, X̂_{i−1}·down_v of each token, \
              kept per layer and added to every stored latent; the writes fill a token's row \
              (slot·base_rows + position) (docs/CODEBOOKS.md §3.1 on what keeping them costs)",
@@ -225,7 +225,7 @@ fn layout_info(
             "acc_k / acc_v",
             &format!("[n][{r}]"),
             "f16",
-            "XQuant-CL: the projection of x_hat, widened into base_k / base_v by cl_base",
+            "XQuant-CL: the projection of x_hat, copied into base_k / base_v by cl_base",
         ));
         buffers.push(buffer(
             "lift",
@@ -488,8 +488,8 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
             ),
             (
                 "cl_base",
-                "XQuant-CL: the accumulator's f16 latent rows widened into base_k / base_v at \
-                 rows_at[i] (or row0 + i where rows_at is null)",
+                "XQuant-CL: the accumulator's f16 latent rows into base_k / base_v at rows_at[i] \
+                 (or row0 + i where rows_at is null)",
                 &c.base,
             ),
             (

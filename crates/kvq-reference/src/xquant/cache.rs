@@ -64,6 +64,12 @@ fn latent_spec(spec: &SchemeSpec) -> SchemeSpec {
     }
 }
 
+/// Values rounded to nearest f16 (the accumulator's latents and the lifted deltas, as the GPU
+/// keeps them).
+fn f16_rounded(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&a| half::f16::from_f32(a).to_f32()).collect()
+}
+
 /// Widest store head for latents (the page quantizers' and boost's limit on a head's channels).
 const MAX_STORE_WIDTH: usize = 256;
 
@@ -169,7 +175,7 @@ impl XQuantCache {
             )));
         }
         let mut cache = Self::store_latents(spec, delta_k, delta_v, projections, rope)?;
-        cache.base = Some((base_k.to_vec(), base_v.to_vec()));
+        cache.base = Some((f16_rounded(base_k), f16_rounded(base_v)));
         Ok(cache)
     }
 
@@ -234,7 +240,10 @@ impl XQuantCache {
         let (delta_k, delta_v) = (pk.project(&delta), pv.project(&delta));
         let next = Self::next_accumulator(projections, x_hat_prev, &delta_k, &delta_v)?;
         let mut cache = Self::store_latents(spec, &delta_k, &delta_v, projections, rope)?;
-        cache.base = Some((pk.project(x_hat_prev), pv.project(x_hat_prev)));
+        cache.base = Some((
+            f16_rounded(&pk.project(x_hat_prev)),
+            f16_rounded(&pv.project(x_hat_prev)),
+        ));
         Ok((cache, next))
     }
 
@@ -265,10 +274,12 @@ impl XQuantCache {
                 delta_v.len()
             )));
         }
-        let f16 = |v: &[f32]| -> Vec<f32> {
-            v.iter().map(|&a| half::f16::from_f32(a).to_f32()).collect()
-        };
-        let step = lift(projections, &f16(delta_k), &f16(delta_v), tokens)?;
+        let step = lift(
+            projections,
+            &f16_rounded(delta_k),
+            &f16_rounded(delta_v),
+            tokens,
+        )?;
         Ok(x_hat_prev.iter().zip(&step).map(|(a, b)| a + b).collect())
     }
 
@@ -298,7 +309,8 @@ impl XQuantCache {
     }
 
     /// `x(cross_layer)` only: the latents `X̂_{i−1}·down_k`, `X̂_{i−1}·down_v` of the accumulator,
-    /// `[tokens][rank]` each, kept with the layer's cache (the decode adds them to the deltas).
+    /// `[tokens][rank]` each, rounded to f16 and kept with the layer's cache (the decode adds them
+    /// to the deltas).
     pub fn accumulator_latents(&self) -> Option<(&[f32], &[f32])> {
         self.base
             .as_ref()
@@ -434,12 +446,12 @@ impl XQuantCache {
     }
 
     /// Bytes this sequence stores (both latents: pools and FP16 buffers; for `x(cross_layer)` also
-    /// the accumulator's latents, f32 as the GPU keeps them, 8·R bytes a token).
+    /// the accumulator's latents, f16, 4·R bytes a token).
     pub fn allocated_bytes(&self) -> usize {
         let base = self
             .base
             .as_ref()
-            .map_or(0, |(k, v)| 4 * (k.len() + v.len()));
+            .map_or(0, |(k, v)| 2 * (k.len() + v.len()));
         self.latents.allocated_bytes() + base
     }
 

@@ -36,9 +36,9 @@ pub(super) struct CrossLayerWrites {
     partial: Option<CudaSlice<f32>>,
     /// `[2·rank][d_model]` f32: row j is the X-space delta of a unit latent j (K's, then V's).
     lift: CudaSlice<f32>,
-    /// `X̂_{i−1}·down_k`, `X̂_{i−1}·down_v` of every token, f32 `[max_seqs][max_tokens][rank]`.
-    pub(super) base_k: CudaSlice<f32>,
-    pub(super) base_v: CudaSlice<f32>,
+    /// `X̂_{i−1}·down_k`, `X̂_{i−1}·down_v` of every token, f16 `[max_seqs][max_tokens][rank]`.
+    pub(super) base_k: CudaSlice<u16>,
+    pub(super) base_v: CudaSlice<u16>,
     pub(super) max_tokens: usize,
     /// The step's deltas `[n][d_model]` (exactly n rows: the projection's input).
     delta: Option<CudaSlice<u16>>,
@@ -82,7 +82,7 @@ impl CrossLayerWrites {
         let lift = projections.lift_matrix()?;
         let alloc = |what: &str| {
             stream
-                .alloc_zeros::<f32>((rows * rank).max(1))
+                .alloc_zeros::<u16>((rows * rank).max(1))
                 .map_err(|e| RuntimeError::driver(format!("allocate {what}"), e))
         };
         Ok(Self {
@@ -104,7 +104,7 @@ impl CrossLayerWrites {
 
     /// Device bytes of the per-token accumulator latents and the lift matrix.
     pub(super) fn device_bytes(&self) -> usize {
-        4 * (self.base_k.len() + self.base_v.len() + self.lift.len())
+        2 * (self.base_k.len() + self.base_v.len()) + 4 * self.lift.len()
     }
 
     /// Enqueues `δ = x − x_hat` (`[n][d_model]` each) and returns it.

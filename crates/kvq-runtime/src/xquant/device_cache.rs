@@ -14,9 +14,9 @@ use std::sync::Arc;
 pub struct XQuantDeviceCache {
     pub(super) latents: GpuCache,
     pub(super) weights: XQuantWeights,
-    /// XQuant-CL: the accumulator's latents (`X̂_{i−1}·down_k`, `·down_v`), f32
+    /// XQuant-CL: the accumulator's latents (`X̂_{i−1}·down_k`, `·down_v`), f16
     /// `[batch][base_rows][rank]`, which the decode adds to the stored deltas.
-    pub(super) base: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    pub(super) base: Option<(CudaSlice<u16>, CudaSlice<u16>)>,
     pub(super) base_rows: usize,
 }
 
@@ -44,9 +44,15 @@ impl XQuantDeviceCache {
             CacheSource::X(XSource::CrossLayer) => {
                 let rank = first.projections().k.rank;
                 let (mut k, mut v) = (
-                    vec![0f32; caches.len() * base_rows * rank],
-                    vec![0f32; caches.len() * base_rows * rank],
+                    vec![0u16; caches.len() * base_rows * rank],
+                    vec![0u16; caches.len() * base_rows * rank],
                 );
+                // The reference keeps them rounded to f16 already: the bits are exact.
+                let bits = |dst: &mut [u16], src: &[f32]| {
+                    dst.iter_mut()
+                        .zip(src)
+                        .for_each(|(d, s)| *d = half::f16::from_f32(*s).to_bits())
+                };
                 for (i, c) in caches.iter().enumerate() {
                     let (bk, bv) = c.accumulator_latents().ok_or_else(|| {
                         invalid(format!(
@@ -54,12 +60,12 @@ impl XQuantDeviceCache {
                         ))
                     })?;
                     let at = i * base_rows * rank;
-                    k[at..at + bk.len()].copy_from_slice(bk);
-                    v[at..at + bv.len()].copy_from_slice(bv);
+                    bits(&mut k[at..at + bk.len()], bk);
+                    bits(&mut v[at..at + bv.len()], bv);
                 }
                 Some((
-                    upload(stream, &k, 0.0, "the accumulator's K latents")?,
-                    upload(stream, &v, 0.0, "the accumulator's V latents")?,
+                    upload(stream, &k, 0, "the accumulator's K latents")?,
+                    upload(stream, &v, 0, "the accumulator's V latents")?,
                 ))
             }
             _ => None,

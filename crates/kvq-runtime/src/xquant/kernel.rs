@@ -35,7 +35,7 @@ struct Launch<'a> {
     slots: Input<'a, i32>,
     weights: XQuantWeightInputs<'a>,
     /// XQuant-CL's accumulator latents (K, V) and their rows a slot.
-    base: Option<(Input<'a, f32>, Input<'a, f32>, usize)>,
+    base: Option<(Input<'a, u16>, Input<'a, u16>, usize)>,
     q: Input<'a, u16>,
     out: Output<'a, u16>,
     /// `[batch][q_heads]` f32 log-sum-exps, or `Raw(0)`.
@@ -188,7 +188,7 @@ impl XQuantKernel {
         stream: &Arc<CudaStream>,
         view: CacheView<'_>,
         weights: XQuantWeightInputs<'_>,
-        base: Option<(Input<'_, f32>, Input<'_, f32>, usize)>,
+        base: Option<(Input<'_, u16>, Input<'_, u16>, usize)>,
         (q, out): (&CudaSlice<u16>, &mut CudaSlice<u16>),
         splits: usize,
         scratch: &mut XQuantScratch,

@@ -89,7 +89,7 @@ pub struct XQuantPagedCache {
 
 impl XQuantPagedCache {
     /// Compiles (or loads) the projection and the latent store's kernels and allocates the cache;
-    /// XQuant-CL's also the accumulator's latents of every token it can hold, f32
+    /// XQuant-CL's also the accumulator's latents of every token it can hold, f16
     /// `2 · max_seqs · max_tokens · R` (docs/CODEBOOKS.md §3.1), and the layer's lift matrix.
     pub fn new(
         jit: &Jit,
@@ -419,7 +419,7 @@ impl XQuantPagedCache {
     }
 
     /// Allocated memory and what the live sequences occupy (the projections not included):
-    /// the latent store's and, for XQuant-CL, the accumulator's latents (f32, 2R a token) and
+    /// the latent store's and, for XQuant-CL, the accumulator's latents (f16, 2R a token) and
     /// the lift matrix.
     pub fn memory(&self) -> Result<MemoryReport> {
         let mut report = self.latents.memory()?;
@@ -429,19 +429,19 @@ impl XQuantPagedCache {
                 .filter_map(|s| self.latents.len(SeqId(s as u32)).ok())
                 .sum();
             report.allocated_bytes += cl.device_bytes();
-            report.sequence_bytes += tokens * 2 * rank * 4;
+            report.sequence_bytes += tokens * 2 * rank * 2;
             if tokens > 0 {
-                // Both latents' f32 rows beside each stored latent element.
-                report.bits_per_element += 32.0;
+                // Both latents' f16 rows beside each stored latent element.
+                report.bits_per_element += 16.0;
             }
         }
         Ok(report)
     }
 
-    /// XQuant-CL: the accumulator's latents of every token slot, f32
+    /// XQuant-CL: the accumulator's latents of every token slot, f16
     /// `[max_seqs][max_tokens][rank]` (K, V), with `max_tokens`: what the decode adds to the
     /// stored deltas. `None` for `x(latent)`.
-    pub fn accumulator_latents(&self) -> Option<(&CudaSlice<f32>, &CudaSlice<f32>, usize)> {
+    pub fn accumulator_latents(&self) -> Option<(&CudaSlice<u16>, &CudaSlice<u16>, usize)> {
         self.cross_layer
             .as_ref()
             .map(|c| (&c.base_k, &c.base_v, c.max_tokens))

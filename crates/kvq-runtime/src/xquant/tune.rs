@@ -184,7 +184,7 @@ pub fn xquant_cache_bytes(cache: &XQuantDeviceCache) -> u64 {
     let base = cache
         .base
         .as_ref()
-        .map_or(0, |(k, v)| 4 * (k.len() + v.len()) as u64);
+        .map_or(0, |(k, v)| 2 * (k.len() + v.len()) as u64);
     cache.latent_bytes() as u64 + base
 }
 

@@ -4,8 +4,8 @@
 // carries from the previous layer (zeros at the first):
 //  - kvq_xcl_delta: δ = X − X̂_{i−1}, rounded to X's format: the rows the projection turns into
 //    the delta latents the integer store keeps;
-//  - kvq_xcl_base: the accumulator's latents X̂_{i−1}·down (projected like X, f16 rows) widened to
-//    f32 into the cache's rows [slot][base_rows][XR], which the decode adds to the stored deltas;
+//  - kvq_xcl_base: the accumulator's latents X̂_{i−1}·down (projected like X, f16 rows) into the
+//    cache's rows [slot][base_rows][XR], which the decode adds to the stored deltas;
 //  - kvq_xcl_lift (and its reduce): the next accumulator X̂_i = X̂_{i−1} + [Δ_k | Δ_v]·lift, the
 //    f16 delta latents (before any page quantizes them) times the layer's lift matrix
 //    [2·XR][XD] f32, summed in f32 on CUDA cores in a fixed order, rounded to X's format.
@@ -25,13 +25,13 @@ static __device__ __forceinline__ void kvq_xcl_delta(const kvq_u16* __restrict__
 // where rows_at is null (a prefill's consecutive positions), row0 + i. Any grid, any block.
 static __device__ __forceinline__ void kvq_xcl_base(const kvq_u16* __restrict__ lat_k, const kvq_u16* __restrict__ lat_v,
                                                     const int* __restrict__ rows_at, long row0, int n,
-                                                    float* __restrict__ base_k, float* __restrict__ base_v) {
+                                                    kvq_u16* __restrict__ base_k, kvq_u16* __restrict__ base_v) {
     const long total = (long)n * XR;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
         const int r = (int)(i / XR);
         const long at = (rows_at ? (long)rows_at[r] : row0 + r) * XR + i % XR;
-        base_k[at] = kvq_f16_to_f32(lat_k[i]);
-        base_v[at] = kvq_f16_to_f32(lat_v[i]);
+        base_k[at] = lat_k[i];
+        base_v[at] = lat_v[i];
     }
 }
 

@@ -27,7 +27,7 @@
 // 64 past head_dim 128), PAGE, SINK, PASSES, KV_PER_CTA (KV heads a CTA: 2 on the warpgroup path
 // where kvq-codegen pairs them, else 1), TENSOR_V (V's sums on tensor cores,
 // kvq/xquant/values.cuh), CROSS_LAYER (XQuant-CL: the stored
-// latents are deltas, and base_k, base_v hold the accumulator's latents, f32 [slot][base_rows][XR],
+// latents are deltas, and base_k, base_v hold the accumulator's latents, f16 [slot][base_rows][XR],
 // added to them), SMEM_BYTES (the launch's dynamic shared memory), KVQ_XQ_WGMMA and WG_STAGES
 // (the warpgroup path and its ring's stages), and KTensor, VTensor (kvq/tensor.cuh's traits at
 // width XW).
@@ -134,7 +134,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
     const kvq_i32* __restrict__ seq_lens, const kvq_i32* __restrict__ seq_slots, const kvq_u16* __restrict__ up_k_hi,
     const kvq_u16* __restrict__ up_k_lo, const kvq_u16* __restrict__ up_k_groups, const float* __restrict__ up_v,
     const double* __restrict__ rope_freq,
-    const float* __restrict__ base_k, const float* __restrict__ base_v, int base_rows, float* __restrict__ part_acc,
+    const kvq_u16* __restrict__ base_k, const kvq_u16* __restrict__ base_v, int base_rows, float* __restrict__ part_acc,
     float* __restrict__ part_ml)
 {
     // Dynamic shared memory: the rebuild's stages, the tile's V code rows (tensor path), each
@@ -670,7 +670,7 @@ static __device__ __forceinline__ void kvq_xquant_decode(
         if (live) kl = xq_locate<KTensor>(t0 + my_row, len, slot, k_pool, page_table, max_pages, k_sink, k_tail);
         // Cross-layer schemes: the tile's rows of the accumulator's latents (row my_row for K).
         const long base_row0 = ((long)slot * base_rows + t0) * XR;
-        const float* const kb = CROSS_LAYER ? base_k + base_row0 + (long)my_row * XR : nullptr;
+        const kvq_u16* const kb = CROSS_LAYER ? base_k + base_row0 + (long)my_row * XR : nullptr;
         locate_v(t0, n, tensor_v);
         // 1. K = L̂_k·up_k for the tile, through the two-stage pipeline; the tile's V code rows
         //    join the second chunk's copies.

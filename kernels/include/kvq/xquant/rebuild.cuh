@@ -24,7 +24,7 @@ static __device__ __forceinline__ void xq_prefetch_l1(const void* p) {
 
 // Asks L1 for the lines of a span's codes and parameters (no registers held), a chunk before
 // xq_load_codes reads them, so the loads that must wait in registers find them close.
-static __device__ __forceinline__ void xq_prefetch_span(const XqLoc& row_loc, int c_row, const float* base) {
+static __device__ __forceinline__ void xq_prefetch_span(const XqLoc& row_loc, int c_row, const kvq_u16* base) {
     using T = KTensor;
     if constexpr (CROSS_LAYER) xq_prefetch_l1(base + c_row);
     const XqLoc l = xq_head<T>(row_loc, c_row);
@@ -88,9 +88,9 @@ static __device__ __forceinline__ kvq_u32 xq_code_pair(const XqCodes& r, int c0,
 // and splits; PASSES = 1 takes one f16x2 fma of the f16 scale and zero pairs (the exact value
 // rounded once to f16; 3-bit codes, which span two planes, decode in f32 first).
 // PAGE_ONLY: every row of the tile is a live page row (no branch on the row's kind). CROSS_LAYER:
-// `base` is the row's accumulator latents (f32), added to every value before it is rounded.
+// `base` is the row's accumulator latents (f16), added to every value before it is rounded.
 template <bool PAGE_ONLY>
-static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc& row_loc, bool live, int c0, const float* base,
+static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc& row_loc, bool live, int c0, const kvq_u16* base,
                                                   kvq_u16* hi, kvq_u16* lo) {
     using T = KTensor;
     // The span's store head; c0 stays the row's channel (code bits and `base` follow it).
@@ -107,8 +107,8 @@ static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc&
             if constexpr (CROSS_LAYER) {
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
-                    const float x0 = kvq_f16_to_f32((kvq_u16)h[k]) + base[c0 + o + 2 * k];
-                    const float x1 = kvq_f16_to_f32((kvq_u16)(h[k] >> 16)) + base[c0 + o + 2 * k + 1];
+                    const float x0 = kvq_f16_to_f32((kvq_u16)h[k]) + kvq_f16_to_f32(base[c0 + o + 2 * k]);
+                    const float x1 = kvq_f16_to_f32((kvq_u16)(h[k] >> 16)) + kvq_f16_to_f32(base[c0 + o + 2 * k + 1]);
                     h[k] = kvq_h2_pack(x0, x1);
                     if constexpr (PASSES == 3)
                         g[k] = kvq_h2_pack(x0 - kvq_f16_to_f32((kvq_u16)h[k]), x1 - kvq_f16_to_f32((kvq_u16)(h[k] >> 16)));
@@ -143,7 +143,7 @@ static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc&
                         const float sc = kvq_f16_to_f32((kvq_u16)(sw[k / 2] >> (16 * e)));
                         if constexpr (T::SYMMETRIC) x[e] = sc * (code - (float)T::OFFSET);
                         else x[e] = fmaf(sc, code, kvq_f16_to_f32((kvq_u16)(zw[k / 2] >> (16 * e))));
-                        if constexpr (CROSS_LAYER) x[e] += base[c0 + o + k + e];
+                        if constexpr (CROSS_LAYER) x[e] += kvq_f16_to_f32(base[c0 + o + k + e]);
                     }
                     h[k / 2] = kvq_h2_pack(x[0], x[1]);
                     if constexpr (PASSES == 3)

@@ -185,8 +185,8 @@ static __device__ __forceinline__ void xq_values_merge(float (&vo)[XQ_VMT][4]) {
 
 // Σ_t p_t·l̂_t over the tile's n tokens into the group's sums vsum [XQ_QH][XR] on CUDA cores: the
 // group's thread gt takes channels XQ_VQ·(gt + XQ_GT·j) + [0, XQ_VQ). CROSS_LAYER: `base` holds
-// the tile's rows of accumulator latents (f32, XR apart), added to each latent.
-static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const float (*p)[XQ_M], int n, const float* base,
+// the tile's rows of accumulator latents (f16, XR apart), added to each latent.
+static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const float (*p)[XQ_M], int n, const kvq_u16* base,
                                                       float* vsum, int gt) {
     constexpr int VJ = (XR + XQ_VQ * XQ_GT - 1) / (XQ_VQ * XQ_GT);
     constexpr int VB = 8 / VJ;   // tokens whose raw latents are loaded before any is used
@@ -218,7 +218,7 @@ static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const f
 #pragma unroll
                     for (int e = 0; e < XQ_VQ; ++e) {
                         x[e] = raw[u][j].value(c0, e);
-                        if constexpr (CROSS_LAYER) x[e] += base[(long)(tb + u) * XR + c0 + e];
+                        if constexpr (CROSS_LAYER) x[e] += kvq_f16_to_f32(base[(long)(tb + u) * XR + c0 + e]);
                     }
 #pragma unroll
                     for (int h = 0; h < XQ_QH; ++h)
