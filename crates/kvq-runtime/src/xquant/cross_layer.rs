@@ -47,8 +47,9 @@ pub(super) struct CrossLayerWrites {
 }
 
 impl CrossLayerWrites {
-    /// Compiles (or loads) the kernels, uploads the lift matrix (a d_model-square solve on the
-    /// host, `Projections::lift_matrix`) and allocates the per-token accumulator latents.
+    /// Compiles (or loads) the kernels, uploads the lift matrix (`Projections::lift_matrix`, a
+    /// solve on the host in the smaller of d_model and 2R) and allocates the per-token
+    /// accumulator latents.
     pub(super) fn new(
         jit: &Jit,
         stream: &Arc<CudaStream>,
