@@ -19,7 +19,7 @@ const LIFT_CHUNK: usize = 32;
 
 /// Partitions of the 2·rank latents whose sums add in order (cross_layer.cuh's XCL_P).
 fn partitions(rank: usize) -> u32 {
-    [8, 4, 2]
+    [16, 8, 4, 2]
         .into_iter()
         .find(|p| (2 * rank) % (p * LIFT_CHUNK) == 0)
         .unwrap_or(1) as u32
@@ -31,7 +31,7 @@ pub struct XQuantCrossLayerKernel {
     pub d_model: u32,
     pub rank: usize,
     pub dtype: Dtype,
-    /// Partitions of the 2·rank latents whose sums add in order (8, 4 or 2).
+    /// Partitions of the 2·rank latents whose sums add in order (16, 8, 4 or 2).
     pub partitions: u32,
     pub source: String,
     /// `delta = x − x_hat`, `[n][d_model]` in the dtype; any grid.
@@ -209,10 +209,10 @@ mod tests {
             k.lift.name
         )));
         assert!(!k.source.contains("{{") && !k.source.contains("{%"));
-        assert!(k.source.contains("XCL_P == 8"));
+        assert!(k.source.contains("XCL_P == 16"));
         // A decode step's 16 tokens: 32 whole-sum CTAs would leave most of 132 SMs idle.
-        assert_eq!(k.lift_grid(16, 132), (1, 32, 8));
-        assert_eq!(k.lift_partial_bytes(16, 132), 4 * 8 * 16 * 4096);
+        assert_eq!(k.lift_grid(16, 132), (1, 32, 16));
+        assert_eq!(k.lift_partial_bytes(16, 132), 4 * 16 * 16 * 4096);
         assert_eq!(k.lift_grid(4096, 132), (128, 32, 1));
         assert_eq!(k.lift_partial_bytes(4096, 132), 0);
         // 192 latents: 6 chunks of 32, two partitions.

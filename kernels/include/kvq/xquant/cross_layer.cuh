@@ -41,11 +41,11 @@ static __device__ __forceinline__ void kvq_xcl_base(const kvq_u16* __restrict__ 
 // partition's products accumulate from zero in ascending order and the partition sums add in
 // order, (s0 + s1) + s2 + ..., before X̂_{i−1} joins them. A launch of few tokens takes one
 // partition a CTA (grid z = XCL_P, f32 sums [XCL_P][n][XD] for kvq_xcl_lift_reduce), so the lift
-// matrix streams through many SMs; either way a token's accumulator does not depend on its batch.
+// matrix streams through many SMs (sixteen partitions of 2,048 latents: 512 CTAs at 4,096 columns); either way a token's accumulator does not depend on its batch.
 // Grid (ceil(n / XCL_M), ceil(XD / XCL_N), 1 or XCL_P). x_hat_next may be x_hat (each value is
 // read just before the same thread writes it).
 static constexpr int XCL_M = 32, XCL_N = 128, XCL_K = 32, XCL_THREADS = 256;
-static constexpr int XCL_P = (2 * XR) % (8 * XCL_K) == 0 ? 8 : ((2 * XR) % (4 * XCL_K) == 0 ? 4 : 2);
+static constexpr int XCL_P = (2 * XR) % (16 * XCL_K) == 0 ? 16 : (2 * XR) % (8 * XCL_K) == 0 ? 8 : ((2 * XR) % (4 * XCL_K) == 0 ? 4 : 2);
 static_assert(XR % XCL_K == 0 && (2 * XR) % (XCL_P * XCL_K) == 0, "whole latent chunks a partition");
 
 static __device__ __forceinline__ void kvq_xcl_lift(const kvq_u16* x_hat, const kvq_u16* __restrict__ lat_k,
