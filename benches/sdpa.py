@@ -15,16 +15,7 @@ import json
 import statistics
 import sys
 
-
-def parse_tokens(text):
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        scale = 1
-        if part[-1:] in ("K", "k"):
-            scale, part = 1024, part[:-1]
-        out.append(int(part) * scale)
-    return out
+from common import parse_tokens
 
 
 def parse_ints(text):
