@@ -119,6 +119,14 @@ fn values_need_no_rematerialisation() {
     }
 }
 
+/// The accumulator the synthetic layer's previous layer (`x_prev`, first of its chain) hands on.
+fn accumulator_of_previous_layer(spec: &SchemeSpec, s: &SynthKv, p: &Projections) -> Vec<f32> {
+    let zeros = vec![0.0f32; s.layer.x_prev.len()];
+    XQuantCache::build_cross_layer(spec, &s.layer.x_prev, &zeros, p, s.rope)
+        .unwrap()
+        .1
+}
+
 #[test]
 fn cross_layer_accumulator_tracks_the_inputs() {
     let s = layer(96);
@@ -126,9 +134,7 @@ fn cross_layer_accumulator_tracks_the_inputs() {
     let spec = SchemeSpec::parse("k = int(8, channel), v = int(8, token), source = x(cross_layer)")
         .unwrap();
     // Layer i−1 starts the chain (accumulator zero); layer i stores its delta against X̂_{i−1}.
-    let zeros = vec![0.0f32; s.layer.x_prev.len()];
-    let (_, x_hat_prev) =
-        XQuantCache::build_cross_layer(&spec, &s.layer.x_prev, &zeros, &p, s.rope).unwrap();
+    let x_hat_prev = accumulator_of_previous_layer(&spec, &s, &p);
     assert!(rel_mse(&x_hat_prev, &s.layer.x_prev) < 1e-4);
     let (cache, x_hat) =
         XQuantCache::build_cross_layer(&spec, &s.layer.x, &x_hat_prev, &p, s.rope).unwrap();
@@ -249,9 +255,7 @@ fn cross_layer_latents_from_elsewhere_store_as_the_chain_does() {
     let spec: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(cross_layer)"
         .parse()
         .unwrap();
-    let zeros = vec![0.0f32; s.layer.x_prev.len()];
-    let (_, x_hat_prev) =
-        XQuantCache::build_cross_layer(&spec, &s.layer.x_prev, &zeros, &p, s.rope).unwrap();
+    let x_hat_prev = accumulator_of_previous_layer(&spec, &s, &p);
     let (built, _) =
         XQuantCache::build_cross_layer(&spec, &s.layer.x, &x_hat_prev, &p, s.rope).unwrap();
     let delta: Vec<f32> = s
@@ -300,9 +304,7 @@ fn cross_layer_streaming_case(d: usize) {
     let spec: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(cross_layer)"
         .parse()
         .unwrap();
-    let zeros = vec![0.0f32; s.layer.x_prev.len()];
-    let (_, x_hat_prev) =
-        XQuantCache::build_cross_layer(&spec, &s.layer.x_prev, &zeros, &p, s.rope).unwrap();
+    let x_hat_prev = accumulator_of_previous_layer(&spec, &s, &p);
     let (whole, next_whole) =
         XQuantCache::build_cross_layer(&spec, &s.layer.x, &x_hat_prev, &p, s.rope).unwrap();
     let (part, next_part) = XQuantCache::build_cross_layer(

@@ -367,6 +367,7 @@ impl XQuantPagedCache {
         n: usize,
         dtype: Dtype,
     ) -> Result<(Vec<u16>, Vec<u16>)> {
+        self.check_kind(false)?;
         if n == 0 {
             return Ok((Vec::new(), Vec::new()));
         }
