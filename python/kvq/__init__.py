@@ -12,7 +12,7 @@ the kernels on it: prefill, append and attend, as torch custom ops that CUDA gra
 >>> plan.page_tokens
 128
 >>> [b.name for b in plan.buffers]
-['k_pool', 'v_pool', 'k_sink', 'v_sink', 'k_tail', 'v_tail', 'seq_lens', 'page_table', 'k_pending', 'v_pending', 'status', 'codebooks', 'xquant_weights']
+['k_pool', 'v_pool', 'k_sink', 'v_sink', 'k_tail', 'v_tail', 'seq_lens', 'page_table', 'k_pending', 'v_pending', 'status', 'codebooks', 'xquant_weights', 'xquant_accumulator']
 
 Every error is a :class:`KvqError`; the subclass says what kind (:class:`InvalidScheme`,
 :class:`UnsupportedShape`, ...) and the message says what to change.

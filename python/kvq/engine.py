@@ -87,6 +87,7 @@ def _append(
     status: torch.Tensor,
     codebooks: torch.Tensor,
     xquant_weights: torch.Tensor,
+    xquant_accumulator: torch.Tensor,
     slots: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -94,7 +95,7 @@ def _append(
 ) -> None:
     # k, v (and k_pre_rope): [n, q_len, kv_heads, head_dim]
     buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
-               v_pending, status, codebooks, xquant_weights]
+               v_pending, status, codebooks, xquant_weights, xquant_accumulator]
     _PLANS[plan_id]._steps(_ptrs(buffers), 0).append(
         _raw_stream(k.get_device()), slots.numel(), k.shape[1], slots.data_ptr(), k.data_ptr(),
         v.data_ptr(), 0 if k_pre_rope is None else k_pre_rope.data_ptr(),
@@ -103,7 +104,7 @@ def _append(
 
 @torch.library.register_fake("kvq::append")
 def _(plan_id, k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
-      v_pending, status, codebooks, xquant_weights, slots, k, v, k_pre_rope):
+      v_pending, status, codebooks, xquant_weights, xquant_accumulator, slots, k, v, k_pre_rope):
     return None
 
 
@@ -123,6 +124,7 @@ def _attend(
     status: torch.Tensor,
     codebooks: torch.Tensor,
     xquant_weights: torch.Tensor,
+    xquant_accumulator: torch.Tensor,
     slots: torch.Tensor,
     q: torch.Tensor,
     workspace: torch.Tensor,
@@ -131,7 +133,7 @@ def _attend(
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
-               v_pending, status, codebooks, xquant_weights]
+               v_pending, status, codebooks, xquant_weights, xquant_accumulator]
     _PLANS[plan_id]._steps(_ptrs(buffers), workspace.data_ptr()).attend(
         _raw_stream(q.get_device()), slots.numel(), q.shape[1], slots.data_ptr(), q.data_ptr(),
         out.data_ptr(), lse.data_ptr(),
@@ -141,7 +143,7 @@ def _attend(
 
 @torch.library.register_fake("kvq::attend")
 def _(plan_id, k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
-      v_pending, status, codebooks, xquant_weights, slots, q, workspace):
+      v_pending, status, codebooks, xquant_weights, xquant_accumulator, slots, q, workspace):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -162,13 +164,14 @@ def _xquant_append(
     status: torch.Tensor,
     codebooks: torch.Tensor,
     xquant_weights: torch.Tensor,
+    xquant_accumulator: torch.Tensor,
     slots: torch.Tensor,
     x: torch.Tensor,
     workspace: torch.Tensor,
 ) -> None:
     # x: [n, d_model]
     buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
-               v_pending, status, codebooks, xquant_weights]
+               v_pending, status, codebooks, xquant_weights, xquant_accumulator]
     _PLANS[plan_id]._steps(_ptrs(buffers), workspace.data_ptr()).xquant_append(
         _raw_stream(x.get_device()), slots.numel(), slots.data_ptr(), x.data_ptr(),
     )
@@ -176,7 +179,47 @@ def _xquant_append(
 
 @torch.library.register_fake("kvq::xquant_append")
 def _(plan_id, k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
-      v_pending, status, codebooks, xquant_weights, slots, x, workspace):
+      v_pending, status, codebooks, xquant_weights, xquant_accumulator, slots, x, workspace):
+    return None
+
+
+@_op("xquant_append_cross_layer",
+     mutates_args=("k_pool", "v_pool", "k_sink", "v_sink", "k_tail", "v_tail", "seq_lens",
+                   "xquant_accumulator", "x_hat", "workspace"))
+def _xquant_append_cross_layer(
+    plan_id: int,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    k_sink: torch.Tensor,
+    v_sink: torch.Tensor,
+    k_tail: torch.Tensor,
+    v_tail: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    k_pending: torch.Tensor,
+    v_pending: torch.Tensor,
+    status: torch.Tensor,
+    codebooks: torch.Tensor,
+    xquant_weights: torch.Tensor,
+    xquant_accumulator: torch.Tensor,
+    slots: torch.Tensor,
+    x: torch.Tensor,
+    x_hat: torch.Tensor,
+    workspace: torch.Tensor,
+) -> None:
+    # x, x_hat: [n, d_model]; x_hat is replaced with the layer's accumulator.
+    buffers = [k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
+               v_pending, status, codebooks, xquant_weights, xquant_accumulator]
+    _PLANS[plan_id]._steps(_ptrs(buffers), workspace.data_ptr()).xquant_append_cross_layer(
+        _raw_stream(x.get_device()), slots.numel(), slots.data_ptr(),
+        x.data_ptr(), x_hat.data_ptr(),
+    )
+
+
+@torch.library.register_fake("kvq::xquant_append_cross_layer")
+def _(plan_id, k_pool, v_pool, k_sink, v_sink, k_tail, v_tail, seq_lens, block_table, k_pending,
+      v_pending, status, codebooks, xquant_weights, xquant_accumulator, slots, x, x_hat,
+      workspace):
     return None
 
 
@@ -236,6 +279,15 @@ class PagedCache:
     >>> cache.prefill_x([0], [n], x_prompt)                    # doctest: +SKIP
     >>> cache.append_x(slots, x_step)                          # doctest: +SKIP
 
+    An XQuant-CL plan (``xquant-cl2``: ``plan.takes_accumulator``) stores each layer's delta
+    against the accumulator X̂ the model carries through its layers: every write also takes
+    ``x_hat`` (X's shape, zeros before the first layer) and replaces it with the layer's, for the
+    next layer's write:
+
+    >>> x_hat = torch.zeros_like(x_step)                       # doctest: +SKIP
+    >>> for cache, x in zip(layer_caches, layer_inputs):       # doctest: +SKIP
+    ...     cache.append_x(slots, x, x_hat=x_hat)              # doctest: +SKIP
+
     ``workspace`` (a uint8 CUDA tensor of at least ``plan.workspace_bytes(device)`` bytes) lets
     caches whose calls run one after another on one stream share their scratch memory, e.g. a
     model's layers; by default each cache allocates its own.
@@ -277,10 +329,12 @@ class PagedCache:
         self.v_pending = zeros(max(sizes["v_pending"], 1))
         self.status = zeros(max(sizes["status"], 1))
         self.codebooks = zeros(max(sizes["codebooks"], 1))
-        # XQuant schemes' projections (one byte for the others).
+        # XQuant schemes' projections, XQuant-CL's accumulator latents (one byte for the others).
         self.xquant_weights = zeros(max(sizes["xquant_weights"], 1))
+        self.xquant_accumulator = zeros(max(sizes["xquant_accumulator"], 1))
         self.takes_pre_rope_keys = plan.takes_pre_rope_keys
         self.takes_layer_input = plan.takes_layer_input
+        self.takes_accumulator = plan.takes_accumulator
         self.d_model = plan.d_model
         pages = plan.max_pages_per_seq
         self.block_table = torch.full(
@@ -311,7 +365,7 @@ class PagedCache:
     def _buffers(self) -> List[torch.Tensor]:
         return [self.k_pool, self.v_pool, self.k_sink, self.v_sink, self.k_tail, self.v_tail,
                 self.seq_lens, self.block_table, self.k_pending, self.v_pending, self.status,
-                self.codebooks, self.xquant_weights]
+                self.codebooks, self.xquant_weights, self.xquant_accumulator]
 
     def load_codebooks(self, codebooks) -> None:
         """Writes a codebook plan's layer codebooks into the cache: ``codebooks`` is a
@@ -333,24 +387,57 @@ class PagedCache:
                 projections = f.read()
         self._steps.xquant_weights_load(_raw_stream(self._index), bytes(projections))
 
-    def prefill_x(self, slots: Sequence[int], tokens: Sequence[int], x: torch.Tensor) -> None:
+    def prefill_x(self, slots: Sequence[int], tokens: Sequence[int], x: torch.Tensor,
+                  x_hat: Optional[torch.Tensor] = None) -> None:
         """An XQuant plan's prefill: prompts' layer input packed back to back (``x``:
         ``[Σ tokens, d_model]``, prompt ``i`` of ``tokens[i]`` tokens after prompts ``< i``) into
-        the empty slots ``slots`` (host lists), projected to latents and stored."""
+        the empty slots ``slots`` (host lists), projected to latents and stored. An XQuant-CL plan
+        also takes the accumulator ``x_hat`` of the same rows and replaces it with the layer's."""
         want = (sum(int(t) for t in tokens), self.d_model)
         self._check("x", x, want, self.dtype)
-        self._steps.xquant_prefill(_raw_stream(self._index), [int(s) for s in slots],
-                                   [int(t) for t in tokens], x.data_ptr())
+        slots, tokens = [int(s) for s in slots], [int(t) for t in tokens]
+        stream = _raw_stream(self._index)
+        if self._x_hat(x_hat, want):
+            self._steps.xquant_prefill_cross_layer(stream, slots, tokens, x.data_ptr(),
+                                                   x_hat.data_ptr())
+        else:
+            self._steps.xquant_prefill(stream, slots, tokens, x.data_ptr())
 
-    def append_x(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+    def append_x(self, slots: torch.Tensor, x: torch.Tensor,
+                 x_hat: Optional[torch.Tensor] = None) -> None:
         """An XQuant plan's append: one token's layer input for each slot of ``slots`` (``x``:
-        ``[n, d_model]``), projected to latents and stored."""
+        ``[n, d_model]``), projected to latents and stored. An XQuant-CL plan also takes the
+        accumulator ``x_hat`` (``[n, d_model]``) and replaces it with the layer's."""
         n = self._check_slots(slots)
         self._check("x", x, (n, self.d_model), self.dtype)
+        cross_layer = self._x_hat(x_hat, (n, self.d_model))
         if torch.compiler.is_compiling():
-            torch.ops.kvq.xquant_append(self._id, *self._buffers(), slots, x, self.workspace)
+            if cross_layer:
+                torch.ops.kvq.xquant_append_cross_layer(self._id, *self._buffers(), slots, x,
+                                                        x_hat, self.workspace)
+            else:
+                torch.ops.kvq.xquant_append(self._id, *self._buffers(), slots, x, self.workspace)
+        elif cross_layer:
+            self._steps.xquant_append_cross_layer(_raw_stream(self._index), n, slots.data_ptr(),
+                                                  x.data_ptr(), x_hat.data_ptr())
         else:
             self._steps.xquant_append(_raw_stream(self._index), n, slots.data_ptr(), x.data_ptr())
+
+    def _x_hat(self, x_hat: Optional[torch.Tensor], want: tuple) -> bool:
+        """Whether the write takes the accumulator, after checking ``x_hat`` against the plan."""
+        if not self.takes_accumulator:
+            if x_hat is not None:
+                raise InvalidArgument(
+                    f"`{self.plan.scheme}` caches the layer input's latents: it takes no x_hat"
+                )
+            return False
+        if x_hat is None:
+            raise InvalidArgument(
+                f"`{self.plan.scheme}` stores deltas against the accumulator: pass x_hat (X's "
+                "shape; zeros before the first layer), which the write replaces with the layer's"
+            )
+        self._check("x_hat", x_hat, want, self.dtype)
+        return True
 
     def check(self) -> None:
         """Waits for the device and raises :class:`InvalidArgument` for what a codebook plan's

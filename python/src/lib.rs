@@ -37,7 +37,7 @@ create_exception!(
     kvq,
     UnsupportedScheme,
     KvqError,
-    "A valid scheme this surface does not run (XQuant: its GPU decode is not on it yet)."
+    "A valid scheme this surface has no kernels for (e.g. calibrated scores over XQuant latents)."
 );
 create_exception!(
     kvq,
@@ -89,9 +89,9 @@ fn status(s: KvqStatus) -> PyResult<()> {
     Err(raise(Failure::new(s, message)))
 }
 
-/// The plan's twelve buffer addresses in order (the last four 0 where the scheme has no use for
+/// The plan's fourteen buffer addresses in order (the last six 0 where the scheme has no use for
 /// them), as the C struct.
-fn kvq_cache(p: [u64; 13]) -> KvqCache {
+fn kvq_cache(p: [u64; BUFFERS]) -> KvqCache {
     let a = |i: usize| p[i] as *mut c_void;
     KvqCache {
         k_pool: a(0),
@@ -107,8 +107,12 @@ fn kvq_cache(p: [u64; 13]) -> KvqCache {
         status: a(10),
         codebooks: a(11),
         xquant_weights: a(12),
+        xquant_accumulator: a(13),
     }
 }
+
+/// Buffers of every plan (`KvqCache`'s fields).
+const BUFFERS: usize = 14;
 
 /// `float16`/`f16`/`half` or `bfloat16`/`bf16`, as text or as anything whose `str()` ends with
 /// one of them (`torch.float16`).
@@ -367,10 +371,10 @@ impl Plan {
         Ok(bytes)
     }
 
-    /// The step calls on one cache's buffers (`cache`, the plan's twelve in order, as device
+    /// The step calls on one cache's buffers (`cache`, the plan's fourteen in order, as device
     /// addresses; 0 for a buffer of 0 bytes) and workspace, bound once: `kvq.engine.PagedCache`
     /// calls them with only a step's own addresses.
-    fn _steps(slf: Py<Plan>, cache: [u64; 13], workspace: u64) -> Steps {
+    fn _steps(slf: Py<Plan>, cache: [u64; BUFFERS], workspace: u64) -> Steps {
         Steps {
             plan: slf,
             cache,
@@ -385,11 +389,20 @@ impl Plan {
         self.plan.takes_pre_rope_keys()
     }
 
-    /// Whether the cache holds the layer input's latents (XQuant plans: `source = x(latent)`),
-    /// so that its writes take X (`d_model` wide) instead of K and V.
+    /// Whether the cache holds the layer input's latents (XQuant plans: `source = x(...)`), so
+    /// that its writes take X (`d_model` wide) instead of K and V.
     #[getter]
     fn takes_layer_input(&self) -> bool {
         self.plan.xquant_sizes().is_some()
+    }
+
+    /// Whether the writes also take the accumulator X̂ the engine carries through the layers
+    /// (XQuant-CL: `source = x(cross_layer)`), and replace it with the layer's.
+    #[getter]
+    fn takes_accumulator(&self) -> bool {
+        self.plan
+            .xquant_sizes()
+            .is_some_and(|x| x.accumulator_bytes > 0)
     }
 
     /// The layer input's width the plan was made with (`d_model=`; 0 where the scheme needs none).
@@ -456,7 +469,7 @@ impl Plan {
 #[pyclass(frozen, module = "kvq")]
 struct Steps {
     plan: Py<Plan>,
-    cache: [u64; 13],
+    cache: [u64; BUFFERS],
     workspace: u64,
 }
 
@@ -636,6 +649,60 @@ impl Steps {
         }))
     }
 
+    /// `kvq_xquant_prefill_cross_layer`: as `xquant_prefill`, with the accumulator `x_hat` (a
+    /// device address of `x`'s size, replaced in place).
+    #[allow(clippy::too_many_arguments)]
+    fn xquant_prefill_cross_layer(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        slots: Vec<i32>,
+        tokens: Vec<u32>,
+        x: u64,
+        x_hat: u64,
+    ) -> PyResult<()> {
+        let n = prompt_count(&slots, &tokens)?;
+        let (plan, cache, workspace) = (&self.plan.get().plan, self.cache, self.workspace);
+        status(py.detach(|| unsafe {
+            kvq_capi::kvq_xquant_prefill_cross_layer(
+                plan,
+                &kvq_cache(cache),
+                stream as *mut c_void,
+                n,
+                slots.as_ptr(),
+                tokens.as_ptr(),
+                x as *const c_void,
+                x_hat as *mut c_void,
+                workspace as *mut c_void,
+            )
+        }))
+    }
+
+    /// `kvq_xquant_append_cross_layer`: as `xquant_append`, with the accumulator `x_hat`.
+    fn xquant_append_cross_layer(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        n: u32,
+        slots: u64,
+        x: u64,
+        x_hat: u64,
+    ) -> PyResult<()> {
+        let (plan, cache, workspace) = (&self.plan.get().plan, self.cache, self.workspace);
+        status(py.detach(|| unsafe {
+            kvq_capi::kvq_xquant_append_cross_layer(
+                plan,
+                &kvq_cache(cache),
+                stream as *mut c_void,
+                n,
+                slots as *const i32,
+                x as *const c_void,
+                x_hat as *mut c_void,
+                workspace as *mut c_void,
+            )
+        }))
+    }
+
     /// `kvq_cache_check`: waits for `stream` and raises what the encoders refused since the last
     /// check (clearing it).
     fn check(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
@@ -665,6 +732,10 @@ fn _kvq(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reference::_reference_codebook_attend, m)?)?;
     m.add_function(wrap_pyfunction!(reference::xquant_projections, m)?)?;
     m.add_function(wrap_pyfunction!(reference::_reference_xquant_attend, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        reference::_reference_xquant_cross_layer_attend,
+        m
+    )?)?;
     m.add("KvqError", py.get_type::<KvqError>())?;
     m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;
     m.add("InvalidScheme", py.get_type::<InvalidScheme>())?;

@@ -248,3 +248,78 @@ pub fn _reference_xquant_attend<'py>(
         .map_err(|e| InvalidArgument::new_err(format!("reference attention: {e}")))?;
     Ok(f32_bytes(py, &out))
 }
+
+/// An XQuant-CL stack on the CPU reference, rounded where the GPU's writes round: layer `l`
+/// caches the deltas of its layer input `x[l]` (`[tokens][d_model]` float32 bytes) against the
+/// accumulator of the layers before it (zeros at the first), each delta rounded to the plan's
+/// dtype and its latents to f16, with the projections `projections[l]` (`kvq-projections-1`
+/// bytes); hands on `XQuantCache::next_accumulator` rounded to the plan's dtype; and attends
+/// with `q[l]` (`[q_heads][head_dim]`). Returns each layer's output, float32 bytes.
+#[pyfunction]
+pub fn _reference_xquant_cross_layer_attend<'py>(
+    py: Python<'py>,
+    plan: &Plan,
+    projections: Vec<Vec<u8>>,
+    tokens: usize,
+    x: Vec<Vec<u8>>,
+    q: Vec<Vec<u8>>,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    use kvq::codegen::Dtype;
+    use kvq::reference::attention;
+    use kvq::reference::xquant::{Projections, XQuantCache};
+    use kvq::runtime::tune::synth::round_to_word;
+    let l = plan.plan.limits();
+    let (d, kvh, dm) = (l.head_dim as usize, l.kv_heads as usize, l.d_model as usize);
+    if x.len() != projections.len() || q.len() != projections.len() {
+        return Err(InvalidArgument::new_err(format!(
+            "{} layers of projections, {} of x and {} of q",
+            projections.len(),
+            x.len(),
+            q.len()
+        )));
+    }
+    let x = x
+        .iter()
+        .map(|x| floats("x", x, tokens * dm))
+        .collect::<PyResult<Vec<_>>>()?;
+    let q = q
+        .iter()
+        .map(|q| plan_queries(plan, q))
+        .collect::<PyResult<Vec<_>>>()?;
+    let (spec, io) = (*plan.plan.spec(), plan.plan.dtype());
+    let rope = kvq::reference::rope::Rope {
+        theta: l.rope_theta,
+    };
+    let round = |v: Vec<f32>, dtype: Dtype| -> Vec<f32> {
+        v.into_iter().map(|x| round_to_word(x, dtype).1).collect()
+    };
+    let outs = py
+        .detach(|| {
+            let mut x_hat = vec![0f32; tokens * dm];
+            let mut outs = Vec::new();
+            for ((bytes, x), q) in projections.iter().zip(&x).zip(&q) {
+                let p = Projections::from_safetensors(bytes, &spec, dm, kvh, d)
+                    .map_err(|e| e.to_string())?;
+                let delta = round(x.iter().zip(&x_hat).map(|(a, b)| a - b).collect(), io);
+                let dk = round(p.k.project(&delta), Dtype::F16);
+                let dv = round(p.v.project(&delta), Dtype::F16);
+                let base = (p.k.project(&x_hat), p.v.project(&x_hat));
+                let cache = XQuantCache::from_cross_layer_latents(
+                    &spec,
+                    (&dk, &dv),
+                    (&base.0, &base.1),
+                    &p,
+                    rope,
+                )
+                .map_err(|e| e.to_string())?;
+                let rebuilt = cache.dequantize_f16_rebuild();
+                outs.push(attention::decode(q, &rebuilt, None).map_err(|e| e.to_string())?);
+                let next = XQuantCache::next_accumulator(&p, &x_hat, &dk, &dv)
+                    .map_err(|e| e.to_string())?;
+                x_hat = round(next, io);
+            }
+            Ok::<_, String>(outs)
+        })
+        .map_err(|e| InvalidArgument::new_err(format!("reference attention: {e}")))?;
+    Ok(outs.iter().map(|o| f32_bytes(py, o)).collect())
+}

@@ -353,8 +353,6 @@ def test_an_xquant_plan_prefills_appends_and_attends_as_the_reference(tmp_path):
                   max_seq_len=512, rope_theta=theta)
     with pytest.raises(kvq.InvalidArgument, match="d_model"):
         kvq.Plan("xquant2", pool_pages=64, **limits)
-    with pytest.raises(kvq.UnsupportedScheme, match="XQuant-CL"):
-        kvq.Plan("xquant-cl2", pool_pages=64, d_model=d_model, **limits)
     pages = kvq.Plan("xquant2", pool_pages=1, d_model=d_model, **limits).max_pages_per_seq
     plan = kvq.Plan("xquant2", pool_pages=4 * pages, d_model=d_model, **limits)
     assert plan.takes_layer_input and plan.d_model == d_model
@@ -406,3 +404,86 @@ def test_an_xquant_plan_prefills_appends_and_attends_as_the_reference(tmp_path):
         want = torch.frombuffer(bytearray(want), dtype=torch.float32).view(Q_HEADS, HEAD_DIM)
         got = out[row].float().cpu()
         assert (got - want).abs().max().item() <= 2e-2 * want.abs().max().item(), row
+
+
+def test_an_xquant_cl_stack_carries_its_accumulator_as_the_reference():
+    """XQuant-CL-2 over three layers through PagedCache: each layer's writes take the accumulator
+    X̂ the stack carries (zeros before the first layer) and replace it, prompts and steps (slots
+    out of order, a NaN padding row, one step through the torch custom op), then each layer's
+    attention against the CPU reference of the same stack."""
+    theta, d_model, depth = 10000.0, 384, 3
+    limits = dict(head_dim=HEAD_DIM, q_heads=Q_HEADS, kv_heads=KV_HEADS, max_seqs=4,
+                  max_seq_len=512, rope_theta=theta, d_model=d_model)
+    pages = kvq.Plan("xquant-cl2", pool_pages=1, **limits).max_pages_per_seq
+    plan = kvq.Plan("xquant-cl2", pool_pages=4 * pages, **limits)
+    assert plan.takes_layer_input and plan.takes_accumulator
+    assert not kvq.Plan("xquant2", pool_pages=1, **limits).takes_accumulator
+    workspace = torch.zeros(plan.workspace_bytes(torch.cuda.current_device()), dtype=torch.uint8,
+                            device="cuda")
+    caches = [PagedCache(plan, "cuda", workspace=workspace) for _ in range(depth)]
+    gen = torch.Generator(device="cuda").manual_seed(23)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(shape, generator=gen, device="cuda") * scale).half()
+
+    out_width = KV_HEADS * HEAD_DIM
+    projs = []
+    for cache in caches:
+        w_k, w_v = (rand(d_model, out_width, scale=d_model ** -0.5) for _ in range(2))
+        projs.append(kvq.engine.xquant_projections("xquant-cl2", w_k, w_v, kv_heads=KV_HEADS,
+                                                   head_dim=HEAD_DIM))
+        cache.load_projections(projs[-1])
+
+    prompts, steps, slots_of = [150, 0], 140, [3, 1]
+    total = [p + steps for p in prompts]
+    x = [[rand(t, d_model) for t in total] for _ in range(depth)]  # x[layer][sequence]
+    one = rand(1, d_model)
+    with pytest.raises(kvq.InvalidArgument, match="pass x_hat"):
+        caches[0].append_x(torch.tensor([0], dtype=torch.int32, device="cuda"), one)
+    with pytest.raises(kvq.InvalidArgument, match="x_hat is"):
+        caches[0].append_x(torch.tensor([0], dtype=torch.int32, device="cuda"), one,
+                           x_hat=rand(2, d_model))
+    assert caches[0].seq_lens.sum().item() == 0
+
+    x_hat = torch.zeros(sum(prompts), d_model, dtype=torch.float16, device="cuda")
+    for layer, cache in enumerate(caches):
+        cache.prefill_x(slots_of, prompts, torch.cat([a[:p] for a, p in zip(x[layer], prompts)]),
+                        x_hat=x_hat)
+    # Rows: sequence 1, padding (NaN, never stored), sequence 0.
+    slots = torch.tensor([slots_of[1], -1, slots_of[0]], dtype=torch.int32, device="cuda")
+    nan = torch.full((d_model,), float("nan"), device="cuda").half()
+    for s in range(steps):
+        x_hat = torch.zeros(3, d_model, dtype=torch.float16, device="cuda")
+        for layer, cache in enumerate(caches):
+            row = torch.stack([x[layer][1][prompts[1] + s], nan, x[layer][0][prompts[0] + s]])
+            if s == steps // 2:
+                torch.ops.kvq.xquant_append_cross_layer(cache._id, *cache._buffers(), slots, row,
+                                                        x_hat, cache.workspace)
+            else:
+                cache.append_x(slots, row, x_hat=x_hat)
+        assert torch.isfinite(x_hat[0]).all() and torch.isfinite(x_hat[2]).all()
+    for cache in caches:
+        assert cache.seq_lens[slots_of[0]].item() == total[0]
+        assert cache.seq_lens[slots_of[1]].item() == total[1]
+
+    q = [rand(3, Q_HEADS, HEAD_DIM) for _ in range(depth)]
+    outs = [cache.attend(slots, q[layer])[0] for layer, cache in enumerate(caches)]
+    # The reference projects in f64 where the GPU sums f32 products: a latent next to a 2-bit
+    # code boundary can take the other code, which moves an output by a few thousandths. A row
+    # read from another layer or slot is off by the output's own size.
+    errors = {}
+    for row, seq in [(0, 1), (2, 0)]:
+        want = kvq._kvq._reference_xquant_cross_layer_attend(
+            plan, projs, total[seq], [host_bytes(x[layer][seq]) for layer in range(depth)],
+            [host_bytes(q[layer][row]) for layer in range(depth)])
+        want = [torch.frombuffer(bytearray(w), dtype=torch.float32).view(Q_HEADS, HEAD_DIM)
+                for w in want]
+        for layer in range(depth):
+            assert torch.all(outs[layer][1] == 0)
+            got = outs[layer][row].float().cpu()
+            top = want[layer].abs().max().item()
+            errors[(row, layer)] = (got - want[layer]).abs().max().item() / top
+            for other in range(depth):
+                if other != layer:
+                    assert (got - want[other]).abs().max().item() > 0.3 * top, (row, layer, other)
+    assert max(errors.values()) <= 5e-2, errors

@@ -16,7 +16,8 @@ def test_a_builtin_plans_its_buffers():
     assert plan.dtype == "float16"
     names = [b.name for b in plan.buffers]
     assert names == ["k_pool", "v_pool", "k_sink", "v_sink", "k_tail", "v_tail", "seq_lens",
-                     "page_table", "k_pending", "v_pending", "status", "codebooks", "xquant_weights"]
+                     "page_table", "k_pending", "v_pending", "status", "codebooks", "xquant_weights",
+                     "xquant_accumulator"]
     assert sum(b.nbytes for b in plan.buffers) == plan.total_bytes
     assert all(b.alignment == 256 for b in plan.buffers)
     pools = sum(b.nbytes for b in plan.buffers if b.name.endswith("_pool"))
@@ -70,15 +71,14 @@ def test_errors_are_typed_and_say_what_to_change():
         assert issubclass(error, kvq.KvqError)
 
 
-def test_cpu_only_schemes_are_unsupported_schemes():
-    cpu_only = [name for name, gpu in kvq.builtin_schemes() if not gpu]
-    assert cpu_only, "XQuant-CL is not on the engine surface"
-    for name in cpu_only:
-        # XQuant-CL's kernels run from Rust only; the others have none.
-        with pytest.raises(kvq.UnsupportedScheme, match="no GPU kernel|XQuant-CL"):
-            kvq.Plan(name, **LIMITS)
-    gpu = [name for name, gpu in kvq.builtin_schemes() if gpu]
-    assert {"fp16", "kivi2", "kitty"} <= set(gpu)
+def test_schemes_without_kernels_are_unsupported_schemes():
+    # Every built-in scheme has kernels on the engine surface; a calibrated latent scheme has none.
+    assert all(gpu for _, gpu in kvq.builtin_schemes())
+    assert {"fp16", "kivi2", "kitty", "xquant2", "xquant-cl2"} <= {n for n, _ in kvq.builtin_schemes()}
+    with pytest.raises(kvq.UnsupportedScheme, match="no GPU kernel"):
+        kvq.Plan("k = int(2, channel), v = int(2, channel), "
+                 "calibrate = calibrate(tau1 = -1.5, tau2 = 3.25), source = x(latent)",
+                 **{**LIMITS, "rope_theta": 500000.0, "d_model": 4096})
 
 
 def test_keyword_limits_are_required():
@@ -130,4 +130,12 @@ def test_xquant_plans_need_d_model_and_the_rope_base_and_list_their_weights():
     # The latents of 8 × 128 keys and values in XQuant-2 take KIVI-2's page bytes, near enough.
     kivi = kvq.Plan("kivi2", **LIMITS)
     assert abs(plan.page_bytes - kivi.page_bytes) <= kivi.page_bytes // 8
-    assert kivi.buffers[-1].name == "xquant_weights" and kivi.buffers[-1].nbytes == 0
+    assert kivi.buffers[-2].name == "xquant_weights" and kivi.buffers[-2].nbytes == 0
+    assert sizes["xquant_accumulator"] == 0 and not plan.takes_accumulator
+    # XQuant-CL adds the accumulator's latents (f16 K and V of every token slot) and the lift
+    # matrix (f32 [2·1,024][4,096]).
+    cl = kvq.Plan("xquant-cl2", d_model=4096, rope_theta=500000.0, **LIMITS)
+    cl_sizes = {b.name: b.nbytes for b in cl.buffers}
+    assert cl.takes_accumulator
+    assert cl_sizes["xquant_accumulator"] == 2 * LIMITS["max_seqs"] * LIMITS["max_seq_len"] * 1024 * 2
+    assert cl_sizes["xquant_weights"] - sizes["xquant_weights"] == 4 * 2 * 1024 * 4096

@@ -108,10 +108,10 @@ int main(int argc, char **argv) {
     KVQ(kvq_plan_create(scheme, &limits, &plan));
     KVQ(kvq_plan_load(plan, 0));
 
-    CUdeviceptr bufs[13];
+    CUdeviceptr bufs[14];
     uint32_t count = 0;
     KVQ(kvq_plan_buffer_count(plan, &count));
-    for (uint32_t i = 0; i < count && i < 13; i++) {
+    for (uint32_t i = 0; i < count && i < 14; i++) {
         KvqBuffer b;
         KVQ(kvq_plan_buffer(plan, i, &b));
         CU(cuMemAlloc(&bufs[i], b.bytes > 0 ? b.bytes : 1));
@@ -120,7 +120,7 @@ int main(int argc, char **argv) {
     KvqCache cache = {(void *)bufs[0], (void *)bufs[1], (void *)bufs[2],  (void *)bufs[3],
                       (void *)bufs[4], (void *)bufs[5], (void *)bufs[6],  (void *)bufs[7],
                       (void *)bufs[8], (void *)bufs[9], (void *)bufs[10], (void *)bufs[11],
-                      (void *)bufs[12]};
+                      (void *)bufs[12], (void *)bufs[13]};
     int32_t table[SEQS * 1024];
     for (uint32_t e = 0; e < SEQS * info.max_pages_per_seq; e++) table[e] = (int32_t)e;
     CU(cuMemcpyHtoDAsync(bufs[7], table, sizeof(int32_t) * SEQS * info.max_pages_per_seq, stream));

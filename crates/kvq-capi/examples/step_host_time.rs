@@ -108,6 +108,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         status: c(10),
         codebooks: c(11),
         xquant_weights: c(12),
+        xquant_accumulator: c(13),
     };
     let ptrs = CachePtrs {
         kv_heads: KV_HEADS as usize,

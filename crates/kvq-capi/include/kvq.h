@@ -79,6 +79,10 @@ typedef struct KvqCache {
   // Buffer 12: XQuant schemes' projections, written by `kvq_xquant_weights_load` (NULL for
   // other schemes).
   void *xquant_weights;
+  // Buffer 13: XQuant-CL's accumulator latents of every token, written by
+  // `kvq_xquant_prefill_cross_layer` and `kvq_xquant_append_cross_layer` (NULL for other
+  // schemes).
+  void *xquant_accumulator;
 } KvqCache;
 
 // The shape and limits a plan is made for. Every field must be set; none but `rope_theta` and
@@ -382,7 +386,9 @@ enum KvqStatus kvq_attend(const struct KvqPlan *plan,
 // plan's `d_model`, KV heads and head size, and a scheme of the same source: anything else is
 // refused with a message naming the difference), packs it with the plan's RoPE base and dtype,
 // and writes it into `cache->xquant_weights` on `stream`, stream-ordered before any later call
-// on it. Call it once per layer before the layer's first prefill.
+// on it. Call it once per layer before the layer's first prefill. For XQuant-CL the call also
+// solves the layer's lift matrix on the host (a system of min(d_model, 2R) unknowns: seconds at
+// d_model 4,096; docs/CODEBOOKS.md §3).
 //
 // # Safety
 // `plan` and `cache` are NULL or valid, `path` NULL or a NUL-terminated string, `stream` NULL
@@ -412,7 +418,8 @@ enum KvqStatus kvq_xquant_weights_load_bytes(const struct KvqPlan *plan,
 // plans write K and V: each prompt's sink and tail latents in FP16, its whole pages quantized into
 // the pool pages its block-table row names; its slot's length becomes its tokens. `workspace` is
 // the plan's workspace (`kvq_plan_workspace_bytes`). Runs on `stream` with no allocation; the job
-// list is copied from the host, so the call does not belong in a CUDA graph.
+// list is copied from the host, so the call does not belong in a CUDA graph. XQuant-CL plans
+// take `kvq_xquant_prefill_cross_layer` instead.
 //
 // # Safety
 // `plan` and `cache` are NULL or valid (the weights loaded); `slots` and `tokens` NULL or `n`
@@ -427,12 +434,32 @@ enum KvqStatus kvq_xquant_prefill(const struct KvqPlan *plan,
                                   const void *x,
                                   void *workspace);
 
+// `kvq_xquant_prefill` for an XQuant-CL plan (`x(cross_layer)`, e.g. xquant-cl2): beside the
+// prompts' layer input `x`, `x_hat` holds the accumulator X̂ of the same rows (`[Σ tokens]
+// [d_model]` in the plan's dtype; zeros at the first layer of the chain). Stores the latents of
+// `x − x_hat` as `kvq_xquant_prefill` stores X's, keeps `x_hat`'s latents in
+// `cache->xquant_accumulator`, and overwrites `x_hat` with this layer's accumulator, which the
+// engine hands to the next layer's call (docs/CODEBOOKS.md §3.1).
+//
+// # Safety
+// As `kvq_xquant_prefill`; `x_hat` NULL or device memory of `x`'s size, read and written.
+enum KvqStatus kvq_xquant_prefill_cross_layer(const struct KvqPlan *plan,
+                                              const struct KvqCache *cache,
+                                              void *stream,
+                                              uint32_t n,
+                                              const int32_t *slots,
+                                              const uint32_t *tokens,
+                                              const void *x,
+                                              void *x_hat,
+                                              void *workspace);
+
 // Appends one token to each of `n` sequences of an XQuant plan from its layer input: `x` is
 // `[n][d_model]` in the plan's dtype, row `i` for the slot `slots[i]` names (`slots`: `n` i32 in
 // device memory, distinct; −1 marks a padding sequence, skipped). Each row is projected to
 // latents in the workspace, then written at position `seq_lens[slot]` as `kvq_append` writes K
 // and V (a page quantized where the token completes one), and `seq_lens[slot]` grows by one. No
-// host synchronisation, no allocation: capturable in a CUDA graph.
+// host synchronisation, no allocation: capturable in a CUDA graph. XQuant-CL plans take
+// `kvq_xquant_append_cross_layer` instead.
 //
 // # Safety
 // As `kvq_xquant_prefill`; `slots` holds `n` device i32, each −1 or a slot below max_seqs whose
@@ -444,6 +471,24 @@ enum KvqStatus kvq_xquant_append(const struct KvqPlan *plan,
                                  const int32_t *slots,
                                  const void *x,
                                  void *workspace);
+
+// `kvq_xquant_append` for an XQuant-CL plan: beside the layer input `x`, `x_hat` holds the
+// accumulator X̂ of the same rows (`[n][d_model]` in the plan's dtype, zeros at the first layer
+// of the chain). Stores the latents of `x − x_hat`, keeps `x_hat`'s latents at the token's row
+// of `cache->xquant_accumulator`, and overwrites `x_hat` with this layer's accumulator for the
+// next layer's call (padding rows' too). No host synchronisation, no allocation: capturable in
+// a CUDA graph.
+//
+// # Safety
+// As `kvq_xquant_append`; `x_hat` NULL or device memory of `x`'s size, read and written.
+enum KvqStatus kvq_xquant_append_cross_layer(const struct KvqPlan *plan,
+                                             const struct KvqCache *cache,
+                                             void *stream,
+                                             uint32_t n,
+                                             const int32_t *slots,
+                                             const void *x,
+                                             void *x_hat,
+                                             void *workspace);
 
 #ifdef __cplusplus
 }  // extern "C"

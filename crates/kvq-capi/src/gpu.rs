@@ -341,10 +341,11 @@ pub fn xquant_plan_kernels(gpu: &Gpu, plan: &KvqPlan) -> Result<Arc<XQuantSteps>
             limits,
         )
         .map_err(Failure::runtime)?;
-        if *steps.weights_layout() != x.weights {
+        if *steps.weights_layout() != x.weights || steps.accumulator_bytes() != x.accumulator_bytes
+        {
             return Err(Failure::new(
                 KvqStatus::Internal,
-                "the plan's projection layout differs from the kernels'",
+                "the plan's projection or accumulator layout differs from the kernels'",
             ));
         }
         Ok(steps)

@@ -70,7 +70,8 @@ pub use steps::{
     kvq_append, kvq_append_prerope, kvq_attend, kvq_prefill, kvq_prefill_prerope, KvqCache,
 };
 pub use xquant::{
-    kvq_xquant_append, kvq_xquant_prefill, kvq_xquant_weights_load, kvq_xquant_weights_load_bytes,
+    kvq_xquant_append, kvq_xquant_append_cross_layer, kvq_xquant_prefill,
+    kvq_xquant_prefill_cross_layer, kvq_xquant_weights_load, kvq_xquant_weights_load_bytes,
 };
 
 /// kvq's version, e.g. `"0.1.0"` (static storage).

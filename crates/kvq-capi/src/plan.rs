@@ -115,7 +115,7 @@ pub struct KvqPlan {
 
 /// The buffers of every plan, in the order `kvq_plan_buffer` numbers them (and `KvqCache` holds
 /// them).
-const BUFFERS: [(&CStr, &CStr); 13] = [
+const BUFFERS: [(&CStr, &CStr); 14] = [
     (
         c"k_pool",
         c"[pool page][kv_head][k_block_bytes] bytes: K page blocks (docs/LAYOUT.md)",
@@ -168,8 +168,13 @@ const BUFFERS: [(&CStr, &CStr); 13] = [
     ),
     (
         c"xquant_weights",
-        c"one layer's XQuant projections (up_k, up_v, down, RoPE frequencies), written by \
-          kvq_xquant_weights_load",
+        c"one layer's XQuant projections (up_k, up_v, down, RoPE frequencies; XQuant-CL's lift \
+          matrix), written by kvq_xquant_weights_load",
+    ),
+    (
+        c"xquant_accumulator",
+        c"[2][sequence slot][max_seq_len][latent width] f16: XQuant-CL's accumulator latents of \
+          every token (K's, then V's), written by the cross-layer prefill and append",
     ),
 ];
 
@@ -182,6 +187,8 @@ pub struct XQuantSizes {
     pub store_heads: usize,
     /// Channels a store head.
     pub store_width: usize,
+    /// XQuant-CL's accumulator latents (buffer `xquant_accumulator`; 0 for `x(latent)`).
+    pub accumulator_bytes: usize,
 }
 
 impl KvqPlan {
@@ -242,17 +249,6 @@ impl KvqPlan {
                 format!("no GPU kernel for `{spec}` (XQuant takes plain int(...) latents)"),
             );
         }
-        if matches!(spec.source, CacheSource::X(XSource::CrossLayer)) {
-            return refuse(
-                KvqStatus::UnsupportedScheme,
-                format!(
-                    "`{spec}` on an engine's memory: XQuant-CL's per-token accumulator latents and \
-                     lift have no place in a plan (docs/CODEBOOKS.md §3.1); its writes run through \
-                     the Rust XQuantPagedCache, and x(latent) schemes such as xquant2 take an \
-                     engine's memory"
-                ),
-            );
-        }
         if limits.d_model == 0 {
             return Err(Failure::argument(format!(
                 "limits.d_model is 0: `{spec}` caches the layer input's latents, so it needs the \
@@ -262,8 +258,12 @@ impl KvqPlan {
         check_rope_base(limits, &spec, "rebuilds keys from latents")?;
         check_one_query_token(limits, "XQuant schemes")?;
         let (kv_heads, head_dim) = (limits.kv_heads as usize, limits.head_dim as usize);
-        let weights = XQuantWeightsLayout::new(kv_heads, head_dim, limits.d_model as usize)
-            .ok_or_else(|| Failure::argument("the projections' sizes pass the address space"))?;
+        let cross_layer = matches!(spec.source, CacheSource::X(XSource::CrossLayer));
+        let weights =
+            XQuantWeightsLayout::new(kv_heads, head_dim, limits.d_model as usize, cross_layer)
+                .ok_or_else(|| {
+                    Failure::argument("the projections' sizes pass the address space")
+                })?;
         let mma = (RebuildPrecision::F16, RebuildMma::Sync);
         xquant_kernels(&spec, shape, limits.kv_heads, limits.d_model, mma)
             .map_err(|e| generation_refused(&spec, limits.head_dim, e))?;
@@ -278,10 +278,24 @@ impl KvqPlan {
             (store_heads, store_width),
             Dtype::F16,
         )?;
+        // The kernels index the accumulator's rows (slot · max_seq_len + position) in 32 bits.
+        let token_slots = limits.max_seqs as u64 * limits.max_seq_len as u64;
+        let accumulator_bytes = match cross_layer {
+            false => Some(0),
+            true if i32::try_from(token_slots).is_err() => None,
+            true => (4 * weights.rank).checked_mul(token_slots as usize),
+        }
+        .ok_or_else(|| {
+            Failure::argument(format!(
+                "`{spec}`: {} slots of {} tokens pass the accumulator's 32-bit row index",
+                limits.max_seqs, limits.max_seq_len
+            ))
+        })?;
         let xquant = XQuantSizes {
             weights,
             store_heads,
             store_width,
+            accumulator_bytes,
         };
         Self::assemble(spec, limits, dtype, sizes, None, Some(xquant))
     }
@@ -383,6 +397,7 @@ impl KvqPlan {
             cb.map_or(0, |c| 4 * c.status_words),
             cb.map_or(0, |c| c.codebooks.bytes),
             self.xquant.as_ref().map_or(0, |x| x.weights.bytes),
+            self.xquant.as_ref().map_or(0, |x| x.accumulator_bytes),
         ];
         let (name, layout) = BUFFERS.get(index)?;
         Some(KvqBuffer {
@@ -424,8 +439,7 @@ pub fn builtin_schemes() -> Vec<(&'static str, bool)> {
     kvq::schemes::BUILTIN
         .iter()
         .map(|b| {
-            let xquant = has_xquant_kernel(&b.spec)
-                && matches!(b.spec.source, CacheSource::X(XSource::Latent));
+            let xquant = has_xquant_kernel(&b.spec);
             let gpu = kvq::codegen::has_decode_kernel(&b.spec)
                 || kvq::codegen::has_codebook_kernel(&b.spec)
                 || xquant;

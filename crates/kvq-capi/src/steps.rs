@@ -54,6 +54,10 @@ pub struct KvqCache {
     /// Buffer 12: XQuant schemes' projections, written by `kvq_xquant_weights_load` (NULL for
     /// other schemes).
     pub xquant_weights: *mut c_void,
+    /// Buffer 13: XQuant-CL's accumulator latents of every token, written by
+    /// `kvq_xquant_prefill_cross_layer` and `kvq_xquant_append_cross_layer` (NULL for other
+    /// schemes).
+    pub xquant_accumulator: *mut c_void,
 }
 
 /// Checks that every buffer the plan needs is set; an error names a NULL one.
@@ -72,6 +76,7 @@ fn check_buffers(plan: &KvqPlan, cache: &KvqCache) -> Result<(), Failure> {
         cache.status,
         cache.codebooks,
         cache.xquant_weights,
+        cache.xquant_accumulator,
     ];
     for (i, ptr) in fields.iter().enumerate() {
         let b = plan
@@ -152,6 +157,7 @@ pub(crate) unsafe fn plan_and_cache<'a>(
         Ptrs::XQuant(XQuantPtrs {
             latents: cache_ptrs(plan, cache)?,
             weights: cache.xquant_weights as u64,
+            accumulator: cache.xquant_accumulator as u64,
         })
     } else {
         Ptrs::Integer(cache_ptrs(plan, cache)?)

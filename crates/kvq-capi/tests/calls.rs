@@ -111,6 +111,7 @@ fn fake_cache() -> KvqCache {
         status: fake,
         codebooks: fake,
         xquant_weights: fake,
+        xquant_accumulator: fake,
     }
 }
 
@@ -265,11 +266,12 @@ fn a_plan_lists_the_lengths_and_the_block_table() {
             "v_pending",
             "status",
             "codebooks",
-            "xquant_weights"
+            "xquant_weights",
+            "xquant_accumulator"
         ]
     );
     // An integer scheme needs none of the codebook or XQuant schemes' buffers.
-    for i in 8..13 {
+    for i in 8..14 {
         assert_eq!(plan.buffer(i).unwrap().bytes, 0);
     }
     assert_eq!(plan.buffer(6).unwrap().bytes, 4 * 4);
@@ -370,4 +372,48 @@ fn codebook_calls_refuse_bad_arguments_without_a_gpu() {
         unsafe { kvq_cache_check(&kivi, &cache, ptr::null_mut()) },
         KvqStatus::Ok
     );
+}
+
+/// XQuant's writes refuse, before touching a GPU, a call of the other source (the message names
+/// the call to make), a NULL X̂ and a step past the plan's slots.
+#[test]
+fn xquant_writes_refuse_the_other_source_without_a_gpu() {
+    let limits = KvqPlanLimits {
+        head_dim: 128,
+        q_heads: 32,
+        kv_heads: 8,
+        dtype: KVQ_DTYPE_F16,
+        max_seqs: 4,
+        max_seq_len: 4096,
+        pool_pages: 256,
+        max_q_len: 1,
+        rope_theta: 500_000.0,
+        d_model: 1024,
+    };
+    let cl = KvqPlan::new("xquant-cl2", &limits).unwrap();
+    let latent = KvqPlan::new("xquant2", &limits).unwrap();
+    let cache = fake_cache();
+    let (f, none, stream) = (0x1000 as *mut c_void, ptr::null_mut(), ptr::null_mut());
+    let (slots, tokens) = ([0i32].as_ptr(), [8u32].as_ptr());
+    let expect = |status: KvqStatus, want: &str| {
+        let message = unsafe { CStr::from_ptr(kvq_last_error_message()) }.to_string_lossy();
+        assert_eq!(status, KvqStatus::InvalidArgument, "{want}: {message}");
+        assert!(message.contains(want), "{want}: {message}");
+    };
+    unsafe {
+        let s = kvq_xquant_append(&cl, &cache, stream, 1, f.cast(), f, f);
+        expect(s, "call kvq_xquant_append_cross_layer");
+        let s = kvq_xquant_prefill(&cl, &cache, stream, 1, slots, tokens, f, f);
+        expect(s, "call kvq_xquant_prefill_cross_layer");
+        let s = kvq_xquant_append_cross_layer(&latent, &cache, stream, 1, f.cast(), f, f, f);
+        expect(s, "call kvq_xquant_append with X");
+        let s = kvq_xquant_prefill_cross_layer(&latent, &cache, stream, 1, slots, tokens, f, f, f);
+        expect(s, "call kvq_xquant_prefill with X");
+        let s = kvq_xquant_append_cross_layer(&cl, &cache, stream, 1, f.cast(), f, none, f);
+        expect(s, "x_hat is NULL");
+        let s = kvq_xquant_prefill_cross_layer(&cl, &cache, stream, 1, slots, tokens, f, none, f);
+        expect(s, "x_hat is NULL");
+        let s = kvq_xquant_append_cross_layer(&cl, &cache, stream, 5, f.cast(), f, f, f);
+        expect(s, "more than the plan's max_seqs");
+    }
 }

@@ -3,10 +3,11 @@
 use std::ffi::{c_char, CStr, CString};
 use std::ptr;
 
-use kvq::codegen::{decode_slow_path, has_codebook_kernel, has_decode_kernel, Dtype, KernelShape};
+use kvq::codegen::{
+    decode_slow_path, has_codebook_kernel, has_decode_kernel, has_xquant_kernel, Dtype, KernelShape,
+};
 use kvq::runtime::{CacheConfig, CacheSizes};
 use kvq::schemes::BUILTIN;
-use kvq::{CacheSource, XSource};
 use kvq_capi::*;
 
 fn limits(head_dim: u32) -> KvqPlanLimits {
@@ -98,28 +99,27 @@ fn every_gpu_builtin_plans_every_fast_head_dim_with_the_runtime_sizes() {
 
 #[test]
 fn schemes_without_a_gpu_kernel_are_unsupported_schemes() {
-    let cpu_only: Vec<_> = BUILTIN
-        .iter()
-        .filter(|b| !has_decode_kernel(&b.spec) && !has_codebook_kernel(&b.spec))
-        .filter(|b| b.spec.source != CacheSource::X(XSource::Latent))
-        .collect();
-    assert!(!cpu_only.is_empty());
-    for b in cpu_only {
-        let (status, message) = create(b.name, &limits(128)).unwrap_err();
-        assert_eq!(
-            status,
-            KvqStatus::UnsupportedScheme,
-            "{}: {message}",
+    // Every built-in scheme has kernels on this surface now; custom schemes may not.
+    for b in BUILTIN {
+        assert!(
+            has_decode_kernel(&b.spec)
+                || has_codebook_kernel(&b.spec)
+                || has_xquant_kernel(&b.spec),
+            "{}",
             b.name
         );
-        // XQuant-CL has GPU kernels, in Rust only: the message says why it is not here.
-        let why = if b.spec.source == CacheSource::X(XSource::CrossLayer) {
-            "XQuant-CL"
-        } else {
-            "no GPU kernel"
-        };
-        assert!(message.contains(why), "{message}");
     }
+    // Calibrated scores over latents: a valid scheme the XQuant decode does not serve.
+    let calibrated_latents = "k = int(2, channel), v = int(2, channel), \
+                              calibrate = calibrate(tau1 = -1.5, tau2 = 3.25), source = x(latent)";
+    let x = KvqPlanLimits {
+        rope_theta: 500_000.0,
+        d_model: 4096,
+        ..limits(128)
+    };
+    let (status, message) = create(calibrated_latents, &x).unwrap_err();
+    assert_eq!(status, KvqStatus::UnsupportedScheme, "{message}");
+    assert!(message.contains("no GPU kernel"), "{message}");
 }
 
 #[test]
@@ -220,11 +220,11 @@ fn null_and_non_utf8_arguments_are_errors_not_crashes() {
     );
     let mut buf: KvqBuffer = unsafe { std::mem::zeroed() };
     assert_eq!(
-        unsafe { kvq_plan_buffer(plan, 13, &mut buf) },
+        unsafe { kvq_plan_buffer(plan, 14, &mut buf) },
         KvqStatus::InvalidArgument
     );
     assert!(
-        last_message().contains("buffer index 13"),
+        last_message().contains("buffer index 14"),
         "{}",
         last_message()
     );
@@ -369,16 +369,19 @@ fn xquant_plans_size_the_latent_store_and_refuse_what_they_cannot_serve() {
         },
     )
     .unwrap();
-    let bytes = |i: usize| plan_ref.buffer(i).unwrap().bytes as usize;
+    let xquant2_bytes: Vec<usize> = (0..plan_ref.buffer_count())
+        .map(|i| plan_ref.buffer(i).unwrap().bytes as usize)
+        .collect();
+    let bytes = |i: usize| xquant2_bytes[i];
     assert_eq!(bytes(0), latent.k_pool_bytes);
     assert_eq!(bytes(5), 2 * latent.v_tail_halves);
     assert_eq!(
         bytes(12),
-        XQuantWeightsLayout::new(8, 128, 4096).unwrap().bytes
+        XQuantWeightsLayout::new(8, 128, 4096, false).unwrap().bytes
     );
     // up_k three times (two halves and the K groups) and up_v: at least 4 × 1024 × 1024 × 2 bytes.
     assert!(bytes(12) >= 8 << 20);
-    for i in 8..12 {
+    for i in [8, 9, 10, 11, 13] {
         assert_eq!(bytes(i), 0, "buffer {i}");
     }
     let info = plan_ref.info();
@@ -393,6 +396,7 @@ fn xquant_plans_size_the_latent_store_and_refuse_what_they_cannot_serve() {
         "{info:?}"
     );
     unsafe { kvq_plan_destroy(plan) };
+    let bytes = |i: usize| xquant2_bytes[i];
 
     for (change, status, names) in [
         (
@@ -418,9 +422,29 @@ fn xquant_plans_size_the_latent_store_and_refuse_what_they_cannot_serve() {
         assert_eq!(got, status, "{message}");
         assert!(message.contains(names), "{message}");
     }
-    let (got, message) = create("xquant-cl2", &x).unwrap_err();
-    assert_eq!(got, KvqStatus::UnsupportedScheme, "{message}");
-    assert!(message.contains("XQuant-CL"), "{message}");
+    // XQuant-CL plans add the accumulator's latents (f16 K and V a token slot) and the lift
+    // matrix (f32 [2R][d_model]) to the projections.
+    let plan = create("xquant-cl2", &x).unwrap();
+    let cl = unsafe { &*plan };
+    let cl_bytes = |i: usize| cl.buffer(i).unwrap().bytes as usize;
+    assert_eq!(cl_bytes(13), 2 * 4 * 8192 * 1024 * 2);
+    assert_eq!(
+        cl_bytes(12),
+        XQuantWeightsLayout::new(8, 128, 4096, true).unwrap().bytes
+    );
+    assert_eq!(cl_bytes(12) - bytes(12), 4 * 2 * 1024 * 4096);
+    assert_eq!(cl_bytes(0), bytes(0));
+    unsafe { kvq_plan_destroy(plan) };
+    // Its accumulator rows are indexed in 32 bits.
+    let wide = KvqPlanLimits {
+        max_seqs: 1 << 16,
+        max_seq_len: 1 << 16,
+        pool_pages: 1 << 20,
+        ..x
+    };
+    let (got, message) = create("xquant-cl2", &wide).unwrap_err();
+    assert_eq!(got, KvqStatus::InvalidArgument, "{message}");
+    assert!(message.contains("32-bit"), "{message}");
     // A custom latent scheme plans too.
     let plan = create(
         "k = int(4, channel), v = int(2, token), sink = 16, source = x(latent)",

@@ -141,7 +141,9 @@ pub fn xquant_cross_layer_kernel(
         params: vec![
             param("const uint16_t*", "lat_k"),
             param("const uint16_t*", "lat_v"),
-            param("const int32_t*", "rows_at"),
+            param("const int32_t*", "slots"),
+            param("const int32_t*", "seq_lens"),
+            param("int32_t", "rows_a_slot"),
             param("int32_t", "row0"),
             param("int32_t", "n"),
             param("uint16_t*", "base_k"),

@@ -67,6 +67,7 @@ pub fn buffers(
         status: p[10],
         codebooks: p[11],
         xquant_weights: p[12],
+        xquant_accumulator: p[13],
     };
     (bufs, cache, table)
 }

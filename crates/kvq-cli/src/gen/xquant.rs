@@ -488,8 +488,9 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
             ),
             (
                 "cl_base",
-                "XQuant-CL: the accumulator's f16 latent rows into base_k / base_v at rows_at[i] \
-                 (or row0 + i where rows_at is null)",
+                "XQuant-CL: the accumulator's f16 latent rows into base_k / base_v: an append's \
+                 token i at row slots[i]·rows_a_slot + seq_lens[slots[i]] (before the store's \
+                 append counts it; slot −1 skipped), a prefill's (slots null) at row0 + i",
                 &c.base,
             ),
             (
@@ -513,10 +514,10 @@ pub(super) fn generate(req: &GenRequest) -> Result<GenOutcome> {
              lat_k / lat_v and x_hat into acc_k / acc_v, as below"
                 .into(),
             fill_steps.first().cloned().unwrap_or_default(),
-            fill_steps.get(1).cloned().unwrap_or_default(),
             "cl_base (any grid of 256 threads): acc_k / acc_v into base_k / base_v at the new \
-             tokens' rows"
+             tokens' rows, before the store's append counts them in seq_lens"
                 .into(),
+            fill_steps.get(1).cloned().unwrap_or_default(),
             format!(
                 "cl_lift: grid (ceil(n / 32), ceil({d} / 128), z), z = {p} when \
                  ceil(n / 32)·ceil({d} / 128) < SMs (then cl_lift_reduce, grid \

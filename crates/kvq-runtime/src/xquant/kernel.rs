@@ -234,7 +234,8 @@ impl XQuantKernel {
 
     /// Attention of one query token for each of `n` sequences over an engine's latent store
     /// (`cache`: `rank / store_width` heads of `store_width` channels) with the projections of
-    /// `weights`: `q`, `out` `[n][q_heads][head_dim]` in the kernel's dtype, sequence `i` in slot
+    /// `weights` and, for XQuant-CL, the accumulator's latents `base` (K's and V's f16
+    /// `[slots][rows a slot][rank]`, and those rows a slot): `q`, `out` `[n][q_heads][head_dim]` in the kernel's dtype, sequence `i` in slot
     /// `slots[i]` (device i32; −1: a padding row of zeros), `lse` (0: not written) `[n][q_heads]`
     /// f32, in `splits` splits whose partials use `workspace`. No host synchronisation:
     /// capturable in a CUDA graph.
@@ -248,7 +249,7 @@ impl XQuantKernel {
         &self,
         stream: &Arc<CudaStream>,
         cache: &CachePtrs,
-        weights: XQuantWeightInputs<'_>,
+        (weights, base): (XQuantWeightInputs<'_>, Option<(u64, u64, usize)>),
         n: usize,
         slots: u64,
         (q, out, lse): (u64, u64, u64),
@@ -269,7 +270,7 @@ impl XQuantKernel {
                 batch: n,
                 slots: Input::Raw(slots),
                 weights,
-                base: None,
+                base: base.map(|(k, v, rows)| (Input::Raw(k), Input::Raw(v), rows)),
                 q: Input::Raw(q),
                 out: Output::Raw(out),
                 lse: Output::Raw(lse),

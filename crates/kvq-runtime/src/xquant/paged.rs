@@ -6,7 +6,7 @@
 //! XQuant-CL (`x(cross_layer)`) stores the latents of `X − X̂` instead, X̂ the accumulator the
 //! engine carries from layer to layer, and keeps X̂'s latents per token (`CrossLayerWrites`).
 
-use super::cross_layer::{BaseRows, CrossLayerWrites};
+use super::cross_layer::{CrossLayerWrites, NewRows};
 use super::project::XQuantProjector;
 use super::weights::{invalid, XQuantWeights};
 use crate::error::{Result, RuntimeError};
@@ -30,6 +30,12 @@ pub struct XQuantCacheConfig {
     pub max_tokens: usize,
     /// Element type of the layer input X handed to append and prefill.
     pub input_dtype: Dtype,
+}
+
+/// The tokens an XQuant-CL write adds: one to each of an append's slots, or a prefill's.
+enum Written<'a> {
+    Append(&'a [i32]),
+    Prefill(SeqId),
 }
 
 /// Refuses a K/V scheme (those caches are [`PagedKvCache`]s).
@@ -287,14 +293,14 @@ impl XQuantPagedCache {
         if ids.is_empty() {
             return Ok(());
         }
-        let rows = ids
-            .iter()
-            .map(|&id| self.base_row(id, self.latents.len(id)?))
-            .collect::<Result<Vec<i32>>>()?;
+        let slots: Vec<i32> = ids.iter().map(|id| id.0 as i32).collect();
+        for &id in ids {
+            self.latents.len(id)?;
+        }
         self.write_cross_layer(
             (x, x_hat, ids.len()),
             dtype,
-            BaseRows::At(rows),
+            Written::Append(&slots),
             |s, k, v| s.append_rows(ids, k, v, Dtype::F16, Rows::AtLeast),
         )
     }
@@ -314,32 +320,25 @@ impl XQuantPagedCache {
         if tokens == 0 {
             return Ok(());
         }
-        let row0 = self.base_row(id, 0)?;
+        self.latents.len(id)?;
         self.write_cross_layer(
             (x, x_hat, tokens),
             dtype,
-            BaseRows::From(row0),
+            Written::Prefill(id),
             |s, k, v| s.prefill_rows(&[(id, tokens)], k, v, Dtype::F16, Rows::AtLeast),
         )
     }
 
-    /// The accumulator's row of a sequence's token `position`.
-    fn base_row(&self, id: SeqId, position: usize) -> Result<i32> {
-        let max_tokens = self.cross_layer.as_ref().map_or(0, |c| c.max_tokens);
-        self.latents.len(id)?;
-        // The row is only written once the store has accepted the token, so it is below
-        // max_tokens then; a position past it is left to the store's own refusal.
-        i32::try_from(id.0 as usize * max_tokens + position.min(max_tokens))
-            .map_err(|_| invalid(format!("sequence slot {} position {position}", id.0)))
-    }
-
-    /// The XQuant-CL write of `n` tokens: deltas projected to latents and stored by `store`
-    /// (all or nothing), then the accumulator's latents into `rows` and the accumulator lifted.
+    /// The XQuant-CL write of `n` tokens: deltas projected to latents, the accumulator's latents
+    /// into their rows (an append's at its slots' next positions, a prefill's from its
+    /// sequence's first row), the deltas' latents stored by `store` (all or
+    /// nothing: a refused store leaves rows past the sequences' lengths, which nothing reads),
+    /// then the accumulator lifted.
     fn write_cross_layer(
         &mut self,
         (x, x_hat, n): (&CudaSlice<u16>, &mut CudaSlice<u16>, usize),
         dtype: Dtype,
-        rows: BaseRows,
+        at: Written<'_>,
         store: impl FnOnce(&mut PagedKvCache, &CudaSlice<u16>, &CudaSlice<u16>) -> Result<()>,
     ) -> Result<()> {
         self.check_cross_layer_rows(x, x_hat, n, dtype)?;
@@ -354,8 +353,16 @@ impl XQuantPagedCache {
         let (ak, av) = cl.acc_rows(stream, n)?;
         self.projector
             .project(stream, &self.weights, x_hat, n, ak, av)?;
+        let view = self.latents.view();
+        let rows = match at {
+            Written::Append(slots) => NewRows::Append {
+                slots,
+                seq_lens: view.seq_lens,
+            },
+            Written::Prefill(id) => NewRows::From(id.0 as usize * cl.max_tokens),
+        };
+        cl.store_base(stream, rows, n)?;
         store(&mut self.latents, k, v)?;
-        cl.store_base(stream, &rows, n)?;
         cl.lift(stream, x_hat, (k, v), n)
     }
 

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use kvq_codegen::{rebuild_k_order, Dtype};
 use kvq_reference::rope::Rope;
 use kvq_reference::xquant::{latent_store_width, Projections};
-use kvq_spec::{CacheSource, SchemeSpec};
+use kvq_spec::{CacheSource, SchemeSpec, XSource};
 use std::sync::Arc;
 
 /// A layer's XQuant projections in device memory: `up_k` transposed and split in two f16 halves
@@ -241,13 +241,16 @@ impl XQuantWeights {
 }
 
 /// Sections of [`XQuantWeightsLayout`], in buffer order.
-const SECTIONS: usize = 7;
+const SECTIONS: usize = 8;
+/// The lift matrix's section (XQuant-CL; 0 bytes for `x(latent)`).
+const LIFT: usize = 7;
 
 /// Where a layer's packed projections lie in one device buffer an engine owns (the engine
 /// surface's `xquant_weights`): `up_k` as two f16 halves `[kv_heads·head_dim][rank]` and again in
 /// K groups `[kv_heads][rank / 8][head_dim][8]`, `up_v` f32 `[rank][kv_heads·head_dim]`, the RoPE
-/// frequencies f64 `[head_dim / 2]`, and `[down_k | down_v]ᵀ` as two halves `[2·rank][d_model]`
-/// in the layer input's dtype, each section starting on a 256-byte boundary.
+/// frequencies f64 `[head_dim / 2]`, `[down_k | down_v]ᵀ` as two halves `[2·rank][d_model]`
+/// in the layer input's dtype and, for XQuant-CL, the lift matrix f32 `[2·rank][d_model]`
+/// (`Projections::lift_matrix`), each section starting on a 256-byte boundary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct XQuantWeightsLayout {
     /// KV heads of the rebuilt K.
@@ -258,6 +261,8 @@ pub struct XQuantWeightsLayout {
     pub d_model: usize,
     /// Latent width `R`: `min(d_model, kv_heads·head_dim)` rounded up to 32, as the SVD pads it.
     pub rank: usize,
+    /// Whether the buffer holds XQuant-CL's lift matrix.
+    pub cross_layer: bool,
     /// `(offset, bytes)` of each section.
     sections: [(usize, usize); SECTIONS],
     /// Bytes of the whole buffer.
@@ -265,9 +270,14 @@ pub struct XQuantWeightsLayout {
 }
 
 impl XQuantWeightsLayout {
-    /// The layout for `kv_heads × head_dim` keys and values from a `d_model`-wide layer input;
-    /// `None` where a size passes the address space.
-    pub fn new(kv_heads: usize, head_dim: usize, d_model: usize) -> Option<Self> {
+    /// The layout for `kv_heads × head_dim` keys and values from a `d_model`-wide layer input,
+    /// with the lift matrix where `cross_layer`; `None` where a size passes the address space.
+    pub fn new(
+        kv_heads: usize,
+        head_dim: usize,
+        d_model: usize,
+        cross_layer: bool,
+    ) -> Option<Self> {
         let out = kv_heads.checked_mul(head_dim)?;
         let rank = d_model.min(out).checked_next_multiple_of(32)?;
         let halves = out.checked_mul(rank)?.checked_mul(2)?;
@@ -280,6 +290,7 @@ impl XQuantWeightsLayout {
             8 * (head_dim / 2),
             down,
             down,
+            if cross_layer { down.checked_mul(2)? } else { 0 },
         ];
         let mut sections = [(0, 0); SECTIONS];
         let mut at = 0usize;
@@ -292,13 +303,15 @@ impl XQuantWeightsLayout {
             head_dim,
             d_model,
             rank,
+            cross_layer,
             sections,
             bytes: at,
         })
     }
 
     /// `projections` (of this shape) and the RoPE of `rope` packed for `spec`, the down factors
-    /// in `input` (the layer input's dtype): the bytes the engine's buffer holds.
+    /// in `input` (the layer input's dtype): the bytes the engine's buffer holds. XQuant-CL's
+    /// lift matrix is solved here, on the host (seconds at d_model 4,096: docs/CODEBOOKS.md §3).
     pub fn pack(
         &self,
         spec: &SchemeSpec,
@@ -322,6 +335,18 @@ impl XQuantWeightsLayout {
                 self.rank
             )));
         }
+        let cross_layer = matches!(spec.source, CacheSource::X(XSource::CrossLayer));
+        if cross_layer != self.cross_layer {
+            return Err(invalid(format!(
+                "`{spec}` {} the lift matrix; the buffer is laid out {} it",
+                if cross_layer {
+                    "needs"
+                } else {
+                    "has no use for"
+                },
+                if self.cross_layer { "with" } else { "without" }
+            )));
+        }
         let w = HostWeights::new(spec, projections, rope, Some(input))?;
         let Some((down_hi, down_lo, _)) = &w.down else {
             return Err(invalid("no down factors".into()));
@@ -343,6 +368,10 @@ impl XQuantWeightsLayout {
         );
         put(5, le16(down_hi));
         put(6, le16(down_lo));
+        if cross_layer {
+            let lift = projections.lift_matrix()?;
+            put(LIFT, lift.iter().flat_map(|x| x.to_le_bytes()).collect());
+        }
         Ok(bytes)
     }
 
@@ -368,6 +397,12 @@ impl XQuantWeightsLayout {
             rope_freq: Input::Raw(at(4)),
             down: Some((Input::Raw(at(5)), Input::Raw(at(6)), input)),
         }
+    }
+
+    /// The lift matrix's address in a buffer at `base` (XQuant-CL's layouts only).
+    pub fn lift(&self, base: u64) -> Option<u64> {
+        self.cross_layer
+            .then(|| base + self.sections[LIFT].0 as u64)
     }
 }
 
@@ -419,7 +454,7 @@ mod tests {
         let spec: SchemeSpec = "k = int(2, channel), v = int(2, token), source = x(latent)"
             .parse()
             .unwrap();
-        let layout = XQuantWeightsLayout::new(kv, d, dm).unwrap();
+        let layout = XQuantWeightsLayout::new(kv, d, dm, false).unwrap();
         // min(96, 128) = 96 latents, already a multiple of 32.
         assert_eq!(layout.rank, 96);
         let bytes = layout.pack(&spec, &p, layer.rope, Dtype::Bf16).unwrap();
@@ -449,7 +484,7 @@ mod tests {
         let f1 = f64::from_le_bytes(bytes[at + 8..at + 16].try_into().unwrap());
         assert_eq!(f1, layer.rope.theta.powf(-2.0 / d as f64));
         // Projections of another shape are refused, naming both.
-        let other = XQuantWeightsLayout::new(kv, d, 128).unwrap();
+        let other = XQuantWeightsLayout::new(kv, d, 128, false).unwrap();
         let e = other.pack(&spec, &p, layer.rope, Dtype::Bf16).unwrap_err();
         assert!(e.to_string().contains("d_model 96"), "{e}");
     }

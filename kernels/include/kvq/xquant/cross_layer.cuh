@@ -21,17 +21,28 @@ static __device__ __forceinline__ void kvq_xcl_delta(const kvq_u16* __restrict__
         delta[i] = kvq_f32_to_io(kvq_io_to_f32(x[i]) - kvq_io_to_f32(x_hat[i]));
 }
 
-// The accumulator's latent rows of n new tokens to the cache: token i's row is rows_at[i] or,
-// where rows_at is null (a prefill's consecutive positions), row0 + i. Any grid, any block.
+// The accumulator's latent rows of n new tokens to the cache's rows, `rows_a_slot` a sequence
+// slot. An append (slots non-null) puts token i at its slot's next position, read from seq_lens
+// before the store's append counts the token (a slot of −1 is padding, a full slot is left to
+// the store's refusal); a prefill (slots null) writes consecutive rows from row0. Any grid, any
+// block.
 static __device__ __forceinline__ void kvq_xcl_base(const kvq_u16* __restrict__ lat_k, const kvq_u16* __restrict__ lat_v,
-                                                    const int* __restrict__ rows_at, long row0, int n,
+                                                    const int* __restrict__ slots, const int* __restrict__ seq_lens,
+                                                    int rows_a_slot, long row0, int n,
                                                     kvq_u16* __restrict__ base_k, kvq_u16* __restrict__ base_v) {
     const long total = (long)n * XR;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < total; i += (long)gridDim.x * blockDim.x) {
         const int r = (int)(i / XR);
-        const long at = (rows_at ? (long)rows_at[r] : row0 + r) * XR + i % XR;
-        base_k[at] = lat_k[i];
-        base_v[at] = lat_v[i];
+        long row = row0 + r;
+        if (slots) {
+            const int s = slots[r];
+            if (s < 0) continue;
+            const int at = seq_lens[s];
+            if (at < 0 || at >= rows_a_slot) continue;
+            row = (long)s * rows_a_slot + at;
+        }
+        base_k[row * XR + i % XR] = lat_k[i];
+        base_v[row * XR + i % XR] = lat_v[i];
     }
 }
 
