@@ -281,12 +281,10 @@ fn a_plan_lists_the_lengths_and_the_block_table() {
     );
 }
 
-/// Codebook plans' calls refuse what they cannot take before touching a GPU: a plain append or
-/// prefill where keys are coded before RoPE, codebooks for a plan without any, a missing or wrong
-/// codebook file; `kvq_cache_check` on an integer plan has nothing to report.
-#[test]
-fn codebook_calls_refuse_bad_arguments_without_a_gpu() {
-    let limits = KvqPlanLimits {
+/// 8 KV heads of 128 (32 query heads), 4 slots of 4,096 tokens, a RoPE base: the limits of the
+/// plans whose kernels rotate keys themselves.
+fn rope_limits() -> KvqPlanLimits {
+    KvqPlanLimits {
         head_dim: 128,
         q_heads: 32,
         kv_heads: 8,
@@ -297,7 +295,15 @@ fn codebook_calls_refuse_bad_arguments_without_a_gpu() {
         max_q_len: 1,
         rope_theta: 500_000.0,
         d_model: 0,
-    };
+    }
+}
+
+/// Codebook plans' calls refuse what they cannot take before touching a GPU: a plain append or
+/// prefill where keys are coded before RoPE, codebooks for a plan without any, a missing or wrong
+/// codebook file; `kvq_cache_check` on an integer plan has nothing to report.
+#[test]
+fn codebook_calls_refuse_bad_arguments_without_a_gpu() {
+    let limits = rope_limits();
     let commvq = KvqPlan::new("commvq1", &limits).unwrap();
     let cache = fake_cache();
     let fake = 0x1000 as *const c_void;
@@ -379,16 +385,8 @@ fn codebook_calls_refuse_bad_arguments_without_a_gpu() {
 #[test]
 fn xquant_writes_refuse_the_other_source_without_a_gpu() {
     let limits = KvqPlanLimits {
-        head_dim: 128,
-        q_heads: 32,
-        kv_heads: 8,
-        dtype: KVQ_DTYPE_F16,
-        max_seqs: 4,
-        max_seq_len: 4096,
-        pool_pages: 256,
-        max_q_len: 1,
-        rope_theta: 500_000.0,
         d_model: 1024,
+        ..rope_limits()
     };
     let cl = KvqPlan::new("xquant-cl2", &limits).unwrap();
     let latent = KvqPlan::new("xquant2", &limits).unwrap();

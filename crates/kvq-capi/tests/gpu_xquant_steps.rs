@@ -95,6 +95,31 @@ const CASES: &[Case] = &[
     },
 ];
 
+/// The tests' plan limits: 4 slots of 1,024 tokens, pool pages for all of them.
+fn plan_limits(
+    spec: &SchemeSpec,
+    (kv_heads, head_dim, gqa): (usize, usize, usize),
+    dtype: Dtype,
+    d_model: usize,
+    rope_theta: f64,
+) -> KvqPlanLimits {
+    KvqPlanLimits {
+        head_dim: head_dim as u32,
+        q_heads: (kv_heads * gqa) as u32,
+        kv_heads: kv_heads as u32,
+        dtype: match dtype {
+            Dtype::F16 => KVQ_DTYPE_F16,
+            Dtype::Bf16 => KVQ_DTYPE_BF16,
+        },
+        max_seqs: 4,
+        max_seq_len: 1024,
+        pool_pages: 4 * (1024 / spec.page) + 4,
+        max_q_len: 1,
+        rope_theta,
+        d_model: d_model as u32,
+    }
+}
+
 fn f16s(bits: &[u16]) -> Vec<f32> {
     bits.iter().map(|&b| word_to_f32(b, Dtype::F16)).collect()
 }
@@ -135,21 +160,7 @@ fn xquant_c_steps_equal_the_reference() {
             &x_bits[(i * shift + from) * dm..(i * shift + to) * dm]
         };
 
-        let limits = KvqPlanLimits {
-            head_dim: d as u32,
-            q_heads: (h * case.gqa) as u32,
-            kv_heads: h as u32,
-            dtype: match case.dtype {
-                Dtype::F16 => KVQ_DTYPE_F16,
-                Dtype::Bf16 => KVQ_DTYPE_BF16,
-            },
-            max_seqs: 4,
-            max_seq_len: 1024,
-            pool_pages: 4 * (1024 / spec.page) + 4,
-            max_q_len: 1,
-            rope_theta: layer.rope.theta,
-            d_model: dm as u32,
-        };
+        let limits = plan_limits(&spec, (h, d, case.gqa), case.dtype, dm, layer.rope.theta);
         let plan = KvqPlan::new(case.scheme, &limits).unwrap_or_else(|e| panic!("{what}: {e:?}"));
         let (bufs, cache, table) = buffers(&plan, &stream);
         let mut ws_bytes = 0u64;
@@ -465,22 +476,8 @@ fn xquant_cross_layer_c_steps_equal_the_rust_cache() {
         let rows = |l: usize, i: usize, from: usize, to: usize| -> &[u16] {
             &x_bits[l][(i * shift + from) * dm..(i * shift + to) * dm]
         };
-        let max_seq_len = 1024usize;
-        let limits = KvqPlanLimits {
-            head_dim: d as u32,
-            q_heads: (h * gqa) as u32,
-            kv_heads: h as u32,
-            dtype: match dtype {
-                Dtype::F16 => KVQ_DTYPE_F16,
-                Dtype::Bf16 => KVQ_DTYPE_BF16,
-            },
-            max_seqs: 4,
-            max_seq_len: max_seq_len as u32,
-            pool_pages: 4 * (max_seq_len as u32 / spec.page) + 4,
-            max_q_len: 1,
-            rope_theta: layers[0].rope.theta,
-            d_model: dm as u32,
-        };
+        let limits = plan_limits(&spec, (h, d, gqa), dtype, dm, layers[0].rope.theta);
+        let max_seq_len = limits.max_seq_len as usize;
         let plan = KvqPlan::new(scheme, &limits).unwrap_or_else(|e| panic!("{scheme}: {e:?}"));
         let mut ws_bytes = 0u64;
         ok(

@@ -300,9 +300,9 @@ fn xquant_cross_layer_stack_matches_the_reference() {
     );
 }
 
-/// Times the decode (printing only: docs/BENCHMARKS.md holds the measured tables) at 32 query /
-/// 8 KV heads of 128 and latents of 1,024 channels (the latent width of any d_model ≥ 1,024, 4,096
-/// included: the decode never reads d_model), B = 1 and 16 (one sequence's cache repeated) × L =
+/// Times the decode of XQuant-2, XQuant-4 and XQuant-CL-2 (printing only: docs/BENCHMARKS.md holds
+/// the measured tables) at 32 query / 8 KV heads of 128 and latents of 1,024 channels (the latent
+/// width of any d_model ≥ 1,024, 4,096 included: the decode never reads d_model), B = 1 and 16 (one sequence's cache repeated) × L =
 /// 4K and 32K, both rebuild precisions, over a sweep of split counts (the best printed). The
 /// latents are random (the time does not depend on their values), so long caches build quickly.
 /// The rate is the K rebuild's useful work, 2·R·D FLOP a token and KV head, over the whole step.
@@ -328,21 +328,23 @@ fn xquant_decode_time() {
     let mut latents =
         |n: usize| -> Vec<f32> { (0..n * r).map(|_| 2.0 * rng.symmetric()).collect() };
     let x32k = (latents(32768), latents(32768));
-    for text in ["xquant2", "xquant4"] {
+    let base32k = (latents(32768), latents(32768));
+    for text in ["xquant2", "xquant4", "xquant-cl2"] {
         let spec: SchemeSpec = match text {
             "xquant2" => "k = int(2, channel), v = int(2, token), source = x(latent)",
-            _ => "k = int(4, channel), v = int(4, token), source = x(latent)",
+            "xquant4" => "k = int(4, channel), v = int(4, token), source = x(latent)",
+            _ => "k = int(2, channel), v = int(2, token), source = x(cross_layer)",
         }
         .parse()
         .unwrap();
         for len in [4096usize, 32768] {
-            let one = XQuantCache::from_latents(
-                &spec,
-                &x32k.0[..len * r],
-                &x32k.1[..len * r],
-                &proj,
-                layer.rope,
-            )
+            let (lk, lv) = (&x32k.0[..len * r], &x32k.1[..len * r]);
+            let one = if text == "xquant-cl2" {
+                let base = (&base32k.0[..len * r], &base32k.1[..len * r]);
+                XQuantCache::from_cross_layer_latents(&spec, (lk, lv), base, &proj, layer.rope)
+            } else {
+                XQuantCache::from_latents(&spec, lk, lv, &proj, layer.rope)
+            }
             .unwrap();
             for batch in [1usize, 16] {
                 let caches = vec![one.clone(); batch];

@@ -101,14 +101,21 @@ static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc&
 #pragma unroll
     for (int o = 0; o < XQ_APT; o += 8) {
         kvq_u32 h[4] = {0u, 0u, 0u, 0u}, g[4] = {0u, 0u, 0u, 0u};
+        // The 8 channels' accumulator latents in one 16-byte load (the row is 64-byte aligned,
+        // c0 + o a multiple of 8), issued before the codes are decoded.
+        kvq_u32 b[4] = {0u, 0u, 0u, 0u};
+        if constexpr (CROSS_LAYER) {
+            if (PAGE_ONLY || live) kvq_load<16>((const kvq_u8*)(base + c0 + o), b);
+        }
+        const auto base_at = [&](int k) { return kvq_f16_to_f32((kvq_u16)(b[k / 2] >> (16 * (k % 2)))); };
         if (!PAGE_ONLY && live && !l.page) {
             const uint4 x = *(const uint4*)(l.f16 + hc + o);
             h[0] = x.x; h[1] = x.y; h[2] = x.z; h[3] = x.w;
             if constexpr (CROSS_LAYER) {
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
-                    const float x0 = kvq_f16_to_f32((kvq_u16)h[k]) + kvq_f16_to_f32(base[c0 + o + 2 * k]);
-                    const float x1 = kvq_f16_to_f32((kvq_u16)(h[k] >> 16)) + kvq_f16_to_f32(base[c0 + o + 2 * k + 1]);
+                    const float x0 = kvq_f16_to_f32((kvq_u16)h[k]) + base_at(2 * k);
+                    const float x1 = kvq_f16_to_f32((kvq_u16)(h[k] >> 16)) + base_at(2 * k + 1);
                     h[k] = kvq_h2_pack(x0, x1);
                     if constexpr (PASSES == 3)
                         g[k] = kvq_h2_pack(x0 - kvq_f16_to_f32((kvq_u16)h[k]), x1 - kvq_f16_to_f32((kvq_u16)(h[k] >> 16)));
@@ -143,7 +150,7 @@ static __device__ __forceinline__ void xq_store_a(const XqCodes& r, const XqLoc&
                         const float sc = kvq_f16_to_f32((kvq_u16)(sw[k / 2] >> (16 * e)));
                         if constexpr (T::SYMMETRIC) x[e] = sc * (code - (float)T::OFFSET);
                         else x[e] = fmaf(sc, code, kvq_f16_to_f32((kvq_u16)(zw[k / 2] >> (16 * e))));
-                        if constexpr (CROSS_LAYER) x[e] += kvq_f16_to_f32(base[c0 + o + k + e]);
+                        if constexpr (CROSS_LAYER) x[e] += base_at(k + e);
                     }
                     h[k / 2] = kvq_h2_pack(x[0], x[1]);
                     if constexpr (PASSES == 3)

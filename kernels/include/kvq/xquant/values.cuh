@@ -192,6 +192,9 @@ static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const f
     constexpr int VB = 8 / VJ;   // tokens whose raw latents are loaded before any is used
     for (int tb = 0; tb < n; tb += VB) {
         XqVSpan raw[VB][VJ];
+        // CROSS_LAYER: the accumulator latents of the same channels, loaded with the raw latents
+        // (one 8-byte load a span) so that their latency overlaps.
+        kvq_u32 braw[CROSS_LAYER ? VB : 1][CROSS_LAYER ? VJ : 1][XQ_VQ / 2];
 #pragma unroll
         for (int u = 0; u < VB; ++u)
             if (tb + u < n) {
@@ -199,7 +202,11 @@ static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const f
 #pragma unroll
                 for (int j = 0; j < VJ; ++j) {
                     const int c0 = XQ_VQ * (gt + XQ_GT * j);
-                    if (c0 < XR) raw[u][j].load(l, c0);
+                    if (c0 < XR) {
+                        raw[u][j].load(l, c0);
+                        if constexpr (CROSS_LAYER)
+                            kvq_load<XQ_VQ * 2>((const kvq_u8*)(base + (long)(tb + u) * XR + c0), braw[u][j]);
+                    }
                 }
             }
 #pragma unroll
@@ -218,7 +225,8 @@ static __device__ __forceinline__ void xq_values_cuda(const XqLoc* vloc, const f
 #pragma unroll
                     for (int e = 0; e < XQ_VQ; ++e) {
                         x[e] = raw[u][j].value(c0, e);
-                        if constexpr (CROSS_LAYER) x[e] += kvq_f16_to_f32(base[(long)(tb + u) * XR + c0 + e]);
+                        if constexpr (CROSS_LAYER)
+                            x[e] += kvq_f16_to_f32((kvq_u16)(braw[u][j][e / 2] >> (16 * (e % 2))));
                     }
 #pragma unroll
                     for (int h = 0; h < XQ_QH; ++h)
