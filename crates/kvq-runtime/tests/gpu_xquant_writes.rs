@@ -287,6 +287,14 @@ fn xquant_cross_layer_writes_match_the_reference() {
                     .unwrap_or_else(|e| panic!("{} layer {l}: {e}", case.scheme));
             }
             acc[depth][i].extend(stream.clone_dtoh(&x_hat).unwrap());
+            // A second prefill of the sequence is refused before anything is written (the
+            // accumulator's rows go first, so the store's own refusal would come too late).
+            let x = stream.clone_htod(rows_of(0, i, 0, p)).unwrap();
+            let err = caches[0]
+                .prefill_cross_layer(ids[0][i], &x, &mut x_hat, p, dtype)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("empty sequence"), "{err}");
         }
         let steps = case.sequences.iter().map(|s| s.1).max().unwrap();
         for j in 0..steps {

@@ -320,7 +320,16 @@ impl XQuantPagedCache {
         if tokens == 0 {
             return Ok(());
         }
-        self.latents.len(id)?;
+        // The accumulator's rows are written before the store takes the prompt: refuse here
+        // what the store would refuse after them.
+        let (len, max_tokens) = (self.latents.len(id)?, self.latents.config().max_tokens);
+        if len != 0 || tokens > max_tokens {
+            return Err(invalid(format!(
+                "a prefill takes an empty sequence and at most {max_tokens} tokens; sequence {} \
+                 holds {len} and the prompt has {tokens}",
+                id.0
+            )));
+        }
         self.write_cross_layer(
             (x, x_hat, tokens),
             dtype,

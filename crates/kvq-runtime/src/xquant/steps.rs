@@ -231,12 +231,15 @@ impl XQuantSteps {
     /// latents of every token the limits hold, `2 · max_seqs · max_seq_len · rank · 2`; 0 for
     /// `x(latent)`.
     pub fn accumulator_bytes(&self) -> usize {
-        accumulator_bytes(
-            self.cross_layer.is_some(),
-            self.limits.max_seqs,
-            self.limits.max_seq_len,
-            self.layout.rank,
-        )
+        match self.cross_layer {
+            Some(_) => 2 * self.limits.max_seqs * self.limits.max_seq_len * self.layout.rank * 2,
+            None => 0,
+        }
+    }
+
+    /// The accumulator buffer at `base` as its K and V halves.
+    fn accumulator_halves(&self, base: u64) -> (u64, u64) {
+        (base, base + (self.accumulator_bytes() / 2) as u64)
     }
 
     /// The packed projections' layout (the engine's weights buffer).
@@ -324,12 +327,16 @@ impl XQuantSteps {
         }
     }
 
-    /// Refuses prompts longer than the workspace's rows.
+    /// Refuses prompts past the limits: a slot outside them, or more tokens than a slot holds
+    /// or the workspace's rows take.
     fn check_prompts(&self, prompts: &[(usize, usize)]) -> Result<()> {
-        let rows = self.workspace.rows;
-        if let Some(&(slot, t)) = prompts.iter().find(|pr| pr.1 > rows) {
+        let (rows, l) = (self.workspace.rows, &self.limits);
+        let most = rows.min(l.max_seq_len);
+        if let Some(&(slot, t)) = prompts.iter().find(|pr| pr.0 >= l.max_seqs || pr.1 > most) {
             return Err(invalid(format!(
-                "slot {slot}'s prompt of {t} tokens is longer than the steps' {rows} rows"
+                "slot {slot}'s prompt of {t} tokens: these steps take slots below {} and at most \
+                 {most} tokens a prompt",
+                l.max_seqs
             )));
         }
         Ok(())
@@ -459,8 +466,8 @@ impl XQuantSteps {
         let rank = self.layout.rank;
         let (ak, av) = (scratch, scratch + (self.workspace.rows * rank * 2) as u64);
         let per_slot = self.limits.max_seq_len;
-        let base_v = p.accumulator + (self.limits.max_seqs * per_slot * rank * 2) as u64;
-        let base = || (Output::Raw(p.accumulator), Output::Raw(base_v));
+        let (base_k, base_v) = self.accumulator_halves(p.accumulator);
+        let base = || (Output::Raw(base_k), Output::Raw(base_v));
         // SAFETY (all launches): the workspace's regions hold `rows` tokens (XQuantWorkspace::
         // new), the accumulator buffer every slot's `max_seq_len` rows; the caller vouches for
         // x, x_hat, the store and the slots.
@@ -609,9 +616,8 @@ impl XQuantSteps {
                 )))
             }
             Some(_) => {
-                let (per_slot, rank) = (self.limits.max_seq_len, self.layout.rank);
-                let v = p.accumulator + (self.limits.max_seqs * per_slot * rank * 2) as u64;
-                Some((p.accumulator, v, per_slot))
+                let (k, v) = self.accumulator_halves(p.accumulator);
+                Some((k, v, self.limits.max_seq_len))
             }
         };
         // SAFETY: the workspace covers the partials of `splits` for `n` (XQuantSteps::load).
@@ -635,15 +641,6 @@ impl XQuantSteps {
 enum CrossLayerRows<'a> {
     Append(u64),
     Prompts(&'a [(usize, usize)]),
-}
-
-/// Bytes of XQuant-CL's accumulator buffer (0 for `x(latent)`).
-fn accumulator_bytes(cross_layer: bool, max_seqs: usize, max_seq_len: usize, rank: usize) -> usize {
-    if cross_layer {
-        2 * max_seqs * max_seq_len * rank * 2
-    } else {
-        0
-    }
 }
 
 /// Prompts `(slot, tokens)` written together: the group, the tokens before it and its own.
