@@ -17,7 +17,7 @@
 
 mod common;
 
-use common::{buffers, message, ok, ptr, raw};
+use common::{buffers, message, ok, ptr, raw, workspace};
 use kvq_runtime::testing::run_seed as seed;
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -242,12 +242,7 @@ fn codebook_steps_equal_the_reference() {
         let plan = KvqPlan::new(case.scheme, &limits).unwrap();
         ok(unsafe { kvq_plan_load(&plan, 0) }, "load");
         let (bufs, cache, table) = buffers(&plan, &stream);
-        let mut ws_bytes = 0u64;
-        ok(
-            unsafe { kvq_plan_workspace_bytes(&plan, 0, &mut ws_bytes) },
-            "workspace",
-        );
-        let workspace = stream.alloc_zeros::<u8>(ws_bytes.max(1) as usize).unwrap();
+        let workspace = workspace(&plan, &stream, "codebook steps");
         let ws = ptr(&workspace, &stream);
 
         // Codebooks: from a file for the first case, from bytes otherwise; a file of another

@@ -25,7 +25,7 @@ mod common;
 
 use std::ffi::CString;
 
-use common::{buffers, ok, ptr, raw};
+use common::{buffers, ok, ptr, raw, workspace};
 use kvq::codegen::{Dtype, KernelShape, RebuildPrecision};
 use kvq::reference::attention::{self, Queries};
 use kvq::reference::synth::{generate, SynthConfig};
@@ -41,6 +41,7 @@ use kvq::runtime::{Device, Jit};
 use kvq::SchemeSpec;
 use kvq_capi::*;
 use kvq_runtime::testing::harness::{needs, run};
+use kvq_runtime::testing::layer_stack::LayerStack;
 use kvq_runtime::testing::run_seed as seed;
 use kvq_runtime::testing::Need;
 
@@ -163,12 +164,7 @@ fn xquant_c_steps_equal_the_reference() {
         let limits = plan_limits(&spec, (h, d, case.gqa), case.dtype, dm, layer.rope.theta);
         let plan = KvqPlan::new(case.scheme, &limits).unwrap_or_else(|e| panic!("{what}: {e:?}"));
         let (bufs, cache, table) = buffers(&plan, &stream);
-        let mut ws_bytes = 0u64;
-        ok(
-            unsafe { kvq_plan_workspace_bytes(&plan, 0, &mut ws_bytes) },
-            &format!("{what}: workspace"),
-        );
-        let workspace = stream.alloc_zeros::<u8>(ws_bytes as usize).unwrap();
+        let workspace = workspace(&plan, &stream, what);
         let ws = ptr(&workspace, &stream);
 
         // The projections: from a file for the first case, from bytes for the others.
@@ -445,33 +441,20 @@ fn xquant_cross_layer_c_steps_equal_the_rust_cache() {
             .unwrap_or_else(|| scheme.parse().unwrap());
         let longest = PROMPTS.iter().max().unwrap() + STEPS;
         let shift = 41;
-        let layers: Vec<_> = (0..depth as u64)
-            .map(|l| {
-                generate(&SynthConfig {
-                    tokens: longest + shift * 3,
-                    kv_heads: h,
-                    gqa,
-                    head_dim: d,
-                    d_model: dm,
-                    seed: (s ^ (ci as u64 * 0x9e37)).wrapping_add(l),
-                    ..Default::default()
-                })
-            })
-            .collect();
-        let projs: Vec<Projections> = layers
-            .iter()
-            .map(|l| Projections::from_weights(&l.layer.w_k, &l.layer.w_v, dm, h, d).unwrap())
-            .collect();
-        let x_bits: Vec<Vec<u16>> = layers
-            .iter()
-            .map(|l| {
-                l.layer
-                    .x
-                    .iter()
-                    .map(|&v| round_to_word(v, dtype).0)
-                    .collect()
-            })
-            .collect();
+        let stack = LayerStack::new(
+            depth,
+            &SynthConfig {
+                tokens: longest + shift * 3,
+                kv_heads: h,
+                gqa,
+                head_dim: d,
+                d_model: dm,
+                seed: s ^ (ci as u64 * 0x9e37),
+                ..Default::default()
+            },
+            dtype,
+        );
+        let (layers, projs, x_bits) = (&stack.layers, &stack.projections, &stack.x);
         // Layer l's input rows from..to of sequence i.
         let rows = |l: usize, i: usize, from: usize, to: usize| -> &[u16] {
             &x_bits[l][(i * shift + from) * dm..(i * shift + to) * dm]
@@ -479,13 +462,8 @@ fn xquant_cross_layer_c_steps_equal_the_rust_cache() {
         let limits = plan_limits(&spec, (h, d, gqa), dtype, dm, layers[0].rope.theta);
         let max_seq_len = limits.max_seq_len as usize;
         let plan = KvqPlan::new(scheme, &limits).unwrap_or_else(|e| panic!("{scheme}: {e:?}"));
-        let mut ws_bytes = 0u64;
-        ok(
-            unsafe { kvq_plan_workspace_bytes(&plan, 0, &mut ws_bytes) },
-            &format!("{scheme}: workspace"),
-        );
         // One workspace for every layer: their calls run in order on one stream.
-        let workspace = stream.alloc_zeros::<u8>(ws_bytes as usize).unwrap();
+        let workspace = workspace(&plan, &stream, scheme);
         let ws = ptr(&workspace, &stream);
         let c_layers: Vec<_> = (0..depth).map(|_| buffers(&plan, &stream)).collect();
         for (l, (_, cache, _)) in c_layers.iter().enumerate() {
@@ -504,7 +482,7 @@ fn xquant_cross_layer_c_steps_equal_the_rust_cache() {
         };
         let mut caches: Vec<XQuantPagedCache> = layers
             .iter()
-            .zip(&projs)
+            .zip(projs)
             .map(|(l, p)| {
                 XQuantPagedCache::new(&jit, stream.clone(), &spec, p, l.rope, cfg).unwrap()
             })

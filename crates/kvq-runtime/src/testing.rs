@@ -24,6 +24,8 @@ use crate::nvrtc::{self, NvrtcVersion};
 
 #[cfg(feature = "testing")]
 pub mod harness;
+#[cfg(feature = "testing")]
+pub mod layer_stack;
 
 /// Environment variable that repeats a randomized test run: the seed [`run_seed`] returns.
 pub const KVQ_SEED: &str = "KVQ_SEED";

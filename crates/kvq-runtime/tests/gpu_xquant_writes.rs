@@ -22,6 +22,7 @@ use kvq_reference::attention::{self, Queries};
 use kvq_reference::synth::SynthRng;
 use kvq_reference::synth::{generate, SynthConfig};
 use kvq_reference::xquant::{latent_store_width, LatentProjection, Projections, XQuantCache};
+use kvq_runtime::testing::layer_stack::LayerStack;
 use kvq_runtime::testing::run_seed as seed;
 use kvq_runtime::tune::synth::{random_queries, round_to_word, word_to_f32};
 use kvq_runtime::xquant::{
@@ -180,34 +181,21 @@ fn xquant_cross_layer_writes_match_the_reference() {
         };
         let longest = case.sequences.iter().map(|(p, a)| p + a).max().unwrap();
         let shift = 29;
-        let layers: Vec<_> = (0..depth as u64)
-            .map(|l| {
-                generate(&SynthConfig {
-                    tokens: longest + shift * case.sequences.len(),
-                    kv_heads: h,
-                    gqa,
-                    head_dim: d,
-                    d_model: dm,
-                    seed: s.wrapping_add(l),
-                    ..Default::default()
-                })
-            })
-            .collect();
-        let projs: Vec<Projections> = layers
-            .iter()
-            .map(|l| Projections::from_weights(&l.layer.w_k, &l.layer.w_v, dm, h, d).unwrap())
-            .collect();
+        let stack = LayerStack::new(
+            depth,
+            &SynthConfig {
+                tokens: longest + shift * case.sequences.len(),
+                kv_heads: h,
+                gqa,
+                head_dim: d,
+                d_model: dm,
+                seed: s,
+                ..Default::default()
+            },
+            dtype,
+        );
+        let (layers, projs, x_bits) = (&stack.layers, &stack.projections, &stack.x);
         let rank = projs[0].k.rank;
-        let x_bits: Vec<Vec<u16>> = layers
-            .iter()
-            .map(|l| {
-                l.layer
-                    .x
-                    .iter()
-                    .map(|&v| round_to_word(v, dtype).0)
-                    .collect()
-            })
-            .collect();
         // Layer l's input rows from..to of sequence i.
         let rows_of = |l: usize, i: usize, from: usize, to: usize| -> &[u16] {
             &x_bits[l][(i * shift + from) * dm..(i * shift + to) * dm]
@@ -221,7 +209,7 @@ fn xquant_cross_layer_writes_match_the_reference() {
         };
         let mut caches: Vec<XQuantPagedCache> = layers
             .iter()
-            .zip(&projs)
+            .zip(projs)
             .map(|(l, p)| {
                 XQuantPagedCache::new(&jit, stream.clone(), &spec, p, l.rope, cfg)
                     .unwrap_or_else(|e| panic!("{}: {e}", case.scheme))

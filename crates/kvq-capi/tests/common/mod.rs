@@ -28,6 +28,16 @@ pub fn ok(status: KvqStatus, what: &str) {
     assert_eq!(status, KvqStatus::Ok, "{what}: {}", message());
 }
 
+/// A zeroed workspace of the plan's size on GPU 0 (at least one byte), `what` naming the case.
+pub fn workspace(plan: &KvqPlan, stream: &Arc<CudaStream>, what: &str) -> CudaSlice<u8> {
+    let mut bytes = 0u64;
+    ok(
+        unsafe { kvq_capi::kvq_plan_workspace_bytes(plan, 0, &mut bytes) },
+        &format!("{what}: workspace"),
+    );
+    stream.alloc_zeros::<u8>(bytes.max(1) as usize).unwrap()
+}
+
 /// The stream as the C calls take it.
 pub fn raw(stream: &Arc<CudaStream>) -> *mut c_void {
     stream.cu_stream().cast()
